@@ -1,0 +1,369 @@
+"""Compatibility benchmark: the methods of compat.methods on two upgrades, side by side, in one run.
+
+Writes benchmarks/results/compat.md. All models are trained here, from random init, on the synthetic stream
+(phase 0 and phase 1, two domains); every method is evaluated with compat.evaluation on the eval splits of
+both phases (multi-caption protocol, paired bootstrap of the new/old - old/old margins).
+
+- production ("old"): ``--old-config`` (cf-tiny) trained on phase 0 (CLIP loss).
+- scenario (a) continual: the Mod-X candidate of phase 1 (started from production, alpha = 20, production
+  as teacher); compatibility methods train on phase 1.
+- scenario (b) foundation swap: ``--foundation-config`` (cf-foundation-minilm: wider/deeper vision tower and
+  the pretrained MiniLM text tower) trained from its initialisation on phases 0 + 1; methods train on both.
+
+Rows per scenario: no compatibility training (``none``: the independent new model), BCT (the baseline of
+every paper), lambda-orth (strict B, forward adapter F) with the paper's FCT baseline, BT^2. Columns:
+new/old and new/new R@1/5/10 both ways, the ECC at R@1 with its 95 % interval, new/new R@1 retention
+against the independent new model, trainable parameters and fit time. The rows are the ``ROWS`` table:
+XBT, its "Base" baseline and TaCA join the comparison as entries there (``--rows`` selects).
+
+Run: ``.venv/bin/python benchmarks/compat.py [--quick]``; trained base models are cached in ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "benchmarks" / "results" / "compat.md"
+log = logging.getLogger("benchmarks.compat")
+
+# label -> (registered method, settings); scenario-specific step counts are added by ``fit_row``
+ROWS: dict[str, tuple[str, dict[str, Any]]] = {
+    "none (independent new)": ("none", {}),
+    "bct": ("bct", {}),
+    "fct (lambda-orth baseline)": ("lambda_orth", {"variant": "fct"}),
+    "lambda_orth (strict)": ("lambda_orth", {"variant": "strict"}),
+    "bt2": ("bt2", {}),
+}
+DEFAULT_FOUNDATION = "cf-foundation-minilm"
+BACKBONE_METHODS = {"bct", "bt2", "xbt", "xbt_base", "taca"}  # methods whose ``steps`` train a network
+
+
+@dataclasses.dataclass
+class Sizes:
+    samples_per_phase: int
+    eval_per_domain: int
+    batch_size: int
+    old_steps: int
+    candidate_steps: int
+    foundation_steps: int
+    compat_steps: int
+    adapter_steps: int
+    bootstrap: int
+
+
+FULL = Sizes(2000, 200, 64, 800, 400, 800, 300, 1500, 1000)
+QUICK = Sizes(512, 60, 32, 120, 60, 120, 30, 200, 200)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def _fingerprint(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train_clip(
+    config_name: str,
+    urls: list[str],
+    steps: int,
+    sizes: Sizes,
+    out: Path,
+    *,
+    seed: int,
+    start: Path | None = None,
+    teacher: Any = None,
+    alpha: float = 0.0,
+    lr: float = 1e-3,
+) -> Path:
+    """Train (or reuse from ``out``) a CLIP with compat.training; return its checkpoint directory."""
+    from compat.models import build_model, load_checkpoint, read_sidecar, save_checkpoint
+    from compat.training import ShardBatchSource, TrainConfig, train
+
+    key = _fingerprint(
+        {
+            "config": config_name,
+            "urls": [Path(u).name for u in urls],
+            "steps": steps,
+            "seed": seed,
+            "start": str(start),
+            "alpha": alpha,
+            "lr": lr,
+            "batch": sizes.batch_size,
+        }
+    )
+    ckpt = out / "model"
+    if (ckpt / "model.json").is_file() and read_sidecar(ckpt)["extra"].get("fingerprint") == key:
+        log.info("reusing %s", ckpt)
+        return ckpt
+    bundle = load_checkpoint(start) if start is not None else build_model(config_name, seed=seed)
+    source = ShardBatchSource(urls, sizes.batch_size, bundle.preprocess_train, bundle.tokenizer, seed=seed)
+    config = TrainConfig(
+        steps=steps, batch_size=sizes.batch_size, lr=lr, alpha=alpha, seed=seed, log_every=50
+    )
+    t0 = time.perf_counter()
+    train(bundle, source, config, out / "train", teacher=teacher, resume=False)
+    seconds = time.perf_counter() - t0
+    save_checkpoint(bundle, ckpt, version=out.name, extra={"fingerprint": key, "train_seconds": seconds})
+    return ckpt
+
+
+def prepare(workdir: Path, sizes: Sizes, old_config: str, foundation_config: str) -> dict[str, Any]:
+    """The stream, production, the Mod-X candidate and the foundation model (cached by settings)."""
+    from compat.data.synth import generate_stream, phase_urls
+    from compat.models import load_checkpoint
+
+    stream = workdir / f"stream-{sizes.samples_per_phase}-{sizes.eval_per_domain}"
+    generate_stream(
+        stream,
+        phases=2,
+        samples_per_phase=sizes.samples_per_phase,
+        seed=0,
+        eval_per_domain=sizes.eval_per_domain,
+        gallery_per_domain=0,
+    )
+    p0, p1 = phase_urls(stream, 0, "train"), phase_urls(stream, 1, "train")
+    print("training production on phase 0", flush=True)
+    old = train_clip(old_config, p0, sizes.old_steps, sizes, workdir / "production", seed=0)
+    print("training the Mod-X candidate on phase 1", flush=True)
+    teacher = load_checkpoint(old)
+    candidate = train_clip(
+        old_config,
+        p1,
+        sizes.candidate_steps,
+        sizes,
+        workdir / "candidate",
+        seed=1,
+        start=old,
+        teacher=teacher,
+        alpha=20.0,
+        lr=5e-4,
+    )
+    print(f"training the foundation model ({foundation_config}) on phases 0 + 1", flush=True)
+    foundation = train_clip(
+        foundation_config, p0 + p1, sizes.foundation_steps, sizes, workdir / "foundation", seed=2, lr=5e-4
+    )
+    evals = phase_urls(stream, 0, "eval") + phase_urls(stream, 1, "eval")
+    return {
+        "old": old,
+        "candidate": candidate,
+        "foundation": foundation,
+        "p1": p1,
+        "p01": p0 + p1,
+        "eval": evals,
+    }
+
+
+# -------------------------------------------------------------------------------------------- scenarios
+def fit_row(
+    label: str, new_ckpt: Path, old_ckpt: Path, urls: list[str], sizes: Sizes, data: Any
+) -> dict[str, Any]:
+    """Fit one row's method and evaluate it; returns the report plus timing."""
+    from compat.evaluation import compat_report
+    from compat.methods import get_method
+    from compat.methods.run import ShardBatches
+    from compat.models import load_checkpoint, read_sidecar
+
+    name, settings = ROWS[label]
+    method = get_method(name)
+    steps = sizes.compat_steps if name in BACKBONE_METHODS else sizes.adapter_steps
+    values = {
+        "steps": steps,
+        "version": "candidate",
+        "old_space_id": str(read_sidecar(old_ckpt)["version"]),
+        **settings,
+    }
+    config = method.make_config(values)
+    old, new = load_checkpoint(old_ckpt), load_checkpoint(new_ckpt)
+    batches = ShardBatches(urls, sizes.batch_size, seed=config.seed)
+    t0 = time.perf_counter()
+    model = method.fit(new, old, batches, config)
+    fit_seconds = time.perf_counter() - t0
+    independent = load_checkpoint(new_ckpt)
+    report = compat_report(old, model, data, independent=independent, n_bootstrap=sizes.bootstrap, seed=0)
+    return {"label": label, "report": report, "fit_seconds": fit_seconds}
+
+
+def run_scenario(
+    name: str, new_ckpt: Path, old_ckpt: Path, urls: list[str], sizes: Sizes, rows: list[str], data: Any
+) -> list[dict[str, Any]]:
+    out = []
+    for label in rows:
+        print(f"  [{name}] {label}", flush=True)
+        out.append(fit_row(label, new_ckpt, old_ckpt, urls, sizes, data))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- render
+def _r(report: dict, direction: str, pair: str) -> str:
+    row = report["retrieval"][direction][pair]
+    return f"{row['R@1']:.1f} / {row['R@5']:.1f} / {row['R@10']:.1f}"
+
+
+def _ecc(report: dict, direction: str) -> str:
+    iv = report["margins"][direction]["R@1"]
+    ok = "pass" if report["ecc"][direction]["R@1"] else "FAIL"
+    sure = " (CI > 0)" if iv["ci_low"] > 0 else ""
+    return f"{ok} {iv['margin']:+.1f} [{iv['ci_low']:+.1f}, {iv['ci_high']:+.1f}]{sure}"
+
+
+def _retention(report: dict, direction: str) -> float:
+    ind = report["independent_new_new"][direction]["R@1"]
+    own = report["retrieval"][direction]["new/new"]["R@1"]
+    return 100.0 * own / ind if ind > 0 else float("nan")
+
+
+def render_scenario(title: str, results: list[dict[str, Any]]) -> list[str]:
+    first = results[0]["report"]
+    ind = first["independent_new_new"]
+    sizes = first["eval_sizes"]
+    lines = [
+        f"### {title}",
+        "",
+        f"Evaluation: {sizes['images']} images, {sizes['captions']} captions "
+        f"({', '.join(sizes.get('domains', []))}). old/old R@1/5/10: t2i "
+        f"{_r(first, 't2i', 'old/old')}, i2t {_r(first, 'i2t', 'old/old')}; independent new/new R@1: t2i "
+        f"{ind['t2i']['R@1']:.1f}, i2t {ind['i2t']['R@1']:.1f}.",
+        "",
+        "| method | new/old t2i R@1/5/10 | new/old i2t R@1/5/10 | new/new t2i R@1/5/10 "
+        "| new/new i2t R@1/5/10 | ECC t2i R@1: margin [95% CI] | ECC i2t R@1: margin [95% CI] "
+        "| retention t2i / i2t | trainable params | fit (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        rep = res["report"]
+        cells = [
+            res["label"],
+            *(_r(rep, d, pair) for pair in ("new/old", "new/new") for d in ("t2i", "i2t")),
+            _ecc(rep, "t2i"),
+            _ecc(rep, "i2t"),
+            f"{_retention(rep, 't2i'):.0f}% / {_retention(rep, 'i2t'):.0f}%",
+            f"{rep['trainable_parameters']:,}",
+            f"{res['fit_seconds']:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    winners = [
+        res["label"]
+        for res in results
+        if all(res["report"]["margins"][d]["R@1"]["ci_low"] > 0 for d in ("t2i", "i2t"))
+        and all(_retention(res["report"], d) >= 95 for d in ("t2i", "i2t"))
+    ]
+    lines += [
+        "",
+        "Goal (ECC at R@1 both ways with the interval above zero, and >= 95 % new/new R@1 retention): "
+        + (", ".join(winners) if winners else "no method reaches it in this run")
+        + ".",
+        "",
+    ]
+    return lines
+
+
+def render(
+    sizes: Sizes,
+    args: argparse.Namespace,
+    scenarios: list[tuple[str, list]],
+    seconds: float,
+    base_seconds: dict[str, float],
+) -> str:
+    import torch
+
+    lines = [
+        "# Compatibility methods: two upgrades, side by side",
+        "",
+        f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/compat.py', *sys.argv[1:]])}` "
+        f"({seconds / 60:.1f} min, torch threads {torch.get_num_threads()}, CPU).",
+        "",
+        f"Sizes: {sizes.samples_per_phase} training pairs per phase, {sizes.eval_per_domain} eval images per "
+        f"domain, batch {sizes.batch_size}; production {args.old_config} trained {sizes.old_steps} steps on "
+        f"phase 0 ({base_seconds['old']:.0f} s); Mod-X candidate {sizes.candidate_steps} steps on phase 1 "
+        f"({base_seconds['candidate']:.0f} s); foundation {args.foundation_config} {sizes.foundation_steps} "
+        f"steps on phases 0+1 ({base_seconds['foundation']:.0f} s). Compatibility training: "
+        f"{sizes.compat_steps} steps for methods that train a network, {sizes.adapter_steps} adapter steps "
+        f"for lambda-orth / FCT (on cached features); bootstrap {sizes.bootstrap} resamples.",
+        "",
+        "Pairs are query model / gallery model; new/old reads the production gallery through each method's "
+        "serving contract (none/BCT: as is or zero-padded; lambda-orth/FCT: forward adapter F; BT2: "
+        "truncation). Retention = new/new R@1 relative to the independent new model. Recall in %.",
+        "",
+    ]
+    if args.foundation_config != DEFAULT_FOUNDATION:
+        lines += [
+            f"Scenario (b) ran with `--foundation-config {args.foundation_config}` instead of the default "
+            f"{DEFAULT_FOUNDATION} (its pretrained MiniLM text tower dominates the CPU step time).",
+            "",
+        ]
+    for title, results in scenarios:
+        lines += render_scenario(title, results)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "compatflow-bench-compat"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--old-config", default="cf-tiny")
+    parser.add_argument("--foundation-config", default=DEFAULT_FOUNDATION)
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help=f"comma-separated labels of ROWS ({', '.join(ROWS)})"
+    )
+    parser.add_argument("--scenarios", default="a,b", help="a (continual), b (foundation swap) or both")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: fastest on a shared machine)"
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from compat.data.loader import load_captioned_set
+    from compat.models import read_sidecar
+
+    sizes = QUICK if args.quick else FULL
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {list(ROWS)}")
+    t_start = time.perf_counter()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    base = prepare(args.workdir, sizes, args.old_config, args.foundation_config)
+    base_seconds = {
+        k: float(read_sidecar(base[k])["extra"]["train_seconds"]) for k in ("old", "candidate", "foundation")
+    }
+    data = load_captioned_set(base["eval"])
+    scenarios = []
+    if "a" in args.scenarios:
+        print("scenario (a): continual", flush=True)
+        scenarios.append(
+            (
+                f"(a) continual: {args.old_config} -> Mod-X candidate ({args.old_config})",
+                run_scenario("a", base["candidate"], base["old"], base["p1"], sizes, rows, data),
+            )
+        )
+    if "b" in args.scenarios:
+        print("scenario (b): foundation swap", flush=True)
+        scenarios.append(
+            (
+                f"(b) foundation swap: {args.old_config} -> {args.foundation_config}",
+                run_scenario("b", base["foundation"], base["old"], base["p01"], sizes, rows, data),
+            )
+        )
+    text = render(sizes, args, scenarios, time.perf_counter() - t_start, base_seconds)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Make ``import torchvision`` work on a CPU-only torch.
+
+The only torchvision wheel matching torch 2.13 is a CUDA build whose compiled
+extension cannot load against the CPU torch, so ``import torchvision`` raises
+``RuntimeError: operator torchvision::nms does not exist``. open_clip and timm
+import torchvision, so every process that builds a model must repair this.
+
+The repair (measured in ENVIRONMENT.md): drop the half-imported torchvision
+modules, register the schemas of the two missing operators with
+``torch.library.Library("torchvision", "DEF")``, keep that library object alive,
+and import again. Transforms and models work; only the compiled detection ops
+(which CLIP never calls) stay unavailable.
+
+:func:`install` puts a meta-path finder in front of the import system that
+applies the repair the first time anything imports torchvision. It costs
+nothing until then, so ``import compat`` stays cheap. The environment's
+``.pth`` start-up hook calls it too, covering processes that import open_clip
+without importing ``compat`` first.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+_MISSING_OPS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+_state: dict[str, Any] = {"library": None, "repaired": False}
+
+
+def _drop_torchvision_modules() -> None:
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]
+
+
+def import_torchvision() -> ModuleType:
+    """Import torchvision, registering the missing operator schemas if needed."""
+    try:
+        import torchvision
+    except RuntimeError as err:
+        if "torchvision::" not in str(err):
+            raise
+        import torch
+
+        _drop_torchvision_modules()
+        if _state["library"] is None:
+            library = torch.library.Library("torchvision", "DEF")
+            for schema in _MISSING_OPS:
+                library.define(schema)
+            _state["library"] = library  # must outlive every use of torchvision
+        _state["repaired"] = True
+        import torchvision
+    return torchvision
+
+
+class _ExistingModuleLoader(importlib.abc.Loader):
+    """Hands the import system a module that :func:`import_torchvision` already loaded."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self._module = module
+        self._original_spec = module.__spec__
+
+    def create_module(self, spec: Any) -> ModuleType:
+        return self._module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._original_spec  # the import system overwrote it with ours
+
+
+class _TorchvisionFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torchvision":
+            return None
+        uninstall()
+        module = import_torchvision()
+        spec = importlib.util.spec_from_loader(fullname, _ExistingModuleLoader(module), is_package=True)
+        spec.submodule_search_locations = list(module.__path__)  # type: ignore[union-attr]
+        return spec
+
+
+_finder = _TorchvisionFinder()
+
+
+def install() -> None:
+    """Repair torchvision lazily, on its first import, in this process."""
+    if "torchvision" in sys.modules or _finder in sys.meta_path:
+        return
+    sys.meta_path.insert(0, _finder)
+
+
+def uninstall() -> None:
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def was_repaired() -> bool:
+    return bool(_state["repaired"])

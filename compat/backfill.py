@@ -1,0 +1,414 @@
+"""Partial backfill: ordering policies, mixed galleries and the backfill curve.
+
+A partial backfill replaces the gallery vectors of the old model by new-model vectors item by item,
+in an order pi. After a fraction beta of the gallery is done, the first floor(beta * N) items of pi
+hold new vectors and the rest keep old (possibly forward-adapted) vectors (lambda-orth, Sec. 3.6,
+and FastFill). The figure of merit is the backfilling metric
+
+    M~(pi) = E_{beta ~ U[0, 1]} M(gallery_{pi, beta})
+
+i.e. the area under the backfill curve beta -> M, computed here by the trapezoid rule over [0, 1].
+
+Ordering policies (all return item indices, the first to backfill first):
+
+* ``random``: a seeded permutation (the FCT baseline).
+* ``oldest_first``: ascending ``embedded_at`` (ties broken by index), the items written longest ago first.
+* ``lambda_orth``: Sec. 3.6 of the lambda-orthogonality paper. mu_c = mean of F(h^k) over class c,
+  d_i = ||F(h^k_i) - mu_{c_i}||_2, backfill in *descending* d (farthest from its class mean first);
+  App. G's cosine distance is available as ``metric="cosine"``. Without gallery labels the classes
+  are k-means clusters of the forward-adapted old vectors (a choice of this project: the paper
+  always has labels).
+* ``uncertainty``: a training-free stand-in for FastFill's Bayesian uncertainty: cosine similarities
+  of each old vector to the cluster centres; ``kind="margin"`` backfills the smallest gap between the
+  two most similar centres first, ``kind="entropy"`` the highest entropy of softmax(sim / T) first.
+
+Everything here is pure numpy (the metric callbacks may use torch); nothing touches an index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES: tuple[str, ...] = ("random", "oldest_first", "lambda_orth", "uncertainty")
+DEFAULT_CURVE_FRACTIONS: tuple[float, ...] = tuple(float(x) for x in np.linspace(0.0, 1.0, 21))
+
+
+def _matrix(x: np.ndarray, name: str) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError(f"{name}: expected a non-empty [N, D] matrix, got shape {x.shape}")
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name}: contains NaN or infinite values")
+    return x
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, 1e-12)
+
+
+def default_n_clusters(n: int) -> int:
+    """Clusters used when a policy needs classes and none are given: round(sqrt(N / 2)), at least 2."""
+    return max(2, min(n, int(round(math.sqrt(n / 2.0)))))
+
+
+def kmeans(
+    x: np.ndarray, k: int, *, seed: int = 0, iters: int = 100, tol: float = 1e-7
+) -> tuple[np.ndarray, np.ndarray]:
+    """Lloyd's k-means with k-means++ seeding; returns (centres [k, D], labels [N]).
+
+    Deterministic for a given seed. An emptied cluster is re-seeded at the point farthest from its centre.
+    """
+    x = _matrix(x, "kmeans input")
+    n = x.shape[0]
+    if not 1 <= k <= n:
+        raise ValueError(f"kmeans: k={k} must lie in [1, {n}] (the number of points)")
+    rng = np.random.default_rng(seed)
+    centres = np.empty((k, x.shape[1]))
+    centres[0] = x[rng.integers(n)]
+    d2 = ((x - centres[0]) ** 2).sum(1)
+    for j in range(1, k):
+        total = d2.sum()
+        idx = int(rng.choice(n, p=d2 / total)) if total > 0 else int(rng.integers(n))
+        centres[j] = x[idx]
+        d2 = np.minimum(d2, ((x - centres[j]) ** 2).sum(1))
+    x_sq = (x**2).sum(1, keepdims=True)
+    labels = np.zeros(n, dtype=np.int64)
+    for _ in range(iters):
+        dist = x_sq - 2.0 * x @ centres.T + (centres**2).sum(1)
+        labels = dist.argmin(1)
+        new = np.zeros_like(centres)
+        np.add.at(new, labels, x)
+        counts = np.bincount(labels, minlength=k)
+        for j in np.flatnonzero(counts == 0):  # re-seed empty clusters
+            far = int(dist[np.arange(n), labels].argmax())
+            new[j], counts[j], labels[far] = x[far], 1, j
+        new /= counts[:, None]
+        shift = float(((new - centres) ** 2).sum())
+        centres = new
+        if shift <= tol:
+            break
+    return centres, labels
+
+
+def order_random(n: int, seed: int = 0) -> np.ndarray:
+    """A seeded random permutation of ``range(n)``."""
+    if n < 0:
+        raise ValueError(f"order_random: n must be >= 0, got {n}")
+    return np.random.default_rng(seed).permutation(n)
+
+
+def order_oldest_first(embedded_at: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Indices by ascending ``embedded_at`` (epoch ms); equal times keep index order."""
+    t = np.asarray(embedded_at)
+    if t.ndim != 1:
+        raise ValueError(f"embedded_at: expected one timestamp per item, got shape {t.shape}")
+    return np.argsort(t, kind="stable")
+
+
+def class_mean_distances(
+    vectors: np.ndarray, labels: Sequence[int] | np.ndarray, metric: str = "l2"
+) -> np.ndarray:
+    """d_i = distance of ``vectors[i]`` to the mean of its class (lambda-orth Sec. 3.6; App. G for cosine)."""
+    x = _matrix(vectors, "vectors")
+    y = np.asarray(labels)
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"labels: expected {x.shape[0]} labels (one per vector), got shape {y.shape}")
+    classes, inverse = np.unique(y, return_inverse=True)
+    means = np.zeros((len(classes), x.shape[1]))
+    np.add.at(means, inverse, x)
+    means /= np.bincount(inverse, minlength=len(classes))[:, None]
+    if metric == "l2":
+        return np.linalg.norm(x - means[inverse], axis=1)
+    if metric == "cosine":
+        return 1.0 - (_unit(x) * _unit(means)[inverse]).sum(1)
+    raise ValueError(f"metric must be 'l2' or 'cosine', got {metric!r}")
+
+
+def order_lambda_orth(
+    forward_old: np.ndarray,
+    labels: Sequence[int] | np.ndarray | None = None,
+    *,
+    n_clusters: int | None = None,
+    seed: int = 0,
+    metric: str = "l2",
+) -> np.ndarray:
+    """lambda-orth ordering: descending distance of F(h^k) to its class (or k-means cluster) mean.
+
+    ``forward_old`` holds the forward-adapted old gallery vectors F(h^k) (the old vectors themselves when
+    the serving contract reads them as they are). Without ``labels``, classes are k-means clusters.
+    Ties keep index order.
+    """
+    x = _matrix(forward_old, "forward_old")
+    if labels is None:
+        _, labels = kmeans(x, n_clusters or default_n_clusters(x.shape[0]), seed=seed)
+    d = class_mean_distances(x, labels, metric=metric)
+    return np.argsort(-d, kind="stable")
+
+
+def uncertainty_scores(
+    vectors: np.ndarray, centres: np.ndarray, kind: str = "margin", temperature: float = 0.05
+) -> np.ndarray:
+    """Per-item uncertainty from cosine similarities to ``centres``; larger means more uncertain.
+
+    ``margin``: minus the gap between the two highest similarities (needs >= 2 centres);
+    ``entropy``: entropy of softmax(similarity / temperature) over the centres.
+    """
+    sims = _unit(_matrix(vectors, "vectors")) @ _unit(_matrix(centres, "centres")).T
+    if kind == "margin":
+        if sims.shape[1] < 2:
+            raise ValueError("uncertainty margin needs at least 2 centres")
+        top2 = np.sort(sims, axis=1)[:, -2:]
+        return -(top2[:, 1] - top2[:, 0])
+    if kind == "entropy":
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        z = sims / temperature
+        z -= z.max(1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(1, keepdims=True)
+        return -(p * np.log(np.maximum(p, 1e-300))).sum(1)
+    raise ValueError(f"uncertainty kind must be 'margin' or 'entropy', got {kind!r}")
+
+
+def order_uncertainty(
+    vectors: np.ndarray,
+    *,
+    centres: np.ndarray | None = None,
+    n_clusters: int | None = None,
+    kind: str = "margin",
+    seed: int = 0,
+    temperature: float = 0.05,
+) -> np.ndarray:
+    """Most uncertain items first (see :func:`uncertainty_scores`); centres from k-means when not given."""
+    x = _matrix(vectors, "vectors")
+    if centres is None:
+        centres, _ = kmeans(_unit(x), n_clusters or default_n_clusters(x.shape[0]), seed=seed)
+    scores = uncertainty_scores(x, centres, kind=kind, temperature=temperature)
+    return np.argsort(-scores, kind="stable")
+
+
+def compute_order(
+    policy: str,
+    n: int,
+    *,
+    seed: int = 0,
+    embedded_at: np.ndarray | None = None,
+    vectors: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+    n_clusters: int | None = None,
+) -> np.ndarray:
+    """The backfill order of ``n`` items under ``policy`` (one of :data:`POLICIES`)."""
+    if policy == "random":
+        order = order_random(n, seed)
+    elif policy == "oldest_first":
+        if embedded_at is None:
+            raise ValueError("policy 'oldest_first' needs embedded_at (one timestamp per item)")
+        order = order_oldest_first(embedded_at)
+    elif policy in ("lambda_orth", "uncertainty"):
+        if vectors is None:
+            raise ValueError(f"policy {policy!r} needs the (forward-adapted) old gallery vectors")
+        order = (
+            order_lambda_orth(vectors, labels, n_clusters=n_clusters, seed=seed)
+            if policy == "lambda_orth"
+            else order_uncertainty(vectors, n_clusters=n_clusters, seed=seed)
+        )
+    else:
+        raise ValueError(f"unknown backfill policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if len(order) != n:
+        raise ValueError(f"policy {policy!r} ordered {len(order)} items, expected {n}")
+    return np.asarray(order, dtype=np.int64)
+
+
+def order_digest(item_ids: Sequence[str]) -> str:
+    """sha256 of the ordered item ids (one per line): identifies an order in durable state."""
+    h = hashlib.sha256()
+    for item_id in item_ids:
+        h.update(str(item_id).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def backfilled_count(n: int, fraction: float) -> int:
+    """floor(fraction * n), robust to float rounding (0.29 * 100 -> 29)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
+    return min(n, int(math.floor(fraction * n + 1e-9)))
+
+
+def mix_gallery(old: np.ndarray, new: np.ndarray, order: np.ndarray, fraction: float) -> np.ndarray:
+    """The gallery at ``fraction``: the first floor(fraction * N) items of ``order`` take new vectors."""
+    if old.shape[0] != new.shape[0] or old.shape[0] != len(order):
+        raise ValueError(
+            f"old ({old.shape[0]}), new ({new.shape[0]}) and order ({len(order)}) must have one "
+            "entry per gallery item"
+        )
+    if old.shape[1] != new.shape[1]:
+        raise ValueError(
+            f"old vectors have dimension {old.shape[1]} and new ones {new.shape[1]}: a partial "
+            "backfill needs one space (apply the serving contract's transform first)"
+        )
+    mixed = np.array(old, copy=True)
+    done = np.asarray(order[: backfilled_count(len(order), fraction)])
+    mixed[done] = new[done]
+    return mixed
+
+
+def curve_area(fractions: Sequence[float], values: Sequence[float]) -> float:
+    """Trapezoid area under a backfill curve over [0, 1] = E_{beta~U[0,1]} M (FastFill / lambda-orth M~)."""
+    f = np.asarray(fractions, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if f.shape != v.shape or f.ndim != 1 or len(f) < 2:
+        raise ValueError("curve_area needs at least two (fraction, value) points of equal length")
+    if not np.all(np.diff(f) > 0) or abs(f[0]) > 1e-12 or abs(f[-1] - 1.0) > 1e-12:
+        raise ValueError(f"fractions must increase strictly from 0 to 1, got {f.tolist()}")
+    return float(((v[1:] + v[:-1]) * np.diff(f)).sum() / 2.0)
+
+
+def fraction_to_reach(fractions: Sequence[float], values: Sequence[float], target: float) -> float | None:
+    """The first fraction at which the curve reaches ``target`` (None if it never does)."""
+    for f, v in zip(fractions, values, strict=True):
+        if v >= target:
+            return float(f)
+    return None
+
+
+Metric = Callable[[np.ndarray], dict[str, float]]
+
+
+def t2i_recall_metric(
+    queries: np.ndarray, positives: Sequence[Sequence[int]], ks: Sequence[int] = (1, 5, 10)
+) -> Metric:
+    """A gallery -> {"R@K": percent} callback for text-to-image recall (compat.metrics.recall_at_k)."""
+    import torch
+
+    from compat.metrics import recall_at_k
+
+    q = torch.from_numpy(_unit(_matrix(queries, "queries")).astype(np.float32))
+
+    def metric(gallery: np.ndarray) -> dict[str, float]:
+        g = torch.from_numpy(_unit(_matrix(gallery, "gallery")).astype(np.float32))
+        return {f"R@{k}": v for k, v in recall_at_k(q, g, positives, ks).items()}
+
+    return metric
+
+
+def backfill_curve(
+    metric: Metric,
+    old: np.ndarray,
+    new: np.ndarray,
+    order: np.ndarray,
+    fractions: Sequence[float] = DEFAULT_CURVE_FRACTIONS,
+) -> list[dict[str, float]]:
+    """[{"fraction": beta, **metric(mixed gallery at beta)}] for each beta in ``fractions``."""
+    return [{"fraction": float(b), **metric(mix_gallery(old, new, order, float(b)))} for b in fractions]
+
+
+@dataclass
+class SyntheticUpgrade:
+    """A known-geometry upgrade: a clustered gallery where the new model's vectors are less noisy.
+
+    Item i has a latent z_i = c_{y_i} + spread * e_i. The old model sees z_i + sigma_i * noise with
+    sigma_i growing with the item's age (older items were written by older, noisier models, so
+    ``embedded_at`` and the distance to the cluster mean both carry information about which items
+    gain most); the new model sees z_i + new_noise * noise. Query i is a noisy view of z_i (text to
+    image: one relevant item per query). All vectors are L2-normalised and live in one space.
+    """
+
+    old_gallery: np.ndarray
+    new_gallery: np.ndarray
+    old_queries: np.ndarray
+    new_queries: np.ndarray
+    positives: list[list[int]]
+    labels: np.ndarray
+    embedded_at: np.ndarray
+    old_noise: np.ndarray
+
+    @property
+    def item_ids(self) -> list[str]:
+        """Stable ids of the gallery items (``item-00000`` ...)."""
+        return [f"item-{i:05d}" for i in range(len(self.labels))]
+
+    @property
+    def query_texts(self) -> list[str]:
+        """One text per query, naming its relevant item (``find item-00042``)."""
+        return [f"find item-{p[0]:05d}" for p in self.positives]
+
+    def query_vectors(self, texts: Sequence[str], side: str) -> np.ndarray:
+        """Vectors of :attr:`query_texts` entries under the ``"old"`` or ``"new"`` query model."""
+        table = {"old": self.old_queries, "new": self.new_queries}.get(side)
+        if table is None:
+            raise ValueError(f"side must be 'old' or 'new', got {side!r}")
+        row = {t: j for j, t in enumerate(self.query_texts)}
+        missing = [t for t in texts if t not in row]
+        if missing:
+            raise ValueError(
+                f"unknown synthetic query text(s) {missing[:3]}; texts look like 'find item-00042'"
+            )
+        return table[[row[t] for t in texts]]
+
+    def gallery_vectors(self, item_ids: Sequence[str], side: str) -> np.ndarray:
+        """Gallery vectors of ``item_ids`` under the ``"old"`` or ``"new"`` model."""
+        table = {"old": self.old_gallery, "new": self.new_gallery}.get(side)
+        if table is None:
+            raise ValueError(f"side must be 'old' or 'new', got {side!r}")
+        idx = []
+        for item_id in item_ids:
+            num = str(item_id).removeprefix("item-")
+            if not num.isdigit() or not 0 <= int(num) < len(table):
+                raise ValueError(f"unknown synthetic item id {item_id!r}")
+            idx.append(int(num))
+        return table[idx]
+
+
+def synthetic_upgrade(
+    n_items: int = 2000,
+    n_queries: int | None = None,
+    dim: int = 32,
+    n_clusters: int = 20,
+    *,
+    spread: float = 0.35,
+    old_noise: tuple[float, float] = (0.2, 0.9),
+    new_noise: float = 0.3,
+    old_query_noise: float = 0.35,
+    new_query_noise: float = 0.15,
+    age_jitter: float = 0.15,
+    seed: int = 0,
+) -> SyntheticUpgrade:
+    """Build a :class:`SyntheticUpgrade` (deterministic in ``seed``)."""
+    if n_items < 2 or dim < 2 or n_clusters < 1:
+        raise ValueError("synthetic_upgrade needs n_items >= 2, dim >= 2 and n_clusters >= 1")
+    n_queries = n_items if n_queries is None else n_queries
+    if not 1 <= n_queries <= n_items:
+        raise ValueError(f"n_queries must lie in [1, {n_items}], got {n_queries}")
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / math.sqrt(dim)
+    centres = _unit(rng.normal(size=(n_clusters, dim)))
+    labels = rng.integers(n_clusters, size=n_items)
+    latent = centres[labels] + spread * scale * rng.normal(size=(n_items, dim))
+    latent = _unit(latent)
+    u = rng.uniform(size=n_items)
+    sigma = old_noise[0] + (old_noise[1] - old_noise[0]) * u
+    age = np.clip(u + age_jitter * rng.normal(size=n_items), 0.0, None)  # 0 = newest
+    embedded_at = (1_700_000_000_000 - age * 86_400_000 * 365).astype(np.int64)
+
+    def view(noise: np.ndarray | float, rows: np.ndarray) -> np.ndarray:
+        sig = np.asarray(noise, dtype=np.float64).reshape(-1, 1) if np.ndim(noise) else noise
+        return _unit(rows + sig * scale * rng.normal(size=rows.shape)).astype(np.float32)
+
+    qidx = np.sort(rng.choice(n_items, size=n_queries, replace=False))
+    return SyntheticUpgrade(
+        old_gallery=view(sigma, latent),
+        new_gallery=view(new_noise, latent),
+        old_queries=view(old_query_noise, latent[qidx]),
+        new_queries=view(new_query_noise, latent[qidx]),
+        positives=[[int(i)] for i in qidx],
+        labels=labels,
+        embedded_at=embedded_at,
+        old_noise=sigma,
+    )

@@ -1,0 +1,171 @@
+"""Tar shards in img2dataset layout: deterministic atomic writing, and raw streaming reads.
+
+A shard holds samples as consecutive members ``{key}.{ext}`` (``jpg``, ``txt``, ``json``, ...).
+:func:`write_shard` writes byte-identical archives for identical input (fixed mtime, owner and
+mode; USTAR headers) into a temporary file renamed into place, so a shard path either holds a
+complete shard or nothing. :func:`iter_raw_samples` streams the members of a local path or fsspec
+URL through tarfile and webdataset's key grouper, without decoding anything; members of the first
+``skip`` samples are passed over without being read into memory, and a shard cut off anywhere
+(inside a member or between members) is reported, not silently shortened.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+TAR_MTIME = 0
+TAR_MODE = 0o644
+
+
+class ShardError(ValueError):
+    """A shard cannot be opened or read; the message names the shard and, where known, the key."""
+
+
+@dataclass
+class RawSample:
+    """One sample's undecoded members, by lower-case extension (``{"jpg": b"...", "json": b"..."}``)."""
+
+    key: str
+    members: dict[str, bytes]
+    shard: str
+    index: int = field(default=0)
+
+
+def write_shard(path: str | os.PathLike[str], samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> int:
+    """Write ``(key, {ext: bytes})`` samples to the tar shard ``path`` atomically; return the sample count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    count = 0
+    try:
+        with open(tmp, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, members in samples:
+                if "/" in key or "." in key:
+                    raise ShardError(f"{path}: sample key {key!r} must not contain '/' or '.'")
+                for ext, data in members.items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    info.mtime = TAR_MTIME
+                    info.mode = TAR_MODE
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    tar.addfile(info, io.BytesIO(data))
+                count += 1
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return count
+
+
+def is_local(url: str) -> bool:
+    """True for plain paths and ``file://`` URLs."""
+    return urlparse(url).scheme in ("", "file")
+
+
+def local_path(url: str) -> str:
+    """The filesystem path of a plain path or ``file://`` URL."""
+    parsed = urlparse(url)
+    return url2pathname(parsed.path) if parsed.scheme == "file" else url
+
+
+def refuse_pipe(url: str) -> None:
+    """Raise :class:`ShardError` for a ``pipe:`` URL: it would run a shell command."""
+    if url.startswith("pipe:"):
+        raise ShardError(
+            f"{url}: pipe: URLs run shell commands and are not accepted; use a path or fsspec URL"
+        )
+
+
+def open_url(url: str) -> BinaryIO:
+    """Open a shard for streaming reads: local paths directly, other URLs through fsspec.
+
+    ``pipe:`` URLs (shell commands) are refused.
+    """
+    refuse_pipe(url)
+    try:
+        if is_local(url):
+            return open(local_path(url), "rb")  # noqa: SIM115 -- closed by the reader
+        import fsspec
+
+        return fsspec.open(url, "rb").open()
+    except (OSError, ValueError, ImportError) as exc:
+        raise ShardError(f"cannot open shard {url}: {exc}") from exc
+
+
+def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Regular members of the tar stream as webdataset file records (``fname``, ``data``, ``__url__``).
+
+    Members of the first ``skip`` samples (runs of one name stem) are passed over unread. The
+    archive must end with its end-of-archive marker: tarfile stops silently at a truncated header,
+    so a missing marker is the sign of a cut-off shard. ``state["member"]`` names the last member read.
+    """
+    from webdataset.tariterators import base_plus_ext
+
+    tar = tarfile.open(fileobj=fileobj, mode="r|*")
+    seen, last = 0, None
+    for info in tar:
+        name = info.name
+        if not info.isreg() or (name.startswith("__") and name.endswith("__")):
+            continue
+        prefix, _ = base_plus_ext(name)
+        state["member"] = name
+        if prefix is None:
+            continue
+        if prefix != last:
+            last, seen = prefix, seen + 1
+        if seen <= skip:
+            continue
+        yield {"fname": name, "data": tar.extractfile(info).read(), "__url__": url}
+        tar.members = []
+    if tar.fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
+        raise tarfile.ReadError("the archive ends without its end-of-archive marker (truncated or corrupt)")
+
+
+def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
+    """Stream the samples of shard ``url`` undecoded, starting after its first ``skip`` samples.
+
+    Raises :class:`ShardError` naming the shard (and the last member read) when the archive is
+    unreadable, truncated, or repeats a member.
+    """
+    from webdataset.tariterators import group_by_keys
+
+    stream = open_url(url)
+    index = skip
+    state: dict[str, Any] = {"member": None}
+    try:
+        for sample in group_by_keys(_tar_members(url, stream, skip, state)):
+            key = sample["__key__"]
+            members = {k: v for k, v in sample.items() if not k.startswith("__")}
+            yield RawSample(key=key, members=members, shard=url, index=index)
+            index += 1
+    except (tarfile.TarError, OSError, ValueError, EOFError) as exc:
+        where = f"at or after member {state['member']!r}" if state["member"] else "before its first member"
+        detail = exc.args[0] if exc.args else type(exc).__name__
+        raise ShardError(f"shard {url} is malformed ({where}): {detail}") from exc
+    finally:
+        stream.close()
+
+
+def count_samples(url: str) -> int:
+    """Number of samples in shard ``url`` (reads headers only, decodes nothing)."""
+    from webdataset.tariterators import base_plus_ext
+
+    keys = set()
+    try:
+        with open_url(url) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for info in tar:
+                prefix = base_plus_ext(info.name)[0] if info.isreg() else None
+                if prefix is not None:
+                    keys.add(prefix)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ShardError(f"shard {url} is malformed: {exc}") from exc
+    return len(keys)

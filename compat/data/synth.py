@@ -1,0 +1,397 @@
+"""A synthetic, learnable captioned-image stream in img2dataset layout, one domain per phase.
+
+Each sample is a scene of one to three objects (kind, colour, size, grid position) on a textured
+background in a rendering style, drawn with PIL/numpy and described by five template captions
+(:mod:`compat.data.captions`). Phases draw from different domains (:mod:`compat.data.domains`), so
+vocabulary, object kinds, backgrounds and styles shift from phase to phase and forgetting is real.
+
+Layout written by :func:`generate_stream`::
+
+    DIR/stream.json                                  manifest (see :func:`load_manifest`)
+    DIR/phase-PP/{train,eval,gallery}/shard-NNNNN.tar members {key}.jpg / {key}.txt / {key}.json
+
+Keys are ``p{PP}-{split}-{index:06d}``. Every sample is a pure function of (seed, phase, split,
+index): rerunning gives byte-identical shards, generation resumes shard by shard after an
+interruption (shards are written atomically), and a complete stream is left untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compat.data.captions import scene_captions
+from compat.data.domains import SIZE_FRACTIONS, Domain, domain_for_phase
+from compat.data.render import render_scene, shade
+from compat.data.shards import write_shard
+
+log = logging.getLogger(__name__)
+
+FORMAT = "compatflow-stream"
+VERSION = 1
+MANIFEST = "stream.json"
+PENDING = ".generating.json"
+SPLITS = ("train", "eval", "gallery")
+JPEG_QUALITY = 90
+GENERATOR_VERSION = 1
+MIN_CONTRAST = 110.0
+
+
+class StreamError(ValueError):
+    """A stream directory or manifest is missing, malformed, or was generated with other settings."""
+
+
+def sample_key(phase: int, split: str, index: int) -> str:
+    """The key of sample ``index`` of ``split`` in ``phase``: ``p{PP}-{split}-{index:06d}``."""
+    return f"p{phase:02d}-{split}-{index:06d}"
+
+
+def shard_path(phase: int, split: str, shard: int) -> str:
+    """Relative path of a shard: ``phase-PP/{split}/shard-NNNNN.tar``."""
+    return f"phase-{phase:02d}/{split}/shard-{shard:05d}.tar"
+
+
+def _distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)))
+
+
+def _texture_params(texture: str, rng: random.Random) -> dict[str, Any]:
+    r4 = lambda lo, hi: round(rng.uniform(lo, hi), 4)  # noqa: E731
+    if texture == "stripes":
+        return {"angle": rng.choice([0, 45, 90, 135]), "period": r4(0.08, 0.16)}
+    if texture == "checks":
+        return {"period": r4(0.08, 0.16)}
+    if texture == "dots":
+        return {"period": r4(0.1, 0.18), "radius": r4(0.2, 0.3)}
+    if texture == "weave":
+        return {"period": r4(0.06, 0.12)}
+    if texture == "gradient":
+        return {"direction": rng.choice(["down", "up"])}
+    if texture == "noise":
+        return {"seed": rng.getrandbits(32), "cells": rng.choice([4, 6, 8])}
+    if texture == "waves":
+        return {"period": r4(0.1, 0.2), "amplitude": r4(0.5, 2.0)}
+    if texture == "bubbles":
+        return {"seed": rng.getrandbits(32), "count": rng.randint(6, 14)}
+    return {}
+
+
+def sample_scene(domain: Domain, rng: random.Random) -> dict[str, Any]:
+    """Draw a structured scene from ``domain``: background, style and 1-3 objects in distinct grid cells."""
+    background = rng.choice(domain.backgrounds)
+    tone_name, tone_rgb = rng.choice(domain.tones)
+    style = rng.choice(domain.styles)
+    backdrop = shade(tone_rgb, 0.3) if style.effect == "neon" else tone_rgb
+    colours = [c for c in domain.colours if _distance(c[1], backdrop) >= MIN_CONTRAST] or list(domain.colours)
+    count = rng.choices((1, 2, 3), weights=(0.4, 0.4, 0.2))[0]
+    objects = []
+    for cell in sorted(rng.sample(range(9), count)):
+        row, col = divmod(cell, 3)
+        kind = rng.choice(domain.kinds)
+        size = rng.randrange(3)
+        colour_name, rgb = rng.choice(colours)
+        cx = (col + 0.5) / 3 + rng.uniform(-0.04, 0.04)
+        cy = (row + 0.5) / 3 + rng.uniform(-0.04, 0.04)
+        half = SIZE_FRACTIONS[size] / 2
+        objects.append(
+            {
+                "kind": kind.names[0],
+                "colour": colour_name,
+                "rgb": list(rgb),
+                "size": domain.sizes[size],
+                "position": domain.position_name(row, col),
+                "cell": [row, col],
+                "box": [round(cx - half, 4), round(cy - half, 4), round(cx + half, 4), round(cy + half, 4)],
+            }
+        )
+    return {
+        "domain": domain.name,
+        "style": style.name,
+        "style_effect": style.effect,
+        "effect_seed": rng.getrandbits(32),
+        "background": {
+            "name": background.name,
+            "texture": background.texture,
+            "tone": tone_name,
+            "rgb": list(tone_rgb),
+            "params": _texture_params(background.texture, rng),
+        },
+        "count": count,
+        "objects": objects,
+    }
+
+
+def make_sample(
+    seed: int, phase: int, split: str, index: int, image_size: int
+) -> tuple[str, dict[str, bytes]]:
+    """Build sample ``index`` of ``split`` in ``phase``: its key and its ``jpg``/``txt``/``json`` members.
+
+    Eval and gallery samples list their five captions in template order; train samples in a
+    per-sample shuffled order, so the ``.txt`` caption varies in phrasing across the train split.
+    """
+    domain = domain_for_phase(phase)
+    rng = random.Random(f"compatflow-synth/{seed}/{phase}/{split}/{index}")
+    scene = sample_scene(domain, rng)
+    image = render_scene(scene, domain, image_size)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    jpg = buf.getvalue()
+    captions = scene_captions(scene, domain)
+    if split == "train":
+        rng.shuffle(captions)
+    key = sample_key(phase, split, index)
+    meta = {
+        "key": key,
+        "caption": captions[0],
+        "captions": captions,
+        "width": image_size,
+        "height": image_size,
+        "sha256": hashlib.sha256(jpg).hexdigest(),
+        "status": "success",
+        "phase": phase,
+        "domain": domain.name,
+        "split": split,
+        "scene": scene,
+    }
+    members = {
+        "jpg": jpg,
+        "txt": captions[0].encode("utf-8"),
+        "json": json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
+    }
+    return key, members
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """One shard to write: samples ``start .. start+count-1`` of ``split`` in ``phase``."""
+
+    path: str
+    phase: int
+    split: str
+    start: int
+    count: int
+
+
+def _write_job(args: tuple[str, ShardJob, int, int]) -> int:
+    out_dir, job, seed, image_size = args
+    samples = (
+        make_sample(seed, job.phase, job.split, i, image_size)
+        for i in range(job.start, job.start + job.count)
+    )
+    return write_shard(Path(out_dir) / job.path, samples)
+
+
+def plan_phase(phase: int, counts: dict[str, int], samples_per_shard: int) -> list[ShardJob]:
+    """The shard jobs of one phase, split by split."""
+    jobs = []
+    for split in SPLITS:
+        n = counts[split]
+        for s, start in enumerate(range(0, n, samples_per_shard)):
+            jobs.append(
+                ShardJob(shard_path(phase, split, s), phase, split, start, min(samples_per_shard, n - start))
+            )
+    return jobs
+
+
+def _settings(
+    seed: int,
+    samples_per_phase: int,
+    eval_per_domain: int,
+    gallery_per_domain: int,
+    image_size: int,
+    samples_per_shard: int,
+) -> dict[str, int]:
+    return {
+        "generator_version": GENERATOR_VERSION,
+        "seed": seed,
+        "samples_per_phase": samples_per_phase,
+        "eval_per_domain": eval_per_domain,
+        "gallery_per_domain": gallery_per_domain,
+        "image_size": image_size,
+        "samples_per_shard": samples_per_shard,
+    }
+
+
+def _check_settings(found: dict[str, Any], wanted: dict[str, int], source: Path) -> None:
+    diff = {k: (found.get(k), v) for k, v in wanted.items() if found.get(k) != v}
+    if diff:
+        detail = ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in diff.items())
+        raise StreamError(
+            f"{source} was generated with other settings ({detail}); "
+            "use another output directory or delete this one"
+        )
+
+
+def _run_jobs(out_dir: Path, jobs: list[ShardJob], seed: int, image_size: int, workers: int) -> None:
+    from compat.progress import track
+
+    args = [(str(out_dir), job, seed, image_size) for job in jobs]
+    total = sum(j.count for j in jobs)
+    desc = f"writing {len(jobs)} shards ({total} samples)"
+    if workers <= 1 or len(jobs) <= 1:
+        for a in track(args, desc, total=len(args), logger=log):
+            _write_job(a)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for _ in track(pool.map(_write_job, args), desc, total=len(args), logger=log):
+            pass
+
+
+def generate_stream(
+    out_dir: str | os.PathLike[str],
+    phases: int,
+    samples_per_phase: int,
+    seed: int,
+    *,
+    eval_per_domain: int = 200,
+    gallery_per_domain: int = 500,
+    image_size: int = 64,
+    samples_per_shard: int = 1000,
+    workers: int = 1,
+) -> dict[str, Any]:
+    """Write (or complete) the stream in ``out_dir`` and return its manifest.
+
+    A complete stream with the same settings is left as it is; missing shards of an interrupted run
+    are written; asking for more phases than a stream holds extends it. Other settings than those a
+    directory was generated with raise :class:`StreamError`.
+    """
+    for name, value, low in (
+        ("phases", phases, 1),
+        ("samples_per_phase", samples_per_phase, 1),
+        ("eval_per_domain", eval_per_domain, 0),
+        ("gallery_per_domain", gallery_per_domain, 0),
+        ("image_size", image_size, 16),
+        ("samples_per_shard", samples_per_shard, 1),
+        ("workers", workers, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    out = Path(out_dir)
+    settings = _settings(
+        seed, samples_per_phase, eval_per_domain, gallery_per_domain, image_size, samples_per_shard
+    )
+    manifest_path, pending_path = out / MANIFEST, out / PENDING
+    if manifest_path.exists():
+        existing = load_manifest(out)
+        _check_settings(existing.get("generator", {}), settings, manifest_path)
+        if len(existing["phases"]) > phases:
+            raise StreamError(
+                f"{manifest_path} holds {len(existing['phases'])} phases, {phases} asked; "
+                "a stream is only ever extended"
+            )
+    if pending_path.exists():
+        try:
+            pending = json.loads(pending_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise StreamError(
+                f"{pending_path} is not valid JSON ({exc}); delete {out}, generate again"
+            ) from exc
+        _check_settings(pending, settings, pending_path)
+    elif not manifest_path.exists() and out.exists() and any(out.glob("phase-*")):
+        raise StreamError(
+            f"{out} holds phase directories but no {MANIFEST} or {PENDING}; use an empty output directory"
+        )
+    counts = {"train": samples_per_phase, "eval": eval_per_domain, "gallery": gallery_per_domain}
+    entries, todo, n_shards = [], [], 0
+    for phase in range(phases):
+        domain = domain_for_phase(phase)
+        jobs = plan_phase(phase, counts, samples_per_shard)
+        n_shards += len(jobs)
+        todo += [j for j in jobs if not (out / j.path).is_file()]
+        entries.append(
+            {
+                "phase": phase,
+                "domain": domain.name,
+                "description": domain.description,
+                **{split: [j.path for j in jobs if j.split == split] for split in SPLITS},
+                "counts": dict(counts),
+            }
+        )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "seed": seed,
+        "image_size": image_size,
+        "generator": settings,
+        "phases": entries,
+    }
+    if not todo and manifest_path.exists() and load_manifest(out) == manifest:
+        return manifest  # complete: nothing is written
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write_json(pending_path, settings)
+    for stale in out.glob("phase-*/*/.shard-*.tar.tmp-*"):
+        stale.unlink()
+    if todo:
+        log.info("writing %d of %d shards into %s", len(todo), n_shards, out)
+        _run_jobs(out, todo, seed, image_size, workers)
+    _atomic_write_json(manifest_path, manifest)
+    pending_path.unlink()
+    return manifest
+
+
+def _atomic_write_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check ``directory/stream.json``; raise :class:`StreamError` naming the file and field."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise StreamError(
+            f"{path} not found: generate a stream with `compatflow data generate --out {directory}`"
+        )
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StreamError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise StreamError(f"{path}: field 'format' must be {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise StreamError(
+            f"{path}: field 'version' is {doc.get('version')!r}; this reader knows version {VERSION}"
+        )
+    for field_name, kind in (("seed", int), ("image_size", int), ("phases", list)):
+        if not isinstance(doc.get(field_name), kind):
+            raise StreamError(f"{path}: field {field_name!r} must be {kind.__name__}")
+    for i, entry in enumerate(doc["phases"]):
+        where = f"{path}: phases[{i}]"
+        if not isinstance(entry, dict) or entry.get("phase") != i:
+            raise StreamError(f"{where}.phase must be {i}")
+        if not isinstance(entry.get("domain"), str) or not entry["domain"]:
+            raise StreamError(f"{where}.domain must be a non-empty string")
+        for split in SPLITS:
+            if not isinstance(entry.get(split), list) or not all(isinstance(s, str) for s in entry[split]):
+                raise StreamError(f"{where}.{split} must be a list of shard paths")
+        counts = entry.get("counts")
+        if not isinstance(counts, dict) or any(not isinstance(counts.get(s), int) for s in SPLITS):
+            raise StreamError(f"{where}.counts must give integer train/eval/gallery counts")
+    return doc
+
+
+def phase_urls(
+    directory: str | os.PathLike[str], phase: int, split: str, manifest: dict[str, Any] | None = None
+) -> list[str]:
+    """Absolute shard paths of ``split`` in ``phase`` of the stream in ``directory``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    manifest = manifest if manifest is not None else load_manifest(directory)
+    phases = manifest["phases"]
+    if not 0 <= phase < len(phases):
+        raise StreamError(
+            f"{Path(directory) / MANIFEST} has phases 0..{len(phases) - 1}; phase {phase} asked"
+        )
+    return [str(Path(directory).resolve() / rel) for rel in phases[phase][split]]

@@ -1,0 +1,196 @@
+"""``bct``: Backward-Compatible Training (Shen et al., CVPR 2020), in its image-text (CLIP) form.
+
+BCT trains the new model with its own loss plus an *influence loss* that scores the new features with the
+old model's frozen classifier: ``L_BCT = L(w_new, phi_new) + lambda * L(w_old, phi_new)`` (as restated in
+BT^2, Sec. 5 baselines). For CLIP the "classifier" of an image is the batch's text embeddings and vice
+versa, so the influence loss becomes a cross-model contrastive loss against the frozen old model: new
+image vs old text and new text vs old image, with the old model's own temperature (part of its classifier):
+
+    L = clip(v_new, w_new; s_new) + lambda * 1/2 [clip(v_new, w_old; s_old) + clip(v_old, w_new; s_old)]
+
+``clip`` is :func:`compat.losses.clip_loss` (symmetric InfoNCE; the same cross-model form as XBT's
+L_Direct, Eq. 6). Choices where the sources leave room: the two cross terms are averaged (lambda = 1 then
+weighs them like the model's own loss); the symmetric CLIP form also contains the transposed rows (old
+query -> new item), as every CLIP loss does. When the new embedding is wider than the old one, old features
+are zero-padded ("BCT(+k)" of BT^2, Tables 1-4) and served by the ``zero_pad`` rule; when narrower, old
+features are truncated to the new width (``truncate`` rule). The new model is fully trainable, so
+``trainable_parameters`` counts all of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from compat.losses import clip_loss
+from compat.methods import register_method
+from compat.methods.base import (
+    Batch,
+    CompatError,
+    CompatMethod,
+    Encoder,
+    MethodConfig,
+    ServingContract,
+    TrainingLog,
+    adamw_cosine,
+    cycle_batches,
+    freeze,
+    frozen_features,
+    logit_scale_of,
+    prepare_images,
+    resolve_device,
+    texts_of,
+)
+from compat.methods.layers import truncate, zero_pad
+from compat.methods.none import PlainModel
+from compat.models import ClipBundle
+from compat.progress import track
+
+log = logging.getLogger(__name__)
+MAX_LOGIT_SCALE = math.log(100.0)
+
+
+def match_old_dim(old: torch.Tensor, new_dim: int) -> torch.Tensor:
+    """Old features as compared with new ones: zero-padded when narrower, prefix-truncated when wider."""
+    if old.shape[-1] == new_dim:
+        return old
+    return zero_pad(old, new_dim) if old.shape[-1] < new_dim else truncate(old, new_dim)
+
+
+def old_vector_rule(new_dim: int, old_dim: int) -> str:
+    """The serving rule that matches :func:`match_old_dim`."""
+    return "as_is" if new_dim == old_dim else "zero_pad" if old_dim < new_dim else "truncate"
+
+
+def cross_model_loss(
+    new_image: torch.Tensor,
+    new_text: torch.Tensor,
+    old_image: torch.Tensor,
+    old_text: torch.Tensor,
+    old_logit_scale: torch.Tensor | float,
+) -> torch.Tensor:
+    """``1/2 [clip(v_new, w_old) + clip(v_old, w_new)]`` with the old model's scale (the BCT influence loss).
+
+    Inputs are L2-normalised; old features are detached and matched to the new width first.
+    """
+    dim = new_image.shape[-1]
+    old_image = match_old_dim(old_image.detach(), dim)
+    old_text = match_old_dim(old_text.detach(), dim)
+    return (
+        clip_loss(new_image, old_text, old_logit_scale) + clip_loss(old_image, new_text, old_logit_scale)
+    ) / 2
+
+
+class BCTTerms(NamedTuple):
+    total: torch.Tensor
+    own: torch.Tensor
+    influence: torch.Tensor
+
+
+def bct_loss(
+    new_image: torch.Tensor,
+    new_text: torch.Tensor,
+    old_image: torch.Tensor,
+    old_text: torch.Tensor,
+    new_logit_scale: torch.Tensor | float,
+    old_logit_scale: torch.Tensor | float,
+    influence_weight: float = 1.0,
+) -> BCTTerms:
+    """``clip(v_new, w_new; s_new) + lambda * cross_model_loss(...)`` (see the module docstring)."""
+    own = clip_loss(new_image, new_text, new_logit_scale)
+    influence = cross_model_loss(new_image, new_text, old_image, old_text, old_logit_scale)
+    return BCTTerms(own + influence_weight * influence, own, influence)
+
+
+@dataclass
+class BCTConfig(MethodConfig):
+    """BCT settings. ``influence_weight`` is BCT's lambda (1 in the BCT paper); AdamW at ``lr`` 5e-4 with a
+    cosine schedule, the project's continual-training rate."""
+
+    steps: int = 300
+    lr: float = 5e-4
+    weight_decay: float = 0.1
+    warmup_fraction: float = 0.1
+    influence_weight: float = 1.0
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.lr <= 0 or self.influence_weight < 0:
+            raise ValueError("steps >= 1, lr > 0 and influence_weight >= 0 are required")
+
+
+class BCTModel(PlainModel):
+    """The BCT-trained new model, served as it is against the old gallery."""
+
+
+def train_new_model(
+    new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: BCTConfig, influence_weight: float
+) -> tuple[ClipBundle, dict]:
+    """Train a copy of ``new`` with :func:`bct_loss` (``influence_weight = 0`` is plain fine-tuning)."""
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    student = dataclasses.replace(new, model=copy.deepcopy(new.model).to(device))
+    student.model.train()
+    for p in student.model.parameters():
+        p.requires_grad_(True)
+    freeze(old, device)
+    s_old = logit_scale_of(old)
+    optimizer, schedule = adamw_cosine(
+        student.model.parameters(), config.lr, config.weight_decay, config.steps, config.warmup_fraction
+    )
+    history = TrainingLog()
+    for step, batch in enumerate(track(cycle_batches(batches, config.steps), "bct", total=config.steps)):
+        images = prepare_images(batch.images, student, train=True).to(device)
+        tokens = student.tokenizer(texts_of(batch)).to(device)
+        old_img, old_txt = frozen_features(old, batch, device, images)
+        img = F.normalize(student.model.encode_image(images), dim=-1)
+        txt = F.normalize(student.model.encode_text(tokens), dim=-1)
+        terms = bct_loss(img, txt, old_img, old_txt, student.model.logit_scale.exp(), s_old, influence_weight)
+        if not torch.isfinite(terms.total):
+            raise CompatError(
+                f"bct: the loss became {terms.total.item()} at step {step}; lower lr ({config.lr})"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        terms.total.backward()
+        optimizer.step()
+        schedule.step()
+        with torch.no_grad():
+            student.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+        history.record(step, config.log_every, loss=terms.total, own=terms.own, influence=terms.influence)
+    student.model.eval()
+    return student, history.finish()
+
+
+@register_method("bct")
+class BCT(CompatMethod):
+    """Backward-compatible training of the whole new model against the frozen old one."""
+
+    config_class = BCTConfig
+    model_class = BCTModel
+
+    def fit(
+        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: BCTConfig | None = None
+    ) -> BCTModel:
+        config = config or self.make_config()
+        old_dim = int(old.embed_dim)
+        trained, info = train_new_model(new, old, batches, config, config.influence_weight)
+        contract = ServingContract(
+            method=self.name,
+            space_id=config.old_space_id,
+            dim=trained.embed_dim,
+            old_vector_rule=old_vector_rule(trained.embed_dim, old_dim),
+            query_model_version=config.version,
+            old_space_id=config.old_space_id,
+            old_dim=old_dim,
+        )
+        model = BCTModel(trained, contract, config)
+        model.trainable_parameters = trained.num_parameters()
+        model.training_info = info
+        return model

@@ -1,0 +1,92 @@
+"""``none``: no compatibility training -- the independently trained new model served as it is.
+
+This is the baseline of every compatibility paper ("Independent" / "Ind. Train."): its queries live in
+their own space (``space_id`` = the new version), so the serving contract does not keep the old space and a
+release of it must go blue-green. Evaluation still scores its raw vectors against the old gallery
+(``as_is``, or the prefix rule when the dimensions differ), which is where the ECC is expected to fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from compat.methods import register_method
+from compat.methods.base import (
+    Batch,
+    CompatMethod,
+    CompatModel,
+    Encoder,
+    MethodConfig,
+    ServingContract,
+)
+from compat.models import ClipBundle
+
+
+class PlainModel(CompatModel):
+    """A CLIP bundle behind the compatibility-model interface (no adapters, nothing trained)."""
+
+    def __init__(self, new: ClipBundle, contract: ServingContract, config: MethodConfig) -> None:
+        super().__init__(contract, config)
+        self.new = new
+
+    @property
+    def image_size(self) -> int:
+        return self.new.image_size
+
+    @property
+    def logit_scale(self) -> float:
+        return float(self.new.model.logit_scale.detach().exp().clamp(max=100.0).item())
+
+    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
+        return self.new.encode_images(images, batch_size=batch_size, device=device)
+
+    def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
+        return self.new.encode_texts(texts, batch_size=batch_size, device=device)
+
+    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict | None]]:
+        return {"new": (self.new, None)}
+
+    @classmethod
+    def restore(
+        cls,
+        parts: dict[str, ClipBundle],
+        adapters: dict[str, torch.Tensor],
+        config: MethodConfig,
+        contract: ServingContract,
+    ) -> PlainModel:
+        return cls(parts["new"], contract, config)
+
+
+def independent_model(new: ClipBundle, old_dim: int, config: MethodConfig | None = None) -> PlainModel:
+    """Wrap ``new`` as the ``none`` method would: own space, raw vectors against the old gallery."""
+    config = config or MethodConfig()
+    rule = "as_is" if new.embed_dim == old_dim else "truncate"
+    contract = ServingContract(
+        method="none",
+        space_id=f"{config.version}",
+        dim=new.embed_dim,
+        old_vector_rule=rule,
+        query_model_version=config.version,
+        old_space_id=config.old_space_id,
+        old_dim=old_dim,
+    )
+    return PlainModel(new, contract, config)
+
+
+@register_method("none")
+class NoCompatibility(CompatMethod):
+    """The new model as it is; ``fit`` trains nothing and reads no batch."""
+
+    config_class = MethodConfig
+    model_class = PlainModel
+
+    def fit(
+        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: MethodConfig | None = None
+    ) -> PlainModel:
+        config = config or self.make_config()
+        model = independent_model(new, int(old.embed_dim), config)
+        model.training_info = {"steps": 0, "seconds": 0.0, "history": []}
+        return model

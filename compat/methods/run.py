@@ -1,0 +1,126 @@
+"""Compatibility training from files: load the models, stream the shards, fit a method, save the result.
+
+This is what the ``compat`` pipeline stage and ``compatflow compat train`` call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compat.methods import get_method
+from compat.methods.base import CompatModel, is_compat_dir, load_compat_model
+from compat.models import ClipBundle, load_checkpoint, read_sidecar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PairBatch:
+    """Training pairs as the methods take them: PIL images and raw captions (each model tokenises its own)."""
+
+    images: list[Any]
+    texts: list[str]
+    keys: list[str]
+
+
+class ShardBatches:
+    """Re-iterable batches from shards: each pass over it is the next epoch (its own shard order).
+
+    Captions are picked per (seed, key, epoch) among each sample's captions. Full batches only, unless the
+    shards hold fewer samples than one batch (then that one smaller batch). ``max_samples`` caps an epoch.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        batch_size: int,
+        seed: int = 0,
+        caption_choice: str = "random",
+        max_samples: int | None = None,
+    ) -> None:
+        from compat.data.loader import expand_urls
+
+        if batch_size < 2:
+            raise ValueError(f"batch_size must be >= 2 for contrastive training, got {batch_size}")
+        self.urls = expand_urls(urls)
+        self.batch_size, self.seed, self.caption_choice = batch_size, seed, caption_choice
+        self.max_samples = max_samples
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[PairBatch]:
+        from compat.data.loader import ShardStream, StreamPosition, pick_caption
+
+        epoch = self.epoch
+        self.epoch += 1
+        stream = ShardStream(
+            self.urls, seed=self.seed, epochs=epoch + 1, position=StreamPosition(epoch=epoch)
+        )
+        images, texts, keys, yielded, seen = [], [], [], 0, 0
+        for sample in stream:
+            images.append(sample.image)
+            texts.append(pick_caption(sample, self.caption_choice, self.seed, epoch))  # type: ignore[arg-type]
+            keys.append(sample.key)
+            seen += 1
+            if len(keys) == self.batch_size:
+                yield PairBatch(images, texts, keys)
+                yielded += 1
+                images, texts, keys = [], [], []
+            if self.max_samples is not None and seen >= self.max_samples:
+                break
+        if keys and yielded == 0 and len(keys) >= 2:
+            yield PairBatch(images, texts, keys)
+
+
+def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatModel:
+    """A compatible-model directory (``compat.json``) or a plain checkpoint (``model.json``)."""
+    return (
+        load_compat_model(path, device=device)
+        if is_compat_dir(path)
+        else load_checkpoint(Path(path), device=device)
+    )
+
+
+def space_id_of(path: str | Path, encoder: ClipBundle | CompatModel) -> str:
+    """The space of an encoder's gallery vectors: a compatible model's own, else its checkpoint version."""
+    if isinstance(encoder, CompatModel):
+        return encoder.contract.space_id
+    return str(read_sidecar(Path(path))["version"])
+
+
+def train_compat(
+    method: str,
+    old: str | Path,
+    new: str | Path,
+    shards: str | Sequence[str],
+    out_dir: str | Path,
+    settings: Mapping[str, Any] | None = None,
+    batch_size: int = 64,
+    max_samples: int | None = None,
+) -> CompatModel:
+    """Fit ``method`` with the model at ``old`` frozen, starting from ``new``; save to ``out_dir``.
+
+    ``settings`` are the method's config values (see ``compatflow compat methods``). ``old_space_id``
+    defaults to the old model's space, ``version`` to the new checkpoint's version.
+    """
+    runner = get_method(method)
+    old_encoder = load_encoder(old)
+    new_bundle = load_checkpoint(Path(new))
+    values = dict(settings or {})
+    values.setdefault("old_space_id", space_id_of(old, old_encoder))
+    values.setdefault("version", str(read_sidecar(Path(new))["version"]))
+    config = runner.make_config(values)
+    batches = ShardBatches(shards, batch_size, seed=config.seed, max_samples=max_samples)
+    log.info(
+        "compat %s: %d shard(s), batch %d, old %s, new %s", method, len(batches.urls), batch_size, old, new
+    )
+    model = runner.fit(new_bundle, old_encoder, batches, config)
+    model.training_info.setdefault(
+        "data", {"shards": len(batches.urls), "batch_size": batch_size, "epochs_started": batches.epoch}
+    )
+    model.training_info["sources"] = {"old": str(old), "new": str(new)}
+    model.save(out_dir)
+    return model

@@ -1,0 +1,328 @@
+"""``taca``: Task-agnostic Compatible Adapter (TaCA; anonymous, under review; digest-taca.md).
+
+The new visual encoder is frozen; TaCA adds a tied-weight bottleneck adapter to every Transformer block
+(:mod:`compat.modules.adapters`, Eq. 3-4) and a two-layer dimension projector ``d_n -> d_p -> d_o``
+(:class:`~compat.modules.projection.TwoLayerProjector`, ``d_p = 4096``). Only adapters and projector train,
+with (Eq. 5-7 and Algorithm 1)::
+
+    L_TaCA = L_contra + lambda * L_distill,   lambda = 2
+    L_contra  = 1/2 [CE(s V_new W_old^T, arange) + CE(s W_old V_new^T, arange)]   (symmetric, Algorithm 1)
+    L_distill = 1/B sum_i || V_new_i - V_old_i ||_2                                 (Eq. 5)
+
+``V_new = norm(projector(E_new^I(x)))`` (the projector takes the raw visual output, Algorithm 1 line 19),
+``V_old``/``W_old`` are the frozen old model's l2-normalised image/text features of the same pairs. The new
+model's text encoder is not used: TaCA upgrades the visual encoder only, so the served text encoder is the
+old one (:meth:`TaCAModel.encode_texts`) and text->image new/old equals old/old by construction; images
+(queries or re-embedded gallery items) go through the adapted new encoder into the old space (rule ``as_is``).
+
+Choices where the paper is silent:
+
+- ``L_distill`` is Eq. 5's per-sample norm (Euclidean distance, not its square) on l2-normalised features,
+  the same features the contrastive term compares by cosine (Eq. 1); Algorithm 1 calls it ``l2_loss``.
+- Temperature: not stated. ``logit_scale = None`` uses the old model's own learned multiplier, whose text
+  features are the contrastive targets; the value used is stored in the saved config.
+- Adapter position (after each block's MLP), sigma = GELU, small random init: see
+  :mod:`compat.modules.adapters`. Projector activation GELU. Bottleneck ``d'``: ``None`` = width / 8 (the
+  paper's 128 for the 1024-wide L/14).
+- Optimiser: AdamW, lr 2e-4 (Sec. 4.1), constant, weight decay 0.01 (not stated; AdamW's default).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import torch
+
+from compat.losses import clip_loss
+from compat.methods import register_method
+from compat.methods.base import (
+    Batch,
+    CompatError,
+    CompatMethod,
+    CompatModel,
+    Encoder,
+    MethodConfig,
+    ServingContract,
+    TrainingLog,
+    cycle_batches,
+    freeze,
+    frozen_features,
+    logit_scale_of,
+    prepare_images,
+    resolve_device,
+)
+from compat.methods.xbt import make_contract, on_device, seeded
+from compat.models import ClipBundle
+from compat.modules.adapters import AdapterHandle, insert_tied_adapters, vision_blocks
+from compat.modules.projection import TwoLayerProjector
+from compat.modules.serving import ProjectedCLIP, original_model, projected_bundle
+from compat.progress import track
+
+
+# ------------------------------------------------------------------------------------------------ losses
+class TaCATerms(NamedTuple):
+    """One step's loss: ``total = contra + distill_weight * distill``."""
+
+    total: torch.Tensor
+    contra: torch.Tensor
+    distill: torch.Tensor
+
+
+def distillation_loss(new_image: torch.Tensor, old_image: torch.Tensor) -> torch.Tensor:
+    """``L_distill`` (Eq. 5): mean of ``||v_new_i - v_old_i||_2`` over the batch; old features detached."""
+    if new_image.shape != old_image.shape:
+        raise ValueError(
+            f"distillation: new features {tuple(new_image.shape)} and old features "
+            f"{tuple(old_image.shape)} must have the same shape (project to the old dimension)"
+        )
+    return (new_image - old_image.detach()).norm(dim=-1).mean()
+
+
+def contrastive_loss(new_image: torch.Tensor, old_text: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """``L_contra`` (Eq. 6 made symmetric as in Algorithm 1): CLIP InfoNCE of new images vs old texts."""
+    return clip_loss(new_image, old_text.detach(), logit_scale)
+
+
+def taca_loss(
+    new_image: torch.Tensor,
+    old_image: torch.Tensor,
+    old_text: torch.Tensor,
+    logit_scale: float,
+    distill_weight: float = 2.0,
+) -> TaCATerms:
+    """``L_TaCA = L_contra + lambda L_distill`` (Eq. 7), lambda = 2 in the paper."""
+    contra = contrastive_loss(new_image, old_text, logit_scale)
+    distill = distillation_loss(new_image, old_image)
+    return TaCATerms(contra + distill_weight * distill, contra, distill)
+
+
+# ------------------------------------------------------------------------------------------------ config
+@dataclass
+class TaCAConfig(MethodConfig):
+    """TaCA settings; defaults from Sec. 4.1 where the paper gives them (see the module docstring)."""
+
+    steps: int = 300
+    lr: float = 2e-4
+    weight_decay: float = 0.01
+    bottleneck: int | None = None
+    projector_hidden: int = 4096
+    distill_weight: float = 2.0
+    logit_scale: float | None = None
+    adapter_init_std: float = 0.01
+
+    def validate(self) -> None:
+        if self.steps < 1 or not self.lr > 0 or self.weight_decay < 0:
+            raise ValueError("steps >= 1, lr > 0 and weight_decay >= 0 are required")
+        if self.bottleneck is not None and self.bottleneck < 1:
+            raise ValueError(f"bottleneck must be >= 1 (or null for width / 8), got {self.bottleneck}")
+        if self.projector_hidden < 1 or self.distill_weight < 0 or not self.adapter_init_std > 0:
+            raise ValueError(
+                "projector_hidden >= 1, distill_weight >= 0 and adapter_init_std > 0 are required"
+            )
+        if self.logit_scale is not None and not self.logit_scale > 0:
+            raise ValueError(f"logit_scale must be > 0 (or null for the old model's), got {self.logit_scale}")
+
+
+# ---------------------------------------------------------------------------------- adapted vision tower
+class AdaptedVisual:
+    """The new model with tied adapters in every vision block and the projector on its image embedding."""
+
+    def __init__(
+        self,
+        new: ClipBundle,
+        out_dim: int,
+        config: TaCAConfig,
+        device: torch.device,
+        copy_model: bool = True,
+        bottleneck: int | None = None,
+    ) -> None:
+        model = (copy.deepcopy(new.model) if copy_model else new.model).to(device)
+        self.bundle = dataclasses.replace(new, model=model)
+        width = vision_blocks(model.visual)[0].mlp.c_proj.weight.shape[0]
+        self.bottleneck = bottleneck or config.bottleneck or max(width // 8, 1)
+        self.adapters: AdapterHandle = insert_tied_adapters(
+            model.visual, self.bottleneck, config.adapter_init_std
+        )
+        self.projector = TwoLayerProjector(new.embed_dim, out_dim, config.projector_hidden).to(device)
+        self.head = ProjectedCLIP(model, self.projector, None, normalize_inputs=False)
+        self.serving = projected_bundle(self.bundle, self.head, out_dim)
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Adapters and projector, by name (``new.<block>.adapter.weight``, ``projector.*``)."""
+        names = {id(p): n for n, p in self.bundle.model.named_parameters()}
+        adapters = [(f"new.{names[id(p)]}", p) for p in self.adapters.parameters()]
+        return adapters + [(f"projector.{n}", p) for n, p in self.projector.named_parameters()]
+
+    def set_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        for p in (*self.bundle.model.parameters(), *self.projector.parameters()):
+            p.requires_grad_(False)
+        params = self.trainable()
+        for _, p in params:
+            p.requires_grad_(True)
+        return params
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.trainable()}
+
+    def load_adapter_state(self, tensors: dict[str, torch.Tensor], source: str = "adapters") -> None:
+        own = dict(self.trainable())
+        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise CompatError(
+                f"{source}: TaCA tensors do not fit this model: missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]}"
+            )
+        with torch.no_grad():
+            for name, param in own.items():
+                if tensors[name].shape != param.shape:
+                    raise CompatError(
+                        f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
+                        f"{tuple(param.shape)}"
+                    )
+                param.copy_(tensors[name])
+
+    def remove(self) -> ClipBundle:
+        """Remove the adapters in place; the bundle is then the original new model."""
+        self.adapters.remove()
+        return self.bundle
+
+
+# ----------------------------------------------------------------------------------------- served model
+class TaCAModel(CompatModel):
+    """Images through the adapted new encoder + projector; texts through the old text encoder."""
+
+    def __init__(
+        self, adapted: AdaptedVisual, old: ClipBundle, contract: ServingContract, config: TaCAConfig
+    ) -> None:
+        super().__init__(contract, config)
+        self.adapted = adapted
+        self.old = old
+
+    @property
+    def logit_scale(self) -> float:
+        return (
+            float(self.config.logit_scale)
+            if self.config.logit_scale is not None
+            else logit_scale_of(self.old)
+        )
+
+    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
+        if not self.adapted.adapters.attached:
+            raise CompatError("the adapters of this TaCA model were removed (remove_adapters())")
+        return self.adapted.serving.encode_images(images, batch_size=batch_size, device=device)
+
+    def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
+        return self.old.encode_texts(texts, batch_size=batch_size, device=device)
+
+    def original_new_model(self) -> ClipBundle:
+        """A fresh copy of the new model as it was before TaCA (this model is unchanged)."""
+        return original_model(self.adapted.bundle)
+
+    def remove_adapters(self) -> ClipBundle:
+        """Drop the adapters in place and return the original new model."""
+        return self.adapted.remove()
+
+    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict[str, torch.Tensor] | None]]:
+        return {"new": (self.original_new_model(), None), "old": (self.old, None)}
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return self.adapted.adapter_state()
+
+    @classmethod
+    def restore(
+        cls,
+        parts: dict[str, ClipBundle],
+        adapters: dict[str, torch.Tensor],
+        config: MethodConfig,
+        contract: ServingContract,
+    ) -> TaCAModel:
+        if set(parts) != {"new", "old"}:
+            raise CompatError(f"{cls.method}: expected saved parts 'new' and 'old', got {sorted(parts)}")
+        new, old = parts["new"], freeze(parts["old"])
+        weights = [v for k, v in adapters.items() if k.endswith(".adapter.weight")]
+        if not weights:
+            raise CompatError(f"{cls.method} adapters: no '*.adapter.weight' tensor found")
+        adapted = AdaptedVisual(
+            new, contract.dim, config, new.device, copy_model=False, bottleneck=int(weights[0].shape[0])
+        )
+        adapted.load_adapter_state(adapters, f"{cls.method} adapters")
+        adapted.bundle.model.eval()
+        adapted.projector.eval()
+        return cls(adapted, old, contract, config)
+
+
+# -------------------------------------------------------------------------------------------- training
+def train_taca(
+    adapted: AdaptedVisual, old: ClipBundle, batches: Iterable[Batch], config: TaCAConfig, logit_scale: float
+) -> dict[str, Any]:
+    """Algorithm 1: frozen old features, adapted new image features, ``L_TaCA``; adapters + projector only."""
+    device = adapted.bundle.device
+    params = adapted.set_trainable()
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=config.lr, weight_decay=config.weight_decay)
+    model = adapted.bundle.model
+    model.train()
+    adapted.projector.train()
+    same_input = adapted.bundle.image_size == old.image_size
+    history = TrainingLog()
+    for step, batch in enumerate(track(cycle_batches(batches, config.steps), "taca", total=config.steps)):
+        images = prepare_images(batch.images, adapted.bundle, train=True).to(device)
+        old_batch = SimpleNamespace(images=images, texts=batch.texts) if same_input else batch
+        old_image, old_text = frozen_features(old, old_batch, device)
+        new_image = adapted.head.encode_image(images, normalize=True)
+        terms = taca_loss(new_image, old_image, old_text, logit_scale, config.distill_weight)
+        if not torch.isfinite(terms.total):
+            raise CompatError(
+                f"taca: the loss became {terms.total.item()} at step {step}; lower lr ({config.lr})"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        terms.total.backward()
+        optimizer.step()
+        history.record(
+            step,
+            config.log_every,
+            loss=terms.total.detach(),
+            contra=terms.contra.detach(),
+            distill=terms.distill.detach(),
+        )
+    model.eval()
+    adapted.projector.eval()
+    for p in (*model.parameters(), *adapted.projector.parameters()):
+        p.requires_grad_(False)
+    return history.finish(
+        trainable_parameters=sum(p.numel() for _, p in params), bottleneck=adapted.bottleneck
+    )
+
+
+@register_method("taca")
+class TaCA(CompatMethod):
+    """Tied adapters in every new vision block + projector, trained with ``L_contra + 2 L_distill``."""
+
+    config_class = TaCAConfig
+    model_class = TaCAModel
+
+    def fit(
+        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: TaCAConfig | None = None
+    ) -> TaCAModel:
+        config = config or self.make_config()
+        if not isinstance(old, ClipBundle):
+            raise CompatError(
+                f"taca serves the production model's text encoder and saves it with the model, so "
+                f"the old model must be a ClipBundle checkpoint; got {type(old).__name__}"
+            )
+        device = resolve_device(config.device)
+        freeze(old)
+        config = dataclasses.replace(config, logit_scale=config.logit_scale or logit_scale_of(old))
+        started = time.monotonic()
+        with seeded(config.seed, device), on_device(old, device):
+            adapted = AdaptedVisual(new, int(old.embed_dim), config, device)
+            info = train_taca(adapted, old, batches, config, config.logit_scale)
+        model = TaCAModel(adapted, old, make_contract(self.name, config, int(old.embed_dim)), config)
+        model.trainable_parameters = info["trainable_parameters"]
+        model.training_info = {**info, "seconds": round(time.monotonic() - started, 3)}
+        return model

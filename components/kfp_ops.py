@@ -1,0 +1,215 @@
+"""KFP v2 components: one per pipeline stage.
+
+Each component is a thin, typed wrapper around a function of :mod:`components.stages`: it
+imports it inside its body (KFP ships the function's source to the task), runs it on its input
+artifacts and fills its typed output artifacts. Stage summaries also land in the run directory
+(``<workspace>/runs/<run_id>/<stage>/``) where the exit-handler report and ``compatflow status``
+read them. Locally the tasks run through ``kfp.local.SubprocessRunner``; on a cluster in the
+compatflow image (``IMAGE``), which already holds the package and kfp, so nothing is installed
+at task start.
+
+The resolved config travels as a JSON string: KFP's struct parameters turn every number into a
+float. No ``from __future__ import annotations`` here: KFP reads the annotations at runtime.
+"""
+
+import os
+from typing import List, NamedTuple
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output, PipelineTaskFinalStatus
+
+IMAGE = os.environ.get("COMPATFLOW_IMAGE", "compatflow-cpu:0.1.0")
+COMPONENT = {"base_image": IMAGE, "install_kfp_package": False}
+
+
+@dsl.component(**COMPONENT)
+def plan_op(
+    config: str, phase: int, run_id: str, job_name: str
+) -> NamedTuple(
+    "Plan",
+    [
+        ("run_dir", str),
+        ("phase", int),
+        ("stream_dir", str),
+        ("train_shards", List[str]),
+        ("reference_shards", List[str]),
+        ("eval_shards", List[str]),
+        ("gallery_shards", List[str]),
+    ],
+):
+    """Plan the run: the phase (-1: next pending), its run directory and the shard lists."""
+    from collections import namedtuple
+
+    from components.stages import plan_stage
+
+    plan = plan_stage(config, phase, run_id or job_name)
+    fields = ["run_dir", "phase", "stream_dir", "train_shards", "reference_shards", "eval_shards", "gallery_shards"]
+    return namedtuple("Plan", fields)(*(plan[f] for f in fields))
+
+
+@dsl.component(**COMPONENT)
+def resolve_production_op(config: str) -> str:
+    """Path of the production checkpoint from the registry, or "" on the very first run."""
+    from components.stages import resolve_production
+
+    return resolve_production(config)
+
+
+@dsl.component(**COMPONENT)
+def validate_op(
+    config: str,
+    shards: List[str],
+    run_dir: str,
+    accepted: Output[Dataset],
+    summary: Output[Dataset],
+    metrics: Output[Metrics],
+) -> bool:
+    """Validate a phase's shards into ``accepted`` (accepted/, quarantine/); returns ``blocked``."""
+    from pathlib import Path
+
+    from components.stages import validate_stage
+
+    document = validate_stage(config, Path(run_dir), shards, Path(accepted.path), Path(summary.path))
+    for key in ("total", "passed", "quarantined", "quarantined_fraction"):
+        metrics.log_metric(key, float(document[key]))
+    return bool(document["blocked"])
+
+
+@dsl.component(**COMPONENT)
+def drift_op(
+    config: str,
+    run_dir: str,
+    reference_shards: List[str],
+    current: Input[Dataset],
+    production: str,
+    report: Output[HTML],
+    summary: Output[Dataset],
+) -> str:
+    """Drift of the validated phase against the reference phase; returns the overall severity."""
+    from pathlib import Path
+
+    from components.stages import drift_stage
+
+    return drift_stage(
+        config, Path(run_dir), reference_shards, current.path, production, Path(report.path), Path(summary.path)
+    )
+
+
+@dsl.component(**COMPONENT)
+def continual_op(
+    config: str,
+    run_dir: str,
+    phase: int,
+    stream_dir: str,
+    accepted: Input[Dataset],
+    production: str,
+    candidate: Output[Model],
+    metrics: Output[Metrics],
+) -> None:
+    """Mod-X continual training on the validated phase; the candidate checkpoint is ``candidate/model``."""
+    from pathlib import Path
+
+    from components.stages import continual_stage
+
+    doc = continual_stage(config, Path(run_dir), phase, stream_dir, accepted.path, production, Path(candidate.path))
+    for domain, directions in (doc.get("domains") or {}).items():
+        for direction, values in (directions if isinstance(directions, dict) else {}).items():
+            if isinstance(values, dict) and isinstance(values.get("R@1"), (int, float)):
+                metrics.log_metric(f"{domain}.{direction}.R@1", float(values["R@1"]))
+
+
+@dsl.component(**COMPONENT)
+def compat_op(
+    config: str,
+    run_dir: str,
+    candidate: Input[Model],
+    production: str,
+    accepted: Input[Dataset],
+    compat_model: Output[Model],
+) -> None:
+    """Compatibility training of the candidate against the frozen production model."""
+    from pathlib import Path
+
+    from components.stages import compat_stage
+
+    compat_stage(
+        config, Path(run_dir), str(Path(candidate.path) / "model"), production, accepted.path, Path(compat_model.path)
+    )
+
+
+@dsl.component(**COMPONENT)
+def evaluate_op(
+    config: str,
+    run_dir: str,
+    phase: int,
+    production: str,
+    compat_model: Input[Model],
+    eval_shards: List[str],
+    report: Output[Dataset],
+    metrics: Output[Metrics],
+) -> bool:
+    """Retrieval matrix, margins and ECC of the candidate against production; returns the ECC verdict."""
+    from pathlib import Path
+
+    from components.stages import evaluate_stage
+
+    doc = evaluate_stage(config, Path(run_dir), production, compat_model.path, eval_shards, Path(report.path), phase)
+    for direction, pairs in doc["retrieval"].items():
+        for pair, values in pairs.items():
+            for metric, value in values.items():
+                metrics.log_metric(f"{direction}.{pair.replace('/', '_')}.{metric}", float(value))
+    return bool(doc.get("ecc_passed", False))
+
+
+@dsl.component(**COMPONENT)
+def gate_op(
+    config: str,
+    run_dir: str,
+    report: Input[Dataset],
+    validation: Input[Dataset],
+    drift: Input[Dataset],
+    decision: Output[Dataset],
+) -> str:
+    """The release gate (fail-closed): returns "pass" or "block"."""
+    from pathlib import Path
+
+    from components.stages import gate_stage
+
+    return gate_stage(
+        config,
+        Path(run_dir),
+        str(Path(report.path) / "compat_report.json"),
+        validation.path,
+        drift.path,
+        Path(decision.path),
+    )
+
+
+@dsl.component(**COMPONENT)
+def register_op(config: str, run_dir: str, phase: int, model: Input[Model], bootstrap: bool) -> str:
+    """Log the run to MLflow and register the model as the ``candidate`` version; returns the version."""
+    from pathlib import Path
+
+    from components.stages import register_stage
+
+    return register_stage(config, Path(run_dir), phase, model.path, bootstrap=bootstrap)["version"]
+
+
+@dsl.component(**COMPONENT)
+def note_blocked_op(run_dir: str, stage: str, reason: str) -> None:
+    """Record that a stage stopped the run, for the report and ``compatflow status``."""
+    from pathlib import Path
+
+    from components.stages import note_blocked
+
+    note_blocked(Path(run_dir), stage, reason)
+
+
+@dsl.component(**COMPONENT)
+def finish_op(config: str, run_id: str, job_name: str, status: PipelineTaskFinalStatus, html: Output[HTML]) -> None:
+    """Exit handler: record the run's outcome and write the on-call report, whatever happened before."""
+    from pathlib import Path
+
+    from components.stages import finish_stage
+
+    finish_stage(config, run_id or job_name, status.state, status.error_message or "", Path(html.path))

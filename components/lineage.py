@@ -1,0 +1,229 @@
+"""Gallery-item lineage in Feast: which model version and embedding space wrote each item's vector.
+
+The indexing and backfill stages call :meth:`LineageStore.write_items` after each upsert; on-call
+and the backfill planner call :meth:`LineageStore.get_items` / :meth:`LineageStore.versions_by_item`.
+Offline rows are append-only parquet parts (one file per write, renamed into place, so a crash
+never leaves a half-written file); the online store (sqlite by default) holds the newest row per item.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ITEM_COLUMNS = (
+    "item_id",
+    "caption",
+    "image_uri",
+    "model_version",
+    "space_id",
+    "embedded_at",
+    "phase",
+    "domain",
+)
+REQUIRED = ("item_id", "model_version", "space_id")
+
+
+class LineageError(ValueError):
+    """Bad lineage input or a repo that is not set up; the message says which field or what to run."""
+
+
+class LineageStore:
+    """The Feast feature repo at ``repo_dir`` (a workspace's ``feast/`` directory by default)."""
+
+    def __init__(self, repo_dir: str | Path) -> None:
+        self.repo_dir = Path(repo_dir).resolve()
+        self._store: Any = None
+
+    @property
+    def items_dir(self) -> Path:
+        from components.feature_repo import items  # Feast definitions; imported lazily (slow)
+
+        return self.repo_dir / items.ITEMS_SOURCE_DIR
+
+    @property
+    def store(self) -> Any:
+        """The ``feast.FeatureStore`` of this repo (the repo must have been scaffolded)."""
+        if self._store is None:
+            if not (self.repo_dir / "feature_store.yaml").is_file():
+                raise LineageError(
+                    f"{self.repo_dir} has no feature_store.yaml: call LineageStore.apply() first"
+                )
+            from feast import FeatureStore
+
+            self._store = FeatureStore(repo_path=str(self.repo_dir))
+        return self._store
+
+    def scaffold(self) -> None:
+        """Copy ``feature_store.yaml`` and ``items.py`` into the repo when missing (never overwrites)."""
+        from components.feature_repo import REPO_FILES, REPO_TEMPLATE_DIR
+
+        self.repo_dir.mkdir(parents=True, exist_ok=True)
+        for name in REPO_FILES:
+            target = self.repo_dir / name
+            if not target.exists():
+                shutil.copyfile(REPO_TEMPLATE_DIR / name, target)
+        (self.repo_dir / "data").mkdir(exist_ok=True)
+        self.items_dir.mkdir(parents=True, exist_ok=True)
+
+    def apply(self) -> None:
+        """Scaffold the repo and register the entity and feature view (idempotent)."""
+        from components.feature_repo import items
+
+        self.scaffold()
+        self.store.apply([items.item, items.gallery_items])
+        log.info("feast repo %s applied (feature view %s)", self.repo_dir, items.ITEMS_VIEW)
+
+    def write_items(self, items: Any) -> int:
+        """Record item vectors written by a model: append offline, upsert online; returns the row count.
+
+        ``items`` is a pandas DataFrame or an iterable of mappings with ``item_id``,
+        ``model_version`` and ``space_id`` (required) and ``caption``, ``image_uri``,
+        ``embedded_at`` (default: now), ``phase``, ``domain``. The newest row per item wins.
+        """
+        from components.feature_repo import items as defs
+
+        frame = _normalise(items)
+        if frame.empty:
+            return 0
+        self.items_dir.mkdir(parents=True, exist_ok=True)
+        _write_part(frame, self.items_dir)
+        self.store.write_to_online_store(defs.ITEMS_VIEW, frame)
+        log.info(
+            "lineage: recorded %d items (versions %s)", len(frame), sorted(frame["model_version"].unique())
+        )
+        return len(frame)
+
+    def get_items(self, item_ids: Iterable[str]) -> list[dict[str, Any]]:
+        """Online lineage of ``item_ids`` in order; unknown items come back with ``None`` features."""
+        from components.feature_repo import items as defs
+
+        ids = [str(i) for i in item_ids]
+        if not ids:
+            return []
+        response = self.store.get_online_features(
+            features=defs.FEATURES, entity_rows=[{"item_id": i} for i in ids]
+        ).to_dict()
+        rows = []
+        for index, item_id in enumerate(ids):
+            row = {"item_id": item_id}
+            for name in defs.FEATURE_NAMES:
+                row[name] = response[name][index]
+            rows.append(row)
+        return rows
+
+    def versions_by_item(self, item_ids: Iterable[str] | None = None) -> dict[str, str | None]:
+        """``{item_id: model_version}``: online for the given ids, else every item from the offline rows."""
+        if item_ids is not None:
+            return {row["item_id"]: row["model_version"] for row in self.get_items(item_ids)}
+        latest = self.latest_offline()
+        return dict(zip(latest["item_id"], latest["model_version"], strict=True))
+
+    def version_counts(self) -> dict[str, int]:
+        """Items per model version (from the offline rows' newest entry per item)."""
+        return dict(Counter(self.versions_by_item().values()))
+
+    def latest_offline(self) -> Any:
+        """The newest offline row per item as a DataFrame (empty when nothing was written)."""
+        import pandas as pd
+        import pyarrow.dataset as ds
+
+        parts = sorted(self.items_dir.glob("*.parquet")) if self.items_dir.is_dir() else []
+        if not parts:
+            return pd.DataFrame(columns=[*ITEM_COLUMNS, "written_at"])
+        frame = (
+            ds.dataset([str(p) for p in parts], format="parquet", schema=_arrow_schema())
+            .to_table()
+            .to_pandas()
+        )
+        frame = frame.sort_values(["written_at", "embedded_at"], kind="stable")
+        return frame.drop_duplicates("item_id", keep="last").reset_index(drop=True)
+
+
+def _normalise(items: Any) -> Any:
+    """A DataFrame with every lineage column typed, checked, one (newest) row per item."""
+    import pandas as pd
+
+    frame = items.copy() if isinstance(items, pd.DataFrame) else pd.DataFrame([dict(r) for r in _rows(items)])
+    if frame.empty:
+        return frame
+    missing = [c for c in REQUIRED if c not in frame.columns]
+    if missing:
+        raise LineageError(f"lineage rows lack required column(s) {missing}; each row needs {list(REQUIRED)}")
+    unknown = sorted(set(frame.columns) - set(ITEM_COLUMNS))
+    if unknown:
+        raise LineageError(f"lineage rows have unknown column(s) {unknown}; allowed: {list(ITEM_COLUMNS)}")
+    for column in REQUIRED:
+        bad = frame[column].isna() | (frame[column].astype(str).str.len() == 0)
+        if bad.any():
+            raise LineageError(
+                f"lineage column {column!r} is empty for item(s) {frame.loc[bad, 'item_id'].tolist()[:5]}"
+            )
+    now = datetime.now(UTC)
+    for column in ("caption", "image_uri", "domain"):
+        if column not in frame.columns:
+            frame[column] = None
+    if "embedded_at" not in frame.columns:
+        frame["embedded_at"] = now
+    frame["embedded_at"] = pd.to_datetime(frame["embedded_at"], utc=True).fillna(pd.Timestamp(now))
+    frame["phase"] = pd.array(
+        frame["phase"] if "phase" in frame.columns else [None] * len(frame), dtype="Int64"
+    )
+    for column in ("item_id", "model_version", "space_id", "caption", "image_uri", "domain"):
+        frame[column] = (
+            frame[column].map(lambda v: None if v is None or v is pd.NA else str(v)).astype(object)
+        )
+    frame["written_at"] = pd.Timestamp(now)
+    frame = frame.sort_values("embedded_at", kind="stable").drop_duplicates("item_id", keep="last")
+    return frame[[*ITEM_COLUMNS, "written_at"]].reset_index(drop=True)
+
+
+def _rows(items: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
+    for row in items:
+        if not isinstance(row, Mapping):
+            raise LineageError(f"lineage rows must be mappings, got {type(row).__name__}")
+        yield row
+
+
+def _arrow_schema() -> Any:
+    import pyarrow as pa
+
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema(
+        [
+            ("item_id", pa.string()),
+            ("caption", pa.string()),
+            ("image_uri", pa.string()),
+            ("model_version", pa.string()),
+            ("space_id", pa.string()),
+            ("embedded_at", ts),
+            ("phase", pa.int64()),
+            ("domain", pa.string()),
+            ("written_at", ts),
+        ]
+    )
+
+
+def _write_part(frame: Any, directory: Path) -> Path:
+    """One parquet part, written under a hidden name and renamed into place."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(frame, schema=_arrow_schema(), preserve_index=False)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+    final = directory / f"part-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
+    tmp = directory / f".{final.name}.tmp"
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    tmp.replace(final)
+    return final

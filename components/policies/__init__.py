@@ -1,0 +1,1 @@
+"""Policies shipped with compatflow (package data): ``gate_default.yaml`` is the release gate's default."""

@@ -1,0 +1,54 @@
+"""The on-call report of one pipeline run: why a model shipped or was blocked, on one page.
+
+``render(run_dir, fmt)`` returns the report (``html``: one self-contained file with inline CSS and
+base64 PNG plots; ``md``: a Markdown summary); ``write_reports(run_dir, out_dir)`` writes both.
+Stages that did not run (or whose output is unreadable) are shown as such, never as a failure
+of the report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FORMATS = ("html", "md")
+
+
+def render(
+    run_dir: str | Path,
+    fmt: str = "html",
+    *,
+    link_base: str | Path | None = None,
+    workspace_root: str | Path | None = None,
+) -> str:
+    """The report of the run in ``run_dir``; links are relative to ``link_base`` (default: the run dir)."""
+    from components.report import inputs as run_inputs
+    from components.report import renderers, sections
+
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown report format {fmt!r}: use one of {', '.join(FORMATS)}")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    loaded = run_inputs.load(run_dir, workspace_root=workspace_root)
+    body = sections.build(loaded, Path(link_base).resolve() if link_base else None)
+    title = f"compatflow run {loaded.run_id}"
+    writer = renderers.html if fmt == "html" else renderers.markdown
+    return writer(title, sections.header(loaded), body)
+
+
+def write_report(run_dir: str | Path, out: str | Path, fmt: str | None = None) -> Path:
+    """Write the report to ``out`` (format from ``fmt`` or the file suffix); links relative to ``out``."""
+    out = Path(out)
+    fmt = fmt or ("md" if out.suffix.lower() in {".md", ".markdown"} else "html")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = render(run_dir, fmt, link_base=out.parent)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def write_reports(run_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """``report.html`` and ``report.md`` of the run, written into ``out_dir``."""
+    out_dir = Path(out_dir)
+    return {fmt: write_report(run_dir, out_dir / f"report.{fmt}", fmt) for fmt in FORMATS}

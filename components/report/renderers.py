@@ -1,0 +1,124 @@
+"""Render report sections as one self-contained HTML page (inline CSS, base64 PNGs) or as Markdown."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+from html import escape
+from typing import Any
+
+from components.report.sections import Figure, Link, Note, Section, Table
+
+CSS = """
+body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;
+ background:#f6f8fa}
+main{max-width:1100px;margin:0 auto;padding:24px}
+h1{font-size:22px;margin:0 0 4px}
+h2{font-size:17px;margin:0;display:flex;gap:10px;align-items:center}
+section{background:#fff;border:1px solid #d0d7de;border-radius:8px;padding:16px 20px;margin:16px 0}
+.facts{display:flex;flex-wrap:wrap;gap:6px 22px;color:#57606a;margin:8px 0 0}
+.facts b{color:#1f2328;font-weight:600}
+.badge{font-size:12px;font-weight:600;padding:2px 10px;border-radius:12px;background:#eaeef2;color:#57606a}
+.good .badge,.badge.good{background:#dafbe1;color:#1a7f37}
+.bad .badge,.badge.bad{background:#ffebe9;color:#cf222e}
+.warn .badge,.badge.warn{background:#fff8c5;color:#9a6700}
+.banner{font-size:20px;font-weight:700;padding:10px 16px;border-radius:6px;margin-top:12px}
+.banner.good{background:#dafbe1;color:#1a7f37}.banner.bad{background:#ffebe9;color:#cf222e}
+.banner.muted{background:#eaeef2;color:#57606a}
+table{border-collapse:collapse;margin:10px 0;font-size:13px}
+th,td{border:1px solid #d0d7de;padding:4px 10px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}
+caption{text-align:left;color:#57606a;font-size:12px;padding-bottom:2px}
+p.good{color:#1a7f37}p.bad{color:#cf222e}p.warn{color:#9a6700}p.muted{color:#57606a;font-size:12px}
+figure{margin:12px 0}figure img{max-width:100%;border:1px solid #eaeef2}
+figcaption{color:#57606a;font-size:12px}
+details summary{cursor:pointer;color:#0969da;margin-top:8px}
+"""
+
+
+def html(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> str:
+    """The whole report as one HTML document with nothing fetched from elsewhere."""
+    gate = next((s for s in sections if s.key == "gate"), None)
+    banner_tone = gate.tone if gate is not None else "muted"
+    banner = (
+        f"Gate: {gate.status.upper()}" if gate is not None and gate.status != "not run" else "Gate: not run"
+    )
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{escape(title)}</title><style>{CSS}</style></head><body><main>",
+        f"<h1>{escape(title)}</h1>",
+        '<div class="facts">'
+        + "".join(f"<span>{escape(k)}: <b>{escape(v)}</b></span>" for k, v in facts)
+        + "</div>",
+        f'<div class="banner {escape(banner_tone)}">{escape(banner)}</div>',
+    ]
+    for section in sections:
+        parts.append(f'<section id="{escape(section.key)}" class="{escape(section.tone)}">')
+        parts.append(f'<h2>{escape(section.title)} <span class="badge">{escape(section.status)}</span></h2>')
+        parts += [_html_item(item) for item in section.items]
+        parts.append("</section>")
+    parts.append(f'<p class="muted">generated {escape(_now())} by compatflow</p></main></body></html>')
+    return "\n".join(parts) + "\n"
+
+
+def _html_item(item: Note | Table | Figure | Link) -> str:
+    if isinstance(item, Note):
+        return f'<p class="{escape(item.tone)}">{escape(item.text)}</p>'
+    if isinstance(item, Link):
+        missing = "" if item.exists else ' <span class="badge warn">file not found</span>'
+        anchor = f'<a href="{escape(item.href, quote=True)}">{escape(item.text)}</a>'
+        return f"<p>{anchor} ({escape(item.href)}){missing}</p>"
+    if isinstance(item, Figure):
+        data = base64.b64encode(item.png).decode("ascii")
+        return (
+            f'<figure><img alt="{escape(item.title, quote=True)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{escape(item.title)}</figcaption></figure>"
+        )
+    head = "".join(f"<th>{escape(str(h))}</th>" for h in item.headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{escape(_cell(c))}</td>" for c in row) + "</tr>" for row in item.rows
+    )
+    caption = f"<caption>{escape(item.caption)}</caption>" if item.caption and not item.collapsed else ""
+    table = f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    if item.collapsed:
+        return f"<details><summary>{escape(item.caption or 'details')}</summary>{table}</details>"
+    return table
+
+
+def markdown(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> str:
+    """The same report as Markdown text (plots are named; they live in the HTML report)."""
+    lines = [f"# {title}", "", *(f"- **{k}**: {v}" for k, v in facts), ""]
+    for section in sections:
+        lines += [f"## {section.title} — {section.status}", ""]
+        for item in section.items:
+            lines += _md_item(item) + [""]
+    lines.append(f"_generated {_now()} by compatflow_")
+    return "\n".join(lines) + "\n"
+
+
+def _md_item(item: Note | Table | Figure | Link) -> list[str]:
+    if isinstance(item, Note):
+        return [f"_{_md(item.text)}_" if item.tone == "muted" else _md(item.text)]
+    if isinstance(item, Link):
+        return [f"[{_md(item.text)}]({item.href})" + ("" if item.exists else " (file not found)")]
+    if isinstance(item, Figure):
+        return [f"*Plot: {_md(item.title)} (in the HTML report)*"]
+    out = [f"**{_md(item.caption)}**", ""] if item.caption else []
+    out.append("| " + " | ".join(_md(str(h)) for h in item.headers) + " |")
+    out.append("|" + "---|" * len(item.headers))
+    out += ["| " + " | ".join(_md(_cell(c)) for c in row) + " |" for row in item.rows]
+    return out
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -1,0 +1,425 @@
+"""The report's content as plain data (sections of notes, tables, figures, links), built from a run's inputs.
+
+Both renderers (HTML and Markdown) walk the same sections, so they always say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.report import plots
+from components.report.inputs import RunInputs, Source
+
+
+@dataclass
+class Note:
+    text: str
+    tone: str = "plain"  # plain | good | bad | warn | muted
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[Any]]
+    caption: str | None = None
+    collapsed: bool = False
+
+
+@dataclass
+class Figure:
+    title: str
+    png: bytes
+
+
+@dataclass
+class Link:
+    text: str
+    href: str
+    exists: bool = True
+
+
+@dataclass
+class Section:
+    key: str
+    title: str
+    status: str  # a short word shown as a badge: pass, block, ok, not run, unreadable, ...
+    tone: str = "plain"
+    items: list[Note | Table | Figure | Link] = field(default_factory=list)
+
+
+def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
+    """Every section of the report, in reading order; ``link_base`` is where relative links start."""
+    base = link_base or inputs.run_dir
+    report = inputs.data("compat_report")
+    gate = inputs.data("gate")
+    blocked = inputs.data("blocked")
+    sections = [
+        _gate_section(inputs["gate"]),
+        _validation_section(inputs["validation"]),
+        _drift_section(inputs["drift"], base),
+        _training_section(inputs["metrics"]),
+        _compat_section(inputs["compat_report"]),
+        _margins_section(inputs["compat_report"], gate),
+        _rollout_section(inputs["rollout"], report),
+    ]
+    if blocked:
+        stop = Note(
+            f"The run stopped at stage {blocked.get('stage', '?')}: "
+            f"{blocked.get('reason', 'no reason given')}",
+            "bad",
+        )
+        sections[0].items.insert(0, stop)
+    return sections
+
+
+def header(inputs: RunInputs) -> list[tuple[str, str]]:
+    """Key facts for the top of the report."""
+    report = inputs.data("compat_report") or {}
+    gate = inputs.data("gate") or {}
+    facts = [("run", inputs.run_id)]
+    for key, label in (("old_model", "production model"), ("new_model", "candidate model")):
+        ref = report.get(key)
+        if isinstance(ref, Mapping):
+            facts.append(
+                (
+                    label,
+                    " ".join(str(ref[k]) for k in ("name", "version", "config") if ref.get(k) is not None),
+                )
+            )
+    for key in ("method", "scenario", "data_phase"):
+        if key in report:
+            facts.append((key.replace("_", " "), str(report[key])))
+    facts.append(("gate", str(gate.get("decision", "not run")).upper()))
+    return facts
+
+
+def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
+    if source.error:
+        return Section(key, title, "unreadable", "bad", [Note(source.error, "bad")])
+    if not source.present:
+        return Section(
+            key, title, "not run", "muted", [Note(f"No {what} for this run: the stage did not run.", "muted")]
+        )
+    return None
+
+
+def _gate_section(source: Source) -> Section:
+    missing = _absent(source, "gate", "Release gate", "gate.json")
+    if missing:
+        return missing
+    gate = source.data or {}
+    decision = str(gate.get("decision", "unknown"))
+    passed = decision == "pass"
+    section = Section("gate", "Release gate", decision, "good" if passed else "bad")
+    if passed:
+        section.items.append(Note("The candidate passed every check of the release gate.", "good"))
+    else:
+        section.items.append(
+            Note(f"The candidate was blocked for {len(gate.get('reasons', []))} reason(s):", "bad")
+        )
+        section.items.append(
+            Table(
+                ["code", "direction", "metric", "value", "threshold", "message"],
+                [
+                    [
+                        r.get("code"),
+                        r.get("direction", ""),
+                        r.get("metric", ""),
+                        _fmt(r.get("value")),
+                        _fmt(r.get("threshold")),
+                        r.get("message"),
+                    ]
+                    for r in gate.get("reasons", [])
+                ],
+            )
+        )
+    checks = gate.get("checks", [])
+    if checks:
+        section.items.append(
+            Table(
+                ["check", "status", "message"],
+                [[c.get("name"), c.get("status"), c.get("message")] for c in checks],
+                caption=f"All {len(checks)} checks",
+                collapsed=True,
+            )
+        )
+    details = [f"decided at {gate.get('decided_at')}", f"report sha256 {gate.get('report_sha256') or '-'}"]
+    if gate.get("policy_source"):
+        details.append(f"policy {gate['policy_source']}")
+    section.items.append(Note("; ".join(details), "muted"))
+    return section
+
+
+def _validation_section(source: Source) -> Section:
+    missing = _absent(source, "validation", "Data validation", "validation summary")
+    if missing:
+        return missing
+    doc = source.data or {}
+    blocked = doc.get("blocked")
+    section = Section(
+        "validation", "Data validation", "blocked" if blocked else "ok", "bad" if blocked else "good"
+    )
+    section.items.append(
+        Table(
+            ["samples", "passed", "quarantined", "quarantined %", "phase blocked"],
+            [
+                [
+                    doc.get("total"),
+                    doc.get("passed"),
+                    doc.get("quarantined"),
+                    _pct(doc.get("quarantined"), doc.get("total")),
+                    "yes" if blocked else "no",
+                ]
+            ],
+        )
+    )
+    by_reason = doc.get("by_reason")
+    if isinstance(by_reason, Mapping) and by_reason:
+        rows = sorted(([str(k), v] for k, v in by_reason.items()), key=lambda r: -_num(r[1]))
+        section.items.append(Table(["quarantine reason", "samples"], rows))
+    for reason in doc.get("blocked_reasons") or []:
+        section.items.append(Note(f"blocked: {reason}", "bad"))
+    return section
+
+
+def _drift_section(source: Source, base: Path) -> Section:
+    missing = _absent(source, "drift", "Data drift", "drift summary")
+    if missing:
+        return missing
+    doc = source.data or {}
+    severity = str(doc.get("severity", "unknown"))
+    tone = {"none": "good", "low": "good", "medium": "warn", "high": "bad"}.get(severity, "warn")
+    section = Section("drift", "Data drift", f"severity {severity}", tone)
+    verdicts = doc.get("verdicts")
+    if isinstance(verdicts, Mapping) and verdicts:
+        rows = []
+        for name, verdict in verdicts.items():
+            v = verdict if isinstance(verdict, Mapping) else {}
+            rows.append(
+                [
+                    name,
+                    v.get("kind", "-"),
+                    v.get("method", "-"),
+                    _fmt(v.get("score")),
+                    _fmt(v.get("threshold")),
+                    "yes" if v.get("drift") else "no",
+                    v.get("severity", "-"),
+                ]
+            )
+        section.items.append(
+            Table(["metric", "kind", "method", "score", "threshold", "drift", "severity"], rows)
+        )
+    html_report = doc.get("html_report")
+    if html_report and source.path is not None:
+        target = (source.path.parent / str(html_report)).resolve()
+        href = os.path.relpath(target, base).replace(os.sep, "/")
+        section.items.append(Link("Evidently drift report", href, target.is_file()))
+    return section
+
+
+def _training_section(source: Source) -> Section:
+    missing = _absent(source, "training", "Training", "training metrics")
+    if missing:
+        return missing
+    doc = source.data or {}
+    section = Section("training", "Training", "ok", "plain")
+    png = plots.training_curves(doc)
+    if png:
+        section.items.append(Figure("Training curves", png))
+    else:
+        section.items.append(Note("metrics.json has no training curve.", "muted"))
+    scalars: list[list[Any]] = []
+    for key, value in doc.items():
+        rows = _nested_table(value) if key != "curve" else None
+        if rows:
+            section.items.append(Table(rows[0], rows[1:], caption=key.replace("_", " ")))
+        elif isinstance(value, Mapping):
+            scalars += [[f"{key}.{k}", _fmt(v)] for k, v in value.items() if _is_scalar(v)]
+        elif _is_scalar(value):
+            scalars.append([key, _fmt(value)])
+    if scalars:
+        section.items.append(Table(["field", "value"], scalars, caption="Run facts", collapsed=True))
+    return section
+
+
+def _compat_section(source: Source) -> Section:
+    missing = _absent(source, "compat", "Compatibility matrix", "compatibility report")
+    if missing:
+        return missing
+    report = source.data or {}
+    passed = report.get("ecc_passed")
+    status = {True: "ECC holds", False: "ECC fails"}.get(passed, "evaluated")
+    section = Section(
+        "compat", "Compatibility matrix", status, {True: "good", False: "bad"}.get(passed, "plain")
+    )
+    png = plots.compat_heatmap(report)
+    if png:
+        section.items.append(Figure("Query model x gallery model, R@1", png))
+    rows = []
+    retrieval = report.get("retrieval") if isinstance(report.get("retrieval"), Mapping) else {}
+    for direction in plots.DIRECTIONS:
+        pairs = retrieval.get(direction) if isinstance(retrieval.get(direction), Mapping) else {}
+        for pair, values in pairs.items():
+            if isinstance(values, Mapping):
+                rows.append([direction, pair, *(_fmt(values.get(m)) for m in plots.METRICS)])
+    independent = report.get("independent_new_new")
+    if isinstance(independent, Mapping):
+        for direction, values in independent.items():
+            if isinstance(values, Mapping):
+                rows.append([direction, "independent new/new", *(_fmt(values.get(m)) for m in plots.METRICS)])
+    if rows:
+        section.items.append(
+            Table(["direction", "query/gallery", *plots.METRICS], rows, caption="Recall (%)")
+        )
+    sizes = report.get("eval_sizes")
+    if isinstance(sizes, Mapping):
+        domains = ", ".join(map(str, sizes.get("domains") or [])) or "-"
+        section.items.append(
+            Note(
+                f"Evaluation set: {sizes.get('images')} images, {sizes.get('captions')} captions; "
+                f"domains: {domains}.",
+                "muted",
+            )
+        )
+    return section
+
+
+def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
+    missing = _absent(source, "margins", "ECC margins", "compatibility report")
+    if missing:
+        return missing
+    report = source.data or {}
+    policy = (gate or {}).get("policy") or {}
+    min_margin = policy.get("min_margin", 0.0) if isinstance(policy, Mapping) else 0.0
+    section = Section("margins", "ECC margins", "see intervals", "plain")
+    png = plots.ecc_margins(report, min_margin if plots._finite(min_margin) else 0.0)
+    if png:
+        section.items.append(Figure("new/old - old/old with bootstrap intervals", png))
+    rows = []
+    margins = report.get("margins") if isinstance(report.get("margins"), Mapping) else {}
+    ecc = report.get("ecc") if isinstance(report.get("ecc"), Mapping) else {}
+    for direction in plots.DIRECTIONS:
+        per_metric = margins.get(direction) if isinstance(margins.get(direction), Mapping) else {}
+        for metric, entry in per_metric.items():
+            if isinstance(entry, Mapping):
+                verdict = (
+                    (ecc.get(direction) or {}).get(metric)
+                    if isinstance(ecc.get(direction), Mapping)
+                    else None
+                )
+                rows.append(
+                    [
+                        direction,
+                        metric,
+                        _fmt(entry.get("margin")),
+                        _fmt(entry.get("ci_low")),
+                        _fmt(entry.get("ci_high")),
+                        {True: "holds", False: "fails"}.get(verdict, "-"),
+                    ]
+                )
+    if rows:
+        section.items.append(Table(["direction", "metric", "margin (pp)", "CI low", "CI high", "ECC"], rows))
+        weak = [f"{r[0]} {r[1]}" for r in rows if not (_num(r[3]) > 0)]
+        section.status = "all intervals above zero" if not weak else f"{len(weak)} interval(s) reach zero"
+        section.tone = "good" if not weak else "warn"
+    return section
+
+
+def _rollout_section(source: Source, report: Mapping[str, Any] | None) -> Section:
+    missing = _absent(source, "rollout", "Rollout and backfill", "rollout state")
+    if missing:
+        return missing
+    doc = source.data or {}
+    state = str(doc.get("state", "unknown"))
+    tone = {"completed": "good", "halted": "bad", "failed": "bad", "rolled_back": "bad"}.get(state, "warn")
+    section = Section("rollout", "Rollout and backfill", state, tone)
+    section.items.append(
+        Table(
+            ["state", "stage", "backfilled"],
+            [[state, doc.get("stage"), _pct(doc.get("fraction_backfilled"), 1)]],
+        )
+    )
+    png = plots.backfill_curve(doc, report)
+    if png:
+        section.items.append(Figure("Backfill curve", png))
+    curve = doc.get("curve")
+    if isinstance(curve, list) and curve:
+        section.items.append(
+            Table(
+                ["backfilled", "t2i R@1", "i2t R@1"],
+                [
+                    [_pct(p.get("fraction"), 1), _fmt(p.get("t2i_R@1")), _fmt(p.get("i2t_R@1"))]
+                    for p in curve
+                    if isinstance(p, Mapping)
+                ],
+            )
+        )
+    if source.path is not None and source.path.parent.name != "rollout":
+        section.items.append(Note(f"from {source.path}", "muted"))
+    return section
+
+
+def _nested_table(value: Any) -> list[list[Any]] | None:
+    """A mapping of mappings of numbers (e.g. per-domain recalls; one more level allowed) as a table."""
+    if not isinstance(value, Mapping) or not value:
+        return None
+    if not all(isinstance(v, Mapping) for v in value.values()):
+        return None
+    flat = {name: _flatten_numbers(inner) for name, inner in value.items()}
+    columns: list[str] = []
+    for inner in flat.values():
+        columns += [k for k in inner if k not in columns]
+    if not columns:
+        return None
+    rows = [[str(name), *(_fmt(inner.get(c)) for c in columns)] for name, inner in flat.items()]
+    return [["", *columns], *rows]
+
+
+def _flatten_numbers(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix} {key}".strip()
+        if isinstance(value, Mapping) and not prefix:
+            out.update(_flatten_numbers(value, name))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, int | float | str | bool)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return (
+            f"{value:.3g}"
+            if abs(value) < 1e-3 and value != 0
+            else f"{value:.2f}"
+            if math.isfinite(value)
+            else str(value)
+        )
+    return str(value)
+
+
+def _num(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _pct(part: Any, whole: Any) -> str:
+    part_f, whole_f = _num(part), _num(whole)
+    if not (math.isfinite(part_f) and math.isfinite(whole_f)) or whole_f == 0:
+        return "-"
+    return f"{100 * part_f / whole_f:.1f}%"

@@ -1,0 +1,999 @@
+"""Rollout of a gate-passed model onto the Milvus gallery: staged partial backfill, durable and reversible.
+
+Staged (the release keeps the serving space):
+
+* stage 0 -- the query side switches to the new model at once. The probe set (held-out text queries
+  with known relevant items) is scored with the new serving queries against the gallery as it is
+  (or, when the serving contract reads old vectors through a ``gallery_transform`` -- a forward
+  adapter, zero-padding -- against a copy of the gallery with transformed vectors, built first in a
+  new collection); only then are the serving record and the alias moved.
+* stages 1..k -- items are re-embedded with the new model in the policy's order
+  (:mod:`compat.backfill`) and upserted in batches until the stage's fraction is reached; the probe is
+  scored on the mixed gallery and the stage is accepted only if every R@K is at or above its floor
+  (the old/old figure measured before the rollout, or a higher configured floor). Otherwise the
+  rollout halts and the stage's items get their previous vectors back.
+
+Space change (no gallery transform and a target space other than the serving one): blue-green. A new
+collection is filled with new vectors, probed, and the serving record and alias move to it; the old
+collection stays for rollback.
+
+Durability: before a batch is upserted its previous rows are saved to a restore file (never
+overwritten: a retried batch keeps the rows it first replaced); the state JSON is written atomically
+after every batch. Upserts are keyed by item_id, so a crash between an upsert and the state write
+repeats one batch harmlessly. Killed at any moment and run again with the same configuration, the
+rollout resumes. :func:`rollback` restores the previous collection or the saved rows, and the previous
+query model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
+from components.search import QueryEncoder, read_serving, write_serving
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
+STATES = ("pending", "running", "halted", "completed", "rolled_back")
+STATE_FILE = "rollout_state.json"
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot start or continue; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ItemRef:
+    """What a gallery encoder needs to re-embed one item."""
+
+    item_id: str
+    source_uri: str = ""
+    phase: int = 0
+    embedded_at: int = 0
+    model_version: str = ""
+
+
+GalleryEncoder = Callable[[Sequence[ItemRef]], np.ndarray]
+VectorTransform = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class ProbeSet:
+    """Held-out text queries and the gallery item ids relevant to each."""
+
+    texts: list[str]
+    positives: list[list[str]]
+
+    def __post_init__(self) -> None:
+        if not self.texts:
+            raise ValueError("probe set: no queries; a rollout needs held-out queries to score each stage")
+        if len(self.texts) != len(self.positives):
+            raise ValueError(f"probe set: {len(self.texts)} texts but {len(self.positives)} positive lists")
+        for i, pos in enumerate(self.positives):
+            if not pos:
+                raise ValueError(f"probe set: query {i} ({self.texts[i]!r}) has no relevant item")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ProbeSet:
+        """Read ``{"texts": [...], "positives": [[item_id, ...], ...]}``."""
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RolloutError(f"cannot read the probe set {path}: {exc}") from exc
+        if not isinstance(doc, dict) or not {"texts", "positives"} <= doc.keys():
+            raise RolloutError(f"{path}: a probe set is an object with 'texts' and 'positives'")
+        try:
+            return cls([str(t) for t in doc["texts"]], [[str(p) for p in pos] for pos in doc["positives"]])
+        except ValueError as exc:
+            raise RolloutError(f"{path}: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"texts": self.texts, "positives": self.positives}
+
+
+@dataclass
+class RolloutEncoders:
+    """The serving contract of a release, as callables.
+
+    ``new_gallery`` returns vectors in the serving space; ``new_query`` output goes through
+    ``query_transform`` (e.g. a backward adapter or a truncation) when one is given. ``gallery_transform``
+    maps stored old vectors into the serving space (forward adapter, zero-padding); it is applied to a
+    copy of the gallery in stage 0. ``space`` and ``transform_tag`` describe the contract (the target
+    space id and a name for the transform, recorded in each row's lineage).
+    """
+
+    old_query: QueryEncoder
+    new_query: QueryEncoder
+    new_gallery: GalleryEncoder
+    query_transform: VectorTransform | None = None
+    gallery_transform: VectorTransform | None = None
+    space: str | None = None
+    transform_tag: str = ""
+
+    def serving_queries(self, texts: Sequence[str]) -> np.ndarray:
+        q = np.asarray(self.new_query(list(texts)), dtype=np.float32)
+        return np.asarray(self.query_transform(q), dtype=np.float32) if self.query_transform else q
+
+
+@dataclass
+class RolloutConfig:
+    """What to roll out and how. ``query_model`` is the serving record's description of the new query
+    encoder (``version``, ``uri``, ``factory``); ``floors`` can only raise the old/old floors."""
+
+    new_version: str
+    query_model: dict[str, Any] = field(default_factory=dict)
+    space: str | None = None
+    policy: str = "random"
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    seed: int = 0
+    batch_size: int = 256
+    ks: tuple[int, ...] = DEFAULT_KS
+    floors: dict[str, float] = field(default_factory=dict)
+    n_clusters: int | None = None
+    flush_every: int = 0  # batches between flushes; 0: at stage ends only (Milvus seals segments itself)
+
+    def __post_init__(self) -> None:
+        from compat.backfill import POLICIES
+
+        if not self.new_version:
+            raise ValueError("new_version is required (the model version that writes the new vectors)")
+        self.query_model = {"version": self.new_version, **self.query_model}
+        self.fractions = tuple(float(f) for f in self.fractions)
+        f = self.fractions
+        if (
+            not f
+            or any(b <= a for a, b in zip(f, f[1:], strict=False))
+            or f[0] <= 0
+            or abs(f[-1] - 1.0) > 1e-12
+        ):
+            raise ValueError(
+                f"fractions must increase strictly within (0, 1] and end at 1.0 (every item gets "
+                f"its new vector), got {list(f)}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown backfill policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        self.ks = tuple(sorted({int(k) for k in self.ks}))
+        if not self.ks or self.ks[0] < 1:
+            raise ValueError(f"ks must be positive, got {self.ks}")
+
+
+@dataclass(frozen=True)
+class RolloutPaths:
+    """Where a rollout keeps its state: the state JSON, the serving record, and per-rollout work files."""
+
+    state: Path
+    serving: Path
+
+    @classmethod
+    def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
+        from components.search import serving_path
+        from components.workspace import Workspace
+
+        ws = Workspace.coerce(workspace)
+        return cls(state=ws.rollout_state_path, serving=serving_path(ws))
+
+    def work(self, rollout_id: str) -> Path:
+        return self.state.parent / "rollout" / rollout_id
+
+    def restore_dir(self, rollout_id: str) -> Path:
+        return self.work(rollout_id) / "restore"
+
+
+# ------------------------------------------------------------------------------------------ small helpers
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def load_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The rollout state at ``path`` (validated against schemas/rollout_state), or None."""
+    import schemas
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RolloutError(
+            f"{path}: not valid JSON ({exc}); the previous copy is in its rollout work directory"
+        ) from exc
+    schemas.validate(doc, "rollout_state", str(path))
+    return doc
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    from compat.io import write_json_atomic
+
+    state["updated_at"] = _now()
+    write_json_atomic(path, state)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """One rollout or rollback at a time per state file (released by the OS even on kill -9)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise RolloutError(
+                f"another process is running a rollout or rollback on {path}; wait for it "
+                "(or check it with `compatflow rollout status`)"
+            ) from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def recall_from_hits(
+    ranked: Sequence[Sequence[str]], positives: Sequence[Sequence[str]], ks: Sequence[int] = DEFAULT_KS
+) -> dict[str, float]:
+    """R@K in percent from ranked item ids: a query is a hit at K when a relevant id is in its top K."""
+    if len(ranked) != len(positives) or not ranked:
+        raise ValueError(f"recall_from_hits: {len(ranked)} rankings for {len(positives)} queries")
+    out = {}
+    for k in ks:
+        hits = sum(bool(set(r[:k]) & set(p)) for r, p in zip(ranked, positives, strict=True))
+        out[f"R@{k}"] = 100.0 * hits / len(ranked)
+    return out
+
+
+def probe_metrics(
+    index: GalleryIndex,
+    collection: str,
+    query_vectors: np.ndarray,
+    probe: ProbeSet,
+    ks: Sequence[int] = DEFAULT_KS,
+    chunk: int = 256,
+) -> dict[str, float]:
+    """R@K of the probe queries against ``collection`` as it is now."""
+    ranked: list[list[str]] = []
+    for start in range(0, len(query_vectors), chunk):
+        rows = index.search(query_vectors[start : start + chunk], k=max(ks), collection=collection)
+        ranked.extend([h.item_id for h in row] for row in rows)
+    return recall_from_hits(ranked, probe.positives, ks)
+
+
+def _passes(metrics: Mapping[str, float], floors: Mapping[str, float]) -> list[str]:
+    """The floors ``metrics`` breaks, as readable reasons (empty when it passes)."""
+    return [
+        f"{m} {metrics[m]:.2f} < floor {floor:.2f}"
+        for m, floor in floors.items()
+        if not metrics[m] >= floor - 1e-9
+    ]
+
+
+def _save_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Restore file: the complete previous rows of a batch (npz, written atomically, no pickles)."""
+    arrays: dict[str, np.ndarray] = {"vector": np.asarray([r["vector"] for r in rows], dtype=np.float32)}
+    for f in ROW_FIELDS:
+        if f != "vector":
+            arrays[f] = np.asarray(
+                [r[f] for r in rows], dtype=np.int64 if f in ("phase", "embedded_at") else str
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as handle:
+        np.savez(handle, **arrays)
+    os.replace(tmp, path)
+
+
+def _load_rows(path: Path) -> list[dict[str, Any]]:
+    with np.load(path, allow_pickle=False) as data:
+        cols = {f: data[f] for f in ROW_FIELDS}
+    n = len(cols["item_id"])
+    return [
+        {f: (cols[f][i].tolist() if f == "vector" else cols[f][i].item()) for f in ROW_FIELDS}
+        for i in range(n)
+    ]
+
+
+def _item_ref(row: Mapping[str, Any]) -> ItemRef:
+    return ItemRef(
+        str(row["item_id"]),
+        str(row["source_uri"]),
+        int(row["phase"]),
+        int(row["embedded_at"]),
+        str(row["model_version"]),
+    )
+
+
+def _check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarray:
+    v = np.asarray(vectors, dtype=np.float32)
+    if v.ndim != 2 or v.shape[0] != n or (dim is not None and v.shape[1] != dim):
+        raise RolloutError(f"{what} returned shape {v.shape}, expected [{n}, {dim or 'D'}]")
+    if not np.isfinite(v).all():
+        raise RolloutError(f"{what} returned NaN or infinite values")
+    return v
+
+
+# ------------------------------------------------------------------------------------------------- engine
+class Rollout:
+    """A rollout of one configuration; :meth:`run` plans it, or resumes it from its state file."""
+
+    def __init__(
+        self,
+        index: GalleryIndex,
+        paths: RolloutPaths,
+        config: RolloutConfig,
+        encoders: RolloutEncoders,
+        probe: ProbeSet,
+    ) -> None:
+        self.index, self.paths, self.config, self.encoders, self.probe = index, paths, config, encoders, probe
+        self.space = config.space or encoders.space
+        self.adapt = encoders.gallery_transform is not None
+        if self.adapt and not encoders.transform_tag:
+            raise ValueError("a gallery_transform needs a transform_tag naming it (recorded in row lineage)")
+        self._queries: np.ndarray | None = None
+
+    @property
+    def rollout_id(self) -> str:
+        c = self.config
+        key = {
+            "new_version": c.new_version,
+            "query_model": c.query_model.get("version"),
+            "space": self.space,
+            "policy": c.policy,
+            "seed": c.seed,
+            "fractions": list(c.fractions),
+            "batch_size": c.batch_size,
+            "transform": self.encoders.transform_tag,
+            "n_clusters": c.n_clusters,
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+    # ---- entry point
+    def run(self) -> dict[str, Any]:
+        """Plan or resume, then run to ``completed`` or ``halted``; returns the final state."""
+        with _exclusive(self.paths.state):
+            state = load_state(self.paths.state)
+            if state is None or state["rollout_id"] != self.rollout_id:
+                if state is not None:
+                    self._replace(state)
+                state = self._plan()
+            while True:
+                if state["state"] in ("completed", "rolled_back"):
+                    return state
+                if state["state"] == "halted":
+                    if not state["restored"]:
+                        self._restore_stage(state)
+                    return state
+                if state["mode"] == "blue_green":
+                    self._blue_green(state)
+                elif state["stage"] == 0:
+                    self._stage0(state)
+                else:
+                    self._stage(state, state["stage"])
+
+    def _save(self, state: dict[str, Any]) -> None:
+        save_state(self.paths.state, state)
+
+    def _replace(self, old: dict[str, Any]) -> None:
+        busy = old["state"] in ("pending", "running") or (old["state"] == "halted" and not old["restored"])
+        if busy:
+            raise RolloutError(
+                f"rollout {old['rollout_id']} ({old['new_version']}) is {old['state']} at "
+                f"{self.paths.state}: run it to the end with its own configuration, or roll it back"
+            )
+        from compat.io import write_json_atomic
+
+        write_json_atomic(self.paths.work(old["rollout_id"]) / STATE_FILE, old)  # archived, then replaced
+
+    # ---- planning
+    def _plan(self) -> dict[str, Any]:
+        from compat.backfill import backfilled_count, compute_order, order_digest
+        from compat.io import write_json_atomic
+
+        c, idx = self.config, self.index
+        record = read_serving(self.paths.serving)
+        if record is None:
+            raise RolloutError(
+                f"no serving record at {self.paths.serving}: index the gallery first "
+                "(components.rollout.index_gallery / `compatflow rollout index`)"
+            )
+        source = idx.serving_collection()
+        if source is None:
+            raise RolloutError(f"alias {idx.alias!r} does not exist at {idx.uri}: index the gallery first")
+        source_space, source_dim = idx.collection_space(source), idx.collection_dim(source)
+        space = self.space or source_space
+        mode = "staged" if (self.adapt or space == source_space) else "blue_green"
+        need_vectors = c.policy in ("lambda_orth", "uncertainty")
+        fields = ("embedded_at", *(("vector",) if need_vectors else ()))
+        rows = sorted(
+            (r for batch in idx.iter_rows(fields, source) for r in batch), key=lambda r: r["item_id"]
+        )
+        if not rows:
+            raise RolloutError(f"collection {source!r} is empty: nothing to roll out")
+        ids = [str(r["item_id"]) for r in rows]
+        present = set(ids)
+        answerable = sum(any(p in present for p in pos) for pos in self.probe.positives)
+        if answerable == 0:
+            raise RolloutError(
+                f"no probe query has a relevant item in collection {source!r}: the probe set belongs to "
+                "another gallery (item ids must match the indexed item_id values)"
+            )
+        if answerable < len(self.probe.positives):
+            log.warning(
+                "%d of %d probe queries have no relevant item in %s",
+                len(self.probe.positives) - answerable,
+                len(self.probe.positives),
+                source,
+            )
+        vectors = None
+        if need_vectors:
+            vectors = np.asarray([r["vector"] for r in rows], dtype=np.float32)
+            if self.adapt:  # lambda-orth orders by F(h^k), the vectors as the new queries read them
+                vectors = _check_vectors(
+                    self.encoders.gallery_transform(vectors), len(ids), None, "gallery_transform"
+                )
+        order = compute_order(
+            c.policy,
+            len(ids),
+            seed=c.seed,
+            vectors=vectors,
+            n_clusters=c.n_clusters,
+            embedded_at=np.asarray([int(r["embedded_at"]) for r in rows]),
+        )
+        ordered = [ids[i] for i in order]
+        rid = self.rollout_id
+        order_path = self.paths.work(rid) / "order.json"
+        write_json_atomic(
+            order_path,
+            {
+                "rollout_id": rid,
+                "policy": c.policy,
+                "seed": c.seed,
+                "digest": order_digest(ordered),
+                "item_ids": ordered,
+            },
+        )
+        baseline = probe_metrics(
+            idx,
+            source,
+            _check_vectors(
+                self.encoders.old_query(self.probe.texts), len(self.probe.texts), source_dim, "old_query"
+            ),
+            self.probe,
+            c.ks,
+        )
+        floors = {m: max(v, float(c.floors.get(m, -math.inf))) for m, v in baseline.items()}
+        target = source if mode == "staged" and not self.adapt else idx.next_collection_name(space)
+        dim = source_dim
+        if self.adapt:
+            probe_vec = np.asarray(
+                rows[0]["vector"] if need_vectors else idx.fetch([ids[0]], source)[0]["vector"],
+                dtype=np.float32,
+            )[None]
+            dim = int(np.asarray(self.encoders.gallery_transform(probe_vec)).shape[1])
+        n = len(ordered)
+        stages = [
+            {"stage": 0, "fraction": 0.0, "target_position": 0, "state": "pending", "kind": "query_switch"}
+        ]
+        if mode == "blue_green":
+            stages = [{"stage": 1, "fraction": 1.0, "target_position": n, "state": "pending", "kind": "fill"}]
+        else:
+            stages += [
+                {
+                    "stage": j + 1,
+                    "fraction": f,
+                    "target_position": backfilled_count(n, f),
+                    "state": "pending",
+                    "kind": "backfill",
+                }
+                for j, f in enumerate(c.fractions)
+            ]
+        state = {
+            "schema_version": 1,
+            "rollout_id": rid,
+            "state": "running",
+            "mode": mode,
+            "created_at": _now(),
+            "updated_at": _now(),
+            "new_version": c.new_version,
+            "model_version": c.new_version,
+            "stage": 1 if mode == "blue_green" else 0,
+            "fractions": list(c.fractions),
+            "n_items": n,
+            "fraction_backfilled": 0.0,
+            "batch_size": c.batch_size,
+            "order": {
+                "policy": c.policy,
+                "seed": c.seed,
+                "digest": order_digest(ordered),
+                "path": str(order_path),
+                "n_clusters": c.n_clusters,
+            },
+            "cursor": {"position": 0, "batches": 0, "adapt_position": 0},
+            "query_model": record["query_model"],
+            "previous_query_model": record["query_model"],
+            "new_query_model": c.query_model,
+            "gallery": {
+                "uri": idx.uri,
+                "alias": idx.alias,
+                "source_collection": source,
+                "source_space": source_space,
+                "collection": target,
+                "space": space,
+                "dim": dim,
+                "transform": self.encoders.transform_tag,
+                "versions_before": idx.count_by_version(source),
+            },
+            "ks": list(c.ks),
+            "baseline": baseline,
+            "floors": floors,
+            "stages": stages,
+            "curve": [],
+            "restored": True,
+            "halt_reason": None,
+            "rollback": None,
+        }
+        self._save(state)
+        log.info("rollout %s planned: %s, %d items, policy %s, floors %s", rid, mode, n, c.policy, floors)
+        return state
+
+    # ---- shared pieces
+    def _order(self, state: dict[str, Any]) -> list[str]:
+        from compat.backfill import order_digest
+
+        doc = json.loads(Path(state["order"]["path"]).read_text())
+        if order_digest(doc["item_ids"]) != state["order"]["digest"]:
+            raise RolloutError(
+                f"{state['order']['path']} does not match the digest in {self.paths.state}: the "
+                "order file was modified; roll back and start again"
+            )
+        return doc["item_ids"]
+
+    def _serving_queries(self, dim: int) -> np.ndarray:
+        if self._queries is None:
+            self._queries = _check_vectors(
+                self.encoders.serving_queries(self.probe.texts),
+                len(self.probe.texts),
+                dim,
+                "new query encoder",
+            )
+        return self._queries
+
+    def _probe(self, state: dict[str, Any], collection: str) -> dict[str, float]:
+        return probe_metrics(
+            self.index, collection, self._serving_queries(state["gallery"]["dim"]), self.probe, state["ks"]
+        )
+
+    def _curve_point(self, state: dict[str, Any], fraction: float, metrics: Mapping[str, float]) -> None:
+        point = {
+            "fraction": round(float(fraction), 6),
+            "t2i_R@1": metrics["R@1"],
+            **{m: v for m, v in metrics.items() if m != "R@1"},
+        }
+        state["curve"] = [p for p in state["curve"] if p["fraction"] != point["fraction"]] + [point]
+        state["curve"].sort(key=lambda p: p["fraction"])
+
+    def _new_rows(self, state: dict[str, Any], previous: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        vectors = _check_vectors(
+            self.encoders.new_gallery([_item_ref(r) for r in previous]),
+            len(previous),
+            state["gallery"]["dim"],
+            "gallery encoder",
+        )
+        stamp = now_ms()
+        return [
+            {
+                **r,
+                "vector": vectors[j].tolist(),
+                "model_version": state["new_version"],
+                "space_id": state["gallery"]["space"],
+                "embedded_at": stamp,
+                "transform": "",
+                "rollout_id": state["rollout_id"],
+            }
+            for j, r in enumerate(previous)
+        ]
+
+    def _restore_path(self, state: dict[str, Any], start: int, end: int) -> Path:
+        return self.paths.restore_dir(state["rollout_id"]) / f"{start:09d}-{end:09d}.npz"
+
+    def _previous_rows(
+        self, state: dict[str, Any], ids: Sequence[str], start: int, end: int, collection: str, keep: bool
+    ) -> list[dict[str, Any]]:
+        """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback."""
+        path = self._restore_path(state, start, end)
+        if keep and path.is_file():
+            return _load_rows(path)
+        rows = self.index.fetch(ids, collection)
+        if keep:
+            _save_rows(path, rows)
+        return rows
+
+    def _run_batches(
+        self,
+        state: dict[str, Any],
+        ids: Sequence[str],
+        batches: Sequence[tuple[int, int]],
+        source: str,
+        target: str,
+        keep: bool,
+    ) -> None:
+        """Encode and upsert ``batches`` (start, end) of ``ids``; encoding overlaps the prior writes."""
+        t0, written = time.perf_counter(), 0
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
+            pending: tuple[int, int, Future] | None = None
+            for start, end in [*batches, (-1, -1)]:
+                submitted = None
+                if start >= 0:
+                    prev = self._previous_rows(state, ids[start:end], start, end, source, keep)
+                    submitted = (start, end, pool.submit(self._new_rows, state, prev))
+                if pending is not None:
+                    _, p_end, fut = pending
+                    rows = fut.result()
+                    self.index.upsert(rows, target)
+                    written += len(rows)
+                    state["cursor"]["batches"] += 1
+                    if self.config.flush_every and state["cursor"]["batches"] % self.config.flush_every == 0:
+                        self.index.flush(target)
+                    state["cursor"]["position"] = p_end
+                    state["fraction_backfilled"] = p_end / state["n_items"]
+                    self._save(state)
+                pending = submitted
+        if written:
+            rate = written / max(time.perf_counter() - t0, 1e-9)
+            log.info("rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], written, rate)
+
+    def _batches(self, start: int, end: int) -> list[tuple[int, int]]:
+        step = self.config.batch_size
+        return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+    # ---- stage 0: the query switch (through a transformed copy when the contract needs one)
+    def _stage0(self, state: dict[str, Any]) -> None:
+        g, rec = state["gallery"], state["stages"][0]
+        rec.setdefault("started_at", _now())
+        rec["state"] = "running"
+        if self.adapt:
+            self._adapt_copy(state)
+        metrics = self._probe(state, g["collection"])
+        rec["probe"] = metrics
+        self._curve_point(state, 0.0, metrics)
+        broken = _passes(metrics, state["floors"])
+        if broken:
+            if g["collection"] != g["source_collection"] and self.index.has_collection(g["collection"]):
+                self.index.drop(g["collection"])
+            self._halt(state, rec, broken)
+            state["restored"] = True
+            self._save(state)
+            return
+        self._switch(
+            state,
+            g["collection"],
+            state["new_query_model"],
+            previous={
+                "collection": g["source_collection"],
+                "space": g["source_space"],
+                "query_model": state["previous_query_model"],
+            },
+        )
+        rec.update(state="accepted", finished_at=_now())
+        state["stage"] = 1
+        self._save(state)
+
+    def _adapt_copy(self, state: dict[str, Any]) -> None:
+        g = state["gallery"]
+        if not self.index.has_collection(g["collection"]):
+            self.index.create_collection(g["space"], g["dim"], name=g["collection"])
+        ids = self._order(state)
+        transform = self.encoders.gallery_transform
+        for start, end in self._batches(state["cursor"]["adapt_position"], len(ids)):
+            rows = self.index.fetch(ids[start:end], g["source_collection"])
+            vectors = _check_vectors(
+                transform(np.asarray([r["vector"] for r in rows], dtype=np.float32)),
+                len(rows),
+                g["dim"],
+                "gallery_transform",
+            )
+            self.index.upsert(
+                [
+                    {**r, "vector": vectors[j].tolist(), "space_id": g["space"], "transform": g["transform"]}
+                    for j, r in enumerate(rows)
+                ],
+                g["collection"],
+            )
+            state["cursor"]["adapt_position"] = end
+            self._save(state)
+        self.index.flush(g["collection"])
+
+    def _switch(
+        self,
+        state: dict[str, Any],
+        collection: str,
+        query_model: Mapping[str, Any],
+        previous: Mapping[str, Any] | None,
+    ) -> None:
+        """Serving record first (it names the collection its query model reads), then the alias."""
+        g = state["gallery"]
+        space = g["space"] if collection == g["collection"] else g["source_space"]
+        write_serving(
+            self.paths.serving,
+            uri=g["uri"],
+            alias=g["alias"],
+            collection=collection,
+            space=space,
+            dim=self.index.collection_dim(collection),
+            query_model=query_model,
+            previous=previous,
+            rollout_id=state["rollout_id"],
+        )
+        self.index.switch_alias(collection)
+        state["query_model"] = dict(query_model)
+
+    # ---- stages 1..k
+    def _stage(self, state: dict[str, Any], j: int) -> None:
+        rec = state["stages"][j]
+        hi = rec["target_position"]
+        rec.setdefault("started_at", _now())
+        if rec["state"] != "running":
+            rec["state"] = "running"
+            self._save(state)
+        g = state["gallery"]
+        ids = self._order(state)
+        t0 = time.perf_counter()
+        start = state["cursor"]["position"]
+        self._run_batches(state, ids, self._batches(start, hi), g["collection"], g["collection"], keep=True)
+        last = j == len(state["stages"]) - 1
+        if last:
+            self._sweep(state)
+        self.index.flush(g["collection"])
+        if hi > start:
+            rec["items_per_s"] = round((hi - start) / max(time.perf_counter() - t0, 1e-9), 1)
+        metrics = self._probe(state, g["collection"])
+        rec["probe"] = metrics
+        self._curve_point(state, hi / state["n_items"], metrics)
+        broken = _passes(metrics, state["floors"])
+        if broken:
+            self._halt(state, rec, broken)
+            self._save(state)
+            self._restore_stage(state)
+            return
+        rec.update(state="accepted", finished_at=_now())
+        if last:
+            state["state"] = "completed"
+            state["gallery"]["versions_after"] = self.index.count_by_version(g["collection"])
+        else:
+            state["stage"] = j + 1
+        self._save(state)
+        log.info(
+            "rollout %s: stage %d (%.0f%%) accepted: %s",
+            state["rollout_id"],
+            j,
+            100 * rec["fraction"],
+            metrics,
+        )
+
+    def _sweep(self, state: dict[str, Any]) -> None:
+        """Re-embed items added since the plan (outside the order) so that no old vector is left."""
+        g = state["gallery"]
+        self.index.flush(g["collection"])
+        flt = f"model_version != {quote(state['new_version'])}"
+        while True:
+            rows = [r for b in self.index.iter_rows(ROW_FIELDS, g["collection"], filter=flt) for r in b]
+            if not rows:
+                return
+            for start in range(0, len(rows), self.config.batch_size):
+                batch = [{f: r[f] for f in ROW_FIELDS} for r in rows[start : start + self.config.batch_size]]
+                digest = hashlib.sha256("\n".join(r["item_id"] for r in batch).encode()).hexdigest()[:16]
+                path = self.paths.restore_dir(state["rollout_id"]) / f"sweep-{digest}.npz"
+                if not path.is_file():
+                    _save_rows(path, batch)
+                self.index.upsert(self._new_rows(state, batch), g["collection"])
+            log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], len(rows))
+            self.index.flush(g["collection"])
+
+    def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
+        rec.update(state="halted", finished_at=_now())
+        state["state"] = "halted"
+        state["restored"] = False
+        state["halt_reason"] = f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
+        log.error("rollout %s halted: %s", state["rollout_id"], state["halt_reason"])
+
+    def _restore_stage(self, state: dict[str, Any]) -> None:
+        """Give the halted stage's items their previous vectors back (idempotent)."""
+        j = next(r["stage"] for r in state["stages"] if r["state"] == "halted")
+        if j > 0 and state["mode"] == "staged":
+            lo, hi = state["stages"][j - 1]["target_position"], state["stages"][j]["target_position"]
+            last = j == len(state["stages"]) - 1
+            coll = state["gallery"]["collection"]
+            for path in sorted(self.paths.restore_dir(state["rollout_id"]).glob("*.npz")):
+                sweep = path.stem.startswith("sweep-")
+                if (sweep and last) or (not sweep and lo <= int(path.stem.split("-")[0]) < hi):
+                    self.index.upsert(_load_rows(path), coll)
+            self.index.flush(coll)
+            state["cursor"]["position"] = lo
+            state["fraction_backfilled"] = lo / state["n_items"]
+        state["restored"] = True
+        self._save(state)
+
+    # ---- blue-green
+    def _blue_green(self, state: dict[str, Any]) -> None:
+        g, rec = state["gallery"], state["stages"][0]
+        rec.setdefault("started_at", _now())
+        rec["state"] = "running"
+        ids = self._order(state)
+        start = state["cursor"]["position"]
+        if not self.index.has_collection(g["collection"]):
+            first = self.index.fetch(ids[:1], g["source_collection"])
+            dim = _check_vectors(
+                self.encoders.new_gallery([_item_ref(r) for r in first]), 1, None, "gallery encoder"
+            ).shape[1]
+            self.index.create_collection(g["space"], dim, name=g["collection"])
+        g["dim"] = self.index.collection_dim(g["collection"])
+        t0 = time.perf_counter()
+        self._run_batches(
+            state, ids, self._batches(start, len(ids)), g["source_collection"], g["collection"], keep=False
+        )
+        self.index.flush(g["collection"])
+        if len(ids) > start:
+            rec["items_per_s"] = round((len(ids) - start) / max(time.perf_counter() - t0, 1e-9), 1)
+        metrics = self._probe(state, g["collection"])
+        rec["probe"] = metrics
+        self._curve_point(state, 0.0, state["baseline"])
+        self._curve_point(state, 1.0, metrics)
+        broken = _passes(metrics, state["floors"])
+        if broken:
+            self._halt(state, rec, broken)
+            self.index.drop(g["collection"])
+            state["restored"] = True
+            state["fraction_backfilled"] = 0.0
+            self._save(state)
+            return
+        self._switch(
+            state,
+            g["collection"],
+            state["new_query_model"],
+            previous={
+                "collection": g["source_collection"],
+                "space": g["source_space"],
+                "query_model": state["previous_query_model"],
+            },
+        )
+        rec.update(state="accepted", finished_at=_now())
+        state["state"] = "completed"
+        g["versions_after"] = self.index.count_by_version(g["collection"])
+        self._save(state)
+
+
+# ------------------------------------------------------------------------------------------- functions
+def run_rollout(
+    index: GalleryIndex,
+    paths: RolloutPaths,
+    config: RolloutConfig,
+    encoders: RolloutEncoders,
+    probe: ProbeSet,
+) -> dict[str, Any]:
+    """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns the state."""
+    return Rollout(index, paths, config, encoders, probe).run()
+
+
+def rollback(paths: RolloutPaths, index: GalleryIndex | None = None) -> dict[str, Any]:
+    """Undo the rollout in ``paths.state``: previous collection (or the saved rows) and previous query model.
+
+    Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
+    """
+    with _exclusive(paths.state):
+        state = load_state(paths.state)
+        if state is None:
+            raise RolloutError(f"no rollout state at {paths.state}: nothing to roll back")
+        if state["state"] == "rolled_back":
+            return state
+        g = state["gallery"]
+        own = index is None
+        index = index or GalleryIndex(g["uri"], g["alias"])
+        try:
+            state["rollback"] = {"started_at": _now(), "from_state": state["state"]}
+            save_state(paths.state, state)
+            source = g["source_collection"]
+            if g["collection"] == source:  # in place: replay every saved row
+                for path in sorted(paths.restore_dir(state["rollout_id"]).glob("*.npz")):
+                    index.upsert(_load_rows(path), source)
+                index.flush(source)
+            write_serving(
+                paths.serving,
+                uri=g["uri"],
+                alias=g["alias"],
+                collection=source,
+                space=g["source_space"],
+                dim=index.collection_dim(source),
+                query_model=state["previous_query_model"],
+                previous=None,
+                rollout_id=state["rollout_id"],
+            )
+            index.switch_alias(source)
+            state.update(
+                state="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
+            )
+            state["cursor"]["position"] = 0
+            state["rollback"]["finished_at"] = _now()
+            state["gallery"]["versions_after"] = index.count_by_version(source)
+            save_state(paths.state, state)
+            log.info("rollout %s rolled back: alias %s -> %s", state["rollout_id"], g["alias"], source)
+            return state
+        finally:
+            if own:
+                index.close()
+
+
+def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"state", "stage", "fraction_backfilled", ...}`` of the rollout at ``state_path`` (or "none")."""
+    state = load_state(state_path)
+    if state is None:
+        return {"state": "none", "stage": None, "fraction_backfilled": None}
+    return {
+        "state": state["state"],
+        "stage": state["stage"],
+        "fraction_backfilled": state["fraction_backfilled"],
+        "rollout_id": state["rollout_id"],
+        "mode": state["mode"],
+        "new_version": state["new_version"],
+        "query_model_version": state["query_model"]["version"],
+        "policy": state["order"]["policy"],
+        "halt_reason": state["halt_reason"],
+        "curve": state["curve"],
+    }
+
+
+def index_gallery(
+    index: GalleryIndex,
+    paths: RolloutPaths,
+    ids: Sequence[str],
+    vectors: np.ndarray,
+    *,
+    version: str,
+    space: str,
+    query_model: Mapping[str, Any],
+    phase: int | Sequence[int] = 0,
+    source_uris: Sequence[str] | None = None,
+    embedded_at: int | Sequence[int] | None = None,
+    batch_size: int = 1000,
+) -> dict[str, Any]:
+    """Index a gallery (first run) into the serving collection, creating it and the alias when missing;
+    writes the serving record (``query_model`` answers queries). Idempotent; returns the serving record."""
+    v = np.asarray(vectors, dtype=np.float32)
+    collection = index.serving_collection() or index.create_collection(space, int(v.shape[1]))
+    index.index_items(
+        ids,
+        v,
+        version,
+        space,
+        phase=phase,
+        source_uris=source_uris,
+        embedded_at=embedded_at,
+        collection=collection,
+        batch_size=batch_size,
+    )
+    index.flush(collection)
+    index.switch_alias(collection)
+    return write_serving(
+        paths.serving,
+        uri=index.uri,
+        alias=index.alias,
+        collection=collection,
+        space=space,
+        dim=index.collection_dim(collection),
+        query_model={"version": version, **query_model},
+    )

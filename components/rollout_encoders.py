@@ -1,0 +1,141 @@
+"""Encoder factories of rollouts: ``f(config) -> RolloutEncoders``, named by ``--encoders module:function``.
+
+``config`` holds ``old_model`` and ``new_model`` (model directories) and free-form ``options``.
+:func:`model_encoders` wires real models (a compatible-model directory's serving contract sets the target
+space and the rule for old vectors); :func:`synthetic_encoders` serves the known-geometry upgrade of
+:func:`compat.backfill.synthetic_upgrade` for smoke runs, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from components.rollout import ItemRef, RolloutEncoders, RolloutError, VectorTransform
+from components.search import QueryEncoder
+
+
+# A factory ``f(config) -> RolloutEncoders`` is named on the command line (``--encoders module:function``);
+# ``config`` holds ``old_model``, ``new_model`` and free-form ``options``.
+class ShardImages:
+    """Images of gallery items addressed as ``<shard url>#<key>`` (the ``source_uri`` of indexed rows)."""
+
+    def __init__(self, max_shards: int = 8) -> None:
+        self.max_shards = max_shards
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def load(self, refs: Sequence[ItemRef]) -> list[Any]:
+        from compat.data.loader import load_captioned_set
+
+        out = []
+        for ref in refs:
+            url, sep, key = ref.source_uri.rpartition("#")
+            if not sep or not url:
+                raise RolloutError(
+                    f"item {ref.item_id!r}: source_uri {ref.source_uri!r} is not '<shard url>#<key>'"
+                )
+            if url not in self._cache:
+                if len(self._cache) >= self.max_shards:
+                    self._cache.pop(next(iter(self._cache)))
+                loaded = load_captioned_set(url)
+                self._cache[url] = dict(zip(loaded.keys, loaded.images, strict=True))
+            if key not in self._cache[url]:
+                raise RolloutError(f"item {ref.item_id!r}: key {key!r} is not in shard {url}")
+            out.append(self._cache[url][key])
+        return out
+
+
+def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:
+    """The contract's rule for stored old vectors as a stage-0 transform (None: read as they are)."""
+    contract = getattr(model, "contract", None)
+    if contract is None:
+        return None, ""
+    rule = contract.old_vector_rule
+    if rule == "forward_adapter":
+        import torch
+
+        def forward(v: np.ndarray) -> np.ndarray:
+            with torch.no_grad():
+                mapped = model.forward_adapter(torch.from_numpy(np.asarray(v, dtype=np.float32)))
+            return torch.nn.functional.normalize(mapped.float(), dim=-1).numpy()
+
+        return forward, f"forward_adapter:{contract.query_model_version}"
+    if rule in ("zero_pad", "truncate") and contract.dim != contract.old_dim:
+        # Truncating the query to k dims and zero-padding the old vector rank old items identically.
+        def pad(v: np.ndarray) -> np.ndarray:
+            v = np.asarray(v, dtype=np.float32)
+            return np.concatenate([v, np.zeros((len(v), contract.dim - v.shape[1]), np.float32)], axis=1)
+
+        return pad, f"zero_pad:{contract.query_model_version}"
+    return None, ""
+
+
+def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
+    """Encoders of real models: ``old_model`` (the serving query model) and ``new_model`` (a compatible-model
+    directory, whose serving contract sets the space and the old-vector rule, or a plain checkpoint)."""
+    from components.search import load_model
+
+    for key in ("old_model", "new_model"):
+        if not config.get(key):
+            raise RolloutError(f"model_encoders needs {key!r} (a model or checkpoint directory)")
+    old, new = load_model(str(config["old_model"])), load_model(str(config["new_model"]))
+    images = ShardImages()
+    transform, tag = _old_vector_transform(new)
+    contract = getattr(new, "contract", None)
+    return RolloutEncoders(
+        old_query=lambda texts: old.encode_texts(list(texts)).numpy(),
+        new_query=lambda texts: new.encode_texts(list(texts)).numpy(),
+        new_gallery=lambda refs: new.encode_images(images.load(refs)).numpy(),
+        gallery_transform=transform,
+        transform_tag=tag,
+        space=contract.space_id if contract else None,
+    )
+
+
+def _synthetic(options: Mapping[str, Any]) -> Any:
+    from compat.backfill import synthetic_upgrade
+
+    keys = {"n_items": int, "n_queries": int, "dim": int, "n_clusters": int, "seed": int}
+    return synthetic_upgrade(**{k: cast(options[k]) for k, cast in keys.items() if k in options})
+
+
+def synthetic_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
+    """Encoders of :func:`compat.backfill.synthetic_upgrade` (for smoke runs and benchmarks).
+
+    Options: ``n_items``, ``n_queries``, ``dim``, ``n_clusters``, ``seed`` (the geometry), ``delay_s``
+    (a pause per gallery batch, standing in for a slow encoder), ``broken`` (new gallery vectors collapse onto
+    the mean query direction -- hubs that outrank the relevant items of most queries -- a regression every
+    stage probe must catch).
+    """
+    opts = dict(config.get("options") or {})
+    upgrade = _synthetic(opts)
+    delay = float(opts.get("delay_s", 0.0))
+    broken = str(opts.get("broken", "")).lower() in ("1", "true", "yes")
+    hub = upgrade.new_queries.mean(0)
+
+    def gallery(refs: Sequence[ItemRef]) -> np.ndarray:
+        if delay:
+            time.sleep(delay)
+        vectors = upgrade.gallery_vectors([r.item_id for r in refs], "new")
+        if broken:
+            rng = np.random.default_rng(zlib.crc32(refs[0].item_id.encode()))
+            vectors = hub + 0.05 * np.linalg.norm(hub) * rng.normal(size=vectors.shape)
+            vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+        return vectors
+
+    return RolloutEncoders(
+        old_query=lambda t: upgrade.query_vectors(t, "old"),
+        new_query=lambda t: upgrade.query_vectors(t, "new"),
+        new_gallery=gallery,
+    )
+
+
+def synthetic_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
+    """Query encoder of a synthetic model (``options`` as in :func:`synthetic_encoders`, ``side`` old|new)."""
+    upgrade = _synthetic(query_model.get("options") or {})
+    side = str(query_model.get("side", "new"))
+    return lambda texts: upgrade.query_vectors(texts, side)

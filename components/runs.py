@@ -1,0 +1,127 @@
+"""Run planning and bookkeeping: which phase a run takes, where its outputs go, how it ended.
+
+The workspace's ``state.json`` records every phase's outcome. A run plans itself from it
+(:func:`plan_run`: the lowest phase not yet succeeded, or an explicit one) and records its end
+(:func:`finish_run`, the pipeline's exit handler), so a scheduled run on a cluster needs no
+parameter but the config, and a local run continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from compat.io import write_json_atomic
+
+STATE_FILE = "state.json"
+RUN_FILE = "run.json"
+BLOCKED_FILE = "blocked.json"
+_SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class PlanError(ValueError):
+    """The run cannot be planned (no stream, a phase out of range); the message says what to do."""
+
+
+def read_state(workspace: Path) -> dict[str, Any]:
+    path = Path(workspace) / STATE_FILE
+    if not path.is_file():
+        return {"schema_version": 1, "phases": {}}
+    return json.loads(path.read_text())
+
+
+def record_phase(workspace: Path, phase: int, status: str, run_id: str) -> dict[str, Any]:
+    """Record a phase's outcome; returns the new state."""
+    state = read_state(workspace)
+    state["phases"][str(phase)] = {
+        "status": status,
+        "run_id": run_id,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    write_json_atomic(Path(workspace) / STATE_FILE, state)
+    return state
+
+
+def next_pending_phase(state: dict[str, Any], n_phases: int) -> int | None:
+    """The lowest phase that has not succeeded (blocked and failed phases are retried)."""
+    for phase in range(n_phases):
+        if state["phases"].get(str(phase), {}).get("status") != "succeeded":
+            return phase
+    return None
+
+
+def run_dir_for(config: dict[str, Any], run_id: str) -> Path:
+    safe = _SAFE_RUN_ID.sub("-", run_id).strip("-")
+    if not safe:
+        raise PlanError(f"run id {run_id!r} has no usable characters")
+    return Path(config["workspace"]).resolve() / "runs" / safe
+
+
+def new_run_id(phase: int) -> str:
+    return f"phase-{phase:02d}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _shards(stream_dir: Path, manifest: dict[str, Any], phases: range | list[int], split: str) -> list[str]:
+    return [str((stream_dir / rel).resolve()) for p in phases for rel in manifest["phases"][p][split]]
+
+
+def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[str, Any] | None:
+    """The plan of a run: its phase, run directory and every shard list the stages read.
+
+    ``phase`` -1 takes the next pending phase; ``run_id`` "" makes one from the phase and the time.
+    Returns None when every phase has succeeded. Writes ``<run_dir>/run.json``.
+    """
+    from compat.data.synth import load_manifest
+
+    stream_dir = Path(config["stream"]["uri"])
+    manifest = load_manifest(stream_dir)
+    n_phases = len(manifest["phases"])
+    workspace = Path(config["workspace"]).resolve()
+    if phase < 0:
+        pending = next_pending_phase(read_state(workspace), n_phases)
+        if pending is None:
+            return None
+        phase = pending
+    if phase >= n_phases:
+        raise PlanError(f"phase {phase} does not exist: {stream_dir}/stream.json lists {n_phases} phases")
+    reference = 0 if phase == 0 or config["drift"]["reference_phase"] == "first" else phase - 1
+    run_id = run_id or new_run_id(phase)
+    plan = {
+        "run_id": run_id,
+        "run_dir": str(run_dir_for(config, run_id)),
+        "phase": phase,
+        "domain": manifest["phases"][phase]["domain"],
+        "stream_dir": str(stream_dir.resolve()),
+        "train_shards": _shards(stream_dir, manifest, [phase], "train"),
+        "reference_shards": _shards(stream_dir, manifest, [reference], "train"),
+        "eval_shards": _shards(stream_dir, manifest, range(phase + 1), "eval"),
+        "gallery_shards": _shards(stream_dir, manifest, range(phase + 1), "gallery"),
+    }
+    write_json_atomic(Path(plan["run_dir"]) / RUN_FILE, plan)
+    return plan
+
+
+def run_outcome(run_dir: Path, pipeline_state: str) -> str:
+    """``succeeded``, ``blocked`` (validation or gate stopped it) or ``failed``."""
+    if pipeline_state.upper() not in ("SUCCEEDED", "SUCCESS"):
+        return "failed"
+    return "blocked" if (Path(run_dir) / BLOCKED_FILE).is_file() else "succeeded"
+
+
+def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:
+    """Record the run's outcome in the workspace state and in ``<run_dir>/outcome.json``."""
+    run_dir = Path(run_dir)
+    plan_path = run_dir / RUN_FILE
+    outcome = {
+        "status": run_outcome(run_dir, pipeline_state),
+        "pipeline_state": pipeline_state,
+        "error": error or None,
+    }
+    write_json_atomic(run_dir / "outcome.json", outcome)
+    if plan_path.is_file():
+        plan = json.loads(plan_path.read_text())
+        record_phase(Path(config["workspace"]).resolve(), plan["phase"], outcome["status"], plan["run_id"])
+    return outcome

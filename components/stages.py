@@ -1,0 +1,317 @@
+"""The pipeline's stages as plain functions of the resolved config.
+
+Each function runs one stage of a pipeline run: it reads its inputs (paths), calls the stage
+implementation, writes its summary under ``<run_dir>/<stage>/`` (what the on-call report and
+``compatflow status`` read) and returns what the next stage needs. The KFP components in
+:mod:`components.kfp_ops` are thin wrappers around these; tests call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from compat.io import write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+BOOTSTRAP_REASON = {
+    "code": "bootstrap",
+    "message": "no production model yet: the phase-0 model becomes the first production model",
+}
+
+
+Config = dict[str, Any] | str
+
+
+def as_config(config: Config) -> dict[str, Any]:
+    """The resolved config, from a mapping or the JSON string the KFP components receive."""
+    return json.loads(config) if isinstance(config, str) else config
+
+
+def plan_stage(config: Config, phase: int, run_id: str) -> dict[str, Any]:
+    """The run's plan (see :func:`components.runs.plan_run`); fails when every phase has succeeded."""
+    from components.runs import PlanError, plan_run
+
+    plan = plan_run(as_config(config), phase, run_id)
+    if plan is None:
+        raise PlanError("every phase of the stream has succeeded: nothing to run")
+    return plan
+
+
+def validate_stage(
+    config: Config, run_dir: Path, shards: list[str], out_dir: Path, summary_path: Path
+) -> dict:
+    """Validation of the phase's shards into ``out_dir``; the summary is also copied to the run dir."""
+    from components.validation import ValidationPolicy, validate_phase
+
+    policy = ValidationPolicy(
+        max_quarantined_fraction=as_config(config)["validation"]["max_quarantined_fraction"]
+    )
+    document = validate_phase(shards, out_dir, policy).to_dict()
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out_dir / "validation.json", summary_path)
+    _copy_summaries(out_dir, run_dir / "validate", ("validation.json",))
+    return document
+
+
+def accepted_shards(validated_dir: str | Path) -> list[str]:
+    """The accepted shards the validation stage wrote into ``validated_dir``."""
+    return sorted(str(p) for p in Path(validated_dir, "accepted").glob("*.tar"))
+
+
+def drift_stage(
+    config: Config,
+    run_dir: Path,
+    reference_shards: list[str],
+    validated_dir: str,
+    production: str,
+    html_path: Path,
+    summary_path: Path,
+) -> str:
+    """Drift of the validated phase against the reference; returns the overall severity."""
+    from components.drift import run_drift
+
+    settings = as_config(config)["drift"]
+    stage_dir = run_dir / "drift"
+    result = run_drift(
+        reference_shards,
+        accepted_shards(validated_dir),
+        stage_dir,
+        production_checkpoint=Path(production) if production and settings["embeddings"] else None,
+        sample_size=settings["sample_size"],
+    )
+    for path, name in ((html_path, "drift_report.html"), (summary_path, "drift.json")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(stage_dir / name, path)
+    return str(result["severity"])
+
+
+def note_blocked(run_dir: Path, stage: str, reason: str) -> None:
+    """Record that a stage stopped the run (read by the report, the outcome and ``compatflow status``)."""
+    from components.runs import BLOCKED_FILE
+
+    write_json_atomic(run_dir / BLOCKED_FILE, {"stage": stage, "reason": reason})
+
+
+def finish_stage(config: Config, run_id: str, pipeline_state: str, error: str, html_path: Path) -> dict:
+    """Exit handler: the run's outcome into the workspace state, then the on-call report."""
+    from components.runs import finish_run, run_dir_for
+
+    resolved = as_config(config)
+    run_dir = run_dir_for(resolved, run_id)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outcome = finish_run(resolved, run_dir, pipeline_state, error)
+    paths = report_stage(run_dir)
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(paths["html"], html_path)
+    return outcome
+
+
+def workspace_of(config: dict[str, Any]) -> Any:
+    from components.workspace import Workspace
+
+    return Workspace(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
+
+
+def registry_of(config: dict[str, Any]) -> Any:
+    from components.registry import Registry
+
+    return Registry(workspace_of(config), model_name=config["registry"]["model_name"])
+
+
+def resolve_production(config: Config) -> str:
+    """Path of the production checkpoint (downloaded and verified once per version), or "" if none."""
+    config = as_config(config)
+    registry = registry_of(config)
+    version = registry.alias_version("production") if registry.exists() else None
+    if version is None:
+        return ""
+    target = workspace_of(config).models_dir / f"v{version}"
+    if (target / "model.json").is_file() or (target / "compat.json").is_file():
+        from components.registry import verify_checkpoint
+
+        verify_checkpoint(target)
+        return str(target)
+    return str(registry.download(version, target))
+
+
+def continual_stage(
+    config: Config,
+    run_dir: Path,
+    phase: int,
+    stream_dir: str,
+    validated_dir: str,
+    production: str,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """Mod-X training of the production model on the phase's validated shards (CLIP_0 on phase 0)."""
+    from components.continual import run_continual
+
+    training = as_config(config)["training"]
+    accepted = accepted_shards(validated_dir)
+    metrics = run_continual(
+        stream_dir,
+        phase,
+        out_dir,
+        production=production or None,
+        config_name=training["model_config"],
+        method=training["method"],
+        alpha=training["alpha"],
+        steps=training["steps"],
+        batch_size=training["batch_size"],
+        lr=training["lr"],
+        warmup_fraction=training["warmup_fraction"],
+        seed=training["seed"] + phase,
+        device=training["device"],
+        train_urls=accepted or None,
+        version=f"{run_dir.name}",
+    )
+    _copy_summaries(out_dir, run_dir / "continual", ("metrics.json", "spatial_disorder.json"))
+    return metrics
+
+
+def compat_stage(
+    config: Config, run_dir: Path, candidate: str, production: str, validated_dir: str, out_dir: Path
+) -> str:
+    """Make the candidate compatible with production with the configured method; returns the model dir."""
+    from compat.methods.run import train_compat
+
+    config = as_config(config)
+    settings = config["compat"]
+    accepted = accepted_shards(validated_dir)
+    model = train_compat(
+        settings["method"],
+        production,
+        _checkpoint_dir(candidate),
+        accepted,
+        out_dir,
+        settings={"steps": settings["steps"], "device": config["training"]["device"]},
+        batch_size=settings["batch_size"],
+    )
+    write_json_atomic(
+        run_dir / "compat" / "compat_model.json",
+        {
+            "method": settings["method"],
+            "path": str(out_dir),
+            "contract": model.contract.to_dict(),
+            "trainable_parameters": model.trainable_parameters,
+        },
+    )
+    return str(out_dir)
+
+
+def evaluate_stage(
+    config: Config,
+    run_dir: Path,
+    production: str,
+    compat_model: str,
+    eval_shards: list[str],
+    out_dir: Path,
+    phase: int,
+) -> dict[str, Any]:
+    """The compatibility matrix, bootstrap margins and ECC verdicts of the candidate against production."""
+    from components.evaluate import evaluate
+
+    config = as_config(config)
+    report = evaluate(
+        production,
+        compat_model,
+        eval_shards,
+        out_dir,
+        scenario=config["compat"]["scenario"],
+        data_phase=phase,
+        seed=config["training"]["seed"],
+    )
+    _copy_summaries(out_dir, run_dir / "evaluate", ("compat_report.json",))
+    return report
+
+
+def gate_stage(config: Config, run_dir: Path, report: str, validation: str, drift: str, out_dir: Path) -> str:
+    """Pass or block (fail-closed); returns the decision."""
+    from components.gate import run_gate
+
+    config = as_config(config)
+    decision = run_gate(report, out_dir, policy=config["gate"]["policy"], validation=validation, drift=drift)
+    _copy_summaries(out_dir, run_dir / "gate", ("gate.json",))
+    return decision.decision
+
+
+def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
+    """The gate record of the first model: nothing to be compatible with."""
+    document = {"decision": "pass", "reasons": [BOOTSTRAP_REASON], "checks": [], "bootstrap": True}
+    write_json_atomic(run_dir / "gate" / "gate.json", document)
+    return document
+
+
+def register_stage(
+    config: Config, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
+) -> dict:
+    """Log the run to MLflow and register the model as the ``candidate`` version."""
+    from components.registry import register_stage as register
+
+    config = as_config(config)
+    method = "bootstrap" if bootstrap else config["compat"]["method"]
+    gate_path = run_dir / "gate" / "gate.json"
+    gate = json.loads(gate_path.read_text()) if gate_path.is_file() else bootstrap_gate(run_dir)
+    reports = [
+        run_dir / s / f
+        for s, f in (
+            ("validate", "validation.json"),
+            ("drift", "drift.json"),
+            ("drift", "drift_report.html"),
+            ("gate", "gate.json"),
+        )
+    ]
+    metrics = run_dir / "continual" / "metrics.json"
+    report = run_dir / "evaluate" / "compat_report.json"
+    info = register(
+        workspace_of(config),
+        run_dir.name,
+        _checkpoint_dir(model_dir),
+        data_phase=phase,
+        method=method,
+        gate=gate,
+        compat_report=report if report.is_file() else None,
+        training_metrics=metrics if metrics.is_file() else None,
+        reports=reports,
+        params={
+            "phase": phase,
+            "method": method,
+            "model_config": config["training"]["model_config"],
+            "bootstrap": bootstrap,
+        },
+        model_name=config["registry"]["model_name"],
+    )
+    write_json_atomic(run_dir / "register" / "registered.json", info)
+    return info
+
+
+def report_stage(run_dir: Path) -> dict[str, str]:
+    """The on-call report (HTML + Markdown) of the run, written whatever happened before."""
+    from components.report import write_reports
+
+    paths = write_reports(run_dir, run_dir / "report")
+    return {fmt: str(path) for fmt, path in paths.items()}
+
+
+def _checkpoint_dir(path: str) -> str:
+    """A checkpoint directory from a directory or its ``model.json``."""
+    candidate = Path(path)
+    return str(candidate.parent if candidate.name == "model.json" else candidate)
+
+
+def _model_dir(path: str) -> str:
+    """The model directory inside a stage's model artifact (``<artifact>/model`` or the artifact itself)."""
+    nested = Path(path) / "model"
+    return str(nested if nested.is_dir() else _checkpoint_dir(path))
+
+
+def _copy_summaries(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (src / name).is_file() and (src / name).resolve() != (dst / name).resolve():
+            shutil.copyfile(src / name, dst / name)

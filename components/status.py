@@ -1,0 +1,120 @@
+"""What ``compatflow status`` shows: registry aliases, the last gate decision, rollout progress.
+
+:func:`collect` gathers the document; plugin modules in :mod:`components.plugins` defining
+``status(workspace) -> dict`` add their own keys (e.g. the gallery index's vector counts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from components.workspace import DEFAULT_MODEL_NAME, Workspace
+
+log = logging.getLogger(__name__)
+
+
+def collect(
+    workspace: Workspace | str | Path | None = None, *, model_name: str = DEFAULT_MODEL_NAME
+) -> dict[str, Any]:
+    """The status document of a workspace (JSON-serialisable; absent parts are ``None``)."""
+    ws = Workspace.coerce(workspace)
+    doc: dict[str, Any] = {
+        "workspace": str(ws.root),
+        "registry": registry_status(ws, model_name),
+        "last_gate": last_gate(ws),
+        "rollout": rollout_state(ws),
+    }
+    from components import plugins
+
+    errors = []
+    for outcome in plugins.call_all(plugins.hooks("status"), ws):
+        if not outcome["ok"]:
+            errors.append({"hook": outcome["hook"], "error": outcome["error"]})
+        elif isinstance(outcome["result"], Mapping):
+            _deep_merge(doc, outcome["result"])
+    if errors:
+        doc["plugin_errors"] = errors
+    return doc
+
+
+def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+    """Aliases of the registered model; never creates a local store just to look at it."""
+    from components.registry import ALIASES, Registry
+
+    registry = Registry(ws, model_name=model_name)
+    empty = {
+        "model": model_name,
+        "tracking_uri": registry.tracking_uri,
+        **{a: None for a in ALIASES},
+        "history": [],
+    }
+    if not registry.exists():
+        return {**empty, "note": f"no registry yet ({ws.mlflow_db} does not exist)"}
+    try:
+        return registry.status()
+    except Exception as err:  # noqa: BLE001 - status must show what it can
+        log.warning("cannot read the registry at %s: %s", registry.tracking_uri, err)
+        return {**empty, "error": f"{type(err).__name__}: {err}"}
+
+
+def last_gate(ws: Workspace) -> dict[str, Any] | None:
+    """The newest ``gate.json`` under ``runs/`` (by modification time), summarised."""
+    path = _newest(ws.runs_dir.glob("*/**/gate.json")) if ws.runs_dir.is_dir() else None
+    if path is None:
+        return None
+    doc = _read_json(path)
+    if doc is None:
+        return {"path": str(path), "decision": "unreadable", "reasons": [], "run_id": _run_id(ws, path)}
+    return {
+        "path": str(path),
+        "run_id": _run_id(ws, path),
+        "decision": doc.get("decision"),
+        "reasons": doc.get("reasons", []),
+        "decided_at": doc.get("decided_at"),
+    }
+
+
+def rollout_state(ws: Workspace) -> dict[str, Any] | None:
+    """``<workspace>/rollout_state.json``, else the newest one under ``runs/``; ``None`` when none exists."""
+    path = ws.rollout_state_path if ws.rollout_state_path.is_file() else None
+    if path is None and ws.runs_dir.is_dir():
+        path = _newest(ws.runs_dir.glob("*/**/rollout_state.json"))
+    if path is None:
+        return None
+    doc = _read_json(path)
+    if doc is None:
+        return {"path": str(path), "state": "unreadable"}
+    return {"path": str(path), **doc}
+
+
+def _newest(paths: Any) -> Path | None:
+    candidates = [p for p in paths if p.is_file()]
+    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        log.warning("cannot read %s: %s", path, err)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _run_id(ws: Workspace, path: Path) -> str | None:
+    try:
+        return path.relative_to(ws.runs_dir).parts[0]
+    except (ValueError, IndexError):
+        return None
+
+
+def _deep_merge(target: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _deep_merge(target[key], value)
+        else:
+            target[key] = value

@@ -1,0 +1,25 @@
+"""Data validation of a phase of webdataset shards (img2dataset layout: key.jpg / key.txt / key.json).
+
+``validate_phase`` checks every sample (tar safety, image decoding and size, caption, metadata
+schema, key uniqueness) with Python checks and Great Expectations suites, quarantines rejected
+samples unchanged with their reasons, writes accepted samples to new shards, and blocks the
+phase when too many samples are rejected, a shard is damaged, or a phase expectation fails.
+"""
+
+from components.validation.checks import REASONS, Reason
+from components.validation.phase import ShardSpecError, ValidationSummary, resolve_shards, validate_phase
+from components.validation.policy import ValidationPolicy, load_policy
+from components.validation.shard_reader import ShardReader, split_member_name
+
+__all__ = [
+    "REASONS",
+    "Reason",
+    "ShardReader",
+    "ShardSpecError",
+    "ValidationPolicy",
+    "ValidationSummary",
+    "load_policy",
+    "resolve_shards",
+    "split_member_name",
+    "validate_phase",
+]

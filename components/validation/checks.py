@@ -1,0 +1,244 @@
+"""Per-sample checks that Great Expectations cannot express (tar safety, image decoding, UTF-8,
+JSON parsing and schema), and the per-sample facts the expectation suites then run on.
+
+Every reason a sample can be quarantined for is listed in :data:`REASONS`; the ones marked
+``gx`` come from unexpected rows of ``schemas/expectations/samples.json``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from components.validation.policy import ValidationPolicy
+from components.validation.shard_reader import Member, SampleGroup
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+CAPTION_EXTENSION = "txt"
+METADATA_EXTENSION = "json"
+_PIL_FORMATS = ("JPEG", "PNG", "WEBP")
+
+REASONS: dict[str, str] = {
+    # Python checks (this module)
+    "unsafe_member": "a member has an absolute name or a '..' component, or is not a regular file",
+    "duplicate_member": "two members of one sample share an extension",
+    "truncated": "the shard ends inside one of the sample's members",
+    "image_multiple": "the sample has more than one image member",
+    "image_empty": "the image member is empty (0 bytes)",
+    "image_undecodable": "the image member cannot be decoded as JPEG, PNG or WebP",
+    "caption_not_utf8": "the caption member is not valid UTF-8",
+    "metadata_not_json": "the metadata member is not a JSON document",
+    "metadata_schema": "the metadata breaks schemas/sample.schema.json",
+    # Great Expectations (schemas/expectations/samples.json)
+    "key_invalid": "the key has characters outside [A-Za-z0-9_.-]",
+    "duplicate_key": "the key occurs more than once in the phase (within or across shards)",
+    "image_missing": "the sample has no image member (.jpg/.jpeg/.png/.webp)",
+    "caption_missing": "the sample has no caption member (.txt)",
+    "metadata_missing": "the sample has no metadata member (.json)",
+    "metadata_key_mismatch": "the metadata 'key' differs from the member key",
+    "image_size": "the image width or height is outside the policy bounds",
+    "caption_empty": "the caption is empty",
+    "caption_blank": "the caption is whitespace only",
+    "caption_length": "the caption length in characters is outside the policy bounds",
+}
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a sample is quarantined: a code from :data:`REASONS` and a message naming the problem."""
+
+    code: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+@dataclass
+class CheckTimings:
+    """Seconds spent in image decoding and in the other per-sample checks (accumulated)."""
+
+    decode_s: float = 0.0
+    other_s: float = 0.0
+
+
+def inspect_sample(
+    group: SampleGroup,
+    shard: str,
+    shard_index: int,
+    row: int,
+    policy: ValidationPolicy,
+    timings: CheckTimings | None = None,
+) -> tuple[dict[str, Any], list[Reason]]:
+    """Check one sample; return its facts (one DataFrame row for the suites) and the reasons found here."""
+    timings = timings if timings is not None else CheckTimings()
+    start = time.perf_counter()
+    reasons: list[Reason] = []
+    members = group.members
+    for member in members:
+        problem = unsafe_member_problem(member)
+        if problem:
+            reasons.append(Reason("unsafe_member", f"member {member.name!r} {problem}"))
+        if member.truncated:
+            reasons.append(
+                Reason(
+                    "truncated",
+                    f"member {member.name!r} is cut off: "
+                    f"{len(member.data)} of {member.info.size} bytes in the shard",
+                )
+            )
+    # Safe regular files count as present; a cut-off one is present but its content is not checked.
+    present = [m for m in members if m.is_file and not unsafe_member_problem(m)]
+    seen: dict[str, str] = {}
+    for member in members:
+        if member.ext in seen:
+            reasons.append(
+                Reason(
+                    "duplicate_member",
+                    f"members {seen[member.ext]!r} and {member.name!r} share the extension .{member.ext}",
+                )
+            )
+        seen.setdefault(member.ext, member.name)
+
+    images = [m for m in present if m.ext in IMAGE_EXTENSIONS]
+    captions = [m for m in present if m.ext == CAPTION_EXTENSION]
+    metadata = [m for m in present if m.ext == METADATA_EXTENSION]
+    facts: dict[str, Any] = {
+        "row": row,
+        "shard": shard,
+        "shard_index": shard_index,
+        "sample_index": group.index,
+        "key": group.key,
+        "members": len(members),
+        "image_member": None,
+        "image_bytes": None,
+        "width": None,
+        "height": None,
+        "caption_member": None,
+        "caption": None,
+        "caption_chars": None,
+        "metadata_member": None,
+        "metadata_key": None,
+    }
+    if len(images) > 1:
+        reasons.append(
+            Reason("image_multiple", "several image members: " + ", ".join(repr(m.name) for m in images))
+        )
+    if captions:
+        facts["caption_member"] = captions[0].name
+    if captions and not captions[0].truncated:
+        try:
+            caption = captions[0].data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            reasons.append(
+                Reason(
+                    "caption_not_utf8",
+                    f"caption {captions[0].name!r} is not valid UTF-8 (byte {exc.start}: {exc.reason})",
+                )
+            )
+        else:
+            facts["caption"], facts["caption_chars"] = caption, len(caption)
+    if metadata:
+        facts["metadata_member"] = metadata[0].name
+    if metadata and not metadata[0].truncated:
+        facts["metadata_key"], problem = _check_metadata(metadata[0])
+        if problem:
+            reasons.append(problem)
+    timings.other_s += time.perf_counter() - start
+    if images:
+        start = time.perf_counter()
+        image = images[0]
+        facts["image_member"], facts["image_bytes"] = image.name, len(image.data)
+        if not image.truncated:
+            facts["width"], facts["height"], problem = _check_image(
+                image, policy.max_width, policy.max_height
+            )
+            if problem:
+                reasons.append(problem)
+        timings.decode_s += time.perf_counter() - start
+    return facts, reasons
+
+
+def unsafe_member_problem(member: Member) -> str | None:
+    """Why extracting this member would be unsafe (absolute, '..', not a regular file), or None."""
+    info = member.info
+    name = info.name
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "has an absolute path"
+    if ".." in name.replace("\\", "/").split("/"):
+        return "has a '..' path component"
+    if not info.isreg():
+        kind = (
+            "a symbolic link"
+            if info.issym()
+            else "a hard link"
+            if info.islnk()
+            else "a directory"
+            if info.isdir()
+            else "a device"
+            if info.isdev()
+            else f"of tar type {info.type!r}"
+        )
+        target = f" to {info.linkname!r}" if info.issym() or info.islnk() else ""
+        return f"is {kind}{target}, not a regular file"
+    return None
+
+
+def _check_image(
+    member: Member, max_width: int, max_height: int
+) -> tuple[int | None, int | None, Reason | None]:
+    """Read the image size from its header and, when within bounds, decode it fully.
+
+    The size bounds themselves are the suite's (``image_size``); an image beyond them is never decoded.
+    """
+    if not member.data:
+        return None, None, Reason("image_empty", f"image {member.name!r} is empty (0 bytes)")
+    import warnings
+
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size bounds come first
+            with Image.open(io.BytesIO(member.data), formats=_PIL_FORMATS) as image:
+                width, height = image.size
+                if width <= max_width and height <= max_height:
+                    image.load()
+    except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, None, Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {detail}")
+    return width, height, None
+
+
+@lru_cache(maxsize=1)
+def _sample_validator():
+    import jsonschema
+
+    from schemas import load_schema
+
+    schema = load_schema("sample")
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def _check_metadata(member: Member) -> tuple[str | None, Reason | None]:
+    """Parse the metadata member and validate it; return its ``key`` (when a string) and a problem."""
+    try:
+        document = json.loads(member.data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        return None, Reason("metadata_not_json", f"metadata {member.name!r} is not JSON: {exc}")
+    key = document.get("key") if isinstance(document, dict) else None
+    errors = sorted(_sample_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
+    if errors:
+        detail = "; ".join(
+            f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors[:3]
+        )
+        more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+        return key if isinstance(key, str) else None, Reason(
+            "metadata_schema", f"metadata {member.name!r} breaks schemas/sample.schema.json: {detail}{more}"
+        )
+    return key if isinstance(key, str) else None, None

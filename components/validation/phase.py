@@ -1,0 +1,412 @@
+"""The validation stage of one data phase: read, check, run the suites, route, summarize.
+
+Two passes over the shards keep memory flat for phases of any size: the first reads every
+sample and collects its facts (Python checks, then the GX suites over all facts, since
+duplicate keys are only known once every shard is read); the second re-reads the shards and
+writes each sample, unchanged, to an accepted or a quarantine shard. ``validation.json`` is
+written last (atomically), so its presence marks a finished run.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.validation.checks import CheckTimings, Reason, inspect_sample
+from components.validation.policy import ValidationPolicy
+from components.validation.quarantine import (
+    AtomicTarWriter,
+    accepted_name,
+    quarantine_name,
+    quarantine_sample,
+    remove_stale_outputs,
+    write_json_atomic,
+)
+from components.validation.shard_reader import SampleGroup, ShardReader
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_FILE = "validation.json"
+STAGE_VERSION = 1  # bump when a check changes meaning: earlier summaries are then recomputed
+
+
+class ShardSpecError(ValueError):
+    """The shard pattern(s) matched no file."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    name: str  # as matched by the pattern; used in every message
+    path: Path
+
+
+@dataclass
+class ValidationSummary:
+    """The result of :func:`validate_phase`: the ``validation.json`` document plus run-local facts."""
+
+    out_dir: Path
+    document: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+    reused: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.document["total"]
+
+    @property
+    def passed(self) -> int:
+        return self.document["passed"]
+
+    @property
+    def quarantined(self) -> int:
+        return self.document["quarantined"]
+
+    @property
+    def quarantined_fraction(self) -> float:
+        return self.document["quarantined_fraction"]
+
+    @property
+    def by_reason(self) -> dict[str, int]:
+        return self.document["by_reason"]
+
+    @property
+    def blocked(self) -> bool:
+        return self.document["blocked"]
+
+    @property
+    def blocked_reasons(self) -> list[str]:
+        return self.document["blocked_reasons"]
+
+    @property
+    def shards(self) -> list[dict[str, Any]]:
+        return self.document["shards"]
+
+    @property
+    def expectations(self) -> list[dict[str, Any]]:
+        return self.document["expectations"]
+
+    @property
+    def problems(self) -> list[dict[str, Any]]:
+        return self.document["problems"]
+
+    @property
+    def path(self) -> Path:
+        return self.out_dir / SUMMARY_FILE
+
+    @property
+    def accepted_paths(self) -> list[Path]:
+        """Absolute paths of the accepted shards (``accepted_shards`` holds them relative to ``out_dir``)."""
+        return [self.out_dir / p for p in self.document["accepted_shards"]]
+
+    @property
+    def quarantine_paths(self) -> list[Path]:
+        return [self.out_dir / p for p in self.document["quarantine_shards"]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.document
+
+
+def resolve_shards(shard_spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Shard]:
+    """Expand a glob (or webdataset brace pattern, or a list of either) into sorted, unique shard files."""
+    specs = [shard_spec] if isinstance(shard_spec, (str, os.PathLike)) else list(shard_spec)
+    if not specs:
+        raise ShardSpecError("no shard pattern given")
+    found: dict[str, str] = {}
+    for spec in specs:
+        text = os.fspath(spec)
+        matches = sorted(
+            m
+            for pattern in _expand_braces(text)
+            for m in glob.glob(pattern, recursive=True)
+            if Path(m).is_file()
+        )
+        if not matches:
+            raise ShardSpecError(
+                f"no shard file matches {text!r} (checked relative to {os.getcwd()}); "
+                "pass a glob such as 'data/phase-01/shard-*.tar'"
+            )
+        for match in matches:
+            found.setdefault(os.path.abspath(match), match)
+    ordered = sorted(found.items(), key=lambda item: item[1])
+    return [Shard(index=i, name=name, path=Path(path)) for i, (path, name) in enumerate(ordered)]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    if "{" not in pattern:
+        return [pattern]
+    import braceexpand
+
+    return list(braceexpand.braceexpand(pattern))
+
+
+def validate_phase(
+    shard_spec: str | list[str],
+    out_dir: Path,
+    policy: ValidationPolicy | None = None,
+    *,
+    force: bool = False,
+) -> ValidationSummary:
+    """Validate the shards of one data phase into ``out_dir`` (see the module docstring).
+
+    Writes ``out_dir/validation.json`` (``schemas/validation.schema.json``), accepted samples to
+    ``out_dir/accepted/`` and rejected ones, with reasons, to ``out_dir/quarantine/``. A rerun over
+    unchanged inputs and policy returns the finished summary without redoing the work unless
+    ``force``. Raises :class:`ShardSpecError` when a pattern matches nothing.
+    """
+    policy = policy or ValidationPolicy()
+    shards = resolve_shards(shard_spec)
+    out_dir = Path(out_dir)
+    fingerprint = _fingerprint(shards, policy)
+    if not force:
+        previous = _finished_summary(out_dir, fingerprint)
+        if previous is not None:
+            logger.info("validation of %d shards is up to date in %s", len(shards), previous.path)
+            return previous
+
+    (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # present again only once this run has finished
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    facts, reasons, shard_stats, check_timings = _inspect(shards, policy)
+    timings["read_and_check_s"] = time.perf_counter() - start
+    timings["decode_s"], timings["other_checks_s"] = check_timings.decode_s, check_timings.other_s
+
+    from components.validation.suite import facts_frame, run_suite
+
+    start = time.perf_counter()
+    frame = facts_frame(facts)
+    sample_run = run_suite("samples", frame, policy.suite_parameters())
+    for row, found in sample_run.row_reasons.items():
+        reasons.setdefault(row, []).extend(found)
+    phase_run = run_suite("phase", frame[~frame["row"].isin(list(reasons))], policy.suite_parameters())
+    timings["gx_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    outputs = _write_outputs(shards, out_dir, facts, reasons, shard_stats)
+    removed = remove_stale_outputs(out_dir, set(outputs["accepted"]) | set(outputs["quarantine"]))
+    if removed:
+        logger.info("removed %d output shards of an earlier run: %s", len(removed), ", ".join(removed))
+    timings["write_s"] = time.perf_counter() - start
+
+    document = _summary_document(
+        shard_spec,
+        shards,
+        policy,
+        fingerprint,
+        facts,
+        reasons,
+        shard_stats,
+        sample_run.records + phase_run.records,
+        outputs,
+    )
+    from schemas import validate
+
+    validate(document, "validation", source=str(out_dir / SUMMARY_FILE))
+    write_json_atomic(out_dir / SUMMARY_FILE, document)
+    summary = ValidationSummary(out_dir=out_dir, document=document, timings=timings)
+    _log_outcome(summary)
+    return summary
+
+
+def _inspect(shards: list[Shard], policy: ValidationPolicy):
+    """Pass 1: facts and Python-check reasons per sample, and what each shard yielded."""
+    from compat.progress import track
+
+    facts: list[dict[str, Any]] = []
+    reasons: dict[int, list[Reason]] = {}
+    stats: list[dict[str, Any]] = []
+    timings = CheckTimings()
+
+    def groups() -> Iterator[tuple[Shard, SampleGroup]]:
+        for shard in shards:
+            reader = ShardReader(shard.path, shard.name)
+            for group in reader:
+                yield shard, group
+            stats.append({"samples": reader.samples, "members": reader.members, "error": reader.error})
+            if reader.error:
+                logger.error("%s: %s", shard.name, reader.error)
+
+    for shard, group in track(groups(), "validate: reading samples", logger=logger):
+        row = len(facts)
+        sample_facts, found = inspect_sample(group, shard.name, shard.index, row, policy, timings)
+        facts.append(sample_facts)
+        if found:
+            reasons[row] = found
+    return facts, reasons, stats, timings
+
+
+def _write_outputs(
+    shards: list[Shard],
+    out_dir: Path,
+    facts: list[dict[str, Any]],
+    reasons: dict[int, list[Reason]],
+    stats: list[dict[str, Any]],
+) -> dict[str, list[str]]:
+    """Pass 2: re-read each shard and write every sample, unchanged, to its accepted or quarantine shard."""
+    outputs: dict[str, list[str]] = {"accepted": [], "quarantine": []}
+    first_row = 0
+    for shard, stat in zip(shards, stats, strict=True):
+        accepted = AtomicTarWriter(out_dir / accepted_name(shard.index))
+        quarantine = AtomicTarWriter(out_dir / quarantine_name(shard.index))
+        reader = ShardReader(shard.path, shard.name)
+        try:
+            for group in reader:
+                row = first_row + group.index
+                if group.index >= stat["samples"] or facts[row]["key"] != group.key:
+                    raise RuntimeError(
+                        f"{shard.name} changed while it was being validated; rerun the validation"
+                    )
+                if row in reasons:
+                    quarantine_sample(quarantine, group, shard.name, reasons[row])
+                else:
+                    accepted.add_sample(group)
+            if reader.samples != stat["samples"]:
+                raise RuntimeError(f"{shard.name} changed while it was being validated; rerun the validation")
+        except BaseException:
+            accepted.abort()
+            quarantine.abort()
+            raise
+        stat["accepted"] = accepted_name(shard.index) if accepted.commit() else None
+        stat["quarantine"] = quarantine_name(shard.index) if quarantine.commit() else None
+        stat["passed"], stat["quarantined"] = accepted.samples, quarantine.samples
+        outputs["accepted"] += [stat["accepted"]] if stat["accepted"] else []
+        outputs["quarantine"] += [stat["quarantine"]] if stat["quarantine"] else []
+        first_row += stat["samples"]
+    return outputs
+
+
+def _summary_document(
+    shard_spec,
+    shards: list[Shard],
+    policy: ValidationPolicy,
+    fingerprint: str,
+    facts: list[dict[str, Any]],
+    reasons: dict[int, list[Reason]],
+    stats: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    outputs: dict[str, list[str]],
+) -> dict[str, Any]:
+    total, quarantined = len(facts), len(reasons)
+    fraction = quarantined / total if total else 0.0
+    by_reason = Counter(code for found in reasons.values() for code in dict.fromkeys(r.code for r in found))
+    problems = [
+        {
+            "shard": facts[row]["shard"],
+            "key": facts[row]["key"],
+            "sample_index": facts[row]["sample_index"],
+            "reason": r.code,
+            "message": f"{facts[row]['shard']}: key {facts[row]['key']}: {r.message}",
+        }
+        for row in sorted(reasons)
+        for r in reasons[row]
+    ]
+    blocked_reasons = [
+        f"{shard.name}: shard is not fully readable "
+        f"({stat['samples']} samples read before the damage): {stat['error']}"
+        for shard, stat in zip(shards, stats, strict=True)
+        if stat["error"]
+    ]
+    if fraction > policy.max_quarantined_fraction:
+        blocked_reasons.append(
+            f"quarantined fraction {fraction:.2%} ({quarantined} of {total} samples) exceeds "
+            f"the threshold {policy.max_quarantined_fraction:.2%}"
+        )
+    for record in records:
+        target = f"{record['type']}({record['column']})" if record["column"] else record["type"]
+        if record["exception"]:
+            blocked_reasons.append(
+                f"{record['suite']} expectation {target} could not run: {record['exception']}"
+            )
+        elif record["suite"] == "phase" and not record["success"]:
+            blocked_reasons.append(
+                f"phase expectation {target} failed on the accepted samples: observed "
+                f"{json.dumps(record['observed_value'])}, expected {json.dumps(record['kwargs'])}"
+            )
+    for problem in problems[: policy.max_problems_listed]:
+        logger.warning("%s", problem["message"])
+    if len(problems) > policy.max_problems_listed:
+        logger.warning(
+            "... and %d more problems (all listed in the reason.json members of the quarantine shards)",
+            len(problems) - policy.max_problems_listed,
+        )
+    return {
+        "schema_version": 1,
+        "shard_spec": [
+            os.fspath(s) for s in ([shard_spec] if isinstance(shard_spec, (str, os.PathLike)) else shard_spec)
+        ],
+        "total": total,
+        "passed": total - quarantined,
+        "quarantined": quarantined,
+        "quarantined_fraction": fraction,
+        "by_reason": dict(sorted(by_reason.items())),
+        "blocked": bool(blocked_reasons),
+        "blocked_reasons": blocked_reasons,
+        "shards": [
+            {
+                "name": shard.name,
+                "samples": stat["samples"],
+                "members": stat["members"],
+                "passed": stat["passed"],
+                "quarantined": stat["quarantined"],
+                "error": stat["error"],
+                "accepted": stat["accepted"],
+                "quarantine": stat["quarantine"],
+            }
+            for shard, stat in zip(shards, stats, strict=True)
+        ],
+        "expectations": records,
+        "problems": problems[: policy.max_problems_listed],
+        "problems_total": len(problems),
+        "policy": policy.to_dict(),
+        "accepted_shards": outputs["accepted"],
+        "quarantine_shards": outputs["quarantine"],
+        "fingerprint": fingerprint,
+    }
+
+
+def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:
+    """Identity of a run's inputs: shard names, sizes, mtimes, the policy, the suites, the stage version."""
+    from components.validation.suite import suite_path
+
+    digest = hashlib.sha256()
+    inputs = [[s.name, str(s.path), s.path.stat().st_size, s.path.stat().st_mtime_ns] for s in shards]
+    suites = [hashlib.sha256(suite_path(n).read_bytes()).hexdigest() for n in ("samples", "phase")]
+    digest.update(json.dumps([STAGE_VERSION, inputs, policy.to_dict(), suites], sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _finished_summary(out_dir: Path, fingerprint: str) -> ValidationSummary | None:
+    """The summary of an earlier finished run over the same inputs, if all its outputs are still there."""
+    try:
+        document = json.loads((out_dir / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("fingerprint") != fingerprint:
+        return None
+    outputs = document.get("accepted_shards", []) + document.get("quarantine_shards", [])
+    if not all((out_dir / p).is_file() for p in outputs):
+        return None
+    return ValidationSummary(out_dir=out_dir, document=document, reused=True)
+
+
+def _log_outcome(summary: ValidationSummary) -> None:
+    doc = summary.document
+    logger.info(
+        "validated %d samples in %d shards: %d passed, %d quarantined (%.2f%%)",
+        doc["total"],
+        len(doc["shards"]),
+        doc["passed"],
+        doc["quarantined"],
+        100 * doc["quarantined_fraction"],
+    )
+    for reason in doc["blocked_reasons"]:
+        logger.error("blocked: %s", reason)

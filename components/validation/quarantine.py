@@ -1,0 +1,126 @@
+"""Output shards of the validation stage, written atomically with members unchanged.
+
+Accepted samples go to ``accepted/shard-NNNNN.tar``; rejected ones to
+``quarantine/quarantine-NNNNN.tar`` together with a ``{key}.reason.json`` member. ``NNNNN`` is
+the index of the input shard in the sorted list of matched shards, so reruns write the same files.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import tarfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from components.validation.checks import Reason
+from components.validation.shard_reader import Member, SampleGroup
+
+ACCEPTED_DIR = "accepted"
+QUARANTINE_DIR = "quarantine"
+REASON_SUFFIX = ".reason.json"
+
+
+def accepted_name(shard_index: int) -> str:
+    return f"{ACCEPTED_DIR}/shard-{shard_index:05d}.tar"
+
+
+def quarantine_name(shard_index: int) -> str:
+    return f"{QUARANTINE_DIR}/quarantine-{shard_index:05d}.tar"
+
+
+class AtomicTarWriter:
+    """A tar written to ``path + '.tmp'`` and renamed into place by :meth:`commit` (opened on first add)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._tar: tarfile.TarFile | None = None
+        self.samples = 0
+
+    def _open(self) -> tarfile.TarFile:
+        if self._tar is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._tar = tarfile.open(self._tmp, "w", format=tarfile.PAX_FORMAT)
+        return self._tar
+
+    def add_member(self, member: Member) -> None:
+        """Copy a member as read: same name, header and bytes (a cut-off member keeps what was read)."""
+        info = copy.copy(member.info)
+        if info.isreg():
+            info.size = len(member.data)
+            self._open().addfile(info, io.BytesIO(member.data))
+        else:
+            self._open().addfile(info)
+
+    def add_bytes(self, name: str, data: bytes, mtime: float) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), mtime, 0o644
+        self._open().addfile(info, io.BytesIO(data))
+
+    def add_sample(self, group: SampleGroup) -> None:
+        for member in group.members:
+            self.add_member(member)
+        self.samples += 1
+
+    def commit(self) -> Path | None:
+        """Close and move into place; returns the path, or None when nothing was added."""
+        if self._tar is None:
+            return None
+        self._tar.close()
+        os.replace(self._tmp, self.path)
+        self._tar = None
+        return self.path
+
+    def abort(self) -> None:
+        if self._tar is not None:
+            self._tar.close()
+            self._tar = None
+        self._tmp.unlink(missing_ok=True)
+
+
+def reason_document(group: SampleGroup, shard: str, reasons: Iterable[Reason]) -> dict[str, Any]:
+    """The ``{key}.reason.json`` member written next to a quarantined sample."""
+    return {
+        "key": group.key,
+        "source_shard": shard,
+        "sample_index": group.index,
+        "members": [m.name for m in group.members],
+        "reasons": [r.to_dict() for r in reasons],
+    }
+
+
+def quarantine_sample(writer: AtomicTarWriter, group: SampleGroup, shard: str, reasons: list[Reason]) -> None:
+    """Write the sample's members unchanged, then ``{key}.reason.json`` (deterministic bytes and mtime)."""
+    writer.add_sample(group)
+    document = json.dumps(reason_document(group, shard, reasons), indent=2, sort_keys=True).encode()
+    mtime = max((m.info.mtime for m in group.members), default=0)
+    writer.add_bytes(group.key + REASON_SUFFIX, document, mtime)
+
+
+def write_json_atomic(path: Path, document: Any) -> None:
+    """Write strict JSON (no NaN) via a temp file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
+def remove_stale_outputs(out_dir: Path, keep: set[str]) -> list[str]:
+    """Delete output shards (and temp files) of earlier runs that this run did not write."""
+    removed = []
+    for pattern in (
+        "accepted/shard-*.tar",
+        "quarantine/quarantine-*.tar",
+        "accepted/*.tmp",
+        "quarantine/*.tmp",
+    ):
+        for path in sorted(out_dir.glob(pattern)):
+            relative = path.relative_to(out_dir).as_posix()
+            if relative not in keep:
+                path.unlink()
+                removed.append(relative)
+    return removed

@@ -1,0 +1,283 @@
+"""Great Expectations (1.x) suites over a DataFrame of per-sample facts.
+
+Suites are the JSON files in ``schemas/expectations/`` (``samples.json``: one row per sample,
+unexpected rows become quarantine reasons; ``phase.json``: aggregate expectations over the
+accepted samples). Policy bounds enter as suite parameters. Great Expectations is imported
+inside the functions (the import costs about 5 s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from components.validation.checks import Reason
+from schemas import SCHEMA_DIR
+
+logger = logging.getLogger(__name__)
+
+EXPECTATIONS_DIR = SCHEMA_DIR / "expectations"
+ROW_ID = "row"
+FACT_COLUMNS: dict[str, str] = {
+    "row": "int64",
+    "shard": "object",
+    "shard_index": "int64",
+    "sample_index": "int64",
+    "key": "object",
+    "members": "int64",
+    "image_member": "object",
+    "image_bytes": "Int64",
+    "width": "Int64",
+    "height": "Int64",
+    "caption_member": "object",
+    "caption": "object",
+    "caption_chars": "Int64",
+    "metadata_member": "object",
+    "metadata_key": "object",
+}
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+_GX_LOGGERS = ("great_expectations", "great_expectations.data_context.types.base")
+
+
+@dataclass
+class SuiteRun:
+    """What one suite found: a record per expectation, and the reasons per unexpected row id."""
+
+    suite: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    row_reasons: dict[int, list[Reason]] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if not r["success"]]
+
+
+def facts_frame(rows: list[dict[str, Any]]):
+    """The per-sample facts as a pandas DataFrame with stable (nullable) dtypes, also when empty."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=list(FACT_COLUMNS))
+    return frame.astype(FACT_COLUMNS)
+
+
+def suite_path(name: str) -> Path:
+    return EXPECTATIONS_DIR / f"{name}.json"
+
+
+def load_suite(name: str):
+    """Load ``schemas/expectations/<name>.json`` as a ``great_expectations.ExpectationSuite``."""
+    import great_expectations as gx
+
+    _register_custom_expectations()
+    path = suite_path(name)
+    try:
+        return gx.ExpectationSuite(**json.loads(path.read_text()))
+    except Exception as exc:
+        raise ValueError(f"expectation suite {path} cannot be loaded: {exc}") from exc
+
+
+def run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
+    """Validate ``frame`` against suite ``name`` in an ephemeral context and collect every result.
+
+    Unexpected rows (by the ``row`` id column) of expectations whose ``meta.reason`` is set become
+    :class:`Reason` s with the meta message filled from the row's facts and ``parameters``.
+    """
+    with _quiet_gx_logging():
+        return _run_suite(name, frame, parameters)
+
+
+def _run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
+    import great_expectations as gx
+
+    context = _ephemeral_context()
+    suite = context.suites.add(load_suite(name))
+    batch = (
+        context.data_sources.add_pandas(f"{name}_facts")
+        .add_dataframe_asset(name)
+        .add_batch_definition_whole_dataframe("whole_frame")
+    )
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(name=f"{name}_run", data=batch, suite=suite)
+    )
+    result = definition.run(
+        batch_parameters={"dataframe": frame},
+        expectation_parameters=parameters,
+        result_format={"result_format": "COMPLETE", "unexpected_index_column_names": [ROW_ID]},
+    )
+    run = SuiteRun(suite=name)
+    by_row = frame.set_index(ROW_ID, drop=False) if len(frame) else frame
+    key_locations = _KeyLocations(frame)
+    for item in result.results:
+        record, rows = _record(name, item)
+        run.records.append(record)
+        reason = record["reason"]
+        if not reason or not rows:
+            continue
+        template = (item.expectation_config.meta or {}).get("message", reason)
+        for row in rows:
+            context_values = _MessageContext(by_row.loc[row].to_dict(), parameters, key_locations)
+            message = _PLACEHOLDER.sub(
+                lambda m, c=context_values: c.get_text(m.group(1), m.group(0)), template
+            )
+            reasons = run.row_reasons.setdefault(row, [])
+            if Reason(reason, message) not in reasons:
+                reasons.append(Reason(reason, message))
+    return run
+
+
+def _record(suite: str, item) -> tuple[dict[str, Any], list[int]]:
+    """A JSON-ready record of one expectation result, and its unexpected row ids."""
+    config = item.expectation_config
+    result = item.result or {}
+    exception = _exception_text(item.exception_info)
+    kwargs = {k: v for k, v in (config.kwargs or {}).items() if k not in ("result_format", "batch_id")}
+    rows = [int(entry[ROW_ID]) for entry in result.get("unexpected_index_list") or []]
+    count = result.get("unexpected_count")
+    if count is not None and len(rows) != count and (config.meta or {}).get("reason"):
+        exception = exception or f"{count} unexpected values but {len(rows)} unexpected rows reported"
+    record = {
+        "suite": suite,
+        "type": config.type,
+        "column": kwargs.get("column")
+        or (f"{kwargs['column_A']},{kwargs['column_B']}" if "column_A" in kwargs else None),
+        "kwargs": jsonable(kwargs),
+        "reason": (config.meta or {}).get("reason"),
+        "success": bool(item.success) and exception is None,
+        "observed_value": jsonable(result.get("observed_value")),
+        "element_count": result.get("element_count"),
+        "unexpected_count": count,
+        "unexpected_percent": jsonable(result.get("unexpected_percent")),
+        "exception": exception,
+    }
+    return record, rows
+
+
+def _exception_text(info: dict | None) -> str | None:
+    """GX reports exceptions either flat or keyed by metric; any raised one is returned as text."""
+    if not info:
+        return None
+    entries = [info] if "raised_exception" in info else [v for v in info.values() if isinstance(v, dict)]
+    messages = [str(e.get("exception_message") or "exception") for e in entries if e.get("raised_exception")]
+    return "; ".join(messages) or None
+
+
+class _KeyLocations:
+    """``shard#sample_index`` of every occurrence of a key, computed once on first use."""
+
+    def __init__(self, frame) -> None:
+        self._frame = frame
+        self._index: dict[str, list[str]] | None = None
+
+    def __call__(self, key: str) -> list[str]:
+        if self._index is None:
+            dup = self._frame[self._frame["key"].duplicated(keep=False)]
+            self._index = {}
+            for shard, index, k in zip(dup["shard"], dup["sample_index"], dup["key"], strict=True):
+                self._index.setdefault(k, []).append(f"{shard}#{index}")
+        return self._index.get(key, [])
+
+
+class _MessageContext:
+    """Placeholder values for a reason message: the row's facts, the suite parameters, key locations."""
+
+    def __init__(self, facts: dict[str, Any], parameters: dict[str, Any], locations: _KeyLocations) -> None:
+        self.facts, self.parameters, self.locations = facts, parameters, locations
+
+    def get_text(self, name: str, default: str) -> str:
+        if name in ("key_count", "key_locations"):
+            found = self.locations(self.facts["key"])
+            if name == "key_count":
+                return str(len(found))
+            return ", ".join(found[:5]) + (f", ... {len(found) - 5} more" if len(found) > 5 else "")
+        value = self.facts.get(name, self.parameters.get(name, default))
+        return "null" if value is None or _is_missing(value) else str(value)
+
+
+def _is_missing(value: Any) -> bool:
+    import pandas as pd
+
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values: numpy scalars unwrapped, NaN and infinities as null, tuples as lists."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and not isinstance(value, (str, bytes)):
+        try:
+            value = value.item()
+        except (TypeError, ValueError):
+            return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if _is_missing(value):
+        return None
+    return str(value)
+
+
+@contextmanager
+def _quiet_gx_logging() -> Iterator[None]:
+    """GX logs dozens of INFO lines on import and context creation; keep its warnings and errors only.
+
+    ``great_expectations.data_context.types.base`` sets its own level to INFO on import, so it is
+    raised after the import as well.
+    """
+    loggers = [logging.getLogger(name) for name in _GX_LOGGERS]
+    previous = [log.level for log in loggers]
+    loggers[0].setLevel(max(previous[0], logging.WARNING))
+    try:
+        import great_expectations  # noqa: F401
+
+        for log in loggers:
+            log.setLevel(max(log.level, logging.WARNING))
+        yield
+    finally:
+        for log, level in zip(loggers, previous, strict=True):
+            log.setLevel(level)
+
+
+def _ephemeral_context():
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    return context
+
+
+@lru_cache(maxsize=1)
+def _register_custom_expectations() -> type:
+    """Register ``expect_column_quantile_values_in_ranges`` (used by ``phase.json``).
+
+    It is ``ExpectColumnQuantileValuesToBeBetween`` with plain-bool results: under NumPy 2 the
+    built-in returns ``numpy.bool_`` for ``success``, which GX 1.24's validation-result store
+    cannot serialize, so every ValidationDefinition run containing it raises ``TypeError``.
+    """
+    import great_expectations.expectations as gxe
+
+    class ExpectColumnQuantileValuesInRanges(gxe.ExpectColumnQuantileValuesToBeBetween):
+        """Expect the column quantiles to fall in the given ranges (plain-bool results)."""
+
+        def _validate(self, metrics, runtime_configuration=None, execution_engine=None):
+            outcome = super()._validate(metrics, runtime_configuration, execution_engine)
+            outcome["success"] = bool(outcome["success"])
+            details = outcome["result"].get("details", {})
+            details["success_details"] = [bool(v) for v in details.get("success_details", [])]
+            return outcome
+
+    return ExpectColumnQuantileValuesInRanges

@@ -1,0 +1,105 @@
+"""Where a compatflow deployment keeps its state: one directory per workspace.
+
+Layout (the pipeline and every command use it)::
+
+    <root>/mlflow.db          MLflow tracking + registry (sqlite) unless a tracking URI is given
+    <root>/mlartifacts/       MLflow artifacts (reports, checkpoints)
+    <root>/feast/             Feast feature repo: lineage of every gallery item
+    <root>/milvus/            milvus-lite data
+    <root>/models/            local model checkpoints
+    <root>/runs/<run_id>/<stage>/...   per-run stage outputs
+    <root>/rollout_state.json progress of the rollout in flight (written by the rollout stage)
+
+The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``; the tracking URI to
+``$COMPATFLOW_TRACKING_URI`` or the sqlite file above.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_ROOT = "workspace"
+DEFAULT_MODEL_NAME = "compatflow-clip"
+ENV_ROOT = "COMPATFLOW_WORKSPACE"
+ENV_TRACKING_URI = "COMPATFLOW_TRACKING_URI"
+
+
+class Workspace:
+    """Path helper for a workspace directory; creates nothing until asked (:meth:`ensure`)."""
+
+    def __init__(self, root: str | Path | None = None, *, tracking_uri: str | None = None) -> None:
+        chosen = root if root is not None else os.environ.get(ENV_ROOT) or DEFAULT_ROOT
+        self.root = Path(chosen).expanduser().resolve()
+        self._tracking_uri = tracking_uri or os.environ.get(ENV_TRACKING_URI) or None
+
+    def __repr__(self) -> str:
+        return f"Workspace({str(self.root)!r})"
+
+    @classmethod
+    def coerce(cls, value: Workspace | str | Path | None) -> Workspace:
+        """A :class:`Workspace` from a workspace, a path, or ``None`` (the default root)."""
+        return value if isinstance(value, Workspace) else cls(value)
+
+    @property
+    def mlflow_db(self) -> Path:
+        return self.root / "mlflow.db"
+
+    @property
+    def mlflow_uri(self) -> str:
+        """The tracking (and registry) URI: the explicit one, else ``sqlite:///<root>/mlflow.db``."""
+        return self._tracking_uri or f"sqlite:///{self.mlflow_db}"
+
+    @property
+    def uses_local_mlflow(self) -> bool:
+        return self._tracking_uri is None
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return self.root / "mlartifacts"
+
+    @property
+    def feast_dir(self) -> Path:
+        return self.root / "feast"
+
+    @property
+    def milvus_dir(self) -> Path:
+        return self.root / "milvus"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def rollout_state_path(self) -> Path:
+        return self.root / "rollout_state.json"
+
+    def run_dir(self, run_id: str) -> Path:
+        """``<root>/runs/<run_id>``; refuses ids that would escape the runs directory."""
+        if not run_id or "/" in run_id or "\\" in run_id or run_id in {".", ".."}:
+            raise ValueError(f"invalid run id {run_id!r}: use a plain name without path separators")
+        return self.runs_dir / run_id
+
+    def run_ids(self) -> list[str]:
+        """Run ids present in the workspace, oldest first (by directory modification time)."""
+        if not self.runs_dir.is_dir():
+            return []
+        runs = [p for p in self.runs_dir.iterdir() if p.is_dir()]
+        return [p.name for p in sorted(runs, key=lambda p: (p.stat().st_mtime, p.name))]
+
+    def ensure(self) -> Workspace:
+        """Create the workspace directories that are missing; returns ``self``."""
+        for path in (
+            self.root,
+            self.artifacts_dir,
+            self.feast_dir,
+            self.milvus_dir,
+            self.models_dir,
+            self.runs_dir,
+        ):
+            path.mkdir(parents=True, exist_ok=True)
+        return self

@@ -1,0 +1,62 @@
+"""The ``compatflow`` command line.
+
+Each module in :mod:`pipelines.commands` defines ``register(app)`` and adds its own
+subcommands; this file only discovers them. Command modules import nothing heavy
+at module level, so ``compatflow --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pkgutil
+
+import typer
+
+from pipelines import commands
+
+app = typer.Typer(
+    name="compatflow",
+    help="Continual, backward-compatible upgrades of CLIP-style embedding models for production retrieval.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+OFFLINE_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "GX_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@app.callback()
+def _root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
+) -> None:
+    for key, value in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def _register_commands() -> None:
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        module.register(app)
+
+
+_register_commands()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

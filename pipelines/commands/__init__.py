@@ -1,0 +1,5 @@
+"""One module per command group; each defines ``register(app: typer.Typer) -> None``.
+
+Keep module level imports light (typer, stdlib): import heavy libraries inside the
+command functions.
+"""

@@ -1,0 +1,105 @@
+"""``compatflow compat ...``: compatibility training (``train``) and the methods available (``methods``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+compat_app = typer.Typer(
+    help="Make a candidate compatible with the production model (BCT, lambda-orth, BT2, ...).",
+    no_args_is_help=True,
+)
+
+
+def _settings(config: Path | None, assignments: list[str]) -> dict[str, Any]:
+    import yaml
+
+    from pipelines.commands._common import fail
+
+    values: dict[str, Any] = {}
+    if config is not None:
+        try:
+            loaded = yaml.safe_load(config.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            fail(f"--config {config}: cannot read YAML ({exc})")
+        if not isinstance(loaded, dict):
+            fail(f"--config {config}: expected a mapping of method settings")
+        values.update(loaded)
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            fail(f"--set {item!r}: expected KEY=VALUE, e.g. --set lam=12")
+        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return values
+
+
+@compat_app.command("train")
+def train(
+    method: Annotated[
+        str, typer.Option(help="bct, lambda_orth, bt2, none, ... (see `compatflow compat methods`).")
+    ],
+    old: Annotated[
+        Path, typer.Option(help="Production checkpoint (frozen), or a compatible-model directory.")
+    ],
+    new: Annotated[Path, typer.Option(help="New model checkpoint (candidate / independently trained).")],
+    shards: Annotated[
+        list[str], typer.Option(help="Training shards: path, glob, brace pattern or URL (repeatable).")
+    ],
+    out: Annotated[Path, typer.Option(help="Directory receiving the compatible model (compat.json, ...).")],
+    steps: Annotated[
+        int | None, typer.Option(help="Optimisation steps (overrides the method default).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Image-text pairs per batch.")] = 64,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda or auto.")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML mapping of method settings.")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Method setting KEY=VALUE (repeatable).")
+    ] = None,
+    max_samples: Annotated[int | None, typer.Option(help="Read at most N samples per epoch.")] = None,
+) -> None:
+    """Fit METHOD with OLD frozen, starting from NEW; save the compatible model to OUT."""
+    from pipelines.commands._common import fail
+
+    values = _settings(config, set_ or [])
+    if steps is not None:
+        values["steps"] = steps
+    if device is not None:
+        values["device"] = device
+    from compat.methods.run import train_compat
+
+    try:
+        model = train_compat(
+            method, old, new, shards, out, values, batch_size=batch_size, max_samples=max_samples
+        )
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        fail(str(exc))
+    info = model.training_info
+    typer.echo(
+        f"{method}: {info.get('steps', 0)} steps in {info.get('seconds', 0):.1f} s, "
+        f"{model.trainable_parameters:,} trainable parameters -> {out}"
+    )
+    c = model.contract
+    typer.echo(
+        f"serving contract: space {c.space_id!r}, dim {c.dim}, old vectors {c.old_vector_rule} "
+        f"(old dims {list(c.old_dims)}){'' if c.keeps_space else ' -- new space: blue-green rollout'}"
+    )
+
+
+@compat_app.command("methods")
+def methods(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False) -> None:
+    """List the registered methods and their default settings."""
+    from compat.methods import available_methods, get_method
+    from pipelines.commands._common import echo_json
+
+    doc = {name: get_method(name).make_config().to_dict() for name in available_methods()}
+    if as_json:
+        echo_json(doc)
+        return
+    for name, defaults in doc.items():
+        typer.echo(f"{name}: " + ", ".join(f"{k}={v}" for k, v in defaults.items()))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(compat_app, name="compat")

@@ -1,0 +1,38 @@
+"""``compatflow drift``: the new phase against a reference phase (Evidently)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def drift(
+    reference: str = typer.Option(..., "--reference", help="Reference shards: glob, brace pattern or URL."),
+    current: str = typer.Option(..., "--current", help="New phase shards: glob, brace pattern or URL."),
+    out: Path = typer.Option(..., "--out", help="Output directory (drift.json, drift_report.html)."),
+    production: Path | None = typer.Option(
+        None, "--production", help="Production checkpoint: adds embedding drift of both towers."
+    ),
+    sample_size: int = typer.Option(500, help="Samples per side (uniform reservoir sample)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+) -> None:
+    """Write a drift report (HTML) and a JSON summary with a verdict and severity per signal."""
+    from components.drift import run_drift
+    from pipelines.commands._common import fail
+
+    try:
+        summary = run_drift(
+            reference, current, out, production_checkpoint=production, sample_size=sample_size, seed=seed
+        )
+    except (FileNotFoundError, ValueError) as err:
+        fail(str(err))
+    typer.echo(f"drift severity: {summary['severity']}")
+    for name, verdict in sorted(summary["verdicts"].items()):
+        flag = "DRIFT" if verdict["drift"] else "ok"
+        typer.echo(f"  {name:<22} {verdict['method']:<13} {verdict['score']:8.3f}  {verdict['severity']:<6} {flag}")
+    typer.echo(f"report: {out / 'drift_report.html'}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("drift")(drift)

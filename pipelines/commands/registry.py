@@ -1,0 +1,104 @@
+"""``compatflow status`` and ``compatflow rollback``: what is in production; undoing the last promotion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+WorkspaceOpt = Annotated[
+    Path | None,
+    typer.Option("--workspace", help="Workspace directory (default: $COMPATFLOW_WORKSPACE or ./workspace)."),
+]
+ModelOpt = Annotated[str, typer.Option("--model-name", help="Registered model name.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+def status(
+    workspace: WorkspaceOpt = None, model_name: ModelOpt = "compatflow-clip", as_json: JsonOpt = False
+) -> None:
+    """Show production, candidate and previous versions, the last gate decision and rollout progress."""
+    from components.status import collect
+    from pipelines.commands._common import echo_json
+
+    doc = collect(workspace, model_name=model_name)
+    if as_json:
+        echo_json(doc)
+        return
+    typer.echo(_format_status(doc))
+
+
+def rollback(
+    workspace: WorkspaceOpt = None, model_name: ModelOpt = "compatflow-clip", as_json: JsonOpt = False
+) -> None:
+    """Move the production alias back to the previous version (and run the rollback hooks)."""
+    from components.registry import Registry, RegistryError, RollbackHookError
+    from pipelines.commands._common import echo_json, fail
+
+    registry = Registry(workspace, model_name=model_name)
+    if not registry.exists():
+        fail(f"no registry at {registry.tracking_uri}: nothing to roll back", code=1)
+    try:
+        result = registry.rollback()
+    except RollbackHookError as err:
+        if as_json:
+            echo_json(err.result)
+        fail(str(err), code=1)
+    except RegistryError as err:
+        fail(str(err), code=1)
+    if as_json:
+        echo_json(result)
+        return
+    typer.echo(f"{model_name}: production {result['from_version']} -> {result['to_version']}")
+    typer.echo(f"previous is now {result['previous_version'] or '(none)'}")
+    for hook in result["hooks"]:
+        typer.echo(f"  hook {hook['hook']}: ok")
+
+
+def _format_status(doc: dict[str, Any]) -> str:
+    registry = doc.get("registry") or {}
+    lines = [
+        f"workspace   {doc.get('workspace')}",
+        f"model       {registry.get('model')}  ({registry.get('tracking_uri')})",
+    ]
+    for key in ("note", "error"):
+        if registry.get(key):
+            lines.append(f"            {key}: {registry[key]}")
+    for alias in ("production", "candidate", "previous"):
+        info = registry.get(alias)
+        if info is None:
+            lines.append(f"{alias:<11} -")
+            continue
+        tags = info.get("tags", {})
+        lines.append(
+            f"{alias:<11} v{info['version']}  phase {tags.get('data_phase', '?')}"
+            f"  method {tags.get('method', '?')}"
+            f"  gate {tags.get('gate.decision', '?')}  registered {info.get('created_at')}"
+        )
+    gate = doc.get("last_gate")
+    if gate is None:
+        lines.append("last gate   - (no gate.json under runs/)")
+    else:
+        lines.append(
+            f"last gate   {str(gate.get('decision')).upper()}  run {gate.get('run_id')}  "
+            f"{gate.get('decided_at')}"
+        )
+        lines += [f"              - [{r.get('code')}] {r.get('message')}" for r in gate.get("reasons", [])]
+    rollout = doc.get("rollout")
+    if not rollout or rollout.get("state") in (None, "none"):
+        lines.append("rollout     - (no rollout state)")
+    else:
+        fraction = rollout.get("fraction_backfilled")
+        shown = f"{100 * fraction:.1f}%" if isinstance(fraction, int | float) else "?"
+        lines.append(f"rollout     {rollout.get('state')}  stage {rollout.get('stage')}  backfilled {shown}")
+    for key, value in doc.items():
+        if key not in {"workspace", "registry", "last_gate", "rollout"}:
+            shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
+            lines.append(f"{key:<11} {shown}")
+    return "\n".join(lines)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)
+    app.command("rollback")(rollback)

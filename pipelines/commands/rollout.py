@@ -1,0 +1,227 @@
+"""``compatflow rollout index|run|status|rollback`` and ``compatflow search``: the gallery in service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+WorkspaceOpt = Annotated[
+    Path | None,
+    typer.Option("--workspace", help="Workspace directory (default: $COMPATFLOW_WORKSPACE or ./workspace)."),
+]
+UriOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--uri",
+        help="Milvus URI or milvus-lite directory (default: the serving record's, else "
+        "<workspace>/milvus/gallery.db).",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+rollout_app = typer.Typer(
+    help="Gallery index rollout: index, staged partial backfill, status, rollback.", no_args_is_help=True
+)
+
+
+def _paths(workspace: Path | None) -> Any:
+    from components.rollout import RolloutPaths
+
+    return RolloutPaths.for_workspace(workspace)
+
+
+def _options(pairs: list[str]) -> dict[str, str]:
+    from pipelines.commands._common import fail
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail(f"--option {pair!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@rollout_app.command("index")
+def index_cmd(
+    model: Annotated[
+        Path, typer.Option("--model", help="Model or checkpoint directory that embeds the gallery.")
+    ],
+    version: Annotated[str, typer.Option("--version", help="Model version written with each vector.")],
+    space: Annotated[str, typer.Option("--space", help="Embedding space id of the vectors.")],
+    gallery: Annotated[
+        list[str], typer.Option("--gallery", help="Gallery shard URL(s), globs or brace patterns.")
+    ],
+    probe_size: Annotated[
+        int, typer.Option("--probe-size", help="Captions kept as the rollout probe set.")
+    ] = 500,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    workspace: WorkspaceOpt = None,
+    uri: UriOpt = None,
+) -> None:
+    """Embed a gallery with MODEL and index it behind the serving alias (first run); writes the probe set."""
+    from components.index import GalleryIndexError
+    from components.rollout_stage import index_stage
+    from components.search import ServingError
+    from pipelines.commands._common import fail
+
+    try:
+        record = index_stage(
+            workspace, model, version, space, gallery, probe_size=probe_size, seed=seed, uri=uri
+        )
+    except (ServingError, GalleryIndexError, ValueError, OSError) as err:
+        fail(str(err))
+    typer.echo(
+        f"indexed {record['n_items']} items into {record['collection']} (alias {record['alias']}); "
+        f"probe set: {record['probe']}"
+    )
+
+
+@rollout_app.command("run")
+def run_cmd(
+    new_version: Annotated[str, typer.Option("--new-version", help="Version of the model being rolled out.")],
+    new_model: Annotated[
+        str, typer.Option("--new-model", help="New model directory (compatible model or checkpoint).")
+    ] = "",
+    old_model: Annotated[
+        str,
+        typer.Option("--old-model", help="Serving query model directory (default: the serving record's)."),
+    ] = "",
+    probe: Annotated[
+        Path | None, typer.Option("--probe", help="Probe set JSON (default: <workspace>/rollout/probe.json).")
+    ] = None,
+    policy: Annotated[
+        str, typer.Option("--policy", help="random | oldest_first | lambda_orth | uncertainty")
+    ] = "random",
+    fractions: Annotated[
+        str, typer.Option("--fractions", help="Stage fractions, comma-separated.")
+    ] = "0.1,0.25,0.5,1.0",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 256,
+    space: Annotated[
+        str | None,
+        typer.Option(
+            "--space",
+            help="Target space (default: the contract's or the serving one; another space goes blue-green).",
+        ),
+    ] = None,
+    floor: Annotated[
+        list[str], typer.Option("--floor", help="Extra floor METRIC=VALUE (only raises the old/old floor).")
+    ] = [],  # noqa: B006
+    encoders: Annotated[
+        str, typer.Option("--encoders", help="Encoder factory module:function.")
+    ] = "components.rollout_encoders:model_encoders",
+    query_factory: Annotated[
+        str, typer.Option("--query-factory", help="Factory of the serving query encoder recorded for search.")
+    ] = "components.search:model_query_encoder",
+    option: Annotated[list[str], typer.Option("--option", help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
+    workspace: WorkspaceOpt = None,
+    uri: UriOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Roll NEW_VERSION out: switch queries, backfill in stages with probes; resumes after any crash.
+
+    Exit code 0 when completed, 1 when halted (a probe fell below its floor; the stage was restored).
+    """
+    from components.index import GalleryIndexError
+    from components.rollout import RolloutError
+    from components.rollout_stage import rollout_stage
+    from components.search import ServingError
+    from pipelines.commands._common import echo_json, fail
+
+    try:
+        state = rollout_stage(
+            workspace,
+            new_version,
+            new_model=new_model,
+            old_model=old_model,
+            probe=probe,
+            policy=policy,
+            fractions=[float(f) for f in fractions.split(",") if f.strip()],
+            seed=seed,
+            batch_size=batch_size,
+            space=space,
+            floors={k: float(v) for k, v in _options(floor).items()},
+            encoders=encoders,
+            query_factory=query_factory,
+            options=_options(option),
+            uri=uri,
+        )
+    except (RolloutError, ServingError, GalleryIndexError, ValueError, OSError) as err:
+        fail(str(err))
+    if as_json:
+        echo_json(state)
+    else:
+        typer.echo(
+            f"rollout {state['rollout_id']}: {state['state']} at stage {state['stage']}, "
+            f"{100 * state['fraction_backfilled']:.0f}% backfilled"
+        )
+        for point in state["curve"]:
+            typer.echo(f"  {100 * point['fraction']:5.1f}%  t2i R@1 {point['t2i_R@1']:.2f}")
+    if state["state"] == "halted":
+        fail(f"rollout halted: {state['halt_reason']}", code=1)
+
+
+@rollout_app.command("status")
+def status_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None:
+    """State, stage and fraction backfilled of the rollout in the workspace."""
+    from components.rollout import status
+    from pipelines.commands._common import echo_json
+
+    doc = status(_paths(workspace).state)
+    if as_json:
+        echo_json(doc)
+        return
+    typer.echo(f"state {doc['state']}  stage {doc['stage']}  backfilled {doc['fraction_backfilled']}")
+
+
+@rollout_app.command("rollback")
+def rollback_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None:
+    """Restore the previous gallery (collection or vectors) and the previous query model."""
+    from components.rollout import RolloutError, rollback
+    from pipelines.commands._common import echo_json, fail
+
+    try:
+        state = rollback(_paths(workspace))
+    except RolloutError as err:
+        fail(str(err), code=1)
+    if as_json:
+        echo_json(state)
+    else:
+        typer.echo(
+            f"rollout {state['rollout_id']} rolled back; queries served by "
+            f"{state['query_model']['version']} on {state['gallery']['source_collection']}"
+        )
+
+
+def search_cmd(
+    texts: Annotated[list[str], typer.Argument(help="Query text(s).")],
+    k: Annotated[int, typer.Option("-k", "--k", help="Hits per query.")] = 10,
+    workspace: WorkspaceOpt = None,
+    uri: UriOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Search the gallery with the serving query model, through the serving alias."""
+    from components.index import GalleryIndexError
+    from components.search import ServingError, search
+    from pipelines.commands._common import echo_json, fail
+
+    paths = _paths(workspace)
+    try:
+        hits = search(texts, k, record_path=paths.serving, uri=uri)
+    except (ServingError, GalleryIndexError, ValueError) as err:
+        fail(str(err))
+    if as_json:
+        echo_json(hits[0] if len(texts) == 1 else hits)
+        return
+    for text, row in zip(texts, hits, strict=True):
+        typer.echo(text)
+        for rank, hit in enumerate(row, 1):
+            typer.echo(f"  {rank:3d}  {hit['score']:.4f}  {hit['item_id']}  ({hit['model_version']})")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(rollout_app, name="rollout")
+    app.command("search")(search_cmd)

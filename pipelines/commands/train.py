@@ -1,0 +1,114 @@
+"""``compatflow train continual``: Mod-X / fine-tuning / joint training on one phase of the stream."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipelines.commands._common import echo_json, fail
+
+train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
+
+
+@train_app.command("continual")
+def continual(
+    stream: Annotated[Path, typer.Option("--stream", help="Stream directory (holds stream.json).")],
+    phase: Annotated[int, typer.Option("--phase", min=0, help="Phase to train on.")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory (model/, metrics.json, train/).")],
+    production: Annotated[
+        Path | None,
+        typer.Option(
+            "--production", help="Production checkpoint (dir or model.json); omit only for phase 0 (CLIP_0)."
+        ),
+    ] = None,
+    config: Annotated[str, typer.Option("--config", help="Model config for CLIP_0 (phase 0).")] = "cf-tiny",
+    method: Annotated[str, typer.Option("--method", help="modx | finetune | joint.")] = "modx",
+    alpha: Annotated[
+        float | None, typer.Option("--alpha", min=0.0, help="Mod-X KL weight (default 20).")
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 300,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=2, help="Global contrastive batch B.")] = 64,
+    accum_steps: Annotated[int, typer.Option("--accum-steps", min=1, help="Micro-batches per step.")] = 1,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 5e-4,
+    weight_decay: Annotated[float, typer.Option("--weight-decay")] = 0.2,
+    warmup_fraction: Annotated[float, typer.Option("--warmup-fraction", min=0.0, max=1.0)] = 0.2,
+    precision: Annotated[str, typer.Option("--precision", help="auto | fp32 | bf16 | fp16.")] = "auto",
+    checkpoint_every: Annotated[
+        int,
+        typer.Option("--checkpoint-every", min=0, help="Resumable checkpoint every N steps (0: end only)."),
+    ] = 50,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")] = "auto",
+    train_shard: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--train-shard", help="Train shard URL/spec (repeatable); default: the phase's train shards."
+        ),
+    ] = None,
+    version: Annotated[str | None, typer.Option("--version", help="Version name of the new model.")] = None,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Ignore checkpoints in OUT/train; start over.")
+    ] = False,
+) -> None:
+    """Train the next model on PHASE, evaluate it on every domain so far, print the summary as JSON.
+
+    Resumes from OUT/train after an interruption. Under torchrun every rank trains (DDP), rank 0 writes.
+    """
+    from compat.data.loader import LoaderError
+    from compat.data.synth import StreamError
+    from compat.models import CheckpointError
+    from compat.training import ResumeError
+    from components.continual import ContinualError, run_continual
+
+    try:
+        doc = run_continual(
+            stream,
+            phase,
+            out,
+            production=production,
+            config_name=config,
+            method=method,
+            alpha=alpha,
+            steps=steps,
+            batch_size=batch_size,
+            accum_steps=accum_steps,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_fraction=warmup_fraction,
+            precision=precision,
+            checkpoint_every=checkpoint_every,
+            seed=seed,
+            device=device,
+            train_urls=train_shard,
+            version=version,
+            resume=not fresh,
+        )
+    except (
+        ContinualError,
+        StreamError,
+        LoaderError,
+        CheckpointError,
+        ResumeError,
+        FileNotFoundError,
+        KeyError,
+        ValueError,
+    ) as exc:
+        fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
+    if not doc:  # a non-zero DDP rank
+        return
+    echo_json(
+        {
+            "phase": doc["phase"],
+            "domain": doc["domain"],
+            "method": doc["method"],
+            "model": doc["candidate"]["path"],
+            "metrics": str(out / "metrics.json"),
+            "r1": {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()},
+        }
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(train_app, name="train")

@@ -1,0 +1,80 @@
+"""``compatflow validate``: validate a data phase, quarantine bad samples, block over a threshold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipelines.commands._common import echo_json, fail
+
+EXIT_BLOCKED = 3
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate)
+
+
+def validate(
+    shards: Annotated[
+        list[str],
+        typer.Option(
+            "--shards",
+            help="Glob (or webdataset brace pattern) of the phase's tar shards; repeat for several. "
+            "Quote it so the shell does not expand it.",
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="Output directory: validation.json, accepted/, quarantine/.")
+    ],
+    max_quarantined_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--max-quarantined-fraction",
+            min=0.0,
+            max=1.0,
+            help="Block the phase when more than this fraction is quarantined "
+            "(default: the policy's value, 0.05).",
+        ),
+    ] = None,
+    policy_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--policy", help="Validation policy (JSON or YAML, schemas/validation_policy.schema.json)."
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Redo the work even if validation.json is up to date.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole validation.json document.")
+    ] = False,
+) -> None:
+    """Validate shards into OUT; exit 0 when the phase passes, 3 when it is blocked, 2 on bad arguments."""
+    from components.validation import ShardSpecError, ValidationPolicy, load_policy, validate_phase
+    from schemas import SchemaError
+
+    try:
+        policy = load_policy(policy_file) if policy_file else ValidationPolicy()
+        if max_quarantined_fraction is not None:
+            policy = policy.replace(max_quarantined_fraction=max_quarantined_fraction)
+    except (OSError, ValueError, SchemaError) as exc:
+        fail(str(exc))
+    try:
+        summary = validate_phase(shards if len(shards) > 1 else shards[0], out, policy, force=force)
+    except ShardSpecError as exc:
+        fail(str(exc))
+    if as_json:
+        echo_json(summary.to_dict())
+    else:
+        reasons = ", ".join(f"{code} {count}" for code, count in summary.by_reason.items()) or "none"
+        typer.echo(
+            f"{summary.total} samples in {len(summary.shards)} shards: {summary.passed} passed, "
+            f"{summary.quarantined} quarantined ({summary.quarantined_fraction:.2%}; {reasons})"
+        )
+        typer.echo(f"summary: {summary.path}" + (" (up to date, reused)" if summary.reused else ""))
+    if summary.blocked:
+        for reason in summary.blocked_reasons:
+            typer.echo(f"blocked: {reason}", err=True)
+        raise typer.Exit(EXIT_BLOCKED)

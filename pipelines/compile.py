@@ -1,0 +1,81 @@
+"""Compile the pipeline to KFP IR YAML (what a cluster runs, committed under ``pipelines/compiled/``).
+
+The pipeline is built under the task settings of one config (:mod:`pipelines.resources`): GPU
+requests, node pool, retries, caching and cluster wiring come from that config's values, and the
+config itself becomes the default of the pipeline's ``config`` parameter, so a run or recurring
+run that passes no parameters runs with the config it was compiled for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kfp.dsl.graph_component import GraphComponent
+
+COMPILED_DIR = Path(__file__).resolve().parent / "compiled"
+COMPILED_NAME = "continual_upgrade.yaml"
+
+ConfigRef = Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+def build_pipeline(config: ConfigRef = None, *, runner: str = "kubernetes") -> GraphComponent:
+    """The continual-upgrade pipeline built under ``compile_settings(config, runner=runner)``.
+
+    ``pipelines.continual_upgrade.continual_upgrade`` is built once at import, under the default
+    settings; this builds it again, e.g. with ``runner="local"`` for ``kfp.local``.
+    """
+    from pipelines import resources
+
+    return _build(resources.compile_settings(config, runner=runner))
+
+
+def _build(settings: dict[str, Any]) -> GraphComponent:
+    from kfp import dsl
+
+    from pipelines import resources
+    from pipelines.continual_upgrade import continual_upgrade
+
+    with resources.using(settings):
+        return dsl.pipeline(
+            continual_upgrade.pipeline_func,
+            name=continual_upgrade.component_spec.name,
+            description=continual_upgrade.component_spec.description,
+            pipeline_config=continual_upgrade.pipeline_config,
+        )
+
+
+def default_run_config(config: Mapping[str, Any]) -> str:
+    """The pipeline's default ``config`` parameter: the resolved config as JSON.
+
+    The gate policy stays null when the config leaves it null, so that the task reads the policy
+    shipped with the package it runs (the compiling machine's path means nothing in the image).
+    """
+    from pipelines.config import resolve
+
+    resolved = resolve(dict(config))
+    if config["gate"]["policy"] is None:
+        resolved["gate"]["policy"] = None
+    return json.dumps(resolved, sort_keys=True)
+
+
+def compile_pipeline(out_dir: Path = COMPILED_DIR, config: ConfigRef = None) -> Path:
+    """Write ``continual_upgrade.yaml`` for ``config`` (see ``compile_settings``) into ``out_dir``."""
+    from kfp import compiler
+
+    from pipelines import resources
+
+    settings = resources.compile_settings(config)
+    pipeline = _build(settings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / COMPILED_NAME
+    compiler.Compiler().compile(
+        pipeline_func=pipeline,
+        package_path=str(path),
+        pipeline_parameters={"config": default_run_config(settings["config"])},
+    )
+    return path

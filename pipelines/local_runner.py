@@ -1,0 +1,128 @@
+"""Run the pipeline on this machine with ``kfp.local.SubprocessRunner``.
+
+``run_local`` is what ``compatflow run`` (and ``make run``) calls. It makes sure the data
+stream exists (generating the default one on a first run), picks the next pending phase from
+the workspace state, runs the pipeline on it, records the outcome and returns where the
+outputs are. Each task is a subprocess of this Python, exactly the code a cluster runs in
+the compatflow image; the verbose task logs go to ``<run_dir>/pipeline.log`` and only task
+start/finish lines are echoed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_ECHO = re.compile(r"(Executing task|finished with status|Pipeline .* finished)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    phase: int
+    run_dir: Path
+    status: str  # "succeeded" | "blocked" | "failed" | "nothing-to-do"
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+class _EchoingLog(io.TextIOBase):
+    """Writes everything to the log file and echoes task start/finish lines to the terminal."""
+
+    def __init__(self, log_file: io.TextIOBase, terminal: Any) -> None:
+        self._log, self._terminal, self._pending = log_file, terminal, ""
+
+    def write(self, text: str) -> int:
+        self._log.write(text)
+        self._pending += text
+        while "\n" in self._pending:
+            line, self._pending = self._pending.split("\n", 1)
+            if _ECHO.search(line):
+                self._terminal.write("  " + _ANSI.sub("", line).strip() + "\n")
+                self._terminal.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self._log.flush()
+
+
+def ensure_stream(config: dict[str, Any]) -> Path:
+    """The stream directory, generated with the config's defaults when missing and allowed."""
+    from compat.data.synth import generate_stream, load_manifest
+
+    stream = config["stream"]
+    stream_dir = Path(stream["uri"])
+    if not (stream_dir / "stream.json").is_file():
+        if not stream["generate_if_missing"]:
+            raise FileNotFoundError(
+                f"{stream_dir / 'stream.json'} not found and stream.generate_if_missing is false: "
+                "point stream.uri at a stream directory or run `compatflow data generate`"
+            )
+        logger.info("generating the default stream into %s", stream_dir)
+        generate_stream(
+            stream_dir,
+            phases=stream["phases"],
+            samples_per_phase=stream["samples_per_phase"],
+            seed=stream["seed"],
+            eval_per_domain=stream["eval_per_domain"],
+            gallery_per_domain=stream["gallery_per_domain"],
+            image_size=stream["image_size"],
+        )
+    load_manifest(stream_dir)
+    return stream_dir
+
+
+def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = None) -> RunResult:
+    """Run the pipeline on the next pending phase (or ``phase``) with the local runner."""
+    import sys
+
+    from kfp import local
+
+    from components.runs import plan_run, read_state
+    from pipelines.continual_upgrade import continual_upgrade
+
+    echo = echo or sys.stderr
+    workspace = Path(config["workspace"]).resolve()
+    workspace.mkdir(parents=True, exist_ok=True)
+    ensure_stream(config)
+    plan = plan_run(config, -1 if phase is None else phase)
+    if plan is None:
+        return RunResult("", -1, workspace, "nothing-to-do")
+    run_dir = Path(plan["run_dir"])
+    tmp = workspace / "tmp"
+    tmp.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(tmp)  # kfp.local writes its temp folders there
+    echo.write(f"compatflow: run {plan['run_id']} on phase {plan['phase']} ({plan['domain']})\n")
+
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(workspace / "kfp"),
+        raise_on_error=True,
+    )
+    log_path = run_dir / "pipeline.log"
+    with open(log_path, "w") as log_file, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+        warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
+        with contextlib.redirect_stdout(_EchoingLog(log_file, echo)):
+            try:
+                continual_upgrade(config=json.dumps(config), phase=plan["phase"], run_id=plan["run_id"])
+            except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
+                log_file.write(f"\npipeline failed: {err}\n")
+    recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
+    status = recorded.get("status", "failed") if recorded.get("run_id") == plan["run_id"] else "failed"
+    outputs = {
+        "log": str(log_path),
+        "run_dir": str(run_dir),
+        "report": str(run_dir / "report" / "report.html"),
+    }
+    return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs)

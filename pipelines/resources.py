@@ -1,0 +1,331 @@
+"""Task-level Kubernetes settings of the compiled pipeline: resources, GPUs, retries, caching, wiring.
+
+The pipeline calls :func:`configure` on every task with the settings of the config it is compiled
+with (:func:`compile_settings`): the ``resources`` section of ``pipelines/configs/<name>.yaml`` plus
+the names of the cluster objects under ``manifests/k8s/`` (``tests/test_manifests.py`` keeps the two
+in step). ``kfp.local`` runs the same pipeline: it ignores resources and the Kubernetes platform
+spec (with a warning the local runner filters) but honours retry policies, so a local compile
+(``runner="local"``) has none.
+
+Per stage (``STAGE_KINDS``, ``RETRYABLE``, ``CACHEABLE``):
+
+=====================  =====  =====  =====  ====================================================
+op                     kind   retry  cache  why
+=====================  =====  =====  =====  ====================================================
+plan_op                cpu    yes    no     reads the workspace state (next pending phase); its
+                                            one write, ``run.json``, is atomic and identical on
+                                            a retry (same run id, same state within a run)
+resolve_production_op  cpu    yes    no     reads the registry's mutable ``production`` alias;
+                                            the download into ``models/v<N>`` is verified
+validate_op            cpu    yes    yes    a function of the (immutable) phase shards; writes
+                                            only its outputs and its summary in the run dir
+drift_op               cpu    yes    yes    same; ``production`` is a versioned path
+continual_op           gpu    yes    yes    deterministic (seeded) training into its own output
+                                            artifact; a retry after a preemption starts over
+compat_op              gpu    yes    yes    same
+evaluate_op            gpu    yes    yes    same
+gate_op                cpu    yes    no     deterministic, but it reads the policy file by path:
+                                            a cache key of inputs would miss a policy edit
+register_op            cpu    no     no     creates an MLflow model version per call
+note_blocked_op        cpu    yes    no     an atomic write; caching would skip the write itself
+finish_op              cpu    yes    no     exit handler: reads and writes the workspace state;
+                                            rewrites the same outcome and report on a retry
+=====================  =====  =====  =====  ====================================================
+
+KFP's cache key is the component and its inputs. The run directory is an input of every cached
+stage, so a cache hit only happens when a run is submitted again with the same ``run_id``: the
+stages that completed are skipped (their summaries are already in that run directory).
+
+Importable with kfp, PyYAML and the standard library only (the pipeline module reads
+:func:`compile_settings` while it is built).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from kfp import kubernetes
+from kfp.dsl import PipelineTask
+from kfp.dsl.pipeline_task import TaskState
+
+COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
+DEFAULT_COMPILE_CONFIG = "cluster"
+RUNNERS = ("kubernetes", "local")
+
+STAGE_KINDS: dict[str, str] = {
+    "plan_op": "cpu",
+    "resolve_production_op": "cpu",
+    "validate_op": "cpu",
+    "drift_op": "cpu",
+    "continual_op": "gpu",
+    "compat_op": "gpu",
+    "evaluate_op": "gpu",
+    "gate_op": "cpu",
+    "register_op": "cpu",
+    "note_blocked_op": "cpu",
+    "finish_op": "cpu",
+}
+RETRYABLE: set[str] = {
+    "plan_op",
+    "resolve_production_op",
+    "validate_op",
+    "drift_op",
+    "continual_op",
+    "compat_op",
+    "evaluate_op",
+    "gate_op",
+    "note_blocked_op",
+    "finish_op",
+}
+CACHEABLE: set[str] = {"validate_op", "drift_op", "continual_op", "compat_op", "evaluate_op"}
+
+# Pod evictions, spot-node preemptions and brief service outages: two retries, 1 min then 2 min.
+RETRY_POLICY: dict[str, Any] = {
+    "num_retries": 2,
+    "backoff_duration": "60s",
+    "backoff_factor": 2.0,
+    "backoff_max_duration": "3600s",
+}
+
+# Cluster objects (manifests/k8s/): names, keys and where they appear in the task's pod.
+PIPELINE_CONFIG_MAP = "compatflow-pipeline-config"
+CONFIG_MAP_ENV: tuple[str, ...] = (
+    "COMPATFLOW_CONFIG",
+    "COMPATFLOW_WORKSPACE",
+    "COMPATFLOW_STREAM_URI",
+    "COMPATFLOW_MILVUS_URI",
+    "COMPATFLOW_TRACKING_URI",
+    "MLFLOW_TRACKING_URI",
+    "COMPATFLOW_FEAST_REPO",
+    "COMPATFLOW_FEAST_SERVER_URL",
+    "COMPATFLOW_FEAST_REGISTRY_PATH",
+    "AWS_DEFAULT_REGION",
+)
+OPTIONAL_CONFIG_MAP_ENV: tuple[str, ...] = ("AWS_ENDPOINT_URL_S3",)  # only where the store is not AWS S3
+MILVUS_SECRET = "compatflow-milvus"
+MILVUS_SECRET_ENV = {"token": "COMPATFLOW_MILVUS_TOKEN"}
+OBJECT_STORE_SECRET = "compatflow-object-store"  # optional: absent where pods have workload identity
+OBJECT_STORE_SECRET_ENV = {
+    "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+}
+WORKSPACE_PVC = "compatflow-workspace"
+FEAST_CONFIG_MAP = "compatflow-feast-repo"
+SHM_VOLUME = "dshm"
+SHM_PATH = "/dev/shm"
+IMAGE_PULL_POLICY = "IfNotPresent"  # tags are immutable release tags; kind loads images without a registry
+TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+_ACTIVE: ContextVar[dict[str, Any] | None] = ContextVar("compatflow_compile_settings", default=None)
+
+
+def compile_settings(
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None, *, runner: str = "kubernetes"
+) -> dict[str, Any]:
+    """The task settings of the config the pipeline is compiled with.
+
+    ``config``: a config mapping, or a shipped name / YAML path (validated against
+    ``schemas/pipeline_config.schema.json``). None: the settings made active by :func:`using`,
+    else ``$COMPATFLOW_COMPILE_CONFIG``, else the shipped ``cluster`` config. ``runner``
+    ``"local"`` drops the retry policy (kfp.local honours it, and a local failure is a bug or bad
+    data that a retry only repeats). Raises ``pipelines.config.ConfigError`` on a bad config.
+    """
+    if runner not in RUNNERS:
+        raise ValueError(f"runner {runner!r} is not one of {RUNNERS}")
+    if config is None:
+        active = _ACTIVE.get()
+        if active is not None:
+            return active
+        config = os.environ.get(COMPILE_CONFIG_ENV) or DEFAULT_COMPILE_CONFIG
+    document = _validated(config)
+    resources = document["resources"]
+    gpu = dict(resources["gpu"], accelerator=resources["gpu"]["accelerator"] or "")
+    if gpu["accelerator"] and gpu["accelerator_count"] < 1:
+        raise _config_error(
+            document,
+            "resources.gpu.accelerator_count must be at least 1 when resources.gpu.accelerator is set",
+        )
+    for i, toleration in enumerate(gpu["tolerations"]):
+        unknown = set(toleration) - TOLERATION_FIELDS
+        if unknown:
+            raise _config_error(
+                document,
+                f"resources.gpu.tolerations[{i}] has unknown fields {sorted(unknown)} "
+                f"(allowed: {sorted(TOLERATION_FIELDS)})",
+            )
+    return {
+        "name": document["name"],
+        "config": document,
+        "runner": runner,
+        "cpu": dict(resources["cpu"]),
+        "gpu": gpu,
+        "image": resources["image"],
+        "retry": dict(RETRY_POLICY) if runner == "kubernetes" else None,
+        "workspace_mount": _absolute_path(document["workspace"]),
+        "feast_mount": _absolute_path(document["lineage"]["repo"]),
+    }
+
+
+@contextmanager
+def using(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Make ``settings`` what ``compile_settings()`` returns while a pipeline is built."""
+    token = _ACTIVE.set(settings)
+    try:
+        yield settings
+    finally:
+        _ACTIVE.reset(token)
+
+
+def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> PipelineTask:
+    """Apply the stage's resources, scheduling, retry, caching and cluster wiring to ``task``.
+
+    A task kfp.local has already executed (a component called outside a pipeline) is returned
+    as is: there is nothing left to configure.
+    """
+    if op_name not in STAGE_KINDS:
+        raise ValueError(
+            f"pipeline op {op_name!r} has no entry in pipelines.resources.STAGE_KINDS: "
+            "classify it (cpu/gpu) and decide whether it is RETRYABLE and CACHEABLE"
+        )
+    if task.state == TaskState.FINAL:
+        return task
+    kind = STAGE_KINDS[op_name]
+    res = settings[kind]
+    task.set_cpu_request(res["cpu"]).set_cpu_limit(res["cpu"])
+    task.set_memory_request(res["memory"]).set_memory_limit(res["memory"])
+    task.set_caching_options(enable_caching=op_name in CACHEABLE)
+    if op_name in RETRYABLE and settings["retry"]:
+        task.set_retry(**settings["retry"])
+    if kind == "gpu":
+        _configure_gpu(task, settings)
+    _wire_cluster(task, settings)
+    return task
+
+
+def _configure_gpu(task: PipelineTask, settings: dict[str, Any]) -> None:
+    gpu = settings["gpu"]
+    if gpu["accelerator"]:
+        task.set_accelerator_type(gpu["accelerator"]).set_accelerator_limit(gpu["accelerator_count"])
+        task.set_container_image(settings["image"])
+    for key, value in sorted(gpu["node_selector"].items()):
+        kubernetes.add_node_selector(task, label_key=key, label_value=value)
+    for toleration in gpu["tolerations"]:
+        kubernetes.add_toleration(
+            task,
+            key=toleration.get("key"),
+            operator=toleration.get("operator"),
+            value=toleration.get("value"),
+            effect=toleration.get("effect"),
+            toleration_seconds=toleration.get("tolerationSeconds"),
+        )
+    # DataLoader workers and NCCL exchange tensors through /dev/shm (64 MiB by default in a pod);
+    # a memory-backed emptyDir counts against, and is bounded by, the task's memory limit.
+    kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path=SHM_PATH, medium="Memory")
+
+
+def _wire_cluster(task: PipelineTask, settings: dict[str, Any]) -> None:
+    """Service URIs, credentials and volumes. The pod's service account is not a task setting in
+    kfp-kubernetes: it is the run's (``service_account`` of the run or recurring run)."""
+    kubernetes.use_config_map_as_env(task, PIPELINE_CONFIG_MAP, {key: key for key in CONFIG_MAP_ENV})
+    kubernetes.use_config_map_as_env(
+        task, PIPELINE_CONFIG_MAP, {key: key for key in OPTIONAL_CONFIG_MAP_ENV}, optional=True
+    )
+    kubernetes.use_secret_as_env(task, MILVUS_SECRET, dict(MILVUS_SECRET_ENV))
+    kubernetes.use_secret_as_env(task, OBJECT_STORE_SECRET, dict(OBJECT_STORE_SECRET_ENV), optional=True)
+    if settings["workspace_mount"]:
+        kubernetes.mount_pvc(task, pvc_name=WORKSPACE_PVC, mount_path=settings["workspace_mount"])
+    if settings["feast_mount"]:
+        kubernetes.use_config_map_as_volume(task, FEAST_CONFIG_MAP, mount_path=settings["feast_mount"])
+    kubernetes.set_image_pull_policy(task, IMAGE_PULL_POLICY)
+
+
+def torchrun_command(
+    nproc_per_node: int,
+    *,
+    stream: str,
+    phase: int,
+    out: str,
+    training: Mapping[str, Any],
+    production: str | None = None,
+    train_shards: Sequence[str] = (),
+    version: str | None = None,
+    seed: int | None = None,
+) -> list[str]:
+    """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node.
+
+    ``training`` is the config's ``training`` section; ``seed`` overrides its seed (the pipeline
+    uses ``seed + phase``). Every rank trains on an equal share of the global batch (DDP with
+    all-gathered features, :mod:`compat.training.ddp`), so the batch must split evenly. Several
+    nodes go through the PyTorchJob in ``manifests/k8s/training/`` instead (see its README).
+    """
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
+    batch_size = int(training["batch_size"])
+    if batch_size % nproc_per_node:
+        raise ValueError(
+            f"training.batch_size {batch_size} does not split evenly over {nproc_per_node} processes"
+        )
+    command = [
+        "torchrun",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc_per_node}",
+        "--no-python",
+        "compatflow",
+        "train",
+        "continual",
+        f"--stream={stream}",
+        f"--phase={int(phase)}",
+        f"--out={out}",
+        f"--config={training['model_config']}",
+        f"--method={training['method']}",
+        f"--alpha={float(training['alpha'])}",
+        f"--steps={int(training['steps'])}",
+        f"--batch-size={batch_size}",
+        f"--lr={float(training['lr'])}",
+        f"--warmup-fraction={float(training['warmup_fraction'])}",
+        f"--seed={int(training['seed'] if seed is None else seed)}",
+        f"--device={training['device']}",
+    ]
+    if production:
+        command.append(f"--production={production}")
+    command += [f"--train-shard={shard}" for shard in train_shards]
+    if version:
+        command.append(f"--version={version}")
+    return command
+
+
+def _validated(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    from pipelines.config import ConfigError, load_config
+
+    if not isinstance(config, Mapping):
+        return load_config(config)
+    import schemas
+
+    document = copy.deepcopy(dict(config))
+    errors = schemas.schema_errors(document, "pipeline_config")
+    if errors:
+        raise ConfigError(
+            f"config {document.get('name', '?')!r} does not match schemas/pipeline_config.schema.json:\n  "
+            + "\n  ".join(errors)
+        )
+    return document
+
+
+def _config_error(document: Mapping[str, Any], message: str) -> Exception:
+    from pipelines.config import ConfigError
+
+    return ConfigError(f"config {document.get('name', '?')!r}: {message}")
+
+
+def _absolute_path(value: str | None) -> str | None:
+    """A mount path for ``value`` if it is an absolute filesystem path (not a URI), else None."""
+    if not value or "://" in value or not Path(value).is_absolute():
+        return None
+    return str(PurePosixPath(value))

@@ -1,0 +1,46 @@
+"""Pipeline configs: valid against their schema, local and cluster differ only in values."""
+
+import pytest
+import yaml
+
+from pipelines.config import CONFIG_DIR, ConfigError, load_config
+
+
+def _key_paths(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield f"{prefix}{key}"
+            if key not in ("node_selector",):
+                yield from _key_paths(value, f"{prefix}{key}.")
+
+
+@pytest.mark.parametrize("name", ["local", "cluster"])
+def test_shipped_configs_are_valid(name):
+    config = load_config(name)
+    assert config["name"] == name
+
+
+def test_local_and_cluster_share_every_key():
+    local, cluster = load_config("local"), load_config("cluster")
+    assert set(_key_paths(local)) == set(_key_paths(cluster))
+
+
+def test_bad_config_names_file_and_field(tmp_path):
+    document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    document["training"]["steps"] = 0
+    del document["rollout"]["order"]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert str(path) in message
+    assert "training.steps" in message
+    assert "rollout" in message and "order" in message
+
+
+def test_unparseable_config(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(path)

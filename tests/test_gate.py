@@ -1,0 +1,297 @@
+"""Release gate on hand-made compatibility reports: each case gets the right decision and reason code."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import schemas
+from components.gate import GatePolicy, PolicyError, decide, load_policy, run_gate
+
+VALIDATION_OK = {
+    "total": 1000,
+    "passed": 990,
+    "quarantined": 10,
+    "by_reason": {"blank_caption": 10},
+    "blocked": False,
+    "blocked_reasons": [],
+}
+DRIFT_OK = {
+    "verdicts": {
+        "caption_length": {"drift": False, "score": 0.1, "severity": "none"},
+        "image_embedding": {"drift": True, "score": 0.3, "severity": "low"},
+    },
+    "severity": "low",
+    "html_report": "drift.html",
+}
+
+
+def _pair(r1: float, r5: float, r10: float) -> dict[str, float]:
+    return {"R@1": r1, "R@5": r5, "R@10": r10}
+
+
+def make_report() -> dict:
+    """A report that clears the default policy in both directions."""
+    retrieval = {
+        "t2i": {
+            "old/old": _pair(30.0, 60.0, 70.0),
+            "new/old": _pair(34.0, 64.0, 74.0),
+            "new/new": _pair(40.0, 70.0, 80.0),
+            "old/new": _pair(20.0, 40.0, 50.0),
+        },
+        "i2t": {
+            "old/old": _pair(35.0, 65.0, 75.0),
+            "new/old": _pair(38.0, 68.0, 78.0),
+            "new/new": _pair(45.0, 75.0, 85.0),
+        },
+    }
+    margins, ecc = {}, {}
+    for d, pairs in retrieval.items():
+        margins[d], ecc[d] = {}, {}
+        for m in ("R@1", "R@5", "R@10"):
+            margin = pairs["new/old"][m] - pairs["old/old"][m]
+            margins[d][m] = {
+                "margin": margin,
+                "ci_low": margin - 1.5,
+                "ci_high": margin + 1.5,
+                "confidence": 0.95,
+                "n_bootstrap": 1000,
+            }
+            ecc[d][m] = margin > 0
+    return {
+        "schema_version": 1,
+        "method": "bct",
+        "scenario": "continual",
+        "data_phase": 2,
+        "retrieval": retrieval,
+        "independent_new_new": {"t2i": _pair(41.0, 71.0, 81.0), "i2t": _pair(46.0, 76.0, 86.0)},
+        "eval_sizes": {"images": 1000, "captions": 5000, "domains": ["d0", "d1"]},
+        "margins": margins,
+        "ecc": ecc,
+        "ecc_passed": True,
+    }
+
+
+def _decide(report, **kwargs):
+    kwargs.setdefault("validation", VALIDATION_OK)
+    kwargs.setdefault("drift", DRIFT_OK)
+    policy = kwargs.pop("policy", None)
+    decision = decide(report, policy, **kwargs)
+    schemas.validate(decision.to_dict(), "gate_decision", source="decision")
+    return decision
+
+
+def test_clear_pass_lists_every_check(tmp_path: Path) -> None:
+    path = tmp_path / "compat_report.json"
+    path.write_text(json.dumps(make_report()))
+    decision = _decide(path)
+    assert decision.decision == "pass", decision.reasons
+    assert decision.reasons == []
+    names = {c["name"] for c in decision.checks}
+    for d in ("t2i", "i2t"):
+        assert {f"ecc.{d}.R@1", f"ecc_interval.{d}.R@1", f"retention.{d}.R@1"} <= names
+    assert {"eval_size.images", "eval_size.captions", "validation", "drift", "policy"} <= names
+    assert all(c["status"] == "pass" for c in decision.checks)
+    assert len(decision.report_sha256) == 64
+    assert decision.policy["retention"]["reference"] == "auto"
+
+
+def test_negative_margin_in_one_direction_blocks() -> None:
+    report = make_report()
+    report["retrieval"]["i2t"]["new/old"]["R@1"] = 33.0  # old/old is 35
+    report["margins"]["i2t"]["R@1"] = {"margin": -2.0, "ci_low": -3.5, "ci_high": -0.5}
+    report["ecc"]["i2t"]["R@1"] = False
+    decision = _decide(report)
+    assert decision.decision == "block"
+    margin = [r for r in decision.reasons if r["code"] == "ecc_margin"]
+    assert len(margin) == 1 and margin[0]["direction"] == "i2t" and margin[0]["metric"] == "R@1"
+    assert margin[0]["value"] == pytest.approx(-2.0)
+    assert "report_inconsistent" not in decision.reason_codes
+    assert not any(r.get("direction") == "t2i" for r in decision.reasons)
+
+
+def test_positive_margin_whose_interval_crosses_zero_blocks() -> None:
+    report = make_report()
+    report["margins"]["t2i"]["R@1"].update(ci_low=-0.8, ci_high=8.8)
+    decision = _decide(report)
+    assert decision.decision == "block"
+    assert decision.reason_codes == ["ecc_interval"]
+    assert decision.reasons[0]["direction"] == "t2i"
+    # the same report passes when the policy does not ask for the interval
+    assert _decide(report, policy={"require_ci_lower_above_zero": False}).decision == "pass"
+
+
+def test_nan_blocks_and_names_the_field(tmp_path: Path) -> None:
+    report = make_report()
+    report["retrieval"]["t2i"]["new/old"]["R@1"] = float("nan")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))  # json writes the NaN token, which Python parses back
+    decision = _decide(path)
+    assert decision.decision == "block"
+    assert "non_finite" in decision.reason_codes
+    assert any("retrieval.t2i.new/old.R@1" in r["message"] for r in decision.reasons)
+    json.dumps(decision.to_dict(), allow_nan=False)  # the decision itself stays valid JSON
+    # infinity in an interval bound too
+    report = make_report()
+    report["margins"]["i2t"]["R@1"]["ci_low"] = float("inf")
+    assert "non_finite" in _decide(report).reason_codes
+
+
+def test_missing_direction_blocks() -> None:
+    report = make_report()
+    del report["retrieval"]["i2t"]
+    decision = _decide(report)
+    assert decision.decision == "block"
+    missing = [r for r in decision.reasons if r["code"] == "missing_field"]
+    assert missing and all(r["direction"] == "i2t" for r in missing)
+    assert "report_invalid" in decision.reason_codes
+
+
+def test_missing_metric_required_by_policy_blocks() -> None:
+    decision = _decide(make_report(), policy={"ks": [1, 20]})
+    assert decision.decision == "block"
+    assert {r["metric"] for r in decision.reasons if r["code"] == "missing_field"} == {"R@20"}
+
+
+def test_tiny_evaluation_set_blocks() -> None:
+    report = make_report()
+    report["eval_sizes"] = {"images": 12, "captions": 60}
+    decision = _decide(report)
+    assert decision.decision == "block"
+    assert decision.reason_codes == ["eval_set_too_small", "eval_set_too_small"]
+    assert decision.reasons[0]["value"] == 12 and decision.reasons[0]["threshold"] == 100
+
+
+@pytest.mark.parametrize("content", ["", '{"schema_version": 1, "retrieval": {"t2i": {"old/old": {"R@1": 3'])
+def test_truncated_json_blocks(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "compat_report.json"
+    path.write_text(content)
+    decision = _decide(path)
+    assert decision.decision == "block"
+    assert decision.reason_codes == ["report_malformed"]
+    assert str(path) in decision.reasons[0]["message"]
+
+
+def test_missing_report_file_blocks(tmp_path: Path) -> None:
+    decision = _decide(tmp_path / "nowhere.json")
+    assert decision.decision == "block" and decision.reason_codes == ["report_unreadable"]
+
+
+def test_report_that_vouches_for_itself_is_not_believed() -> None:
+    report = make_report()
+    report["retrieval"]["t2i"]["new/old"]["R@1"] = 29.0  # worse than old/old 30, but margins/ecc claim +4
+    decision = _decide(report)
+    assert decision.decision == "block"
+    assert {"ecc_margin", "report_inconsistent"} <= set(decision.reason_codes)
+
+
+def test_retention_floor_uses_independent_model_when_present() -> None:
+    report = make_report()
+    report["retrieval"]["t2i"]["new/new"]["R@1"] = 38.0  # 92.7% of independent 41.0, but above old/old 30
+    decision = _decide(report)
+    assert decision.reason_codes == ["retention_floor"]
+    assert decision.reasons[0]["threshold"] == pytest.approx(0.95 * 41.0)
+    report["independent_new_new"] = None  # without an independent model the reference is old/old
+    assert _decide(report).decision == "pass"
+    assert "missing_field" in _decide(report, policy={"retention": {"reference": "independent"}}).reason_codes
+
+
+def test_invalid_policy_blocks(tmp_path: Path) -> None:
+    bad = tmp_path / "policy.yaml"
+    bad.write_text("min_margn: 1.0\n")  # typo: an unknown key must not relax the gate
+    decision = _decide(make_report(), policy=bad)
+    assert decision.decision == "block" and decision.reason_codes == ["policy_invalid"]
+    assert "min_margn" in decision.reasons[0]["message"] and decision.policy is None
+    bad.write_text("directions: [t2i, x2y]\nretention: {floor: 1.5}\n")
+    assert _decide(make_report(), policy=bad).reason_codes == ["policy_invalid"]
+    bad.write_text("min_margin: .nan\n")
+    assert _decide(make_report(), policy=bad).reason_codes == ["policy_invalid"]
+    bad.write_text("ks: [1\n")
+    assert _decide(make_report(), policy=bad).reason_codes == ["policy_invalid"]
+    assert _decide(make_report(), policy=tmp_path / "absent.yaml").reason_codes == ["policy_unreadable"]
+    with pytest.raises(PolicyError, match="min_margn"):
+        GatePolicy.from_mapping({"min_margn": 1})
+
+
+def test_partial_policy_merges_over_default(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("min_margin: 5.0\nretention: {floor: 0.5}\n")
+    policy = load_policy(path)
+    assert policy.min_margin == 5.0 and policy.retention_floor == 0.5
+    assert policy.retention_reference == "auto" and policy.directions == ("t2i", "i2t")
+    decision = _decide(make_report(), policy=path)  # margins are +4 and +3: below 5
+    assert [r["direction"] for r in decision.reasons if r["code"] == "ecc_margin"] == ["t2i", "i2t"]
+
+
+def test_drift_too_severe_blocks() -> None:
+    drift = copy.deepcopy(DRIFT_OK)
+    drift["verdicts"]["image_embedding"]["severity"] = "high"  # overall says low; the worst verdict counts
+    decision = _decide(make_report(), drift=drift)
+    assert decision.reason_codes == ["drift_too_severe"]
+    assert decision.reasons[0]["value"] == "high" and "image_embedding" in decision.reasons[0]["message"]
+    assert _decide(make_report(), drift=drift, policy={"max_drift_severity": "high"}).decision == "pass"
+    assert _decide(make_report(), drift={"severity": "extreme"}).reason_codes == ["drift_invalid"]
+
+
+def test_validation_blocked_blocks() -> None:
+    validation = dict(VALIDATION_OK, blocked=True, blocked_reasons=["quarantined 9% > 5%"])
+    decision = _decide(make_report(), validation=validation)
+    assert decision.reason_codes == ["validation_blocked"]
+    assert "quarantined 9% > 5%" in decision.reasons[0]["message"]
+
+
+def test_missing_summaries_block_when_required(tmp_path: Path) -> None:
+    decision = decide(make_report(), None)
+    assert sorted(decision.reason_codes) == ["drift_missing", "validation_missing"]
+    relaxed = decide(make_report(), {"require_drift": False, "require_validation": False})
+    assert relaxed.decision == "pass"
+    assert {c["status"] for c in relaxed.checks if c["name"] in ("drift", "validation")} == {"skipped"}
+    (tmp_path / "v.json").write_text('{"total": 3')
+    assert "validation_invalid" in _decide(make_report(), validation=tmp_path / "v.json").reason_codes
+
+
+def test_run_gate_writes_schema_valid_decision(tmp_path: Path) -> None:
+    report = tmp_path / "compat_report.json"
+    report.write_text(json.dumps(make_report()))
+    decision = run_gate(report, tmp_path / "gate", policy=None)
+    written = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    schemas.validate(written, "gate_decision", source="gate.json")
+    assert written["decision"] == decision.decision == "block"  # no validation / drift summaries given
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "gate", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    report, validation, drift = tmp_path / "r.json", tmp_path / "v.json", tmp_path / "d.json"
+    report.write_text(json.dumps(make_report()))
+    validation.write_text(json.dumps(VALIDATION_OK))
+    drift.write_text(json.dumps(DRIFT_OK))
+    common = ["--validation", str(validation), "--drift", str(drift)]
+
+    ok = _cli("--report", str(report), *common, "--out", str(tmp_path / "pass"))
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "pass" / "gate.json").read_text())["decision"] == "pass"
+
+    report.write_text(json.dumps(make_report())[:200])
+    blocked = _cli("--report", str(report), *common, "--out", str(tmp_path / "block"))
+    assert blocked.returncode == 1
+    assert "report_malformed" in blocked.stdout
+    assert json.loads((tmp_path / "block" / "gate.json").read_text())["decision"] == "block"
+
+    usage = _cli(*common, "--out", str(tmp_path / "usage"))
+    assert usage.returncode == 2 and "--report" in usage.stderr
+    written = json.loads((tmp_path / "usage" / "gate.json").read_text())
+    assert written["decision"] == "block" and written["reasons"][0]["code"] == "usage_error"

@@ -1,0 +1,296 @@
+"""MLflow registry on a real sqlite store: runs, versions, aliases after pass / block / rollback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from components.registry import (
+    PromotionError,
+    Registry,
+    RegistryError,
+    RollbackHookError,
+    metric_key,
+    register_rollback_hook,
+    unregister_rollback_hook,
+    verify_checkpoint,
+)
+from components.workspace import Workspace
+
+PASS = {"decision": "pass", "reasons": [], "report_sha256": "a" * 64}
+BLOCK = {
+    "decision": "block",
+    "reasons": [{"code": "ecc_margin", "message": "i2t R@1: -2.00 pp"}],
+    "report_sha256": "b" * 64,
+}
+DONE = {"state": "completed", "stage": 4, "fraction_backfilled": 1.0}
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("ws"))
+
+
+def make_checkpoint(directory: Path, seed: int) -> dict[str, str]:
+    """A small safetensors checkpoint; returns sha256 of each file, computed independently."""
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    save_file(
+        {"visual.proj": rng.standard_normal((8, 4)).astype(np.float32)}, str(directory / "model.safetensors")
+    )
+    (directory / "config.json").write_text(json.dumps({"embed_dim": 4, "seed": seed}))
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+
+def candidate(
+    registry: Registry, tmp: Path, name: str, seed: int, gate: dict, phase: int
+) -> tuple[str, dict]:
+    run_id = registry.start_run(name, params={"training": {"method": "modx", "steps": 10}})
+    registry.log_metrics(run_id, {"t2i": {"R@1": 30.0 + seed}}, step=phase)
+    digests = make_checkpoint(tmp / name, seed)
+    info = registry.register_candidate(run_id, tmp / name, data_phase=phase, method="bct", gate=gate)
+    return info["version"], digests
+
+
+def aliases(registry: Registry) -> dict[str, str | None]:
+    return {a: registry.alias_version(a) for a in ("production", "candidate", "previous")}
+
+
+def test_aliases_after_pass_block_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
+    registry = Registry(workspace, model_name="clip-cycle")
+    assert aliases(registry) == {"production": None, "candidate": None, "previous": None}
+
+    v1, files1 = candidate(registry, tmp_path, "run-1", 1, PASS, phase=0)
+    assert aliases(registry) == {"production": None, "candidate": v1, "previous": None}
+    registry.promote(rollout_state=DONE)
+    assert aliases(registry) == {"production": v1, "candidate": v1, "previous": None}
+
+    v2, files2 = candidate(registry, tmp_path, "run-2", 2, PASS, phase=1)
+    with pytest.raises(PromotionError, match="rollout state is 'backfilling'"):
+        registry.promote(rollout_state={"state": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
+    assert registry.alias_version("production") == v1
+    state_file = tmp_path / "rollout_state.json"
+    state_file.write_text(json.dumps(DONE))
+    registry.promote(v2, rollout_state=state_file)
+    assert aliases(registry) == {"production": v2, "candidate": v2, "previous": v1}
+
+    v3, _ = candidate(registry, tmp_path, "run-3", 3, BLOCK, phase=2)
+    with pytest.raises(PromotionError, match="gate decision is block.*ecc_margin"):
+        registry.promote(rollout_state=DONE)
+    assert aliases(registry) == {"production": v2, "candidate": v3, "previous": v1}
+    tags = registry.version_info(v3)["tags"]
+    assert tags["gate.decision"] == "block" and "ecc_margin" in tags["gate.reasons"]
+    assert tags["data_phase"] == "2" and tags["method"] == "bct"
+
+    events: list[dict] = []
+    register_rollback_hook(events.append)
+    try:
+        result = registry.rollback()
+    finally:
+        unregister_rollback_hook(events.append)
+    assert (result["from_version"], result["to_version"], result["previous_version"]) == (v2, v1, None)
+    assert aliases(registry) == {"production": v1, "candidate": v3, "previous": None}
+    assert events and events[0]["to_version"] == v1 and events[0]["workspace"] == str(workspace.root)
+    assert "rolled_back_at" in registry.version_info(v2)["tags"]
+    with pytest.raises(RegistryError, match="no previous version"):
+        registry.rollback()
+
+    # the production checkpoint comes back through models:/name@production, byte for byte
+    local = registry.download("production", tmp_path / "dl")
+    assert {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in local.iterdir() if p.name in files1
+    } == files1
+    assert load_file(str(local / "model.safetensors"))["visual.proj"].shape == (8, 4)
+    assert files1 != files2
+
+
+def test_repeated_rollbacks_walk_the_history(workspace: Workspace, tmp_path: Path) -> None:
+    registry = Registry(workspace, model_name="clip-history")
+    versions = []
+    for i in range(3):
+        version, _ = candidate(registry, tmp_path, f"hist-{i}", 10 + i, PASS, phase=i)
+        registry.promote(version, rollout_state=DONE)
+        versions.append(version)
+    assert registry.status()["history"] == versions
+    registry.rollback(run_hooks=False)
+    assert aliases(registry)["production"] == versions[1] and aliases(registry)["previous"] == versions[0]
+    registry.rollback(run_hooks=False)
+    assert aliases(registry)["production"] == versions[0] and aliases(registry)["previous"] is None
+    status = registry.status()
+    assert status["production"]["tags"]["data_phase"] == "0" and status["history"] == versions[:1]
+
+
+def test_failing_hook_is_reported_after_the_move(workspace: Workspace, tmp_path: Path) -> None:
+    registry = Registry(workspace, model_name="clip-hook")
+    for i in range(2):
+        version, _ = candidate(registry, tmp_path, f"hook-{i}", 20 + i, PASS, phase=i)
+        registry.promote(version, rollout_state=DONE)
+
+    def broken(event: dict) -> None:
+        raise ConnectionError("index alias unreachable")
+
+    register_rollback_hook(broken)
+    try:
+        with pytest.raises(RollbackHookError, match="index alias unreachable") as err:
+            registry.rollback()
+    finally:
+        unregister_rollback_hook(broken)
+    assert err.value.result["to_version"] == aliases(registry)["production"]
+
+
+def test_download_detects_tampering(workspace: Workspace, tmp_path: Path) -> None:
+    registry = Registry(workspace, model_name="clip-tamper")
+    version, _ = candidate(registry, tmp_path, "tamper", 30, PASS, phase=0)
+    local = registry.download(version, tmp_path / "dl")
+    verify_checkpoint(local)
+    (local / "config.json").write_text("{}")
+    with pytest.raises(RegistryError, match="config.json"):
+        verify_checkpoint(local)
+
+
+def test_runs_resume_and_refuse_pickles(workspace: Workspace, tmp_path: Path) -> None:
+    registry = Registry(workspace, model_name="clip-runs")
+    first = registry.start_run("pipeline-7", params={"compat": {"method": "bct"}})
+    registry.end_run(first)
+    assert registry.start_run("pipeline-7") == first
+    registry.log_metrics(first, {"t2i": {"new/old": {"R@1": 41.5}}}, step=3)
+    history = registry.client.get_metric_history(first, metric_key("t2i.new/old.R@1"))
+    assert [(m.value, m.step) for m in history] == [(41.5, 3)]
+    with pytest.raises(RegistryError, match="cannot log parameters"):
+        registry.log_params(first, {"compat": {"method": "taca"}})
+    bad = tmp_path / "pickled"
+    bad.mkdir()
+    (bad / "model.pt").write_bytes(b"\x80\x04")
+    with pytest.raises(RegistryError, match="safetensors"):
+        registry.register_candidate(first, bad, data_phase=0, method="bct", gate=PASS)
+
+
+def test_cli_status_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
+    registry = Registry(workspace, model_name="clip-cli")
+    for i in range(2):
+        version, _ = candidate(registry, tmp_path, f"cli-{i}", 40 + i, PASS, phase=i)
+        registry.promote(version, rollout_state=DONE)
+    gate_dir = workspace.run_dir("cli-1") / "gate"
+    gate_dir.mkdir(parents=True)
+    (gate_dir / "gate.json").write_text(json.dumps({**PASS, "decided_at": "2026-11-22T00:00:00+00:00"}))
+
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    def cli(*args: str):  # in-process: the same commands, without re-importing MLflow per call
+        result = CliRunner().invoke(
+            app, [*args, "--workspace", str(workspace.root), "--model-name", "clip-cli"]
+        )
+        result.returncode = result.exit_code
+        return result
+
+    out = cli("status", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["registry"]["production"]["version"] == "2" and doc["registry"]["previous"]["version"] == "1"
+    assert doc["last_gate"]["decision"] == "pass" and doc["last_gate"]["run_id"] == "cli-1"
+    assert "rollout" in doc  # installed plugins (the gallery index) may add their own keys
+
+    out = cli("rollback")
+    assert out.returncode == 0, out.stderr
+    assert "production 2 -> 1" in out.stdout
+    assert registry.alias_version("production") == "1"
+    text = cli("status")
+    assert text.returncode == 0 and "production  v1" in text.stdout
+    again = cli("rollback")
+    assert again.returncode == 1 and "no previous version" in again.stderr
+
+
+def test_plugins_extend_status_and_rollback(workspace: Workspace, tmp_path: Path, monkeypatch) -> None:
+    """A module dropped into components.plugins adds status keys and runs on rollback."""
+    from components import plugins
+    from components.status import collect
+
+    plugin_dir = tmp_path / "plugins"
+    plugin_dir.mkdir()
+    (plugin_dir / "cf_probe_plugin.py").write_text(
+        "import json, pathlib\n"
+        "def status(workspace):\n"
+        "    return {'gallery': {'count': 3, 'by_version': {'1': 3}}, 'rollout': {'stage': 9}}\n"
+        "def on_rollback(event):\n"
+        "    pathlib.Path(event['workspace'], 'hook.json').write_text(json.dumps(event))\n"
+    )
+    monkeypatch.setattr(plugins, "__path__", [str(plugin_dir)])  # this plugin alone
+    monkeypatch.delitem(sys.modules, "components.plugins.cf_probe_plugin", raising=False)
+
+    registry = Registry(workspace, model_name="clip-plugin")
+    for i in range(2):
+        version, _ = candidate(registry, tmp_path, f"plugin-{i}", 50 + i, PASS, phase=i)
+        registry.promote(version, rollout_state=DONE)
+    workspace.rollout_state_path.write_text(
+        json.dumps({"state": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
+    )
+    doc = collect(workspace, model_name="clip-plugin")
+    assert doc["gallery"] == {"count": 3, "by_version": {"1": 3}}
+    assert doc["rollout"]["stage"] == 9 and doc["rollout"]["fraction_backfilled"] == 0.25
+    assert doc["registry"]["production"]["version"] == "2"
+
+    workspace.rollout_state_path.unlink()
+    result = registry.rollback()
+    assert [h["hook"] for h in result["hooks"]] == ["components.plugins.cf_probe_plugin.on_rollback"]
+    event = json.loads((workspace.root / "hook.json").read_text())
+    assert (event["from_version"], event["to_version"]) == ("2", "1")
+
+
+def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path, monkeypatch) -> None:
+    from components import plugins
+    from components.status import collect
+
+    monkeypatch.setattr(plugins, "__path__", [])  # the core document alone
+
+    doc = collect(tmp_path / "fresh")
+    assert doc["registry"]["production"] is None and "no registry yet" in doc["registry"]["note"]
+    assert doc["last_gate"] is None and doc["rollout"] is None
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_register_stage_logs_reports_metrics_and_weights(workspace: Workspace, tmp_path: Path) -> None:
+    from components.registry import register_stage
+
+    report = {"retrieval": {"t2i": {"new/old": {"R@1": 34.5}}}, "margins": {"t2i": {"R@1": {"margin": 4.5}}}}
+    (tmp_path / "compat_report.json").write_text(json.dumps(report))
+    metrics = {
+        "curve": [{"step": 0, "loss": 4.1}, {"step": 10, "loss": 2.2}],
+        "domains": {"street": {"t2i": {"R@1": 31.0}}},
+    }
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    (tmp_path / "gate.json").write_text(json.dumps(PASS))
+    make_checkpoint(tmp_path / "ckpt", 60)
+    info = register_stage(
+        workspace,
+        "stage-run",
+        tmp_path / "ckpt",
+        data_phase=2,
+        method="taca",
+        gate=tmp_path / "gate.json",
+        compat_report=tmp_path / "compat_report.json",
+        training_metrics=tmp_path / "metrics.json",
+        reports=[tmp_path / "gate.json"],
+        params={"compat": {"method": "taca"}},
+        model_name="clip-stage",
+    )
+    client = Registry(workspace, model_name="clip-stage").client
+    run = client.get_run(info["mlflow_run_id"])
+    assert run.data.metrics[metric_key("retrieval.t2i.new/old.R@1")] == 34.5
+    assert run.data.metrics[metric_key("phase.domains.street.t2i.R@1")] == 31.0
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train.loss")] == [
+        (0, 4.1),
+        (10, 2.2),
+    ]
+    assert run.data.params["compat.method"] == "taca"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "reports")}
+    assert {"reports/compat_report.json", "reports/metrics.json", "reports/gate.json"} <= artifacts
+    assert info["tags"]["gate.decision"] == "pass" and info["tags"]["method"] == "taca"
+    assert info["aliases"] == ["candidate"]

@@ -1,0 +1,445 @@
+"""The rollout engine on real milvus-lite: staged backfill, halts, blue-green, crashes, kill -9, search."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import schemas
+from compat.backfill import synthetic_upgrade
+from components import rollout as ro
+from components.index import GalleryIndex
+from components.rollout_encoders import synthetic_encoders
+from components.search import Searcher, read_serving
+
+N, Q, SEED = 400, 200, 3
+OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
+SYNTH_QUERY = "components.rollout_encoders:synthetic_query_encoder"
+UPGRADE = synthetic_upgrade(n_items=N, n_queries=Q, seed=SEED)
+PROBE = ro.ProbeSet(UPGRADE.query_texts, [[UPGRADE.item_ids[p[0]]] for p in UPGRADE.positives])
+
+
+def _index_old(paths: ro.RolloutPaths, index: GalleryIndex) -> None:
+    ro.index_gallery(
+        index,
+        paths,
+        UPGRADE.item_ids,
+        UPGRADE.old_gallery,
+        version="v1",
+        space="s1",
+        query_model={"factory": SYNTH_QUERY, "options": OPTS, "side": "old"},
+        embedded_at=UPGRADE.embedded_at,
+        source_uris=[f"shard#{i}" for i in UPGRADE.item_ids],
+    )
+
+
+def _config(**kw) -> ro.RolloutConfig:
+    kw.setdefault("batch_size", 32)
+    return ro.RolloutConfig(
+        new_version="v2", query_model={"factory": SYNTH_QUERY, "options": OPTS, "side": "new"}, **kw
+    )
+
+
+def _vectors(index: GalleryIndex, collection: str | None = None) -> dict[str, np.ndarray]:
+    rows = index.fetch(UPGRADE.item_ids, collection)
+    return {r["item_id"]: np.asarray(r["vector"], dtype=np.float32) for r in rows}
+
+
+def _assert_gallery(
+    index: GalleryIndex, vectors: np.ndarray, version: str, collection: str | None = None
+) -> None:
+    """Every item has exactly one vector, of ``version``, equal to its row of ``vectors``."""
+    assert index.count(collection) == N
+    assert index.count_by_version(collection) == {version: N}
+    got = _vectors(index, collection)
+    assert len(got) == N
+    assert np.allclose(np.stack([got[i] for i in UPGRADE.item_ids]), vectors, atol=1e-6)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    paths = ro.RolloutPaths.for_workspace(tmp_path / "ws")
+    index = GalleryIndex(str(tmp_path / "ws" / "milvus" / "gallery.db"))
+    _index_old(paths, index)
+    yield paths, index
+    index.close()
+
+
+def test_staged_rollout_completes_and_rolls_back(setup) -> None:
+    paths, index = setup
+    source = index.serving_collection()
+    state = ro.run_rollout(
+        index, paths, _config(policy="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
+    )
+    schemas.validate(json.loads(paths.state.read_text()), "rollout_state", str(paths.state))
+    assert state["state"] == "completed" and state["fraction_backfilled"] == 1.0
+    assert [s["state"] for s in state["stages"]] == ["accepted"] * 5
+    assert [p["fraction"] for p in state["curve"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
+    for stage in state["stages"]:
+        assert all(stage["probe"][m] >= state["floors"][m] for m in state["floors"])
+    assert state["curve"][-1]["t2i_R@1"] > state["curve"][0]["t2i_R@1"] > state["baseline"]["R@1"]
+    assert index.serving_collection() == source  # staged: in place
+    _assert_gallery(index, UPGRADE.new_gallery, "v2")
+    record = read_serving(paths.serving)
+    assert record["query_model"]["side"] == "new" and record["query_model"]["version"] == "v2"
+    summary = ro.status(paths.state)
+    assert (summary["state"], summary["stage"], summary["fraction_backfilled"]) == ("completed", 4, 1.0)
+    # lineage: new rows carry the rollout id, old rows' source uri is kept
+    row = index.fetch(["item-00007"])[0]
+    assert row["rollout_id"] == state["rollout_id"] and row["source_uri"] == "shard#item-00007"
+    # a rerun of the completed rollout is a no-op
+    assert (
+        ro.run_rollout(
+            index, paths, _config(policy="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
+        )["state"]
+        == "completed"
+    )
+
+    back = ro.rollback(paths, index)
+    assert back["state"] == "rolled_back" and back["query_model"]["side"] == "old"
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")
+    assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+    assert ro.rollback(paths, index)["state"] == "rolled_back"  # idempotent
+
+
+def test_regression_halts_and_restores_the_stage(setup) -> None:
+    paths, index = setup
+    broken = synthetic_encoders({"options": {**OPTS, "broken": "1"}})
+    state = ro.run_rollout(index, paths, _config(), broken, PROBE)
+    assert state["state"] == "halted" and state["restored"]
+    assert state["stages"][0]["state"] == "accepted" and state["stages"][1]["state"] == "halted"
+    probe, floors = state["stages"][1]["probe"], state["floors"]
+    broken_metrics = [m for m in floors if probe[m] < floors[m]]
+    assert broken_metrics and all(m in state["halt_reason"] for m in broken_metrics)
+    assert state["fraction_backfilled"] == 0.0 and state["cursor"]["position"] == 0
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")  # the stage's items got their old vectors back
+    # fail closed: running the same configuration again does not retry the regression
+    assert ro.run_rollout(index, paths, _config(), broken, PROBE)["state"] == "halted"
+    assert index.count_by_version() == {"v1": N}
+
+
+def test_stage0_floor_blocks_the_query_switch(setup) -> None:
+    paths, index = setup
+    state = ro.run_rollout(
+        index, paths, _config(floors={"R@1": 99.0}), synthetic_encoders({"options": OPTS}), PROBE
+    )
+    assert state["state"] == "halted" and state["stage"] == 0
+    assert state["floors"]["R@1"] == 99.0 and state["floors"]["R@5"] == state["baseline"]["R@5"]
+    assert read_serving(paths.serving)["query_model"]["version"] == "v1"  # queries never switched
+    assert index.count_by_version() == {"v1": N}
+
+
+def test_probe_of_another_gallery_is_refused(setup) -> None:
+    paths, index = setup
+    stranger = ro.ProbeSet(PROBE.texts[:3], [["not-an-item"]] * 3)
+    with pytest.raises(ro.RolloutError, match="another gallery"):
+        ro.run_rollout(index, paths, _config(), synthetic_encoders({"options": OPTS}), stranger)
+    assert not paths.state.exists()
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypatch) -> None:
+    """The batch whose state write failed is upserted again on resume; its restore file keeps the old rows."""
+    paths, index = setup
+    real_save = ro.save_state
+    calls = {"n": 0}
+
+    def flaky_save(path, state):
+        calls["n"] += 1
+        if state["cursor"]["position"] == 72 and state["state"] == "running":
+            raise _Crash("power cut after upsert")
+        real_save(path, state)
+
+    monkeypatch.setattr(ro, "save_state", flaky_save)
+    encoders = synthetic_encoders({"options": OPTS})
+    with pytest.raises(_Crash):
+        ro.run_rollout(index, paths, _config(), encoders, PROBE)
+    saved = json.loads(paths.state.read_text())
+    assert saved["state"] == "running" and saved["cursor"]["position"] == 40
+    assert index.count_by_version()["v2"] >= 72  # the batch 40..72 is already upserted
+    monkeypatch.setattr(ro, "save_state", real_save)
+    state = ro.run_rollout(index, paths, _config(), encoders, PROBE)
+    assert state["state"] == "completed"
+    _assert_gallery(index, UPGRADE.new_gallery, "v2")
+    ro.rollback(paths, index)  # the repeated batch restored the rows it first replaced: the old ones
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")
+
+
+def test_encoder_failure_resumes_from_the_cursor(setup) -> None:
+    paths, index = setup
+    good = synthetic_encoders({"options": OPTS})
+    calls = {"n": 0}
+
+    def failing(refs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise _Crash("encoder died")
+        return good.new_gallery(refs)
+
+    bad = ro.RolloutEncoders(good.old_query, good.new_query, failing)
+    with pytest.raises(_Crash):
+        ro.run_rollout(index, paths, _config(), bad, PROBE)
+    assert ro.status(paths.state)["state"] == "running"
+    other = _config(policy="oldest_first")
+    with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
+        ro.run_rollout(index, paths, other, good, PROBE)
+    assert ro.run_rollout(index, paths, _config(), good, PROBE)["state"] == "completed"
+    _assert_gallery(index, UPGRADE.new_gallery, "v2")
+
+
+def test_forward_transform_goes_through_a_new_collection(setup) -> None:
+    """Old vectors read through a gallery transform (here zero-padding to 40 dims) live in a copy."""
+    paths, index = setup
+    source = index.serving_collection()
+    good = synthetic_encoders({"options": OPTS})
+
+    def pad(v):
+        return np.concatenate([v, np.zeros((len(v), 8), np.float32)], axis=1)
+
+    enc = ro.RolloutEncoders(
+        good.old_query,
+        good.new_query,
+        lambda refs: pad(good.new_gallery(refs)),
+        query_transform=pad,
+        gallery_transform=pad,
+        transform_tag="zero_pad:v2",
+    )
+    state = ro.run_rollout(index, paths, _config(policy="uncertainty"), enc, PROBE)
+    assert state["state"] == "completed"
+    target = index.serving_collection()
+    assert target != source and index.collection_dim(target) == 40
+    _assert_gallery(index, pad(UPGRADE.new_gallery), "v2", target)
+    _assert_gallery(index, UPGRADE.old_gallery, "v1", source)  # untouched, kept for rollback
+    ro.rollback(paths, index)
+    assert index.serving_collection() == source and read_serving(paths.serving)["dim"] == 32
+
+
+def test_space_change_goes_blue_green(setup) -> None:
+    paths, index = setup
+    source = index.serving_collection()
+    good = synthetic_encoders({"options": OPTS})
+    rot = np.linalg.qr(np.random.default_rng(0).normal(size=(48, 48)))[0][:32].astype(np.float32)  # 32 -> 48
+
+    enc = ro.RolloutEncoders(
+        good.old_query,
+        lambda t: good.new_query(t) @ rot,
+        lambda refs: good.new_gallery(refs) @ rot,
+        space="s2",
+    )
+    state = ro.run_rollout(index, paths, _config(), enc, PROBE)
+    assert state["mode"] == "blue_green" and state["state"] == "completed"
+    target = index.serving_collection()
+    assert target.endswith("_s2_1") and index.collection_space(target) == "s2"
+    _assert_gallery(index, UPGRADE.new_gallery @ rot, "v2", target)
+    assert index.count_by_version(source) == {"v1": N}
+    assert read_serving(paths.serving)["space"] == "s2"
+    ro.rollback(paths, index)
+    assert index.serving_collection() == source and read_serving(paths.serving)["space"] == "s1"
+
+
+def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from components.search import search
+    from pipelines.cli import app
+
+    ws = tmp_path / "ws"
+    paths = ro.RolloutPaths.for_workspace(ws)
+    with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
+        _index_old(paths, index)
+        server = Searcher(paths.serving)  # long-lived: picks up the query switch without a restart
+        before = server.search(UPGRADE.query_texts[:1], 3)[0]
+        assert (
+            before[0]["item_id"]
+            == index.search(UPGRADE.query_vectors(UPGRADE.query_texts[:1], "old"), 3)[0][0].item_id
+        )
+        ro.run_rollout(
+            index, paths, _config(fractions=(0.5, 1.0)), synthetic_encoders({"options": OPTS}), PROBE
+        )
+        text = UPGRADE.query_texts[0]
+        expected = index.search(UPGRADE.query_vectors([text], "new"), k=5)[0]
+        api = search([text], 5, record_path=paths.serving, index=index)[0]
+        assert server.query_model["version"] == "v1"
+        live = server.search([text], 5)[0]
+        assert server.query_model["version"] == "v2"
+        server.close()
+    assert live == api
+    assert [h["item_id"] for h in api] == [h.item_id for h in expected]
+    result = CliRunner().invoke(app, ["search", text, "-k", "5", "--json", "--workspace", str(ws)])
+    assert result.exit_code == 0, result.output
+    hits = json.loads(result.output)
+    assert [h["item_id"] for h in hits] == [h.item_id for h in expected]
+    assert set(hits[0]) == {"item_id", "score", "model_version"} and hits[0]["model_version"] == "v2"
+    result = CliRunner().invoke(app, ["rollout", "status", "--json", "--workspace", str(ws)])
+    assert json.loads(result.output)["state"] == "completed"
+
+    from components.plugins import gallery as plugin
+
+    doc = plugin.status(ws)
+    assert doc["gallery"]["count"] == N == sum(doc["gallery"]["by_version"].values())
+    assert doc["rollout"]["fraction_backfilled"] == 1.0 and doc["rollout"]["state"] == "completed"
+    with pytest.raises(ro.RolloutError, match="serves version v2"):
+        plugin.on_rollback({"workspace": ws, "from_version": "7"})
+    plugin.on_rollback({"workspace": ws, "from_version": "v2"})
+    assert plugin.status(ws)["gallery"]["by_version"] == {"v1": N}
+
+
+def _cli(ws: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "rollout",
+        "run",
+        "--workspace",
+        str(ws),
+        "--new-version",
+        "v2",
+        "--encoders",
+        "components.rollout_encoders:synthetic_encoders",
+        "--query-factory",
+        SYNTH_QUERY,
+        "--probe",
+        str(ws / "probe.json"),
+        "--batch-size",
+        "16",
+        "--policy",
+        "random",
+        *[f"--option={k}={v}" for k, v in OPTS.items()],
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["embedded", "server"])
+def test_kill_9_mid_stage_then_resume(tmp_path, backend, request) -> None:
+    """SIGKILL a real rollout process mid-stage; a rerun completes with one v2 vector per item."""
+    ws = tmp_path / "ws"
+    paths = ro.RolloutPaths.for_workspace(ws)
+    if backend == "server":
+        uri, alias = request.getfixturevalue("milvus_server"), f"g{uuid.uuid4().hex[:10]}"
+    else:
+        uri, alias = str(ws / "milvus" / "gallery.db"), "gallery"
+    with GalleryIndex(uri, alias) as index:
+        _index_old(paths, index)
+    (ws / "probe.json").write_text(json.dumps(PROBE.to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        _cli(ws, "--option=delay_s=0.08"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    killed_at = None
+    deadline = time.monotonic() + 120
+    while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
+        try:
+            state = json.loads(paths.state.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            state = None
+        if state and state["stage"] == 3:
+            lo, hi = state["stages"][2]["target_position"], state["stages"][3]["target_position"]
+            if lo < state["cursor"]["position"] < hi:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_at = state["cursor"]["position"]
+        time.sleep(0.01)
+    proc.wait(timeout=30)
+    assert killed_at is not None, (
+        f"the rollout was not caught mid-stage: {proc.stdout.read().decode()[-2000:]}"
+    )
+    assert proc.returncode == -signal.SIGKILL
+    state = json.loads(paths.state.read_text())
+    assert state["state"] == "running" and state["stage"] == 3
+    with GalleryIndex(uri, alias) as index:  # mid-stage: a mixed gallery, nothing lost
+        assert index.count() == N and set(index.count_by_version()) == {"v1", "v2"}
+
+    rerun = subprocess.run(_cli(ws, "--json"), env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    final = json.loads(rerun.stdout)
+    assert final["state"] == "completed" and final["rollout_id"] == state["rollout_id"]
+    assert [p["fraction"] for p in final["curve"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
+    with GalleryIndex(uri, alias) as index:
+        _assert_gallery(index, UPGRADE.new_gallery, "v2")
+
+
+@pytest.mark.slow
+def test_cli_with_real_models_end_to_end(tmp_path) -> None:
+    """index -> run -> search -> rollback through the CLI with a real cf-tiny checkpoint and real shards.
+
+    The new model has the old one's weights (no trained models ship with the repository): every probe
+    equals its floor, so the rollout completes and each stage exercises the real encoders end to end.
+    """
+    from typer.testing import CliRunner
+
+    from compat.data.shards import write_shard
+    from compat.data.synth import make_sample
+    from compat.models import build_model, save_checkpoint
+    from pipelines.cli import app
+
+    shard = tmp_path / "gallery-000.tar"
+    write_shard(shard, (make_sample(0, 0, "gallery", i, 64) for i in range(96)))
+    ckpt = tmp_path / "model"
+    save_checkpoint(build_model("cf-tiny", seed=0), ckpt, version="v1")
+    ws = tmp_path / "ws"
+    run = CliRunner().invoke
+    common = ["--workspace", str(ws)]
+    result = run(
+        app,
+        [
+            "rollout",
+            "index",
+            "--model",
+            str(ckpt),
+            "--version",
+            "v1",
+            "--space",
+            "tiny",
+            "--gallery",
+            str(shard),
+            "--probe-size",
+            "48",
+            *common,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    result = run(
+        app,
+        [
+            "rollout",
+            "run",
+            "--new-version",
+            "v2",
+            "--new-model",
+            str(ckpt),
+            "--batch-size",
+            "32",
+            "--json",
+            *common,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    state = json.loads(result.output[result.output.index("{") :])
+    assert state["state"] == "completed" and state["query_model"]["uri"] == str(ckpt)
+    probe = json.loads((ws / "rollout" / "probe.json").read_text())
+    with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
+        assert index.count_by_version() == {"v2": 96}
+        key = probe["positives"][0][0]
+        row = index.fetch([key])[0]
+        assert row["source_uri"] == f"{shard}#{key}" and row["rollout_id"] == state["rollout_id"]
+    result = run(app, ["search", probe["texts"][0], "-k", "3", "--json", *common])
+    assert result.exit_code == 0, result.output
+    hits = json.loads(result.output[result.output.index("[") :])
+    assert len(hits) == 3 and {h["model_version"] for h in hits} == {"v2"}
+    result = run(app, ["rollout", "rollback", *common])
+    assert result.exit_code == 0, result.output
+    with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
+        assert index.count_by_version() == {"v1": 96}
