@@ -196,6 +196,26 @@ def register_op(config: str, run_dir: str, phase: int, model: Input[Model], boot
 
 
 @dsl.component(**COMPONENT)
+def serve_first_model_op(config: str, run_dir: str, version: str, gallery_shards: List[str]) -> None:
+    """First run: index the gallery with the first model, record lineage, make it ``production``."""
+    from pathlib import Path
+
+    from components.stages import serve_first_model_stage
+
+    serve_first_model_stage(config, Path(run_dir), version, gallery_shards)
+
+
+@dsl.component(**COMPONENT)
+def rollout_op(config: str, run_dir: str, version: str, gallery_shards: List[str]) -> str:
+    """After a gate pass: staged backfill rollout (resumable), then ``production``; returns the rollout state."""
+    from pathlib import Path
+
+    from components.stages import rollout_candidate_stage
+
+    return rollout_candidate_stage(config, Path(run_dir), version, gallery_shards)["rollout"]["state"]
+
+
+@dsl.component(**COMPONENT)
 def note_blocked_op(run_dir: str, stage: str, reason: str) -> None:
     """Record that a stage stopped the run, for the report and ``compatflow status``."""
     from pathlib import Path

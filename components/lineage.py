@@ -103,6 +103,37 @@ class LineageStore:
         )
         return len(frame)
 
+    def sync_with_index(self, index_rows: Iterable[Mapping[str, Any]]) -> int:
+        """Record the indexed items whose model version or space differs from their lineage; returns the count.
+
+        ``index_rows`` are gallery rows (``item_id``, ``model_version``, ``space_id``, ``embedded_at`` in
+        epoch ms, ``phase``, ``source_uri``), e.g. after a backfill or a rollback. Caption, image URI and
+        domain carry over from the item's newest lineage row.
+        """
+        import pandas as pd
+
+        latest = self.latest_offline().set_index("item_id")
+        changed = []
+        for row in index_rows:
+            item = str(row["item_id"])
+            known = latest.loc[item] if item in latest.index else None
+            version, space = str(row["model_version"]), str(row["space_id"])
+            if known is not None and (known["model_version"], known["space_id"]) == (version, space):
+                continue
+            changed.append(
+                {
+                    "item_id": item,
+                    "model_version": version,
+                    "space_id": space,
+                    "embedded_at": pd.to_datetime(int(row["embedded_at"]), unit="ms", utc=True),
+                    "phase": row.get("phase"),
+                    "caption": None if known is None else known["caption"],
+                    "image_uri": row.get("source_uri") if known is None else known["image_uri"],
+                    "domain": None if known is None else known["domain"],
+                }
+            )
+        return self.write_items(changed)
+
     def get_items(self, item_ids: Iterable[str]) -> list[dict[str, Any]]:
         """Online lineage of ``item_ids`` in order; unknown items come back with ``None`` features."""
         from components.feature_repo import items as defs

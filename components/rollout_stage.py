@@ -7,6 +7,7 @@ by ``compatflow rollout``. Encoders come from a factory named ``module:function`
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,16 @@ def index_stage(
     seed: int = 0,
     uri: str | None = None,
 ) -> dict[str, Any]:
-    """Embed the gallery shards with ``model``, index them behind the serving alias and write the probe set
-    (``probe_size`` items, the first caption of each as its query). Idempotent; returns the serving record."""
+    """Index the gallery items of ``gallery`` that the serving collection does not hold yet.
+
+    The first call embeds every item with ``model``, creates the collection in ``space`` behind the
+    serving alias and writes the serving record. Later calls (a new data phase brings new gallery items)
+    embed only the new items with ``model`` (the serving model) into the serving collection, in its space,
+    and leave the serving record alone. Each call adds up to ``probe_size`` of the new items to the probe
+    set (the first caption of each as its query). Idempotent: a crashed call is simply run again.
+    Returns the serving record plus ``n_items`` (gallery size), ``n_new`` and ``new_items`` (lineage rows
+    of what was written: item id, caption, image URI, phase, domain).
+    """
     import numpy as np
 
     from compat.data.loader import expand_urls, load_captioned_set
@@ -61,38 +70,68 @@ def index_stage(
     from components.search import load_model
 
     paths = RolloutPaths.for_workspace(workspace)
-    encoder = load_model(str(model))
-    ids: list[str] = []
-    uris: list[str] = []
-    phases: list[int] = []
-    texts: list[str] = []
-    vectors = []
-    for url in expand_urls(gallery):
-        items = load_captioned_set(url)
-        ids += items.keys
-        uris += [f"{url}#{k}" for k in items.keys]
-        phases += [int(m.get("phase", 0)) for m in items.metas]
-        texts += [c[0] for c in items.captions]
-        vectors.append(encoder.encode_images(items.images).numpy())
-    if not ids:
-        raise ValueError(f"gallery {gallery!r} holds no samples")
     with open_index(workspace, uri) as index:
-        record = index_gallery(
-            index,
-            paths,
-            ids,
-            np.concatenate(vectors),
-            version=version,
-            space=space,
-            query_model={"uri": str(model), "factory": DEFAULT_FACTORY},
-            phase=phases,
-            source_uris=uris,
-        )
-    pick = np.random.default_rng(seed).permutation(len(ids))[:probe_size]
-    write_json_atomic(
-        probe_path(paths), {"texts": [texts[i] for i in pick], "positives": [[ids[i]] for i in pick]}
-    )
-    return {**record, "n_items": len(ids), "probe": str(probe_path(paths))}
+        collection = index.serving_collection()
+        present: set[str] = set()
+        if collection is not None:
+            present = {str(r["item_id"]) for batch in index.iter_rows((), collection) for r in batch}
+        encoder = None
+        new_items: list[dict[str, Any]] = []
+        vectors = []
+        for url in expand_urls(gallery):
+            items = load_captioned_set(url)
+            keep = [i for i, key in enumerate(items.keys) if key not in present]
+            if not keep:
+                continue
+            encoder = encoder or load_model(str(model))
+            vectors.append(encoder.encode_images([items.images[i] for i in keep]).numpy())
+            for i in keep:
+                meta = items.metas[i] or {}
+                new_items.append(
+                    {
+                        "item_id": items.keys[i],
+                        "caption": items.captions[i][0],
+                        "image_uri": f"{url}#{items.keys[i]}",
+                        "phase": int(meta.get("phase", 0)),
+                        "domain": meta.get("domain"),
+                    }
+                )
+        if collection is None and not new_items:
+            raise ValueError(f"gallery {gallery!r} holds no samples")
+        if new_items:
+            ids = [row["item_id"] for row in new_items]
+            common = {
+                "phase": [row["phase"] for row in new_items],
+                "source_uris": [row["image_uri"] for row in new_items],
+            }
+            if collection is None:
+                record = index_gallery(
+                    index,
+                    paths,
+                    ids,
+                    np.concatenate(vectors),
+                    version=version,
+                    space=space,
+                    query_model={"uri": str(model), "factory": DEFAULT_FACTORY},
+                    **common,
+                )
+            else:
+                space = index.collection_space(collection)
+                index.index_items(ids, np.concatenate(vectors), version, space, collection=collection, **common)
+                index.flush(collection)
+        record = read_serving(paths.serving) or {}
+        n_items = index.count()
+    for row in new_items:
+        row.update(model_version=str(version), space_id=str(record.get("space", space)))
+    probe_file = probe_path(paths)
+    probe = json.loads(probe_file.read_text()) if probe_file.is_file() else {"texts": [], "positives": []}
+    known = {p for positives in probe["positives"] for p in positives}
+    candidates = [row for row in new_items if row["item_id"] not in known]
+    for i in np.random.default_rng(seed).permutation(len(candidates))[:probe_size]:
+        probe["texts"].append(candidates[i]["caption"])
+        probe["positives"].append([candidates[i]["item_id"]])
+    write_json_atomic(probe_file, probe)
+    return {**record, "n_items": n_items, "n_new": len(new_items), "new_items": new_items, "probe": str(probe_file)}
 
 
 def rollout_stage(

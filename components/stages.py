@@ -128,15 +128,109 @@ def resolve_production(config: Config) -> str:
     config = as_config(config)
     registry = registry_of(config)
     version = registry.alias_version("production") if registry.exists() else None
-    if version is None:
-        return ""
+    return "" if version is None else model_dir_of(config, version)
+
+
+def model_dir_of(config: Config, version: str) -> str:
+    """The workspace copy of a registered model version, downloaded once and hash-verified on reuse.
+
+    Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
+    on a cluster).
+    """
+    from components.registry import verify_checkpoint
+
+    config = as_config(config)
     target = workspace_of(config).models_dir / f"v{version}"
     if (target / "model.json").is_file() or (target / "compat.json").is_file():
-        from components.registry import verify_checkpoint
-
         verify_checkpoint(target)
         return str(target)
-    return str(registry.download(version, target))
+    return str(registry_of(config).download(version, target))
+
+
+def serve_first_model_stage(
+    config: Config, run_dir: Path, version: str, gallery_shards: list[str]
+) -> dict[str, Any]:
+    """First run: index the gallery with the first model, record lineage, make it ``production``."""
+    from compat.methods.run import load_encoder, space_id_of
+    from components.rollout_stage import index_stage
+
+    config = as_config(config)
+    model = model_dir_of(config, version)
+    record = index_stage(
+        workspace_of(config),
+        model,
+        version,
+        space_id_of(model, load_encoder(model)),
+        gallery_shards,
+        seed=config["training"]["seed"],
+        uri=config["index"]["uri"],
+    )
+    _record_lineage(config, record.pop("new_items"))
+    state = {"state": "completed", "model_version": version, "kind": "initial_index"}
+    registry_of(config).promote(version, rollout_state=state)
+    summary = {**record, "version": version, "promoted": True}
+    write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    return summary
+
+
+def rollout_candidate_stage(
+    config: Config, run_dir: Path, version: str, gallery_shards: list[str]
+) -> dict[str, Any]:
+    """After a gate pass: roll ``version`` out (query switch, staged backfill with probes; resumable), then
+    index the phase's new gallery items with it, record lineage and make it ``production``.
+
+    A rollout that halts (a stage probe fell below its floor; the stage was restored) stops the run as
+    blocked and leaves ``production`` where it was.
+    """
+    from components.rollout_stage import index_stage, open_index, rollout_stage
+
+    config = as_config(config)
+    settings = config["rollout"]
+    workspace = workspace_of(config)
+    new_model = model_dir_of(config, version)
+    state = rollout_stage(
+        workspace,
+        version,
+        new_model=new_model,
+        policy=settings["order"],
+        fractions=settings["fractions"],
+        seed=config["training"]["seed"],
+        batch_size=settings["batch_size"],
+        uri=config["index"]["uri"],
+    )
+    summary: dict[str, Any] = {"version": version, "rollout": state, "promoted": False}
+    if state["state"] == "completed":
+        record = index_stage(
+            workspace, new_model, version, "", gallery_shards, seed=config["training"]["seed"],
+            uri=config["index"]["uri"],
+        )
+        _record_lineage(config, record.pop("new_items"))
+        with open_index(workspace, config["index"]["uri"]) as index:
+            rows = [
+                r
+                for batch in index.iter_rows(("model_version", "space_id", "embedded_at", "phase", "source_uri"))
+                for r in batch
+            ]
+        summary["lineage_updated"] = _lineage(config).sync_with_index(rows)
+        registry_of(config).promote(version, rollout_state=state)
+        summary.update(promoted=True, n_items=record["n_items"], n_new=record["n_new"])
+    else:
+        note_blocked(run_dir, "rollout", f"rollout {state['state']}: {state.get('halt_reason') or 'see rollout.json'}")
+    write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    return summary
+
+
+def _lineage(config: dict[str, Any]) -> Any:
+    from components.lineage import LineageStore
+
+    store = LineageStore(config["lineage"]["repo"])
+    store.apply()
+    return store
+
+
+def _record_lineage(config: dict[str, Any], items: list[dict[str, Any]]) -> int:
+    """Record freshly indexed items in Feast (who embedded them, in which space, from which image)."""
+    return _lineage(config).write_items(items) if items else 0
 
 
 def continual_stage(

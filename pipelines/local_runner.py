@@ -89,7 +89,7 @@ def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = N
     from kfp import local
 
     from components.runs import plan_run, read_state
-    from pipelines.continual_upgrade import continual_upgrade
+    from pipelines.compile import build_pipeline
 
     echo = echo or sys.stderr
     workspace = Path(config["workspace"]).resolve()
@@ -109,13 +109,14 @@ def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = N
         pipeline_root=str(workspace / "kfp"),
         raise_on_error=True,
     )
+    pipeline = build_pipeline(config, runner="local")
     log_path = run_dir / "pipeline.log"
     with open(log_path, "w") as log_file, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
         with contextlib.redirect_stdout(_EchoingLog(log_file, echo)):
             try:
-                continual_upgrade(config=json.dumps(config), phase=plan["phase"], run_id=plan["run_id"])
+                pipeline(config=json.dumps(config), phase=plan["phase"], run_id=plan["run_id"])
             except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
                 log_file.write(f"\npipeline failed: {err}\n")
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})

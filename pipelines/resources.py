@@ -27,6 +27,10 @@ evaluate_op            gpu    yes    yes    same
 gate_op                cpu    yes    no     deterministic, but it reads the policy file by path:
                                             a cache key of inputs would miss a policy edit
 register_op            cpu    no     no     creates an MLflow model version per call
+serve_first_model_op   gpu    yes    no     embeds the gallery; indexing skips items already
+                                            indexed, lineage and promotion are idempotent
+rollout_op             gpu    yes    no     re-embeds the gallery; the rollout resumes from its
+                                            durable state after any crash; writes live services
 note_blocked_op        cpu    yes    no     an atomic write; caching would skip the write itself
 finish_op              cpu    yes    no     exit handler: reads and writes the workspace state;
                                             rewrites the same outcome and report on a retry
@@ -68,6 +72,8 @@ STAGE_KINDS: dict[str, str] = {
     "evaluate_op": "gpu",
     "gate_op": "cpu",
     "register_op": "cpu",
+    "serve_first_model_op": "gpu",
+    "rollout_op": "gpu",
     "note_blocked_op": "cpu",
     "finish_op": "cpu",
 }
@@ -80,6 +86,8 @@ RETRYABLE: set[str] = {
     "compat_op",
     "evaluate_op",
     "gate_op",
+    "serve_first_model_op",
+    "rollout_op",
     "note_blocked_op",
     "finish_op",
 }

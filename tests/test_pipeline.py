@@ -19,10 +19,20 @@ def test_compiled_pipeline_is_current(tmp_path, monkeypatch):
 
 
 def test_compiled_pipeline_gates_downstream_stages():
-    spec = yaml.safe_load((COMPILED_DIR / COMPILED_NAME).read_text())
-    tasks = spec["root"]["dag"]["tasks"]
-    conditions = {name: task.get("triggerPolicy", {}).get("condition", "") for name, task in tasks.items()}
-    assert any("validate-op" in c for c in conditions.values()), "validation result must guard the next stages"
+    spec = next(yaml.safe_load_all((COMPILED_DIR / COMPILED_NAME).read_text()))  # then the platform spec
+    dags = [spec["root"]["dag"]] + [c["dag"] for c in spec["components"].values() if "dag" in c]
+    tasks = {task["taskInfo"]["name"]: task for dag in dags for task in dag["tasks"].values()}
+
+    def guarded(branch: str, by: str) -> set[str]:
+        """Names of the tasks inside the ``dsl.If`` branch, checking what its condition reads."""
+        assert by in tasks[branch].get("triggerPolicy", {}).get("condition", ""), f"{by} must guard {branch}"
+        inner = spec["components"][tasks[branch]["componentRef"]["name"]]["dag"]["tasks"].values()
+        return {t["taskInfo"]["name"] for t in inner}
+
+    assert {"drift-op", "continual-op", "first-model", "upgrade"} <= guarded("phase-valid", "validate-op-Output")
+    assert guarded("gate-passed", "gate-op-Output") == {"rollout-op"}
+    assert guarded("gate-blocked", "gate-op-Output") == {"note-blocked-op-2"}
+    assert guarded("first-model", "resolve-production-op-Output") == {"register-op", "serve-first-model-op"}
 
 
 def _local_config(tmp_path, phases=2):
@@ -42,7 +52,8 @@ def _local_config(tmp_path, phases=2):
 def test_local_run_goes_through_the_stages_and_continues(tmp_path, capsys):
     import io
 
-    from pipelines.local_runner import read_state, run_local
+    from components.runs import read_state
+    from pipelines.local_runner import run_local
 
     config = _local_config(tmp_path)
     first = run_local(config, echo=io.StringIO())

@@ -189,109 +189,12 @@ def check_cluster_wiring(k8s: dict[str, Any], config: dict[str, Any], where: str
 # A pipeline of the real components with every stage kind
 
 
-def stage_pipeline(settings: dict[str, Any]):
-    """Every op of components.kfp_ops, wired as in the real pipeline, each through configure."""
-
-    @dsl.pipeline(name="stage-settings")
-    def pipeline(config: str) -> None:
-        c = resources.configure
-        finish = c(
-            kfp_ops.finish_op(config=config, run_id="r", job_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER),
-            "finish_op",
-            settings,
-        )
-        with dsl.ExitHandler(finish):
-            plan = c(kfp_ops.plan_op(config=config, phase=-1, run_id="r", job_name="j"), "plan_op", settings)
-            run_dir = plan.outputs["run_dir"]
-            production = c(
-                kfp_ops.resolve_production_op(config=config).after(plan), "resolve_production_op", settings
-            )
-            validation = c(
-                kfp_ops.validate_op(config=config, shards=plan.outputs["train_shards"], run_dir=run_dir),
-                "validate_op",
-                settings,
-            )
-            drift = c(
-                kfp_ops.drift_op(
-                    config=config,
-                    run_dir=run_dir,
-                    reference_shards=plan.outputs["reference_shards"],
-                    current=validation.outputs["accepted"],
-                    production=production.output,
-                ),
-                "drift_op",
-                settings,
-            )
-            continual = c(
-                kfp_ops.continual_op(
-                    config=config,
-                    run_dir=run_dir,
-                    phase=plan.outputs["phase"],
-                    stream_dir=plan.outputs["stream_dir"],
-                    accepted=validation.outputs["accepted"],
-                    production=production.output,
-                ),
-                "continual_op",
-                settings,
-            )
-            compatible = c(
-                kfp_ops.compat_op(
-                    config=config,
-                    run_dir=run_dir,
-                    candidate=continual.outputs["candidate"],
-                    production=production.output,
-                    accepted=validation.outputs["accepted"],
-                ),
-                "compat_op",
-                settings,
-            )
-            evaluation = c(
-                kfp_ops.evaluate_op(
-                    config=config,
-                    run_dir=run_dir,
-                    phase=plan.outputs["phase"],
-                    production=production.output,
-                    compat_model=compatible.outputs["compat_model"],
-                    eval_shards=plan.outputs["eval_shards"],
-                ),
-                "evaluate_op",
-                settings,
-            )
-            gate = c(
-                kfp_ops.gate_op(
-                    config=config,
-                    run_dir=run_dir,
-                    report=evaluation.outputs["report"],
-                    validation=validation.outputs["summary"],
-                    drift=drift.outputs["summary"],
-                ),
-                "gate_op",
-                settings,
-            )
-            c(
-                kfp_ops.register_op(
-                    config=config,
-                    run_dir=run_dir,
-                    phase=plan.outputs["phase"],
-                    model=compatible.outputs["compat_model"],
-                    bootstrap=False,
-                ).after(gate),
-                "register_op",
-                settings,
-            )
-            with dsl.If(gate.outputs["Output"] == "block"):
-                c(
-                    kfp_ops.note_blocked_op(run_dir=run_dir, stage="gate", reason="blocked"),
-                    "note_blocked_op",
-                    settings,
-                )
-
-    return pipeline
-
-
 def compile_stages(tmp_path: Path, settings: dict[str, Any], name: str = "stages.yaml") -> Path:
+    """The real pipeline built under ``settings`` (every task goes through ``resources.configure``)."""
+    from pipelines.compile import _build
+
     path = tmp_path / name
-    compiler.Compiler().compile(stage_pipeline(settings), str(path))
+    compiler.Compiler().compile(_build(settings), str(path))
     return path
 
 
@@ -303,6 +206,8 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
         "continual_op",
         "compat_op",
         "evaluate_op",
+        "serve_first_model_op",  # embeds the whole gallery
+        "rollout_op",  # re-embeds it
     }
     assert resources.RETRYABLE <= set(ops) and resources.CACHEABLE <= set(ops)
     assert "register_op" not in resources.RETRYABLE  # each call creates a model version
@@ -311,6 +216,8 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
         "resolve_production_op",
         "gate_op",
         "register_op",
+        "serve_first_model_op",
+        "rollout_op",
         "note_blocked_op",
         "finish_op",
     }
@@ -330,7 +237,7 @@ def test_shipped_cluster_config_requests_its_gpu_pool(tmp_path: Path) -> None:
     check_task_settings(path, config)
     spec, executors = load_compiled(path)
     gpu_tasks = [t for t in compiled_tasks(spec) if resources.STAGE_KINDS[t["op"]] == "gpu"]
-    assert len(gpu_tasks) == 3 and all(
+    assert len(gpu_tasks) == 5 and all(
         t["resources"]["accelerator"]["resourceType"] == GPU for t in gpu_tasks
     )
 
@@ -372,14 +279,14 @@ def test_configure_refuses_an_unclassified_op() -> None:
     settings = resources.compile_settings("local")
 
     @dsl.component(base_image="python:3.11")
-    def rollout_op() -> None:
+    def reindex_op() -> None:
         pass
 
-    with pytest.raises(ValueError, match="rollout_op.*STAGE_KINDS"):
+    with pytest.raises(ValueError, match="reindex_op.*STAGE_KINDS"):
 
         @dsl.pipeline(name="unclassified")
         def pipeline() -> None:
-            resources.configure(rollout_op(), "rollout_op", settings)
+            resources.configure(reindex_op(), "reindex_op", settings)
 
 
 # --------------------------------------------------------------------------------------------
