@@ -45,6 +45,9 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "fct (lambda-orth baseline)": ("lambda_orth", {"variant": "fct"}),
     "lambda_orth (strict)": ("lambda_orth", {"variant": "strict"}),
     "bt2": ("bt2", {}),
+    "xbt base (L_Direct with random phi)": ("xbt_base", {}),
+    "xbt": ("xbt", {}),
+    "taca": ("taca", {}),
 }
 DEFAULT_FOUNDATION = "cf-foundation-minilm"
 BACKBONE_METHODS = {"bct", "bt2", "xbt", "xbt_base", "taca"}  # methods whose ``steps`` train a network

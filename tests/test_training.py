@@ -219,3 +219,37 @@ def test_bf16_autocast_on_cpu_trains(base, tmp_path):
             TrainConfig(steps=1, batch_size=8, alpha=0.0, precision="fp16"),
             tmp_path / "fp16",
         )
+
+
+def test_replay_source_mixes_buffer_rows_and_resumes_exactly(base, tmp_path):
+    """Mod-X + buffer (paper Table 2): the last ``replay`` rows of every batch are earlier-phase pairs."""
+    from compat.data.synth import generate_stream, phase_urls
+    from compat.training import ReplayBatchSource, ReplayBuffer
+
+    stream = tmp_path / "stream"
+    generate_stream(
+        stream, phases=2, samples_per_phase=40, seed=5, eval_per_domain=4, gallery_per_domain=0,
+        samples_per_shard=20,
+    )
+    buffer = ReplayBuffer.from_phases([phase_urls(stream, 0, "train")], size=12, seed=0)
+    assert len(buffer) == 12 and all(k.startswith("p00-") for k in buffer.keys)
+    assert ReplayBuffer.from_phases([phase_urls(stream, 0, "train")], size=12, seed=0).keys == buffer.keys
+
+    def source():
+        return ReplayBatchSource(
+            phase_urls(stream, 1, "train"), buffer, 8, 3, base.preprocess_train, base.tokenizer, seed=1
+        )
+
+    it = source().batches(None)
+    batches = [next(it) for _ in range(7)]  # past one epoch of the current phase (40 / 5 = 8 batches)
+    for b in batches:
+        assert b.images.shape[0] == b.texts.shape[0] == len(b.keys) == 8
+        assert all(k.startswith("p01-") for k in b.keys[:5])
+        assert all(k.startswith("p00-") for k in b.keys[5:]) and len(set(b.keys[5:])) == 3
+    resumed = source().batches(batches[3].position)
+    for b in batches[4:]:
+        r = next(resumed)
+        assert r.keys == b.keys
+        assert torch.equal(r.texts, b.texts)
+    with pytest.raises(ValueError, match="replay"):
+        ReplayBatchSource(phase_urls(stream, 1, "train"), buffer, 8, 7, base.preprocess_train, base.tokenizer)

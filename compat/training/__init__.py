@@ -1,6 +1,13 @@
 """Continual CLIP training: trainer (Mod-X, fine-tuning, joint), schedule, DDP helpers, resumable state."""
 
-from compat.training.data import BatchSource, ShardBatchSource, TensorBatchSource, TrainBatch
+from compat.training.data import (
+    BatchSource,
+    ReplayBatchSource,
+    ReplayBuffer,
+    ShardBatchSource,
+    TensorBatchSource,
+    TrainBatch,
+)
 from compat.training.ddp import DistInfo, env_dist_info, init_distributed, shutdown_distributed
 from compat.training.schedule import CosineWarmup
 from compat.training.state import ResumeError, TrainState, latest_checkpoint, list_checkpoints
@@ -19,6 +26,8 @@ __all__ = [
     "LEDGER_FILE",
     "LOGIT_SCALE_MAX",
     "BatchSource",
+    "ReplayBatchSource",
+    "ReplayBuffer",
     "CosineWarmup",
     "DistInfo",
     "ResumeError",

@@ -97,3 +97,96 @@ class TensorBatchSource:
             start += self.batch_size
             t = torch.tensor(idx)
             yield TrainBatch(self.images[t], self.texts[t], [self.keys[i] for i in idx], {"next": start})
+
+
+@dataclass
+class ReplayBuffer:
+    """A fixed memory of earlier phases' pairs: PIL images, every caption of each, sample keys."""
+
+    keys: list[str]
+    images: list[Any]
+    captions: list[list[str]]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def from_phases(cls, urls_by_phase: Sequence[Sequence[str] | str], size: int, seed: int = 0) -> ReplayBuffer:
+        """``size`` samples drawn at random (seeded), split evenly over the earlier phases given.
+
+        The Mod-X paper's buffer (Table 2) is loosely specified: a random sample of the pretraining data
+        before the first phase, topped up with the same number of samples of each finished phase. Here
+        every earlier phase gets an equal share of a buffer of constant ``size`` (reservoir-like).
+        """
+        import random
+
+        from compat.data.loader import load_captioned_set
+
+        if size < 1 or not urls_by_phase:
+            raise ValueError(f"a replay buffer needs size >= 1 and at least one phase, got {size}")
+        rng = random.Random(f"replay-{seed}")
+        out = cls([], [], [])
+        n = len(urls_by_phase)
+        for j, urls in enumerate(urls_by_phase):
+            share = size // n + (1 if j < size % n else 0)
+            data = load_captioned_set(urls)
+            for i in sorted(rng.sample(range(len(data)), min(share, len(data)))):
+                out.keys.append(data.keys[i])
+                out.images.append(data.images[i])
+                out.captions.append(list(data.captions[i]))
+        return out
+
+
+class ReplayBatchSource:
+    """Current-phase batches in which ``replay`` of the ``batch_size`` rows come from a :class:`ReplayBuffer`.
+
+    This is the Mod-X paper's "Mod-X + buffer" (Table 2) when trained with alpha > 0 -- the teacher understands
+    the buffer's earlier-phase pairs, so Eq 3 keeps their rows and the KL preserves their structure -- and
+    experience replay when trained with alpha = 0. Rows ``[0, batch_size - replay)`` are the current phase's
+    (a :class:`ShardBatchSource`), the rest buffer pairs drawn without replacement per batch, each with one of
+    its captions, by a RNG seeded with (seed, batch number): resuming at a reported position replays exactly.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        buffer: ReplayBuffer,
+        batch_size: int,
+        replay: int,
+        image_transform: Callable[[Any], Any],
+        tokenizer: Callable[[list[str]], Any],
+        *,
+        seed: int = 0,
+    ) -> None:
+        if not 1 <= replay <= batch_size - 2:
+            raise ValueError(f"replay must be in [1, batch_size - 2] = [1, {batch_size - 2}], got {replay}")
+        if len(buffer) < replay:
+            raise ValueError(f"the replay buffer holds {len(buffer)} pairs, fewer than replay = {replay}")
+        self.current = ShardBatchSource(
+            urls, batch_size - replay, image_transform, tokenizer, seed=seed, caption_choice="random"
+        )
+        self.buffer, self.batch_size, self.replay = buffer, batch_size, replay
+        self.image_transform, self.tokenizer, self.seed = image_transform, tokenizer, seed
+
+    def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]:
+        import random
+
+        import torch
+
+        position = position or {}
+        drawn = int(position.get("replay_batches", 0))
+        for b in self.current.batches(position.get("current")):
+            rng = random.Random(f"replay-{self.seed}-{drawn}")
+            idx = rng.sample(range(len(self.buffer)), self.replay)
+            images = torch.stack(
+                [torch.as_tensor(self.image_transform(self.buffer.images[i])) for i in idx]
+            )
+            tokens = self.tokenizer([rng.choice(self.buffer.captions[i]) for i in idx])
+            tokens = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
+            drawn += 1
+            yield TrainBatch(
+                torch.cat([b.images, images]),
+                torch.cat([b.texts, tokens]),
+                b.keys + [self.buffer.keys[i] for i in idx],
+                {"current": b.position, "replay_batches": drawn},
+            )
