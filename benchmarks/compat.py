@@ -87,10 +87,16 @@ def train_clip(
     teacher: Any = None,
     alpha: float = 0.0,
     lr: float = 1e-3,
+    buffer_urls: list[str] | None = None,
+    buffer_size: int = 0,
+    replay: int = 0,
 ) -> Path:
-    """Train (or reuse from ``out``) a CLIP with compat.training; return its checkpoint directory."""
+    """Train (or reuse from ``out``) a CLIP with compat.training; return its checkpoint directory.
+
+    With ``buffer_size`` and ``replay``, ``replay`` rows of every batch come from a buffer of ``buffer_size``
+    pairs of ``buffer_urls`` (Mod-X + buffer, the Mod-X paper's Table 2)."""
     from compat.models import build_model, load_checkpoint, read_sidecar, save_checkpoint
-    from compat.training import ShardBatchSource, TrainConfig, train
+    from compat.training import ReplayBatchSource, ReplayBuffer, ShardBatchSource, TrainConfig, train
 
     key = _fingerprint(
         {
@@ -102,6 +108,8 @@ def train_clip(
             "alpha": alpha,
             "lr": lr,
             "batch": sizes.batch_size,
+            **({"buffer": [Path(u).name for u in buffer_urls or []], "buffer_size": buffer_size,
+                "replay": replay} if replay else {}),
         }
     )
     ckpt = out / "model"
@@ -109,7 +117,13 @@ def train_clip(
         log.info("reusing %s", ckpt)
         return ckpt
     bundle = load_checkpoint(start) if start is not None else build_model(config_name, seed=seed)
-    source = ShardBatchSource(urls, sizes.batch_size, bundle.preprocess_train, bundle.tokenizer, seed=seed)
+    if replay:
+        buffer = ReplayBuffer.from_phases([buffer_urls], buffer_size, seed=seed)
+        source = ReplayBatchSource(
+            urls, buffer, sizes.batch_size, replay, bundle.preprocess_train, bundle.tokenizer, seed=seed
+        )
+    else:
+        source = ShardBatchSource(urls, sizes.batch_size, bundle.preprocess_train, bundle.tokenizer, seed=seed)
     config = TrainConfig(
         steps=steps, batch_size=sizes.batch_size, lr=lr, alpha=alpha, seed=seed, log_every=50
     )

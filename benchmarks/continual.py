@@ -67,6 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-no-correction", action="store_true", help="phase-1 sweep: add Mod-X without Eq 3 (ablation)"
     )
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=1000,
+        help="Mod-X + buffer / fine-tuning + buffer (paper Table 2): pairs kept from earlier phases (0: off)",
+    )
+    p.add_argument("--replay", type=int, default=16, help="buffer rows in every global batch")
+    p.add_argument(
+        "--buffer-alpha", type=float, default=None, help="alpha of Mod-X + buffer (default: --alpha)"
+    )
     return p.parse_args(argv)
 
 
@@ -119,6 +129,71 @@ def run_method(
     return docs
 
 
+def run_buffered(
+    args, stream: Path, runs: Path, clip0: Path, alpha: float, label: str
+) -> list[dict[str, Any]]:
+    """Phases 1..N with a replay buffer of earlier phases (the Mod-X paper's "Mod-X + buffer", Table 2;
+    with alpha = 0, experience replay for fine-tuning): ``args.replay`` rows of every global batch come from a
+    buffer of ``args.buffer_size`` pairs split evenly over the phases before the current one. Same trainer,
+    schedule, seeds and evaluation as the stage; returns documents shaped like the stage's metrics."""
+    import statistics as st
+
+    from compat.data.loader import load_captioned_set
+    from compat.data.synth import load_manifest, phase_urls
+    from compat.models import load_checkpoint, save_checkpoint
+    from compat.training import ReplayBatchSource, ReplayBuffer, TrainConfig, train
+    from components.continual import EvalSet, evaluate_domains, resolve_device
+
+    manifest = load_manifest(stream)
+    dev = resolve_device(args.device)
+    sets = [
+        EvalSet(q, manifest["phases"][q]["domain"], load_captioned_set(phase_urls(stream, q, "eval")))
+        for q in range(args.phases)
+    ]
+    docs, prev = [], clip0
+    for phase in range(1, args.phases):
+        out = runs / label.replace(" ", "").replace("+", "-") / f"phase-{phase:02d}"
+        student = load_checkpoint(prev, device=dev)
+        teacher = load_checkpoint(prev, device=dev) if alpha > 0 else None
+        buffer = ReplayBuffer.from_phases(
+            [phase_urls(stream, q, "train") for q in range(phase)], args.buffer_size, seed=args.seed
+        )
+        source = ReplayBatchSource(
+            phase_urls(stream, phase, "train"),
+            buffer,
+            args.batch_size,
+            args.replay,
+            student.preprocess_train,
+            student.tokenizer,
+            seed=args.seed,
+        )
+        config = TrainConfig(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, alpha=alpha, seed=args.seed, log_every=0
+        )
+        t0 = time.perf_counter()
+        result = train(student, source, config, out / "train", teacher=teacher, resume=False)
+        save_checkpoint(student, out / "model", version=f"phase-{phase:02d}-{label}")
+        metrics, _ = evaluate_domains(student, sets[: phase + 1], dev)
+        kept = [h["teacher_rows_kept"] for h in result.state.history if "teacher_rows_kept" in h]
+        times = result.step_times[1:] or result.step_times
+        doc = {
+            "phase": phase,
+            "domains": metrics,
+            "candidate": {"path": str(out / "model")},
+            "training": {
+                "teacher_rows_kept_mean": st.mean(kept) if kept else None,
+                "median_step_s": st.median(times),
+                "buffer_size": len(buffer),
+                "replay": args.replay,
+            },
+            "wall_s": time.perf_counter() - t0,
+        }
+        log.info("%s phase %d: %s (%.0f s)", label, phase, {d: r1(doc, d) for d in metrics}, doc["wall_s"])
+        docs.append(doc)
+        prev = out / "model"
+    return docs
+
+
 def sweep_phase1(
     args, stream: Path, runs: Path, clip0: Path, results: dict[str, list[dict[str, Any]]]
 ) -> list[dict[str, Any]]:
@@ -130,7 +205,7 @@ def sweep_phase1(
         method, _, setting = label.partition(" ")
         lr = float(setting[3:]) if setting.startswith("lr=") else args.lr
         alpha = float(setting[2:]) if setting.startswith("a=") else args.alpha
-        if method in ("finetune", "modx"):
+        if method in ("finetune", "modx") and "buffer" not in label:
             reuse[(lr, 0.0 if method == "finetune" else alpha, True)] = docs
     variants = [(float(x), True) for x in args.sweep_alphas.split(",") if x.strip()]
     if args.sweep_no_correction:
@@ -274,7 +349,14 @@ def render(
         f"Per phase: {args.steps} steps x batch {args.batch_size} for Mod-X and fine-tuning; "
         f"joint training restarts from CLIP_0 at phase p with {args.steps} x p steps "
         f"on phases 0..p. AdamW lr {args.lr:g} (betas 0.9/0.99, wd 0.2), cosine with 20% warmup per phase, "
-        f"seed {args.seed} for every run. Mod-X alpha {args.alpha:g}.",
+        f"seed {args.seed} for every run. Mod-X alpha {args.alpha:g}."
+        + (
+            f" Replay buffer (the Mod-X paper's Table 2 variant): {args.buffer_size} pairs split evenly over "
+            f"the earlier phases, {args.replay} of every {args.batch_size} rows drawn from it; Mod-X + buffer "
+            f"alpha {args.alpha if args.buffer_alpha is None else args.buffer_alpha:g}."
+            if args.buffer_size > 0
+            else ""
+        ),
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}, device "
         f"{meta['device']}; Python {platform.python_version()}. Wall time {meta['wall_s'] / 60:.1f} min.",
@@ -316,7 +398,9 @@ def render(
             f"{_cell(newest)} |"
         )
     lines.append("")
-    pairs = [("modx", "finetune", f"lr {args.lr:g}")] + [
+    pairs = [("modx", "finetune", f"lr {args.lr:g}")]
+    pairs += [("modx + buffer", "finetune + buffer", f"lr {args.lr:g}, both with the replay buffer")]
+    pairs += [
         (label, "finetune" + label[4:], label[5:].replace("=", " "))
         for label in labels
         if label.startswith("modx lr=")
@@ -333,10 +417,12 @@ def render(
             f"{mx['earlier'][1] - ft['earlier'][1]:+.1f} (i2t); newest domain "
             f"{mx['newest'][0] - ft['newest'][0]:+.1f} / {mx['newest'][1] - ft['newest'][1]:+.1f}."
         ]
-    if "joint" in summary and "modx" in summary:
-        jt, mx = summary["joint"], summary["modx"]
+    for mx_label in ("modx", "modx + buffer"):
+        if "joint" not in summary or mx_label not in summary:
+            continue
+        jt, mx = summary["joint"], summary[mx_label]
         lines.append(
-            f"- Gap to joint training (joint minus Mod-X, lr {args.lr:g}): earlier domains "
+            f"- Gap to joint training (joint minus {mx_label}, lr {args.lr:g}): earlier domains "
             f"{jt['earlier'][0] - mx['earlier'][0]:+.1f} / {jt['earlier'][1] - mx['earlier'][1]:+.1f}, "
             f"newest {jt['newest'][0] - mx['newest'][0]:+.1f} / {jt['newest'][1] - mx['newest'][1]:+.1f}."
         )
@@ -514,12 +600,18 @@ def main(argv: list[str] | None = None) -> None:
         )
     for a in [float(x) for x in args.extra_alphas.split(",") if x.strip()]:
         results[f"modx a={a:g}"] = run_method(args, stream, runs, "modx", clip0, a, f"modx-a{a:g}")
+    if args.buffer_size > 0:
+        results["finetune + buffer"] = run_buffered(args, stream, runs, clip0, 0.0, "finetune + buffer")
+        buffer_alpha = args.alpha if args.buffer_alpha is None else args.buffer_alpha
+        results["modx + buffer"] = run_buffered(args, stream, runs, clip0, buffer_alpha, "modx + buffer")
     if not args.skip_joint:
         results["joint"] = run_method(args, stream, runs, "joint", clip0, None, "joint")
     sweep = sweep_phase1(args, stream, runs, clip0, results) if args.sweep_lrs else []
     device = resolve_device(args.device)
     sd_rows = {
-        label: domain0_disorder(clip0, results[label], stream, device) for label in ("finetune", "modx")
+        label: domain0_disorder(clip0, results[label], stream, device)
+        for label in ("finetune", "modx", "finetune + buffer", "modx + buffer")
+        if label in results
     }
     timing = time_steps(args, clip0, stream)
     from compat.models import read_sidecar
