@@ -365,7 +365,7 @@ def register_stage(
     info = register(
         workspace_of(config),
         run_dir.name,
-        _checkpoint_dir(model_dir),
+        _model_dir(model_dir),
         data_phase=phase,
         method=method,
         gate=gate,

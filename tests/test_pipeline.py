@@ -48,27 +48,75 @@ def _local_config(tmp_path, phases=2):
     return config
 
 
+# Clears any candidate: for checking what runs after a pass, not the gate's judgement (tests/test_gate.py).
+PERMISSIVE_POLICY = """
+min_margin: -100.0
+require_ci_lower_above_zero: false
+min_eval_images: 1
+min_eval_captions: 1
+retention: {floor: 0.0}
+"""
+
+
 @pytest.mark.slow
-def test_local_run_goes_through_the_stages_and_continues(tmp_path, capsys):
+def test_local_run_serves_blocks_rolls_out_and_continues(tmp_path):
+    """Phase 0 is indexed and served; a gate block leaves production and the gallery alone; a gate pass
+    rolls the candidate out (staged backfill), indexes the phase's new items and promotes it."""
     import io
 
+    from components.index import gallery_status
+    from components.lineage import LineageStore
+    from components.registry import Registry
     from components.runs import read_state
+    from pipelines.config import resolve
     from pipelines.local_runner import run_local
 
-    config = _local_config(tmp_path)
+    config = resolve(_local_config(tmp_path))
+    registry = Registry(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
+    lineage = LineageStore(config["lineage"]["repo"])
+
+    def gallery() -> dict:
+        return gallery_status(config["index"]["uri"], config["index"]["alias"])
+
     first = run_local(config, echo=io.StringIO())
     assert first.status == "succeeded", (first.run_dir / "pipeline.log").read_text()[-3000:]
     assert first.phase == 0
     validation = json.loads((first.run_dir / "validate" / "validation.json").read_text())
     assert validation["passed"] + validation["quarantined"] == validation["total"] > 0
     assert (first.run_dir / "drift" / "drift.json").is_file()
+    assert registry.alias_version("production") == "1"
+    assert gallery()["by_version"] == {"1": 40}
+    assert lineage.version_counts() == {"1": 40}
 
-    second = run_local(config, echo=io.StringIO())
-    assert second.status == "succeeded" and second.phase == 1
+    # A 6-step candidate on 40 evaluation images: the shipped policy must refuse it.
+    blocked = run_local(config, echo=io.StringIO())
+    assert blocked.status == "blocked" and blocked.phase == 1
+    gate = json.loads((blocked.run_dir / "gate" / "gate.json").read_text())
+    assert gate["decision"] == "block" and "eval_set_too_small" in {r["code"] for r in gate["reasons"]}
+    assert json.loads((blocked.run_dir / "blocked.json").read_text())["stage"] == "gate"
+    assert not (blocked.run_dir / "rollout").exists()
+    assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
+    assert gallery()["by_version"] == {"1": 40}
+
+    # The production model itself as the candidate (lr ~ 0, no compatibility training): it reads the old
+    # gallery exactly as production does, so every stage probe meets its old/old floor.
+    policy = tmp_path / "permissive.yaml"
+    policy.write_text(PERMISSIVE_POLICY)
+    config["gate"]["policy"] = str(policy)
+    config["training"]["lr"] = 1e-12
+    config["compat"]["method"] = "none"
+    passed = run_local(config, echo=io.StringIO())
+    assert passed.status == "succeeded" and passed.phase == 1, (passed.run_dir / "pipeline.log").read_text()[-3000:]
+    rollout = json.loads((passed.run_dir / "rollout" / "rollout.json").read_text())
+    assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
+    assert [s["fraction"] for s in rollout["rollout"]["stages"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
+    assert registry.alias_version("production") == "3" and registry.alias_version("previous") == "1"
+    assert gallery()["by_version"] == {"3": 80}  # 40 backfilled + 40 new items of phase 1
+    assert lineage.version_counts() == {"3": 80}
+
     state = read_state(tmp_path / "ws")
     assert {k: v["status"] for k, v in state["phases"].items()} == {"0": "succeeded", "1": "succeeded"}
-    third = run_local(config, echo=io.StringIO())
-    assert third.status == "nothing-to-do"
+    assert run_local(config, echo=io.StringIO()).status == "nothing-to-do"
 
 
 @pytest.mark.slow
