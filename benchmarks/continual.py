@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--replay", type=int, default=16, help="buffer rows in every global batch")
     p.add_argument(
+        "--sweep-buffer-alphas", default="", help="phase-1 sweep with the replay buffer: comma-separated alphas"
+    )
+    p.add_argument(
         "--buffer-alpha", type=float, default=None, help="alpha of Mod-X + buffer (default: --alpha)"
     )
     return p.parse_args(argv)
@@ -130,7 +133,7 @@ def run_method(
 
 
 def run_buffered(
-    args, stream: Path, runs: Path, clip0: Path, alpha: float, label: str
+    args, stream: Path, runs: Path, clip0: Path, alpha: float, label: str, last_phase: int | None = None
 ) -> list[dict[str, Any]]:
     """Phases 1..N with a replay buffer of earlier phases (the Mod-X paper's "Mod-X + buffer", Table 2;
     with alpha = 0, experience replay for fine-tuning): ``args.replay`` rows of every global batch come from a
@@ -151,8 +154,8 @@ def run_buffered(
         for q in range(args.phases)
     ]
     docs, prev = [], clip0
-    for phase in range(1, args.phases):
-        out = runs / label.replace(" ", "").replace("+", "-") / f"phase-{phase:02d}"
+    for phase in range(1, (last_phase or args.phases - 1) + 1):
+        out = runs / label.replace(" ", "").replace("+", "-").replace("=", "") / f"phase-{phase:02d}"
         student = load_checkpoint(prev, device=dev)
         teacher = load_checkpoint(prev, device=dev) if alpha > 0 else None
         buffer = ReplayBuffer.from_phases(
@@ -335,6 +338,7 @@ def render(
     timing: dict[str, Any],
     sd_rows: dict[str, list[tuple[str, dict[str, Any]]]],
     sweep: list[dict[str, Any]],
+    buffer_sweep: list[dict[str, Any]] | None = None,
 ) -> str:
     domains = meta["domains"]
     d0 = domains[0]
@@ -489,6 +493,24 @@ def render(
                 )
         lines.append("")
 
+    if buffer_sweep:
+        lines += [
+            f"## Phase-1 sweep with the replay buffer: alpha (from CLIP_0, {args.steps} steps, lr {args.lr:g}, "
+            f"{args.replay} of {args.batch_size} rows from {args.buffer_size} phase-0 pairs; alpha 0 = "
+            "fine-tuning + buffer)",
+            "",
+            f"| alpha | {d0} R@1 (CLIP_0: {_cell(base0)}) | {domains[1]} R@1 | teacher rows kept |",
+            "|---:|---:|---:|---:|",
+        ]
+        for row in buffer_sweep:
+            doc = row["doc"]
+            kept = doc["training"].get("teacher_rows_kept_mean")
+            lines.append(
+                f"| {row['alpha']:g} | {_cell(r1(doc, d0))} | {_cell(r1(doc, domains[1]))} | "
+                f"{'' if kept is None else f'{100 * kept:.1f}%'} |"
+            )
+        lines.append("")
+
     # Spatial disorder.
     lines += [
         f"## Spatial Disorder on the phase-0 domain ({d0}; App B.2 bins, % of its eval samples)",
@@ -607,6 +629,15 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_joint:
         results["joint"] = run_method(args, stream, runs, "joint", clip0, None, "joint")
     sweep = sweep_phase1(args, stream, runs, clip0, results) if args.sweep_lrs else []
+    buffer_sweep = []
+    for a in [float(x) for x in args.sweep_buffer_alphas.split(",") if x.strip()] if args.buffer_size else []:
+        if a == 0:
+            doc = results["finetune + buffer"][0]
+        elif a == (args.alpha if args.buffer_alpha is None else args.buffer_alpha):
+            doc = results["modx + buffer"][0]
+        else:
+            doc = run_buffered(args, stream, runs / "sweep", clip0, a, f"modx + buffer a={a:g}", 1)[0]
+        buffer_sweep.append({"alpha": a, "doc": doc})
     device = resolve_device(args.device)
     sd_rows = {
         label: domain0_disorder(clip0, results[label], stream, device)
@@ -624,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
         "argv": sys.argv[1:] if argv is None else argv,
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(render(args, meta, clip0_doc, results, timing, sd_rows, sweep))
+    args.results.write_text(render(args, meta, clip0_doc, results, timing, sd_rows, sweep, buffer_sweep))
     raw = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "meta": meta,
@@ -633,6 +664,7 @@ def main(argv: list[str] | None = None) -> None:
         "timing": timing,
         "sd_rows": sd_rows,
         "sweep": sweep,
+        "buffer_sweep": buffer_sweep,
     }
     (args.work / "continual.json").write_text(json.dumps(raw, indent=1, default=str))
     log.info(
