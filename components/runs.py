@@ -45,10 +45,19 @@ def record_phase(workspace: Path, phase: int, status: str, run_id: str) -> dict[
     return state
 
 
+DONE_STATUSES = ("succeeded", "rejected")
+
+
 def next_pending_phase(state: dict[str, Any], n_phases: int) -> int | None:
-    """The lowest phase that has not succeeded (blocked and failed phases are retried)."""
+    """The lowest phase not yet done.
+
+    Done: ``succeeded`` (the candidate shipped) or ``rejected`` (the gate or a rollout probe refused the
+    candidate: the phase was learnt from and judged; the same seeds would only repeat the verdict, and
+    the next phase's run starts again from production). Retried: ``blocked`` (data validation refused
+    the phase: fix the shards) and ``failed``.
+    """
     for phase in range(n_phases):
-        if state["phases"].get(str(phase), {}).get("status") != "succeeded":
+        if state["phases"].get(str(phase), {}).get("status") not in DONE_STATUSES:
             return phase
     return None
 
@@ -105,10 +114,14 @@ def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[
 
 
 def run_outcome(run_dir: Path, pipeline_state: str) -> str:
-    """``succeeded``, ``blocked`` (validation or gate stopped it) or ``failed``."""
+    """``succeeded``, ``blocked`` (validation stopped it), ``rejected`` (the gate or the rollout's probes
+    refused the candidate) or ``failed``."""
     if pipeline_state.upper() not in ("SUCCEEDED", "SUCCESS"):
         return "failed"
-    return "blocked" if (Path(run_dir) / BLOCKED_FILE).is_file() else "succeeded"
+    blocked = Path(run_dir) / BLOCKED_FILE
+    if not blocked.is_file():
+        return "succeeded"
+    return "blocked" if json.loads(blocked.read_text()).get("stage") == "validate" else "rejected"
 
 
 def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:

@@ -176,46 +176,53 @@ def serve_first_model_stage(
 def rollout_candidate_stage(
     config: Config, run_dir: Path, version: str, gallery_shards: list[str]
 ) -> dict[str, Any]:
-    """After a gate pass: roll ``version`` out (query switch, staged backfill with probes; resumable), then
-    index the phase's new gallery items with it, record lineage and make it ``production``.
+    """After a gate pass: roll ``version`` out and make it ``production``.
 
+    The phase's new gallery items are first indexed with the serving model, like any item that arrives
+    between upgrades; then the rollout switches queries and backfills the whole gallery in stages,
+    probing each (resumable; a rollback restores every item it touched). Lineage follows the index.
     A rollout that halts (a stage probe fell below its floor; the stage was restored) stops the run as
     blocked and leaves ``production`` where it was.
     """
+    from components.rollout import RolloutPaths
     from components.rollout_stage import index_stage, open_index, rollout_stage
+    from components.search import read_serving
 
     config = as_config(config)
-    settings = config["rollout"]
+    settings, uri, seed = config["rollout"], config["index"]["uri"], config["training"]["seed"]
     workspace = workspace_of(config)
-    new_model = model_dir_of(config, version)
+    serving = read_serving(RolloutPaths.for_workspace(workspace).serving)
+    if serving is None:
+        raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
+    if serving["query_model"]["version"] != str(version):  # not yet switched: a resumed run skips this
+        served = serving["query_model"]
+        added = index_stage(workspace, served["uri"], served["version"], "", gallery_shards, seed=seed, uri=uri)
+        _record_lineage(config, added.pop("new_items"))
     state = rollout_stage(
         workspace,
         version,
-        new_model=new_model,
+        new_model=model_dir_of(config, version),
         policy=settings["order"],
         fractions=settings["fractions"],
-        seed=config["training"]["seed"],
+        seed=seed,
         batch_size=settings["batch_size"],
-        uri=config["index"]["uri"],
+        uri=uri,
     )
-    summary: dict[str, Any] = {"version": version, "rollout": state, "promoted": False}
-    if state["state"] == "completed":
-        record = index_stage(
-            workspace, new_model, version, "", gallery_shards, seed=config["training"]["seed"],
-            uri=config["index"]["uri"],
-        )
-        _record_lineage(config, record.pop("new_items"))
-        with open_index(workspace, config["index"]["uri"]) as index:
-            rows = [
-                r
-                for batch in index.iter_rows(("model_version", "space_id", "embedded_at", "phase", "source_uri"))
-                for r in batch
-            ]
-        summary["lineage_updated"] = _lineage(config).sync_with_index(rows)
+    with open_index(workspace, uri) as index:
+        fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
+        rows = [row for batch in index.iter_rows(fields) for row in batch]
+    summary: dict[str, Any] = {
+        "version": version,
+        "rollout": state,
+        "n_items": len(rows),
+        "lineage_updated": _lineage(config).sync_with_index(rows),
+        "promoted": state["state"] == "completed",
+    }
+    if summary["promoted"]:
         registry_of(config).promote(version, rollout_state=state)
-        summary.update(promoted=True, n_items=record["n_items"], n_new=record["n_new"])
     else:
-        note_blocked(run_dir, "rollout", f"rollout {state['state']}: {state.get('halt_reason') or 'see rollout.json'}")
+        reason = state.get("halt_reason") or "see rollout/rollout.json"
+        note_blocked(run_dir, "rollout", f"rollout {state['state']}: {reason}")
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
     return summary
 

@@ -32,7 +32,7 @@ class RunResult:
     run_id: str
     phase: int
     run_dir: Path
-    status: str  # "succeeded" | "blocked" | "failed" | "nothing-to-do"
+    status: str  # "succeeded" | "rejected" | "blocked" | "failed" | "nothing-to-do" (components.runs)
     outputs: dict[str, str] = field(default_factory=dict)
 
 

@@ -59,9 +59,10 @@ retention: {floor: 0.0}
 
 
 @pytest.mark.slow
-def test_local_run_serves_blocks_rolls_out_and_continues(tmp_path):
-    """Phase 0 is indexed and served; a gate block leaves production and the gallery alone; a gate pass
-    rolls the candidate out (staged backfill), indexes the phase's new items and promotes it."""
+def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
+    """Phase 0 is indexed and served; a gate block leaves production and the gallery alone and the next
+    run moves on; a gate pass indexes the new gallery items, rolls the candidate out (staged backfill)
+    and promotes it."""
     import io
 
     from components.index import gallery_status
@@ -71,7 +72,7 @@ def test_local_run_serves_blocks_rolls_out_and_continues(tmp_path):
     from pipelines.config import resolve
     from pipelines.local_runner import run_local
 
-    config = resolve(_local_config(tmp_path))
+    config = resolve(_local_config(tmp_path, phases=3))
     registry = Registry(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
     lineage = LineageStore(config["lineage"]["repo"])
 
@@ -89,12 +90,12 @@ def test_local_run_serves_blocks_rolls_out_and_continues(tmp_path):
     assert lineage.version_counts() == {"1": 40}
 
     # A 6-step candidate on 40 evaluation images: the shipped policy must refuse it.
-    blocked = run_local(config, echo=io.StringIO())
-    assert blocked.status == "blocked" and blocked.phase == 1
-    gate = json.loads((blocked.run_dir / "gate" / "gate.json").read_text())
+    rejected = run_local(config, echo=io.StringIO())
+    assert rejected.status == "rejected" and rejected.phase == 1
+    gate = json.loads((rejected.run_dir / "gate" / "gate.json").read_text())
     assert gate["decision"] == "block" and "eval_set_too_small" in {r["code"] for r in gate["reasons"]}
-    assert json.loads((blocked.run_dir / "blocked.json").read_text())["stage"] == "gate"
-    assert not (blocked.run_dir / "rollout").exists()
+    assert json.loads((rejected.run_dir / "blocked.json").read_text())["stage"] == "gate"
+    assert not (rejected.run_dir / "rollout").exists()
     assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
     assert gallery()["by_version"] == {"1": 40}
 
@@ -106,16 +107,17 @@ def test_local_run_serves_blocks_rolls_out_and_continues(tmp_path):
     config["training"]["lr"] = 1e-12
     config["compat"]["method"] = "none"
     passed = run_local(config, echo=io.StringIO())
-    assert passed.status == "succeeded" and passed.phase == 1, (passed.run_dir / "pipeline.log").read_text()[-3000:]
+    assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[-3000:]
     rollout = json.loads((passed.run_dir / "rollout" / "rollout.json").read_text())
     assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
     assert [s["fraction"] for s in rollout["rollout"]["stages"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
     assert registry.alias_version("production") == "3" and registry.alias_version("previous") == "1"
-    assert gallery()["by_version"] == {"3": 80}  # 40 backfilled + 40 new items of phase 1
-    assert lineage.version_counts() == {"3": 80}
+    assert gallery()["by_version"] == {"3": 120}  # phase 0 backfilled, phases 1 and 2 added then backfilled
+    assert lineage.version_counts() == {"3": 120}
 
     state = read_state(tmp_path / "ws")
-    assert {k: v["status"] for k, v in state["phases"].items()} == {"0": "succeeded", "1": "succeeded"}
+    statuses = {k: v["status"] for k, v in state["phases"].items()}
+    assert statuses == {"0": "succeeded", "1": "rejected", "2": "succeeded"}
     assert run_local(config, echo=io.StringIO()).status == "nothing-to-do"
 
 

@@ -7,6 +7,10 @@ from pathlib import Path
 import typer
 
 
+# succeeded / rejected: the pipeline did its job; blocked: fix the phase's data (as `compatflow validate`).
+EXIT_CODES = {"succeeded": 0, "rejected": 0, "blocked": 3, "failed": 1}
+
+
 def run(
     config: str = typer.Option("local", "--config", "-c", help="Config file, or a shipped name (local, cluster)."),
     phase: int | None = typer.Option(None, help="Run this phase instead of the next pending one."),
@@ -26,9 +30,11 @@ def run(
         return
     typer.echo(f"run {result.run_id}: phase {result.phase} {result.status}")
     typer.echo(f"  outputs: {result.run_dir}")
+    typer.echo(f"  report:  {result.outputs['report']}")
     typer.echo(f"  log:     {result.outputs['log']}")
-    if result.status != "succeeded":
-        raise typer.Exit(1)
+    if result.status == "rejected":  # the gate did its job: production stays, the next run moves on
+        typer.echo("  the candidate was not released: production is unchanged (reasons in the report)")
+    raise typer.Exit(EXIT_CODES[result.status])
 
 
 def compile_(
