@@ -99,8 +99,8 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
     assert gallery()["by_version"] == {"1": 40}
 
-    # The production model itself as the candidate (lr ~ 0, no compatibility training): it reads the old
-    # gallery exactly as production does, so every stage probe meets its old/old floor.
+    # The production model's weights as an independent candidate (lr ~ 0, method "none"): it declares its
+    # own embedding space, so the rollout goes blue-green (fill a new collection, probe, move the alias).
     policy = tmp_path / "permissive.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     config["gate"]["policy"] = str(policy)
@@ -110,7 +110,9 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[-3000:]
     rollout = json.loads((passed.run_dir / "rollout" / "rollout.json").read_text())
     assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
-    assert [s["fraction"] for s in rollout["rollout"]["stages"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
+    assert rollout["rollout"]["mode"] == "blue_green"
+    before, after = rollout["rollout"]["gallery"]["source_collection"], rollout["rollout"]["gallery"]["collection"]
+    assert gallery()["collection"] == after != before
     assert registry.alias_version("production") == "3" and registry.alias_version("previous") == "1"
     assert gallery()["by_version"] == {"3": 120}  # phase 0 backfilled, phases 1 and 2 added then backfilled
     assert lineage.version_counts() == {"3": 120}
