@@ -224,6 +224,7 @@ def rollout_candidate_stage(
         reason = state.get("halt_reason") or "see rollout/rollout.json"
         note_blocked(run_dir, "rollout", f"rollout {state['state']}: {reason}")
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    write_json_atomic(run_dir / "rollout" / "rollout_state.json", state)  # for the on-call report
     return summary
 
 

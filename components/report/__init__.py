@@ -18,7 +18,6 @@ def render(
     fmt: str = "html",
     *,
     link_base: str | Path | None = None,
-    workspace_root: str | Path | None = None,
 ) -> str:
     """The report of the run in ``run_dir``; links are relative to ``link_base`` (default: the run dir)."""
     from components.report import inputs as run_inputs
@@ -29,7 +28,7 @@ def render(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    loaded = run_inputs.load(run_dir, workspace_root=workspace_root)
+    loaded = run_inputs.load(run_dir)
     body = sections.build(loaded, Path(link_base).resolve() if link_base else None)
     title = f"compatflow run {loaded.run_id}"
     writer = renderers.html if fmt == "html" else renderers.markdown

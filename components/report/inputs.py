@@ -64,22 +64,13 @@ def find(run_dir: Path, filename: str, prefer: tuple[str, ...] = ()) -> Path | N
     return min(found, key=rank)
 
 
-def load(run_dir: str | Path, *, workspace_root: str | Path | None = None) -> RunInputs:
-    """Read every known input of the run in ``run_dir``.
-
-    The rollout state falls back to ``<workspace>/rollout_state.json`` (``workspace_root``, or
-    the workspace holding ``runs/<run_id>``) when the run directory has none.
-    """
+def load(run_dir: str | Path) -> RunInputs:
+    """Read every known input of the run in ``run_dir`` (only this run's: a run that did not roll a model
+    out shows no rollout, whatever the workspace's last rollout was)."""
     run_dir = Path(run_dir).resolve()
     inputs = RunInputs(run_dir)
     for name, (filename, prefer) in SOURCES.items():
-        path = find(run_dir, filename, prefer)
-        if path is None and name == "rollout":
-            root = Path(workspace_root) if workspace_root else run_dir.parent.parent
-            candidate = root / filename
-            path = candidate if run_dir.parent.name == "runs" or workspace_root else None
-            path = path if path is not None and path.is_file() else None
-        inputs.sources[name] = _read(name, path)
+        inputs.sources[name] = _read(name, find(run_dir, filename, prefer))
     return inputs
 
 
