@@ -397,8 +397,6 @@ def test_full_pipeline_carries_the_stage_settings(tmp_path: Path) -> None:
     spec, executors = load_compiled(path)
     default = spec["root"]["inputDefinitions"]["parameters"]["config"]["defaultValue"]
     assert default == default_run_config(config)
-    if not executors and not any(t["resources"] for t in compiled_tasks(spec)):
-        pytest.skip("pipelines/continual_upgrade.py does not call pipelines.resources.configure yet")
     ops = check_task_settings(path, config)
     assert ops == set(resources.STAGE_KINDS), f"stages without settings: {set(resources.STAGE_KINDS) - ops}"
 
