@@ -139,3 +139,22 @@ def test_shard_batches_give_raw_captions_and_new_epochs(tmp_path):
     assert batches.epoch == 2 and [b.keys for b in second] != [b.keys for b in first]  # another shard order
     keys = [k for b in first for k in b.keys]
     assert len(set(keys)) == 18  # one epoch: no sample twice (the 2 left over do not make a batch)
+
+
+def test_shard_batches_mix_shards_through_the_shuffle_buffer(tmp_path):
+    """Batches of consecutive samples of one shard (one phase, one domain) never meet the other domains'
+    items as in-batch negatives; the shuffle buffer mixes shards within a batch, deterministically."""
+    write_shards(tmp_path, "train", 24, per_shard=8)
+
+    def shard_of(key: str) -> int:
+        return int(key.rsplit("-", 1)[-1]) // 8
+
+    plain = list(ShardBatches(str(tmp_path / "train-*.tar"), batch_size=8, seed=1, shuffle_buffer=0))
+    assert all(len({shard_of(k) for k in b.keys}) == 1 for b in plain)  # one shard per batch
+    mixed = list(ShardBatches(str(tmp_path / "train-*.tar"), batch_size=8, seed=1))
+    assert sorted(k for b in mixed for k in b.keys) == sorted(k for b in plain for k in b.keys)
+    assert any(len({shard_of(k) for k in b.keys}) > 1 for b in mixed)
+    again = list(ShardBatches(str(tmp_path / "train-*.tar"), batch_size=8, seed=1))
+    assert [b.keys for b in again] == [b.keys for b in mixed]
+    capped = list(ShardBatches(str(tmp_path / "train-*.tar"), batch_size=4, seed=1, max_samples=12))
+    assert sum(len(b.keys) for b in capped) == 12

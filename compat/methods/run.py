@@ -27,11 +27,20 @@ class PairBatch:
     keys: list[str]
 
 
+DEFAULT_SHUFFLE_BUFFER = 4096
+
+
 class ShardBatches:
     """Re-iterable batches from shards: each pass over it is the next epoch (its own shard order).
 
     Captions are picked per (seed, key, epoch) among each sample's captions. Full batches only, unless the
     shards hold fewer samples than one batch (then that one smaller batch). ``max_samples`` caps an epoch.
+
+    Samples pass through a seeded shuffle buffer of ``shuffle_buffer`` samples (0 or 1: shard order only), so
+    that a batch mixes shards. Without it every batch holds consecutive samples of one shard -- of one data
+    phase, one domain -- and the in-batch negatives of the cross-model losses never come from the other
+    domains that share the evaluation gallery (the hub captions an old text encoder produces for a domain it
+    never learned then win new image queries of every domain: new/old image-to-text collapses).
     """
 
     def __init__(
@@ -41,14 +50,18 @@ class ShardBatches:
         seed: int = 0,
         caption_choice: str = "random",
         max_samples: int | None = None,
+        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     ) -> None:
         from compat.data.loader import expand_urls
 
         if batch_size < 2:
             raise ValueError(f"batch_size must be >= 2 for contrastive training, got {batch_size}")
+        if shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
         self.urls = expand_urls(urls)
         self.batch_size, self.seed, self.caption_choice = batch_size, seed, caption_choice
         self.max_samples = max_samples
+        self.shuffle_buffer = shuffle_buffer
         self.epoch = 0
 
     def __iter__(self) -> Iterator[PairBatch]:
@@ -59,20 +72,37 @@ class ShardBatches:
         stream = ShardStream(
             self.urls, seed=self.seed, epochs=epoch + 1, position=StreamPosition(epoch=epoch)
         )
-        images, texts, keys, yielded, seen = [], [], [], 0, 0
-        for sample in stream:
+        images, texts, keys, yielded = [], [], [], 0
+        for sample in self._shuffled(stream, epoch):
             images.append(sample.image)
             texts.append(pick_caption(sample, self.caption_choice, self.seed, epoch))  # type: ignore[arg-type]
             keys.append(sample.key)
-            seen += 1
             if len(keys) == self.batch_size:
                 yield PairBatch(images, texts, keys)
                 yielded += 1
                 images, texts, keys = [], [], []
-            if self.max_samples is not None and seen >= self.max_samples:
-                break
         if keys and yielded == 0 and len(keys) >= 2:
             yield PairBatch(images, texts, keys)
+
+    def _shuffled(self, stream: Iterator[Any], epoch: int) -> Iterator[Any]:
+        """``stream`` (cut at ``max_samples``) through the seeded shuffle buffer of this epoch."""
+        import random
+
+        rng = random.Random(f"shard-batches-{self.seed}-{epoch}")
+        pool: list[Any] = []
+        for seen, sample in enumerate(stream, start=1):
+            if self.shuffle_buffer <= 1:
+                yield sample
+            else:
+                pool.append(sample)
+                if len(pool) >= self.shuffle_buffer:
+                    j = rng.randrange(len(pool))
+                    pool[j], pool[-1] = pool[-1], pool[j]
+                    yield pool.pop()
+            if self.max_samples is not None and seen >= self.max_samples:
+                break
+        rng.shuffle(pool)
+        yield from pool
 
 
 def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatModel:
