@@ -180,6 +180,19 @@ class LineageStore:
         return frame.drop_duplicates("item_id", keep="last").reset_index(drop=True)
 
 
+def sync_from_index(repo_dir: str | Path, uri: str, alias: str) -> int:
+    """Bring the lineage in ``repo_dir`` in line with the collection serving ``alias`` at the Milvus ``uri``
+    (after a backfill, a blue-green switch or a rollback); returns the rows written."""
+    from components.index import GalleryIndex
+
+    with GalleryIndex(uri, alias) as index:
+        fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
+        rows = [row for batch in index.iter_rows(fields) for row in batch]
+    store = LineageStore(repo_dir)
+    store.apply()
+    return store.sync_with_index(rows)
+
+
 def _normalise(items: Any) -> Any:
     """A DataFrame with every lineage column typed, checked, one (newest) row per item."""
     import pandas as pd

@@ -184,8 +184,9 @@ def rollout_candidate_stage(
     A rollout that halts (a stage probe fell below its floor; the stage was restored) stops the run as
     blocked and leaves ``production`` where it was.
     """
+    from components.lineage import sync_from_index
     from components.rollout import RolloutPaths
-    from components.rollout_stage import index_stage, open_index, rollout_stage
+    from components.rollout_stage import index_stage, rollout_stage
     from components.search import read_serving
 
     config = as_config(config)
@@ -208,14 +209,11 @@ def rollout_candidate_stage(
         batch_size=settings["batch_size"],
         uri=uri,
     )
-    with open_index(workspace, uri) as index:
-        fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
-        rows = [row for batch in index.iter_rows(fields) for row in batch]
+    gallery = state["gallery"]
     summary: dict[str, Any] = {
         "version": version,
         "rollout": state,
-        "n_items": len(rows),
-        "lineage_updated": _lineage(config).sync_with_index(rows),
+        "lineage_updated": sync_from_index(config["lineage"]["repo"], gallery["uri"], gallery["alias"]),
         "promoted": state["state"] == "completed",
     }
     if summary["promoted"]:
@@ -228,17 +226,15 @@ def rollout_candidate_stage(
     return summary
 
 
-def _lineage(config: dict[str, Any]) -> Any:
-    from components.lineage import LineageStore
-
-    store = LineageStore(config["lineage"]["repo"])
-    store.apply()
-    return store
-
-
 def _record_lineage(config: dict[str, Any], items: list[dict[str, Any]]) -> int:
     """Record freshly indexed items in Feast (who embedded them, in which space, from which image)."""
-    return _lineage(config).write_items(items) if items else 0
+    from components.lineage import LineageStore
+
+    if not items:
+        return 0
+    store = LineageStore(config["lineage"]["repo"])
+    store.apply()
+    return store.write_items(items)
 
 
 def continual_stage(

@@ -82,3 +82,19 @@ def test_bad_rows_are_refused(lineage: LineageStore) -> None:
     assert lineage.write_items([]) == 0
     with pytest.raises(LineageError, match="apply"):
         LineageStore(lineage.repo_dir.parent / "elsewhere").get_items(["x"])
+
+
+def test_sync_with_index_records_only_changed_items(tmp_path) -> None:
+    lineage = LineageStore(tmp_path / "feast")
+    lineage.apply()
+    lineage.write_items(gallery("1", ["item-a", "item-b", "item-c"]))
+    served = [
+        {"item_id": i, "model_version": v, "space_id": "space-v1", "embedded_at": 1_700_000_000_000, "phase": 0}
+        for i, v in (("item-a", "2"), ("item-b", "2"), ("item-c", "1"))
+    ]
+    assert lineage.sync_with_index(served) == 2
+    rows = {r["item_id"]: r for r in lineage.get_items(["item-a", "item-c"])}
+    assert rows["item-a"]["model_version"] == "2" and rows["item-c"]["model_version"] == "1"
+    assert rows["item-a"]["caption"] == gallery("1", ["item-a"])[0]["caption"]  # carried over
+    assert lineage.version_counts() == {"2": 2, "1": 1}
+    assert lineage.sync_with_index(served) == 0

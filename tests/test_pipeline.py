@@ -117,6 +117,12 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert gallery()["by_version"] == {"3": 120}  # phase 0 backfilled, phases 1 and 2 added then backfilled
     assert lineage.version_counts() == {"3": 120}
 
+    # On-call undoes it: production, the serving alias and the lineage go back to version 1.
+    registry.rollback()
+    assert registry.alias_version("production") == "1"
+    assert gallery()["collection"] == before and gallery()["by_version"] == {"1": 120}
+    assert lineage.version_counts() == {"1": 120}
+
     state = read_state(tmp_path / "ws")
     statuses = {k: v["status"] for k, v in state["phases"].items()}
     assert statuses == {"0": "succeeded", "1": "rejected", "2": "succeeded"}

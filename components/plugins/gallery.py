@@ -3,7 +3,7 @@
 ``status`` adds ``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the
 count) and ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled``. ``on_rollback``
 rolls back the rollout of the version that leaves production (previous collection or vectors, previous
-query model).
+query model) and records the restored versions in the item lineage.
 """
 
 from __future__ import annotations
@@ -47,4 +47,10 @@ def on_rollback(event: dict[str, Any]) -> None:
             f"{paths.state} serves version {state['model_version']}; run `compatflow rollout "
             "rollback` after checking which model the gallery should serve"
         )
-    rollback(paths)
+    state = rollback(paths)
+    from components.lineage import sync_from_index
+    from components.workspace import Workspace
+
+    repo = Workspace.coerce(event["workspace"]).feast_dir
+    if (repo / "feature_store.yaml").is_file():
+        sync_from_index(repo, state["gallery"]["uri"], state["gallery"]["alias"])
