@@ -340,7 +340,15 @@ def gate_stage(config: Config, run_dir: Path, report: str, validation: str, drif
 
 def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
     """The gate record of the first model: nothing to be compatible with."""
-    document = {"decision": "pass", "reasons": [BOOTSTRAP_REASON], "checks": [], "bootstrap": True}
+    from datetime import UTC, datetime
+
+    document = {
+        "decision": "pass",
+        "reasons": [BOOTSTRAP_REASON],
+        "checks": [],
+        "bootstrap": True,
+        "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
     write_json_atomic(run_dir / "gate" / "gate.json", document)
     return document
 

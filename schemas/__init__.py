@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ class SchemaError(ValueError):
     """A document does not match its schema; the message names the file and the field."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_schema(name: str) -> dict[str, Any]:
     """Load ``schemas/<name>.schema.json`` (``name`` like ``"validation"``)."""
     path = SCHEMA_DIR / f"{name}.schema.json"

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import typer
 
-
 # succeeded / rejected: the pipeline did its job; blocked: fix the phase's data (as `compatflow validate`).
 EXIT_CODES = {"succeeded": 0, "rejected": 0, "blocked": 3, "failed": 1}
 
