@@ -5,16 +5,18 @@ Writes benchmarks/results/compat.md. All models are trained here, from random in
 both phases (multi-caption protocol, paired bootstrap of the new/old - old/old margins).
 
 - production ("old"): ``--old-config`` (cf-tiny) trained on phase 0 (CLIP loss).
-- scenario (a) continual: the Mod-X candidate of phase 1 (started from production, alpha = 20, production
-  as teacher); compatibility methods train on phase 1.
+- scenario (a) continual: the Mod-X + buffer candidate of phase 1 (started from production, production as
+  teacher, ``replay`` rows of every batch from a buffer of phase-0 pairs: the Mod-X paper's Table 2 variant;
+  plain Mod-X forgets phase 0 on this stream, see results/continual.md); compatibility methods train on
+  phase 1 plus the buffer (one phase-0 shard).
 - scenario (b) foundation swap: ``--foundation-config`` (cf-foundation-minilm: wider/deeper vision tower and
   the pretrained MiniLM text tower) trained from its initialisation on phases 0 + 1; methods train on both.
 
 Rows per scenario: no compatibility training (``none``: the independent new model), BCT (the baseline of
-every paper), lambda-orth (strict B, forward adapter F) with the paper's FCT baseline, BT^2. Columns:
+every paper), lambda-orth (strict B, forward adapter F) with the paper's FCT baseline, BT^2, XBT with its
+"Base" baseline (L_Direct, random phi) and TaCA. Columns:
 new/old and new/new R@1/5/10 both ways, the ECC at R@1 with its 95 % interval, new/new R@1 retention
-against the independent new model, trainable parameters and fit time. The rows are the ``ROWS`` table:
-XBT, its "Base" baseline and TaCA join the comparison as entries there (``--rows`` selects).
+against the independent new model, trainable parameters and fit time (``--rows`` selects rows of ``ROWS``).
 
 Run: ``.venv/bin/python benchmarks/compat.py [--quick]``; trained base models are cached in ``--workdir``.
 """
@@ -64,10 +66,14 @@ class Sizes:
     compat_steps: int
     adapter_steps: int
     bootstrap: int
+    buffer_size: int = 1000  # replay buffer of phase-0 pairs kept for the phase-1 upgrade (scenario a)
+    replay: int = 16  # buffer rows in every batch of the Mod-X candidate
 
 
 FULL = Sizes(2000, 200, 64, 800, 400, 800, 300, 1500, 1000)
-QUICK = Sizes(512, 60, 32, 120, 60, 120, 30, 200, 200)
+QUICK = Sizes(512, 60, 32, 120, 60, 120, 30, 200, 200, 128, 8)
+CANDIDATE_ALPHA = 2.0  # Mod-X + buffer: the phase-1 sweep of benchmarks/continual.py (results/continual.md)
+CANDIDATE_LR = 5e-4
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -108,8 +114,15 @@ def train_clip(
             "alpha": alpha,
             "lr": lr,
             "batch": sizes.batch_size,
-            **({"buffer": [Path(u).name for u in buffer_urls or []], "buffer_size": buffer_size,
-                "replay": replay} if replay else {}),
+            **(
+                {
+                    "buffer": [Path(u).name for u in buffer_urls or []],
+                    "buffer_size": buffer_size,
+                    "replay": replay,
+                }
+                if replay
+                else {}
+            ),
         }
     )
     ckpt = out / "model"
@@ -123,7 +136,9 @@ def train_clip(
             urls, buffer, sizes.batch_size, replay, bundle.preprocess_train, bundle.tokenizer, seed=seed
         )
     else:
-        source = ShardBatchSource(urls, sizes.batch_size, bundle.preprocess_train, bundle.tokenizer, seed=seed)
+        source = ShardBatchSource(
+            urls, sizes.batch_size, bundle.preprocess_train, bundle.tokenizer, seed=seed
+        )
     config = TrainConfig(
         steps=steps, batch_size=sizes.batch_size, lr=lr, alpha=alpha, seed=seed, log_every=50
     )
@@ -162,8 +177,11 @@ def prepare(workdir: Path, sizes: Sizes, old_config: str, foundation_config: str
         seed=1,
         start=old,
         teacher=teacher,
-        alpha=20.0,
-        lr=5e-4,
+        alpha=CANDIDATE_ALPHA,
+        lr=CANDIDATE_LR,
+        buffer_urls=p0,
+        buffer_size=sizes.buffer_size,
+        replay=sizes.replay,
     )
     print(f"training the foundation model ({foundation_config}) on phases 0 + 1", flush=True)
     foundation = train_clip(
@@ -175,6 +193,8 @@ def prepare(workdir: Path, sizes: Sizes, old_config: str, foundation_config: str
         "candidate": candidate,
         "foundation": foundation,
         "p1": p1,
+        # scenario (a) trains on the new phase plus the replay buffer: the first phase-0 shard
+        "p1_buffer": p1 + p0[:1],
         "p01": p0 + p1,
         "eval": evals,
     }
@@ -301,8 +321,11 @@ def render(
         "",
         f"Sizes: {sizes.samples_per_phase} training pairs per phase, {sizes.eval_per_domain} eval images per "
         f"domain, batch {sizes.batch_size}; production {args.old_config} trained {sizes.old_steps} steps on "
-        f"phase 0 ({base_seconds['old']:.0f} s); Mod-X candidate {sizes.candidate_steps} steps on phase 1 "
-        f"({base_seconds['candidate']:.0f} s); foundation {args.foundation_config} {sizes.foundation_steps} "
+        f"phase 0 ({base_seconds['old']:.0f} s); Mod-X + buffer candidate (alpha {CANDIDATE_ALPHA:g}, lr "
+        f"{CANDIDATE_LR:g}) {sizes.candidate_steps} steps on phase 1 with {sizes.replay} of every "
+        f"{sizes.batch_size} rows replayed from a buffer of {sizes.buffer_size} phase-0 pairs "
+        f"({base_seconds['candidate']:.0f} s); scenario (a)'s methods train on phase 1 plus a phase-0 shard "
+        f"(the buffer); foundation {args.foundation_config} {sizes.foundation_steps} "
         f"steps on phases 0+1 ({base_seconds['foundation']:.0f} s). Compatibility training: "
         f"{sizes.compat_steps} steps for methods that train a network, {sizes.adapter_steps} adapter steps "
         f"for lambda-orth / FCT (on cached features); bootstrap {sizes.bootstrap} resamples.",
@@ -365,7 +388,7 @@ def main() -> None:
         scenarios.append(
             (
                 f"(a) continual: {args.old_config} -> Mod-X candidate ({args.old_config})",
-                run_scenario("a", base["candidate"], base["old"], base["p1"], sizes, rows, data),
+                run_scenario("a", base["candidate"], base["old"], base["p1_buffer"], sizes, rows, data),
             )
         )
     if "b" in args.scenarios:

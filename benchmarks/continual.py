@@ -75,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--replay", type=int, default=16, help="buffer rows in every global batch")
     p.add_argument(
-        "--sweep-buffer-alphas", default="", help="phase-1 sweep with the replay buffer: comma-separated alphas"
+        "--sweep-buffer-alphas",
+        default="",
+        help="phase-1 sweep with the replay buffer: comma-separated alphas",
     )
     p.add_argument(
         "--buffer-alpha", type=float, default=None, help="alpha of Mod-X + buffer (default: --alpha)"
@@ -356,7 +358,8 @@ def render(
         f"seed {args.seed} for every run. Mod-X alpha {args.alpha:g}."
         + (
             f" Replay buffer (the Mod-X paper's Table 2 variant): {args.buffer_size} pairs split evenly over "
-            f"the earlier phases, {args.replay} of every {args.batch_size} rows drawn from it; Mod-X + buffer "
+            f"the earlier phases, {args.replay} of every {args.batch_size} rows drawn from it; Mod-X + buffer"
+            " "
             f"alpha {args.alpha if args.buffer_alpha is None else args.buffer_alpha:g}."
             if args.buffer_size > 0
             else ""
@@ -495,7 +498,8 @@ def render(
 
     if buffer_sweep:
         lines += [
-            f"## Phase-1 sweep with the replay buffer: alpha (from CLIP_0, {args.steps} steps, lr {args.lr:g}, "
+            f"## Phase-1 sweep with the replay buffer: alpha (from CLIP_0, {args.steps} steps, lr {args.lr:g},"
+            " "
             f"{args.replay} of {args.batch_size} rows from {args.buffer_size} phase-0 pairs; alpha 0 = "
             "fine-tuning + buffer)",
             "",

@@ -228,7 +228,12 @@ def test_replay_source_mixes_buffer_rows_and_resumes_exactly(base, tmp_path):
 
     stream = tmp_path / "stream"
     generate_stream(
-        stream, phases=2, samples_per_phase=40, seed=5, eval_per_domain=4, gallery_per_domain=0,
+        stream,
+        phases=2,
+        samples_per_phase=40,
+        seed=5,
+        eval_per_domain=4,
+        gallery_per_domain=0,
         samples_per_shard=20,
     )
     buffer = ReplayBuffer.from_phases([phase_urls(stream, 0, "train")], size=12, seed=0)

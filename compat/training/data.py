@@ -111,7 +111,9 @@ class ReplayBuffer:
         return len(self.keys)
 
     @classmethod
-    def from_phases(cls, urls_by_phase: Sequence[Sequence[str] | str], size: int, seed: int = 0) -> ReplayBuffer:
+    def from_phases(
+        cls, urls_by_phase: Sequence[Sequence[str] | str], size: int, seed: int = 0
+    ) -> ReplayBuffer:
         """``size`` samples drawn at random (seeded), split evenly over the earlier phases given.
 
         The Mod-X paper's buffer (Table 2) is loosely specified: a random sample of the pretraining data
@@ -140,8 +142,8 @@ class ReplayBuffer:
 class ReplayBatchSource:
     """Current-phase batches in which ``replay`` of the ``batch_size`` rows come from a :class:`ReplayBuffer`.
 
-    This is the Mod-X paper's "Mod-X + buffer" (Table 2) when trained with alpha > 0 -- the teacher understands
-    the buffer's earlier-phase pairs, so Eq 3 keeps their rows and the KL preserves their structure -- and
+    This is the Mod-X paper's "Mod-X + buffer" (Table 2) when trained with alpha > 0 -- the teacher
+    understands the buffer's earlier-phase pairs, so Eq 3 keeps their rows and the KL preserves their structure -- and
     experience replay when trained with alpha = 0. Rows ``[0, batch_size - replay)`` are the current phase's
     (a :class:`ShardBatchSource`), the rest buffer pairs drawn without replacement per batch, each with one of
     its captions, by a RNG seeded with (seed, batch number): resuming at a reported position replays exactly.
@@ -178,9 +180,7 @@ class ReplayBatchSource:
         for b in self.current.batches(position.get("current")):
             rng = random.Random(f"replay-{self.seed}-{drawn}")
             idx = rng.sample(range(len(self.buffer)), self.replay)
-            images = torch.stack(
-                [torch.as_tensor(self.image_transform(self.buffer.images[i])) for i in idx]
-            )
+            images = torch.stack([torch.as_tensor(self.image_transform(self.buffer.images[i])) for i in idx])
             tokens = self.tokenizer([rng.choice(self.buffer.captions[i]) for i in idx])
             tokens = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
             drawn += 1
