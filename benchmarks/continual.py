@@ -498,7 +498,8 @@ def render(
 
     if buffer_sweep:
         lines += [
-            f"## Phase-1 sweep with the replay buffer: alpha (from CLIP_0, {args.steps} steps, lr {args.lr:g},"
+            f"## Phase-1 sweep with the replay buffer: alpha (from CLIP_0, {args.steps} steps, "
+            f"lr {args.lr:g},"
             " "
             f"{args.replay} of {args.batch_size} rows from {args.buffer_size} phase-0 pairs; alpha 0 = "
             "fine-tuning + buffer)",

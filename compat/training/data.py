@@ -143,8 +143,8 @@ class ReplayBatchSource:
     """Current-phase batches in which ``replay`` of the ``batch_size`` rows come from a :class:`ReplayBuffer`.
 
     This is the Mod-X paper's "Mod-X + buffer" (Table 2) when trained with alpha > 0 -- the teacher
-    understands the buffer's earlier-phase pairs, so Eq 3 keeps their rows and the KL preserves their structure -- and
-    experience replay when trained with alpha = 0. Rows ``[0, batch_size - replay)`` are the current phase's
+    understands the buffer's earlier-phase pairs, so Eq 3 keeps their rows and the KL preserves their
+    structure -- and experience replay when trained with alpha = 0. Rows ``[0, batch_size - replay)`` are the current phase's
     (a :class:`ShardBatchSource`), the rest buffer pairs drawn without replacement per batch, each with one of
     its captions, by a RNG seeded with (seed, batch number): resuming at a reported position replays exactly.
     """
