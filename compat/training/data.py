@@ -144,9 +144,10 @@ class ReplayBatchSource:
 
     This is the Mod-X paper's "Mod-X + buffer" (Table 2) when trained with alpha > 0 -- the teacher
     understands the buffer's earlier-phase pairs, so Eq 3 keeps their rows and the KL preserves their
-    structure -- and experience replay when trained with alpha = 0. Rows ``[0, batch_size - replay)`` are the current phase's
-    (a :class:`ShardBatchSource`), the rest buffer pairs drawn without replacement per batch, each with one of
-    its captions, by a RNG seeded with (seed, batch number): resuming at a reported position replays exactly.
+    structure -- and experience replay when trained with alpha = 0. Rows ``[0, batch_size - replay)`` are
+    the current phase's (a :class:`ShardBatchSource`), the rest buffer pairs drawn without replacement per
+    batch, each with one of its captions, by a RNG seeded with (seed, batch number): resuming at a reported
+    position replays exactly.
     """
 
     def __init__(
