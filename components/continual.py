@@ -7,6 +7,9 @@ Methods (all in the same trainer, same schedule and data order):
 - ``finetune``: the same start, alpha = 0 (the paper's CLIP_ct, the lower baseline).
 - ``joint``: trains on the train shards of phases 0..P together, from the given start model (pass CLIP_0,
   the phase-0 model, for the paper's joint-training upper bound), alpha = 0.
+- ``foundation``: the foundation-swap upgrade: a new architecture (``config_name``, e.g. a wider vision
+  tower with the pretrained MiniLM text tower) trained from its own initialisation on the train shards of
+  phases 0..P, alpha = 0; production is only the model it is compared with (and later made compatible to).
 
 Phase 0 with no production model trains CLIP_0 from random initialisation. Outputs in ``out_dir``:
 ``model/`` (safetensors checkpoint), ``metrics.json`` (per-domain R@1/5/10 both ways for the candidate and
@@ -33,7 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-METHODS = ("modx", "finetune", "joint")
+METHODS = ("modx", "finetune", "joint", "foundation")
+ALL_PHASES = ("joint", "foundation")  # methods that train on phases 0..P
 DEFAULT_ALPHA = 20.0
 METRICS_FILE = "metrics.json"
 SD_FILE = "spatial_disorder.json"
@@ -130,7 +134,7 @@ def _train_urls(
     from compat.data.synth import phase_urls
 
     newest = expand_urls(list(train_urls)) if train_urls else phase_urls(stream, phase, "train", manifest)
-    if method != "joint":
+    if method not in ALL_PHASES:
         return newest
     earlier = [u for q in range(phase) for u in phase_urls(stream, q, "train", manifest)]
     return earlier + newest
@@ -199,11 +203,10 @@ def run_continual(
     if dev == "cuda" and dist.distributed:
         dev = f"cuda:{dist.local_rank}"
 
-    if bootstrap:
+    parent = None if bootstrap else read_sidecar(Path(production))
+    if bootstrap or method_used == "foundation":
         student = build_model(config_name, device=dev, seed=seed)
-        parent = None
     else:
-        parent = read_sidecar(Path(production))
         student = load_checkpoint(Path(production), device=dev)
         if student.config_name != config_name:
             log.info(
@@ -280,14 +283,15 @@ def run_continual(
         start_metrics, start_emb = evaluate_domains(start_model, sets, dev, eval_batch_size)
         newest = entry["domain"]
         old, new = start_emb[newest], cand_emb[newest]
-        sd_doc = {
-            "phase": phase,
-            "domain": newest,
-            "old_model": parent["version"],
-            "new_model": version,
-            **spatial_disorder(old.images, old.first_captions(), new.images, new.first_captions()),
-        }
-        write_json_atomic(out_dir / SD_FILE, sd_doc)
+        if old.images.shape[1] == new.images.shape[1]:  # rotation angles need one embedding dimension
+            sd_doc = {
+                "phase": phase,
+                "domain": newest,
+                "old_model": parent["version"],
+                "new_model": version,
+                **spatial_disorder(old.images, old.first_captions(), new.images, new.first_captions()),
+            }
+            write_json_atomic(out_dir / SD_FILE, sd_doc)
 
     times = result.step_times[1:] or result.step_times
     doc = {

@@ -246,19 +246,27 @@ def continual_stage(
     production: str,
     out_dir: Path,
 ) -> dict[str, Any]:
-    """Mod-X training of the production model on the phase's validated shards (CLIP_0 on phase 0)."""
+    """The candidate of the phase (CLIP_0 on phase 0).
+
+    Scenario ``continual``: the production model trained on the phase's validated shards with
+    ``training.method`` (Mod-X by default). Scenario ``foundation``: ``compat.foundation_config`` trained
+    from its own initialisation on every phase so far (the new architecture that the compat stage then
+    makes compatible with production).
+    """
     from components.continual import run_continual
 
-    training = as_config(config)["training"]
+    config = as_config(config)
+    training = config["training"]
+    foundation = bool(production) and config["compat"]["scenario"] == "foundation"
     accepted = accepted_shards(validated_dir)
     metrics = run_continual(
         stream_dir,
         phase,
         out_dir,
         production=production or None,
-        config_name=training["model_config"],
-        method=training["method"],
-        alpha=training["alpha"],
+        config_name=config["compat"]["foundation_config"] if foundation else training["model_config"],
+        method="foundation" if foundation else training["method"],
+        alpha=None if foundation else training["alpha"],
         steps=training["steps"],
         batch_size=training["batch_size"],
         lr=training["lr"],

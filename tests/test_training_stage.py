@@ -70,6 +70,19 @@ def test_modx_phase_evaluates_every_domain_and_writes_sd(stream, clip0, tmp_path
     assert all(k.startswith("p01-train-") for e in ledger for k in e["keys"])
 
 
+def test_foundation_candidate_is_a_fresh_architecture_on_every_phase(stream, clip0, tmp_path):
+    p0, _ = clip0
+    doc = run_continual(
+        stream, 1, tmp_path, production=p0 / "model", method="foundation", config_name="cf-small", **KW
+    )
+    assert doc["method"] == "foundation" and doc["alpha"] == 0.0 and doc["model_config"] == "cf-small"
+    assert doc["training"]["train_shards"] == 4  # phases 0 and 1
+    assert list(doc["start_domains"]) == ["geometric", "signs"]  # production, for comparison
+    assert doc["spatial_disorder"] is None  # 128-d candidate vs 64-d production: no rotation angles
+    sidecar = json.loads((tmp_path / "model" / "model.json").read_text())
+    assert sidecar["config_name"] == "cf-small" and sidecar["extra"]["parent"]["version"] == "phase-00-clip0"
+
+
 def test_finetune_and_joint_baselines(stream, clip0, tmp_path):
     p0, _ = clip0
     ft = run_continual(stream, 2, tmp_path / "ft", production=p0 / "model", method="finetune", **KW)
