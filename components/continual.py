@@ -164,6 +164,8 @@ def run_continual(
     version: str | None = None,
     resume: bool = True,
     selective_correction: bool = True,
+    replay_buffer_size: int = 0,
+    replay_rows: int = 0,
 ) -> dict[str, Any]:
     """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
 
@@ -172,13 +174,24 @@ def run_continual(
     student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
     (CLIP_0 from scratch). Interrupted runs resume from ``out_dir/train`` unless ``resume=False``.
     ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method).
+    ``replay_buffer_size`` > 0 (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every
+    batch come from a buffer of that many pairs drawn evenly from the earlier phases' train shards -- the
+    Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for fine-tuning.
     """
     from compat.data.loader import load_captioned_set
     from compat.data.synth import load_manifest, phase_urls
     from compat.io import write_json_atomic
     from compat.metrics import spatial_disorder
     from compat.models import build_model, load_checkpoint, read_sidecar, save_checkpoint
-    from compat.training import ShardBatchSource, TrainConfig, init_distributed, shutdown_distributed, train
+    from compat.training import (
+        ReplayBatchSource,
+        ReplayBuffer,
+        ShardBatchSource,
+        TrainConfig,
+        init_distributed,
+        shutdown_distributed,
+        train,
+    )
 
     if method not in METHODS:
         raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -221,7 +234,16 @@ def run_continual(
     teacher = load_checkpoint(Path(production), device=dev) if method_used == "modx" else None
 
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
-    source = ShardBatchSource(urls, batch_size, student.preprocess_train, student.tokenizer, seed=seed)
+    replay = replay_buffer_size > 0 and method_used in ("modx", "finetune")
+    if replay:
+        buffer = ReplayBuffer.from_phases(
+            [phase_urls(stream, q, "train", manifest) for q in range(phase)], replay_buffer_size, seed=seed
+        )
+        source = ReplayBatchSource(
+            urls, buffer, batch_size, replay_rows, student.preprocess_train, student.tokenizer, seed=seed
+        )
+    else:
+        source = ShardBatchSource(urls, batch_size, student.preprocess_train, student.tokenizer, seed=seed)
     config = TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -236,7 +258,7 @@ def run_continual(
         seed=seed,
     )
     log.info(
-        "phase %d (%s): %s, alpha %g, %d steps x %d pairs on %d shards",
+        "phase %d (%s): %s, alpha %g, %d steps x %d pairs on %d shards%s",
         phase,
         entry["domain"],
         method_used,
@@ -244,6 +266,7 @@ def run_continual(
         steps,
         batch_size,
         len(urls),
+        f" ({replay_rows} rows per batch replayed from {replay_buffer_size} earlier pairs)" if replay else "",
     )
     t0 = time.perf_counter()
     result = train(student, source, config, out_dir / TRAIN_DIR, teacher=teacher, dist=dist, resume=resume)
@@ -260,6 +283,7 @@ def run_continual(
         "alpha": alpha_used,
         "steps": steps,
         "batch_size": batch_size,
+        "replay": {"buffer_size": replay_buffer_size, "rows": replay_rows} if replay else None,
         "seed": seed,
         "stream_seed": manifest["seed"],
         "parent": None if parent is None else {"version": parent["version"], "sha256": parent["sha256"]},
@@ -308,6 +332,7 @@ def run_continual(
         "training": {
             **config.to_dict(),
             "train_shards": len(urls),
+            "replay": {"buffer_size": replay_buffer_size, "rows": replay_rows} if replay else None,
             "samples_seen": result.state.samples_seen,
             "resumed_from_step": result.resumed_from,
             "world_size": dist.world_size,

@@ -267,6 +267,8 @@ def continual_stage(
         config_name=config["compat"]["foundation_config"] if foundation else training["model_config"],
         method="foundation" if foundation else training["method"],
         alpha=None if foundation else training["alpha"],
+        replay_buffer_size=training["replay_buffer_size"],
+        replay_rows=training["replay_rows"],
         steps=training["steps"],
         batch_size=training["batch_size"],
         lr=training["lr"],

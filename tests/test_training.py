@@ -238,6 +238,7 @@ def test_replay_source_mixes_buffer_rows_and_resumes_exactly(base, tmp_path):
     )
     buffer = ReplayBuffer.from_phases([phase_urls(stream, 0, "train")], size=12, seed=0)
     assert len(buffer) == 12 and all(k.startswith("p00-") for k in buffer.keys)
+    assert max(buffer.keys) > "p00-train-000011"  # a uniform sample of the phase, not its first rows
     assert ReplayBuffer.from_phases([phase_urls(stream, 0, "train")], size=12, seed=0).keys == buffer.keys
 
     def source():

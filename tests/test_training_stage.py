@@ -70,6 +70,15 @@ def test_modx_phase_evaluates_every_domain_and_writes_sd(stream, clip0, tmp_path
     assert all(k.startswith("p01-train-") for e in ledger for k in e["keys"])
 
 
+def test_modx_with_a_replay_buffer_trains_on_earlier_phases_too(stream, clip0, tmp_path):
+    p0, _ = clip0
+    doc = run_continual(stream, 1, tmp_path, production=p0 / "model", replay_buffer_size=10, replay_rows=3, **KW)
+    assert doc["training"]["replay"] == {"buffer_size": 10, "rows": 3}
+    ledger = [json.loads(x) for x in (tmp_path / "train" / "samples.jsonl").read_text().splitlines()]
+    for entry in ledger:  # 5 rows of the new phase, then 3 replayed from phase 0
+        assert [k[:3] for k in entry["keys"]] == ["p01"] * 5 + ["p00"] * 3
+
+
 def test_foundation_candidate_is_a_fresh_architecture_on_every_phase(stream, clip0, tmp_path):
     p0, _ = clip0
     doc = run_continual(

@@ -122,7 +122,7 @@ class ReplayBuffer:
         """
         import random
 
-        from compat.data.loader import load_captioned_set
+        from compat.data.loader import ShardStream
 
         if size < 1 or not urls_by_phase:
             raise ValueError(f"a replay buffer needs size >= 1 and at least one phase, got {size}")
@@ -131,11 +131,20 @@ class ReplayBuffer:
         n = len(urls_by_phase)
         for j, urls in enumerate(urls_by_phase):
             share = size // n + (1 if j < size % n else 0)
-            data = load_captioned_set(urls)
-            for i in sorted(rng.sample(range(len(data)), min(share, len(data)))):
-                out.keys.append(data.keys[i])
-                out.images.append(data.images[i])
-                out.captions.append(list(data.captions[i]))
+            # Reservoir sampling (Algorithm R) in one streaming pass: memory stays O(share) however
+            # large the phase is.
+            kept: list[tuple[int, Any]] = []
+            for seen, sample in enumerate(ShardStream(urls, shuffle_shards=False, epochs=1)):
+                slot = seen if seen < share else rng.randrange(seen + 1)
+                if slot < share:
+                    if seen < share:
+                        kept.append((seen, sample))
+                    else:
+                        kept[slot] = (seen, sample)
+            for _, sample in sorted(kept, key=lambda item: item[0]):
+                out.keys.append(sample.key)
+                out.images.append(sample.image)
+                out.captions.append(list(sample.captions))
         return out
 
 
