@@ -197,7 +197,9 @@ def rollout_candidate_stage(
         raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
     if serving["query_model"]["version"] != str(version):  # not yet switched: a resumed run skips this
         served = serving["query_model"]
-        added = index_stage(workspace, served["uri"], served["version"], "", gallery_shards, seed=seed, uri=uri)
+        added = index_stage(
+            workspace, served["uri"], served["version"], "", gallery_shards, seed=seed, uri=uri
+        )
         _record_lineage(config, added.pop("new_items"))
     state = rollout_stage(
         workspace,

@@ -72,7 +72,9 @@ def test_modx_phase_evaluates_every_domain_and_writes_sd(stream, clip0, tmp_path
 
 def test_modx_with_a_replay_buffer_trains_on_earlier_phases_too(stream, clip0, tmp_path):
     p0, _ = clip0
-    doc = run_continual(stream, 1, tmp_path, production=p0 / "model", replay_buffer_size=10, replay_rows=3, **KW)
+    doc = run_continual(
+        stream, 1, tmp_path, production=p0 / "model", replay_buffer_size=10, replay_rows=3, **KW
+    )
     assert doc["training"]["replay"] == {"buffer_size": 10, "rows": 3}
     ledger = [json.loads(x) for x in (tmp_path / "train" / "samples.jsonl").read_text().splitlines()]
     for entry in ledger:  # 5 rows of the new phase, then 3 replayed from phase 0
