@@ -77,10 +77,17 @@ def make_report() -> dict:
     }
 
 
+BOTH_DIRECTIONS = {"directions": ["t2i", "i2t"]}
+
+
 def _decide(report, **kwargs):
+    """The gate on ``report``; the policy (a mapping merged over the default) requires both directions unless
+    it says otherwise."""
     kwargs.setdefault("validation", VALIDATION_OK)
     kwargs.setdefault("drift", DRIFT_OK)
     policy = kwargs.pop("policy", None)
+    if policy is None or isinstance(policy, dict):
+        policy = {**BOTH_DIRECTIONS, **(policy or {})}
     decision = decide(report, policy, **kwargs)
     schemas.validate(decision.to_dict(), "gate_decision", source="decision")
     return decision
@@ -223,9 +230,18 @@ def test_partial_policy_merges_over_default(tmp_path: Path) -> None:
     path.write_text("min_margin: 5.0\nretention: {floor: 0.5}\n")
     policy = load_policy(path)
     assert policy.min_margin == 5.0 and policy.retention_floor == 0.5
-    assert policy.retention_reference == "auto" and policy.directions == ("t2i", "i2t")
+    assert policy.retention_reference == "auto" and policy.directions == ("t2i",)  # the served direction
     decision = _decide(make_report(), policy=path)  # margins are +4 and +3: below 5
-    assert [r["direction"] for r in decision.reasons if r["code"] == "ecc_margin"] == ["t2i", "i2t"]
+    assert [r["direction"] for r in decision.reasons if r["code"] == "ecc_margin"] == ["t2i"]
+
+
+def test_default_policy_judges_the_served_direction_only() -> None:
+    report = make_report()
+    report["retrieval"]["i2t"]["new/old"]["R@1"] = 30.0  # old/old is 35: i2t regresses
+    report["margins"]["i2t"]["R@1"] = {"margin": -5.0, "ci_low": -7.0, "ci_high": -3.0}
+    report["ecc"]["i2t"]["R@1"] = False
+    assert decide(report, None, validation=VALIDATION_OK, drift=DRIFT_OK).decision == "pass"
+    assert _decide(report).reason_codes == ["ecc_margin", "ecc_interval"]  # a caption gallery's policy
 
 
 def test_drift_too_severe_blocks() -> None:
