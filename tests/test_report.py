@@ -101,9 +101,12 @@ def make_run(root: Path, *, i2t_new_old: float = 33.0) -> Path:
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(json.dumps(doc))
     (run / "drift" / "evidently.html").write_text("<html><body>evidently</body></html>")
+    policy = run / "policy.yaml"  # a caption gallery's policy: both directions judged
+    policy.write_text("directions: [t2i, i2t]\n")
     run_gate(
         run / "evaluate" / "compat_report.json",
         run / "gate",
+        policy=policy,
         validation=run / "validate" / "validation.json",
         drift=run / "drift" / "drift.json",
     )
