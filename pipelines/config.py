@@ -41,6 +41,12 @@ def load_config(name_or_path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"{path} does not match schemas/pipeline_config.schema.json:\n  " + "\n  ".join(errors)
         )
+    training = document["training"]
+    if training["replay_buffer_size"] > 0 and not 1 <= training["replay_rows"] <= training["batch_size"] - 2:
+        raise ConfigError(
+            f"{path}: training.replay_rows is {training['replay_rows']}; with a replay buffer it must be in "
+            f"[1, training.batch_size - 2] = [1, {training['batch_size'] - 2}] (or set replay_buffer_size: 0)"
+        )
     return document
 
 

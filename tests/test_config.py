@@ -39,6 +39,18 @@ def test_bad_config_names_file_and_field(tmp_path):
     assert "rollout" in message and "order" in message
 
 
+def test_replay_rows_must_fit_the_batch(tmp_path):
+    document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    document["training"].update(batch_size=16, replay_buffer_size=100, replay_rows=16)
+    path = tmp_path / "replay.yaml"
+    path.write_text(yaml.safe_dump(document))
+    with pytest.raises(ConfigError, match=r"training.replay_rows is 16.*\[1, 14\]"):
+        load_config(path)
+    document["training"]["replay_buffer_size"] = 0  # no buffer: the rows setting is unused
+    path.write_text(yaml.safe_dump(document))
+    assert load_config(path)["training"]["replay_rows"] == 16
+
+
 def test_unparseable_config(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("training: [unclosed\n")

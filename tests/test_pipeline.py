@@ -43,7 +43,7 @@ def _local_config(tmp_path, phases=2):
     config["stream"].update(uri=str(tmp_path / "ws" / "stream"), phases=phases, samples_per_phase=160,
                             eval_per_domain=20, gallery_per_domain=40)
     config["drift"]["sample_size"] = 80
-    config["training"].update(steps=6, batch_size=16)
+    config["training"].update(steps=6, batch_size=16, replay_buffer_size=40, replay_rows=4)
     config["compat"].update(steps=6, batch_size=16)
     return config
 
