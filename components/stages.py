@@ -150,8 +150,12 @@ def model_dir_of(config: Config, version: str) -> str:
 def serve_first_model_stage(
     config: Config, run_dir: Path, version: str, gallery_shards: list[str]
 ) -> dict[str, Any]:
-    """First run: index the gallery with the first model, record lineage, make it ``production``."""
-    from compat.methods.run import load_encoder, space_id_of
+    """First run: index the gallery with the first model, record lineage, make it ``production``.
+
+    The first model is a plain checkpoint: its space is its checkpoint version (as
+    :func:`compat.methods.run.space_id_of` names it), read from the sidecar without loading the weights twice.
+    """
+    from compat.models import read_sidecar
     from components.rollout_stage import index_stage
 
     config = as_config(config)
@@ -160,7 +164,7 @@ def serve_first_model_stage(
         workspace_of(config),
         model,
         version,
-        space_id_of(model, load_encoder(model)),
+        str(read_sidecar(Path(model))["version"]),
         gallery_shards,
         seed=config["training"]["seed"],
         uri=config["index"]["uri"],
@@ -181,8 +185,8 @@ def rollout_candidate_stage(
     The phase's new gallery items are first indexed with the serving model, like any item that arrives
     between upgrades; then the rollout switches queries and backfills the whole gallery in stages,
     probing each (resumable; a rollback restores every item it touched). Lineage follows the index.
-    A rollout that halts (a stage probe fell below its floor; the stage was restored) stops the run as
-    blocked and leaves ``production`` where it was.
+    A rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
+    ``rejected`` and leaves ``production`` where it was.
     """
     from components.lineage import sync_from_index
     from components.rollout import RolloutPaths
