@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class RolloutConfig:
     floors: dict[str, float] = field(default_factory=dict)
     n_clusters: int | None = None
     flush_every: int = 0  # batches between flushes; 0: at stage ends only (Milvus seals segments itself)
+    prefetch: int = 2  # batches read and encoded ahead of the upserts
 
     def __post_init__(self) -> None:
         from compat.backfill import POLICIES
@@ -172,6 +174,8 @@ class RolloutConfig:
             raise ValueError(f"unknown backfill policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}")
         self.ks = tuple(sorted({int(k) for k in self.ks}))
         if not self.ks or self.ks[0] < 1:
             raise ValueError(f"ks must be positive, got {self.ks}")
@@ -633,27 +637,40 @@ class Rollout:
         target: str,
         keep: bool,
     ) -> None:
-        """Encode and upsert ``batches`` (start, end) of ``ids``; encoding overlaps the prior writes."""
+        """Re-embed and upsert ``batches`` (start, end) of ``ids`` in order.
+
+        This thread reads the rows a batch replaces (saving them for restore before anything overwrites
+        them) and hands the batch to an encoder thread, keeping up to ``config.prefetch`` batches queued
+        there, then upserts finished batches and records progress: the encoder never waits on the index.
+        """
         t0, written = time.perf_counter(), 0
+        todo = iter(batches)
+        queue: deque[tuple[int, Future]] = deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
-            pending: tuple[int, int, Future] | None = None
-            for start, end in [*batches, (-1, -1)]:
-                submitted = None
-                if start >= 0:
-                    prev = self._previous_rows(state, ids[start:end], start, end, source, keep)
-                    submitted = (start, end, pool.submit(self._new_rows, state, prev))
-                if pending is not None:
-                    _, p_end, fut = pending
-                    rows = fut.result()
+
+            def refill() -> None:
+                while len(queue) < self.config.prefetch and (batch := next(todo, None)) is not None:
+                    start, end = batch
+                    previous = self._previous_rows(state, ids[start:end], start, end, source, keep)
+                    queue.append((end, pool.submit(self._new_rows, state, previous)))
+
+            try:
+                refill()
+                while queue:
+                    end, future = queue.popleft()
+                    rows = future.result()
+                    refill()
                     self.index.upsert(rows, target)
                     written += len(rows)
                     state["cursor"]["batches"] += 1
                     if self.config.flush_every and state["cursor"]["batches"] % self.config.flush_every == 0:
                         self.index.flush(target)
-                    state["cursor"]["position"] = p_end
-                    state["fraction_backfilled"] = p_end / state["n_items"]
+                    state["cursor"]["position"] = end
+                    state["fraction_backfilled"] = end / state["n_items"]
                     self._save(state)
-                pending = submitted
+            finally:
+                for _, future in queue:
+                    future.cancel()
         if written:
             rate = written / max(time.perf_counter() - t0, 1e-9)
             log.info("rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], written, rate)

@@ -177,7 +177,9 @@ def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypat
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
 
 
-def test_encoder_failure_resumes_from_the_cursor(setup) -> None:
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
+    """Batches prepared ahead of a failure are never written: the index holds exactly the cursor's prefix."""
     paths, index = setup
     good = synthetic_encoders({"options": OPTS})
     calls = {"n": 0}
@@ -190,8 +192,12 @@ def test_encoder_failure_resumes_from_the_cursor(setup) -> None:
 
     bad = ro.RolloutEncoders(good.old_query, good.new_query, failing)
     with pytest.raises(_Crash):
-        ro.run_rollout(index, paths, _config(), bad, PROBE)
-    assert ro.status(paths.state)["state"] == "running"
+        ro.run_rollout(index, paths, _config(prefetch=prefetch), bad, PROBE)
+    saved = json.loads(paths.state.read_text())
+    assert saved["state"] == "running" and saved["cursor"]["position"] > 0
+    assert index.count_by_version() == {"v1": N - saved["cursor"]["position"], "v2": saved["cursor"]["position"]}
+    with pytest.raises(ValueError, match="prefetch"):
+        _config(prefetch=0)
     other = _config(policy="oldest_first")
     with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
         ro.run_rollout(index, paths, other, good, PROBE)
