@@ -43,8 +43,10 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check compat components pipelines schemas tests benchmarks
 
+# The minutes-long benchmarks by default; BENCHES="continual compat" for the hours-long training ones.
+BENCHES ?= loader validation backfill
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	@for b in $(BENCHES); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || exit 1; done
 
 # Re-resolve the full pin set after editing requirements/base.txt or dev.txt.
 lock:

@@ -11,9 +11,10 @@ Three families of signals, each compared per column between reference and curren
 
 Every column gets a score on a scale where 0 means "same distribution": normalised
 Wasserstein distance for numbers, Jensen-Shannon distance for categories, classifier
-ROC AUC for embeddings, and the unseen-word rate for the caption vocabulary. Severities come from fixed score bands (:data:`SEVERITY_BANDS`),
-so a verdict means the same thing from one run to the next. Outputs: ``drift.json``
-(schema ``schemas/drift_summary.schema.json``) and a self-contained ``drift_report.html``.
+ROC AUC for embeddings, and the unseen-word rate for the caption vocabulary. Severities come from
+fixed score bands (:data:`SEVERITY_BANDS`), so a verdict means the same thing from one run to the next.
+Outputs: ``drift.json`` (schema ``schemas/drift_summary.schema.json``) and a self-contained
+``drift_report.html``.
 """
 
 from __future__ import annotations
@@ -304,7 +305,9 @@ def run_drift(
     )
     schemas.validate(summary, "drift_summary", source=str(out_dir / "drift.json"))
     write_json_atomic(out_dir / "drift.json", summary)
-    logger.info("drift severity %s; drifted: %s", summary["severity"], ", ".join(summary["drifted"]) or "none")
+    logger.info(
+        "drift severity %s; drifted: %s", summary["severity"], ", ".join(summary["drifted"]) or "none"
+    )
     return summary
 
 

@@ -23,9 +23,7 @@ COMPONENT = {"base_image": IMAGE, "install_kfp_package": False}
 
 
 @dsl.component(**COMPONENT)
-def plan_op(
-    config: str, phase: int, run_id: str, job_name: str
-) -> NamedTuple(
+def plan_op(config: str, phase: int, run_id: str, job_name: str) -> NamedTuple(
     "Plan",
     [
         ("run_dir", str),
@@ -43,7 +41,15 @@ def plan_op(
     from components.stages import plan_stage
 
     plan = plan_stage(config, phase, run_id or job_name)
-    fields = ["run_dir", "phase", "stream_dir", "train_shards", "reference_shards", "eval_shards", "gallery_shards"]
+    fields = [
+        "run_dir",
+        "phase",
+        "stream_dir",
+        "train_shards",
+        "reference_shards",
+        "eval_shards",
+        "gallery_shards",
+    ]
     return namedtuple("Plan", fields)(*(plan[f] for f in fields))
 
 
@@ -91,7 +97,13 @@ def drift_op(
     from components.stages import drift_stage
 
     return drift_stage(
-        config, Path(run_dir), reference_shards, current.path, production, Path(report.path), Path(summary.path)
+        config,
+        Path(run_dir),
+        reference_shards,
+        current.path,
+        production,
+        Path(report.path),
+        Path(summary.path),
     )
 
 
@@ -111,7 +123,9 @@ def continual_op(
 
     from components.stages import continual_stage
 
-    doc = continual_stage(config, Path(run_dir), phase, stream_dir, accepted.path, production, Path(candidate.path))
+    doc = continual_stage(
+        config, Path(run_dir), phase, stream_dir, accepted.path, production, Path(candidate.path)
+    )
     for domain, directions in (doc.get("domains") or {}).items():
         for direction, values in (directions if isinstance(directions, dict) else {}).items():
             if isinstance(values, dict) and isinstance(values.get("R@1"), (int, float)):
@@ -133,7 +147,12 @@ def compat_op(
     from components.stages import compat_stage
 
     compat_stage(
-        config, Path(run_dir), str(Path(candidate.path) / "model"), production, accepted.path, Path(compat_model.path)
+        config,
+        Path(run_dir),
+        str(Path(candidate.path) / "model"),
+        production,
+        accepted.path,
+        Path(compat_model.path),
     )
 
 
@@ -153,7 +172,9 @@ def evaluate_op(
 
     from components.stages import evaluate_stage
 
-    doc = evaluate_stage(config, Path(run_dir), production, compat_model.path, eval_shards, Path(report.path), phase)
+    doc = evaluate_stage(
+        config, Path(run_dir), production, compat_model.path, eval_shards, Path(report.path), phase
+    )
     for direction, pairs in doc["retrieval"].items():
         for pair, values in pairs.items():
             for metric, value in values.items():
@@ -207,7 +228,7 @@ def serve_first_model_op(config: str, run_dir: str, version: str, gallery_shards
 
 @dsl.component(**COMPONENT)
 def rollout_op(config: str, run_dir: str, version: str, gallery_shards: List[str]) -> str:
-    """After a gate pass: staged backfill rollout (resumable), then ``production``; returns the rollout state."""
+    """After a gate pass: staged backfill rollout (resumable), then ``production``; returns its state."""
     from pathlib import Path
 
     from components.stages import rollout_candidate_stage
@@ -226,7 +247,9 @@ def note_blocked_op(run_dir: str, stage: str, reason: str) -> None:
 
 
 @dsl.component(**COMPONENT)
-def finish_op(config: str, run_id: str, job_name: str, status: PipelineTaskFinalStatus, html: Output[HTML]) -> None:
+def finish_op(
+    config: str, run_id: str, job_name: str, status: PipelineTaskFinalStatus, html: Output[HTML]
+) -> None:
     """Exit handler: record the run's outcome and write the on-call report, whatever happened before."""
     from pathlib import Path
 

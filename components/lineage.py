@@ -104,7 +104,7 @@ class LineageStore:
         return len(frame)
 
     def sync_with_index(self, index_rows: Iterable[Mapping[str, Any]]) -> int:
-        """Record the indexed items whose model version or space differs from their lineage; returns the count.
+        """Record indexed items whose model version or space differs from their lineage; returns the count.
 
         ``index_rows`` are gallery rows (``item_id``, ``model_version``, ``space_id``, ``embedded_at`` in
         epoch ms, ``phase``, ``source_uri``), e.g. after a backfill or a rollback. Caption, image URI and

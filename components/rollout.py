@@ -175,7 +175,9 @@ class RolloutConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}")
+            raise ValueError(
+                f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"
+            )
         self.ks = tuple(sorted({int(k) for k in self.ks}))
         if not self.ks or self.ks[0] < 1:
             raise ValueError(f"ks must be positive, got {self.ks}")

@@ -117,7 +117,9 @@ def index_stage(
                 )
             else:
                 space = index.collection_space(collection)
-                index.index_items(ids, np.concatenate(vectors), version, space, collection=collection, **common)
+                index.index_items(
+                    ids, np.concatenate(vectors), version, space, collection=collection, **common
+                )
                 index.flush(collection)
         record = read_serving(paths.serving) or {}
         n_items = index.count()
@@ -131,7 +133,13 @@ def index_stage(
         probe["texts"].append(candidates[i]["caption"])
         probe["positives"].append([candidates[i]["item_id"]])
     write_json_atomic(probe_file, probe)
-    return {**record, "n_items": n_items, "n_new": len(new_items), "new_items": new_items, "probe": str(probe_file)}
+    return {
+        **record,
+        "n_items": n_items,
+        "n_new": len(new_items),
+        "new_items": new_items,
+        "probe": str(probe_file),
+    }
 
 
 def rollout_stage(

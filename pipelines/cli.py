@@ -40,7 +40,9 @@ def _root(
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 def _register_commands() -> None:

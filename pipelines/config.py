@@ -1,5 +1,6 @@
 """Pipeline configuration: YAML files under ``pipelines/configs/`` checked against
-``schemas/pipeline_config.schema.json``. ``local`` and ``cluster`` share every key and differ only in values."""
+``schemas/pipeline_config.schema.json``. ``local`` and ``cluster`` share every key and differ only in
+values."""
 
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def resolve(config: dict[str, Any]) -> dict[str, Any]:
         ("registry", "tracking_uri"): f"sqlite:///{root}/mlflow.db",
         ("lineage", "repo"): f"{root}/feast",
         ("index", "uri"): f"{root}/milvus/gallery.db",
-        ("gate", "policy"): str(Path(__file__).resolve().parents[1] / "components" / "policies" / "gate_default.yaml"),
+        ("gate", "policy"): str(
+            Path(__file__).resolve().parents[1] / "components" / "policies" / "gate_default.yaml"
+        ),
     }
     for (section, key), value in defaults.items():
         if resolved[section][key] is None:

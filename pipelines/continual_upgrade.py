@@ -37,7 +37,8 @@ def _task(op: Any, **inputs: Any) -> dsl.PipelineTask:
     description="Validate, train, make compatible, gate, register and roll out the next data phase.",
 )
 def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
-    """``config``: the resolved config as JSON; ``phase`` -1: the next pending one; ``run_id`` "": the KFP job name."""
+    """``config``: the resolved config as JSON; ``phase`` -1: the next pending one; ``run_id`` "": the KFP
+    job name."""
     job_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
     finish = _task(kfp_ops.finish_op, config=config, run_id=run_id, job_name=job_name)
     with dsl.ExitHandler(finish, name="record-and-report"):

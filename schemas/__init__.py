@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ def schema_errors(document: Any, name: str) -> list[str]:
 
 
 def validate(document: Any, name: str, source: str = "<document>") -> None:
-    """Raise :class:`SchemaError` naming ``source`` and each bad field when ``document`` breaks schema ``name``."""
+    """Raise :class:`SchemaError` naming ``source`` and each bad field when ``document`` breaks ``name``."""
     errors = schema_errors(document, name)
     if errors:
         raise SchemaError(f"{source} does not match schemas/{name}.schema.json:\n  " + "\n  ".join(errors))

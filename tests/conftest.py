@@ -49,8 +49,11 @@ def milvus_server(tmp_path_factory):
     data = tmp_path_factory.mktemp("milvus-server")
     port = _free_loopback_port()
     log = open(data / "server.log", "wb")
-    proc = subprocess.Popen([exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None:

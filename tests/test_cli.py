@@ -41,7 +41,10 @@ def test_cli_module_imports_nothing_heavy():
 def test_unknown_config_is_a_clear_error(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "run", "--config", str(tmp_path / "nope.yaml")],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COMPATFLOW_WORKSPACE": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COMPATFLOW_WORKSPACE": str(tmp_path)},
     )
     assert result.returncode == 2
     assert "nope.yaml" in result.stderr and "neither a file nor a shipped config" in result.stderr

@@ -26,8 +26,9 @@ def test_severity_bands():
 
 def test_domain_shift_is_reported(stream, tmp_path):
     out = tmp_path / "drift"
-    summary = run_drift(str(stream / "phase-00/train/*.tar"), str(stream / "phase-01/train/*.tar"), out,
-                        sample_size=100)
+    summary = run_drift(
+        str(stream / "phase-00/train/*.tar"), str(stream / "phase-01/train/*.tar"), out, sample_size=100
+    )
     assert summary["sizes"] == {"reference": 100, "current": 100}
     # phase 1 brings new vocabulary: captions use words phase 0 never used
     assert summary["verdicts"]["caption_vocabulary"]["drift"] is True
@@ -49,8 +50,13 @@ def test_embedding_drift_under_the_production_model(stream, tmp_path):
     from compat.models import build_model, save_checkpoint
 
     checkpoint = save_checkpoint(build_model("cf-tiny", seed=0), tmp_path / "prod", version="v1")
-    summary = run_drift(str(stream / "phase-00/train/*.tar"), str(stream / "phase-01/train/*.tar"),
-                        tmp_path / "drift", production_checkpoint=checkpoint.parent, sample_size=60)
+    summary = run_drift(
+        str(stream / "phase-00/train/*.tar"),
+        str(stream / "phase-01/train/*.tar"),
+        tmp_path / "drift",
+        production_checkpoint=checkpoint.parent,
+        sample_size=60,
+    )
     assert summary["embeddings_measured"]
     assert {"image_embedding", "text_embedding"} <= set(summary["verdicts"])
     assert summary["verdicts"]["image_embedding"]["method"] == "model"

@@ -250,7 +250,9 @@ def test_drift_too_severe_blocks() -> None:
     decision = _decide(make_report(), drift=drift, policy={"max_drift_severity": "medium"})
     assert decision.reason_codes == ["drift_too_severe"]
     assert decision.reasons[0]["value"] == "high" and "image_embedding" in decision.reasons[0]["message"]
-    assert _decide(make_report(), drift=drift).decision == "pass"  # the default reports drift, never blocks on it
+    assert (
+        _decide(make_report(), drift=drift).decision == "pass"
+    )  # the default reports drift, never blocks on it
     assert _decide(make_report(), drift={"severity": "extreme"}).reason_codes == ["drift_invalid"]
 
 

@@ -89,7 +89,13 @@ def test_sync_with_index_records_only_changed_items(tmp_path) -> None:
     lineage.apply()
     lineage.write_items(gallery("1", ["item-a", "item-b", "item-c"]))
     served = [
-        {"item_id": i, "model_version": v, "space_id": "space-v1", "embedded_at": 1_700_000_000_000, "phase": 0}
+        {
+            "item_id": i,
+            "model_version": v,
+            "space_id": "space-v1",
+            "embedded_at": 1_700_000_000_000,
+            "phase": 0,
+        }
         for i, v in (("item-a", "2"), ("item-b", "2"), ("item-c", "1"))
     ]
     assert lineage.sync_with_index(served) == 2

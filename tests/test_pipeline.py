@@ -29,7 +29,9 @@ def test_compiled_pipeline_gates_downstream_stages():
         inner = spec["components"][tasks[branch]["componentRef"]["name"]]["dag"]["tasks"].values()
         return {t["taskInfo"]["name"] for t in inner}
 
-    assert {"drift-op", "continual-op", "first-model", "upgrade"} <= guarded("phase-valid", "validate-op-Output")
+    assert {"drift-op", "continual-op", "first-model", "upgrade"} <= guarded(
+        "phase-valid", "validate-op-Output"
+    )
     assert guarded("gate-passed", "gate-op-Output") == {"rollout-op"}
     assert guarded("gate-blocked", "gate-op-Output") == {"note-blocked-op-2"}
     assert guarded("first-model", "resolve-production-op-Output") == {"register-op", "serve-first-model-op"}
@@ -40,8 +42,13 @@ def _local_config(tmp_path, phases=2):
 
     config = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
     config["workspace"] = str(tmp_path / "ws")
-    config["stream"].update(uri=str(tmp_path / "ws" / "stream"), phases=phases, samples_per_phase=160,
-                            eval_per_domain=20, gallery_per_domain=40)
+    config["stream"].update(
+        uri=str(tmp_path / "ws" / "stream"),
+        phases=phases,
+        samples_per_phase=160,
+        eval_per_domain=20,
+        gallery_per_domain=40,
+    )
     config["drift"]["sample_size"] = 80
     config["training"].update(steps=6, batch_size=16, replay_buffer_size=40, replay_rows=4)
     config["compat"].update(steps=6, batch_size=16)
@@ -107,11 +114,16 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     config["training"]["lr"] = 1e-12
     config["compat"]["method"] = "none"
     passed = run_local(config, echo=io.StringIO())
-    assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[-3000:]
+    assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[
+        -3000:
+    ]
     rollout = json.loads((passed.run_dir / "rollout" / "rollout.json").read_text())
     assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
     assert rollout["rollout"]["mode"] == "blue_green"
-    before, after = rollout["rollout"]["gallery"]["source_collection"], rollout["rollout"]["gallery"]["collection"]
+    before, after = (
+        rollout["rollout"]["gallery"]["source_collection"],
+        rollout["rollout"]["gallery"]["collection"],
+    )
     assert gallery()["collection"] == after != before
     assert registry.alias_version("production") == "3" and registry.alias_version("previous") == "1"
     assert gallery()["by_version"] == {"3": 120}  # phase 0 backfilled, phases 1 and 2 added then backfilled

@@ -195,7 +195,10 @@ def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
         ro.run_rollout(index, paths, _config(prefetch=prefetch), bad, PROBE)
     saved = json.loads(paths.state.read_text())
     assert saved["state"] == "running" and saved["cursor"]["position"] > 0
-    assert index.count_by_version() == {"v1": N - saved["cursor"]["position"], "v2": saved["cursor"]["position"]}
+    assert index.count_by_version() == {
+        "v1": N - saved["cursor"]["position"],
+        "v2": saved["cursor"]["position"],
+    }
     with pytest.raises(ValueError, match="prefetch"):
         _config(prefetch=0)
     other = _config(policy="oldest_first")

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 
 def drift(
-    reference: str = typer.Option(..., "--reference", help="Reference shards: glob, brace pattern or URL."),
-    current: str = typer.Option(..., "--current", help="New phase shards: glob, brace pattern or URL."),
-    out: Path = typer.Option(..., "--out", help="Output directory (drift.json, drift_report.html)."),
-    production: Path | None = typer.Option(
-        None, "--production", help="Production checkpoint: adds embedding drift of both towers."
-    ),
-    sample_size: int = typer.Option(500, help="Samples per side (uniform reservoir sample)."),
-    seed: int = typer.Option(0, help="Sampling seed."),
+    reference: Annotated[str, typer.Option(help="Reference shards: glob, brace pattern or URL.")],
+    current: Annotated[str, typer.Option(help="New phase shards: glob, brace pattern or URL.")],
+    out: Annotated[Path, typer.Option(help="Output directory (drift.json, drift_report.html).")],
+    production: Annotated[
+        Path | None, typer.Option(help="Production checkpoint: adds embedding drift of both towers.")
+    ] = None,
+    sample_size: Annotated[int, typer.Option(help="Samples per side (uniform reservoir sample).")] = 500,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
     """Write a drift report (HTML) and a JSON summary with a verdict and severity per signal."""
     from components.drift import run_drift
@@ -30,7 +31,9 @@ def drift(
     typer.echo(f"drift severity: {summary['severity']}")
     for name, verdict in sorted(summary["verdicts"].items()):
         flag = "DRIFT" if verdict["drift"] else "ok"
-        typer.echo(f"  {name:<22} {verdict['method']:<13} {verdict['score']:8.3f}  {verdict['severity']:<6} {flag}")
+        typer.echo(
+            f"  {name:<22} {verdict['method']:<13} {verdict['score']:8.3f}  {verdict['severity']:<6} {flag}"
+        )
     typer.echo(f"report: {out / 'drift_report.html'}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -11,8 +12,10 @@ EXIT_CODES = {"succeeded": 0, "rejected": 0, "blocked": 3, "failed": 1}
 
 
 def run(
-    config: str = typer.Option("local", "--config", "-c", help="Config file, or a shipped name (local, cluster)."),
-    phase: int | None = typer.Option(None, help="Run this phase instead of the next pending one."),
+    config: Annotated[
+        str, typer.Option("--config", "-c", help="Config file, or a shipped name (local, cluster).")
+    ] = "local",
+    phase: Annotated[int | None, typer.Option(help="Run this phase instead of the next pending one.")] = None,
 ) -> None:
     """Run the continual-upgrade pipeline locally (kfp.local) on the next pending phase."""
     from pipelines.commands._common import fail
@@ -37,15 +40,17 @@ def run(
 
 
 def compile_(
-    out: Path = typer.Option(None, "--out", help="Output directory (default: pipelines/compiled)."),
-    config: str = typer.Option(
-        "cluster",
-        "--config",
-        "-c",
-        envvar="COMPATFLOW_COMPILE_CONFIG",
-        help="Config file, or a shipped name (local, cluster), whose resources, GPU pool and values "
-        "the compiled pipeline carries.",
-    ),
+    out: Annotated[Path | None, typer.Option(help="Output directory (default: pipelines/compiled).")] = None,
+    config: Annotated[
+        str,
+        typer.Option(
+            "--config",
+            "-c",
+            envvar="COMPATFLOW_COMPILE_CONFIG",
+            help="Config file, or a shipped name (local, cluster), whose resources, GPU pool and values "
+            "the compiled pipeline carries.",
+        ),
+    ] = "cluster",
 ) -> None:
     """Compile the pipeline to KFP IR YAML for a cluster."""
     from pipelines.commands._common import fail
