@@ -166,6 +166,7 @@ def run_continual(
     selective_correction: bool = True,
     replay_buffer_size: int = 0,
     replay_rows: int = 0,
+    replay_urls: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
 
@@ -176,7 +177,8 @@ def run_continual(
     ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method).
     ``replay_buffer_size`` > 0 (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every
     batch come from a buffer of that many pairs drawn evenly from the earlier phases' train shards -- the
-    Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for fine-tuning.
+    Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for fine-tuning. ``replay_urls`` (one
+    shard list per earlier phase; the pipeline passes the validated ones) replaces the manifest's.
     """
     from compat.data.loader import load_captioned_set
     from compat.data.synth import load_manifest, phase_urls
@@ -236,9 +238,8 @@ def run_continual(
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = replay_buffer_size > 0 and method_used in ("modx", "finetune")
     if replay:
-        buffer = ReplayBuffer.from_phases(
-            [phase_urls(stream, q, "train", manifest) for q in range(phase)], replay_buffer_size, seed=seed
-        )
+        earlier = replay_urls or [phase_urls(stream, q, "train", manifest) for q in range(phase)]
+        buffer = ReplayBuffer.from_phases(earlier, replay_buffer_size, seed=seed)
         source = ReplayBatchSource(
             urls, buffer, batch_size, replay_rows, student.preprocess_train, student.tokenizer, seed=seed
         )

@@ -64,6 +64,7 @@ def resolve_production_op(config: str) -> str:
 @dsl.component(**COMPONENT)
 def validate_op(
     config: str,
+    phase: int,
     shards: List[str],
     run_dir: str,
     accepted: Output[Dataset],
@@ -75,7 +76,7 @@ def validate_op(
 
     from components.stages import validate_stage
 
-    document = validate_stage(config, Path(run_dir), shards, Path(accepted.path), Path(summary.path))
+    document = validate_stage(config, Path(run_dir), phase, shards, Path(accepted.path), Path(summary.path))
     for key in ("total", "passed", "quarantined", "quarantined_fraction"):
         metrics.log_metric(key, float(document[key]))
     return bool(document["blocked"])
@@ -136,6 +137,7 @@ def continual_op(
 def compat_op(
     config: str,
     run_dir: str,
+    phase: int,
     candidate: Input[Model],
     production: str,
     accepted: Input[Dataset],
@@ -149,6 +151,7 @@ def compat_op(
     compat_stage(
         config,
         Path(run_dir),
+        phase,
         str(Path(candidate.path) / "model"),
         production,
         accepted.path,

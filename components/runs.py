@@ -9,15 +9,22 @@ parameter but the config, and a local run continues where the last one stopped.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
 
+log = logging.getLogger(__name__)
+
 STATE_FILE = "state.json"
 RUN_FILE = "run.json"
+VALIDATED_DIR = "validated"
 BLOCKED_FILE = "blocked.json"
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -77,6 +84,53 @@ def _shards(stream_dir: Path, manifest: dict[str, Any], phases: range | list[int
     return [str((stream_dir / rel).resolve()) for p in phases for rel in manifest["phases"][p][split]]
 
 
+def validated_dir(workspace: str | Path, phase: int) -> Path:
+    """Where the accepted training shards of ``phase`` are kept once its validation passed."""
+    return Path(workspace).resolve() / VALIDATED_DIR / f"phase-{phase:03d}"
+
+
+def keep_validated(workspace: str | Path, phase: int, accepted: Sequence[str | Path]) -> list[str]:
+    """Copy a phase's accepted shards into the workspace (atomically replacing an earlier copy).
+
+    Later runs replay and compare against these, never the raw stream, whose rejected samples stay in
+    quarantine. Returns the kept paths.
+    """
+    final = validated_dir(workspace, phase)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for shard in accepted:
+        shutil.copyfile(shard, tmp / Path(shard).name)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return sorted(str(p) for p in final.glob("*.tar"))
+
+
+def train_shards_of(config: dict[str, Any], phase: int, manifest: dict[str, Any] | None = None) -> list[str]:
+    """The validated training shards of a finished ``phase``; its raw stream shards (with a warning) when
+    the workspace holds no validated copy (a workspace from before copies were kept)."""
+    kept = sorted(str(p) for p in validated_dir(config["workspace"], phase).glob("*.tar"))
+    if kept:
+        return kept
+    from compat.data.synth import load_manifest
+
+    stream_dir = Path(config["stream"]["uri"])
+    log.warning(
+        "phase %d has no validated shards under %s: using its raw stream shards",
+        phase,
+        validated_dir(config["workspace"], phase),
+    )
+    return _shards(stream_dir, manifest or load_manifest(stream_dir), [phase], "train")
+
+
+def replay_shards(config: dict[str, Any], phase: int, per_phase: int | None = None) -> list[list[str]]:
+    """Validated training shards of every phase before ``phase`` (the first ``per_phase`` of each)."""
+    return [train_shards_of(config, q)[:per_phase] for q in range(phase)]
+
+
 def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[str, Any] | None:
     """The plan of a run: its phase, run directory and every shard list the stages read.
 
@@ -105,7 +159,11 @@ def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[
         "domain": manifest["phases"][phase]["domain"],
         "stream_dir": str(stream_dir.resolve()),
         "train_shards": _shards(stream_dir, manifest, [phase], "train"),
-        "reference_shards": _shards(stream_dir, manifest, [reference], "train"),
+        "reference_shards": (
+            train_shards_of(config, reference, manifest)
+            if reference < phase
+            else _shards(stream_dir, manifest, [reference], "train")
+        ),
         "eval_shards": _shards(stream_dir, manifest, range(phase + 1), "eval"),
         "gallery_shards": _shards(stream_dir, manifest, range(phase + 1), "gallery"),
     }

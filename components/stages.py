@@ -43,15 +43,21 @@ def plan_stage(config: Config, phase: int, run_id: str) -> dict[str, Any]:
 
 
 def validate_stage(
-    config: Config, run_dir: Path, shards: list[str], out_dir: Path, summary_path: Path
+    config: Config, run_dir: Path, phase: int, shards: list[str], out_dir: Path, summary_path: Path
 ) -> dict:
-    """Validation of the phase's shards into ``out_dir``; the summary is also copied to the run dir."""
+    """Validation of the phase's shards into ``out_dir``; the summary is also copied to the run dir.
+
+    A phase that passes has its accepted shards kept in the workspace (:func:`components.runs.keep_validated`)
+    for later runs' replay and drift reference."""
+    from components.runs import keep_validated
     from components.validation import ValidationPolicy, validate_phase
 
-    policy = ValidationPolicy(
-        max_quarantined_fraction=as_config(config)["validation"]["max_quarantined_fraction"]
-    )
-    document = validate_phase(shards, out_dir, policy).to_dict()
+    config = as_config(config)
+    policy = ValidationPolicy(max_quarantined_fraction=config["validation"]["max_quarantined_fraction"])
+    result = validate_phase(shards, out_dir, policy)
+    document = result.to_dict()
+    if not document["blocked"]:
+        keep_validated(config["workspace"], phase, result.accepted_paths)
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "validation.json", summary_path)
     _copy_summaries(out_dir, run_dir / "validate", ("validation.json",))
@@ -260,6 +266,7 @@ def continual_stage(
     makes compatible with production).
     """
     from components.continual import run_continual
+    from components.runs import replay_shards
 
     config = as_config(config)
     training = config["training"]
@@ -275,6 +282,7 @@ def continual_stage(
         alpha=None if foundation else training["alpha"],
         replay_buffer_size=training["replay_buffer_size"],
         replay_rows=training["replay_rows"],
+        replay_urls=replay_shards(config, phase) if training["replay_buffer_size"] else None,
         steps=training["steps"],
         batch_size=training["batch_size"],
         lr=training["lr"],
@@ -289,19 +297,32 @@ def continual_stage(
 
 
 def compat_stage(
-    config: Config, run_dir: Path, candidate: str, production: str, validated_dir: str, out_dir: Path
+    config: Config,
+    run_dir: Path,
+    phase: int,
+    candidate: str,
+    production: str,
+    validated_dir: str,
+    out_dir: Path,
 ) -> str:
-    """Make the candidate compatible with production with the configured method; returns the model dir."""
+    """Make the candidate compatible with production with the configured method; returns the model dir.
+
+    Trains on the phase's accepted shards plus the first ``compat.replay_shards_per_phase`` validated
+    shards of every earlier phase: the old gallery holds those domains too, and the cross-model losses
+    need them among the in-batch negatives.
+    """
     from compat.methods.run import train_compat
+    from components.runs import replay_shards
 
     config = as_config(config)
     settings = config["compat"]
-    accepted = accepted_shards(validated_dir)
+    per_phase = settings["replay_shards_per_phase"]
+    replay = [s for shards in replay_shards(config, phase, per_phase) for s in shards] if per_phase else []
     model = train_compat(
         settings["method"],
         production,
         _checkpoint_dir(candidate),
-        accepted,
+        accepted_shards(validated_dir) + replay,
         out_dir,
         settings={"steps": settings["steps"], "device": config["training"]["device"]},
         batch_size=settings["batch_size"],
@@ -311,6 +332,7 @@ def compat_stage(
         {
             "method": settings["method"],
             "path": str(out_dir),
+            "replay_shards": replay,
             "contract": model.contract.to_dict(),
             "trainable_parameters": model.trainable_parameters,
         },

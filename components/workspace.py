@@ -7,6 +7,7 @@ Layout (the pipeline and every command use it)::
     <root>/feast/             Feast feature repo: lineage of every gallery item
     <root>/milvus/            milvus-lite data
     <root>/models/            local model checkpoints
+    <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
     <root>/runs/<run_id>/<stage>/...   per-run stage outputs
     <root>/rollout_state.json progress of the rollout in flight (written by the rollout stage)
 

@@ -47,7 +47,11 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
         gallery_shards = plan.outputs["gallery_shards"]
         production = _task(kfp_ops.resolve_production_op, config=config).after(plan)
         validation = _task(
-            kfp_ops.validate_op, config=config, shards=plan.outputs["train_shards"], run_dir=run_dir
+            kfp_ops.validate_op,
+            config=config,
+            phase=phase,
+            shards=plan.outputs["train_shards"],
+            run_dir=run_dir,
         )
         accepted = validation.outputs["accepted"]
         with dsl.If(validation.outputs["Output"] == True, name="phase-blocked"):  # noqa: E712 (KFP condition)
@@ -96,6 +100,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     kfp_ops.compat_op,
                     config=config,
                     run_dir=run_dir,
+                    phase=phase,
                     candidate=continual.outputs["candidate"],
                     production=production.output,
                     accepted=accepted,

@@ -1,6 +1,7 @@
 """The KFP pipeline: compiled YAML is current, and a real kfp.local run goes through the stages."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -105,6 +106,10 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert not (rejected.run_dir / "rollout").exists()
     assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
     assert gallery()["by_version"] == {"1": 40}
+    # Compatibility training saw the phase and a validated shard of phase 0 (kept by phase 0's run).
+    compat_model = json.loads((rejected.run_dir / "compat" / "compat_model.json").read_text())
+    assert [Path(s).parent.name for s in compat_model["replay_shards"]] == ["phase-000"]
+    assert all(Path(s).is_file() for s in compat_model["replay_shards"])
 
     # The production model's weights as an independent candidate (lr ~ 0, method "none"): it declares its
     # own embedding space, so the rollout goes blue-green (fill a new collection, probe, move the alias).
