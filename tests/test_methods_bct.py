@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from _compat_pairs import one_thread, pair_batches, pairs
 
 from compat.methods import get_method, load_compat_model
-from compat.methods.bct import bct_loss, cross_model_loss, old_vector_rule
+from compat.methods.bct import (
+    bct_loss,
+    cross_model_loss,
+    old_model_matches,
+    old_vector_rule,
+    unmatched_to_old_image,
+)
 from compat.models import build_model
 
 
@@ -42,6 +48,28 @@ def test_bct_loss_equals_clip_loss_on_cross_pairs_by_hand():
     w_old.requires_grad_(True)
     cross_model_loss(v_new, w_new, v_old, w_old, s_old).backward()
     assert v_new.grad is not None and w_old.grad is None
+
+
+def test_unmatched_pairs_read_their_old_image_feature_as_the_i2t_classifier():
+    """Rows 0 and 2 are matched by the old model (their old image is closest to their own caption); row 1's
+    old image is closest to caption 0, so its i2t target becomes its own old image feature."""
+    e = torch.eye(4)
+    v_old = torch.stack([e[0], e[0] * 0.9 + e[3] * 0.1, e[2]])
+    w_old = torch.stack([e[0], e[1], e[2]])
+    v_old, w_old = F.normalize(v_old, dim=-1), F.normalize(w_old, dim=-1)
+    assert old_model_matches(v_old, w_old).tolist() == [True, False, True]
+    targets = unmatched_to_old_image(v_old, w_old)
+    assert torch.equal(targets[0], w_old[0]) and torch.equal(targets[2], w_old[2])
+    assert torch.equal(targets[1], v_old[1])
+
+    torch.manual_seed(2)
+    v_new, w_new = F.normalize(torch.randn(3, 4), dim=-1), F.normalize(torch.randn(3, 4), dim=-1)
+    terms = bct_loss(v_new, w_new, v_old, w_old, 10.0, 20.0, 1.0, synthesize_unmatched=True)
+    by_hand = (_clip_by_hand(v_new, targets, 20.0) + _clip_by_hand(v_old, w_new, 20.0)) / 2
+    assert terms.influence.item() == pytest.approx(by_hand.item(), rel=1e-5)
+    plain = bct_loss(v_new, w_new, v_old, w_old, 10.0, 20.0, 1.0)  # the default keeps every old caption
+    assert plain.influence.item() == pytest.approx(cross_model_loss(v_new, w_new, v_old, w_old, 20.0).item())
+    assert plain.influence.item() != pytest.approx(terms.influence.item())
 
 
 def test_narrower_old_features_are_zero_padded():

@@ -15,6 +15,14 @@ query -> new item), as every CLIP loss does. When the new embedding is wider tha
 are zero-padded ("BCT(+k)" of BT^2, Tables 1-4) and served by the ``zero_pad`` rule; when narrower, old
 features are truncated to the new width (``truncate`` rule). The new model is fully trainable, so
 ``trainable_parameters`` counts all of it.
+
+BCT's rule for classes the old classifier has never seen (Shen et al., Sec. 3.2: their old classifier
+weights are *synthesised* from the old model's features of the new classes' samples) is opt-in
+(``synthesize_unmatched``). In the image-text form a "new class" is a pair the old model cannot match: its
+old image feature's top-1 among the batch's old text features is not its own caption (the test of Mod-X's
+Eq. 3). For such a pair the old text feature is no usable classifier (an old text tower that never saw a
+domain's words embeds its captions without their content), so the image-to-text influence target of that
+row is the old model's own image feature of the pair instead (:func:`unmatched_to_old_image`).
 """
 
 from __future__ import annotations
@@ -76,17 +84,32 @@ def cross_model_loss(
     old_image: torch.Tensor,
     old_text: torch.Tensor,
     old_logit_scale: torch.Tensor | float,
+    i2t_targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``1/2 [clip(v_new, w_old) + clip(v_old, w_new)]`` with the old model's scale (the BCT influence loss).
 
     Inputs are L2-normalised; old features are detached and matched to the new width first.
+    ``i2t_targets`` replaces ``w_old`` in the first term (see :func:`unmatched_to_old_image`).
     """
     dim = new_image.shape[-1]
+    targets = match_old_dim((old_text if i2t_targets is None else i2t_targets).detach(), dim)
     old_image = match_old_dim(old_image.detach(), dim)
-    old_text = match_old_dim(old_text.detach(), dim)
     return (
-        clip_loss(new_image, old_text, old_logit_scale) + clip_loss(old_image, new_text, old_logit_scale)
+        clip_loss(new_image, targets, old_logit_scale) + clip_loss(old_image, new_text, old_logit_scale)
     ) / 2
+
+
+def old_model_matches(old_image: torch.Tensor, old_text: torch.Tensor) -> torch.Tensor:
+    """Rows whose old image feature retrieves its own caption first among the batch's old text features."""
+    return (old_image @ old_text.T).argmax(dim=1) == torch.arange(old_image.shape[0], device=old_image.device)
+
+
+def unmatched_to_old_image(old_image: torch.Tensor, old_text: torch.Tensor) -> torch.Tensor:
+    """The old "classifier" of each pair for the image-to-text influence term (BCT's synthesised classifier
+    for new classes, see the module docstring): its old text feature where the old model matches the pair,
+    its old image feature where it does not."""
+    keep = old_model_matches(old_image, old_text).unsqueeze(1)
+    return torch.where(keep, old_text, old_image)
 
 
 class BCTTerms(NamedTuple):
@@ -103,10 +126,13 @@ def bct_loss(
     new_logit_scale: torch.Tensor | float,
     old_logit_scale: torch.Tensor | float,
     influence_weight: float = 1.0,
+    synthesize_unmatched: bool = False,
 ) -> BCTTerms:
-    """``clip(v_new, w_new; s_new) + lambda * cross_model_loss(...)`` (see the module docstring)."""
+    """``clip(v_new, w_new; s_new) + lambda * cross_model_loss(...)`` (see the module docstring); with
+    ``synthesize_unmatched`` the image-to-text term reads :func:`unmatched_to_old_image` targets."""
     own = clip_loss(new_image, new_text, new_logit_scale)
-    influence = cross_model_loss(new_image, new_text, old_image, old_text, old_logit_scale)
+    targets = unmatched_to_old_image(old_image.detach(), old_text.detach()) if synthesize_unmatched else None
+    influence = cross_model_loss(new_image, new_text, old_image, old_text, old_logit_scale, targets)
     return BCTTerms(own + influence_weight * influence, own, influence)
 
 
@@ -120,6 +146,7 @@ class BCTConfig(MethodConfig):
     weight_decay: float = 0.1
     warmup_fraction: float = 0.1
     influence_weight: float = 1.0
+    synthesize_unmatched: bool = False  # BCT's synthesised classifier for pairs the old model cannot match
 
     def validate(self) -> None:
         if self.steps < 1 or self.lr <= 0 or self.influence_weight < 0:
@@ -152,7 +179,16 @@ def train_new_model(
         old_img, old_txt = frozen_features(old, batch, device, images)
         img = F.normalize(student.model.encode_image(images), dim=-1)
         txt = F.normalize(student.model.encode_text(tokens), dim=-1)
-        terms = bct_loss(img, txt, old_img, old_txt, student.model.logit_scale.exp(), s_old, influence_weight)
+        terms = bct_loss(
+            img,
+            txt,
+            old_img,
+            old_txt,
+            student.model.logit_scale.exp(),
+            s_old,
+            influence_weight,
+            synthesize_unmatched=config.synthesize_unmatched,
+        )
         if not torch.isfinite(terms.total):
             raise CompatError(
                 f"bct: the loss became {terms.total.item()} at step {step}; lower lr ({config.lr})"
