@@ -44,6 +44,7 @@ log = logging.getLogger("benchmarks.compat")
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "none (independent new)": ("none", {}),
     "bct": ("bct", {}),
+    "bct + synthesised classifier (BCT new-class rule)": ("bct", {"synthesize_unmatched": True}),
     "fct (lambda-orth baseline)": ("lambda_orth", {"variant": "fct"}),
     "lambda_orth (strict)": ("lambda_orth", {"variant": "strict"}),
     "bt2": ("bt2", {}),

@@ -324,7 +324,7 @@ def compat_stage(
         _checkpoint_dir(candidate),
         accepted_shards(validated_dir) + replay,
         out_dir,
-        settings={"steps": settings["steps"], "device": config["training"]["device"]},
+        settings={**settings["options"], "steps": settings["steps"], "device": config["training"]["device"]},
         batch_size=settings["batch_size"],
     )
     write_json_atomic(

@@ -48,6 +48,21 @@ def load_config(name_or_path: str | Path) -> dict[str, Any]:
             f"{path}: training.replay_rows is {training['replay_rows']}; with a replay buffer it must be in "
             f"[1, training.batch_size - 2] = [1, {training['batch_size'] - 2}] (or set replay_buffer_size: 0)"
         )
+    compat = document["compat"]
+    reserved = sorted({"steps", "device", "version", "old_space_id"} & set(compat["options"]))
+    if reserved:
+        raise ConfigError(
+            f"{path}: compat.options may not set {reserved}: steps is compat.steps, device is "
+            "training.device, and the pipeline sets version and old_space_id"
+        )
+    if compat["options"]:
+        from compat.methods import get_method
+        from compat.methods.base import CompatError
+
+        try:
+            get_method(compat["method"]).make_config(compat["options"], source=f"{path}: compat.options")
+        except CompatError as err:
+            raise ConfigError(str(err)) from err
     return document
 
 

@@ -10,7 +10,7 @@ def _key_paths(node, prefix=""):
     if isinstance(node, dict):
         for key, value in node.items():
             yield f"{prefix}{key}"
-            if key not in ("node_selector",):
+            if key not in ("node_selector", "options"):  # free-form maps: their keys are values
                 yield from _key_paths(value, f"{prefix}{key}.")
 
 
@@ -49,6 +49,24 @@ def test_replay_rows_must_fit_the_batch(tmp_path):
     document["training"]["replay_buffer_size"] = 0  # no buffer: the rows setting is unused
     path.write_text(yaml.safe_dump(document))
     assert load_config(path)["training"]["replay_rows"] == 16
+
+
+def test_compat_options_are_checked_against_the_method(tmp_path):
+    document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    path = tmp_path / "options.yaml"
+    for options, method, match in (
+        ({"influence_weight": "high"}, "bct", r"compat.options \(bct\): influence_weight"),
+        ({"synthesize_unmatched": True}, "lambda_orth", r"unknown setting\(s\) \['synthesize_unmatched'\]"),
+        ({"steps": 5}, "bct", r"compat.options may not set \['steps'\]"),
+    ):
+        document["compat"].update(method=method, options=options)
+        path.write_text(yaml.safe_dump(document))
+        with pytest.raises(ConfigError, match=match) as err:
+            load_config(path)
+        assert str(path) in str(err.value)
+    document["compat"].update(method="bct", options={"influence_weight": 2.0})
+    path.write_text(yaml.safe_dump(document))
+    assert load_config(path)["compat"]["options"] == {"influence_weight": 2.0}
 
 
 def test_unparseable_config(tmp_path):

@@ -117,7 +117,7 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     policy.write_text(PERMISSIVE_POLICY)
     config["gate"]["policy"] = str(policy)
     config["training"]["lr"] = 1e-12
-    config["compat"]["method"] = "none"
+    config["compat"].update(method="none", options={})
     passed = run_local(config, echo=io.StringIO())
     assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[
         -3000:
