@@ -699,16 +699,7 @@ class Rollout:
             state["restored"] = True
             self._save(state)
             return
-        self._switch(
-            state,
-            g["collection"],
-            state["new_query_model"],
-            previous={
-                "collection": g["source_collection"],
-                "space": g["source_space"],
-                "query_model": state["previous_query_model"],
-            },
-        )
+        self._serve_new(state)
         rec.update(state="accepted", finished_at=_now())
         state["stage"] = 1
         self._save(state)
@@ -737,6 +728,20 @@ class Rollout:
             state["cursor"]["adapt_position"] = end
             self._save(state)
         self.index.flush(g["collection"])
+
+    def _serve_new(self, state: dict[str, Any]) -> None:
+        """Queries go to the new model on the rollout's collection; the record keeps the source (rollback)."""
+        g = state["gallery"]
+        self._switch(
+            state,
+            g["collection"],
+            state["new_query_model"],
+            previous={
+                "collection": g["source_collection"],
+                "space": g["source_space"],
+                "query_model": state["previous_query_model"],
+            },
+        )
 
     def _switch(
         self,
@@ -881,16 +886,7 @@ class Rollout:
             state["fraction_backfilled"] = 0.0
             self._save(state)
             return
-        self._switch(
-            state,
-            g["collection"],
-            state["new_query_model"],
-            previous={
-                "collection": g["source_collection"],
-                "space": g["source_space"],
-                "query_model": state["previous_query_model"],
-            },
-        )
+        self._serve_new(state)
         rec.update(state="accepted", finished_at=_now())
         state["state"] = "completed"
         g["versions_after"] = self.index.count_by_version(g["collection"])
