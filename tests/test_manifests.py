@@ -848,7 +848,7 @@ def compile_cluster_tasks(path: Path) -> Path:
     @dsl.pipeline(name="cluster-task-settings")
     def pipeline():  # no annotations: this module postpones them and KFP reads them at runtime
         validation = resources.configure(
-            kfp_ops.validate_op(config="{}", shards=[], run_dir="/mnt/compatflow/runs/r"),
+            kfp_ops.validate_op(config="{}", phase=1, shards=[], run_dir="/mnt/compatflow/runs/r"),
             "validate_op",
             settings,
         )
