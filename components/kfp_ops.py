@@ -230,6 +230,16 @@ def serve_first_model_op(config: str, run_dir: str, version: str, gallery_shards
 
 
 @dsl.component(**COMPONENT)
+def ingest_op(config: str, run_dir: str, gallery_shards: List[str]) -> int:
+    """Upgrade runs: index the phase's new gallery items with the serving model; returns how many."""
+    from pathlib import Path
+
+    from components.stages import ingest_stage
+
+    return int(ingest_stage(config, Path(run_dir), gallery_shards)["n_new"])
+
+
+@dsl.component(**COMPONENT)
 def rollout_op(config: str, run_dir: str, version: str, gallery_shards: List[str]) -> str:
     """After a gate pass: staged backfill rollout (resumable), then ``production``; returns its state."""
     from pathlib import Path

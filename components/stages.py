@@ -183,20 +183,56 @@ def serve_first_model_stage(
     return summary
 
 
+def ingest_stage(config: Config, run_dir: Path, gallery_shards: list[str]) -> dict[str, Any]:
+    """Index the phase's new gallery items with the serving model, whatever the gate will decide.
+
+    Items already in the index are skipped (idempotent), so the items of every phase are searchable from
+    the run that brings them; an upgrade that ships later re-embeds them with the rest of the gallery.
+    Lineage records them. Writes ``ingest/ingest.json``.
+    """
+    from components.rollout import RolloutPaths
+    from components.rollout_stage import index_stage
+    from components.search import read_serving
+
+    config = as_config(config)
+    workspace = workspace_of(config)
+    serving = read_serving(RolloutPaths.for_workspace(workspace).serving)
+    if serving is None:
+        raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
+    served = serving["query_model"]
+    added = index_stage(
+        workspace,
+        served["uri"],
+        served["version"],
+        "",
+        gallery_shards,
+        seed=config["training"]["seed"],
+        uri=config["index"]["uri"],
+    )
+    summary = {
+        "model_version": served["version"],
+        "n_items": added["n_items"],
+        "n_new": added["n_new"],
+        "lineage_recorded": _record_lineage(config, added.pop("new_items")),
+    }
+    write_json_atomic(run_dir / "ingest" / "ingest.json", summary)
+    return summary
+
+
 def rollout_candidate_stage(
     config: Config, run_dir: Path, version: str, gallery_shards: list[str]
 ) -> dict[str, Any]:
     """After a gate pass: roll ``version`` out and make it ``production``.
 
-    The phase's new gallery items are first indexed with the serving model, like any item that arrives
-    between upgrades; then the rollout switches queries and backfills the whole gallery in stages,
-    probing each (resumable; a rollback restores every item it touched). Lineage follows the index.
-    A rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
-    ``rejected`` and leaves ``production`` where it was.
+    The phase's new gallery items are already indexed with the serving model (:func:`ingest_stage`, which
+    runs again here when the queries have not switched yet: idempotent); the rollout switches queries and
+    backfills the whole gallery in stages, probing each (resumable; a rollback restores every item it
+    touched). Lineage follows the index. A rollout that halts (a stage probe fell below its floor; the
+    stage was restored) ends the run ``rejected`` and leaves ``production`` where it was.
     """
     from components.lineage import sync_from_index
     from components.rollout import RolloutPaths
-    from components.rollout_stage import index_stage, rollout_stage
+    from components.rollout_stage import rollout_stage
     from components.search import read_serving
 
     config = as_config(config)
@@ -206,11 +242,7 @@ def rollout_candidate_stage(
     if serving is None:
         raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
     if serving["query_model"]["version"] != str(version):  # not yet switched: a resumed run skips this
-        served = serving["query_model"]
-        added = index_stage(
-            workspace, served["uri"], served["version"], "", gallery_shards, seed=seed, uri=uri
-        )
-        _record_lineage(config, added.pop("new_items"))
+        ingest_stage(config, run_dir, gallery_shards)
     state = rollout_stage(
         workspace,
         version,

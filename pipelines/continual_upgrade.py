@@ -96,6 +96,9 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     gallery_shards=gallery_shards,
                 )
             with dsl.If(production.output != "", name="upgrade"):
+                ingest = _task(
+                    kfp_ops.ingest_op, config=config, run_dir=run_dir, gallery_shards=gallery_shards
+                )
                 compatible = _task(
                     kfp_ops.compat_op,
                     config=config,
@@ -137,7 +140,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                         run_dir=run_dir,
                         version=candidate.output,
                         gallery_shards=gallery_shards,
-                    )
+                    ).after(ingest)
                 with dsl.If(gate.outputs["Output"] == "block", name="gate-blocked"):
                     _task(
                         kfp_ops.note_blocked_op,

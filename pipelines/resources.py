@@ -29,6 +29,8 @@ gate_op                cpu    yes    no     deterministic, but it reads the poli
 register_op            cpu    no     no     creates an MLflow model version per call
 serve_first_model_op   gpu    yes    no     embeds the gallery; indexing skips items already
                                             indexed, lineage and promotion are idempotent
+ingest_op              gpu    yes    no     embeds the phase's new gallery items; indexing skips
+                                            items already indexed (lineage records only new ones)
 rollout_op             gpu    yes    no     re-embeds the gallery; the rollout resumes from its
                                             durable state after any crash; writes live services
 note_blocked_op        cpu    yes    no     an atomic write; caching would skip the write itself
@@ -73,6 +75,7 @@ STAGE_KINDS: dict[str, str] = {
     "gate_op": "cpu",
     "register_op": "cpu",
     "serve_first_model_op": "gpu",
+    "ingest_op": "gpu",
     "rollout_op": "gpu",
     "note_blocked_op": "cpu",
     "finish_op": "cpu",
@@ -87,6 +90,7 @@ RETRYABLE: set[str] = {
     "evaluate_op",
     "gate_op",
     "serve_first_model_op",
+    "ingest_op",
     "rollout_op",
     "note_blocked_op",
     "finish_op",

@@ -34,6 +34,7 @@ def test_compiled_pipeline_gates_downstream_stages():
         "phase-valid", "validate-op-Output"
     )
     assert guarded("gate-passed", "gate-op-Output") == {"rollout-op"}
+    assert "ingest-op" in guarded("upgrade", "resolve-production-op-Output")
     assert guarded("gate-blocked", "gate-op-Output") == {"note-blocked-op-2"}
     assert guarded("first-model", "resolve-production-op-Output") == {"register-op", "serve-first-model-op"}
 
@@ -105,7 +106,10 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert json.loads((rejected.run_dir / "blocked.json").read_text())["stage"] == "gate"
     assert not (rejected.run_dir / "rollout").exists()
     assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
-    assert gallery()["by_version"] == {"1": 40}
+    # The phase's new gallery items are served (by production) although its candidate was refused.
+    assert gallery()["by_version"] == {"1": 80}
+    assert lineage.version_counts() == {"1": 80}
+    assert json.loads((rejected.run_dir / "ingest" / "ingest.json").read_text())["n_new"] == 40
     # Compatibility training saw the phase and a validated shard of phase 0 (kept by phase 0's run).
     compat_model = json.loads((rejected.run_dir / "compat" / "compat_model.json").read_text())
     assert [Path(s).parent.name for s in compat_model["replay_shards"]] == ["phase-000"]

@@ -207,6 +207,7 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
         "compat_op",
         "evaluate_op",
         "serve_first_model_op",  # embeds the whole gallery
+        "ingest_op",  # embeds a phase's new items
         "rollout_op",  # re-embeds it
     }
     assert resources.RETRYABLE <= set(ops) and resources.CACHEABLE <= set(ops)
@@ -217,6 +218,7 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
         "gate_op",
         "register_op",
         "serve_first_model_op",
+        "ingest_op",
         "rollout_op",
         "note_blocked_op",
         "finish_op",
@@ -237,7 +239,7 @@ def test_shipped_cluster_config_requests_its_gpu_pool(tmp_path: Path) -> None:
     check_task_settings(path, config)
     spec, executors = load_compiled(path)
     gpu_tasks = [t for t in compiled_tasks(spec) if resources.STAGE_KINDS[t["op"]] == "gpu"]
-    assert len(gpu_tasks) == 5 and all(
+    assert len(gpu_tasks) == 6 and all(
         t["resources"]["accelerator"]["resourceType"] == GPU for t in gpu_tasks
     )
 
