@@ -240,13 +240,13 @@ def ingest_op(config: str, run_dir: str, gallery_shards: List[str]) -> int:
 
 
 @dsl.component(**COMPONENT)
-def rollout_op(config: str, run_dir: str, version: str, gallery_shards: List[str]) -> str:
+def rollout_op(config: str, run_dir: str, version: str) -> str:
     """After a gate pass: staged backfill rollout (resumable), then ``production``; returns its state."""
     from pathlib import Path
 
     from components.stages import rollout_candidate_stage
 
-    return rollout_candidate_stage(config, Path(run_dir), version, gallery_shards)["rollout"]["state"]
+    return rollout_candidate_stage(config, Path(run_dir), version)["rollout"]["state"]
 
 
 @dsl.component(**COMPONENT)

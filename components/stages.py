@@ -219,30 +219,21 @@ def ingest_stage(config: Config, run_dir: Path, gallery_shards: list[str]) -> di
     return summary
 
 
-def rollout_candidate_stage(
-    config: Config, run_dir: Path, version: str, gallery_shards: list[str]
-) -> dict[str, Any]:
+def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict[str, Any]:
     """After a gate pass: roll ``version`` out and make it ``production``.
 
-    The phase's new gallery items are already indexed with the serving model (:func:`ingest_stage`, which
-    runs again here when the queries have not switched yet: idempotent); the rollout switches queries and
-    backfills the whole gallery in stages, probing each (resumable; a rollback restores every item it
-    touched). Lineage follows the index. A rollout that halts (a stage probe fell below its floor; the
-    stage was restored) ends the run ``rejected`` and leaves ``production`` where it was.
+    The phase's new gallery items are already indexed with the serving model (:func:`ingest_stage` runs
+    before it in the pipeline); the rollout switches queries and backfills the whole gallery in stages,
+    probing each (resumable; a rollback restores every item it touched). Lineage follows the index. A
+    rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
+    ``rejected`` and leaves ``production`` where it was.
     """
     from components.lineage import sync_from_index
-    from components.rollout import RolloutPaths
     from components.rollout_stage import rollout_stage
-    from components.search import read_serving
 
     config = as_config(config)
     settings, uri, seed = config["rollout"], config["index"]["uri"], config["training"]["seed"]
     workspace = workspace_of(config)
-    serving = read_serving(RolloutPaths.for_workspace(workspace).serving)
-    if serving is None:
-        raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
-    if serving["query_model"]["version"] != str(version):  # not yet switched: a resumed run skips this
-        ingest_stage(config, run_dir, gallery_shards)
     state = rollout_stage(
         workspace,
         version,

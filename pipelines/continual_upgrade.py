@@ -134,13 +134,9 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     bootstrap=False,
                 ).after(gate)
                 with dsl.If(gate.outputs["Output"] == "pass", name="gate-passed"):
-                    _task(
-                        kfp_ops.rollout_op,
-                        config=config,
-                        run_dir=run_dir,
-                        version=candidate.output,
-                        gallery_shards=gallery_shards,
-                    ).after(ingest)
+                    _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=candidate.output).after(
+                        ingest
+                    )
                 with dsl.If(gate.outputs["Output"] == "block", name="gate-blocked"):
                     _task(
                         kfp_ops.note_blocked_op,

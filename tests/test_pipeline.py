@@ -126,6 +126,7 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[
         -3000:
     ]
+    assert json.loads((passed.run_dir / "ingest" / "ingest.json").read_text())["n_new"] == 40
     rollout = json.loads((passed.run_dir / "rollout" / "rollout.json").read_text())
     assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
     assert rollout["rollout"]["mode"] == "blue_green"
