@@ -92,7 +92,11 @@ def main() -> None:
         if phase == 1:
             train = load_captioned_set(phase_urls(stream, phase, "train"))
             x = cand.encode_images(train.images, batch_size=256)
-            y = torch.stack([old.encode_texts(cs, batch_size=8).mean(0) for cs in train.captions])
+            flat, owner_list = _owners(train.captions)
+            per_caption = old.encode_texts(flat, batch_size=256)
+            counts = torch.bincount(torch.tensor(owner_list)).unsqueeze(1).to(per_caption.dtype)
+            y = torch.zeros(len(train.captions), per_caption.shape[1], dtype=per_caption.dtype)
+            y = y.index_add_(0, torch.tensor(owner_list), per_caption) / counts
             w = torch.linalg.solve(x.T @ x + args.ridge * torch.eye(x.shape[1]), x.T @ y)
             queries = torch.nn.functional.normalize(
                 cand.encode_images(data.images, batch_size=256) @ w, dim=-1

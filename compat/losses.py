@@ -62,6 +62,14 @@ def clip_loss(
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
 
 
+def matched_rows(similarity: torch.Tensor) -> torch.Tensor:
+    """Mod-X Eq 3's test per row of a pair-similarity matrix: is the row's argmax its own pair (the diagonal)?
+
+    ``argmax`` returns the first maximal index, so a row whose diagonal ties an earlier column fails.
+    """
+    return similarity.argmax(dim=1) == torch.arange(similarity.shape[0], device=similarity.device)
+
+
 def _corrected_row_kl(
     student: torch.Tensor, teacher: torch.Tensor, selective_correction: bool = True
 ) -> torch.Tensor:
@@ -77,9 +85,7 @@ def _corrected_row_kl(
     per_row = (log_p.exp() * (log_p - log_q)).sum(dim=1)
     if not selective_correction:
         return per_row.sum()
-    rows = torch.arange(teacher.shape[0], device=teacher.device)
-    keep = teacher.argmax(dim=1) == rows
-    return (per_row * keep).sum()
+    return (per_row * matched_rows(teacher)).sum()
 
 
 def modx_kl(
@@ -132,8 +138,7 @@ def teacher_rows_kept(old_image: torch.Tensor, old_text: torch.Tensor) -> torch.
     """
     with torch.no_grad():
         m = _at_least_fp32(old_image) @ _at_least_fp32(old_text).T
-        rows = torch.arange(m.shape[0], device=m.device)
-        return ((m.argmax(dim=1) == rows).float().mean() + (m.argmax(dim=0) == rows).float().mean()) / 2
+        return (matched_rows(m).float().mean() + matched_rows(m.T).float().mean()) / 2
 
 
 class LossTerms(NamedTuple):

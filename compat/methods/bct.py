@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from compat.losses import clip_loss
+from compat.losses import clip_loss, matched_rows
 from compat.methods import register_method
 from compat.methods.base import (
     Batch,
@@ -101,7 +101,7 @@ def cross_model_loss(
 
 def old_model_matches(old_image: torch.Tensor, old_text: torch.Tensor) -> torch.Tensor:
     """Rows whose old image feature retrieves its own caption first among the batch's old text features."""
-    return (old_image @ old_text.T).argmax(dim=1) == torch.arange(old_image.shape[0], device=old_image.device)
+    return matched_rows(old_image @ old_text.T)
 
 
 def unmatched_to_old_image(old_image: torch.Tensor, old_text: torch.Tensor) -> torch.Tensor:
