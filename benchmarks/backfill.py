@@ -439,23 +439,17 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             "during": during,
         }
 
-    rounds = []
-    for r in range(3):  # bare encoder and backfill back to back: the machine's load drifts
-        bare = bare_encoder()[1]
-        run = one_rollout(f"tput_{r}", None)
-        rounds.append({"bare": bare, "bare_cpu": bare_cpu[True], **run, "ratio": run["items_per_s"] / bare})
-    pinned = []
+    def measured(alias: str, load_s: float | None = None, bare_first: bool = True) -> dict[str, Any]:
+        """One rollout and the bare encoder back to back (the machine's load drifts)."""
+        bare = bare_encoder()[1] if bare_first else None
+        run = one_rollout(alias, load_s)
+        bare = bare if bare is not None else bare_encoder()[1]
+        return {**run, "bare": bare, "bare_cpu": bare_cpu[True], "ratio": run["items_per_s"] / bare}
+
+    rounds = [measured(f"tput_{r}") for r in range(3)]
     with index_on_its_own_core(server) as ok:
-        for r in range(2 if ok else 0):
-            bare = bare_encoder()[1]
-            run = one_rollout(f"tput_pinned_{r}", None)
-            pinned.append(
-                {"bare": bare, "bare_cpu": bare_cpu[True], **run, "ratio": run["items_per_s"] / bare}
-            )
-    loaded = one_rollout("tput_load", idle_s)
-    loaded["bare"] = bare_encoder()[1]
-    loaded["bare_cpu"] = bare_cpu[True]
-    loaded["ratio"] = loaded["items_per_s"] / loaded["bare"]
+        pinned = [measured(f"tput_pinned_{r}") for r in range(2 if ok else 0)]
+    loaded = measured("tput_load", idle_s, bare_first=False)
     return {
         "raw": raw,
         "main_thread": main_thread,
