@@ -184,7 +184,8 @@ def run_continual(
     from compat.data.synth import load_manifest, phase_urls
     from compat.io import write_json_atomic
     from compat.metrics import spatial_disorder
-    from compat.models import build_model, load_checkpoint, read_sidecar, save_checkpoint
+    from compat.models import build_model, save_checkpoint
+    from compat.production import load_production
     from compat.training import (
         ReplayBatchSource,
         ReplayBuffer,
@@ -218,22 +219,18 @@ def run_continual(
     if dev == "cuda" and dist.distributed:
         dev = f"cuda:{dist.local_rank}"
 
-    parent = None if bootstrap else read_sidecar(Path(production))
+    # Whatever method produced production (a plain checkpoint or a compatible model), the student and the
+    # Mod-X teacher are its backbone network; the serving encoder is the start model evaluated below.
+    parent = None if bootstrap else load_production(production, device=dev)
     if bootstrap or method_used == "foundation":
         student = build_model(config_name, device=dev, seed=seed)
     else:
-        student = load_checkpoint(Path(production), device=dev)
+        student = parent.backbone(device=dev)
         if student.config_name != config_name:
             log.info(
                 "production model is %s; training that config (not %s)", student.config_name, config_name
             )
-    if method_used == "joint" and parent is not None and parent.get("extra", {}).get("phase", 0) != 0:
-        log.warning(
-            "joint training starts from %s (phase %s); the paper's upper bound starts from CLIP_0",
-            parent["version"],
-            parent["extra"]["phase"],
-        )
-    teacher = load_checkpoint(Path(production), device=dev) if method_used == "modx" else None
+    teacher = parent.backbone(device=dev) if method_used == "modx" else None
 
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = replay_buffer_size > 0 and method_used in ("modx", "finetune")
@@ -287,7 +284,7 @@ def run_continual(
         "replay": {"buffer_size": replay_buffer_size, "rows": replay_rows} if replay else None,
         "seed": seed,
         "stream_seed": manifest["seed"],
-        "parent": None if parent is None else {"version": parent["version"], "sha256": parent["sha256"]},
+        "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
     }
     sidecar = save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
 
@@ -304,15 +301,14 @@ def run_continual(
     candidate, cand_emb = evaluate_domains(student, sets, dev, eval_batch_size)
     start_metrics, sd_doc = None, None
     if not bootstrap:
-        start_model = teacher or load_checkpoint(Path(production), device=dev)
-        start_metrics, start_emb = evaluate_domains(start_model, sets, dev, eval_batch_size)
+        start_metrics, start_emb = evaluate_domains(parent.encoder, sets, dev, eval_batch_size)
         newest = entry["domain"]
         old, new = start_emb[newest], cand_emb[newest]
         if old.images.shape[1] == new.images.shape[1]:  # rotation angles need one embedding dimension
             sd_doc = {
                 "phase": phase,
                 "domain": newest,
-                "old_model": parent["version"],
+                "old_model": parent.version,
                 "new_model": version,
                 **spatial_disorder(old.images, old.first_captions(), new.images, new.first_captions()),
             }
@@ -327,9 +323,7 @@ def run_continual(
         "alpha": alpha_used,
         "model_config": student.config_name,
         "candidate": {"path": str(sidecar.parent), "version": version},
-        "production": None
-        if parent is None
-        else {"path": str(Path(production)), "version": parent["version"]},
+        "production": None if parent is None else parent.describe(),
         "training": {
             **config.to_dict(),
             "train_shards": len(urls),

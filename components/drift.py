@@ -288,10 +288,10 @@ def run_drift(
     current_samples = sample_phase(current, sample_size, seed + 1)
     bundle = None
     if production_checkpoint is not None:
-        from compat.models.checkpoint import load_checkpoint
+        from compat.production import load_encoder
 
         logger.info("embedding both sides with the production model %s", production_checkpoint)
-        bundle = load_checkpoint(Path(production_checkpoint))
+        bundle = load_encoder(production_checkpoint)  # its serving encoder, whatever method produced it
     summary = compute_drift(reference_samples, current_samples, bundle, out_dir / "drift_report.html")
     summary.update(
         {

@@ -74,8 +74,8 @@ def evaluate(
     from compat.io import write_json_atomic
     from compat.methods.base import CompatModel, resolve_device
     from compat.methods.none import independent_model
-    from compat.methods.run import load_encoder, space_id_of
     from compat.models import load_checkpoint
+    from compat.production import load_encoder, space_id_of
     from schemas import validate
 
     dev = resolve_device(device)

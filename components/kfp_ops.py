@@ -54,11 +54,13 @@ def plan_op(config: str, phase: int, run_id: str, job_name: str) -> NamedTuple(
 
 
 @dsl.component(**COMPONENT)
-def resolve_production_op(config: str) -> str:
-    """Path of the production checkpoint from the registry, or "" on the very first run."""
+def resolve_production_op(config: str, run_dir: str) -> str:
+    """Path of the production model from the registry, or "" on the very first run."""
+    from pathlib import Path
+
     from components.stages import resolve_production
 
-    return resolve_production(config)
+    return resolve_production(config, Path(run_dir))
 
 
 @dsl.component(**COMPONENT)

@@ -53,6 +53,10 @@ class RegistryError(RuntimeError):
     """A registry operation cannot be done; the message says why and what to do."""
 
 
+class CheckpointIntegrityError(RegistryError):
+    """A workspace copy of a registered model differs from the manifest it was registered with."""
+
+
 class PromotionError(RegistryError):
     """``production`` may not move to this version (no gate pass, or rollout not completed)."""
 
@@ -471,14 +475,14 @@ def verify_checkpoint(directory: str | Path, expected_digest: str | None = None)
     directory = Path(directory)
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
-        raise RegistryError(f"{directory} has no {MANIFEST}: cannot verify the checkpoint")
+        raise CheckpointIntegrityError(f"{directory} has no {MANIFEST}: cannot verify the checkpoint")
     manifest = json.loads(manifest_path.read_text())
     if expected_digest is not None and _manifest_digest(manifest) != expected_digest:
-        raise RegistryError(f"{manifest_path} does not match the digest registered with the model version")
+        raise CheckpointIntegrityError(f"{manifest_path} does not match the digest registered with the model version")
     actual = file_manifest(directory)
     if actual != manifest:
         bad = sorted(k for k in set(actual) | set(manifest) if actual.get(k) != manifest.get(k))
-        raise RegistryError(f"checkpoint {directory} differs from its manifest in: {', '.join(bad)}")
+        raise CheckpointIntegrityError(f"checkpoint {directory} differs from its manifest in: {', '.join(bad)}")
     return manifest
 
 

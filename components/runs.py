@@ -26,6 +26,8 @@ STATE_FILE = "state.json"
 RUN_FILE = "run.json"
 VALIDATED_DIR = "validated"
 BLOCKED_FILE = "blocked.json"
+FAILURE_FILE = "failure.json"
+OUTCOME_FILE = "outcome.json"
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -191,8 +193,97 @@ def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error
         "pipeline_state": pipeline_state,
         "error": error or None,
     }
-    write_json_atomic(run_dir / "outcome.json", outcome)
+    failure = read_failure(run_dir) if outcome["status"] == "failed" else None
+    if failure is not None:
+        outcome.update(
+            failed_step=failure["step"],
+            error=failure["error"],
+            next_action=failure["next_action"],
+            pipeline_error=error or None,
+        )
+    write_json_atomic(run_dir / OUTCOME_FILE, outcome)
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
         record_phase(Path(config["workspace"]).resolve(), plan["phase"], outcome["status"], plan["run_id"])
     return outcome
+
+
+# --------------------------------------------------------------------------------------------- failures
+_CHECKPOINT_ERRORS = (
+    "ChecksumError",
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CompatError",
+    "ProductionModelError",
+)
+
+
+def next_action(step: str, error_type: str) -> str:
+    """What on-call should do after ``step`` raised ``error_type`` (one sentence)."""
+    if error_type in _CHECKPOINT_ERRORS:
+        return (
+            "a model file failed its integrity check: delete the named model folder under workspace/models "
+            "(the next run downloads it again from the registry and verifies it), or `compatflow rollback` "
+            "to the previous production model"
+        )
+    if step == "rollout":
+        return (
+            "run again: the rollout resumes from its cursor with its own configuration; or undo it with "
+            "`compatflow rollout rollback`"
+        )
+    if step == "validate" or error_type in ("ValidationError", "ShardError"):
+        return "fix the phase's shards named above, then run again (the phase is retried)"
+    if error_type in ("ConfigError", "PlanError"):
+        return "fix the configuration or the stream named above, then run again"
+    return (
+        "run again (the phase is retried); if it fails the same way, fix the cause named above, "
+        "or `compatflow rollback` if production itself is at fault"
+    )
+
+
+def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, Any]:
+    """Write ``<run_dir>/failure.json``: the step that raised, the exception and what to do next.
+
+    The first failure of a run is kept (a later step failing because of it would only hide the cause).
+    """
+    import traceback
+
+    path = Path(run_dir) / FAILURE_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    error_type = type(error).__name__
+    document = {
+        "step": step,
+        "error": {
+            "type": error_type,
+            "message": str(error),
+            "traceback": traceback.format_exception(error)[-12:],
+        },
+        "next_action": next_action(step, error_type),
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    write_json_atomic(path, document)
+    return document
+
+
+def read_failure(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``failure.json`` (None when no step recorded a failure or the file is unreadable)."""
+    path = Path(run_dir) / FAILURE_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def locate_in_log(log_path: Path, failure: dict[str, Any]) -> int | None:
+    """The 1-based line of ``log_path`` where the failure's exception is printed (its last traceback line)."""
+    if not log_path.is_file():
+        return None
+    needle = f"{failure['error']['type']}: "
+    first_line = failure["error"]["message"].splitlines()[0] if failure["error"]["message"] else ""
+    found = None
+    with open(log_path, errors="replace") as fh:
+        for number, line in enumerate(fh, start=1):
+            if needle in line and first_line in line:
+                found = found or number
+    return found

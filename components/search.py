@@ -123,18 +123,12 @@ def load_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
 
 
 def load_model(uri: str, device: str = "cpu") -> Any:
-    """A compatible-model directory (``compat.json``) or a plain checkpoint directory, loaded."""
-    from compat.methods.base import is_compat_dir, load_compat_model
-    from compat.models import load_checkpoint
+    """The serving encoder of the model directory at ``uri`` (see :func:`compat.production.load_encoder`)."""
+    from compat.production import load_encoder
 
     if not uri:
         raise ServingError("the query model has no 'uri' (a model or checkpoint directory) to load")
-    path = Path(uri)
-    return (
-        load_compat_model(path, device=device)
-        if is_compat_dir(path)
-        else load_checkpoint(path, device=device)
-    )
+    return load_encoder(uri, device=device)
 
 
 def model_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:

@@ -8,11 +8,13 @@ implementation, writes its summary under ``<run_dir>/<stage>/`` (what the on-cal
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from compat.io import write_json_atomic
 
@@ -25,6 +27,29 @@ BOOTSTRAP_REASON = {
 
 
 Config = dict[str, Any] | str
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def step(name: str) -> Callable[[F], F]:
+    """Name a step function ``f(config, run_dir, ...)``: when it raises, ``<run_dir>/failure.json`` records
+    the step, the exception and what to do next (:func:`components.runs.record_failure`), for the report,
+    ``outcome.json`` and the CLI."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(config: Config, run_dir: Path | None = None, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(config, run_dir, *args, **kwargs)
+            except Exception as error:
+                from components.runs import record_failure
+
+                if run_dir is not None:
+                    record_failure(Path(run_dir), name, error)
+                raise
+
+        return run  # type: ignore[return-value]
+
+    return decorate
 
 
 def as_config(config: Config) -> dict[str, Any]:
@@ -34,14 +59,20 @@ def as_config(config: Config) -> dict[str, Any]:
 
 def plan_stage(config: Config, phase: int, run_id: str) -> dict[str, Any]:
     """The run's plan (see :func:`components.runs.plan_run`); fails when every phase has succeeded."""
-    from components.runs import PlanError, plan_run
+    from components.runs import PlanError, plan_run, record_failure, run_dir_for
 
-    plan = plan_run(as_config(config), phase, run_id)
-    if plan is None:
-        raise PlanError("every phase of the stream has succeeded: nothing to run")
+    config = as_config(config)
+    try:
+        plan = plan_run(config, phase, run_id)
+        if plan is None:
+            raise PlanError("every phase of the stream has succeeded: nothing to run")
+    except Exception as error:
+        record_failure(run_dir_for(config, run_id), "plan", error)
+        raise
     return plan
 
 
+@step("validate")
 def validate_stage(
     config: Config, run_dir: Path, phase: int, shards: list[str], out_dir: Path, summary_path: Path
 ) -> dict:
@@ -69,6 +100,7 @@ def accepted_shards(validated_dir: str | Path) -> list[str]:
     return sorted(str(p) for p in Path(validated_dir, "accepted").glob("*.tar"))
 
 
+@step("drift")
 def drift_stage(
     config: Config,
     run_dir: Path,
@@ -129,8 +161,12 @@ def registry_of(config: dict[str, Any]) -> Any:
     return Registry(workspace_of(config), model_name=config["registry"]["model_name"])
 
 
-def resolve_production(config: Config) -> str:
-    """Path of the production checkpoint (downloaded and verified once per version), or "" if none."""
+@step("resolve-production")
+def resolve_production(config: Config, run_dir: Path | None = None) -> str:
+    """Path of the production model (downloaded and verified once per version), or "" if none.
+
+    The model may be a plain checkpoint or a compatible model of any method (:mod:`compat.production`).
+    ``run_dir`` is where a failure is recorded."""
     config = as_config(config)
     registry = registry_of(config)
     version = registry.alias_version("production") if registry.exists() else None
@@ -153,6 +189,7 @@ def model_dir_of(config: Config, version: str) -> str:
     return str(registry_of(config).download(version, target))
 
 
+@step("serve-first-model")
 def serve_first_model_stage(
     config: Config, run_dir: Path, version: str, gallery_shards: list[str]
 ) -> dict[str, Any]:
@@ -183,6 +220,7 @@ def serve_first_model_stage(
     return summary
 
 
+@step("ingest")
 def ingest_stage(config: Config, run_dir: Path, gallery_shards: list[str]) -> dict[str, Any]:
     """Index the phase's new gallery items with the serving model, whatever the gate will decide.
 
@@ -219,6 +257,7 @@ def ingest_stage(config: Config, run_dir: Path, gallery_shards: list[str]) -> di
     return summary
 
 
+@step("rollout")
 def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict[str, Any]:
     """After a gate pass: roll ``version`` out and make it ``production``.
 
@@ -229,7 +268,8 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
     ``rejected`` and leaves ``production`` where it was.
     """
     from components.lineage import sync_from_index
-    from components.rollout_stage import rollout_stage
+    from components.rollout import RolloutPaths, rollback
+    from components.rollout_stage import open_index, rollout_stage
 
     config = as_config(config)
     settings, uri, seed = config["rollout"], config["index"]["uri"], config["training"]["seed"]
@@ -242,8 +282,15 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
         fractions=settings["fractions"],
         seed=seed,
         batch_size=settings["batch_size"],
+        floors=settings.get("floors") or {},
         uri=uri,
     )
+    if state["state"] == "halted":
+        # Halt means roll back: the stages accepted before the halted one are undone too and queries go back
+        # to the production model, so the gallery holds production's vectors only and production, the
+        # serving record and the index agree on what is served (the next upgrade is compatible with it).
+        with open_index(workspace, uri) as index:
+            state = rollback(RolloutPaths.for_workspace(workspace), index)
     gallery = state["gallery"]
     summary: dict[str, Any] = {
         "version": version,
@@ -255,7 +302,7 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
         registry_of(config).promote(version, rollout_state=state)
     else:
         reason = state.get("halt_reason") or "see rollout/rollout.json"
-        note_blocked(run_dir, "rollout", f"rollout {state['state']}: {reason}")
+        note_blocked(run_dir, "rollout", f"rollout halted and rolled back: {reason}")
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
     write_json_atomic(run_dir / "rollout" / "rollout_state.json", state)  # for the on-call report
     return summary
@@ -272,6 +319,7 @@ def _record_lineage(config: dict[str, Any], items: list[dict[str, Any]]) -> int:
     return store.write_items(items)
 
 
+@step("continual")
 def continual_stage(
     config: Config,
     run_dir: Path,
@@ -295,6 +343,7 @@ def continual_stage(
     training = config["training"]
     foundation = bool(production) and config["compat"]["scenario"] == "foundation"
     accepted = accepted_shards(validated_dir)
+    budget = training_budget(training, _validated_count(validated_dir))
     metrics = run_continual(
         stream_dir,
         phase,
@@ -306,7 +355,7 @@ def continual_stage(
         replay_buffer_size=training["replay_buffer_size"],
         replay_rows=training["replay_rows"],
         replay_urls=replay_shards(config, phase) if training["replay_buffer_size"] else None,
-        steps=training["steps"],
+        steps=budget["steps"],
         batch_size=training["batch_size"],
         lr=training["lr"],
         warmup_fraction=training["warmup_fraction"],
@@ -315,10 +364,56 @@ def continual_stage(
         train_urls=accepted or None,
         version=f"{run_dir.name}",
     )
+    if metrics:
+        metrics["budget"] = budget
+        write_json_atomic(Path(out_dir) / "metrics.json", metrics)
     _copy_summaries(out_dir, run_dir / "continual", ("metrics.json", "spatial_disorder.json"))
     return metrics
 
 
+# A budget that passes over the phase more often than this is reported as a warning (it memorises the phase).
+MAX_EPOCHS_WITHOUT_WARNING = 20.0
+
+
+def training_budget(training: dict[str, Any], samples: int | None) -> dict[str, Any]:
+    """Optimizer steps of the phase: ``training.steps``, or ``ceil(epochs x samples / batch_size)`` when
+    ``training.epochs`` is set; with the epochs the budget amounts to and a warning when it repeats a small
+    phase many times (shown in the report)."""
+    import math
+
+    batch, epochs = training["batch_size"], training.get("epochs")
+    if epochs is not None and samples:
+        steps = max(1, math.ceil(float(epochs) * samples / batch))
+    else:
+        steps = int(training["steps"])
+    passes = None if not samples else round(steps * batch / samples, 2)
+    warning = None
+    if passes is not None and passes > MAX_EPOCHS_WITHOUT_WARNING:
+        warning = (
+            f"the budget ({steps} steps x {batch} pairs) passes over this phase's {samples} samples "
+            f"{passes:g} times: the model may memorise it; set training.epochs (e.g. 5) to size the budget "
+            "to the phase"
+        )
+        logger.warning(warning)
+    return {
+        "steps": steps,
+        "from": "epochs" if epochs is not None and samples else "steps",
+        "samples": samples,
+        "epochs": passes,
+        "warning": warning,
+    }
+
+
+def _validated_count(validated_dir: str | Path) -> int | None:
+    """Samples the validation stage accepted (its ``validation.json``), or None when unknown."""
+    path = Path(validated_dir) / "validation.json"
+    try:
+        return int(json.loads(path.read_text())["passed"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+@step("compat")
 def compat_stage(
     config: Config,
     run_dir: Path,
@@ -363,6 +458,7 @@ def compat_stage(
     return str(out_dir)
 
 
+@step("evaluate")
 def evaluate_stage(
     config: Config,
     run_dir: Path,
@@ -389,6 +485,7 @@ def evaluate_stage(
     return report
 
 
+@step("gate")
 def gate_stage(config: Config, run_dir: Path, report: str, validation: str, drift: str, out_dir: Path) -> str:
     """Pass or block (fail-closed); returns the decision."""
     from components.gate import run_gate
@@ -414,6 +511,7 @@ def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
     return document
 
 
+@step("register")
 def register_stage(
     config: Config, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
 ) -> dict:

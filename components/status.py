@@ -27,6 +27,7 @@ def collect(
         "registry": registry_status(ws, model_name),
         "last_gate": last_gate(ws),
         "rollout": rollout_state(ws),
+        "phases": phase_history(ws),
     }
     from components import plugins
 
@@ -59,6 +60,24 @@ def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict
     except Exception as err:  # noqa: BLE001 - status must show what it can
         log.warning("cannot read the registry at %s: %s", registry.tracking_uri, err)
         return {**empty, "error": f"{type(err).__name__}: {err}"}
+
+
+def phase_history(ws: Workspace) -> list[dict[str, Any]]:
+    """Every phase's outcome from ``state.json``, oldest first, with why a run did not ship."""
+    from components.runs import BLOCKED_FILE, read_failure, read_state
+
+    rows = []
+    for phase, entry in sorted(read_state(ws.root)["phases"].items(), key=lambda kv: int(kv[0])):
+        run_dir = ws.runs_dir / str(entry.get("run_id", ""))
+        row = {"phase": int(phase), **entry, "why": None}
+        blocked = _read_json(run_dir / BLOCKED_FILE)
+        failure = read_failure(run_dir)
+        if failure:
+            row["why"] = f"step {failure['step']}: {failure['error']['type']}: {failure['error']['message']}"
+        elif blocked:
+            row["why"] = f"{blocked.get('stage')}: {blocked.get('reason')}"
+        rows.append(row)
+    return rows
 
 
 def last_gate(ws: Workspace) -> dict[str, Any] | None:

@@ -45,7 +45,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
         plan = _task(kfp_ops.plan_op, config=config, phase=phase, run_id=run_id, job_name=job_name)
         run_dir, phase = plan.outputs["run_dir"], plan.outputs["phase"]
         gallery_shards = plan.outputs["gallery_shards"]
-        production = _task(kfp_ops.resolve_production_op, config=config).after(plan)
+        production = _task(kfp_ops.resolve_production_op, config=config, run_dir=run_dir)
         validation = _task(
             kfp_ops.validate_op,
             config=config,

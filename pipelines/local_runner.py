@@ -34,6 +34,7 @@ class RunResult:
     run_dir: Path
     status: str  # "succeeded" | "rejected" | "blocked" | "failed" | "nothing-to-do" (components.runs)
     outputs: dict[str, str] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None  # failed runs: step, error, next_action, log, log_line
 
 
 class _EchoingLog(io.TextIOBase):
@@ -111,7 +112,8 @@ def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = N
     )
     pipeline = build_pipeline(config, runner="local")
     log_path = run_dir / "pipeline.log"
-    with open(log_path, "w") as log_file, warnings.catch_warnings():
+    with open(log_path, "w", buffering=1) as log_file, warnings.catch_warnings():  # line-buffered: the
+        # exit handler's report reads the failed task's traceback while this file is still open
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
         with contextlib.redirect_stdout(_EchoingLog(log_file, echo)):
@@ -126,4 +128,24 @@ def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = N
         "run_dir": str(run_dir),
         "report": str(run_dir / "report" / "report.html"),
     }
-    return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs)
+    failure = _failure_of(run_dir, log_path) if status == "failed" else None
+    return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs, failure)
+
+
+def _failure_of(run_dir: Path, log_path: Path) -> dict[str, Any]:
+    """The failed step and its error, with the log line to look at (also written into ``outcome.json``)."""
+    from compat.io import write_json_atomic
+    from components.runs import OUTCOME_FILE, locate_in_log, read_failure
+
+    failure = read_failure(run_dir) or {
+        "step": "unknown",
+        "error": {"type": "PipelineError", "message": "no step recorded a failure: see the log"},
+        "next_action": "read the log, then run again",
+    }
+    failure = {**failure, "log": str(log_path), "log_line": locate_in_log(log_path, failure)}
+    outcome_path = run_dir / OUTCOME_FILE
+    if outcome_path.is_file():
+        outcome = json.loads(outcome_path.read_text())
+        outcome.update(log=failure["log"], log_line=failure["log_line"])
+        write_json_atomic(outcome_path, outcome)
+    return failure

@@ -1,6 +1,7 @@
 """The KFP pipeline: compiled YAML is current, and a real kfp.local run goes through the stages."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,39 +69,50 @@ retention: {floor: 0.0}
 
 
 @pytest.mark.slow
-def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
-    """Phase 0 is indexed and served; a gate block leaves production and the gallery alone and the next
-    run moves on; a gate pass indexes the new gallery items, rolls the candidate out (staged backfill)
-    and promotes it."""
+def test_weekly_cycle_serves_rejects_ships_twice_halts_and_continues(tmp_path):
+    """Five runs on one workspace, as a weekly schedule lives them. Phase 0 is indexed and served; a gate
+    block leaves production and the gallery alone and the next run moves on; a blue-green upgrade ships;
+    a BCT upgrade ships on top of it (the shipped compat model is the next run's production: drift, Mod-X
+    teacher and init, old side of compat training); a rollout whose probes fall below the floors halts and
+    is rolled back whole. Every run ends succeeded or rejected, the gallery holds one vector per item,
+    search answers through the alias and lineage follows the index after every run."""
     import io
 
     from components.index import gallery_status
     from components.lineage import LineageStore
     from components.registry import Registry
     from components.runs import read_state
+    from components.search import search
     from pipelines.config import resolve
     from pipelines.local_runner import run_local
 
-    config = resolve(_local_config(tmp_path, phases=3))
+    config = resolve(_local_config(tmp_path, phases=5))
     registry = Registry(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
     lineage = LineageStore(config["lineage"]["repo"])
 
     def gallery() -> dict:
         return gallery_status(config["index"]["uri"], config["index"]["alias"])
 
-    first = run_local(config, echo=io.StringIO())
-    assert first.status == "succeeded", (first.run_dir / "pipeline.log").read_text()[-3000:]
-    assert first.phase == 0
+    def run(expected: str, phase: int):
+        result = run_local(config, echo=io.StringIO())
+        log = (result.run_dir / "pipeline.log").read_text()[-3000:]
+        assert (result.status, result.phase) == (expected, phase), log
+        served = gallery()["by_version"]
+        assert sum(served.values()) == 40 * (phase + 1) == gallery()["count"]  # one vector per item
+        assert lineage.version_counts() == served
+        (hits,) = search(["a small red circle"], k=5, workspace=config["workspace"])
+        assert len(hits) == 5 and {h["model_version"] for h in hits} <= set(served)
+        return result
+
+    first = run("succeeded", 0)
     validation = json.loads((first.run_dir / "validate" / "validation.json").read_text())
     assert validation["passed"] + validation["quarantined"] == validation["total"] > 0
     assert (first.run_dir / "drift" / "drift.json").is_file()
     assert registry.alias_version("production") == "1"
     assert gallery()["by_version"] == {"1": 40}
-    assert lineage.version_counts() == {"1": 40}
 
     # A 6-step candidate on 40 evaluation images: the shipped policy must refuse it.
-    rejected = run_local(config, echo=io.StringIO())
-    assert rejected.status == "rejected" and rejected.phase == 1
+    rejected = run("rejected", 1)
     gate = json.loads((rejected.run_dir / "gate" / "gate.json").read_text())
     assert gate["decision"] == "block" and "eval_set_too_small" in {r["code"] for r in gate["reasons"]}
     assert json.loads((rejected.run_dir / "blocked.json").read_text())["stage"] == "gate"
@@ -108,46 +120,92 @@ def test_local_run_serves_rejects_rolls_out_and_continues(tmp_path):
     assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
     # The phase's new gallery items are served (by production) although its candidate was refused.
     assert gallery()["by_version"] == {"1": 80}
-    assert lineage.version_counts() == {"1": 80}
     assert json.loads((rejected.run_dir / "ingest" / "ingest.json").read_text())["n_new"] == 40
     # Compatibility training saw the phase and a validated shard of phase 0 (kept by phase 0's run).
     compat_model = json.loads((rejected.run_dir / "compat" / "compat_model.json").read_text())
     assert [Path(s).parent.name for s in compat_model["replay_shards"]] == ["phase-000"]
     assert all(Path(s).is_file() for s in compat_model["replay_shards"])
 
-    # The production model's weights as an independent candidate (lr ~ 0, method "none"): it declares its
-    # own embedding space, so the rollout goes blue-green (fill a new collection, probe, move the alias).
+    # The production model's weights as an independent candidate (lr below float32 resolution, method
+    # "none"): it declares its own embedding space, so the rollout goes blue-green (fill a new collection,
+    # probe, move the alias).
     policy = tmp_path / "permissive.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     config["gate"]["policy"] = str(policy)
     config["training"]["lr"] = 1e-12
     config["compat"].update(method="none", options={})
-    passed = run_local(config, echo=io.StringIO())
-    assert passed.status == "succeeded" and passed.phase == 2, (passed.run_dir / "pipeline.log").read_text()[
-        -3000:
-    ]
-    assert json.loads((passed.run_dir / "ingest" / "ingest.json").read_text())["n_new"] == 40
-    rollout = json.loads((passed.run_dir / "rollout" / "rollout.json").read_text())
+    blue_green = run("succeeded", 2)
+    rollout = json.loads((blue_green.run_dir / "rollout" / "rollout.json").read_text())
     assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
     assert rollout["rollout"]["mode"] == "blue_green"
-    before, after = (
-        rollout["rollout"]["gallery"]["source_collection"],
-        rollout["rollout"]["gallery"]["collection"],
-    )
-    assert gallery()["collection"] == after != before
+    before = rollout["rollout"]["gallery"]["source_collection"]
+    assert gallery()["collection"] == rollout["rollout"]["gallery"]["collection"] != before
     assert registry.alias_version("production") == "3" and registry.alias_version("previous") == "1"
     assert gallery()["by_version"] == {"3": 120}  # phase 0 backfilled, phases 1 and 2 added then backfilled
-    assert lineage.version_counts() == {"3": 120}
 
-    # On-call undoes it: production, the serving alias and the lineage go back to version 1.
-    registry.rollback()
-    assert registry.alias_version("production") == "1"
-    assert gallery()["collection"] == before and gallery()["by_version"] == {"1": 120}
-    assert lineage.version_counts() == {"1": 120}
+    # A BCT upgrade on top of the shipped compat model: staged rollout in the space it keeps.
+    config["compat"].update(method="bct", options={"lr": 1e-12})
+    staged = run("succeeded", 3)
+    rollout = json.loads((staged.run_dir / "rollout" / "rollout.json").read_text())
+    assert rollout["rollout"]["mode"] == "staged" and rollout["promoted"]
+    metrics = json.loads((staged.run_dir / "continual" / "metrics.json").read_text())
+    assert metrics["production"]["version"] == blue_green.run_id and metrics["production"]["method"] == "none"
+    drift = json.loads((staged.run_dir / "drift" / "drift.json").read_text())
+    assert drift["production_model"].endswith("v3")
+    assert registry.alias_version("production") == "4" and registry.alias_version("previous") == "3"
+    assert gallery()["by_version"] == {"4": 160}
+
+    # A damaged production copy: the run fails at the step that reads it and says so in outcome.json, the
+    # report and the CLI. Following the advice (delete the copy: it is downloaded again) the schedule goes on.
+    copy = Path(config["workspace"]) / "models" / "v4"
+    with open(copy / "new" / "model.safetensors", "ab") as fh:
+        fh.write(b"\0")
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    cli = CliRunner().invoke(app, ["run", "--config", str(config_file)])
+    assert cli.exit_code == 1, cli.output
+    assert "phase 4 failed" in cli.output and "failed step: resolve-production" in cli.output
+    assert (
+        "CheckpointIntegrityError: checkpoint" in cli.output and "delete the named model folder" in cli.output
+    )
+    failed_dir = Path(next(line.split()[-1] for line in cli.output.splitlines() if "outputs:" in line))
+    outcome = json.loads((failed_dir / "outcome.json").read_text())
+    assert outcome["status"] == "failed" and outcome["failed_step"] == "resolve-production"
+    assert outcome["error"]["type"] == "CheckpointIntegrityError" and outcome["log_line"] > 0
+    log_lines = (failed_dir / "pipeline.log").read_text().splitlines()
+    assert "CheckpointIntegrityError" in log_lines[outcome["log_line"] - 1]
+    report = (failed_dir / "report" / "report.md").read_text()
+    assert report.index("Step resolve-production failed: CheckpointIntegrityError") < report.index(
+        "Release gate"
+    )
+    assert "did not run: step resolve-production failed before it" in report
+    assert read_state(tmp_path / "ws")["phases"]["4"]["status"] == "failed"
+    shutil.rmtree(copy)
+
+    # Probe floors no model reaches: the rollout halts at its first stage and is rolled back whole.
+    config["rollout"]["floors"] = {"R@1": 100.0}
+    halted = run("rejected", 4)
+    rollout = json.loads((halted.run_dir / "rollout" / "rollout.json").read_text())
+    assert rollout["rollout"]["state"] == "rolled_back" and not rollout["promoted"]
+    assert rollout["rollout"]["rollback"]["from_state"] == "halted"
+    assert "rolled back" in json.loads((halted.run_dir / "blocked.json").read_text())["reason"]
+    serving = json.loads((Path(config["workspace"]) / "serving.json").read_text())
+    assert serving["query_model"]["version"] == "4" and registry.alias_version("production") == "4"
+    assert gallery()["by_version"] == {"4": 200}  # phase 4's items ingested by production, nothing else
 
     state = read_state(tmp_path / "ws")
     statuses = {k: v["status"] for k, v in state["phases"].items()}
-    assert statuses == {"0": "succeeded", "1": "rejected", "2": "succeeded"}
+    assert statuses == {
+        "0": "succeeded",
+        "1": "rejected",
+        "2": "succeeded",
+        "3": "succeeded",
+        "4": "rejected",
+    }
     assert run_local(config, echo=io.StringIO()).status == "nothing-to-do"
 
 

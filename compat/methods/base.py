@@ -247,6 +247,12 @@ class CompatModel(ABC):
     def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
         """Text queries (or gallery items) [N, dim] in the serving space."""
 
+    def text_bundle(self) -> ClipBundle | None:
+        """A plain network whose text encoder is exactly this model's serving text encoder, or None when
+        the served texts pass through adapters or heads (a method that keeps production's text encoder,
+        TaCA, needs one)."""
+        return None
+
     def forward_adapter(self, old_vectors: torch.Tensor) -> torch.Tensor:
         """``F(g)``: an old gallery vector expressed in the serving space (rule ``forward_adapter`` only)."""
         raise NotImplementedError(

@@ -46,6 +46,9 @@ class PlainModel(CompatModel):
     def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
         return self.new.encode_texts(texts, batch_size=batch_size, device=device)
 
+    def text_bundle(self) -> ClipBundle:
+        return self.new
+
     def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict | None]]:
         return {"new": (self.new, None)}
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from compat.methods import get_method
-from compat.methods.base import CompatModel, is_compat_dir, load_compat_model
-from compat.models import ClipBundle, load_checkpoint, read_sidecar
+from compat.methods.base import CompatModel
+from compat.models import load_checkpoint, read_sidecar
+from compat.production import load_encoder, space_id_of
 
 log = logging.getLogger(__name__)
 
@@ -103,22 +104,6 @@ class ShardBatches:
                 break
         rng.shuffle(pool)
         yield from pool
-
-
-def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatModel:
-    """A compatible-model directory (``compat.json``) or a plain checkpoint (``model.json``)."""
-    return (
-        load_compat_model(path, device=device)
-        if is_compat_dir(path)
-        else load_checkpoint(Path(path), device=device)
-    )
-
-
-def space_id_of(path: str | Path, encoder: ClipBundle | CompatModel) -> str:
-    """The space of an encoder's gallery vectors: a compatible model's own, else its checkpoint version."""
-    if isinstance(encoder, CompatModel):
-        return encoder.contract.space_id
-    return str(read_sidecar(Path(path))["version"])
 
 
 def train_compat(

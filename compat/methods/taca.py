@@ -220,6 +220,9 @@ class TaCAModel(CompatModel):
     def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
         return self.old.encode_texts(texts, batch_size=batch_size, device=device)
 
+    def text_bundle(self) -> ClipBundle:
+        return self.old
+
     def original_new_model(self) -> ClipBundle:
         """A fresh copy of the new model as it was before TaCA (this model is unchanged)."""
         return original_model(self.adapted.bundle)
@@ -259,7 +262,7 @@ class TaCAModel(CompatModel):
 
 # -------------------------------------------------------------------------------------------- training
 def train_taca(
-    adapted: AdaptedVisual, old: ClipBundle, batches: Iterable[Batch], config: TaCAConfig, logit_scale: float
+    adapted: AdaptedVisual, old: Encoder, batches: Iterable[Batch], config: TaCAConfig, logit_scale: float
 ) -> dict[str, Any]:
     """Algorithm 1: frozen old features, adapted new image features, ``L_TaCA``; adapters + projector only."""
     device = adapted.bundle.device
@@ -310,10 +313,14 @@ class TaCA(CompatMethod):
         self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: TaCAConfig | None = None
     ) -> TaCAModel:
         config = config or self.make_config()
-        if not isinstance(old, ClipBundle):
+        # The served text encoder stays production's: a plain network, saved with the model. After an
+        # earlier compatible release it is that model's text network (CompatModel.text_bundle).
+        text_tower = old if isinstance(old, ClipBundle) else getattr(old, "text_bundle", lambda: None)()
+        if text_tower is None:
             raise CompatError(
-                f"taca serves the production model's text encoder and saves it with the model, so "
-                f"the old model must be a ClipBundle checkpoint; got {type(old).__name__}"
+                f"taca keeps the production model's text encoder and saves it with the model, but production "
+                f"is a {getattr(old, 'method', type(old).__name__)} model whose text encoder passes through "
+                "adapters; make this upgrade compatible with bct, lambda_orth, bt2 or xbt instead"
             )
         device = resolve_device(config.device)
         freeze(old)
@@ -322,7 +329,9 @@ class TaCA(CompatMethod):
         with seeded(config.seed, device), on_device(old, device):
             adapted = AdaptedVisual(new, int(old.embed_dim), config, device)
             info = train_taca(adapted, old, batches, config, config.logit_scale)
-        model = TaCAModel(adapted, old, make_contract(self.name, config, int(old.embed_dim)), config)
+        model = TaCAModel(
+            adapted, freeze(text_tower), make_contract(self.name, config, int(old.embed_dim)), config
+        )
         model.trainable_parameters = info["trainable_parameters"]
         model.training_info = {**info, "seconds": round(time.monotonic() - started, 3)}
         return model

@@ -16,6 +16,7 @@ SOURCES = {
     "gate": ("gate.json", ("gate",)),
     "rollout": ("rollout_state.json", ("rollout",)),
     "blocked": ("blocked.json", ()),  # written when a stage stopped the run
+    "failure": ("failure.json", ()),  # written when a step raised (components.runs.record_failure)
 }
 
 

@@ -74,7 +74,41 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
             "bad",
         )
         sections[0].items.insert(0, stop)
+    failure = inputs.data("failure")
+    stopped_by = (
+        f"step {failure.get('step', '?')} failed before it"
+        if failure
+        else f"{blocked.get('stage', '?')} stopped the run"
+        if blocked
+        else None
+    )
+    if stopped_by:
+        for section in sections:
+            if section.status == "not run":
+                section.items = [Note(f"The stage did not run: {stopped_by}.", "muted")]
+    if failure:
+        sections.insert(0, _failure_section(failure, inputs.run_dir))
     return sections
+
+
+def _failure_section(failure: Mapping[str, Any], run_dir: Path) -> Section:
+    """First section of a failed run: the step, the exception, where to look, what to do next."""
+    from components.runs import locate_in_log
+
+    error = failure.get("error") or {}
+    message = str(error.get("message", "")).strip() or "(no message)"
+    items: list[Note | Table | Figure | Link] = [
+        Note(f"Step {failure.get('step', '?')} failed: {error.get('type', 'Exception')}: {message}", "bad"),
+        Note(f"What to do: {failure.get('next_action', 'see the log')}.", "warn"),
+    ]
+    log = run_dir / "pipeline.log"
+    if log.is_file():
+        line = locate_in_log(log, dict(failure))
+        items.append(Note(f"Log: {log}" + (f", line {line}" if line else ""), "plain"))
+    trace = [str(t).rstrip() for t in error.get("traceback") or []]
+    if trace:
+        items.append(Table(["traceback (last frames)"], [[t] for t in trace], collapsed=True))
+    return Section("failure", "Run failed", "failed", "bad", items)
 
 
 def header(inputs: RunInputs) -> list[tuple[str, str]]:
@@ -95,6 +129,9 @@ def header(inputs: RunInputs) -> list[tuple[str, str]]:
         if key in report:
             facts.append((key.replace("_", " "), str(report[key])))
     facts.append(("gate", str(gate.get("decision", "not run")).upper()))
+    failure = inputs.data("failure")
+    if failure:
+        facts.append(("failed step", str(failure.get("step", "?"))))
     return facts
 
 
@@ -228,6 +265,10 @@ def _training_section(source: Source) -> Section:
         return missing
     doc = source.data or {}
     section = Section("training", "Training", "ok", "plain")
+    warning = (doc.get("budget") or {}).get("warning")
+    if warning:
+        section.status, section.tone = "warning", "warn"
+        section.items.append(Note(f"Training budget: {warning}.", "warn"))
     png = plots.training_curves(doc)
     if png:
         section.items.append(Figure("Training curves", png))

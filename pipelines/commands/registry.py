@@ -92,8 +92,15 @@ def _format_status(doc: dict[str, Any]) -> str:
         fraction = rollout.get("fraction_backfilled")
         shown = f"{100 * fraction:.1f}%" if isinstance(fraction, int | float) else "?"
         lines.append(f"rollout     {rollout.get('state')}  stage {rollout.get('stage')}  backfilled {shown}")
+    phases = doc.get("phases") or []
+    lines.append("phases" + ("      - (no run yet)" if not phases else ""))
+    for row in phases:
+        why = f"  ({row['why'].splitlines()[0][:120]})" if row.get("why") else ""
+        lines.append(
+            f"  {row['phase']:>3}  {row.get('status', '?'):<9}  run {row.get('run_id')}  {row.get('at')}{why}"
+        )
     for key, value in doc.items():
-        if key not in {"workspace", "registry", "last_gate", "rollout"}:
+        if key not in {"workspace", "registry", "last_gate", "rollout", "phases"}:
             shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
             lines.append(f"{key:<11} {shown}")
     return "\n".join(lines)

@@ -28,9 +28,20 @@ def run(
     except (ConfigError, FileNotFoundError, ValueError) as err:
         fail(str(err))
     if result.status == "nothing-to-do":
-        typer.echo("every phase of the stream has completed; nothing to do")
+        typer.echo(
+            "nothing pending: every phase of the stream has been processed (succeeded or rejected); "
+            "add a phase to the stream, then run again (`compatflow status` shows the history)"
+        )
         return
     typer.echo(f"run {result.run_id}: phase {result.phase} {result.status}")
+    if result.failure:
+        error = result.failure["error"]
+        last = (str(error.get("message", "")).strip().splitlines() or [""])[-1]
+        typer.echo(f"  failed step: {result.failure['step']}")
+        typer.echo(f"  error:   {error.get('type')}: {last}")
+        typer.echo(f"  next:    {result.failure['next_action']}")
+        if result.failure.get("log_line"):
+            typer.echo(f"  look at: {result.failure['log']}:{result.failure['log_line']}")
     typer.echo(f"  outputs: {result.run_dir}")
     typer.echo(f"  report:  {result.outputs['report']}")
     typer.echo(f"  log:     {result.outputs['log']}")

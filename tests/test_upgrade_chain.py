@@ -1,0 +1,231 @@
+"""Upgrades on top of upgrades: every kind of promoted model is next week's production model.
+
+For every compatibility method (and the foundation scenario) two upgrades ship in a row through the
+pipeline's own step functions (:mod:`components.stages`), then drift, continual training and
+compatibility training run against the result. A shipped model must load, serve, teach and be the old
+side of the next upgrade whatever method produced it (:mod:`compat.production`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+PERMISSIVE_POLICY = """
+min_margin: -100.0
+require_ci_lower_above_zero: false
+min_eval_images: 1
+min_eval_captions: 1
+retention: {floor: 0.0}
+"""
+
+
+@pytest.fixture(scope="module")
+def stream_dir(tmp_path_factory) -> Path:
+    from compat.data.synth import generate_stream
+
+    out = tmp_path_factory.mktemp("chain-stream") / "stream"
+    generate_stream(
+        out, phases=4, samples_per_phase=96, seed=0, eval_per_domain=12, gallery_per_domain=16, image_size=64
+    )
+    return out
+
+
+def chain_config(tmp_path: Path, stream: Path, method: str, scenario: str = "continual") -> dict:
+    from pipelines.config import CONFIG_DIR, resolve
+
+    config = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    policy = tmp_path / "permissive.yaml"
+    policy.write_text(PERMISSIVE_POLICY)
+    config["workspace"] = str(tmp_path / "ws")
+    config["stream"].update(uri=str(stream), generate_if_missing=False)
+    config["drift"]["sample_size"] = 24
+    config["training"].update(steps=3, batch_size=16, replay_buffer_size=16, replay_rows=4)
+    config["compat"].update(method=method, scenario=scenario, steps=3, batch_size=16, options={})
+    # The foundation scenario's own architecture, small here: what is tested is that a model trained from
+    # its own initialisation and mapped into production's space becomes the next production model.
+    config["compat"]["foundation_config"] = "cf-tiny"
+    config["gate"]["policy"] = str(policy)
+    config["rollout"]["batch_size"] = 16
+    return resolve(config)
+
+
+class Cycle:
+    """The pipeline's steps for one workspace, in the order the pipeline runs them."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+
+    def _validated(self, phase: int) -> tuple[dict, Path, Path]:
+        from components import stages
+
+        plan = stages.plan_stage(self.config, phase, f"run-{phase}-{len(self.runs())}")
+        run_dir = Path(plan["run_dir"])
+        validated = run_dir / "_validated"
+        stages.validate_stage(
+            self.config, run_dir, phase, plan["train_shards"], validated, run_dir / "_validation.json"
+        )
+        return plan, run_dir, validated
+
+    def runs(self) -> list[Path]:
+        root = Path(self.config["workspace"]) / "runs"
+        return sorted(root.iterdir()) if root.is_dir() else []
+
+    def bootstrap(self) -> None:
+        from components import stages
+
+        plan, run_dir, validated = self._validated(0)
+        stages.continual_stage(
+            self.config, run_dir, 0, plan["stream_dir"], str(validated), "", run_dir / "_candidate"
+        )
+        version = stages.register_stage(self.config, run_dir, 0, str(run_dir / "_candidate"), bootstrap=True)
+        stages.serve_first_model_stage(self.config, run_dir, version["version"], plan["gallery_shards"])
+
+    def train(self, phase: int) -> tuple[dict, Path, str]:
+        """Validate, drift, continual and compat training of ``phase`` against production."""
+        from components import stages
+
+        production = stages.resolve_production(self.config)
+        assert production, "no production model"
+        plan, run_dir, validated = self._validated(phase)
+        stages.drift_stage(
+            self.config,
+            run_dir,
+            plan["reference_shards"],
+            str(validated),
+            production,
+            run_dir / "_drift.html",
+            run_dir / "_drift.json",
+        )
+        stages.continual_stage(
+            self.config,
+            run_dir,
+            phase,
+            plan["stream_dir"],
+            str(validated),
+            production,
+            run_dir / "_candidate",
+        )
+        stages.ingest_stage(self.config, run_dir, plan["gallery_shards"])
+        compat = stages.compat_stage(
+            self.config,
+            run_dir,
+            phase,
+            str(run_dir / "_candidate" / "model"),
+            production,
+            str(validated),
+            run_dir / "_compat",
+        )
+        return plan, run_dir, compat
+
+    def ship(self, phase: int, *, probes_can_halt: bool = False) -> dict:
+        """One upgrade through evaluate, gate, register and rollout; returns the rollout summary."""
+        from components import stages
+        from components.rollout import RolloutPaths
+        from components.rollout_stage import probe_path
+
+        plan, run_dir, compat = self.train(phase)
+        production = stages.resolve_production(self.config)
+        stages.evaluate_stage(
+            self.config, run_dir, production, compat, plan["eval_shards"], run_dir / "_evaluate", phase
+        )
+        decision = stages.gate_stage(
+            self.config,
+            run_dir,
+            str(run_dir / "_evaluate" / "compat_report.json"),
+            str(run_dir / "_validation.json"),
+            str(run_dir / "_drift.json"),
+            run_dir / "_gate",
+        )
+        assert decision == "pass"
+        version = stages.register_stage(self.config, run_dir, phase, compat)["version"]
+        # Every gallery item relevant to every probe query: the probes cannot halt this rollout. These
+        # tests check that each kind of model loads, serves and upgrades; tests/test_rollout.py the probes.
+        if not probes_can_halt:
+            probe = probe_path(RolloutPaths.for_workspace(stages.workspace_of(self.config)))
+            doc = json.loads(probe.read_text())
+            everything = sorted({p for positives in doc["positives"] for p in positives})
+            probe.write_text(json.dumps({"texts": doc["texts"][:8], "positives": [everything] * 8}))
+        return stages.rollout_candidate_stage(self.config, run_dir, version)
+
+
+def assert_serves(config: dict, version: str, n_items: int) -> None:
+    """Production is ``version``, the gallery holds one vector per item, all written by it, and a text
+    search through the serving alias answers with gallery items."""
+    from components import stages
+    from components.index import gallery_status
+    from components.search import search
+
+    registry = stages.registry_of(config)
+    assert registry.alias_version("production") == version
+    gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
+    assert gallery["by_version"] == {version: n_items}
+    (hits,) = search(["a red circle"], k=3, workspace=stages.workspace_of(config))
+    assert len(hits) == 3 and all(hit["model_version"] == version for hit in hits)
+
+
+@pytest.mark.parametrize(
+    "method,scenario",
+    [
+        ("bct", "continual"),
+        ("lambda_orth", "continual"),
+        ("bt2", "continual"),
+        ("xbt", "continual"),
+        ("taca", "continual"),
+        ("none", "continual"),
+        ("xbt", "foundation"),
+    ],
+)
+def test_two_shipped_upgrades_then_a_third_trains(tmp_path, stream_dir, method, scenario):
+    from compat.production import load_production
+
+    config = chain_config(tmp_path, stream_dir, method, scenario)
+    cycle = Cycle(config)
+    cycle.bootstrap()
+    assert_serves(config, "1", 16)
+    for phase, version in ((1, "2"), (2, "3")):
+        summary = cycle.ship(phase)
+        assert summary["promoted"], summary["rollout"].get("halt_reason")
+        assert_serves(config, version, 16 * (phase + 1))
+    production = load_production(Path(config["workspace"]) / "models" / "v3")
+    assert production.method == method and production.version.startswith("run-2")
+    # Drift, continual training and compatibility training all run against the twice-upgraded model.
+    plan, run_dir, compat = cycle.train(3)
+    drift = json.loads((run_dir / "drift" / "drift.json").read_text())
+    assert drift["production_model"].endswith("v3") and "embeddings" in json.dumps(drift)
+    metrics = json.loads((run_dir / "continual" / "metrics.json").read_text())
+    assert metrics["production"]["version"] == production.version
+    if scenario == "continual":
+        assert metrics["training"]["steps"] == 3 and metrics["start_domains"]
+    sources = json.loads((Path(compat) / "compat.json").read_text())["training"]["sources"]
+    assert sources["old"].endswith("v3")
+    shutil.rmtree(run_dir)
+
+
+def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(tmp_path, stream_dir):
+    from components import stages
+    from components.index import gallery_status
+
+    config = chain_config(tmp_path, stream_dir, "bct")
+    cycle = Cycle(config)
+    cycle.bootstrap()
+    config["rollout"]["floors"] = {"R@1": 100.0}  # no model reaches it: the first stage halts
+    halted = cycle.ship(1, probes_can_halt=True)
+    assert not halted["promoted"] and halted["rollout"]["state"] == "rolled_back"
+    assert halted["rollout"]["rollback"]["from_state"] == "halted"
+    assert_serves(config, "1", 32)  # production serves every item, the candidate nothing
+    serving = json.loads((Path(config["workspace"]) / "serving.json").read_text())
+    assert serving["query_model"]["version"] == "1"
+
+    config["rollout"]["floors"] = {}
+    shipped = cycle.ship(2)
+    assert shipped["promoted"] and shipped["rollout"]["mode"] == "staged"
+    assert_serves(config, "3", 48)
+    assert stages.registry_of(config).alias_version("previous") == "1"
+    assert gallery_status(config["index"]["uri"], config["index"]["alias"])["count"] == 48
