@@ -478,11 +478,15 @@ def verify_checkpoint(directory: str | Path, expected_digest: str | None = None)
         raise CheckpointIntegrityError(f"{directory} has no {MANIFEST}: cannot verify the checkpoint")
     manifest = json.loads(manifest_path.read_text())
     if expected_digest is not None and _manifest_digest(manifest) != expected_digest:
-        raise CheckpointIntegrityError(f"{manifest_path} does not match the digest registered with the model version")
+        raise CheckpointIntegrityError(
+            f"{manifest_path} does not match the digest registered with the model version"
+        )
     actual = file_manifest(directory)
     if actual != manifest:
         bad = sorted(k for k in set(actual) | set(manifest) if actual.get(k) != manifest.get(k))
-        raise CheckpointIntegrityError(f"checkpoint {directory} differs from its manifest in: {', '.join(bad)}")
+        raise CheckpointIntegrityError(
+            f"checkpoint {directory} differs from its manifest in: {', '.join(bad)}"
+        )
     return manifest
 
 

@@ -79,7 +79,10 @@ def run_dir_for(config: dict[str, Any], run_id: str) -> Path:
 
 
 def new_run_id(phase: int) -> str:
-    return f"phase-{phase:02d}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """``phase-PP-YYYYmmdd-HHMMSS-xxxx``: sortable by time, unique even for runs started in one second."""
+    import secrets
+
+    return f"phase-{phase:02d}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def _shards(stream_dir: Path, manifest: dict[str, Any], phases: range | list[int], split: str) -> list[str]:

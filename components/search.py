@@ -188,6 +188,11 @@ class Searcher:
         """Hits (``item_id``, ``score``, ``model_version``) per text, through the serving alias."""
         if isinstance(texts, str):
             raise TypeError("search expects a list of texts, got a single string")
+        empty = [i for i, text in enumerate(texts) if not str(text).strip()]
+        if empty or not texts:
+            raise ServingError(
+                f"empty query text (position {empty[:5] or 'none given'}): give words to search for"
+            )
         record = self._refresh()
         vectors = np.asarray(self._encoder(list(texts)), dtype=np.float32)
         target = self._index.serving_collection()

@@ -84,7 +84,16 @@ def ensure_stream(config: dict[str, Any]) -> Path:
 
 
 def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = None) -> RunResult:
-    """Run the pipeline on the next pending phase (or ``phase``) with the local runner."""
+    """Run the pipeline on the next pending phase (or ``phase``) with the local runner, holding the
+    workspace lock (:mod:`components.lock`) for the whole run."""
+    from components.lock import workspace_lock
+
+    workspace = Path(config["workspace"]).resolve()
+    with workspace_lock(workspace, f"compatflow run (phase {'next' if phase is None else phase})"):
+        return _run_locked(config, workspace, phase, echo)
+
+
+def _run_locked(config: dict[str, Any], workspace: Path, phase: int | None, echo: Any) -> RunResult:
     import sys
 
     from kfp import local
@@ -93,8 +102,6 @@ def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = N
     from pipelines.compile import build_pipeline
 
     echo = echo or sys.stderr
-    workspace = Path(config["workspace"]).resolve()
-    workspace.mkdir(parents=True, exist_ok=True)
     ensure_stream(config)
     plan = plan_run(config, -1 if phase is None else phase)
     if plan is None:

@@ -293,6 +293,8 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     assert set(hits[0]) == {"item_id", "score", "model_version"} and hits[0]["model_version"] == "v2"
     result = CliRunner().invoke(app, ["rollout", "status", "--json", "--workspace", str(ws)])
     assert json.loads(result.output)["state"] == "completed"
+    refused = CliRunner().invoke(app, ["search", "  ", "--workspace", str(ws)])
+    assert refused.exit_code == 2 and "empty query text" in refused.output
 
     from components.plugins import gallery as plugin
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -25,3 +27,16 @@ def write_json(path: Path, document: Any) -> None:
 
 def echo_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
+    """Hold the workspace lock (:mod:`components.lock`) for the block; exit 1 naming the holder if taken."""
+    from components.lock import WorkspaceBusy, workspace_lock
+    from components.workspace import Workspace
+
+    try:
+        with workspace_lock(Workspace.coerce(workspace).root, purpose):
+            yield
+    except WorkspaceBusy as err:
+        fail(str(err), code=1)

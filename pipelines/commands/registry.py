@@ -34,13 +34,14 @@ def rollback(
 ) -> None:
     """Move the production alias back to the previous version (and run the rollback hooks)."""
     from components.registry import Registry, RegistryError, RollbackHookError
-    from pipelines.commands._common import echo_json, fail
+    from pipelines.commands._common import echo_json, fail, holding_workspace
 
     registry = Registry(workspace, model_name=model_name)
     if not registry.exists():
         fail(f"no registry at {registry.tracking_uri}: nothing to roll back", code=1)
     try:
-        result = registry.rollback()
+        with holding_workspace(registry.workspace.root, "compatflow rollback"):
+            result = registry.rollback()
     except RollbackHookError as err:
         if as_json:
             echo_json(err.result)

@@ -181,10 +181,11 @@ def status_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None
 def rollback_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None:
     """Restore the previous gallery (collection or vectors) and the previous query model."""
     from components.rollout import RolloutError, rollback
-    from pipelines.commands._common import echo_json, fail
+    from pipelines.commands._common import echo_json, fail, holding_workspace
 
     try:
-        state = rollback(_paths(workspace))
+        with holding_workspace(workspace, "compatflow rollout rollback"):
+            state = rollback(_paths(workspace))
     except RolloutError as err:
         fail(str(err), code=1)
     if as_json:

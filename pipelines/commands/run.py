@@ -18,6 +18,7 @@ def run(
     phase: Annotated[int | None, typer.Option(help="Run this phase instead of the next pending one.")] = None,
 ) -> None:
     """Run the continual-upgrade pipeline locally (kfp.local) on the next pending phase."""
+    from components.lock import WorkspaceBusy
     from pipelines.commands._common import fail
     from pipelines.config import ConfigError, load_config, resolve
     from pipelines.local_runner import run_local
@@ -25,6 +26,8 @@ def run(
     try:
         resolved = resolve(load_config(config))
         result = run_local(resolved, phase=phase)
+    except WorkspaceBusy as err:
+        fail(str(err), code=1)
     except (ConfigError, FileNotFoundError, ValueError) as err:
         fail(str(err))
     if result.status == "nothing-to-do":
