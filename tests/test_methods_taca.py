@@ -214,10 +214,22 @@ def test_save_load_round_trip(fitted, tmp_path):
     assert torch.allclose(loaded.encode_texts(texts), fitted.encode_texts(texts), atol=1e-6)
 
 
-def test_old_model_must_be_a_checkpoint_bundle(new, old, data):
+def test_on_top_of_an_earlier_release_it_keeps_that_release_text_network(new, old, data):
+    """Production after an earlier release: TaCA serves its text network; one with adapters is refused."""
+    from compat.methods.lambda_orth import Adapters
+
     method = get_method("taca")
-    with pytest.raises(CompatError, match="ClipBundle"):
-        method.fit(new, independent_model(old, 64), data, method.make_config({**SMALL, "steps": 1}))
+    production = independent_model(old, 64)  # a released plain model: its texts are its network's
+    model = method.fit(new, production, data, method.make_config({**SMALL, "steps": 1}))
+    texts = captions(4)
+    assert torch.allclose(model.encode_texts(texts), production.encode_texts(texts), atol=1e-6)
+    assert model.text_bundle() is production.text_bundle()
+
+    lambda_orth = get_method("lambda_orth")
+    config = lambda_orth.make_config({})
+    adapted = lambda_orth.assemble(old, Adapters(config.variant, old.embed_dim, old.embed_dim), config, {})
+    with pytest.raises(CompatError, match="lambda_orth model whose text encoder passes through adapters"):
+        method.fit(new, adapted, data, method.make_config({**SMALL, "steps": 1}))
 
 
 # ------------------------------------------------------------------------------------- known answer

@@ -67,13 +67,6 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         _margins_section(inputs["compat_report"], gate),
         _rollout_section(inputs["rollout"], report),
     ]
-    if blocked:
-        stop = Note(
-            f"The run stopped at stage {blocked.get('stage', '?')}: "
-            f"{blocked.get('reason', 'no reason given')}",
-            "bad",
-        )
-        sections[0].items.insert(0, stop)
     failure = inputs.data("failure")
     stopped_by = (
         f"step {failure.get('step', '?')} failed before it"
@@ -86,6 +79,13 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         for section in sections:
             if section.status == "not run":
                 section.items = [Note(f"The stage did not run: {stopped_by}.", "muted")]
+    if blocked:
+        stop = Note(
+            f"The run stopped at stage {blocked.get('stage', '?')}: "
+            f"{blocked.get('reason', 'no reason given')}",
+            "bad",
+        )
+        sections[0].items.insert(0, stop)
     if failure:
         sections.insert(0, _failure_section(failure, inputs.run_dir))
     return sections
