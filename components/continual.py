@@ -167,13 +167,15 @@ def run_continual(
     replay_buffer_size: int = 0,
     replay_rows: int = 0,
     replay_urls: Sequence[Sequence[str]] | None = None,
+    train_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
 
     ``train_urls`` replaces the phase's train shards from the manifest (the validation stage's accepted
     shards). ``production`` is the production checkpoint (directory or model.json): the teacher and the
     student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
-    (CLIP_0 from scratch). Interrupted runs resume from ``out_dir/train`` unless ``resume=False``.
+    (CLIP_0 from scratch). Interrupted runs resume from ``train_dir`` (default ``out_dir/train``: resumable
+    checkpoints and the sample ledger) unless ``resume=False``.
     ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method).
     ``replay_buffer_size`` > 0 (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every
     batch come from a buffer of that many pairs drawn evenly from the earlier phases' train shards -- the
@@ -267,7 +269,8 @@ def run_continual(
         f" ({replay_rows} rows per batch replayed from {replay_buffer_size} earlier pairs)" if replay else "",
     )
     t0 = time.perf_counter()
-    result = train(student, source, config, out_dir / TRAIN_DIR, teacher=teacher, dist=dist, resume=resume)
+    workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
+    result = train(student, source, config, workdir, teacher=teacher, dist=dist, resume=resume)
     train_wall = time.perf_counter() - t0
     if not dist.is_main:
         shutdown_distributed()

@@ -40,7 +40,7 @@ def plan_op(config: str, phase: int, run_id: str, job_name: str) -> NamedTuple(
 
     from components.stages import plan_stage
 
-    plan = plan_stage(config, phase, run_id or job_name)
+    plan = plan_stage(config, phase, run_id, job_name)
     fields = [
         "run_dir",
         "phase",
@@ -270,4 +270,4 @@ def finish_op(
 
     from components.stages import finish_stage
 
-    finish_stage(config, run_id or job_name, status.state, status.error_message or "", Path(html.path))
+    finish_stage(config, run_id, status.state, status.error_message or "", Path(html.path), job_name)

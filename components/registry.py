@@ -251,15 +251,33 @@ class Registry:
         gate: Any = None,
         tags: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Log the checkpoint, register it as a new version, tag it, point ``candidate`` at it."""
+        """Log the checkpoint, register it as a new version, tag it, point ``candidate`` at it.
+
+        Idempotent per MLflow run (a resumed pipeline run keeps its MLflow run): the version an earlier
+        attempt registered with the same weights is reused; one with other weights that was never served
+        (no ``production`` / ``previous`` alias) is deleted first, so interrupted runs orphan no version.
+        """
         from mlflow.exceptions import MlflowException
 
-        manifest = self.log_weights(run_id, checkpoint_dir)
         try:
             self.client.create_registered_model(self.model_name)
         except MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
+        digest = _manifest_digest(file_manifest(Path(checkpoint_dir)))
+        for earlier in self.client.search_model_versions(f"name='{self.model_name}' and run_id='{run_id}'"):
+            if earlier.tags.get("checkpoint.sha256") == digest:
+                self.client.set_registered_model_alias(self.model_name, "candidate", str(earlier.version))
+                log.info("version %s already registers these weights (resumed run)", earlier.version)
+                return self.version_info(earlier.version)
+            if {"production", "previous"} & set(getattr(earlier, "aliases", []) or []):
+                raise RegistryError(
+                    f"run {run_id} registered version {earlier.version}, which is served, with other weights "
+                    f"than {checkpoint_dir}: start a new pipeline run instead of resuming this one"
+                )
+            log.info("deleting version %s: an interrupted attempt of this run registered it", earlier.version)
+            self.client.delete_model_version(self.model_name, str(earlier.version))
+        manifest = self.log_weights(run_id, checkpoint_dir)
         artifact_uri = self.client.get_run(run_id).info.artifact_uri
         pipeline_run = self.client.get_run(run_id).data.tags.get(RUN_TAG, "")
         version_tags = {
@@ -416,6 +434,12 @@ class Registry:
             doc[alias] = self.version_info(version) if version is not None else None
         doc["history"] = self._history()
         return doc
+
+    def verify_copy(self, version: str, directory: str | Path) -> dict[str, str]:
+        """Check a local copy of ``version`` file by file against its manifest, and the manifest against
+        the digest recorded at registration (a copy with swapped weights and re-hashed sidecar and
+        manifest is refused); raises :class:`CheckpointIntegrityError`."""
+        return verify_checkpoint(directory, self.version_info(version)["tags"].get("checkpoint.sha256"))
 
     def download(
         self, ref: str = "production", dst: str | Path | None = None, *, verify: bool = True

@@ -28,6 +28,8 @@ VALIDATED_DIR = "validated"
 BLOCKED_FILE = "blocked.json"
 FAILURE_FILE = "failure.json"
 OUTCOME_FILE = "outcome.json"
+ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
+RESUMABLE = (None, "failed")  # outcomes of a run that the next run of its phase continues
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -35,11 +37,75 @@ class PlanError(ValueError):
     """The run cannot be planned (no stream, a phase out of range); the message says what to do."""
 
 
+class StateError(ValueError):
+    """``state.json`` is unreadable, breaks its schema, or is missing while the registry has a model."""
+
+
 def read_state(workspace: Path) -> dict[str, Any]:
+    """The workspace's ``state.json`` (an empty state when there is none), schema-checked; errors name it."""
+    import schemas
+
     path = Path(workspace) / STATE_FILE
     if not path.is_file():
         return {"schema_version": 1, "phases": {}}
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+        schemas.validate(state, "workspace_state", source=str(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, schemas.SchemaError) as err:
+        raise StateError(
+            f"{path} is unreadable or malformed ({err}); rebuild it from the run folders with "
+            "`compatflow state rebuild`"
+        ) from err
+    return state
+
+
+def _refuse_lost_state(config: dict[str, Any], workspace: Path) -> None:
+    """A workspace without ``state.json`` must be new: finished runs or a production model mean it was
+    lost (refused with how to rebuild it)."""
+    held = []
+    if any((workspace / "runs").glob(f"*/{OUTCOME_FILE}")):
+        held.append(f"finished runs in {workspace / 'runs'}")
+    from components.registry import Registry
+
+    registry = Registry(workspace, tracking_uri=config["registry"]["tracking_uri"])
+    if registry.exists() and registry.alias_version("production") is not None:
+        held.append(f"a production model in the registry ({registry.tracking_uri})")
+    if held:
+        raise StateError(
+            f"{workspace / STATE_FILE} is missing but the workspace holds {' and '.join(held)}: "
+            "starting over at phase 0 would rewrite the history the registry and the gallery already hold; "
+            "rebuild it with `compatflow state rebuild`"
+        )
+
+
+def rebuild_state(workspace: Path) -> dict[str, Any]:
+    """A ``state.json`` rebuilt from the run folders: each phase's newest finished run (its
+    ``outcome.json``), written atomically; returns it."""
+    runs: dict[str, tuple[float, dict[str, Any]]] = {}
+    for outcome_path in (Path(workspace) / "runs").glob(f"*/{OUTCOME_FILE}"):
+        plan = _read_json_or_none(outcome_path.parent / RUN_FILE)
+        outcome = _read_json_or_none(outcome_path)
+        if (
+            not plan
+            or not outcome
+            or outcome.get("status") not in ("succeeded", "rejected", "blocked", "failed")
+        ):
+            continue
+        when = outcome_path.stat().st_mtime
+        entry = {
+            "status": outcome["status"],
+            "run_id": plan["run_id"],
+            "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
+        }
+        key = str(plan["phase"])
+        if key not in runs or runs[key][0] < when:
+            runs[key] = (when, entry)
+    state = {
+        "schema_version": 1,
+        "phases": {k: v for k, (_, v) in sorted(runs.items(), key=lambda kv: int(kv[0]))},
+    }
+    write_json_atomic(Path(workspace) / STATE_FILE, state)
+    return state
 
 
 def record_phase(workspace: Path, phase: int, status: str, run_id: str) -> dict[str, Any]:
@@ -76,6 +142,45 @@ def run_dir_for(config: dict[str, Any], run_id: str) -> Path:
     if not safe:
         raise PlanError(f"run id {run_id!r} has no usable characters")
     return Path(config["workspace"]).resolve() / "runs" / safe
+
+
+def training_dir(run_dir: Path) -> Path:
+    """Resumable training checkpoints of a run (kept while the run can resume, removed when it ends)."""
+    return Path(run_dir) / "continual" / "train"
+
+
+def interrupted_run(config: dict[str, Any], phase: int) -> str | None:
+    """The newest run of ``phase`` that never finished (killed) or failed: the next run continues it."""
+    runs = Path(config["workspace"]).resolve() / "runs"
+    found = []
+    for plan_path in runs.glob(f"*/{RUN_FILE}"):
+        try:
+            plan = json.loads(plan_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if plan.get("phase") != phase:
+            continue
+        outcome_path = plan_path.parent / OUTCOME_FILE
+        try:
+            status = json.loads(outcome_path.read_text())["status"] if outcome_path.is_file() else None
+        except (OSError, json.JSONDecodeError, KeyError):
+            status = None
+        if status in RESUMABLE:
+            found.append((plan_path.stat().st_mtime, plan["run_id"]))
+    return max(found)[1] if found else None
+
+
+def _archive_attempt(run_dir: Path) -> int:
+    """Move the run's last outcome, failure and log into ``attempts/<n>/``; returns n (0: first attempt)."""
+    previous = [p for p in (OUTCOME_FILE, FAILURE_FILE, "pipeline.log") if (run_dir / p).is_file()]
+    if not previous:
+        return 0
+    attempts = run_dir / ATTEMPTS_DIR
+    n = len(list(attempts.glob("*"))) + 1 if attempts.is_dir() else 1
+    (attempts / str(n)).mkdir(parents=True)
+    for name in previous:
+        (run_dir / name).rename(attempts / str(n) / name)
+    return n
 
 
 def new_run_id(phase: int) -> str:
@@ -136,11 +241,14 @@ def replay_shards(config: dict[str, Any], phase: int, per_phase: int | None = No
     return [train_shards_of(config, q)[:per_phase] for q in range(phase)]
 
 
-def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[str, Any] | None:
+def plan_run(
+    config: dict[str, Any], phase: int = -1, run_id: str = "", job_name: str = ""
+) -> dict[str, Any] | None:
     """The plan of a run: its phase, run directory and every shard list the stages read.
 
-    ``phase`` -1 takes the next pending phase; ``run_id`` "" makes one from the phase and the time.
-    Returns None when every phase has succeeded. Writes ``<run_dir>/run.json``.
+    ``phase`` -1 takes the next pending phase. ``run_id`` "" continues the phase's interrupted run (killed,
+    or failed: :func:`interrupted_run`) under its own id, else makes a new id (``job_name``, the KFP job's,
+    when given). Returns None when every phase has succeeded. Writes ``<run_dir>/run.json``.
     """
     from compat.data.synth import load_manifest
 
@@ -148,6 +256,8 @@ def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[
     manifest = load_manifest(stream_dir)
     n_phases = len(manifest["phases"])
     workspace = Path(config["workspace"]).resolve()
+    if not (workspace / STATE_FILE).is_file():
+        _refuse_lost_state(config, workspace)
     if phase < 0:
         pending = next_pending_phase(read_state(workspace), n_phases)
         if pending is None:
@@ -156,10 +266,21 @@ def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[
     if phase >= n_phases:
         raise PlanError(f"phase {phase} does not exist: {stream_dir}/stream.json lists {n_phases} phases")
     reference = 0 if phase == 0 or config["drift"]["reference_phase"] == "first" else phase - 1
-    run_id = run_id or new_run_id(phase)
+    resumed = not run_id and interrupted_run(config, phase)
+    run_id = run_id or resumed or job_name or new_run_id(phase)
+    run_dir = run_dir_for(config, run_id)
+    if resumed:
+        attempt = _archive_attempt(run_dir) + 1
+        log.info("resuming run %s of phase %d (attempt %d)", run_id, phase, attempt)
+    else:  # the pipeline's plan step re-plans the run its runner planned: keep the attempt it recorded
+        earlier = _read_json_or_none(run_dir / RUN_FILE) or {}
+        resumed, attempt = bool(earlier.get("resumed")), int(earlier.get("attempt", 1))
     plan = {
         "run_id": run_id,
-        "run_dir": str(run_dir_for(config, run_id)),
+        "run_dir": str(run_dir),
+        "job_name": job_name or (_read_json_or_none(run_dir / RUN_FILE) or {}).get("job_name", ""),
+        "resumed": bool(resumed),
+        "attempt": attempt,
         "phase": phase,
         "domain": manifest["phases"][phase]["domain"],
         "stream_dir": str(stream_dir.resolve()),
@@ -174,6 +295,26 @@ def plan_run(config: dict[str, Any], phase: int = -1, run_id: str = "") -> dict[
     }
     write_json_atomic(Path(plan["run_dir"]) / RUN_FILE, plan)
     return plan
+
+
+def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def run_dir_of_job(config: dict[str, Any], run_id: str, job_name: str) -> Path:
+    """The run directory of a pipeline job: ``run_id``'s, else the run that recorded ``job_name`` (a resumed
+    run keeps its first id), else ``job_name``'s."""
+    if run_id:
+        return run_dir_for(config, run_id)
+    runs = Path(config["workspace"]).resolve() / "runs"
+    for plan_path in runs.glob(f"*/{RUN_FILE}"):
+        if (_read_json_or_none(plan_path) or {}).get("job_name") == job_name:
+            return plan_path.parent
+    return run_dir_for(config, job_name)
 
 
 def run_outcome(run_dir: Path, pipeline_state: str) -> str:
@@ -205,6 +346,8 @@ def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error
             pipeline_error=error or None,
         )
     write_json_atomic(run_dir / OUTCOME_FILE, outcome)
+    if outcome["status"] not in RESUMABLE:  # nothing left to resume: drop the training checkpoints
+        shutil.rmtree(training_dir(run_dir) / "checkpoints", ignore_errors=True)
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
         record_phase(Path(config["workspace"]).resolve(), plan["phase"], outcome["status"], plan["run_id"])

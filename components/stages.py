@@ -57,17 +57,17 @@ def as_config(config: Config) -> dict[str, Any]:
     return json.loads(config) if isinstance(config, str) else config
 
 
-def plan_stage(config: Config, phase: int, run_id: str) -> dict[str, Any]:
+def plan_stage(config: Config, phase: int, run_id: str, job_name: str = "") -> dict[str, Any]:
     """The run's plan (see :func:`components.runs.plan_run`); fails when every phase has succeeded."""
     from components.runs import PlanError, plan_run, record_failure, run_dir_for
 
     config = as_config(config)
     try:
-        plan = plan_run(config, phase, run_id)
+        plan = plan_run(config, phase, run_id, job_name)
         if plan is None:
             raise PlanError("every phase of the stream has succeeded: nothing to run")
     except Exception as error:
-        record_failure(run_dir_for(config, run_id), "plan", error)
+        record_failure(run_dir_for(config, run_id or job_name), "plan", error)
         raise
     return plan
 
@@ -135,12 +135,14 @@ def note_blocked(run_dir: Path, stage: str, reason: str) -> None:
     write_json_atomic(run_dir / BLOCKED_FILE, {"stage": stage, "reason": reason})
 
 
-def finish_stage(config: Config, run_id: str, pipeline_state: str, error: str, html_path: Path) -> dict:
+def finish_stage(
+    config: Config, run_id: str, pipeline_state: str, error: str, html_path: Path, job_name: str = ""
+) -> dict:
     """Exit handler: the run's outcome into the workspace state, then the on-call report."""
-    from components.runs import finish_run, run_dir_for
+    from components.runs import finish_run, run_dir_of_job
 
     resolved = as_config(config)
-    run_dir = run_dir_for(resolved, run_id)
+    run_dir = run_dir_of_job(resolved, run_id, job_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = finish_run(resolved, run_dir, pipeline_state, error)
     paths = report_stage(run_dir)
@@ -179,12 +181,10 @@ def model_dir_of(config: Config, version: str) -> str:
     Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
     on a cluster).
     """
-    from components.registry import verify_checkpoint
-
     config = as_config(config)
     target = workspace_of(config).models_dir / f"v{version}"
     if (target / "model.json").is_file() or (target / "compat.json").is_file():
-        verify_checkpoint(target)
+        registry_of(config).verify_copy(version, target)
         return str(target)
     return str(registry_of(config).download(version, target))
 
@@ -274,6 +274,7 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
     config = as_config(config)
     settings, uri, seed = config["rollout"], config["index"]["uri"], config["training"]["seed"]
     workspace = workspace_of(config)
+    undone = _undo_unfinished_rollout(workspace, uri, version)
     state = rollout_stage(
         workspace,
         version,
@@ -294,6 +295,7 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
     gallery = state["gallery"]
     summary: dict[str, Any] = {
         "version": version,
+        "undone_first": undone,
         "rollout": state,
         "lineage_updated": sync_from_index(config["lineage"]["repo"], gallery["uri"], gallery["alias"]),
         "promoted": state["state"] == "completed",
@@ -306,6 +308,32 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
     write_json_atomic(run_dir / "rollout" / "rollout_state.json", state)  # for the on-call report
     return summary
+
+
+def _undo_unfinished_rollout(workspace: Any, uri: str, version: str) -> dict[str, Any] | None:
+    """Roll back a rollout of another version left unfinished (its run was killed or failed and will not
+    resume it: never promoted); a rollout of ``version`` itself is resumed by the caller. Returns what was
+    undone (for the report), or None."""
+    from components.rollout import RolloutPaths, load_state, rollback
+    from components.rollout_stage import open_index
+
+    paths = RolloutPaths.for_workspace(workspace)
+    state = load_state(paths.state)
+    busy = state is not None and (
+        state["state"] in ("pending", "running") or (state["state"] == "halted" and not state["restored"])
+    )
+    if not busy or str(state["model_version"]) == str(version):
+        return None
+    logger.warning(
+        "rolling back unfinished rollout %s of version %s first", state["rollout_id"], state["model_version"]
+    )
+    with open_index(workspace, uri) as index:
+        rollback(paths, index)
+    return {
+        "rollout_id": state["rollout_id"],
+        "model_version": state["model_version"],
+        "state": state["state"],
+    }
 
 
 def _record_lineage(config: dict[str, Any], items: list[dict[str, Any]]) -> int:
@@ -337,7 +365,7 @@ def continual_stage(
     makes compatible with production).
     """
     from components.continual import run_continual
-    from components.runs import replay_shards
+    from components.runs import replay_shards, training_dir
 
     config = as_config(config)
     training = config["training"]
@@ -356,6 +384,7 @@ def continual_stage(
         replay_rows=training["replay_rows"],
         replay_urls=replay_shards(config, phase) if training["replay_buffer_size"] else None,
         steps=budget["steps"],
+        checkpoint_every=training.get("checkpoint_every", 50),
         batch_size=training["batch_size"],
         lr=training["lr"],
         warmup_fraction=training["warmup_fraction"],
@@ -363,6 +392,8 @@ def continual_stage(
         device=training["device"],
         train_urls=accepted or None,
         version=f"{run_dir.name}",
+        # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
+        train_dir=training_dir(run_dir),
     )
     if metrics:
         metrics["budget"] = budget
@@ -429,33 +460,66 @@ def compat_stage(
     shards of every earlier phase: the old gallery holds those domains too, and the cross-model losses
     need them among the in-batch negatives.
     """
+    from compat.methods.base import COMPAT_FILE
     from compat.methods.run import train_compat
+    from compat.production import identity
     from components.runs import replay_shards
 
     config = as_config(config)
     settings = config["compat"]
     per_phase = settings["replay_shards_per_phase"]
     replay = [s for shards in replay_shards(config, phase, per_phase) for s in shards] if per_phase else []
-    model = train_compat(
-        settings["method"],
-        production,
-        _checkpoint_dir(candidate),
-        accepted_shards(validated_dir) + replay,
-        out_dir,
-        settings={**settings["options"], "steps": settings["steps"], "device": config["training"]["device"]},
-        batch_size=settings["batch_size"],
-    )
-    write_json_atomic(
-        run_dir / "compat" / "compat_model.json",
-        {
+    candidate = _checkpoint_dir(candidate)
+    # Trained once per run: a resumed run reuses the model its earlier attempt finished (same inputs), so
+    # it registers the same version and a rollout it had started resumes from its cursor.
+    key = {
+        "method": settings["method"],
+        "options": settings["options"],
+        "steps": settings["steps"],
+        "batch_size": settings["batch_size"],
+        "production": identity(production)["sha256"],
+        "candidate": identity(candidate)["sha256"],
+        "replay_shards": replay,
+    }
+    model_dir, record_path = run_dir / "compat" / "model", run_dir / "compat" / "compat_model.json"
+    record = _read_json(record_path)
+    if record and record.get("key") == key and (model_dir / COMPAT_FILE).is_file():
+        logger.info("compat: reusing %s (trained by an earlier attempt of this run)", model_dir)
+    else:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        model = train_compat(
+            settings["method"],
+            production,
+            candidate,
+            accepted_shards(validated_dir) + replay,
+            model_dir,
+            settings={
+                **settings["options"],
+                "steps": settings["steps"],
+                "device": config["training"]["device"],
+            },
+            batch_size=settings["batch_size"],
+        )
+        record = {
             "method": settings["method"],
-            "path": str(out_dir),
+            "path": str(model_dir),
             "replay_shards": replay,
             "contract": model.contract.to_dict(),
             "trainable_parameters": model.trainable_parameters,
-        },
-    )
+            "key": key,
+        }
+        write_json_atomic(record_path, record)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(model_dir, out_dir)
     return str(out_dir)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 @step("evaluate")

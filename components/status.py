@@ -29,6 +29,7 @@ def collect(
         "rollout": rollout_state(ws),
         "phases": phase_history(ws),
     }
+    doc["production_check"] = production_check(ws, model_name, doc["registry"])
     from components import plugins
 
     errors = []
@@ -60,6 +61,24 @@ def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict
     except Exception as err:  # noqa: BLE001 - status must show what it can
         log.warning("cannot read the registry at %s: %s", registry.tracking_uri, err)
         return {**empty, "error": f"{type(err).__name__}: {err}"}
+
+
+def production_check(ws: Workspace, model_name: str, registry: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The production model's workspace copy verified file by file and against the registry's digest."""
+    from components.registry import Registry, RegistryError
+
+    production = registry.get("production")
+    if not production:
+        return None
+    version = str(production["version"])
+    copy = ws.models_dir / f"v{version}"
+    if not copy.is_dir():
+        return {"version": version, "ok": None, "message": f"no workspace copy at {copy} (downloaded on use)"}
+    try:
+        Registry(ws, model_name=model_name).verify_copy(version, copy)
+    except (RegistryError, OSError, ValueError) as err:
+        return {"version": version, "ok": False, "message": f"{err}; delete {copy} to download it again"}
+    return {"version": version, "ok": True, "message": f"{copy} matches the registered digest"}
 
 
 def phase_history(ws: Workspace) -> list[dict[str, Any]]:

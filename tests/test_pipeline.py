@@ -184,6 +184,12 @@ def test_weekly_cycle_serves_rejects_ships_twice_halts_and_continues(tmp_path):
     )
     assert "did not run: step resolve-production failed before it" in report
     assert read_state(tmp_path / "ws")["phases"]["4"]["status"] == "failed"
+    status = CliRunner().invoke(app, ["status", "--workspace", config["workspace"]])
+    assert "checksum    FAILED" in status.output and f"delete {copy}" in status.output
+    assert (
+        "    4  failed" in status.output
+        and "step resolve-production: CheckpointIntegrityError" in status.output
+    )
     shutil.rmtree(copy)
 
     # Probe floors no model reaches: the rollout halts at its first stage and is rolled back whole.

@@ -152,6 +152,14 @@ def test_download_detects_tampering(workspace: Workspace, tmp_path: Path) -> Non
     (local / "config.json").write_text("{}")
     with pytest.raises(RegistryError, match="config.json"):
         verify_checkpoint(local)
+    # Swapped and consistently re-hashed (manifest rewritten): only the registered digest catches it.
+    from components.registry import MANIFEST, CheckpointIntegrityError, file_manifest
+
+    (local / MANIFEST).unlink()
+    (local / MANIFEST).write_text(json.dumps(file_manifest(local), indent=2, sort_keys=True) + "\n")
+    verify_checkpoint(local)
+    with pytest.raises(CheckpointIntegrityError, match="digest registered with the model version"):
+        registry.verify_copy(version, local)
 
 
 def test_runs_resume_and_refuse_pickles(workspace: Workspace, tmp_path: Path) -> None:
@@ -294,3 +302,17 @@ def test_register_stage_logs_reports_metrics_and_weights(workspace: Workspace, t
     assert {"reports/compat_report.json", "reports/metrics.json", "reports/gate.json"} <= artifacts
     assert info["tags"]["gate.decision"] == "pass" and info["tags"]["method"] == "taca"
     assert info["aliases"] == ["candidate"]
+
+
+def test_a_resumed_run_registers_once(workspace: Workspace, tmp_path: Path) -> None:
+    """Same pipeline run, same weights: the same version. Other weights: the unserved earlier version is
+    deleted first, so an interrupted run leaves no orphan."""
+    registry = Registry(workspace, model_name="clip-resume")
+    v1, _ = candidate(registry, tmp_path / "a", "run-r", 1, PASS, phase=1)
+    again, _ = candidate(registry, tmp_path / "b", "run-r", 1, PASS, phase=1)  # the same weights again
+    assert again == v1
+    changed, _ = candidate(registry, tmp_path / "c", "run-r", 2, PASS, phase=1)  # retrained: other weights
+    assert changed != v1
+    versions = registry.client.search_model_versions("name='clip-resume'")
+    assert [str(v.version) for v in versions] == [changed]
+    assert registry.alias_version("candidate") == changed

@@ -68,3 +68,57 @@ def test_keep_validated_leaves_the_previous_copy_when_a_shard_is_missing(tmp_pat
     with pytest.raises(FileNotFoundError):
         keep_validated(tmp_path / "ws", 1, [tmp_path / "missing.tar"])
     assert sorted(str(p) for p in validated_dir(tmp_path / "ws", 1).glob("*.tar")) == kept
+
+
+def _finished_run(ws, run_id, phase, status):
+    run_dir = ws / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_id, "phase": phase}))
+    if status:
+        (run_dir / "outcome.json").write_text(json.dumps({"status": status}))
+    return run_dir
+
+
+def test_state_file_errors_name_the_file_and_a_lost_state_is_refused(tmp_path):
+    from components.runs import StateError, plan_run, read_state, rebuild_state
+
+    config = {**_config(tmp_path), "drift": {"reference_phase": "previous"}}
+    config["registry"] = {"tracking_uri": f"sqlite:///{tmp_path}/ws/mlflow.db"}
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for text in ('{"schema_version": 1}', '{"schema_version": 1, "phases": {"0": {"stat'):
+        (ws / "state.json").write_text(text)
+        with pytest.raises(StateError, match=r"(?s)state\.json is unreadable or malformed.*state rebuild"):
+            read_state(ws)
+    (ws / "state.json").unlink()
+    _finished_run(ws, "phase-00-a", 0, "succeeded")
+    _finished_run(ws, "phase-01-a", 1, "failed")
+    _finished_run(ws, "phase-01-b", 1, "rejected")
+    with pytest.raises(StateError, match="missing but the workspace holds finished runs"):
+        plan_run(config)
+    rebuilt = rebuild_state(ws)
+    assert {k: v["status"] for k, v in rebuilt["phases"].items()} == {"0": "succeeded", "1": "rejected"}
+    assert read_state(ws) == rebuilt
+    assert plan_run(config) is None  # both phases done: nothing pending
+
+
+def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
+    from components.runs import plan_run, record_phase
+
+    config = {**_config(tmp_path), "drift": {"reference_phase": "previous"}}
+    config["registry"] = {"tracking_uri": f"sqlite:///{tmp_path}/ws/mlflow.db"}
+    first = plan_run(config)
+    assert first["phase"] == 0 and not first["resumed"] and first["attempt"] == 1
+    run_dir = tmp_path / "ws" / "runs" / first["run_id"]
+    (run_dir / "pipeline.log").write_text("killed\n")  # no outcome.json: the run was killed
+    again = plan_run(config)
+    assert again["run_id"] == first["run_id"] and again["resumed"] and again["attempt"] == 2
+    assert (run_dir / "attempts" / "1" / "pipeline.log").read_text() == "killed\n"
+    (run_dir / "outcome.json").write_text(json.dumps({"status": "failed"}))
+    (run_dir / "failure.json").write_text("{}")
+    record_phase(tmp_path / "ws", 0, "failed", first["run_id"])
+    third = plan_run(config)
+    assert third["run_id"] == first["run_id"] and third["attempt"] == 3
+    assert not (run_dir / "failure.json").exists() and (run_dir / "attempts" / "2" / "failure.json").is_file()
+    (run_dir / "outcome.json").write_text(json.dumps({"status": "blocked"}))  # blocked: a new run
+    assert plan_run(config)["run_id"] != first["run_id"]

@@ -77,6 +77,10 @@ def _format_status(doc: dict[str, Any]) -> str:
             f"  method {tags.get('method', '?')}"
             f"  gate {tags.get('gate.decision', '?')}  registered {info.get('created_at')}"
         )
+    check = doc.get("production_check")
+    if check:
+        verdict = {True: "ok", False: "FAILED", None: "not checked"}[check["ok"]]
+        lines.append(f"checksum    {verdict}: {check['message']}")
     gate = doc.get("last_gate")
     if gate is None:
         lines.append("last gate   - (no gate.json under runs/)")
@@ -101,7 +105,7 @@ def _format_status(doc: dict[str, Any]) -> str:
             f"  {row['phase']:>3}  {row.get('status', '?'):<9}  run {row.get('run_id')}  {row.get('at')}{why}"
         )
     for key, value in doc.items():
-        if key not in {"workspace", "registry", "last_gate", "rollout", "phases"}:
+        if key not in {"workspace", "registry", "last_gate", "rollout", "phases", "production_check"}:
             shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
             lines.append(f"{key:<11} {shown}")
     return "\n".join(lines)

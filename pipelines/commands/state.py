@@ -1,0 +1,35 @@
+"""``compatflow state``: the workspace's record of every phase's outcome (``state.json``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+state_app = typer.Typer(help="The workspace's phase record (state.json): rebuild it from the run folders.")
+
+
+@state_app.command("rebuild")
+def rebuild(
+    config: Annotated[
+        str, typer.Option("--config", "-c", help="Config file, or a shipped name (local, cluster).")
+    ] = "local",
+) -> None:
+    """Rebuild state.json from the run folders (each phase's newest finished run)."""
+    from components.runs import rebuild_state
+    from pipelines.commands._common import fail, holding_workspace
+    from pipelines.config import ConfigError, load_config, resolve
+
+    try:
+        workspace = resolve(load_config(config))["workspace"]
+    except ConfigError as err:
+        fail(str(err))
+    with holding_workspace(workspace, "compatflow state rebuild"):
+        state = rebuild_state(workspace)
+    for phase, entry in state["phases"].items():
+        typer.echo(f"phase {phase:>3}  {entry['status']:<9}  run {entry['run_id']}")
+    typer.echo(f"rebuilt {workspace}/state.json: {len(state['phases'])} phase(s)")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(state_app, name="state")
