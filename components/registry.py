@@ -372,10 +372,14 @@ class Registry:
         return self.status()
 
     def rollback(self, *, run_hooks: bool = True) -> dict[str, Any]:
-        """Move ``production`` back to ``previous`` and run the rollback hooks; returns what happened.
+        """Move ``production`` back to ``previous``, all or nothing; returns what happened.
 
-        Raises :class:`RegistryError` when there is nothing to roll back to, and
-        :class:`RollbackHookError` (after every hook ran) when a hook failed.
+        Every plugin's ``prepare_rollback`` hook first checks that its part can be done (the gallery: the
+        rollout that put production there is found and readable, the index reachable); any refusal raises
+        :class:`RegistryError` with nothing changed. Then the rollback hooks undo the serving side
+        (idempotent) and only then do the aliases move, so a hook that fails leaves the registry where it was
+        (:class:`RollbackHookError`) and running the rollback again completes it. Raises
+        :class:`RegistryError` when there is nothing to roll back to.
         """
         current = self.alias_version("production")
         previous = self.alias_version("previous")
@@ -392,16 +396,7 @@ class Registry:
         if not stack or stack[-1] != previous:
             stack.append(previous)
         new_previous = stack[-2] if len(stack) >= 2 else None
-        self.client.set_registered_model_alias(self.model_name, "production", previous)
-        if new_previous is not None:
-            self.client.set_registered_model_alias(self.model_name, "previous", new_previous)
-        else:
-            self.client.delete_registered_model_alias(self.model_name, "previous")
         at = _now()
-        self.client.set_model_version_tag(self.model_name, current, "rolled_back_at", at)
-        self._set_history(stack)
-        log.info("%s rolled back: production %s -> %s", self.model_name, current, previous)
-
         event = {
             "workspace": str(self.workspace.root),
             "model_name": self.model_name,
@@ -415,15 +410,32 @@ class Registry:
         if run_hooks:
             from components import plugins
 
+            refused = [
+                h for h in plugins.call_all(plugins.hooks("prepare_rollback"), dict(event)) if not h["ok"]
+            ]
+            if refused:
+                raise RegistryError(
+                    f"rollback of {self.model_name} from version {current} to {previous} refused, nothing "
+                    "changed: " + "; ".join(f"{h['hook']}: {h['error']}" for h in refused)
+                )
             functions = [(getattr(h, "__qualname__", repr(h)), h) for h in _ROLLBACK_HOOKS]
             result["hooks"] = plugins.call_all(functions + plugins.hooks("on_rollback"), dict(event))
             failed = [h for h in result["hooks"] if not h["ok"]]
             if failed:
                 raise RollbackHookError(
-                    f"production moved back to version {previous}, but rollback hooks failed: "
-                    + "; ".join(f"{h['hook']}: {h['error']}" for h in failed),
+                    f"rollback hooks failed, so production stays version {current} in the registry: "
+                    + "; ".join(f"{h['hook']}: {h['error']}" for h in failed)
+                    + " (the hooks are idempotent: fix the cause and run the rollback again)",
                     result,
                 )
+        self.client.set_registered_model_alias(self.model_name, "production", previous)
+        if new_previous is not None:
+            self.client.set_registered_model_alias(self.model_name, "previous", new_previous)
+        else:
+            self.client.delete_registered_model_alias(self.model_name, "previous")
+        self.client.set_model_version_tag(self.model_name, current, "rolled_back_at", at)
+        self._set_history(stack)
+        log.info("%s rolled back: production %s -> %s", self.model_name, current, previous)
         return result
 
     def status(self) -> dict[str, Any]:

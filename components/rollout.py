@@ -221,7 +221,8 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise RolloutError(
-            f"{path}: not valid JSON ({exc}); the previous copy is in its rollout work directory"
+            f"{path}: not valid JSON ({exc}); it was damaged: restore it from a backup (a rollout's state "
+            f"is archived in {path.parent / 'rollout'}/<rollout id>/ only once a later rollout replaces it)"
         ) from exc
     schemas.validate(doc, "rollout_state", str(path))
     return doc
@@ -315,7 +316,8 @@ def _load_rows(path: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _item_ref(row: Mapping[str, Any]) -> ItemRef:
+def item_ref(row: Mapping[str, Any]) -> ItemRef:
+    """The :class:`ItemRef` of an index row."""
     return ItemRef(
         str(row["item_id"]),
         str(row["source_uri"]),
@@ -596,7 +598,7 @@ class Rollout:
 
     def _new_rows(self, state: dict[str, Any], previous: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         vectors = _check_vectors(
-            self.encoders.new_gallery([_item_ref(r) for r in previous]),
+            self.encoders.new_gallery([item_ref(r) for r in previous]),
             len(previous),
             state["gallery"]["dim"],
             "gallery encoder",
@@ -863,7 +865,7 @@ class Rollout:
         if not self.index.has_collection(g["collection"]):
             first = self.index.fetch(ids[:1], g["source_collection"])
             dim = _check_vectors(
-                self.encoders.new_gallery([_item_ref(r) for r in first]), 1, None, "gallery encoder"
+                self.encoders.new_gallery([item_ref(r) for r in first]), 1, None, "gallery encoder"
             ).shape[1]
             self.index.create_collection(g["space"], dim, name=g["collection"])
         g["dim"] = self.index.collection_dim(g["collection"])
@@ -905,15 +907,19 @@ def run_rollout(
     return Rollout(index, paths, config, encoders, probe).run()
 
 
-def rollback(paths: RolloutPaths, index: GalleryIndex | None = None) -> dict[str, Any]:
-    """Undo the rollout in ``paths.state``: previous collection (or the saved rows) and previous query model.
+def rollback(
+    paths: RolloutPaths, index: GalleryIndex | None = None, state_path: Path | None = None
+) -> dict[str, Any]:
+    """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
+    previous collection (or the saved rows) and previous query model.
 
     Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
     """
+    state_path = Path(state_path or paths.state)
     with _exclusive(paths.state):
-        state = load_state(paths.state)
+        state = load_state(state_path)
         if state is None:
-            raise RolloutError(f"no rollout state at {paths.state}: nothing to roll back")
+            raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
         if state["state"] == "rolled_back":
             return state
         g = state["gallery"]
@@ -921,7 +927,7 @@ def rollback(paths: RolloutPaths, index: GalleryIndex | None = None) -> dict[str
         index = index or GalleryIndex(g["uri"], g["alias"])
         try:
             state["rollback"] = {"started_at": _now(), "from_state": state["state"]}
-            save_state(paths.state, state)
+            save_state(state_path, state)
             source = g["source_collection"]
             if g["collection"] == source:  # in place: replay every saved row
                 for path in sorted(paths.restore_dir(state["rollout_id"]).glob("*.npz")):
@@ -945,12 +951,32 @@ def rollback(paths: RolloutPaths, index: GalleryIndex | None = None) -> dict[str
             state["cursor"]["position"] = 0
             state["rollback"]["finished_at"] = _now()
             state["gallery"]["versions_after"] = index.count_by_version(source)
-            save_state(paths.state, state)
+            save_state(state_path, state)
             log.info("rollout %s rolled back: alias %s -> %s", state["rollout_id"], g["alias"], source)
             return state
         finally:
             if own:
                 index.close()
+
+
+def rollout_of(paths: RolloutPaths, version: str) -> Path:
+    """The state file of the completed rollout that made ``version`` the served model: the current one, or
+    one archived in its work directory when a later rollout started. Raises :class:`RolloutError` naming
+    the files when none is found or one cannot be read."""
+    candidates = [paths.state, *sorted(paths.state.parent.glob(f"rollout/*/{STATE_FILE}"))]
+    for path in candidates:
+        state = load_state(path)
+        if (
+            state is not None
+            and str(state["model_version"]) == str(version)
+            and state["state"] == "completed"
+        ):
+            return path
+    raise RolloutError(
+        f"no completed rollout of version {version} in {paths.state} or its archive "
+        f"({paths.state.parent / 'rollout'}/*/{STATE_FILE}): the gallery cannot be put back to what it "
+        "served before; restore the workspace from a backup or roll the gallery forward with a new upgrade"
+    )
 
 
 def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -83,7 +83,8 @@ def test_kill_9_anywhere_then_run_again_finishes_the_phase(tmp_path):
     assert not (run_dir / "outcome.json").exists()
 
     def compat_running() -> bool:
-        return "'compat-op'" in (run_dir / "pipeline.log").read_text(errors="replace")
+        log = run_dir / "pipeline.log"  # the resumed attempt starts a new one
+        return log.is_file() and "'compat-op'" in log.read_text(errors="replace")
 
     _kill_when(_start(config_file, log_of(2)), compat_running, "compat step")
     assert _run_dir(ws, 1) == run_dir  # the same run continued

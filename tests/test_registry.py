@@ -126,7 +126,7 @@ def test_repeated_rollbacks_walk_the_history(workspace: Workspace, tmp_path: Pat
     assert status["production"]["tags"]["data_phase"] == "0" and status["history"] == versions[:1]
 
 
-def test_failing_hook_is_reported_after_the_move(workspace: Workspace, tmp_path: Path) -> None:
+def test_a_failing_hook_moves_nothing_and_a_retry_completes(workspace: Workspace, tmp_path: Path) -> None:
     registry = Registry(workspace, model_name="clip-hook")
     for i in range(2):
         version, _ = candidate(registry, tmp_path, f"hook-{i}", 20 + i, PASS, phase=i)
@@ -135,13 +135,17 @@ def test_failing_hook_is_reported_after_the_move(workspace: Workspace, tmp_path:
     def broken(event: dict) -> None:
         raise ConnectionError("index alias unreachable")
 
+    before = aliases(registry)
     register_rollback_hook(broken)
     try:
-        with pytest.raises(RollbackHookError, match="index alias unreachable") as err:
+        with pytest.raises(RollbackHookError, match="index alias unreachable.*run the rollback again") as err:
             registry.rollback()
     finally:
         unregister_rollback_hook(broken)
-    assert err.value.result["to_version"] == aliases(registry)["production"]
+    assert aliases(registry) == before  # all or nothing
+    assert (
+        registry.rollback()["to_version"] == err.value.result["to_version"] == aliases(registry)["production"]
+    )
 
 
 def test_download_detects_tampering(workspace: Workspace, tmp_path: Path) -> None:

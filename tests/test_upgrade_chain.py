@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from components.runs import record_phase
+
 pytestmark = pytest.mark.slow
 
 PERMISSIVE_POLICY = """
@@ -86,6 +88,7 @@ class Cycle:
         )
         version = stages.register_stage(self.config, run_dir, 0, str(run_dir / "_candidate"), bootstrap=True)
         stages.serve_first_model_stage(self.config, run_dir, version["version"], plan["gallery_shards"])
+        record_phase(Path(self.config["workspace"]), 0, "succeeded", run_dir.name)  # the exit handler's part
 
     def train(self, phase: int) -> tuple[dict, Path, str]:
         """Validate, drift, continual and compat training of ``phase`` against production."""
@@ -152,7 +155,10 @@ class Cycle:
             doc = json.loads(probe.read_text())
             everything = sorted({p for positives in doc["positives"] for p in positives})
             probe.write_text(json.dumps({"texts": doc["texts"][:8], "positives": [everything] * 8}))
-        return stages.rollout_candidate_stage(self.config, run_dir, version)
+        summary = stages.rollout_candidate_stage(self.config, run_dir, version)
+        status = "succeeded" if summary["promoted"] else "rejected"
+        record_phase(Path(self.config["workspace"]), phase, status, run_dir.name)
+        return summary
 
 
 def assert_serves(config: dict, version: str, n_items: int) -> None:
@@ -229,3 +235,38 @@ def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(tmp_pa
     assert_serves(config, "3", 48)
     assert stages.registry_of(config).alias_version("previous") == "1"
     assert gallery_status(config["index"]["uri"], config["index"]["alias"])["count"] == 48
+
+
+def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(tmp_path, stream_dir):
+    """Blue-green v2 ships, phase 2's items are ingested by v2 into its collection; a rollback with an
+    unreadable rollout state changes nothing; once readable, production, serving record, index (phase 2's
+    items re-embedded by v1 into v1's collection) and lineage all return to v1."""
+    from typer.testing import CliRunner
+
+    from components import stages
+    from components.lineage import LineageStore
+    from pipelines.cli import app
+
+    config = chain_config(tmp_path, stream_dir, "none")
+    cycle = Cycle(config)
+    cycle.bootstrap()
+    assert cycle.ship(1)["rollout"]["mode"] == "blue_green"
+    plan = stages.plan_stage(config, 2, "ingest-2")
+    stages.ingest_stage(config, Path(plan["run_dir"]), plan["gallery_shards"])
+    assert_serves(config, "2", 48)
+
+    state_file = Path(config["workspace"]) / "rollout_state.json"
+    saved = state_file.read_text()
+    state_file.write_text(saved[: len(saved) // 2])
+    refused = CliRunner().invoke(app, ["rollback", "--workspace", config["workspace"]])
+    assert refused.exit_code == 1 and "refused, nothing changed" in refused.output
+    assert "rollout_state.json: not valid JSON" in refused.output
+    assert_serves(config, "2", 48)  # registry, serving record and index untouched
+
+    state_file.write_text(saved)
+    done = CliRunner().invoke(app, ["rollback", "--workspace", config["workspace"]])
+    assert done.exit_code == 0, done.output
+    assert_serves(config, "1", 48)
+    assert LineageStore(config["lineage"]["repo"]).version_counts() == {"1": 48}
+    serving = json.loads((Path(config["workspace"]) / "serving.json").read_text())
+    assert serving["query_model"]["version"] == "1"

@@ -1,9 +1,11 @@
 """Gallery plugin: ``compatflow status`` shows the index and rollout; a registry rollback restores the index.
 
 ``status`` adds ``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the
-count) and ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled``. ``on_rollback``
+count) and ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled``. ``prepare_rollback``
+refuses a registry rollback whose gallery part cannot be done, before anything changes; ``on_rollback``
 rolls back the rollout of the version that leaves production (previous collection or vectors, previous
-query model) and records the restored versions in the item lineage.
+query model; found even when later rollouts were archived), re-embeds with the returning model the items
+written since, and records the restored versions in the item lineage.
 """
 
 from __future__ import annotations
@@ -33,24 +35,89 @@ def status(workspace: Any) -> dict[str, Any]:
     return doc
 
 
-def on_rollback(event: dict[str, Any]) -> None:
-    from components.rollout import RolloutError, RolloutPaths, load_state, rollback
+def prepare_rollback(event: dict[str, Any]) -> None:
+    """Refuse (before anything changes) a rollback whose gallery part cannot be done: the rollout that made
+    the leaving version served is missing or unreadable, or its source collection or old model is gone."""
+    from pathlib import Path
+
+    from components.index import GalleryIndex
+    from components.rollout import RolloutError, RolloutPaths, load_state, rollout_of
+    from components.search import read_serving
 
     paths = RolloutPaths.for_workspace(event["workspace"])
-    state = load_state(paths.state)
-    if state is None or state["state"] == "rolled_back":
-        log.info("no rollout to undo in %s", paths.state)
+    if read_serving(paths.serving) is None:
+        return  # nothing indexed: nothing to restore
+    state = load_state(rollout_of(paths, event["from_version"]))
+    model = Path(str(state["previous_query_model"].get("uri", "")))
+    if not model.is_dir():
+        raise RolloutError(f"the model version {event['to_version']} served from is gone ({model})")
+    g = state["gallery"]
+    with GalleryIndex(g["uri"], g["alias"]) as index:
+        if not index.has_collection(g["source_collection"]):
+            raise RolloutError(f"collection {g['source_collection']} that served before the rollout is gone")
+
+
+def on_rollback(event: dict[str, Any]) -> None:
+    """Put the gallery back to the version production returns to: undo the rollout that made the leaving
+    version served, then give every item written by another model since (items ingested after that
+    rollout) the returning model's vector, so queries meet only vectors of the model that answers them."""
+    from components.index import GalleryIndex
+    from components.rollout import RolloutPaths, rollback, rollout_of
+    from components.search import read_serving
+
+    paths = RolloutPaths.for_workspace(event["workspace"])
+    record = read_serving(paths.serving)
+    if record is None:
+        log.info("no gallery indexed in %s: nothing to restore", event["workspace"])
         return
-    if state["model_version"] != str(event["from_version"]):
-        raise RolloutError(
-            f"production moved back from version {event['from_version']}, but the rollout in "
-            f"{paths.state} serves version {state['model_version']}; run `compatflow rollout "
-            "rollback` after checking which model the gallery should serve"
-        )
-    state = rollback(paths)
+    state_path = rollout_of(paths, event["from_version"])
+    with GalleryIndex(record["uri"], record["alias"]) as index:
+        state = rollback(paths, index, state_path=state_path)
+        written = complete_gallery(index, record["collection"], state)
+    log.info("rollback: %d item(s) re-embedded with version %s", written, event["to_version"])
     from components.lineage import sync_from_index
     from components.workspace import Workspace
 
     repo = Workspace.coerce(event["workspace"]).feast_dir
     if (repo / "feature_store.yaml").is_file():
         sync_from_index(repo, state["gallery"]["uri"], state["gallery"]["alias"])
+
+
+def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
+    """After a rolled-back rollout: embed with the restored query model every item of the serving collection
+    written by another version, and every item of the ``leaving`` collection the serving one lacks (a
+    blue-green rollback returns to a collection that never saw later items). Returns how many were written."""
+    import numpy as np
+
+    from compat.production import load_encoder
+    from components.index import ROW_FIELDS, quote
+    from components.rollout import item_ref
+    from components.rollout_encoders import ShardImages
+
+    g, model = state["gallery"], state["previous_query_model"]
+    target, version = g["source_collection"], str(model["version"])
+    stale = [
+        r for b in index.iter_rows(ROW_FIELDS, target, filter=f"model_version != {quote(version)}") for r in b
+    ]
+    if leaving != target and index.has_collection(leaving):
+        have = {r["item_id"] for b in index.iter_rows((), target) for r in b}
+        stale += [r for b in index.iter_rows(ROW_FIELDS, leaving) for r in b if r["item_id"] not in have]
+    if not stale:
+        return 0
+    encoder, images = load_encoder(model["uri"]), ShardImages()
+    space = index.collection_space(target)
+    for start in range(0, len(stale), 256):
+        rows = stale[start : start + 256]
+        refs = [item_ref(r) for r in rows]
+        vectors = np.asarray(encoder.encode_images(images.load(refs)).numpy(), dtype=np.float32)
+        index.index_items(
+            [r["item_id"] for r in rows],
+            vectors,
+            version,
+            space,
+            phase=[int(r["phase"]) for r in rows],
+            source_uris=[r["source_uri"] for r in rows],
+            collection=target,
+        )
+    index.flush(target)
+    return len(stale)
