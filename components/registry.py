@@ -207,13 +207,43 @@ class Registry:
             step=phase if isinstance(phase, int) else None,
         )
 
+    def local_artifacts(self, artifact_uri: str) -> Path | None:
+        """Where a ``file:`` artifact URI of a workspace-local store lives in *this* workspace.
+
+        MLflow records absolute artifact locations; the part after ``mlartifacts/`` is resolved under this
+        workspace's artifacts folder, so a copied or restored workspace reads and writes its own artifacts
+        and never the original's. None for a tracking server (its artifact store is not the workspace's).
+        """
+        from urllib.parse import unquote, urlparse
+
+        if not self.tracking_uri.startswith("sqlite:") or not artifact_uri.startswith("file:"):
+            return None
+        parts = Path(unquote(urlparse(artifact_uri).path)).parts
+        marker = self.workspace.artifacts_dir.name
+        if marker not in parts:
+            return None
+        at = len(parts) - 1 - parts[::-1].index(marker)
+        return self.workspace.artifacts_dir.joinpath(*parts[at + 1 :])
+
+    def _log(self, run_id: str, source: Path, artifact_path: str) -> None:
+        """Log a file or a directory's content under ``artifact_path`` of the run."""
+        local = self.local_artifacts(self.client.get_run(run_id).info.artifact_uri)
+        if local is None:
+            log_fn = self.client.log_artifacts if source.is_dir() else self.client.log_artifact
+            log_fn(run_id, str(source), artifact_path)
+        elif source.is_dir():
+            shutil.copytree(source, local / artifact_path, dirs_exist_ok=True)
+        else:
+            (local / artifact_path).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, local / artifact_path / source.name)
+
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str = "reports") -> None:
         """A report file (or a directory of them) as artifacts of the run."""
         path = Path(path)
         if path.is_dir():
-            self.client.log_artifacts(run_id, str(path), f"{artifact_path}/{path.name}")
+            self._log(run_id, path, f"{artifact_path}/{path.name}")
         elif path.is_file():
-            self.client.log_artifact(run_id, str(path), artifact_path)
+            self._log(run_id, path, artifact_path)
         else:
             raise RegistryError(f"cannot log {path}: no such file or directory")
 
@@ -233,10 +263,10 @@ class Registry:
             )
         if not any(p.endswith(".safetensors") for p in manifest):
             raise RegistryError(f"checkpoint {checkpoint_dir} has no .safetensors file to register")
-        self.client.log_artifacts(run_id, str(checkpoint_dir), artifact_path)
+        self._log(run_id, checkpoint_dir, artifact_path)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            self.client.log_artifact(run_id, str(Path(tmp) / MANIFEST), artifact_path)
+            self._log(run_id, Path(tmp) / MANIFEST, artifact_path)
         return manifest
 
     # --- model versions --------------------------------------------------------------------
@@ -472,15 +502,21 @@ class Registry:
         if dst.exists() and any(dst.iterdir()):
             shutil.rmtree(dst)
         dst.mkdir(parents=True, exist_ok=True)
-        with _mlflow_uris(self.tracking_uri):
-            local = Path(
-                mlflow.artifacts.download_artifacts(
-                    artifact_uri=uri,
-                    dst_path=str(dst),
-                    tracking_uri=self.tracking_uri,
-                    registry_uri=self.tracking_uri,
+        source = self.local_artifacts(self.client.get_model_version(self.model_name, version).source)
+        if source is not None:  # this workspace's copy of the version's files (see local_artifacts)
+            if not source.is_dir():
+                raise RegistryError(f"{self.model_name} version {version}: its files {source} are missing")
+            local = Path(shutil.copytree(source, dst, dirs_exist_ok=True))
+        else:
+            with _mlflow_uris(self.tracking_uri):
+                local = Path(
+                    mlflow.artifacts.download_artifacts(
+                        artifact_uri=uri,
+                        dst_path=str(dst),
+                        tracking_uri=self.tracking_uri,
+                        registry_uri=self.tracking_uri,
+                    )
                 )
-            )
         if verify:
             expected_digest = self.version_info(version)["tags"].get("checkpoint.sha256")
             verify_checkpoint(local, expected_digest)

@@ -47,6 +47,7 @@ import numpy as np
 
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
 from components.search import QueryEncoder, read_serving, write_serving
+from components.workspace import map_paths, resolved_path, stored_path
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +211,19 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def load_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The rollout state at ``path`` (validated against schemas/rollout_state), or None."""
+# Paths a rollout state names, stored relative to the workspace root (see components.workspace).
+STATE_PATHS = (
+    "gallery.uri",
+    "order.path",
+    "query_model.uri",
+    "new_query_model.uri",
+    "previous_query_model.uri",
+)
+
+
+def load_state(path: str | os.PathLike[str], root: Path | None = None) -> dict[str, Any] | None:
+    """The rollout state at ``path`` (validated against schemas/rollout_state), or None. Relative paths in
+    it resolve against ``root``, the workspace root (default: the file's folder, where the live one is)."""
     import schemas
 
     path = Path(path)
@@ -225,14 +237,17 @@ def load_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
             f"is archived in {path.parent / 'rollout'}/<rollout id>/ only once a later rollout replaces it)"
         ) from exc
     schemas.validate(doc, "rollout_state", str(path))
-    return doc
+    base = Path(root) if root is not None else path.resolve().parent
+    return map_paths(doc, STATE_PATHS, lambda value: resolved_path(base, value))
 
 
-def save_state(path: Path, state: dict[str, Any]) -> None:
+def save_state(path: Path, state: dict[str, Any], root: Path | None = None) -> None:
+    """Write ``state`` atomically, its paths relative to ``root`` (default: the file's folder)."""
     from compat.io import write_json_atomic
 
     state["updated_at"] = _now()
-    write_json_atomic(path, state)
+    base = Path(root) if root is not None else Path(path).resolve().parent
+    write_json_atomic(path, map_paths(state, STATE_PATHS, lambda value: stored_path(base, value)))
 
 
 @contextlib.contextmanager
@@ -404,9 +419,9 @@ class Rollout:
                 f"rollout {old['rollout_id']} ({old['new_version']}) is {old['state']} at "
                 f"{self.paths.state}: run it to the end with its own configuration, or roll it back"
             )
-        from compat.io import write_json_atomic
 
-        write_json_atomic(self.paths.work(old["rollout_id"]) / STATE_FILE, old)  # archived, then replaced
+        archived = self.paths.work(old["rollout_id"]) / STATE_FILE
+        save_state(archived, old, root=self.paths.state.parent)  # archived, then replaced
 
     # ---- planning
     def _plan(self) -> dict[str, Any]:
@@ -917,7 +932,8 @@ def rollback(
     """
     state_path = Path(state_path or paths.state)
     with _exclusive(paths.state):
-        state = load_state(state_path)
+        root = paths.state.parent
+        state = load_state(state_path, root)
         if state is None:
             raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
         if state["state"] == "rolled_back":
@@ -927,7 +943,7 @@ def rollback(
         index = index or GalleryIndex(g["uri"], g["alias"])
         try:
             state["rollback"] = {"started_at": _now(), "from_state": state["state"]}
-            save_state(state_path, state)
+            save_state(state_path, state, root)
             source = g["source_collection"]
             if g["collection"] == source:  # in place: replay every saved row
                 for path in sorted(paths.restore_dir(state["rollout_id"]).glob("*.npz")):
@@ -951,7 +967,7 @@ def rollback(
             state["cursor"]["position"] = 0
             state["rollback"]["finished_at"] = _now()
             state["gallery"]["versions_after"] = index.count_by_version(source)
-            save_state(state_path, state)
+            save_state(state_path, state, root)
             log.info("rollout %s rolled back: alias %s -> %s", state["rollout_id"], g["alias"], source)
             return state
         finally:
@@ -965,7 +981,7 @@ def rollout_of(paths: RolloutPaths, version: str) -> Path:
     the files when none is found or one cannot be read."""
     candidates = [paths.state, *sorted(paths.state.parent.glob(f"rollout/*/{STATE_FILE}"))]
     for path in candidates:
-        state = load_state(path)
+        state = load_state(path, paths.state.parent)
         if (
             state is not None
             and str(state["model_version"]) == str(version)

@@ -28,9 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from components.workspace import map_paths, resolved_path, stored_path
+
 QueryEncoder = Callable[[list[str]], np.ndarray]
 
 SERVING_FILE = "serving.json"
+SERVING_PATHS = ("uri", "query_model.uri", "previous.query_model.uri")  # stored relative to the workspace
 DEFAULT_FACTORY = "components.search:model_query_encoder"
 TRUSTED_ENV = "COMPATFLOW_TRUSTED_MODULES"
 TRUSTED_PREFIXES = ("compat.", "components.")
@@ -63,7 +66,8 @@ def read_serving(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise ServingError(f"{path}: missing field(s) {missing} of a serving record")
     if not isinstance(doc["query_model"], dict) or "version" not in doc["query_model"]:
         raise ServingError(f"{path}: field 'query_model' must be an object with a 'version'")
-    return doc
+    root = Path(path).resolve().parent
+    return map_paths(doc, SERVING_PATHS, lambda value: resolved_path(root, value))
 
 
 def write_serving(
@@ -93,7 +97,8 @@ def write_serving(
         "rollout_id": rollout_id,
         "updated_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    write_json_atomic(Path(path), doc)
+    root = Path(path).resolve().parent  # the record lives in the workspace root
+    write_json_atomic(Path(path), map_paths(doc, SERVING_PATHS, lambda value: stored_path(root, value)))
     return doc
 
 

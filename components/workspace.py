@@ -104,3 +104,38 @@ class Workspace:
         ):
             path.mkdir(parents=True, exist_ok=True)
         return self
+
+
+# ------------------------------------------------------------------------------------- stored paths
+# Files inside a workspace name other files of it relative to its root, so a workspace copied or
+# restored elsewhere works there and never touches the original.
+def stored_path(root: Path, value: str) -> str:
+    """``value`` as written into a workspace file: relative to ``root`` when it is a path inside it."""
+    if not value or "://" in value or not os.path.isabs(value):
+        return value
+    try:
+        return Path(value).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return value  # outside the workspace (a shared stream, a server): kept as it is
+
+
+def resolved_path(root: Path, value: str) -> str:
+    """A path read from a workspace file: relative ones are inside ``root``."""
+    if not value or "://" in value or os.path.isabs(value):
+        return value
+    return str(Path(root) / value)
+
+
+def map_paths(doc: dict, keys: tuple[str, ...], convert) -> dict:  # noqa: ANN001 - (root-bound) str -> str
+    """A copy of ``doc`` with ``convert`` applied to each dotted ``key`` present (``"a.b"``: doc[a][b])."""
+    import copy
+
+    out = copy.deepcopy(doc)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(leaf), str):
+            node[leaf] = convert(node[leaf])
+    return out

@@ -43,6 +43,7 @@ def chain_config(tmp_path: Path, stream: Path, method: str, scenario: str = "con
     from pipelines.config import CONFIG_DIR, resolve
 
     config = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    tmp_path.mkdir(parents=True, exist_ok=True)
     policy = tmp_path / "permissive.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     config["workspace"] = str(tmp_path / "ws")
@@ -270,3 +271,41 @@ def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(tmp
     assert LineageStore(config["lineage"]["repo"]).version_counts() == {"1": 48}
     serving = json.loads((Path(config["workspace"]) / "serving.json").read_text())
     assert serving["query_model"]["version"] == "1"
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone(tmp_path, stream_dir):
+    """Copy a workspace that has served and shipped; upgrade, search and roll back in the copy: the copy
+    answers from its own files and the original's bytes do not change."""
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    original = chain_config(tmp_path / "a", stream_dir, "bct")
+    Cycle(original).bootstrap()
+    Cycle(original).ship(1)
+    shutil.copytree(tmp_path / "a" / "ws", tmp_path / "b" / "ws", symlinks=True)
+    before = _snapshot(tmp_path / "a" / "ws")
+
+    moved = chain_config(tmp_path / "b", stream_dir, "bct")
+    serving = json.loads((tmp_path / "b" / "ws" / "serving.json").read_text())
+    assert not serving["uri"].startswith("/") and serving["query_model"]["uri"] == "models/v2"
+    assert_serves(moved, "2", 32)
+    assert Cycle(moved).ship(2)["promoted"]
+    assert_serves(moved, "3", 48)
+    status = CliRunner().invoke(app, ["status", "--workspace", moved["workspace"]])
+    assert "checksum    ok" in status.output and str(tmp_path / "b" / "ws") in status.output
+    assert CliRunner().invoke(app, ["rollback", "--workspace", moved["workspace"]]).exit_code == 0
+    assert_serves(moved, "2", 48)
+
+    assert _snapshot(tmp_path / "a" / "ws") == before
+    assert_serves(original, "2", 32)

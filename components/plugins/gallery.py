@@ -47,7 +47,7 @@ def prepare_rollback(event: dict[str, Any]) -> None:
     paths = RolloutPaths.for_workspace(event["workspace"])
     if read_serving(paths.serving) is None:
         return  # nothing indexed: nothing to restore
-    state = load_state(rollout_of(paths, event["from_version"]))
+    state = load_state(rollout_of(paths, event["from_version"]), paths.state.parent)
     model = Path(str(state["previous_query_model"].get("uri", "")))
     if not model.is_dir():
         raise RolloutError(f"the model version {event['to_version']} served from is gone ({model})")
