@@ -429,6 +429,7 @@ class Registry:
         at = _now()
         event = {
             "workspace": str(self.workspace.root),
+            "lineage_repo": str(self.workspace.feast_dir),
             "model_name": self.model_name,
             "tracking_uri": self.tracking_uri,
             "from_version": current,

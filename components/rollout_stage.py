@@ -38,8 +38,9 @@ def open_index(workspace: Any = None, uri: str | None = None) -> GalleryIndex:
 
     paths = RolloutPaths.for_workspace(workspace)
     record = read_serving(paths.serving)
-    uri = uri or (record["uri"] if record else str(Workspace.coerce(workspace).milvus_dir / "gallery.db"))
-    return GalleryIndex(uri, alias=record["alias"] if record else DEFAULT_ALIAS)
+    ws = Workspace.coerce(workspace)
+    uri = uri or (record["uri"] if record else ws.index_uri)
+    return GalleryIndex(uri, alias=record["alias"] if record else ws.index_alias or DEFAULT_ALIAS)
 
 
 def index_stage(

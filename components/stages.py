@@ -154,7 +154,7 @@ def finish_stage(
 def workspace_of(config: dict[str, Any]) -> Any:
     from components.workspace import Workspace
 
-    return Workspace(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
+    return Workspace.from_config(config)
 
 
 def registry_of(config: dict[str, Any]) -> Any:

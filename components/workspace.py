@@ -4,7 +4,7 @@ Layout (the pipeline and every command use it)::
 
     <root>/mlflow.db          MLflow tracking + registry (sqlite) unless a tracking URI is given
     <root>/mlartifacts/       MLflow artifacts (reports, checkpoints)
-    <root>/feast/             Feast feature repo: lineage of every gallery item
+    <root>/feast/             Feast feature repo: lineage of every gallery item (unless configured)
     <root>/milvus/            milvus-lite data
     <root>/models/            local model checkpoints
     <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
@@ -27,12 +27,36 @@ ENV_TRACKING_URI = "COMPATFLOW_TRACKING_URI"
 
 
 class Workspace:
-    """Path helper for a workspace directory; creates nothing until asked (:meth:`ensure`)."""
+    """Every path of a workspace and every service URI a deployment uses; creates nothing until asked
+    (:meth:`ensure`). Built from the resolved config (:meth:`from_config`) by the pipeline and by every
+    operator command, so a command run with the cluster config reaches the cluster's services."""
 
-    def __init__(self, root: str | Path | None = None, *, tracking_uri: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        *,
+        tracking_uri: str | None = None,
+        lineage_repo: str | Path | None = None,
+        index_uri: str | None = None,
+        index_alias: str = "gallery",
+    ) -> None:
         chosen = root if root is not None else os.environ.get(ENV_ROOT) or DEFAULT_ROOT
         self.root = Path(chosen).expanduser().resolve()
         self._tracking_uri = tracking_uri or os.environ.get(ENV_TRACKING_URI) or None
+        self._lineage_repo = Path(lineage_repo) if lineage_repo else None
+        self._index_uri = index_uri or None
+        self.index_alias = index_alias
+
+    @classmethod
+    def from_config(cls, config: dict) -> Workspace:
+        """The workspace and services of a resolved pipeline config (:func:`pipelines.config.resolve`)."""
+        return cls(
+            config["workspace"],
+            tracking_uri=config["registry"]["tracking_uri"],
+            lineage_repo=config["lineage"]["repo"],
+            index_uri=config["index"]["uri"],
+            index_alias=config["index"]["alias"],
+        )
 
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"
@@ -61,7 +85,13 @@ class Workspace:
 
     @property
     def feast_dir(self) -> Path:
-        return self.root / "feast"
+        """The Feast lineage repo: the configured one, else ``<root>/feast``."""
+        return self._lineage_repo or self.root / "feast"
+
+    @property
+    def index_uri(self) -> str:
+        """The Milvus URI: the configured one, else milvus-lite at ``<root>/milvus/gallery.db``."""
+        return self._index_uri or str(self.milvus_dir / "gallery.db")
 
     @property
     def milvus_dir(self) -> Path:

@@ -301,7 +301,7 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     doc = plugin.status(ws)
     assert doc["gallery"]["count"] == N == sum(doc["gallery"]["by_version"].values())
     assert doc["rollout"]["fraction_backfilled"] == 1.0 and doc["rollout"]["state"] == "completed"
-    with pytest.raises(ro.RolloutError, match="serves version v2"):
+    with pytest.raises(ro.RolloutError, match="no completed rollout of version 7"):
         plugin.on_rollback({"workspace": ws, "from_version": "7"})
     plugin.on_rollback({"workspace": ws, "from_version": "v2"})
     assert plugin.status(ws)["gallery"]["by_version"] == {"v1": N}

@@ -47,6 +47,12 @@ def prepare_rollback(event: dict[str, Any]) -> None:
     paths = RolloutPaths.for_workspace(event["workspace"])
     if read_serving(paths.serving) is None:
         return  # nothing indexed: nothing to restore
+    repo = Path(event.get("lineage_repo") or Path(event["workspace"]) / "feast")
+    if not (repo / "feature_store.yaml").is_file():
+        raise RolloutError(
+            f"the lineage repo {repo} has no feature_store.yaml, so the rollback could not record which "
+            "model embeds each item: run it with the config that names the deployment's repo (--config)"
+        )
     state = load_state(rollout_of(paths, event["from_version"]), paths.state.parent)
     model = Path(str(state["previous_query_model"].get("uri", "")))
     if not model.is_dir():
@@ -61,6 +67,8 @@ def on_rollback(event: dict[str, Any]) -> None:
     """Put the gallery back to the version production returns to: undo the rollout that made the leaving
     version served, then give every item written by another model since (items ingested after that
     rollout) the returning model's vector, so queries meet only vectors of the model that answers them."""
+    from pathlib import Path
+
     from components.index import GalleryIndex
     from components.rollout import RolloutPaths, rollback, rollout_of
     from components.search import read_serving
@@ -74,13 +82,14 @@ def on_rollback(event: dict[str, Any]) -> None:
     with GalleryIndex(record["uri"], record["alias"]) as index:
         state = rollback(paths, index, state_path=state_path)
         written = complete_gallery(index, record["collection"], state)
-    log.info("rollback: %d item(s) re-embedded with version %s", written, event["to_version"])
+    log.info("rollback: %d item(s) re-embedded by %s", written, state["previous_query_model"]["version"])
     from components.lineage import sync_from_index
-    from components.workspace import Workspace
 
-    repo = Workspace.coerce(event["workspace"]).feast_dir
-    if (repo / "feature_store.yaml").is_file():
+    repo = Path(event.get("lineage_repo") or Path(event["workspace"]) / "feast")
+    if (repo / "feature_store.yaml").is_file():  # prepare_rollback refuses a served gallery without one
         sync_from_index(repo, state["gallery"]["uri"], state["gallery"]["alias"])
+    else:
+        log.warning("no lineage repo at %s: item lineage not updated", repo)
 
 
 def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:

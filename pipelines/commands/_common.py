@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -40,3 +40,36 @@ def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
             yield
     except WorkspaceBusy as err:
         fail(str(err), code=1)
+
+
+WorkspaceOpt = Annotated[
+    Path | None,
+    typer.Option("--workspace", help="Workspace directory with local services (instead of --config)."),
+]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Config file or shipped name (local, cluster) whose workspace and services to use "
+        "(default: local, or $COMPATFLOW_WORKSPACE when set).",
+    ),
+]
+
+
+def workspace_of(config: str | None, workspace: Path | None) -> Any:
+    """The :class:`~components.workspace.Workspace` an operator command works on: the config's workspace and
+    service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services."""
+    import os
+
+    from components.workspace import ENV_ROOT, Workspace
+    from pipelines.config import ConfigError, load_config, resolve
+
+    if config is not None and workspace is not None:
+        fail("give --config or --workspace, not both")
+    if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
+        return Workspace(workspace)
+    try:
+        return Workspace.from_config(resolve(load_config(config or "local")))
+    except ConfigError as err:
+        fail(str(err))

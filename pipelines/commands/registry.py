@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-WorkspaceOpt = Annotated[
-    Path | None,
-    typer.Option("--workspace", help="Workspace directory (default: $COMPATFLOW_WORKSPACE or ./workspace)."),
-]
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+
 ModelOpt = Annotated[str, typer.Option("--model-name", help="Registered model name.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
 def status(
-    workspace: WorkspaceOpt = None, model_name: ModelOpt = "compatflow-clip", as_json: JsonOpt = False
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
+    model_name: ModelOpt = "compatflow-clip",
+    as_json: JsonOpt = False,
 ) -> None:
     """Show production, candidate and previous versions, the last gate decision and rollout progress."""
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.status import collect
     from pipelines.commands._common import echo_json
 
@@ -30,9 +33,16 @@ def status(
 
 
 def rollback(
-    workspace: WorkspaceOpt = None, model_name: ModelOpt = "compatflow-clip", as_json: JsonOpt = False
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
+    model_name: ModelOpt = "compatflow-clip",
+    as_json: JsonOpt = False,
 ) -> None:
-    """Move the production alias back to the previous version (and run the rollback hooks)."""
+    """Move the production alias back to the previous version: registry, serving record, index alias and
+    lineage together, or nothing (see ``Registry.rollback``)."""
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.registry import Registry, RegistryError, RollbackHookError
     from pipelines.commands._common import echo_json, fail, holding_workspace
 

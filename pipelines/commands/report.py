@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+
 
 def report(
     run: Annotated[
@@ -20,19 +22,16 @@ def report(
     fmt: Annotated[
         str | None, typer.Option("--format", help="html or md (default: from --out's suffix, else html).")
     ] = None,
-    workspace: Annotated[
-        Path | None,
-        typer.Option("--workspace", help="Workspace (default: $COMPATFLOW_WORKSPACE or ./workspace)."),
-    ] = None,
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Render the on-call report of RUN: validation, drift, training, compatibility, gate, rollout."""
     from components.report import FORMATS, render, write_report
-    from components.workspace import Workspace
-    from pipelines.commands._common import fail
+    from pipelines.commands._common import fail, workspace_of
 
     if fmt is not None and fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    ws = Workspace(workspace)
+    ws = workspace_of(config, workspace)
     if run is None:
         runs = ws.run_ids()
         if not runs:

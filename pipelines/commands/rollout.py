@@ -7,10 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-WorkspaceOpt = Annotated[
-    Path | None,
-    typer.Option("--workspace", help="Workspace directory (default: $COMPATFLOW_WORKSPACE or ./workspace)."),
-]
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+
 UriOpt = Annotated[
     str | None,
     typer.Option(
@@ -59,9 +57,13 @@ def index_cmd(
     ] = 500,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
     uri: UriOpt = None,
 ) -> None:
     """Embed a gallery with MODEL and index it behind the serving alias (first run); writes the probe set."""
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
     from components.rollout_stage import index_stage
     from components.search import ServingError
@@ -118,6 +120,7 @@ def run_cmd(
     ] = "components.search:model_query_encoder",
     option: Annotated[list[str], typer.Option("--option", help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
     workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
     uri: UriOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -125,6 +128,9 @@ def run_cmd(
 
     Exit code 0 when completed, 1 when halted (a probe fell below its floor; the stage was restored).
     """
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
     from components.rollout import RolloutError
     from components.rollout_stage import rollout_stage
@@ -165,8 +171,11 @@ def run_cmd(
 
 
 @rollout_app.command("status")
-def status_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None:
+def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """State, stage and fraction backfilled of the rollout in the workspace."""
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.rollout import status
     from pipelines.commands._common import echo_json
 
@@ -178,8 +187,11 @@ def status_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None
 
 
 @rollout_app.command("rollback")
-def rollback_cmd(workspace: WorkspaceOpt = None, as_json: JsonOpt = False) -> None:
+def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Restore the previous gallery (collection or vectors) and the previous query model."""
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.rollout import RolloutError, rollback
     from pipelines.commands._common import echo_json, fail, holding_workspace
 
@@ -201,10 +213,14 @@ def search_cmd(
     texts: Annotated[list[str], typer.Argument(help="Query text(s).")],
     k: Annotated[int, typer.Option("-k", "--k", help="Hits per query.")] = 10,
     workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
     uri: UriOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Search the gallery with the serving query model, through the serving alias."""
+    from pipelines.commands._common import workspace_of
+
+    workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
     from components.search import ServingError, search
     from pipelines.commands._common import echo_json, fail
