@@ -4,6 +4,9 @@
 commands that change what is served (``rollback``, ``rollout run`` / ``rollout rollback``) take it too. A
 second process gets :class:`WorkspaceBusy` at once, with the holder's pid, host, command and start time. A
 holder killed with SIGKILL leaves no stale lock: ``flock`` locks die with their process.
+
+A run's steps are child processes (KFP tasks) that can outlive a runner killed alone; each holds a shared
+lock while it runs (:func:`step_lock`), and the workspace lock is refused while one still does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOCK_FILE = ".compatflow.lock"
+STEPS_LOCK_FILE = ".compatflow.steps.lock"  # shared by the running steps (tasks) of the run in progress
 
 
 class WorkspaceBusy(RuntimeError):
@@ -39,6 +43,7 @@ def workspace_lock(workspace: str | os.PathLike[str], purpose: str) -> Iterator[
                 f"workspace {root} is in use by {_describe(handle.read())}; wait for it to finish "
                 "(a holder that dies releases the lock at once; nothing needs deleting)"
             ) from None
+        _refuse_orphaned_steps(root)
         holder: dict[str, object] = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -66,3 +71,31 @@ def _describe(text: str) -> str:
         return f"{holder['purpose']} (pid {holder['pid']} on {holder['host']}, since {holder['since']})"
     except (ValueError, KeyError, TypeError):
         return "another process (it has not written its name yet)"
+
+
+@contextlib.contextmanager
+def step_lock(workspace: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the workspace's shared step lock while a pipeline step runs (see the module docstring)."""
+    root = Path(workspace)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / STEPS_LOCK_FILE, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _refuse_orphaned_steps(root: Path) -> None:
+    path = root / STEPS_LOCK_FILE
+    if not path.exists():
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WorkspaceBusy(
+                f"a step of an earlier run is still running in workspace {root} (its runner was stopped "
+                f"alone); wait for it to end or stop it (`fuser {path}` shows its pid)"
+            ) from None
+        fcntl.flock(handle, fcntl.LOCK_UN)

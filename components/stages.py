@@ -31,15 +31,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def step(name: str) -> Callable[[F], F]:
-    """Name a step function ``f(config, run_dir, ...)``: when it raises, ``<run_dir>/failure.json`` records
-    the step, the exception and what to do next (:func:`components.runs.record_failure`), for the report,
-    ``outcome.json`` and the CLI."""
+    """Name a step function ``f(config, run_dir, ...)``: it runs under the workspace's shared step lock
+    (:func:`components.lock.step_lock`); when it raises, ``<run_dir>/failure.json`` records the step, the
+    exception and what to do next (:func:`components.runs.record_failure`), for the report, ``outcome.json``
+    and the CLI."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def run(config: Config, run_dir: Path | None = None, *args: Any, **kwargs: Any) -> Any:
+            from components.lock import step_lock
+
             try:
-                return fn(config, run_dir, *args, **kwargs)
+                with step_lock(as_config(config)["workspace"]):
+                    return fn(config, run_dir, *args, **kwargs)
             except Exception as error:
                 from components.runs import record_failure
 

@@ -76,3 +76,15 @@ def milvus_server(tmp_path_factory):
         proc.kill()
         proc.wait()
     log.close()
+
+
+@pytest.fixture(scope="session")
+def stream_dir(tmp_path_factory):
+    """A small synthetic stream of four phases (16 gallery items each), shared by the upgrade-chain tests."""
+    from compat.data.synth import generate_stream
+
+    out = tmp_path_factory.mktemp("chain-stream") / "stream"
+    generate_stream(
+        out, phases=4, samples_per_phase=96, seed=0, eval_per_domain=12, gallery_per_domain=16, image_size=64
+    )
+    return out

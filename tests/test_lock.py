@@ -71,3 +71,28 @@ def test_run_ids_started_in_one_second_differ():
     from components.runs import new_run_id
 
     assert len({new_run_id(3) for _ in range(50)}) == 50
+
+
+STEP = """
+import sys, time
+from components.lock import step_lock
+with step_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_step_outliving_its_runner_keeps_the_workspace_busy(tmp_path):
+    from components.lock import WorkspaceBusy, workspace_lock
+
+    step = subprocess.Popen([sys.executable, "-c", STEP, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert step.stdout.readline().strip() == "held"
+    try:
+        with pytest.raises(WorkspaceBusy, match="a step of an earlier run is still running"):
+            with workspace_lock(tmp_path, "next run"):
+                pass
+    finally:
+        os.kill(step.pid, signal.SIGKILL)
+        step.wait()
+    with workspace_lock(tmp_path, "next run"):
+        pass

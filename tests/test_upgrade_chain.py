@@ -28,17 +28,6 @@ retention: {floor: 0.0}
 """
 
 
-@pytest.fixture(scope="module")
-def stream_dir(tmp_path_factory) -> Path:
-    from compat.data.synth import generate_stream
-
-    out = tmp_path_factory.mktemp("chain-stream") / "stream"
-    generate_stream(
-        out, phases=4, samples_per_phase=96, seed=0, eval_per_domain=12, gallery_per_domain=16, image_size=64
-    )
-    return out
-
-
 def chain_config(tmp_path: Path, stream: Path, method: str, scenario: str = "continual") -> dict:
     from pipelines.config import CONFIG_DIR, resolve
 
