@@ -1,6 +1,6 @@
-"""Pipeline configuration: YAML files under ``pipelines/configs/`` checked against
-``schemas/pipeline_config.schema.json``. ``local`` and ``cluster`` share every key and differ only in
-values."""
+"""Pipeline configuration: YAML files under ``pipelines/configs/``, checked whole when loaded (against
+``schemas/pipeline_config.schema.json``, then by the rules of the code that uses each field). ``local``
+and ``cluster`` share every key and differ only in values."""
 
 from __future__ import annotations
 
@@ -26,8 +26,15 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a shipped config ({known})")
 
 
-def load_config(name_or_path: str | Path) -> dict[str, Any]:
-    """Read and validate a pipeline config; returns the parsed mapping."""
+def load_config(name_or_path: str | Path, *, local_paths: bool = True) -> dict[str, Any]:
+    """Read a pipeline config and check all of it, before any step runs; returns the parsed mapping.
+
+    First the schema; then, on a config that matches it, the rules each step applies when it starts,
+    asked of the code that owns them (:func:`_problems`), so that a mistake costs seconds, not a run.
+    Raises :class:`ConfigError` with every problem found, one line each naming the file and the field.
+    ``local_paths`` False leaves out the files the config names (``gate.policy``): for a config compiled
+    for a cluster, whose tasks read those paths in their own containers.
+    """
     import yaml
 
     import schemas
@@ -42,28 +49,100 @@ def load_config(name_or_path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"{path} does not match schemas/pipeline_config.schema.json:\n  " + "\n  ".join(errors)
         )
-    training = document["training"]
+    problems = _problems(document, local_paths=local_paths)
+    if problems:
+        raise ConfigError("\n".join(f"{path}: {problem}" for problem in problems))
+    return document
+
+
+def _problems(document: dict[str, Any], *, local_paths: bool) -> list[str]:
+    """What a schema-valid config gets wrong, as ``field: why`` sentences, in the config's order."""
+    from pipelines.resources import gpu_errors
+
+    problems = _training_problems(document["training"])
+    problems += _model_problems(document)
+    problems += _compat_problems(document["compat"])
+    if local_paths:
+        problems += _gate_problems(document["gate"])
+    problems += _rollout_problems(document["rollout"])
+    problems += gpu_errors(document["resources"]["gpu"])
+    return problems
+
+
+def _training_problems(training: dict[str, Any]) -> list[str]:
     if training["replay_buffer_size"] > 0 and not 1 <= training["replay_rows"] <= training["batch_size"] - 2:
-        raise ConfigError(
-            f"{path}: training.replay_rows is {training['replay_rows']}; with a replay buffer it must be in "
+        return [
+            f"training.replay_rows is {training['replay_rows']}; with a replay buffer it must be in "
             f"[1, training.batch_size - 2] = [1, {training['batch_size'] - 2}] (or set replay_buffer_size: 0)"
-        )
-    compat = document["compat"]
+        ]
+    return []
+
+
+def _model_problems(document: dict[str, Any]) -> list[str]:
+    """Model config names, as the model factory resolves them."""
+    from compat.models.factory import config_path
+
+    problems = []
+    for field, name in (
+        ("training.model_config", document["training"]["model_config"]),
+        ("compat.foundation_config", document["compat"]["foundation_config"]),
+    ):
+        try:
+            config_path(name)
+        except KeyError as err:
+            problems.append(f"{field}: {err.args[0]}")
+    return problems
+
+
+def _compat_problems(compat: dict[str, Any]) -> list[str]:
+    """The method's options, by the method's own config class (imports torch, so only when there are any)."""
     reserved = sorted({"steps", "device", "version", "old_space_id"} & set(compat["options"]))
     if reserved:
-        raise ConfigError(
-            f"{path}: compat.options may not set {reserved}: steps is compat.steps, device is "
-            "training.device, and the pipeline sets version and old_space_id"
-        )
-    if compat["options"]:
-        from compat.methods import get_method
-        from compat.methods.base import CompatError
+        return [
+            f"compat.options may not set {reserved}: steps is compat.steps, device is training.device, "
+            "and the pipeline sets version and old_space_id"
+        ]
+    if not compat["options"]:
+        return []
+    from compat.methods import get_method
+    from compat.methods.base import CompatError
 
+    try:
+        get_method(compat["method"]).make_config(compat["options"], source="compat.options")
+    except CompatError as err:
+        return [str(err)]
+    return []
+
+
+def _gate_problems(gate: dict[str, Any]) -> list[str]:
+    """The gate policy, read and checked by the gate's own loader (null: the shipped policy)."""
+    from components.gate import PolicyError, load_policy
+
+    try:
+        load_policy(gate["policy"])
+    except PolicyError as err:
+        return [f"gate.policy: {err}"]
+    return []
+
+
+def _rollout_problems(rollout: dict[str, Any]) -> list[str]:
+    """Each rollout setting by the rule :class:`components.rollout.RolloutConfig` applies at rollout time.
+
+    One setting at a time (the others left at their defaults), so that every mistake is reported, each
+    under its own field.
+    """
+    from components.rollout import RolloutConfig
+
+    problems = []
+    for field, argument in (("fractions", "fractions"), ("order", "policy"), ("batch_size", "batch_size")):
         try:
-            get_method(compat["method"]).make_config(compat["options"], source=f"{path}: compat.options")
-        except CompatError as err:
-            raise ConfigError(str(err)) from err
-    return document
+            RolloutConfig(new_version="config-check", **{argument: rollout[field]})
+        except (TypeError, ValueError) as err:
+            message = str(err)
+            problems.append(
+                f"rollout.{message}" if message.startswith(f"{field} ") else f"rollout.{field}: {message}"
+            )
+    return problems
 
 
 def resolve(config: dict[str, Any]) -> dict[str, Any]:

@@ -158,19 +158,9 @@ def compile_settings(
     document = _validated(config)
     resources = document["resources"]
     gpu = dict(resources["gpu"], accelerator=resources["gpu"]["accelerator"] or "")
-    if gpu["accelerator"] and gpu["accelerator_count"] < 1:
-        raise _config_error(
-            document,
-            "resources.gpu.accelerator_count must be at least 1 when resources.gpu.accelerator is set",
-        )
-    for i, toleration in enumerate(gpu["tolerations"]):
-        unknown = set(toleration) - TOLERATION_FIELDS
-        if unknown:
-            raise _config_error(
-                document,
-                f"resources.gpu.tolerations[{i}] has unknown fields {sorted(unknown)} "
-                f"(allowed: {sorted(TOLERATION_FIELDS)})",
-            )
+    errors = gpu_errors(gpu)
+    if errors:
+        raise _config_error(document, "\n  ".join(errors))
     return {
         "name": document["name"],
         "config": document,
@@ -182,6 +172,51 @@ def compile_settings(
         "workspace_mount": _absolute_path(document["workspace"]),
         "feast_mount": _absolute_path(document["lineage"]["repo"]),
     }
+
+
+def gpu_errors(gpu: Mapping[str, Any]) -> list[str]:
+    """What Kubernetes would refuse, or silently ignore, in a schema-valid ``resources.gpu`` section.
+
+    One sentence per mistake, naming the field; empty when the section is usable. Pure: no kfp, no I/O
+    (``pipelines.config.load_config`` runs it on every config it reads).
+    """
+    errors = []
+    accelerator, count = gpu["accelerator"] or "", gpu["accelerator_count"]
+    if accelerator and count < 1:
+        errors.append(
+            "resources.gpu.accelerator_count must be at least 1 when resources.gpu.accelerator is set"
+        )
+    if count > 0 and not accelerator:
+        errors.append(
+            f"resources.gpu.accelerator_count is {count} but resources.gpu.accelerator is not set: the GPU "
+            "tasks would request no GPU (set the accelerator's resource name, e.g. nvidia.com/gpu, or "
+            "accelerator_count: 0)"
+        )
+    for i, toleration in enumerate(gpu["tolerations"]):
+        where = f"resources.gpu.tolerations[{i}]"
+        unknown = set(toleration) - TOLERATION_FIELDS
+        if unknown:
+            errors.append(
+                f"{where} has unknown fields {sorted(unknown)} (allowed: {sorted(TOLERATION_FIELDS)})"
+            )
+        key, operator, value = toleration.get("key"), toleration.get("operator"), toleration.get("value")
+        effect, seconds = toleration.get("effect"), toleration.get("tolerationSeconds")
+        for name, given in (("key", key), ("value", value)):
+            if given is not None and not isinstance(given, str):
+                errors.append(f"{where}.{name} must be a string, got {given!r} (quote it in YAML)")
+        if operator not in (None, "Equal", "Exists"):
+            errors.append(f"{where}.operator is {operator!r}: use Equal or Exists")
+        if effect not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            errors.append(f"{where}.effect is {effect!r}: use NoSchedule, PreferNoSchedule or NoExecute")
+        if operator == "Exists" and value not in (None, ""):
+            errors.append(f"{where}.value must be empty when operator is Exists, got {value!r}")
+        if not key and operator != "Exists":
+            errors.append(f"{where}.key is empty: an empty key (every taint) needs operator: Exists")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)):
+            errors.append(f"{where}.tolerationSeconds must be an integer, got {seconds!r}")
+        elif seconds is not None and effect != "NoExecute":
+            errors.append(f"{where}.tolerationSeconds is set, so effect must be NoExecute (got {effect!r})")
+    return errors
 
 
 @contextmanager
@@ -317,7 +352,7 @@ def _validated(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, 
     from pipelines.config import ConfigError, load_config
 
     if not isinstance(config, Mapping):
-        return load_config(config)
+        return load_config(config, local_paths=False)  # the tasks read the config's paths, not this machine
     import schemas
 
     document = copy.deepcopy(dict(config))

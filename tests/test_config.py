@@ -1,4 +1,11 @@
-"""Pipeline configs: valid against their schema, local and cluster differ only in values."""
+"""Pipeline configs: valid against their schema, local and cluster differ only in values, and every mistake
+a step would meet after minutes of running is refused when the config is loaded."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -74,3 +81,155 @@ def test_unparseable_config(tmp_path):
     path.write_text("training: [unclosed\n")
     with pytest.raises(ConfigError, match="bad.yaml"):
         load_config(path)
+
+
+def _write(path, change):
+    """The local config with ``change(document)`` applied, written to ``path``."""
+    document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    change(document)
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _policy(tmp_path, text):
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+LATE_MISTAKES = {
+    # id: (change(document, tmp_path), what the message says after "<file>: ")
+    "fractions_not_increasing": (
+        lambda d, _: d["rollout"].update(fractions=[0.5, 0.25, 1.0]),
+        r"rollout\.fractions must increase strictly within \(0, 1\] and end at 1\.0 "
+        r".*got \[0\.5, 0\.25, 1\.0\]",
+    ),
+    "fractions_not_ending_at_1": (
+        lambda d, _: d["rollout"].update(fractions=[0.1, 0.5]),
+        r"rollout\.fractions must .*end at 1\.0 .*got \[0\.1, 0\.5\]",
+    ),
+    "gate_policy_missing": (
+        lambda d, t: d["gate"].update(policy=str(t / "no-such-policy.yaml")),
+        r"gate\.policy: cannot read the gate policy .*no-such-policy\.yaml",
+    ),
+    "gate_policy_breaks_its_schema": (
+        lambda d, t: d["gate"].update(policy=_policy(t, "min_margin: high\nks: [0]\n")),
+        r"gate\.policy: .*policy\.yaml is not a valid gate policy \(schemas/gate_policy\.schema\.json\):"
+        r"(.|\n)*min_margin",
+    ),
+    "gate_policy_not_a_mapping": (
+        lambda d, t: d["gate"].update(policy=_policy(t, "- t2i\n")),
+        r"gate\.policy: gate policy .*policy\.yaml must be a YAML mapping",
+    ),
+    "unknown_rollout_order": (  # the schema's enum catches it
+        lambda d, _: d["rollout"].update(order="newest_first"),
+        r"rollout\.order: 'newest_first' is not one of",
+    ),
+    "gpu_count_without_accelerator": (
+        lambda d, _: d["resources"]["gpu"].update(accelerator=None, accelerator_count=1),
+        r"resources\.gpu\.accelerator_count is 1 but resources\.gpu\.accelerator is not set",
+    ),
+    "gpu_accelerator_without_count": (
+        lambda d, _: d["resources"]["gpu"].update(accelerator="nvidia.com/gpu", accelerator_count=0),
+        r"resources\.gpu\.accelerator_count must be at least 1 when resources\.gpu\.accelerator is set",
+    ),
+    "toleration_unknown_field": (
+        lambda d, _: d["resources"]["gpu"].update(tolerations=[{"key": "gpu", "toleration_seconds": 5}]),
+        r"resources\.gpu\.tolerations\[0\] has unknown fields \['toleration_seconds'\]",
+    ),
+    "toleration_exists_with_value": (
+        lambda d, _: d["resources"]["gpu"].update(
+            tolerations=[{"key": "gpu", "operator": "Exists", "value": "true", "effect": "NoSchedule"}]
+        ),
+        r"resources\.gpu\.tolerations\[0\]\.value must be empty when operator is Exists",
+    ),
+    "toleration_seconds_without_no_execute": (
+        lambda d, _: d["resources"]["gpu"].update(
+            tolerations=[
+                {"key": "spot", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}
+            ]
+        ),
+        r"resources\.gpu\.tolerations\[0\]\.tolerationSeconds is set, so effect must be NoExecute",
+    ),
+    "unknown_model_config": (
+        lambda d, _: d["training"].update(model_config="cf-nope"),
+        r"training\.model_config: unknown model config 'cf-nope'; known configs: .*cf-tiny",
+    ),
+}
+
+
+@pytest.mark.parametrize(("change", "message"), LATE_MISTAKES.values(), ids=LATE_MISTAKES.keys())
+def test_late_mistakes_are_refused_at_load(tmp_path, change, message):
+    path = _write(tmp_path / "late.yaml", lambda d: change(d, tmp_path))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    text = str(err.value)
+    assert re.search(message, text), text
+    assert str(path) in text
+
+
+def test_every_problem_is_reported_together_one_line_each(tmp_path):
+    def change(document):
+        document["training"].update(batch_size=16, replay_buffer_size=100, replay_rows=16)
+        document["gate"]["policy"] = str(tmp_path / "missing.yaml")
+        document["rollout"]["fractions"] = [0.5, 0.25]
+        document["resources"]["gpu"].update(accelerator=None, accelerator_count=2)
+
+    path = _write(tmp_path / "many.yaml", change)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    fields = [
+        "training.replay_rows ",
+        "gate.policy: ",
+        "rollout.fractions ",
+        "resources.gpu.accelerator_count ",
+    ]
+    assert len(lines) == len(fields), lines
+    for line, field in zip(lines, fields, strict=True):
+        assert line.startswith(f"{path}: {field}"), line
+
+
+def test_a_cluster_compile_leaves_the_policy_path_to_the_task(tmp_path):
+    """A compile reads the config on another machine than the tasks: gate.policy is the container's path."""
+    from pipelines import resources
+
+    pod_only = "/etc/compatflow/not-on-this-machine.yaml"
+    path = _write(tmp_path / "pod.yaml", lambda d: d["gate"].update(policy=pod_only))
+    with pytest.raises(ConfigError, match="gate.policy"):
+        load_config(path)
+    assert load_config(path, local_paths=False)["gate"]["policy"] == pod_only
+    assert resources.compile_settings(path)["config"]["gate"]["policy"] == pod_only
+    broken = _write(tmp_path / "gpu.yaml", lambda d: d["resources"]["gpu"].update(accelerator_count=1))
+    with pytest.raises(ConfigError, match=r"gpu\.yaml: resources\.gpu\.accelerator_count is 1"):
+        resources.compile_settings(broken)
+    mapping = yaml.safe_load(broken.read_text())  # one rule, whichever way the config arrives
+    with pytest.raises(ConfigError, match=r"resources\.gpu\.accelerator_count is 1"):
+        resources.compile_settings(mapping)
+
+
+def test_compatflow_run_refuses_a_bad_config_within_seconds(tmp_path):
+    compatflow = Path(sys.executable).with_name("compatflow")
+    if not compatflow.is_file():
+        pytest.skip(f"no compatflow console script beside {sys.executable}")
+
+    def change(document):
+        document["workspace"] = str(tmp_path / "ws")
+        document["stream"]["uri"] = str(tmp_path / "ws" / "stream")
+        document["rollout"]["fractions"] = [0.5, 0.25, 1.0]
+        document["compat"]["options"] = {}  # method options are checked by importing torch (seconds)
+
+    path = _write(tmp_path / "bad.yaml", change)
+    start = time.monotonic()
+    result = subprocess.run(
+        [str(compatflow), "run", "--config", str(path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert f"{path}: rollout.fractions must increase strictly within (0, 1]" in result.stderr, result.stderr
+    assert elapsed < 5, f"the bad config took {elapsed:.1f} s to refuse"
+    assert not (tmp_path / "ws").exists()  # nothing ran
