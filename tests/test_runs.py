@@ -2,6 +2,7 @@
 
 import json
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,28 @@ def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
     assert not (run_dir / "failure.json").exists() and (run_dir / "attempts" / "2" / "failure.json").is_file()
     (run_dir / "outcome.json").write_text(json.dumps({"status": "blocked"}))  # blocked: a new run
     assert plan_run(config)["run_id"] != first["run_id"]
+
+
+def test_training_budget_by_steps_or_epochs_warns_when_a_small_phase_repeats():
+    from components.report.inputs import RunInputs, Source
+    from components.report.sections import build
+    from components.stages import training_budget
+
+    fixed = training_budget({"steps": 300, "batch_size": 64, "epochs": None}, 289)
+    assert fixed["steps"] == 300 and fixed["from"] == "steps" and fixed["epochs"] == 66.44
+    assert "passes over this phase's 289 samples 66.44 times" in fixed["warning"]
+    sized = training_budget({"steps": 300, "batch_size": 64, "epochs": 5}, 289)
+    assert sized["steps"] == 23 and sized["from"] == "epochs" and sized["warning"] is None  # ceil(5*289/64)
+    unknown = training_budget({"steps": 300, "batch_size": 64, "epochs": 5}, None)
+    assert unknown["steps"] == 300 and unknown["warning"] is None  # no count: the steps budget
+
+    inputs = RunInputs(Path("."), {name: Source(name) for name in ("validation", "drift", "compat_report")})
+    inputs.sources.update(
+        metrics=Source("metrics", data={"budget": fixed}),
+        gate=Source("gate"),
+        rollout=Source("rollout"),
+        blocked=Source("blocked"),
+        failure=Source("failure"),
+    )
+    training = next(s for s in build(inputs) if s.key == "training")
+    assert training.status == "warning" and "memorise" in training.items[0].text
