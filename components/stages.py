@@ -466,6 +466,7 @@ def compat_stage(
     """
     from compat.methods.base import COMPAT_FILE
     from compat.methods.run import train_compat
+    from compat.models.checkpoint import tensors_digest
     from compat.production import identity
     from components.runs import replay_shards
 
@@ -482,7 +483,7 @@ def compat_stage(
         "steps": settings["steps"],
         "batch_size": settings["batch_size"],
         "production": identity(production)["sha256"],
-        "candidate": identity(candidate)["sha256"],
+        "candidate": tensors_digest(Path(candidate)),  # the weights, not the file (see tensors_digest)
         "replay_shards": replay,
     }
     model_dir, record_path = run_dir / "compat" / "model", run_dir / "compat" / "compat_model.json"

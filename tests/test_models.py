@@ -268,3 +268,16 @@ def test_pickle_is_never_loaded(saved_tiny, tmp_path):
     with pytest.raises(CheckpointError, match="safetensors"):
         load_checkpoint(saved_tiny)
     assert not marker.exists()
+
+
+def test_tensors_digest_names_the_weights_not_the_file(tiny, tmp_path):
+    from compat.models.checkpoint import tensors_digest
+
+    save_checkpoint(tiny, tmp_path / "a", version="v")
+    save_checkpoint(tiny, tmp_path / "b", version="v")
+    assert tensors_digest(tmp_path / "a") == tensors_digest(tmp_path / "b")
+    state = {k: v.clone() for k, v in tiny.model.state_dict().items()}  # the shared fixture stays as it is
+    first = next(iter(state))
+    state[first] += 1e-3
+    save_checkpoint(tiny, tmp_path / "c", version="v", state_dict=state)
+    assert tensors_digest(tmp_path / "c") != tensors_digest(tmp_path / "a")

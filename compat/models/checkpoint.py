@@ -42,6 +42,25 @@ def sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def tensors_digest(path: Path) -> str:
+    """sha256 of a checkpoint's tensors (names, dtypes, shapes and bytes), ``path`` = directory or sidecar.
+
+    Equal weights give equal digests, whatever order safetensors wrote its header metadata in (it keeps
+    none, so the file's own sha256 can differ between two saves of the same weights).
+    """
+    import torch
+    from safetensors import safe_open
+
+    weights = _sidecar_path(path).parent / WEIGHTS_FILE
+    digest = hashlib.sha256()
+    with safe_open(str(weights), framework="pt") as fh:
+        for name in sorted(fh.keys()):
+            tensor = fh.get_tensor(name).contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
