@@ -26,21 +26,30 @@ next candidate against the full serving ``encoder``, so compatibility is always 
 
 Which space the gallery lives in, per method, and what the next upgrade must read
 ---------------------------------------------------------------------------------
-- bootstrap: the gallery holds the first model's vectors; its space is that checkpoint's version.
-- bct, lambda_orth, xbt, xbt_base, taca (compatible; ``contract.keeps_space``): the candidate writes into the
-  space the gallery is in (``space_id == old_space_id``, the first model's space). After a completed
-  rollout every item holds a candidate vector; after a halted one the failing backfill stage is restored
-  and production is unchanged, so the gallery holds the vectors of production and of the refused candidate
-  (both in the same space, the candidate's ones readable by production because the gate proved
-  new-gallery/old-query compatibility is not needed: the rollout restores what it wrote, see
-  :mod:`components.rollout`). The next upgrade is trained against production's ``encoder``.
-- bt2 (compatible by truncation): the candidate writes wider vectors (``dim`` = old dim + extra); its queries
-  read every earlier dimension in ``contract.old_dims`` by truncation. A gallery that still holds v1
-  vectors when v3 arrives (a partial backfill) is read because v3's contract inherits v2's ``old_dims``
-  (:func:`compat.methods.base.contract_lineage`).
-- none (blue-green): the candidate declares its own space (its version); the rollout fills a new
-  collection completely and moves the alias, so the gallery is entirely in the new space and the next
-  upgrade is compatible with that space.
+After a completed rollout (staged, the method keeps the space):
+
+- bootstrap: every item holds the first model's vector; the space is that checkpoint's version.
+- bct, xbt, xbt_base, taca: every item holds the candidate's vector, written into the space the gallery was
+  in (``space_id == old_space_id``: the first model's space, carried from release to release). The next
+  upgrade is trained against this model's ``encoder``, so it reads these vectors.
+- lambda_orth: stage 0 filled a copy of the collection with ``F(old)`` vectors, the backfill wrote
+  ``B(new)`` vectors; every item then holds a candidate vector. Same rule for the next upgrade.
+- bt2: every item holds the candidate's wider vector (old dim + extra). Its contract's ``old_dims`` lists
+  every earlier dimension it reads by truncation, and the next BT^2 model inherits them
+  (:func:`compat.methods.base.contract_lineage`): a gallery that still holds v1 vectors when v3 arrives
+  (a partial backfill) stays readable.
+
+After a blue-green rollout (none, or any method declaring a new space): a new collection holds every item
+in the candidate's own space and the alias moved to it; the old collection stays for rollback. The next
+upgrade must read the new space (its old model is this one).
+
+After a halted rollout: the pipeline rolls it back whole (every stage's rows and the query model go back),
+so the gallery holds production's vectors only and production is unchanged; the next upgrade is trained
+against production, as if the refused candidate never existed. A rollout halted under ``compatflow
+rollout run`` (the operator's tool) keeps its accepted stages: the gallery is mixed, production's vectors
+and the candidate's in the one space (bt2: two dimensions), queried by the candidate, which reads both by
+its contract; the next scheduled rollout rolls it back first (``components.stages``), since the new
+candidate was trained against production, not against the halted one.
 """
 
 from __future__ import annotations

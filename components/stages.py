@@ -316,17 +316,17 @@ def rollout_candidate_stage(config: Config, run_dir: Path, version: str) -> dict
 
 def _undo_unfinished_rollout(workspace: Any, uri: str, version: str) -> dict[str, Any] | None:
     """Roll back a rollout of another version left unfinished (its run was killed or failed and will not
-    resume it: never promoted); a rollout of ``version`` itself is resumed by the caller. Returns what was
-    undone (for the report), or None."""
+    resume it, or it halted under `compatflow rollout run`: never promoted); a rollout of ``version`` itself
+    is resumed by the caller. Returns what was undone (for the report), or None."""
     from components.rollout import RolloutPaths, load_state, rollback
     from components.rollout_stage import open_index
 
     paths = RolloutPaths.for_workspace(workspace)
     state = load_state(paths.state)
-    busy = state is not None and (
-        state["state"] in ("pending", "running") or (state["state"] == "halted" and not state["restored"])
-    )
-    if not busy or str(state["model_version"]) == str(version):
+    # Halted counts too: one left by `compatflow rollout run` keeps its accepted stages (a mixed gallery
+    # queried by its candidate), which the candidate here was not trained to read.
+    unfinished = state is not None and state["state"] in ("pending", "running", "halted")
+    if not unfinished or str(state["model_version"]) == str(version):
         return None
     logger.warning(
         "rolling back unfinished rollout %s of version %s first", state["rollout_id"], state["model_version"]
