@@ -51,6 +51,7 @@ def _run_dir(ws: Path, phase: int) -> Path | None:
     return runs[0] if len(runs) == 1 else None
 
 
+@pytest.mark.timeout(2400)  # six pipeline runs, four of them killed
 def test_kill_9_anywhere_then_run_again_finishes_the_phase(tmp_path):
     from components.index import gallery_status
     from components.registry import Registry

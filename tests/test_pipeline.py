@@ -69,6 +69,7 @@ retention: {floor: 0.0}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # seven pipeline runs
 def test_weekly_cycle_serves_rejects_ships_twice_halts_and_continues(tmp_path):
     """Five runs on one workspace, as a weekly schedule lives them. Phase 0 is indexed and served; a gate
     block leaves production and the gallery alone and the next run moves on; a blue-green upgrade ships;
