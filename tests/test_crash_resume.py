@@ -1,4 +1,5 @@
-"""A run killed anywhere resumes: kill -9 during training, compat and a backfill stage, then run again.
+"""A run killed anywhere resumes: kill -9 during validation, training, compat, the gate and two backfill
+stages, each time running it again.
 
 Each attempt is a real ``compatflow run`` process (kfp.local tasks, milvus-lite, MLflow, Feast) killed
 with SIGKILL as a whole process group, the way a node or the OOM killer ends it. The next run of the phase
@@ -51,7 +52,7 @@ def _run_dir(ws: Path, phase: int) -> Path | None:
     return runs[0] if len(runs) == 1 else None
 
 
-@pytest.mark.timeout(2400)  # six pipeline runs, four of them killed
+@pytest.mark.timeout(2400)  # eight pipeline runs, six of them killed
 def test_kill_9_anywhere_then_run_again_finishes_the_phase(tmp_path):
     from components.index import gallery_status
     from components.registry import Registry
@@ -75,40 +76,54 @@ def test_kill_9_anywhere_then_run_again_finishes_the_phase(tmp_path):
     def log_of(attempt: int) -> Path:
         return tmp_path / f"run-1-{attempt}.log"
 
+    def task_started(name: str) -> Callable[[], bool]:
+        def ready() -> bool:
+            run_dir = _run_dir(ws, 1)
+            log = run_dir / "pipeline.log" if run_dir is not None else None  # each attempt starts a new one
+            return log is not None and log.is_file() and f"'{name}'" in log.read_text(errors="replace")
+
+        return ready
+
     def checkpoint() -> bool:
         run_dir = _run_dir(ws, 1)
         return run_dir is not None and any((run_dir / "continual" / "train" / "checkpoints").glob("step-*"))
 
-    _kill_when(_start(config_file, log_of(1)), checkpoint, "training checkpoint")
-    run_dir = _run_dir(ws, 1)
-    assert not (run_dir / "outcome.json").exists()
+    def backfilling(stage: int) -> Callable[[], bool]:
+        def ready() -> bool:
+            try:
+                state = json.loads((ws / "rollout_state.json").read_text())
+            except (OSError, ValueError):
+                return False
+            return state["model_version"] == "2" and state["state"] == "running" and state["stage"] >= stage
 
-    def compat_running() -> bool:
-        log = run_dir / "pipeline.log"  # the resumed attempt starts a new one
-        return log.is_file() and "'compat-op'" in log.read_text(errors="replace")
+        return ready
 
-    _kill_when(_start(config_file, log_of(2)), compat_running, "compat step")
-    assert _run_dir(ws, 1) == run_dir  # the same run continued
-    training = json.loads((run_dir / "continual" / "metrics.json").read_text())["training"]
-    assert training["resumed_from_step"] in (20, 40)  # from the killed attempt's checkpoint, not step 0
+    kills = [
+        ("validation", task_started("validate-op")),
+        ("a training checkpoint", checkpoint),
+        ("compat training", task_started("compat-op")),
+        ("the gate", task_started("gate-op")),
+        ("backfill stage 1", backfilling(1)),
+        ("backfill stage 3", backfilling(3)),
+    ]
+    rollout_ids = set()
+    for attempt, (point, ready) in enumerate(kills, start=1):
+        _kill_when(_start(config_file, log_of(attempt)), ready, point)
+        run_dir = _run_dir(ws, 1)  # one run of the phase: every attempt continues it
+        assert run_dir is not None and not (run_dir / "outcome.json").exists()
+        if point == "compat training":
+            training = json.loads((run_dir / "continual" / "metrics.json").read_text())["training"]
+            assert training["resumed_from_step"] in (20, 40)  # from the killed attempt's checkpoint
+        if point.startswith("backfill"):
+            rollout_ids.add(json.loads((ws / "rollout_state.json").read_text())["rollout_id"])
+    assert len(rollout_ids) == 1  # the second backfill kill interrupted the same rollout, resumed
 
-    def backfilling() -> bool:
-        path = ws / "rollout_state.json"
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return False
-        return state["model_version"] == "2" and state["state"] == "running" and state["stage"] >= 2
-
-    _kill_when(_start(config_file, log_of(3)), backfilling, "backfill stage 2")
-    interrupted = json.loads((ws / "rollout_state.json").read_text())
-
-    last = _start(config_file, log_of(4))
-    assert last.wait(timeout=900) == 0, log_of(4).read_text()[-3000:]
+    last = _start(config_file, log_of(len(kills) + 1))
+    assert last.wait(timeout=900) == 0, log_of(len(kills) + 1).read_text()[-3000:]
     assert read_state(ws)["phases"]["1"] == {**read_state(ws)["phases"]["1"], "status": "succeeded"}
-    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 4
+    assert json.loads((run_dir / "run.json").read_text())["attempt"] == len(kills) + 1
     rollout = json.loads((run_dir / "rollout" / "rollout.json").read_text())["rollout"]
-    assert rollout["rollout_id"] == interrupted["rollout_id"] and rollout["state"] == "completed"
+    assert rollout["rollout_id"] in rollout_ids and rollout["state"] == "completed"  # resumed, not restarted
     gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
     assert gallery["by_version"] == {"2": 80} == {"2": gallery["count"]}  # one vector per item
     registry = Registry(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
