@@ -32,41 +32,27 @@ def _free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def milvus_server(tmp_path_factory):
-    """A real ``milvus-lite server`` on a free 127.0.0.1 port for the session; yields its URI."""
-    import shutil
+def _loopback_server(argv: list[str], port: int, data, name: str, wait_s: float = 120):
+    """Start a server process (its output in ``data/server.log``) and wait until it accepts connections on
+    127.0.0.1:``port``; yields ``http://127.0.0.1:port`` and stops it afterwards."""
     import socket
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
-    exe = Path(sys.executable).with_name("milvus-lite")
-    exe = str(exe) if exe.is_file() else shutil.which("milvus-lite")
-    if exe is None:
-        pytest.fail("the milvus-lite executable is missing from the environment (pip package milvus-lite)")
-    data = tmp_path_factory.mktemp("milvus-server")
-    port = _free_loopback_port()
     log = open(data / "server.log", "wb")
-    proc = subprocess.Popen(
-        [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + wait_s
     while True:
         if proc.poll() is not None:
             log.close()
-            output = (data / "server.log").read_text()
-            pytest.fail(f"milvus-lite server exited with {proc.returncode}: {output}")
+            pytest.fail(f"{name} exited with {proc.returncode}: {(data / 'server.log').read_text()[-3000:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 break
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail("milvus-lite server did not accept connections within 60 s")
+                pytest.fail(f"{name} did not accept connections within {wait_s:.0f} s")
             time.sleep(0.2)
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
@@ -76,6 +62,49 @@ def milvus_server(tmp_path_factory):
         proc.kill()
         proc.wait()
     log.close()
+
+
+@pytest.fixture(scope="session")
+def milvus_server(tmp_path_factory):
+    """A real ``milvus-lite server`` on a free 127.0.0.1 port for the session; yields its URI."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("milvus-lite")
+    exe = str(exe) if exe.is_file() else shutil.which("milvus-lite")
+    if exe is None:
+        pytest.fail("the milvus-lite executable is missing from the environment (pip package milvus-lite)")
+    data = tmp_path_factory.mktemp("milvus-server")
+    port = _free_loopback_port()
+    argv = [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)]
+    yield from _loopback_server(argv, port, data, "milvus-lite server", wait_s=60)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """An MLflow tracking server (sqlite store, served artifacts) on a free 127.0.0.1 port; yields its URI."""
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "mlflow-server"
+    data.mkdir()
+    port = _free_loopback_port()
+    argv = [
+        str(Path(sys.executable).with_name("mlflow")),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{data}/mlflow.db",
+        "--artifacts-destination",
+        str(data / "artifacts"),
+        "--workers",
+        "1",
+    ]
+    yield from _loopback_server(argv, port, data, "mlflow server")
 
 
 @pytest.fixture(scope="session")

@@ -10,64 +10,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.test_upgrade_chain import PERMISSIVE_POLICY, Cycle
+from tests.test_pipeline import PERMISSIVE_POLICY
+from tests.test_upgrade_chain import Cycle
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """``mlflow server`` on a free loopback port with its own sqlite store and artifact root."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    data = tmp_path / "mlflow-server"
-    data.mkdir()
-    log = open(data / "server.log", "wb")
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).with_name("mlflow")),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{data}/mlflow.db",
-            "--artifacts-destination",
-            str(data / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"mlflow server did not start: {(data / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.3)
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
 
 
 def test_operator_commands_on_the_cluster_config_reach_its_services(

@@ -16,16 +16,9 @@ import pytest
 import yaml
 
 from components.runs import record_phase
+from tests.test_pipeline import PERMISSIVE_POLICY
 
 pytestmark = pytest.mark.slow
-
-PERMISSIVE_POLICY = """
-min_margin: -100.0
-require_ci_lower_above_zero: false
-min_eval_images: 1
-min_eval_captions: 1
-retention: {floor: 0.0}
-"""
 
 
 def chain_config(tmp_path: Path, stream: Path, method: str, scenario: str = "continual") -> dict:
