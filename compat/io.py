@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,12 +16,3 @@ def write_json_atomic(path: Path | str, document: Any) -> Path:
     tmp.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)
     return path
-
-
-def sha256_file(path: Path | str, chunk_size: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(chunk_size), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from compat.models.checkpoint import sha256_file
 from components.workspace import DEFAULT_MODEL_NAME, Workspace
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def file_manifest(directory: Path) -> dict[str, str]:
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = path.relative_to(directory).as_posix()
         if rel != MANIFEST:
-            manifest[rel] = _sha256_file(path)
+            manifest[rel] = sha256_file(path)
     return manifest
 
 
@@ -328,11 +329,6 @@ class Registry:
             "registered %s version %s (gate: %s)", self.model_name, version, version_tags["gate.decision"]
         )
         return self.version_info(version)
-
-    def set_gate(self, version: str | int, gate: Any) -> None:
-        """Record (or update) a version's gate decision tags."""
-        for key, value in _gate_tags(gate).items():
-            self.client.set_model_version_tag(self.model_name, str(version), key, value)
 
     def version_info(self, version: str | int) -> dict[str, Any]:
         mv = self.client.get_model_version(self.model_name, str(version))
@@ -609,16 +605,6 @@ def register_stage(
     return {"mlflow_run_id": run_id, **info}
 
 
-def rollback(workspace: Workspace | str | Path | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Roll the workspace's registered model back (see :meth:`Registry.rollback`)."""
-    return Registry(workspace, **kwargs).rollback()
-
-
-def status(workspace: Workspace | str | Path | None = None, **kwargs: Any) -> dict[str, Any]:
-    """The registry part of ``compatflow status`` (see :meth:`Registry.status`)."""
-    return Registry(workspace, **kwargs).status()
-
-
 # --- helpers ---------------------------------------------------------------------------------
 
 
@@ -696,14 +682,6 @@ def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _manifest_digest(manifest: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(dict(manifest), sort_keys=True).encode()).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _now() -> str:

@@ -76,10 +76,6 @@ class Workspace:
         return self._tracking_uri or f"sqlite:///{self.mlflow_db}"
 
     @property
-    def uses_local_mlflow(self) -> bool:
-        return self._tracking_uri is None
-
-    @property
     def artifacts_dir(self) -> Path:
         return self.root / "mlartifacts"
 
