@@ -27,6 +27,7 @@ REASONS: dict[str, str] = {
     "unsafe_member": "a member has an absolute name or a '..' component, or is not a regular file",
     "duplicate_member": "two members of one sample share an extension",
     "truncated": "the shard ends inside one of the sample's members",
+    "member_too_large": "a member's header declares more bytes than the policy allows for its extension",
     "image_multiple": "the sample has more than one image member",
     "image_empty": "the image member is empty (0 bytes)",
     "image_undecodable": "the image member cannot be decoded as JPEG, PNG or WebP",
@@ -83,7 +84,16 @@ def inspect_sample(
         problem = unsafe_member_problem(member)
         if problem:
             reasons.append(Reason("unsafe_member", f"member {member.name!r} {problem}"))
-        if member.truncated:
+        if member.oversized:
+            reasons.append(
+                Reason(
+                    "member_too_large",
+                    f"member {member.name!r} declares {member.info.size} bytes, over the "
+                    f"{member.oversized}-byte limit for .{member.ext or '(none)'} members (or past the "
+                    "shard's decompression cap); not read",
+                )
+            )
+        elif member.truncated:
             reasons.append(
                 Reason(
                     "truncated",
@@ -92,7 +102,7 @@ def inspect_sample(
                 )
             )
     # Safe regular files count as present; a cut-off one is present but its content is not checked.
-    present = [m for m in members if m.is_file and not unsafe_member_problem(m)]
+    present = [m for m in members if m.is_file and not m.oversized and not unsafe_member_problem(m)]
     seen: dict[str, str] = {}
     for member in members:
         if member.ext in seen:

@@ -191,7 +191,7 @@ def validate_phase(
     timings["gx_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    outputs = _write_outputs(shards, out_dir, facts, reasons, shard_stats)
+    outputs = _write_outputs(shards, out_dir, facts, reasons, shard_stats, policy)
     removed = remove_stale_outputs(out_dir, set(outputs["accepted"]) | set(outputs["quarantine"]))
     if removed:
         logger.info("removed %d output shards of an earlier run: %s", len(removed), ", ".join(removed))
@@ -228,7 +228,7 @@ def _inspect(shards: list[Shard], policy: ValidationPolicy):
 
     def groups() -> Iterator[tuple[Shard, SampleGroup]]:
         for shard in shards:
-            reader = ShardReader(shard.path, shard.name)
+            reader = ShardReader(shard.path, shard.name, policy.member_limits())
             for group in reader:
                 yield shard, group
             stats.append({"samples": reader.samples, "members": reader.members, "error": reader.error})
@@ -250,6 +250,7 @@ def _write_outputs(
     facts: list[dict[str, Any]],
     reasons: dict[int, list[Reason]],
     stats: list[dict[str, Any]],
+    policy: ValidationPolicy,
 ) -> dict[str, list[str]]:
     """Pass 2: re-read each shard and write every sample, unchanged, to its accepted or quarantine shard."""
     outputs: dict[str, list[str]] = {"accepted": [], "quarantine": []}
@@ -257,7 +258,7 @@ def _write_outputs(
     for shard, stat in zip(shards, stats, strict=True):
         accepted = AtomicTarWriter(out_dir / accepted_name(shard.index))
         quarantine = AtomicTarWriter(out_dir / quarantine_name(shard.index))
-        reader = ShardReader(shard.path, shard.name)
+        reader = ShardReader(shard.path, shard.name, policy.member_limits())
         try:
             for group in reader:
                 row = first_row + group.index

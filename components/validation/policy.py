@@ -16,6 +16,15 @@ def _default_quantile_ranges() -> dict[str, list]:
     return {"quantiles": [0.05, 0.5, 0.95], "value_ranges": [[1, None], [3, 500], [None, 1000]]}
 
 
+_READ_LIMITS = (
+    "max_caption_bytes",
+    "max_metadata_bytes",
+    "max_image_bytes",
+    "max_other_member_bytes",
+    "max_expansion",
+)
+
+
 @dataclass(frozen=True)
 class ValidationPolicy:
     """Per-sample bounds, per-phase bounds and the blocking threshold of the validation stage."""
@@ -33,6 +42,11 @@ class ValidationPolicy:
     caption_chars_mean_max: float = 500.0
     caption_chars_quantile_ranges: dict[str, list] = field(default_factory=_default_quantile_ranges)
     max_problems_listed: int = 1000
+    max_caption_bytes: int = 64 * 1024  # members read only when their tar header declares at most this
+    max_metadata_bytes: int = 1 << 20
+    max_image_bytes: int = 32 << 20
+    max_other_member_bytes: int = 32 << 20
+    max_expansion: float = 100.0  # a compressed shard may decompress to this many times its size
 
     def __post_init__(self) -> None:
         from schemas import validate
@@ -63,8 +77,20 @@ class ValidationPolicy:
         return {
             k: v
             for k, v in self.to_dict().items()
-            if k not in ("max_quarantined_fraction", "max_problems_listed")
+            if k not in ("max_quarantined_fraction", "max_problems_listed", *_READ_LIMITS)
         }
+
+    def member_limits(self) -> Any:
+        """The shard reader's bounds (:class:`components.validation.shard_reader.MemberLimits`)."""
+        from components.validation.shard_reader import MemberLimits
+
+        return MemberLimits(
+            caption_bytes=self.max_caption_bytes,
+            metadata_bytes=self.max_metadata_bytes,
+            image_bytes=self.max_image_bytes,
+            other_bytes=self.max_other_member_bytes,
+            max_expansion=self.max_expansion,
+        )
 
     def replace(self, **changes: Any) -> ValidationPolicy:
         return ValidationPolicy(**{**self.to_dict(), **changes})

@@ -48,7 +48,8 @@ class AtomicTarWriter:
         return self._tar
 
     def add_member(self, member: Member) -> None:
-        """Copy a member as read: same name, header and bytes (a cut-off member keeps what was read)."""
+        """Copy a member as read: same name, header and bytes (a cut-off member keeps what was read; an
+        oversized one, never read, is kept as an empty member: the reasons file says what it declared)."""
         info = copy.copy(member.info)
         if info.isreg():
             info.size = len(member.data)

@@ -8,7 +8,10 @@ Unlike ``tarfile`` iteration (which silently stops at a cut-off header) and webd
 * keeps members that have no extension, are links or devices, or carry unsafe names, so the
   caller can quarantine them instead of losing them;
 * reports damage (not a tar, truncated header or data, missing end-of-archive marker) in
-  :attr:`ShardReader.error` after iteration, while the samples read before it still count.
+  :attr:`ShardReader.error` after iteration, while the samples read before it still count;
+* reads no member whose header declares more bytes than :class:`MemberLimits` allows for its extension
+  (it is yielded empty, ``oversized``, for the caller to quarantine), and stops a compressed shard that
+  expands beyond ``max_expansion`` times its size (a decompression bomb): memory stays bounded by the limits.
 """
 
 from __future__ import annotations
@@ -35,13 +38,40 @@ def split_member_name(name: str) -> tuple[str, str]:
     return match.group(1), match.group(2).lower()
 
 
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemberLimits:
+    """Largest member read, by extension, from the tar header before any byte of it is read."""
+
+    caption_bytes: int = 64 * 1024
+    metadata_bytes: int = 1 * MiB
+    image_bytes: int = 32 * MiB
+    other_bytes: int = 32 * MiB
+    max_expansion: float = 100.0  # decompressed / compressed bytes a compressed shard may reach
+    expansion_floor_bytes: int = 64 * MiB  # below this much decompressed data the ratio is not checked
+
+    def for_ext(self, ext: str) -> int:
+        if ext == "txt":
+            return self.caption_bytes
+        if ext == "json":
+            return self.metadata_bytes
+        if ext in ("jpg", "jpeg", "png", "webp"):
+            return self.image_bytes
+        return self.other_bytes
+
+
 @dataclass(frozen=True)
 class Member:
-    """One tar member as read: its header, its bytes, and whether the shard ended inside its data."""
+    """One tar member as read: its header, its bytes, whether the shard ended inside its data, and
+    whether it was left unread because its header declares more than the limit (``oversized``: the
+    limit in bytes, else 0)."""
 
     info: tarfile.TarInfo
     data: bytes
     truncated: bool = False
+    oversized: int = 0
 
     @property
     def name(self) -> str:
@@ -71,9 +101,10 @@ class ShardReader:
     ``name`` is how messages refer to the shard (the path as the glob matched it).
     """
 
-    def __init__(self, path: Path | str, name: str | None = None) -> None:
+    def __init__(self, path: Path | str, name: str | None = None, limits: MemberLimits | None = None) -> None:
         self.path = Path(path)
         self.name = name or str(path)
+        self.limits = limits or MemberLimits()
         self.error: str | None = None
         self.samples = 0
         self.members = 0
@@ -108,6 +139,7 @@ class ShardReader:
                 self.error = f"not a tar archive ({_open_error(exc)} at offset 0)"
                 return
             stream = tar.fileobj
+            compressed = self.path.stat().st_size if tar.fileobj is not raw else 0
             while True:
                 try:
                     info = tar.next()
@@ -116,6 +148,15 @@ class ShardReader:
                     return
                 if info is None:
                     break
+                limit = self.limits.for_ext(split_member_name(info.name)[1])
+                bomb = self._expansion_error(info.offset_data + info.size, compressed)
+                if bomb or (info.isreg() and info.size > limit):  # never read: yielded empty, quarantined
+                    self.members += 1
+                    yield Member(info=info, data=b"", oversized=limit if info.size > limit else info.size)
+                    if bomb:
+                        self.error = bomb
+                        return
+                    continue
                 data, truncated, damage = b"", False, None
                 if info.isreg() and info.size:
                     try:
@@ -136,6 +177,17 @@ class ShardReader:
                     )
                     return
             self.error = _check_end_marker(stream, tar.offset, self.members)
+
+    def _expansion_error(self, position: int, compressed: int) -> str | None:
+        """Why reading on to ``position`` of a compressed shard would be a decompression bomb, or None."""
+        if not compressed or position < self.limits.expansion_floor_bytes:
+            return None
+        if position <= self.limits.max_expansion * compressed:
+            return None
+        return (
+            f"decompression bomb: reading on would expand its {compressed} bytes to over {position} bytes "
+            f"(more than {self.limits.max_expansion:g}x); the rest of the shard is not read"
+        )
 
 
 def _check_end_marker(stream, offset: int, members: int) -> str | None:
