@@ -101,6 +101,9 @@ def open_url(url: str) -> BinaryIO:
         raise ShardError(f"cannot open shard {url}: {exc}") from exc
 
 
+MAX_MEMBER_BYTES = 256 * 1024 * 1024  # the most one member may declare before it is read
+
+
 def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Regular members of the tar stream as webdataset file records (``fname``, ``data``, ``__url__``).
 
@@ -124,6 +127,8 @@ def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) 
             last, seen = prefix, seen + 1
         if seen <= skip:
             continue
+        if info.size > MAX_MEMBER_BYTES:  # validated shards never hold one; refuse before reading it
+            raise ValueError(f"member {name!r} declares {info.size} bytes, over {MAX_MEMBER_BYTES}")
         yield {"fname": name, "data": tar.extractfile(info).read(), "__url__": url}
         tar.members = []
     if tar.fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):

@@ -84,15 +84,8 @@ def inspect_sample(
         problem = unsafe_member_problem(member)
         if problem:
             reasons.append(Reason("unsafe_member", f"member {member.name!r} {problem}"))
-        if member.oversized:
-            reasons.append(
-                Reason(
-                    "member_too_large",
-                    f"member {member.name!r} declares {member.info.size} bytes, over the "
-                    f"{member.oversized}-byte limit for .{member.ext or '(none)'} members (or past the "
-                    "shard's decompression cap); not read",
-                )
-            )
+        if member.unread:
+            reasons.append(Reason("member_too_large", f"member {member.name!r} {member.unread}; not read"))
         elif member.truncated:
             reasons.append(
                 Reason(
@@ -102,7 +95,7 @@ def inspect_sample(
                 )
             )
     # Safe regular files count as present; a cut-off one is present but its content is not checked.
-    present = [m for m in members if m.is_file and not m.oversized and not unsafe_member_problem(m)]
+    present = [m for m in members if m.is_file and not m.unread and not unsafe_member_problem(m)]
     seen: dict[str, str] = {}
     for member in members:
         if member.ext in seen:

@@ -36,7 +36,7 @@ from components.validation.shard_reader import SampleGroup, ShardReader
 logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "validation.json"
-STAGE_VERSION = 1  # bump when a check changes meaning: earlier summaries are then recomputed
+STAGE_VERSION = 2  # bump when a check changes meaning: earlier summaries are then recomputed
 
 
 class ShardSpecError(ValueError):

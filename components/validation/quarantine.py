@@ -3,6 +3,11 @@
 Accepted samples go to ``accepted/shard-NNNNN.tar``; rejected ones to
 ``quarantine/quarantine-NNNNN.tar`` together with a ``{key}.reason.json`` member. ``NNNNN`` is
 the index of the input shard in the sorted list of matched shards, so reruns write the same files.
+
+A quarantine shard never holds more than the reader read: a member left unread (its header declares more
+than the policy's limit, or it lies past the decompression cap) is kept as an empty member of the same
+name, and the ``member_too_large`` reason in ``{key}.reason.json`` gives its declared size and the limit;
+a cut-off member keeps the bytes that were there (a ``truncated`` reason).
 """
 
 from __future__ import annotations
@@ -49,10 +54,12 @@ class AtomicTarWriter:
 
     def add_member(self, member: Member) -> None:
         """Copy a member as read: same name, header and bytes (a cut-off member keeps what was read; an
-        oversized one, never read, is kept as an empty member: the reasons file says what it declared)."""
+        unread one is kept as an empty member: the reasons file says what it declared)."""
         info = copy.copy(member.info)
         if info.isreg():
             info.size = len(member.data)
+            # A pax ``size`` record would outrank info.size and declare bytes that are not copied.
+            info.pax_headers = {k: v for k, v in info.pax_headers.items() if k != "size"}
             self._open().addfile(info, io.BytesIO(member.data))
         else:
             self._open().addfile(info)

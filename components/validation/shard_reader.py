@@ -10,12 +10,21 @@ Unlike ``tarfile`` iteration (which silently stops at a cut-off header) and webd
 * reports damage (not a tar, truncated header or data, missing end-of-archive marker) in
   :attr:`ShardReader.error` after iteration, while the samples read before it still count;
 * reads no member whose header declares more bytes than :class:`MemberLimits` allows for its extension
-  (it is yielded empty, ``oversized``, for the caller to quarantine), and stops a compressed shard that
-  expands beyond ``max_expansion`` times its size (a decompression bomb): memory stays bounded by the limits.
+  (it is yielded empty and ``unread``, for the caller to quarantine);
+* decompresses ``.gz``/``.bz2``/``.xz`` shards as a stream and stops one that would expand beyond
+  ``max_expansion`` times its size (a decompression bomb), and stops at a member whose pax or GNU
+  extended headers would take more than ``header_bytes`` (``tarfile`` reads those whole).
+
+Every read ``tarfile`` or this reader makes goes through :class:`_BoundedStream`, which refuses a read
+larger than the allowance of the step in progress (a header, or a member whose size was checked) and any
+position past the decompression cap: memory stays bounded by the limits, whatever the shard declares.
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
 import re
 import tarfile
 import zlib
@@ -51,6 +60,13 @@ class MemberLimits:
     other_bytes: int = 32 * MiB
     max_expansion: float = 100.0  # decompressed / compressed bytes a compressed shard may reach
     expansion_floor_bytes: int = 64 * MiB  # below this much decompressed data the ratio is not checked
+    header_bytes: int = 1 * MiB  # one member's headers, pax and GNU long-name ones included
+
+    def decompressed_cap(self, compressed: int) -> float:
+        """Most bytes a shard of ``compressed`` bytes may decompress to (infinite for a plain tar: 0)."""
+        if not compressed:
+            return float("inf")
+        return max(self.expansion_floor_bytes, self.max_expansion * compressed)
 
     def for_ext(self, ext: str) -> int:
         if ext == "txt":
@@ -64,14 +80,18 @@ class MemberLimits:
 
 @dataclass(frozen=True)
 class Member:
-    """One tar member as read: its header, its bytes, whether the shard ended inside its data, and
-    whether it was left unread because its header declares more than the limit (``oversized``: the
-    limit in bytes, else 0)."""
+    """One tar member as read: its header, its bytes and whether the shard ended inside its data.
+
+    A member left unread has empty ``data`` and ``unread`` says why (its header declares more than the
+    limit for its extension, ``oversized`` being that limit, or reading it would pass the shard's
+    decompression cap).
+    """
 
     info: tarfile.TarInfo
     data: bytes
     truncated: bool = False
     oversized: int = 0
+    unread: str = ""
 
     @property
     def name(self) -> str:
@@ -130,39 +150,59 @@ class ShardReader:
             self.error = f"cannot open: {exc.strerror or exc}"
             return
         with raw:
-            if self.path.stat().st_size == 0:
+            compressed = self.path.stat().st_size
+            if compressed == 0:
                 self.error = "not a tar archive: the file is empty (0 bytes)"
                 return
+            inner = _decompressed(raw)
+            if inner is raw:
+                compressed = 0
+            stream = _BoundedStream(inner, self.limits.decompressed_cap(compressed), compressed)
+            stream.allow(self.limits.header_bytes, _headers_of(1))
             try:
-                tar = tarfile.open(fileobj=raw, mode="r:*")
-            except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-                self.error = f"not a tar archive ({_open_error(exc)} at offset 0)"
+                tar = tarfile.open(fileobj=stream, mode="r:")
+            except ShardRefused as exc:
+                self.error = f"refused at offset 0: {exc}"
                 return
-            stream = tar.fileobj
-            compressed = self.path.stat().st_size if tar.fileobj is not raw else 0
+            except _DAMAGE as exc:
+                self.error = f"not a tar archive ({_first_line(exc)} at offset 0)"
+                return
             while True:
+                stream.allow(self.limits.header_bytes, _headers_of(self.members + 1))
                 try:
                     info = tar.next()
-                except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+                except ShardRefused as exc:
+                    self.error = f"refused after {self.members} members: {exc}"
+                    return
+                except _DAMAGE as exc:
                     self.error = f"damaged after {self.members} members: {_first_line(exc)}"
+                    return
+                tar.members.clear()  # tarfile keeps every header it read; a stream needs none
+                if sum(len(k) + len(v) for k, v in tar.pax_headers.items()) > self.limits.header_bytes:
+                    self.error = (
+                        f"refused after {self.members} members: its global pax headers add up to over "
+                        f"{self.limits.header_bytes} bytes; the rest of the shard is not read"
+                    )
                     return
                 if info is None:
                     break
-                limit = self.limits.for_ext(split_member_name(info.name)[1])
-                bomb = self._expansion_error(info.offset_data + info.size, compressed)
-                if bomb or (info.isreg() and info.size > limit):  # never read: yielded empty, quarantined
+                unread = self._unread(info, compressed)
+                if unread:  # never read: yielded empty, quarantined
+                    limit = self.limits.for_ext(split_member_name(info.name)[1])
                     self.members += 1
-                    yield Member(info=info, data=b"", oversized=limit if info.size > limit else info.size)
-                    if bomb:
-                        self.error = bomb
+                    oversized = limit if info.isreg() and info.size > limit else 0
+                    yield Member(info=info, data=b"", oversized=oversized, unread=unread)
+                    if not oversized:  # past the decompression cap: nothing after it is read either
+                        self.error = self._expansion_error(info.offset_data + info.size, compressed)
                         return
                     continue
                 data, truncated, damage = b"", False, None
                 if info.isreg() and info.size:
+                    stream.allow(info.size, f"member {info.name!r}")
                     try:
                         stream.seek(info.offset_data)
                         data = stream.read(info.size)
-                    except (EOFError, OSError, zlib.error) as exc:  # a compressed shard cut inside a member
+                    except (ShardRefused, *_DAMAGE) as exc:  # a compressed shard cut inside a member
                         damage = f"damaged inside member {info.name!r}: {_first_line(exc)}"
                     truncated = len(data) < info.size
                 self.members += 1
@@ -176,13 +216,27 @@ class ShardReader:
                         f"(after {self.members} members)"
                     )
                     return
+            stream.allow(BLOCK, "the end-of-archive marker")
             self.error = _check_end_marker(stream, tar.offset, self.members)
+
+    def _unread(self, info: tarfile.TarInfo, compressed: int) -> str:
+        """Why the member must not be read (its declared size and the limit it breaks), or ``""``."""
+        ext = split_member_name(info.name)[1]
+        limit = self.limits.for_ext(ext)
+        if info.isreg() and info.size > limit:
+            return f"declares {info.size} bytes, over the {limit}-byte limit for .{ext or '(none)'} members"
+        end = info.offset_data + info.size
+        if self._expansion_error(end, compressed):
+            return (
+                f"declares {info.size} bytes, ending at byte {end} of the decompressed shard, past its "
+                f"{self.limits.decompressed_cap(compressed):.0f}-byte decompression cap "
+                f"({self.limits.max_expansion:g}x its {compressed} bytes)"
+            )
+        return ""
 
     def _expansion_error(self, position: int, compressed: int) -> str | None:
         """Why reading on to ``position`` of a compressed shard would be a decompression bomb, or None."""
-        if not compressed or position < self.limits.expansion_floor_bytes:
-            return None
-        if position <= self.limits.max_expansion * compressed:
+        if position <= self.limits.decompressed_cap(compressed):
             return None
         return (
             f"decompression bomb: reading on would expand its {compressed} bytes to over {position} bytes "
@@ -190,12 +244,83 @@ class ShardReader:
         )
 
 
+class ShardRefused(Exception):
+    """A read the limits forbid: a decompression bomb, or headers larger than ``header_bytes``."""
+
+
+# What a damaged or hostile shard makes tarfile and the decompressors raise (a malformed GNU sparse map
+# raises ValueError, a long chain of extended headers RecursionError).
+_DAMAGE = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError, ValueError, RecursionError)
+
+
+def _decompressed(raw):
+    """The shard's tar stream: ``raw`` itself, or a streaming decompressor over it (chosen by magic bytes,
+    as ``tarfile.open(mode='r:*')`` would)."""
+    magic = raw.read(6)
+    raw.seek(0)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(raw)
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(raw)
+    return raw
+
+
+class _BoundedStream:
+    """The shard's tar stream as ``tarfile`` and :class:`ShardReader` see it: reads take at most the
+    allowance of the step in progress (:meth:`allow`), and no read or seek goes past ``cap`` (the
+    decompression cap; infinite for a plain tar). What would break a bound raises :class:`ShardRefused`
+    before any byte of it is read."""
+
+    def __init__(self, inner, cap: float, compressed: int) -> None:
+        self._inner, self._cap, self._compressed = inner, cap, compressed
+        self._allowed, self._left, self._step = 0, 0, ""
+
+    def allow(self, size: int, step: str) -> None:
+        """Let the next reads take ``size`` bytes in all, for ``step`` (named in a refusal)."""
+        self._allowed, self._left, self._step = size, size, step
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0 or size > self._left:
+            wanted = "the rest of the shard" if size is None or size < 0 else f"{size} more bytes"
+            raise ShardRefused(
+                f"reading {self._step} needs {wanted}, over its {self._allowed}-byte limit; "
+                "the rest of the shard is not read"
+            )
+        self._check_position(self._inner.tell() + size)
+        data = self._inner.read(size)
+        self._left -= len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence in (0, 1):
+            self._check_position(offset if whence == 0 else self._inner.tell() + offset)
+        return self._inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def _check_position(self, position: int) -> None:
+        if position > self._cap:
+            raise ShardRefused(
+                f"decompression bomb: reading {self._step} would expand the shard's {self._compressed} bytes "
+                f"past the {self._cap:.0f}-byte decompression cap; the rest of the shard is not read"
+            )
+
+
+def _headers_of(member: int) -> str:
+    return f"the headers of member {member} (pax and GNU long-name records included)"
+
+
 def _check_end_marker(stream, offset: int, members: int) -> str | None:
     """``tarfile`` ends quietly at a cut-off header; a complete archive ends with a zero block."""
     try:
         stream.seek(offset)
         tail = stream.read(BLOCK)
-    except (EOFError, OSError, zlib.error) as exc:
+    except ShardRefused as exc:
+        return f"refused at the end of the archive: {exc}"
+    except _DAMAGE as exc:
         return f"damaged at the end of the archive: {_first_line(exc)}"
     if len(tail) == BLOCK and not tail.strip(b"\0"):
         return None
@@ -206,17 +331,8 @@ def _check_end_marker(stream, offset: int, members: int) -> str | None:
     return f"damaged: an unreadable member header follows member {members} (offset {offset})"
 
 
-def _open_error(exc: BaseException) -> str:
-    """``tarfile.open(mode='r:*')`` lists one failure per method; the plain-tar one says most."""
-    lines = [line.strip() for line in str(exc).splitlines()]
-    for line in lines:
-        if line.startswith("- method tar:"):
-            detail = line.removeprefix("- method tar:").strip()
-            match = re.fullmatch(r"\w+\((['\"])(.*)\1\)", detail)
-            return match.group(2) if match else detail
-    return _first_line(exc)
-
-
 def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):  # tarfile recurses once per pax or GNU long-name header
+        return "too long a chain of pax or GNU long-name headers"
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
