@@ -3,7 +3,7 @@
 Writes benchmarks/results/backfill.md. Four parts, all measured in the same run:
 
 A. Backfill curves (t2i R@1 vs fraction backfilled) of every ordering policy against random, on the
-   known-geometry upgrade of compat.backfill.synthetic_upgrade (trained checkpoints are not part of the
+   known-geometry upgrade of benchmarks/synthetic_upgrade.py (trained checkpoints are not part of the
    repository, so the geometry is synthetic: clustered items whose old vectors are noisier the older they
    are). Area = E_beta[R@1] (trapezoid over 21 fractions); the fraction needed to reach new/new R@1.
 B. The real engine (components.rollout) on a milvus-lite server on 127.0.0.1: one staged rollout per
@@ -43,9 +43,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE  # noqa: E402
+from benchmarks.synthetic_upgrade import synthetic_upgrade  # noqa: E402
 from compat import backfill as bf  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "backfill.md"
+os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", SYNTH_MODULE)  # its encoders are named in serving records
 log = logging.getLogger("benchmarks.backfill")
 
 
@@ -113,7 +116,7 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 
 # ---------------------------------------------------------------------------------------------- part A
 def part_a(n_items: int, n_queries: int) -> dict[str, Any]:
-    u = bf.synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=0)
+    u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=0)
     m_old = bf.t2i_recall_metric(u.old_queries, u.positives, ks=(1,))
     m_new = bf.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
     ref = {
@@ -151,12 +154,12 @@ def part_a(n_items: int, n_queries: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- part B
 def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]:
+    from benchmarks.synthetic_upgrade import synthetic_encoders
     from components import rollout as ro
     from components.index import GalleryIndex
-    from components.rollout_encoders import synthetic_encoders
 
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "1"}
-    u = bf.synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=1)
+    u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=1)
     probe = ro.ProbeSet(u.query_texts, [[u.item_ids[p[0]]] for p in u.positives])
     m_new = bf.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
     results = {}
@@ -173,7 +176,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
                 version="v1",
                 space="syn",
                 query_model={
-                    "factory": "components.rollout_encoders:synthetic_query_encoder",
+                    "factory": f"{SYNTH_MODULE}:synthetic_query_encoder",
                     "options": opts,
                     "side": "old",
                 },
@@ -184,7 +187,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
                 policy=policy,
                 batch_size=256,
                 query_model={
-                    "factory": "components.rollout_encoders:synthetic_query_encoder",
+                    "factory": f"{SYNTH_MODULE}:synthetic_query_encoder",
                     "options": opts,
                     "side": "new",
                 },
@@ -403,7 +406,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
                 vectors,
                 version="v1",
                 space="cf-tiny",
-                query_model={"version": "v1", "factory": "components.search:model_query_encoder"},
+                query_model={"version": "v1", "factory": "components.rollout.serving:model_query_encoder"},
             )
         idle = during = None
         if load_s is not None:

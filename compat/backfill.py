@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,7 +46,7 @@ def _matrix(x: np.ndarray, name: str) -> np.ndarray:
     return x
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
+def unit_rows(x: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.maximum(norms, 1e-12)
 
@@ -126,7 +125,7 @@ def class_mean_distances(
     if metric == "l2":
         return np.linalg.norm(x - means[inverse], axis=1)
     if metric == "cosine":
-        return 1.0 - (_unit(x) * _unit(means)[inverse]).sum(1)
+        return 1.0 - (unit_rows(x) * unit_rows(means)[inverse]).sum(1)
     raise ValueError(f"metric must be 'l2' or 'cosine', got {metric!r}")
 
 
@@ -159,7 +158,7 @@ def uncertainty_scores(
     ``margin``: minus the gap between the two highest similarities (needs >= 2 centres);
     ``entropy``: entropy of softmax(similarity / temperature) over the centres.
     """
-    sims = _unit(_matrix(vectors, "vectors")) @ _unit(_matrix(centres, "centres")).T
+    sims = unit_rows(_matrix(vectors, "vectors")) @ unit_rows(_matrix(centres, "centres")).T
     if kind == "margin":
         if sims.shape[1] < 2:
             raise ValueError("uncertainty margin needs at least 2 centres")
@@ -188,7 +187,7 @@ def order_uncertainty(
     """Most uncertain items first (see :func:`uncertainty_scores`); centres from k-means when not given."""
     x = _matrix(vectors, "vectors")
     if centres is None:
-        centres, _ = kmeans(_unit(x), n_clusters or default_n_clusters(x.shape[0]), seed=seed)
+        centres, _ = kmeans(unit_rows(x), n_clusters or default_n_clusters(x.shape[0]), seed=seed)
     scores = uncertainty_scores(x, centres, kind=kind, temperature=temperature)
     return np.argsort(-scores, kind="stable")
 
@@ -289,10 +288,10 @@ def t2i_recall_metric(
 
     from compat.metrics import recall_at_k
 
-    q = torch.from_numpy(_unit(_matrix(queries, "queries")).astype(np.float32))
+    q = torch.from_numpy(unit_rows(_matrix(queries, "queries")).astype(np.float32))
 
     def metric(gallery: np.ndarray) -> dict[str, float]:
-        g = torch.from_numpy(_unit(_matrix(gallery, "gallery")).astype(np.float32))
+        g = torch.from_numpy(unit_rows(_matrix(gallery, "gallery")).astype(np.float32))
         return {f"R@{k}": v for k, v in recall_at_k(q, g, positives, ks).items()}
 
     return metric
@@ -307,108 +306,3 @@ def backfill_curve(
 ) -> list[dict[str, float]]:
     """[{"fraction": beta, **metric(mixed gallery at beta)}] for each beta in ``fractions``."""
     return [{"fraction": float(b), **metric(mix_gallery(old, new, order, float(b)))} for b in fractions]
-
-
-@dataclass
-class SyntheticUpgrade:
-    """A known-geometry upgrade: a clustered gallery where the new model's vectors are less noisy.
-
-    Item i has a latent z_i = c_{y_i} + spread * e_i. The old model sees z_i + sigma_i * noise with
-    sigma_i growing with the item's age (older items were written by older, noisier models, so
-    ``embedded_at`` and the distance to the cluster mean both carry information about which items
-    gain most); the new model sees z_i + new_noise * noise. Query i is a noisy view of z_i (text to
-    image: one relevant item per query). All vectors are L2-normalised and live in one space.
-    """
-
-    old_gallery: np.ndarray
-    new_gallery: np.ndarray
-    old_queries: np.ndarray
-    new_queries: np.ndarray
-    positives: list[list[int]]
-    labels: np.ndarray
-    embedded_at: np.ndarray
-    old_noise: np.ndarray
-
-    @property
-    def item_ids(self) -> list[str]:
-        """Stable ids of the gallery items (``item-00000`` ...)."""
-        return [f"item-{i:05d}" for i in range(len(self.labels))]
-
-    @property
-    def query_texts(self) -> list[str]:
-        """One text per query, naming its relevant item (``find item-00042``)."""
-        return [f"find item-{p[0]:05d}" for p in self.positives]
-
-    def query_vectors(self, texts: Sequence[str], side: str) -> np.ndarray:
-        """Vectors of :attr:`query_texts` entries under the ``"old"`` or ``"new"`` query model."""
-        table = {"old": self.old_queries, "new": self.new_queries}.get(side)
-        if table is None:
-            raise ValueError(f"side must be 'old' or 'new', got {side!r}")
-        row = {t: j for j, t in enumerate(self.query_texts)}
-        missing = [t for t in texts if t not in row]
-        if missing:
-            raise ValueError(
-                f"unknown synthetic query text(s) {missing[:3]}; texts look like 'find item-00042'"
-            )
-        return table[[row[t] for t in texts]]
-
-    def gallery_vectors(self, item_ids: Sequence[str], side: str) -> np.ndarray:
-        """Gallery vectors of ``item_ids`` under the ``"old"`` or ``"new"`` model."""
-        table = {"old": self.old_gallery, "new": self.new_gallery}.get(side)
-        if table is None:
-            raise ValueError(f"side must be 'old' or 'new', got {side!r}")
-        idx = []
-        for item_id in item_ids:
-            num = str(item_id).removeprefix("item-")
-            if not num.isdigit() or not 0 <= int(num) < len(table):
-                raise ValueError(f"unknown synthetic item id {item_id!r}")
-            idx.append(int(num))
-        return table[idx]
-
-
-def synthetic_upgrade(
-    n_items: int = 2000,
-    n_queries: int | None = None,
-    dim: int = 32,
-    n_clusters: int = 20,
-    *,
-    spread: float = 0.35,
-    old_noise: tuple[float, float] = (0.2, 0.9),
-    new_noise: float = 0.3,
-    old_query_noise: float = 0.35,
-    new_query_noise: float = 0.15,
-    age_jitter: float = 0.15,
-    seed: int = 0,
-) -> SyntheticUpgrade:
-    """Build a :class:`SyntheticUpgrade` (deterministic in ``seed``)."""
-    if n_items < 2 or dim < 2 or n_clusters < 1:
-        raise ValueError("synthetic_upgrade needs n_items >= 2, dim >= 2 and n_clusters >= 1")
-    n_queries = n_items if n_queries is None else n_queries
-    if not 1 <= n_queries <= n_items:
-        raise ValueError(f"n_queries must lie in [1, {n_items}], got {n_queries}")
-    rng = np.random.default_rng(seed)
-    scale = 1.0 / math.sqrt(dim)
-    centres = _unit(rng.normal(size=(n_clusters, dim)))
-    labels = rng.integers(n_clusters, size=n_items)
-    latent = centres[labels] + spread * scale * rng.normal(size=(n_items, dim))
-    latent = _unit(latent)
-    u = rng.uniform(size=n_items)
-    sigma = old_noise[0] + (old_noise[1] - old_noise[0]) * u
-    age = np.clip(u + age_jitter * rng.normal(size=n_items), 0.0, None)  # 0 = newest
-    embedded_at = (1_700_000_000_000 - age * 86_400_000 * 365).astype(np.int64)
-
-    def view(noise: np.ndarray | float, rows: np.ndarray) -> np.ndarray:
-        sig = np.asarray(noise, dtype=np.float64).reshape(-1, 1) if np.ndim(noise) else noise
-        return _unit(rows + sig * scale * rng.normal(size=rows.shape)).astype(np.float32)
-
-    qidx = np.sort(rng.choice(n_items, size=n_queries, replace=False))
-    return SyntheticUpgrade(
-        old_gallery=view(sigma, latent),
-        new_gallery=view(new_noise, latent),
-        old_queries=view(old_query_noise, latent[qidx]),
-        new_queries=view(new_query_noise, latent[qidx]),
-        positives=[[int(i)] for i in qidx],
-        labels=labels,
-        embedded_at=embedded_at,
-        old_noise=sigma,
-    )

@@ -1,18 +1,38 @@
-"""Small file helpers shared across stages: atomic JSON writes and content hashes."""
+"""Small helpers shared across the project: atomic file writes and UTC timestamps."""
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: Path | str, document: Any) -> Path:
-    """Write ``document`` as indented JSON via a temporary file and an atomic rename."""
+def atomic_write(path: Path | str, write: Callable[[Path], Any]) -> Path:
+    """Create ``path`` whole or not at all: ``write`` fills a temporary file beside it, which is then renamed
+    over ``path`` (a kill leaves the old file or the new one, never half of one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_json_atomic(path: Path | str, document: Any) -> Path:
+    """Write ``document`` as indented strict JSON (no NaN), atomically (see :func:`atomic_write`)."""
+    text = json.dumps(document, indent=2, allow_nan=False) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def utc_now() -> str:
+    """The current UTC time, ISO 8601 to the second (the timestamp of every state file)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -2,7 +2,7 @@
 
 Plain functions on a workspace (``components.workspace.Workspace``), called by the KFP components and
 by ``compatflow rollout``. Encoders come from a factory named ``module:function`` (default: real models,
-:func:`components.rollout_encoders.model_encoders`).
+:func:`components.rollout.encoders.model_encoders`).
 """
 
 from __future__ import annotations
@@ -21,15 +21,9 @@ from components.rollout import (
     index_gallery,
     run_rollout,
 )
-from components.search import DEFAULT_FACTORY, import_factory, read_serving
+from components.rollout.serving import DEFAULT_FACTORY, import_factory, read_serving
 
-DEFAULT_ENCODERS = "components.rollout_encoders:model_encoders"
-PROBE_FILE = "probe.json"
-
-
-def probe_path(paths: RolloutPaths) -> Path:
-    """Where :func:`index_stage` writes the probe set: ``<workspace>/rollout/probe.json``."""
-    return paths.state.parent / "rollout" / PROBE_FILE
+DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
 
 
 def open_index(workspace: Any = None, uri: str | None = None) -> GalleryIndex:
@@ -68,7 +62,7 @@ def index_stage(
 
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
-    from components.search import load_model
+    from components.rollout.serving import load_model
 
     paths = RolloutPaths.for_workspace(workspace)
     with open_index(workspace, uri) as index:
@@ -126,7 +120,7 @@ def index_stage(
         n_items = index.count()
     for row in new_items:
         row.update(model_version=str(version), space_id=str(record.get("space", space)))
-    probe_file = probe_path(paths)
+    probe_file = paths.probe
     probe = json.loads(probe_file.read_text()) if probe_file.is_file() else {"texts": [], "positives": []}
     known = {p for positives in probe["positives"] for p in positives}
     candidates = [row for row in new_items if row["item_id"] not in known]
@@ -181,6 +175,6 @@ def rollout_stage(
         floors=dict(floors or {}),
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )
-    probe_set = ProbeSet.from_file(probe or probe_path(paths))
+    probe_set = ProbeSet.from_file(probe or paths.probe)
     with open_index(workspace, uri) as index:
         return run_rollout(index, paths, config, built, probe_set)

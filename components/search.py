@@ -1,149 +1,17 @@
-"""Serving queries: the serving record (which collection and query model answer) and a small search API.
-
-The serving record (``<workspace>/serving.json``, written atomically by indexing and rollout) says::
-
-    {"uri": ..., "alias": "gallery", "collection": "gallery_<space>_<n>", "space": ..., "dim": ...,
-     "query_model": {"version": ..., "uri": ..., "factory": "module:function"},
-     "previous": {"collection": ..., "space": ..., "query_model": {...}} | null, "rollout_id": ...}
-
-A query is embedded with the serving query model and searched through the alias. During an alias
-switch the record is written first, so when the alias and the record disagree the record's
-collection (the one whose space the query model writes into) is searched.
-
-Query encoders are built by a factory ``module:function`` taking the ``query_model`` mapping; the
-default (:func:`model_query_encoder`) loads a compatible-model directory or a plain checkpoint.
-Factories are imported only from the project's packages or from modules listed in
-``$COMPATFLOW_TRUSTED_MODULES`` (comma-separated), since the record names code to run.
-"""
+"""Answering queries as the serving record says (:mod:`components.rollout.serving`): a long-lived
+:class:`Searcher` that follows rollouts live, and a one-shot :func:`search`."""
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
-from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from components.workspace import map_paths, resolved_path, stored_path
-
-QueryEncoder = Callable[[list[str]], np.ndarray]
-
-SERVING_FILE = "serving.json"
-SERVING_PATHS = ("uri", "query_model.uri", "previous.query_model.uri")  # stored relative to the workspace
-DEFAULT_FACTORY = "components.search:model_query_encoder"
-TRUSTED_ENV = "COMPATFLOW_TRUSTED_MODULES"
-TRUSTED_PREFIXES = ("compat.", "components.")
-
-
-class ServingError(RuntimeError):
-    """The serving record is missing or malformed, or names an encoder that cannot be built."""
-
-
-def serving_path(workspace: Any = None) -> Path:
-    """``<workspace>/serving.json`` (``workspace``: a Workspace, a path or None for the default root)."""
-    from components.workspace import Workspace
-
-    return Workspace.coerce(workspace).root / SERVING_FILE
-
-
-def read_serving(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The serving record at ``path``; None when there is none yet; ServingError when it is malformed."""
-    path = Path(path)
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ServingError(
-            f"{path}: not valid JSON ({exc}); restore it from the rollout state or re-index"
-        ) from exc
-    missing = [k for k in ("uri", "alias", "collection", "query_model") if k not in doc]
-    if not isinstance(doc, dict) or missing:
-        raise ServingError(f"{path}: missing field(s) {missing} of a serving record")
-    if not isinstance(doc["query_model"], dict) or "version" not in doc["query_model"]:
-        raise ServingError(f"{path}: field 'query_model' must be an object with a 'version'")
-    root = Path(path).resolve().parent
-    return map_paths(doc, SERVING_PATHS, lambda value: resolved_path(root, value))
-
-
-def write_serving(
-    path: str | os.PathLike[str],
-    *,
-    uri: str,
-    alias: str,
-    collection: str,
-    space: str,
-    dim: int,
-    query_model: Mapping[str, Any],
-    previous: Mapping[str, Any] | None = None,
-    rollout_id: str = "",
-) -> dict[str, Any]:
-    """Write the serving record atomically; returns it."""
-    from compat.io import write_json_atomic
-
-    doc = {
-        "schema_version": 1,
-        "uri": str(uri),
-        "alias": alias,
-        "collection": collection,
-        "space": str(space),
-        "dim": int(dim),
-        "query_model": dict(query_model),
-        "previous": dict(previous) if previous else None,
-        "rollout_id": rollout_id,
-        "updated_at": datetime.now(UTC).isoformat(timespec="seconds"),
-    }
-    root = Path(path).resolve().parent  # the record lives in the workspace root
-    write_json_atomic(Path(path), map_paths(doc, SERVING_PATHS, lambda value: stored_path(root, value)))
-    return doc
-
-
-def import_factory(spec: str) -> Callable[..., Any]:
-    """The callable named ``module:function``, imported from a trusted module only (see the module doc)."""
-    module_name, _, function = spec.partition(":")
-    if not module_name or not function:
-        raise ServingError(f"encoder factory {spec!r} must look like 'package.module:function'")
-    trusted = [m.strip() for m in os.environ.get(TRUSTED_ENV, "").split(",") if m.strip()]
-    if not (module_name.startswith(TRUSTED_PREFIXES) or module_name in trusted):
-        raise ServingError(
-            f"encoder factory module {module_name!r} is not trusted: use one under "
-            f"{', '.join(TRUSTED_PREFIXES)} or list it in ${TRUSTED_ENV}"
-        )
-    try:
-        factory = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as exc:
-        raise ServingError(f"cannot import encoder factory {spec!r}: {exc}") from exc
-    if not callable(factory):
-        raise ServingError(f"encoder factory {spec!r} is not callable")
-    return factory
-
-
-def load_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
-    """Build the query encoder a ``query_model`` mapping describes (its ``factory`` or the default)."""
-    return import_factory(str(query_model.get("factory") or DEFAULT_FACTORY))(query_model)
-
-
-def load_model(uri: str, device: str = "cpu") -> Any:
-    """The serving encoder of the model directory at ``uri`` (see :func:`compat.production.load_encoder`)."""
-    from compat.production import load_encoder
-
-    if not uri:
-        raise ServingError("the query model has no 'uri' (a model or checkpoint directory) to load")
-    return load_encoder(uri, device=device)
-
-
-def model_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
-    """Text encoder of the model at ``query_model["uri"]``, in its serving space (numpy float32)."""
-    model = load_model(str(query_model.get("uri", "")))
-
-    def encode(texts: list[str]) -> np.ndarray:
-        return model.encode_texts(list(texts)).numpy().astype(np.float32)
-
-    return encode
+from components.rollout.serving import ServingError, load_query_encoder, read_serving
+from components.rollout.types import QueryEncoder
 
 
 class Searcher:
@@ -233,7 +101,9 @@ def search(
     (e.g. a server URI while another process holds the embedded directory); ``encoder`` and ``index``
     replace the record's query model and a freshly opened index. A long-lived server uses :class:`Searcher`.
     """
-    path = Path(record_path) if record_path is not None else serving_path(workspace)
+    from components.workspace import Workspace
+
+    path = Path(record_path) if record_path is not None else Workspace.coerce(workspace).serving_path
     searcher = Searcher(path, uri=uri, index=index, encoder=encoder)
     try:
         return searcher.search(texts, k, filter=filter)

@@ -232,9 +232,8 @@ def ingest_stage(config: Config, run_dir: Path, gallery_shards: list[str]) -> di
     the run that brings them; an upgrade that ships later re-embeds them with the rest of the gallery.
     Lineage records them. Writes ``ingest/ingest.json``.
     """
-    from components.rollout import RolloutPaths
+    from components.rollout import RolloutPaths, read_serving
     from components.rollout_stage import index_stage
-    from components.search import read_serving
 
     config = as_config(config)
     workspace = workspace_of(config)

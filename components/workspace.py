@@ -8,8 +8,10 @@ Layout (the pipeline and every command use it)::
     <root>/milvus/            milvus-lite data
     <root>/models/            local model checkpoints
     <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
-    <root>/runs/<run_id>/<stage>/...   per-run stage outputs
-    <root>/rollout_state.json progress of the rollout in flight (written by the rollout stage)
+    <root>/runs/<run_id>/<step>/...    per-run step outputs
+    <root>/serving.json       the serving record: which collection and query model answer queries
+    <root>/rollout_state.json progress of the rollout in flight (written by the rollout engine)
+    <root>/rollout/           the probe set and each rollout's work files (restore rows, archived states)
 
 The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``; the tracking URI to
 ``$COMPATFLOW_TRACKING_URI`` or the sqlite file above.
@@ -100,6 +102,10 @@ class Workspace:
     @property
     def runs_dir(self) -> Path:
         return self.root / "runs"
+
+    @property
+    def serving_path(self) -> Path:
+        return self.root / "serving.json"
 
     @property
     def rollout_state_path(self) -> Path:

@@ -10,6 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# the rollout tests name their known-geometry encoders in serving records (components.rollout.serving)
+os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", "benchmarks.synthetic_upgrade")
 
 
 @pytest.fixture(autouse=True)

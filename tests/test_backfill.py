@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.synthetic_upgrade import synthetic_upgrade
 from compat import backfill as bf
 
 
@@ -122,7 +123,7 @@ def test_order_digest_depends_on_order() -> None:
 def test_synthetic_upgrade_curves() -> None:
     """Known structure: old/old < new/old < new/new, and ordering by distance to the class mean
     (noisy, far-from-centre items first) has a larger curve area than a random order."""
-    u = bf.synthetic_upgrade(n_items=800, n_queries=400, seed=2)
+    u = synthetic_upgrade(n_items=800, n_queries=400, seed=2)
     m_old = bf.t2i_recall_metric(u.old_queries, u.positives)
     m_new = bf.t2i_recall_metric(u.new_queries, u.positives)
     old_old, new_old, new_new = (

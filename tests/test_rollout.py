@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 
 import schemas
-from compat.backfill import synthetic_upgrade
+from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
+from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from components import rollout as ro
 from components.index import GalleryIndex
-from components.rollout_encoders import synthetic_encoders
-from components.search import Searcher, read_serving
+from components.rollout import engine, read_serving
+from components.search import Searcher
 
 N, Q, SEED = 400, 200, 3
 OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
-SYNTH_QUERY = "components.rollout_encoders:synthetic_query_encoder"
+SYNTH_QUERY = f"{SYNTH_MODULE}:synthetic_query_encoder"
 UPGRADE = synthetic_upgrade(n_items=N, n_queries=Q, seed=SEED)
 PROBE = ro.ProbeSet(UPGRADE.query_texts, [[UPGRADE.item_ids[p[0]]] for p in UPGRADE.positives])
 
@@ -162,14 +163,14 @@ def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypat
             raise _Crash("power cut after upsert")
         real_save(path, state)
 
-    monkeypatch.setattr(ro, "save_state", flaky_save)
+    monkeypatch.setattr(engine, "save_state", flaky_save)
     encoders = synthetic_encoders({"options": OPTS})
     with pytest.raises(_Crash):
         ro.run_rollout(index, paths, _config(), encoders, PROBE)
     saved = json.loads(paths.state.read_text())
     assert saved["state"] == "running" and saved["cursor"]["position"] == 40
     assert index.count_by_version()["v2"] >= 72  # the batch 40..72 is already upserted
-    monkeypatch.setattr(ro, "save_state", real_save)
+    monkeypatch.setattr(engine, "save_state", real_save)
     state = ro.run_rollout(index, paths, _config(), encoders, PROBE)
     assert state["state"] == "completed"
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
@@ -319,7 +320,7 @@ def _cli(ws: Path, *extra: str) -> list[str]:
         "--new-version",
         "v2",
         "--encoders",
-        "components.rollout_encoders:synthetic_encoders",
+        f"{SYNTH_MODULE}:synthetic_encoders",
         "--query-factory",
         SYNTH_QUERY,
         "--probe",

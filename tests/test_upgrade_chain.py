@@ -114,7 +114,6 @@ class Cycle:
         """One upgrade through evaluate, gate, register and rollout; returns the rollout summary."""
         from components import stages
         from components.rollout import RolloutPaths
-        from components.rollout_stage import probe_path
 
         plan, run_dir, compat = self.train(phase)
         production = stages.resolve_production(self.config)
@@ -134,7 +133,7 @@ class Cycle:
         # Every gallery item relevant to every probe query: the probes cannot halt this rollout. These
         # tests check that each kind of model loads, serves and upgrades; tests/test_rollout.py the probes.
         if not probes_can_halt:
-            probe = probe_path(RolloutPaths.for_workspace(stages.workspace_of(self.config)))
+            probe = RolloutPaths.for_workspace(stages.workspace_of(self.config)).probe
             doc = json.loads(probe.read_text())
             everything = sorted({p for positives in doc["positives"] for p in positives})
             probe.write_text(json.dumps({"texts": doc["texts"][:8], "positives": [everything] * 8}))

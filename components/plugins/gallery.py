@@ -18,9 +18,8 @@ log = logging.getLogger(__name__)
 
 def status(workspace: Any) -> dict[str, Any]:
     from components.index import gallery_status
-    from components.rollout import RolloutPaths
+    from components.rollout import RolloutPaths, read_serving
     from components.rollout import status as rollout_status
-    from components.search import read_serving
 
     paths = RolloutPaths.for_workspace(workspace)
     doc: dict[str, Any] = {"rollout": rollout_status(paths.state)}
@@ -41,8 +40,7 @@ def prepare_rollback(event: dict[str, Any]) -> None:
     from pathlib import Path
 
     from components.index import GalleryIndex
-    from components.rollout import RolloutError, RolloutPaths, load_state, rollout_of
-    from components.search import read_serving
+    from components.rollout import RolloutError, RolloutPaths, load_state, read_serving, rollout_of
 
     paths = RolloutPaths.for_workspace(event["workspace"])
     if read_serving(paths.serving) is None:
@@ -70,8 +68,7 @@ def on_rollback(event: dict[str, Any]) -> None:
     from pathlib import Path
 
     from components.index import GalleryIndex
-    from components.rollout import RolloutPaths, rollback, rollout_of
-    from components.search import read_serving
+    from components.rollout import RolloutPaths, read_serving, rollback, rollout_of
 
     paths = RolloutPaths.for_workspace(event["workspace"])
     record = read_serving(paths.serving)
@@ -101,7 +98,7 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
     from compat.production import load_encoder
     from components.index import ROW_FIELDS, quote
     from components.rollout import item_ref
-    from components.rollout_encoders import ShardImages
+    from components.rollout.encoders import ShardImages
 
     g, model = state["gallery"], state["previous_query_model"]
     target, version = g["source_collection"], str(model["version"])

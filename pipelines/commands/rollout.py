@@ -65,8 +65,8 @@ def index_cmd(
 
     workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
+    from components.rollout import ServingError
     from components.rollout_stage import index_stage
-    from components.search import ServingError
     from pipelines.commands._common import fail
 
     try:
@@ -114,10 +114,10 @@ def run_cmd(
     ] = [],  # noqa: B006
     encoders: Annotated[
         str, typer.Option("--encoders", help="Encoder factory module:function.")
-    ] = "components.rollout_encoders:model_encoders",
+    ] = "components.rollout.encoders:model_encoders",
     query_factory: Annotated[
         str, typer.Option("--query-factory", help="Factory of the serving query encoder recorded for search.")
-    ] = "components.search:model_query_encoder",
+    ] = "components.rollout.serving:model_query_encoder",
     option: Annotated[list[str], typer.Option("--option", help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
@@ -132,9 +132,8 @@ def run_cmd(
 
     workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
-    from components.rollout import RolloutError
+    from components.rollout import RolloutError, ServingError
     from components.rollout_stage import rollout_stage
-    from components.search import ServingError
     from pipelines.commands._common import echo_json, fail
 
     try:
@@ -222,7 +221,8 @@ def search_cmd(
 
     workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
-    from components.search import ServingError, search
+    from components.rollout import ServingError
+    from components.search import search
     from pipelines.commands._common import echo_json, fail
 
     paths = _paths(workspace)

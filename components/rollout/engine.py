@@ -1,345 +1,35 @@
-"""Rollout of a gate-passed model onto the Milvus gallery: staged partial backfill, durable and reversible.
-
-Staged (the release keeps the serving space):
-
-* stage 0 -- the query side switches to the new model at once. The probe set (held-out text queries
-  with known relevant items) is scored with the new serving queries against the gallery as it is
-  (or, when the serving contract reads old vectors through a ``gallery_transform`` -- a forward
-  adapter, zero-padding -- against a copy of the gallery with transformed vectors, built first in a
-  new collection); only then are the serving record and the alias moved.
-* stages 1..k -- items are re-embedded with the new model in the policy's order
-  (:mod:`compat.backfill`) and upserted in batches until the stage's fraction is reached; the probe is
-  scored on the mixed gallery and the stage is accepted only if every R@K is at or above its floor
-  (the old/old figure measured before the rollout, or a higher configured floor). Otherwise the
-  rollout halts and the stage's items get their previous vectors back.
-
-Space change (no gallery transform and a target space other than the serving one): blue-green. A new
-collection is filled with new vectors, probed, and the serving record and alias move to it; the old
-collection stays for rollback.
-
-Durability: before a batch is upserted its previous rows are saved to a restore file (never
-overwritten: a retried batch keeps the rows it first replaced); the state JSON is written atomically
-after every batch. Upserts are keyed by item_id, so a crash between an upsert and the state write
-repeats one batch harmlessly. Killed at any moment and run again with the same configuration, the
-rollout resumes. :func:`rollback` restores the previous collection or the saved rows, and the previous
-query model.
-"""
+"""The rollout engine: plans a rollout, runs stage 0, the backfill stages or a blue-green fill, resumes."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from compat.io import utc_now
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
-from components.search import QueryEncoder, read_serving, write_serving
-from components.workspace import map_paths, resolved_path, stored_path
-
-log = logging.getLogger(__name__)
-
-DEFAULT_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
-DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
-STATES = ("pending", "running", "halted", "completed", "rolled_back")
-STATE_FILE = "rollout_state.json"
-
-
-class RolloutError(RuntimeError):
-    """The rollout cannot start or continue; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class ItemRef:
-    """What a gallery encoder needs to re-embed one item."""
-
-    item_id: str
-    source_uri: str = ""
-    phase: int = 0
-    embedded_at: int = 0
-    model_version: str = ""
-
-
-GalleryEncoder = Callable[[Sequence[ItemRef]], np.ndarray]
-VectorTransform = Callable[[np.ndarray], np.ndarray]
-
-
-@dataclass
-class ProbeSet:
-    """Held-out text queries and the gallery item ids relevant to each."""
-
-    texts: list[str]
-    positives: list[list[str]]
-
-    def __post_init__(self) -> None:
-        if not self.texts:
-            raise ValueError("probe set: no queries; a rollout needs held-out queries to score each stage")
-        if len(self.texts) != len(self.positives):
-            raise ValueError(f"probe set: {len(self.texts)} texts but {len(self.positives)} positive lists")
-        for i, pos in enumerate(self.positives):
-            if not pos:
-                raise ValueError(f"probe set: query {i} ({self.texts[i]!r}) has no relevant item")
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> ProbeSet:
-        """Read ``{"texts": [...], "positives": [[item_id, ...], ...]}``."""
-        path = Path(path)
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise RolloutError(f"cannot read the probe set {path}: {exc}") from exc
-        if not isinstance(doc, dict) or not {"texts", "positives"} <= doc.keys():
-            raise RolloutError(f"{path}: a probe set is an object with 'texts' and 'positives'")
-        try:
-            return cls([str(t) for t in doc["texts"]], [[str(p) for p in pos] for pos in doc["positives"]])
-        except ValueError as exc:
-            raise RolloutError(f"{path}: {exc}") from exc
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"texts": self.texts, "positives": self.positives}
-
-
-@dataclass
-class RolloutEncoders:
-    """The serving contract of a release, as callables.
-
-    ``new_gallery`` returns vectors in the serving space; ``new_query`` output goes through
-    ``query_transform`` (e.g. a backward adapter or a truncation) when one is given. ``gallery_transform``
-    maps stored old vectors into the serving space (forward adapter, zero-padding); it is applied to a
-    copy of the gallery in stage 0. ``space`` and ``transform_tag`` describe the contract (the target
-    space id and a name for the transform, recorded in each row's lineage).
-    """
-
-    old_query: QueryEncoder
-    new_query: QueryEncoder
-    new_gallery: GalleryEncoder
-    query_transform: VectorTransform | None = None
-    gallery_transform: VectorTransform | None = None
-    space: str | None = None
-    transform_tag: str = ""
-
-    def serving_queries(self, texts: Sequence[str]) -> np.ndarray:
-        q = np.asarray(self.new_query(list(texts)), dtype=np.float32)
-        return np.asarray(self.query_transform(q), dtype=np.float32) if self.query_transform else q
-
-
-@dataclass
-class RolloutConfig:
-    """What to roll out and how. ``query_model`` is the serving record's description of the new query
-    encoder (``version``, ``uri``, ``factory``); ``floors`` can only raise the old/old floors."""
-
-    new_version: str
-    query_model: dict[str, Any] = field(default_factory=dict)
-    space: str | None = None
-    policy: str = "random"
-    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
-    seed: int = 0
-    batch_size: int = 256
-    ks: tuple[int, ...] = DEFAULT_KS
-    floors: dict[str, float] = field(default_factory=dict)
-    n_clusters: int | None = None
-    flush_every: int = 0  # batches between flushes; 0: at stage ends only (Milvus seals segments itself)
-    prefetch: int = 2  # batches read and encoded ahead of the upserts
-
-    def __post_init__(self) -> None:
-        from compat.backfill import POLICIES
-
-        if not self.new_version:
-            raise ValueError("new_version is required (the model version that writes the new vectors)")
-        self.query_model = {"version": self.new_version, **self.query_model}
-        self.fractions = tuple(float(f) for f in self.fractions)
-        f = self.fractions
-        if (
-            not f
-            or any(b <= a for a, b in zip(f, f[1:], strict=False))
-            or f[0] <= 0
-            or abs(f[-1] - 1.0) > 1e-12
-        ):
-            raise ValueError(
-                f"fractions must increase strictly within (0, 1] and end at 1.0 (every item gets "
-                f"its new vector), got {list(f)}"
-            )
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown backfill policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.prefetch < 1:
-            raise ValueError(
-                f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"
-            )
-        self.ks = tuple(sorted({int(k) for k in self.ks}))
-        if not self.ks or self.ks[0] < 1:
-            raise ValueError(f"ks must be positive, got {self.ks}")
-
-
-@dataclass(frozen=True)
-class RolloutPaths:
-    """Where a rollout keeps its state: the state JSON, the serving record, and per-rollout work files."""
-
-    state: Path
-    serving: Path
-
-    @classmethod
-    def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
-        from components.search import serving_path
-        from components.workspace import Workspace
-
-        ws = Workspace.coerce(workspace)
-        return cls(state=ws.rollout_state_path, serving=serving_path(ws))
-
-    def work(self, rollout_id: str) -> Path:
-        return self.state.parent / "rollout" / rollout_id
-
-    def restore_dir(self, rollout_id: str) -> Path:
-        return self.work(rollout_id) / "restore"
-
-
-# ------------------------------------------------------------------------------------------ small helpers
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-# Paths a rollout state names, stored relative to the workspace root (see components.workspace).
-STATE_PATHS = (
-    "gallery.uri",
-    "order.path",
-    "query_model.uri",
-    "new_query_model.uri",
-    "previous_query_model.uri",
+from components.rollout.probes import broken_floors, probe_metrics
+from components.rollout.serving import read_serving, write_serving
+from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_rows, save_state
+from components.rollout.types import (
+    ProbeSet,
+    RolloutConfig,
+    RolloutEncoders,
+    RolloutError,
+    RolloutPaths,
+    item_ref,
 )
 
-
-def load_state(path: str | os.PathLike[str], root: Path | None = None) -> dict[str, Any] | None:
-    """The rollout state at ``path`` (validated against schemas/rollout_state), or None. Relative paths in
-    it resolve against ``root``, the workspace root (default: the file's folder, where the live one is)."""
-    import schemas
-
-    path = Path(path)
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RolloutError(
-            f"{path}: not valid JSON ({exc}); it was damaged: restore it from a backup (a rollout's state "
-            f"is archived in {path.parent / 'rollout'}/<rollout id>/ only once a later rollout replaces it)"
-        ) from exc
-    schemas.validate(doc, "rollout_state", str(path))
-    base = Path(root) if root is not None else path.resolve().parent
-    return map_paths(doc, STATE_PATHS, lambda value: resolved_path(base, value))
-
-
-def save_state(path: Path, state: dict[str, Any], root: Path | None = None) -> None:
-    """Write ``state`` atomically, its paths relative to ``root`` (default: the file's folder)."""
-    from compat.io import write_json_atomic
-
-    state["updated_at"] = _now()
-    base = Path(root) if root is not None else Path(path).resolve().parent
-    write_json_atomic(path, map_paths(state, STATE_PATHS, lambda value: stored_path(base, value)))
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """One rollout or rollback at a time per state file (released by the OS even on kill -9)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise RolloutError(
-                f"another process is running a rollout or rollback on {path}; wait for it "
-                "(or check it with `compatflow rollout status`)"
-            ) from exc
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def recall_from_hits(
-    ranked: Sequence[Sequence[str]], positives: Sequence[Sequence[str]], ks: Sequence[int] = DEFAULT_KS
-) -> dict[str, float]:
-    """R@K in percent from ranked item ids: a query is a hit at K when a relevant id is in its top K."""
-    if len(ranked) != len(positives) or not ranked:
-        raise ValueError(f"recall_from_hits: {len(ranked)} rankings for {len(positives)} queries")
-    out = {}
-    for k in ks:
-        hits = sum(bool(set(r[:k]) & set(p)) for r, p in zip(ranked, positives, strict=True))
-        out[f"R@{k}"] = 100.0 * hits / len(ranked)
-    return out
-
-
-def probe_metrics(
-    index: GalleryIndex,
-    collection: str,
-    query_vectors: np.ndarray,
-    probe: ProbeSet,
-    ks: Sequence[int] = DEFAULT_KS,
-    chunk: int = 256,
-) -> dict[str, float]:
-    """R@K of the probe queries against ``collection`` as it is now."""
-    ranked: list[list[str]] = []
-    for start in range(0, len(query_vectors), chunk):
-        rows = index.search(query_vectors[start : start + chunk], k=max(ks), collection=collection)
-        ranked.extend([h.item_id for h in row] for row in rows)
-    return recall_from_hits(ranked, probe.positives, ks)
-
-
-def _passes(metrics: Mapping[str, float], floors: Mapping[str, float]) -> list[str]:
-    """The floors ``metrics`` breaks, as readable reasons (empty when it passes)."""
-    return [
-        f"{m} {metrics[m]:.2f} < floor {floor:.2f}"
-        for m, floor in floors.items()
-        if not metrics[m] >= floor - 1e-9
-    ]
-
-
-def _save_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Restore file: the complete previous rows of a batch (npz, written atomically, no pickles)."""
-    arrays: dict[str, np.ndarray] = {"vector": np.asarray([r["vector"] for r in rows], dtype=np.float32)}
-    for f in ROW_FIELDS:
-        if f != "vector":
-            arrays[f] = np.asarray(
-                [r[f] for r in rows], dtype=np.int64 if f in ("phase", "embedded_at") else str
-            )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        np.savez(handle, **arrays)
-    os.replace(tmp, path)
-
-
-def _load_rows(path: Path) -> list[dict[str, Any]]:
-    with np.load(path, allow_pickle=False) as data:
-        cols = {f: data[f] for f in ROW_FIELDS}
-    n = len(cols["item_id"])
-    return [
-        {f: (cols[f][i].tolist() if f == "vector" else cols[f][i].item()) for f in ROW_FIELDS}
-        for i in range(n)
-    ]
-
-
-def item_ref(row: Mapping[str, Any]) -> ItemRef:
-    """The :class:`ItemRef` of an index row."""
-    return ItemRef(
-        str(row["item_id"]),
-        str(row["source_uri"]),
-        int(row["phase"]),
-        int(row["embedded_at"]),
-        str(row["model_version"]),
-    )
+log = logging.getLogger(__name__)
 
 
 def _check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarray:
@@ -351,7 +41,6 @@ def _check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarr
     return v
 
 
-# ------------------------------------------------------------------------------------------------- engine
 class Rollout:
     """A rollout of one configuration; :meth:`run` plans it, or resumes it from its state file."""
 
@@ -389,7 +78,7 @@ class Rollout:
     # ---- entry point
     def run(self) -> dict[str, Any]:
         """Plan or resume, then run to ``completed`` or ``halted``; returns the final state."""
-        with _exclusive(self.paths.state):
+        with exclusive(self.paths.state):
             state = load_state(self.paths.state)
             if state is None or state["rollout_id"] != self.rollout_id:
                 if state is not None:
@@ -531,8 +220,8 @@ class Rollout:
             "rollout_id": rid,
             "state": "running",
             "mode": mode,
-            "created_at": _now(),
-            "updated_at": _now(),
+            "created_at": utc_now(),
+            "updated_at": utc_now(),
             "new_version": c.new_version,
             "model_version": c.new_version,
             "stage": 1 if mode == "blue_green" else 0,
@@ -641,10 +330,10 @@ class Rollout:
         """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback."""
         path = self._restore_path(state, start, end)
         if keep and path.is_file():
-            return _load_rows(path)
+            return load_rows(path)
         rows = self.index.fetch(ids, collection)
         if keep:
-            _save_rows(path, rows)
+            save_rows(path, rows)
         return rows
 
     def _run_batches(
@@ -701,14 +390,14 @@ class Rollout:
     # ---- stage 0: the query switch (through a transformed copy when the contract needs one)
     def _stage0(self, state: dict[str, Any]) -> None:
         g, rec = state["gallery"], state["stages"][0]
-        rec.setdefault("started_at", _now())
+        rec.setdefault("started_at", utc_now())
         rec["state"] = "running"
         if self.adapt:
             self._adapt_copy(state)
         metrics = self._probe(state, g["collection"])
         rec["probe"] = metrics
         self._curve_point(state, 0.0, metrics)
-        broken = _passes(metrics, state["floors"])
+        broken = broken_floors(metrics, state["floors"])
         if broken:
             if g["collection"] != g["source_collection"] and self.index.has_collection(g["collection"]):
                 self.index.drop(g["collection"])
@@ -717,7 +406,7 @@ class Rollout:
             self._save(state)
             return
         self._serve_new(state)
-        rec.update(state="accepted", finished_at=_now())
+        rec.update(state="accepted", finished_at=utc_now())
         state["stage"] = 1
         self._save(state)
 
@@ -788,7 +477,7 @@ class Rollout:
     def _stage(self, state: dict[str, Any], j: int) -> None:
         rec = state["stages"][j]
         hi = rec["target_position"]
-        rec.setdefault("started_at", _now())
+        rec.setdefault("started_at", utc_now())
         if rec["state"] != "running":
             rec["state"] = "running"
             self._save(state)
@@ -806,13 +495,13 @@ class Rollout:
         metrics = self._probe(state, g["collection"])
         rec["probe"] = metrics
         self._curve_point(state, hi / state["n_items"], metrics)
-        broken = _passes(metrics, state["floors"])
+        broken = broken_floors(metrics, state["floors"])
         if broken:
             self._halt(state, rec, broken)
             self._save(state)
             self._restore_stage(state)
             return
-        rec.update(state="accepted", finished_at=_now())
+        rec.update(state="accepted", finished_at=utc_now())
         if last:
             state["state"] = "completed"
             state["gallery"]["versions_after"] = self.index.count_by_version(g["collection"])
@@ -841,13 +530,13 @@ class Rollout:
                 digest = hashlib.sha256("\n".join(r["item_id"] for r in batch).encode()).hexdigest()[:16]
                 path = self.paths.restore_dir(state["rollout_id"]) / f"sweep-{digest}.npz"
                 if not path.is_file():
-                    _save_rows(path, batch)
+                    save_rows(path, batch)
                 self.index.upsert(self._new_rows(state, batch), g["collection"])
             log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], len(rows))
             self.index.flush(g["collection"])
 
     def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
-        rec.update(state="halted", finished_at=_now())
+        rec.update(state="halted", finished_at=utc_now())
         state["state"] = "halted"
         state["restored"] = False
         state["halt_reason"] = f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
@@ -863,7 +552,7 @@ class Rollout:
             for path in sorted(self.paths.restore_dir(state["rollout_id"]).glob("*.npz")):
                 sweep = path.stem.startswith("sweep-")
                 if (sweep and last) or (not sweep and lo <= int(path.stem.split("-")[0]) < hi):
-                    self.index.upsert(_load_rows(path), coll)
+                    self.index.upsert(load_rows(path), coll)
             self.index.flush(coll)
             state["cursor"]["position"] = lo
             state["fraction_backfilled"] = lo / state["n_items"]
@@ -873,7 +562,7 @@ class Rollout:
     # ---- blue-green
     def _blue_green(self, state: dict[str, Any]) -> None:
         g, rec = state["gallery"], state["stages"][0]
-        rec.setdefault("started_at", _now())
+        rec.setdefault("started_at", utc_now())
         rec["state"] = "running"
         ids = self._order(state)
         start = state["cursor"]["position"]
@@ -895,7 +584,7 @@ class Rollout:
         rec["probe"] = metrics
         self._curve_point(state, 0.0, state["baseline"])
         self._curve_point(state, 1.0, metrics)
-        broken = _passes(metrics, state["floors"])
+        broken = broken_floors(metrics, state["floors"])
         if broken:
             self._halt(state, rec, broken)
             self.index.drop(g["collection"])
@@ -904,7 +593,7 @@ class Rollout:
             self._save(state)
             return
         self._serve_new(state)
-        rec.update(state="accepted", finished_at=_now())
+        rec.update(state="accepted", finished_at=utc_now())
         state["state"] = "completed"
         g["versions_after"] = self.index.count_by_version(g["collection"])
         self._save(state)
@@ -920,98 +609,6 @@ def run_rollout(
 ) -> dict[str, Any]:
     """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns the state."""
     return Rollout(index, paths, config, encoders, probe).run()
-
-
-def rollback(
-    paths: RolloutPaths, index: GalleryIndex | None = None, state_path: Path | None = None
-) -> dict[str, Any]:
-    """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
-    previous collection (or the saved rows) and previous query model.
-
-    Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
-    """
-    state_path = Path(state_path or paths.state)
-    with _exclusive(paths.state):
-        root = paths.state.parent
-        state = load_state(state_path, root)
-        if state is None:
-            raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
-        if state["state"] == "rolled_back":
-            return state
-        g = state["gallery"]
-        own = index is None
-        index = index or GalleryIndex(g["uri"], g["alias"])
-        try:
-            state["rollback"] = {"started_at": _now(), "from_state": state["state"]}
-            save_state(state_path, state, root)
-            source = g["source_collection"]
-            if g["collection"] == source:  # in place: replay every saved row
-                for path in sorted(paths.restore_dir(state["rollout_id"]).glob("*.npz")):
-                    index.upsert(_load_rows(path), source)
-                index.flush(source)
-            write_serving(
-                paths.serving,
-                uri=g["uri"],
-                alias=g["alias"],
-                collection=source,
-                space=g["source_space"],
-                dim=index.collection_dim(source),
-                query_model=state["previous_query_model"],
-                previous=None,
-                rollout_id=state["rollout_id"],
-            )
-            index.switch_alias(source)
-            state.update(
-                state="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
-            )
-            state["cursor"]["position"] = 0
-            state["rollback"]["finished_at"] = _now()
-            state["gallery"]["versions_after"] = index.count_by_version(source)
-            save_state(state_path, state, root)
-            log.info("rollout %s rolled back: alias %s -> %s", state["rollout_id"], g["alias"], source)
-            return state
-        finally:
-            if own:
-                index.close()
-
-
-def rollout_of(paths: RolloutPaths, version: str) -> Path:
-    """The state file of the completed rollout that made ``version`` the served model: the current one, or
-    one archived in its work directory when a later rollout started. Raises :class:`RolloutError` naming
-    the files when none is found or one cannot be read."""
-    candidates = [paths.state, *sorted(paths.state.parent.glob(f"rollout/*/{STATE_FILE}"))]
-    for path in candidates:
-        state = load_state(path, paths.state.parent)
-        if (
-            state is not None
-            and str(state["model_version"]) == str(version)
-            and state["state"] == "completed"
-        ):
-            return path
-    raise RolloutError(
-        f"no completed rollout of version {version} in {paths.state} or its archive "
-        f"({paths.state.parent / 'rollout'}/*/{STATE_FILE}): the gallery cannot be put back to what it "
-        "served before; restore the workspace from a backup or roll the gallery forward with a new upgrade"
-    )
-
-
-def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``{"state", "stage", "fraction_backfilled", ...}`` of the rollout at ``state_path`` (or "none")."""
-    state = load_state(state_path)
-    if state is None:
-        return {"state": "none", "stage": None, "fraction_backfilled": None}
-    return {
-        "state": state["state"],
-        "stage": state["stage"],
-        "fraction_backfilled": state["fraction_backfilled"],
-        "rollout_id": state["rollout_id"],
-        "mode": state["mode"],
-        "new_version": state["new_version"],
-        "query_model_version": state["query_model"]["version"],
-        "policy": state["order"]["policy"],
-        "halt_reason": state["halt_reason"],
-        "curve": state["curve"],
-    }
 
 
 def index_gallery(

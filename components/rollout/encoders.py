@@ -2,21 +2,18 @@
 
 ``config`` holds ``old_model`` and ``new_model`` (model directories) and free-form ``options``.
 :func:`model_encoders` wires real models (a compatible-model directory's serving contract sets the target
-space and the rule for old vectors); :func:`synthetic_encoders` serves the known-geometry upgrade of
-:func:`compat.backfill.synthetic_upgrade` for smoke runs, tests and benchmarks.
+space and the rule for old vectors). Tests and benchmarks use the known-geometry encoders of
+``benchmarks.synthetic_upgrade``.
 """
 
 from __future__ import annotations
 
-import time
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from components.rollout import ItemRef, RolloutEncoders, RolloutError, VectorTransform
-from components.search import QueryEncoder
+from components.rollout.types import ItemRef, RolloutEncoders, RolloutError, VectorTransform
 
 
 # A factory ``f(config) -> RolloutEncoders`` is named on the command line (``--encoders module:function``);
@@ -77,7 +74,7 @@ def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:
 def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     """Encoders of real models: ``old_model`` (the serving query model) and ``new_model`` (a compatible-model
     directory, whose serving contract sets the space and the old-vector rule, or a plain checkpoint)."""
-    from components.search import load_model
+    from components.rollout.serving import load_model
 
     for key in ("old_model", "new_model"):
         if not config.get(key):
@@ -94,48 +91,3 @@ def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
         transform_tag=tag,
         space=contract.space_id if contract else None,
     )
-
-
-def _synthetic(options: Mapping[str, Any]) -> Any:
-    from compat.backfill import synthetic_upgrade
-
-    keys = {"n_items": int, "n_queries": int, "dim": int, "n_clusters": int, "seed": int}
-    return synthetic_upgrade(**{k: cast(options[k]) for k, cast in keys.items() if k in options})
-
-
-def synthetic_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
-    """Encoders of :func:`compat.backfill.synthetic_upgrade` (for smoke runs and benchmarks).
-
-    Options: ``n_items``, ``n_queries``, ``dim``, ``n_clusters``, ``seed`` (the geometry), ``delay_s``
-    (a pause per gallery batch, standing in for a slow encoder), ``broken`` (new gallery vectors collapse onto
-    the mean query direction -- hubs that outrank the relevant items of most queries -- a regression every
-    stage probe must catch).
-    """
-    opts = dict(config.get("options") or {})
-    upgrade = _synthetic(opts)
-    delay = float(opts.get("delay_s", 0.0))
-    broken = str(opts.get("broken", "")).lower() in ("1", "true", "yes")
-    hub = upgrade.new_queries.mean(0)
-
-    def gallery(refs: Sequence[ItemRef]) -> np.ndarray:
-        if delay:
-            time.sleep(delay)
-        vectors = upgrade.gallery_vectors([r.item_id for r in refs], "new")
-        if broken:
-            rng = np.random.default_rng(zlib.crc32(refs[0].item_id.encode()))
-            vectors = hub + 0.05 * np.linalg.norm(hub) * rng.normal(size=vectors.shape)
-            vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
-        return vectors
-
-    return RolloutEncoders(
-        old_query=lambda t: upgrade.query_vectors(t, "old"),
-        new_query=lambda t: upgrade.query_vectors(t, "new"),
-        new_gallery=gallery,
-    )
-
-
-def synthetic_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
-    """Query encoder of a synthetic model (``options`` as in :func:`synthetic_encoders`, ``side`` old|new)."""
-    upgrade = _synthetic(query_model.get("options") or {})
-    side = str(query_model.get("side", "new"))
-    return lambda texts: upgrade.query_vectors(texts, side)

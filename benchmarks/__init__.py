@@ -1,0 +1,1 @@
+"""Benchmarks of compatflow; each script writes a table under benchmarks/results/."""

@@ -1,0 +1,88 @@
+"""Undoing a rollout: previous collection or saved rows, previous query model; finding a version's rollout."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from compat.io import utc_now
+from components.index import GalleryIndex
+from components.rollout.serving import write_serving
+from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_state
+from components.rollout.types import RolloutError, RolloutPaths
+
+log = logging.getLogger(__name__)
+
+
+def rollback(
+    paths: RolloutPaths, index: GalleryIndex | None = None, state_path: Path | None = None
+) -> dict[str, Any]:
+    """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
+    previous collection (or the saved rows) and previous query model.
+
+    Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
+    """
+    state_path = Path(state_path or paths.state)
+    with exclusive(paths.state):
+        root = paths.state.parent
+        state = load_state(state_path, root)
+        if state is None:
+            raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
+        if state["state"] == "rolled_back":
+            return state
+        g = state["gallery"]
+        own = index is None
+        index = index or GalleryIndex(g["uri"], g["alias"])
+        try:
+            state["rollback"] = {"started_at": utc_now(), "from_state": state["state"]}
+            save_state(state_path, state, root)
+            source = g["source_collection"]
+            if g["collection"] == source:  # in place: replay every saved row
+                for path in sorted(paths.restore_dir(state["rollout_id"]).glob("*.npz")):
+                    index.upsert(load_rows(path), source)
+                index.flush(source)
+            write_serving(
+                paths.serving,
+                uri=g["uri"],
+                alias=g["alias"],
+                collection=source,
+                space=g["source_space"],
+                dim=index.collection_dim(source),
+                query_model=state["previous_query_model"],
+                previous=None,
+                rollout_id=state["rollout_id"],
+            )
+            index.switch_alias(source)
+            state.update(
+                state="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
+            )
+            state["cursor"]["position"] = 0
+            state["rollback"]["finished_at"] = utc_now()
+            state["gallery"]["versions_after"] = index.count_by_version(source)
+            save_state(state_path, state, root)
+            log.info("rollout %s rolled back: alias %s -> %s", state["rollout_id"], g["alias"], source)
+            return state
+        finally:
+            if own:
+                index.close()
+
+
+def rollout_of(paths: RolloutPaths, version: str) -> Path:
+    """The state file of the completed rollout that made ``version`` the served model: the current one, or
+    one archived in its work directory when a later rollout started. Raises :class:`RolloutError` naming
+    the files when none is found or one cannot be read."""
+    candidates = [paths.state, *sorted(paths.state.parent.glob(f"rollout/*/{STATE_FILE}"))]
+    for path in candidates:
+        state = load_state(path, paths.state.parent)
+        if (
+            state is not None
+            and str(state["model_version"]) == str(version)
+            and state["state"] == "completed"
+        ):
+            return path
+    raise RolloutError(
+        f"no completed rollout of version {version} in {paths.state} or its archive "
+        f"({paths.state.parent / 'rollout'}/*/{STATE_FILE}): the gallery cannot be put back to what it "
+        "served before; restore the workspace from a backup or roll the gallery forward with a new upgrade"
+    )

@@ -1,0 +1,121 @@
+"""The rollout state file (schema-checked, paths relative to the workspace), its lock and restore files."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compat.io import atomic_write, utc_now, write_json_atomic
+from components.index import ROW_FIELDS
+from components.rollout.types import RolloutError
+from components.workspace import map_paths, resolved_path, stored_path
+
+STATE_FILE = "rollout_state.json"
+
+
+# Paths a rollout state names, stored relative to the workspace root (see components.workspace).
+STATE_PATHS = (
+    "gallery.uri",
+    "order.path",
+    "query_model.uri",
+    "new_query_model.uri",
+    "previous_query_model.uri",
+)
+
+
+def load_state(path: str | os.PathLike[str], root: Path | None = None) -> dict[str, Any] | None:
+    """The rollout state at ``path`` (validated against schemas/rollout_state), or None. Relative paths in
+    it resolve against ``root``, the workspace root (default: the file's folder, where the live one is)."""
+    import schemas
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RolloutError(
+            f"{path}: not valid JSON ({exc}); it was damaged: restore it from a backup (a rollout's state "
+            f"is archived in {path.parent / 'rollout'}/<rollout id>/ only once a later rollout replaces it)"
+        ) from exc
+    schemas.validate(doc, "rollout_state", str(path))
+    base = Path(root) if root is not None else path.resolve().parent
+    return map_paths(doc, STATE_PATHS, lambda value: resolved_path(base, value))
+
+
+def save_state(path: Path, state: dict[str, Any], root: Path | None = None) -> None:
+    """Write ``state`` atomically, its paths relative to ``root`` (default: the file's folder)."""
+    state["updated_at"] = utc_now()
+    base = Path(root) if root is not None else Path(path).resolve().parent
+    write_json_atomic(path, map_paths(state, STATE_PATHS, lambda value: stored_path(base, value)))
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """One rollout or rollback at a time per state file (released by the OS even on kill -9)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise RolloutError(
+                f"another process is running a rollout or rollback on {path}; wait for it "
+                "(or check it with `compatflow rollout status`)"
+            ) from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def save_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Restore file: the complete previous rows of a batch (npz, written atomically, no pickles)."""
+    arrays: dict[str, np.ndarray] = {"vector": np.asarray([r["vector"] for r in rows], dtype=np.float32)}
+    for f in ROW_FIELDS:
+        if f != "vector":
+            arrays[f] = np.asarray(
+                [r[f] for r in rows], dtype=np.int64 if f in ("phase", "embedded_at") else str
+            )
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, **arrays)
+
+    atomic_write(path, write)
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows a restore file saved (see :func:`save_rows`)."""
+    with np.load(path, allow_pickle=False) as data:
+        cols = {f: data[f] for f in ROW_FIELDS}
+    n = len(cols["item_id"])
+    return [
+        {f: (cols[f][i].tolist() if f == "vector" else cols[f][i].item()) for f in ROW_FIELDS}
+        for i in range(n)
+    ]
+
+
+def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"state", "stage", "fraction_backfilled", ...}`` of the rollout at ``state_path`` (or "none")."""
+    state = load_state(state_path)
+    if state is None:
+        return {"state": "none", "stage": None, "fraction_backfilled": None}
+    return {
+        "state": state["state"],
+        "stage": state["stage"],
+        "fraction_backfilled": state["fraction_backfilled"],
+        "rollout_id": state["rollout_id"],
+        "mode": state["mode"],
+        "new_version": state["new_version"],
+        "query_model_version": state["query_model"]["version"],
+        "policy": state["order"]["policy"],
+        "halt_reason": state["halt_reason"],
+        "curve": state["curve"],
+    }

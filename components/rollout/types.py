@@ -1,0 +1,181 @@
+"""What a rollout is made of: its configuration, encoders, probe set, paths and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
+STATES = ("pending", "running", "halted", "completed", "rolled_back")
+
+
+class RolloutError(RuntimeError):
+    """The rollout cannot start or continue; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ItemRef:
+    """What a gallery encoder needs to re-embed one item."""
+
+    item_id: str
+    source_uri: str = ""
+    phase: int = 0
+    embedded_at: int = 0
+    model_version: str = ""
+
+
+QueryEncoder = Callable[[list[str]], np.ndarray]
+GalleryEncoder = Callable[[Sequence[ItemRef]], np.ndarray]
+VectorTransform = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass
+class ProbeSet:
+    """Held-out text queries and the gallery item ids relevant to each."""
+
+    texts: list[str]
+    positives: list[list[str]]
+
+    def __post_init__(self) -> None:
+        if not self.texts:
+            raise ValueError("probe set: no queries; a rollout needs held-out queries to score each stage")
+        if len(self.texts) != len(self.positives):
+            raise ValueError(f"probe set: {len(self.texts)} texts but {len(self.positives)} positive lists")
+        for i, pos in enumerate(self.positives):
+            if not pos:
+                raise ValueError(f"probe set: query {i} ({self.texts[i]!r}) has no relevant item")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ProbeSet:
+        """Read ``{"texts": [...], "positives": [[item_id, ...], ...]}``."""
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RolloutError(f"cannot read the probe set {path}: {exc}") from exc
+        if not isinstance(doc, dict) or not {"texts", "positives"} <= doc.keys():
+            raise RolloutError(f"{path}: a probe set is an object with 'texts' and 'positives'")
+        try:
+            return cls([str(t) for t in doc["texts"]], [[str(p) for p in pos] for pos in doc["positives"]])
+        except ValueError as exc:
+            raise RolloutError(f"{path}: {exc}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"texts": self.texts, "positives": self.positives}
+
+
+@dataclass
+class RolloutEncoders:
+    """The serving contract of a release, as callables.
+
+    ``new_gallery`` returns vectors in the serving space; ``new_query`` output goes through
+    ``query_transform`` (e.g. a backward adapter or a truncation) when one is given. ``gallery_transform``
+    maps stored old vectors into the serving space (forward adapter, zero-padding); it is applied to a
+    copy of the gallery in stage 0. ``space`` and ``transform_tag`` describe the contract (the target
+    space id and a name for the transform, recorded in each row's lineage).
+    """
+
+    old_query: QueryEncoder
+    new_query: QueryEncoder
+    new_gallery: GalleryEncoder
+    query_transform: VectorTransform | None = None
+    gallery_transform: VectorTransform | None = None
+    space: str | None = None
+    transform_tag: str = ""
+
+    def serving_queries(self, texts: Sequence[str]) -> np.ndarray:
+        q = np.asarray(self.new_query(list(texts)), dtype=np.float32)
+        return np.asarray(self.query_transform(q), dtype=np.float32) if self.query_transform else q
+
+
+@dataclass
+class RolloutConfig:
+    """What to roll out and how. ``query_model`` is the serving record's description of the new query
+    encoder (``version``, ``uri``, ``factory``); ``floors`` can only raise the old/old floors."""
+
+    new_version: str
+    query_model: dict[str, Any] = field(default_factory=dict)
+    space: str | None = None
+    policy: str = "random"
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    seed: int = 0
+    batch_size: int = 256
+    ks: tuple[int, ...] = DEFAULT_KS
+    floors: dict[str, float] = field(default_factory=dict)
+    n_clusters: int | None = None
+    flush_every: int = 0  # batches between flushes; 0: at stage ends only (Milvus seals segments itself)
+    prefetch: int = 2  # batches read and encoded ahead of the upserts
+
+    def __post_init__(self) -> None:
+        from compat.backfill import POLICIES
+
+        if not self.new_version:
+            raise ValueError("new_version is required (the model version that writes the new vectors)")
+        self.query_model = {"version": self.new_version, **self.query_model}
+        self.fractions = tuple(float(f) for f in self.fractions)
+        f = self.fractions
+        if (
+            not f
+            or any(b <= a for a, b in zip(f, f[1:], strict=False))
+            or f[0] <= 0
+            or abs(f[-1] - 1.0) > 1e-12
+        ):
+            raise ValueError(
+                f"fractions must increase strictly within (0, 1] and end at 1.0 (every item gets "
+                f"its new vector), got {list(f)}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown backfill policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.prefetch < 1:
+            raise ValueError(
+                f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"
+            )
+        self.ks = tuple(sorted({int(k) for k in self.ks}))
+        if not self.ks or self.ks[0] < 1:
+            raise ValueError(f"ks must be positive, got {self.ks}")
+
+
+@dataclass(frozen=True)
+class RolloutPaths:
+    """Where a rollout keeps its state: the state JSON, the serving record, and per-rollout work files."""
+
+    state: Path
+    serving: Path
+
+    @classmethod
+    def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
+        from components.workspace import Workspace
+
+        ws = Workspace.coerce(workspace)
+        return cls(state=ws.rollout_state_path, serving=ws.serving_path)
+
+    @property
+    def probe(self) -> Path:
+        """The probe set the gallery's first indexing writes (held-out queries and their relevant items)."""
+        return self.state.parent / "rollout" / "probe.json"
+
+    def work(self, rollout_id: str) -> Path:
+        return self.state.parent / "rollout" / rollout_id
+
+    def restore_dir(self, rollout_id: str) -> Path:
+        return self.work(rollout_id) / "restore"
+
+
+def item_ref(row: Mapping[str, Any]) -> ItemRef:
+    """The :class:`ItemRef` of an index row."""
+    return ItemRef(
+        str(row["item_id"]),
+        str(row["source_uri"]),
+        int(row["phase"]),
+        int(row["embedded_at"]),
+        str(row["model_version"]),
+    )
