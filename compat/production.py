@@ -48,7 +48,7 @@ so the gallery holds production's vectors only and production is unchanged; the 
 against production, as if the refused candidate never existed. A rollout halted under ``compatflow
 rollout run`` (the operator's tool) keeps its accepted stages: the gallery is mixed, production's vectors
 and the candidate's in the one space (bt2: two dimensions), queried by the candidate, which reads both by
-its contract; the next scheduled rollout rolls it back first (``components.stages``), since the new
+its contract; the next scheduled rollout rolls it back first (``components.steps.gallery``), since the new
 candidate was trained against production, not against the halted one.
 """
 

@@ -1,9 +1,9 @@
-"""KFP v2 components: one per pipeline stage.
+"""KFP v2 components (ops): one per pipeline step.
 
-Each component is a thin, typed wrapper around a function of :mod:`components.stages`: it
+Each component is a thin, typed wrapper around a function of :mod:`components.steps`: it
 imports it inside its body (KFP ships the function's source to the task), runs it on its input
-artifacts and fills its typed output artifacts. Stage summaries also land in the run directory
-(``<workspace>/runs/<run_id>/<stage>/``) where the exit-handler report and ``compatflow status``
+artifacts and fills its typed output artifacts. Step summaries also land in the run directory
+(``<workspace>/runs/<run_id>/<step>/``) where the exit-handler report and ``compatflow status``
 read them. Locally the tasks run through ``kfp.local.SubprocessRunner``; on a cluster in the
 compatflow image (``IMAGE``), which already holds the package and kfp, so nothing is installed
 at task start.
@@ -38,9 +38,9 @@ def plan_op(config: str, phase: int, run_id: str, job_name: str) -> NamedTuple(
     """Plan the run: the phase (-1: next pending), its run directory and the shard lists."""
     from collections import namedtuple
 
-    from components.stages import plan_stage
+    from components.steps import plan_step
 
-    plan = plan_stage(config, phase, run_id, job_name)
+    plan = plan_step(config, phase, run_id, job_name)
     fields = [
         "run_dir",
         "phase",
@@ -58,7 +58,7 @@ def resolve_production_op(config: str, run_dir: str) -> str:
     """Path of the production model from the registry, or "" on the very first run."""
     from pathlib import Path
 
-    from components.stages import resolve_production
+    from components.steps import resolve_production
 
     return resolve_production(config, Path(run_dir))
 
@@ -76,9 +76,9 @@ def validate_op(
     """Validate a phase's shards into ``accepted`` (accepted/, quarantine/); returns ``blocked``."""
     from pathlib import Path
 
-    from components.stages import validate_stage
+    from components.steps import validate_step
 
-    document = validate_stage(config, Path(run_dir), phase, shards, Path(accepted.path), Path(summary.path))
+    document = validate_step(config, Path(run_dir), phase, shards, Path(accepted.path), Path(summary.path))
     for key in ("total", "passed", "quarantined", "quarantined_fraction"):
         metrics.log_metric(key, float(document[key]))
     return bool(document["blocked"])
@@ -97,9 +97,9 @@ def drift_op(
     """Drift of the validated phase against the reference phase; returns the overall severity."""
     from pathlib import Path
 
-    from components.stages import drift_stage
+    from components.steps import drift_step
 
-    return drift_stage(
+    return drift_step(
         config,
         Path(run_dir),
         reference_shards,
@@ -124,9 +124,9 @@ def continual_op(
     """Mod-X continual training on the validated phase; the candidate checkpoint is ``candidate/model``."""
     from pathlib import Path
 
-    from components.stages import continual_stage
+    from components.steps import continual_step
 
-    doc = continual_stage(
+    doc = continual_step(
         config, Path(run_dir), phase, stream_dir, accepted.path, production, Path(candidate.path)
     )
     for domain, directions in (doc.get("domains") or {}).items():
@@ -148,9 +148,9 @@ def compat_op(
     """Compatibility training of the candidate against the frozen production model."""
     from pathlib import Path
 
-    from components.stages import compat_stage
+    from components.steps import compat_step
 
-    compat_stage(
+    compat_step(
         config,
         Path(run_dir),
         phase,
@@ -175,9 +175,9 @@ def evaluate_op(
     """Retrieval matrix, margins and ECC of the candidate against production; returns the ECC verdict."""
     from pathlib import Path
 
-    from components.stages import evaluate_stage
+    from components.steps import evaluate_step
 
-    doc = evaluate_stage(
+    doc = evaluate_step(
         config, Path(run_dir), production, compat_model.path, eval_shards, Path(report.path), phase
     )
     for direction, pairs in doc["retrieval"].items():
@@ -199,9 +199,9 @@ def gate_op(
     """The release gate (fail-closed): returns "pass" or "block"."""
     from pathlib import Path
 
-    from components.stages import gate_stage
+    from components.steps import gate_step
 
-    return gate_stage(
+    return gate_step(
         config,
         Path(run_dir),
         str(Path(report.path) / "compat_report.json"),
@@ -216,9 +216,9 @@ def register_op(config: str, run_dir: str, phase: int, model: Input[Model], boot
     """Log the run to MLflow and register the model as the ``candidate`` version; returns the version."""
     from pathlib import Path
 
-    from components.stages import register_stage
+    from components.steps import register_step
 
-    return register_stage(config, Path(run_dir), phase, model.path, bootstrap=bootstrap)["version"]
+    return register_step(config, Path(run_dir), phase, model.path, bootstrap=bootstrap)["version"]
 
 
 @dsl.component(**COMPONENT)
@@ -226,9 +226,9 @@ def serve_first_model_op(config: str, run_dir: str, version: str, gallery_shards
     """First run: index the gallery with the first model, record lineage, make it ``production``."""
     from pathlib import Path
 
-    from components.stages import serve_first_model_stage
+    from components.steps import serve_first_model_step
 
-    serve_first_model_stage(config, Path(run_dir), version, gallery_shards)
+    serve_first_model_step(config, Path(run_dir), version, gallery_shards)
 
 
 @dsl.component(**COMPONENT)
@@ -236,9 +236,9 @@ def ingest_op(config: str, run_dir: str, gallery_shards: List[str]) -> int:
     """Upgrade runs: index the phase's new gallery items with the serving model; returns how many."""
     from pathlib import Path
 
-    from components.stages import ingest_stage
+    from components.steps import ingest_step
 
-    return int(ingest_stage(config, Path(run_dir), gallery_shards)["n_new"])
+    return int(ingest_step(config, Path(run_dir), gallery_shards)["n_new"])
 
 
 @dsl.component(**COMPONENT)
@@ -246,19 +246,19 @@ def rollout_op(config: str, run_dir: str, version: str) -> str:
     """After a gate pass: staged backfill rollout (resumable), then ``production``; returns its state."""
     from pathlib import Path
 
-    from components.stages import rollout_candidate_stage
+    from components.steps import rollout_step
 
-    return rollout_candidate_stage(config, Path(run_dir), version)["rollout"]["state"]
+    return rollout_step(config, Path(run_dir), version)["rollout"]["state"]
 
 
 @dsl.component(**COMPONENT)
-def note_blocked_op(run_dir: str, stage: str, reason: str) -> None:
-    """Record that a stage stopped the run, for the report and ``compatflow status``."""
+def note_blocked_op(run_dir: str, step: str, reason: str) -> None:
+    """Record that a step stopped the run, for the report and ``compatflow status``."""
     from pathlib import Path
 
-    from components.stages import note_blocked
+    from components.steps import note_blocked
 
-    note_blocked(Path(run_dir), stage, reason)
+    note_blocked(Path(run_dir), step, reason)
 
 
 @dsl.component(**COMPONENT)
@@ -268,6 +268,6 @@ def finish_op(
     """Exit handler: record the run's outcome and write the on-call report, whatever happened before."""
     from pathlib import Path
 
-    from components.stages import finish_stage
+    from components.steps import finish_step
 
-    finish_stage(config, run_id, status.state, status.error_message or "", Path(html.path), job_name)
+    finish_step(config, run_id, status.state, status.error_message or "", Path(html.path), job_name)

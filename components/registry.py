@@ -538,6 +538,48 @@ class Registry:
         trimmed = history[-200:]
         self.client.set_registered_model_tag(self.model_name, HISTORY_TAG, json.dumps(trimmed))
 
+    def register_run(
+        self,
+        pipeline_run_id: str,
+        checkpoint_dir: str | Path,
+        *,
+        data_phase: int,
+        method: str,
+        gate: Any = None,
+        compat_report: str | Path | None = None,
+        training_metrics: str | Path | None = None,
+        reports: Iterable[str | Path] = (),
+        params: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Resume the pipeline run's MLflow run, log what the run produced, register the candidate.
+
+        Logs ``params``, the compatibility report (metrics at step ``data_phase`` + the file), the
+        training metrics (per-domain recalls at step ``data_phase``, the loss curve by training step,
+        + the file), any other ``reports`` (e.g. gate.json, drift.json, the Evidently HTML), and registers
+        ``checkpoint_dir`` as a candidate version tagged with the phase, method and gate decision.
+        """
+        run_id = self.start_run(pipeline_run_id, params=params)
+        if compat_report is not None:
+            self.log_compat_report(run_id, compat_report, step=data_phase)
+        if training_metrics is not None:
+            self.log_artifact(run_id, training_metrics)
+            doc = json.loads(Path(training_metrics).read_text())
+            for point in doc.get("curve") or []:
+                step = point.get("step")
+                if isinstance(step, int):
+                    self.log_metrics(
+                        run_id, {f"train.{k}": v for k, v in point.items() if k != "step"}, step=step
+                    )
+            per_domain = {k: doc[k] for k in ("domains", "forgetting_r1") if isinstance(doc.get(k), Mapping)}
+            self.log_metrics(run_id, {"phase": per_domain}, step=data_phase)
+        for path in reports:
+            if Path(path).exists():
+                self.log_artifact(run_id, path)
+        info = self.register_candidate(
+            run_id, checkpoint_dir, data_phase=data_phase, method=method, gate=gate
+        )
+        return {"mlflow_run_id": run_id, **info}
+
 
 def verify_checkpoint(directory: str | Path, expected_digest: str | None = None) -> dict[str, str]:
     """Check every file of a downloaded checkpoint against its manifest; returns the manifest."""
@@ -557,52 +599,6 @@ def verify_checkpoint(directory: str | Path, expected_digest: str | None = None)
             f"checkpoint {directory} differs from its manifest in: {', '.join(bad)}"
         )
     return manifest
-
-
-def register_stage(
-    workspace: Workspace | str | Path | None,
-    pipeline_run_id: str,
-    checkpoint_dir: str | Path,
-    *,
-    data_phase: int,
-    method: str,
-    gate: Any = None,
-    compat_report: str | Path | None = None,
-    training_metrics: str | Path | None = None,
-    reports: Iterable[str | Path] = (),
-    params: Mapping[str, Any] | None = None,
-    model_name: str = DEFAULT_MODEL_NAME,
-    tracking_uri: str | None = None,
-) -> dict[str, Any]:
-    """The ``register`` stage: resume the pipeline run's MLflow run, log what the run produced, register.
-
-    Logs ``params``, the compatibility report (metrics at step ``data_phase`` + the file), the
-    training metrics (per-domain recalls at step ``data_phase``, the loss curve by training step,
-    + the file), any other ``reports`` (e.g. gate.json, drift.json, the Evidently HTML), and registers
-    ``checkpoint_dir`` as a candidate version tagged with the phase, method and gate decision.
-    """
-    registry = Registry(workspace, tracking_uri=tracking_uri, model_name=model_name)
-    run_id = registry.start_run(pipeline_run_id, params=params)
-    if compat_report is not None:
-        registry.log_compat_report(run_id, compat_report, step=data_phase)
-    if training_metrics is not None:
-        registry.log_artifact(run_id, training_metrics)
-        doc = json.loads(Path(training_metrics).read_text())
-        for point in doc.get("curve") or []:
-            step = point.get("step")
-            if isinstance(step, int):
-                registry.log_metrics(
-                    run_id, {f"train.{k}": v for k, v in point.items() if k != "step"}, step=step
-                )
-        per_domain = {k: doc[k] for k in ("domains", "forgetting_r1") if isinstance(doc.get(k), Mapping)}
-        registry.log_metrics(run_id, {"phase": per_domain}, step=data_phase)
-    for path in reports:
-        if Path(path).exists():
-            registry.log_artifact(run_id, path)
-    info = registry.register_candidate(
-        run_id, checkpoint_dir, data_phase=data_phase, method=method, gate=gate
-    )
-    return {"mlflow_run_id": run_id, **info}
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -322,10 +322,19 @@ def run_outcome(run_dir: Path, pipeline_state: str) -> str:
     refused the candidate) or ``failed``."""
     if pipeline_state.upper() not in ("SUCCEEDED", "SUCCESS"):
         return "failed"
-    blocked = Path(run_dir) / BLOCKED_FILE
-    if not blocked.is_file():
+    blocked = read_blocked(run_dir)
+    if blocked is None:
         return "succeeded"
-    return "blocked" if json.loads(blocked.read_text()).get("stage") == "validate" else "rejected"
+    return "blocked" if blocked["step"] == "validate" else "rejected"
+
+
+def read_blocked(run_dir: Path) -> dict[str, Any] | None:
+    """``{"step", "reason"}`` of the step that stopped the run (``blocked.json``), or None."""
+    path = Path(run_dir) / BLOCKED_FILE
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    return {"step": doc.get("step", doc.get("stage")), "reason": doc.get("reason")}  # "stage": before 0.2
 
 
 def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:

@@ -83,18 +83,18 @@ def production_check(ws: Workspace, model_name: str, registry: Mapping[str, Any]
 
 def phase_history(ws: Workspace) -> list[dict[str, Any]]:
     """Every phase's outcome from ``state.json``, oldest first, with why a run did not ship."""
-    from components.runs import BLOCKED_FILE, read_failure, read_state
+    from components.runs import read_blocked, read_failure, read_state
 
     rows = []
     for phase, entry in sorted(read_state(ws.root)["phases"].items(), key=lambda kv: int(kv[0])):
         run_dir = ws.runs_dir / str(entry.get("run_id", ""))
         row = {"phase": int(phase), **entry, "why": None}
-        blocked = _read_json(run_dir / BLOCKED_FILE)
+        blocked = read_blocked(run_dir)
         failure = read_failure(run_dir)
         if failure:
             row["why"] = f"step {failure['step']}: {failure['error']['type']}: {failure['error']['message']}"
         elif blocked:
-            row["why"] = f"{blocked.get('stage')}: {blocked.get('reason')}"
+            row["why"] = f"{blocked['step']}: {blocked['reason']}"
         rows.append(row)
     return rows
 

@@ -58,7 +58,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
             _task(
                 kfp_ops.note_blocked_op,
                 run_dir=run_dir,
-                stage="validate",
+                step="validate",
                 reason="data validation blocked the phase",
             )
         with dsl.If(validation.outputs["Output"] == False, name="phase-valid"):  # noqa: E712
@@ -141,6 +141,6 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     _task(
                         kfp_ops.note_blocked_op,
                         run_dir=run_dir,
-                        stage="gate",
+                        step="gate",
                         reason="the release gate blocked the candidate",
                     )

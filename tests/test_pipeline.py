@@ -116,7 +116,7 @@ def test_weekly_cycle_serves_rejects_ships_twice_halts_and_continues(tmp_path):
     rejected = run("rejected", 1)
     gate = json.loads((rejected.run_dir / "gate" / "gate.json").read_text())
     assert gate["decision"] == "block" and "eval_set_too_small" in {r["code"] for r in gate["reasons"]}
-    assert json.loads((rejected.run_dir / "blocked.json").read_text())["stage"] == "gate"
+    assert json.loads((rejected.run_dir / "blocked.json").read_text())["step"] == "gate"
     assert not (rejected.run_dir / "rollout").exists()
     assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
     # The phase's new gallery items are served (by production) although its candidate was refused.
@@ -234,5 +234,5 @@ def test_blocked_phase_stops_the_run(tmp_path):
             tar.addfile(info, io.BytesIO(data))
     result = run_local(config, echo=io.StringIO())
     assert result.status == "blocked"
-    assert json.loads((result.run_dir / "blocked.json").read_text())["stage"] == "validate"
+    assert json.loads((result.run_dir / "blocked.json").read_text())["step"] == "validate"
     assert not (result.run_dir / "drift").exists()

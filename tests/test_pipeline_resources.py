@@ -365,7 +365,7 @@ def test_configured_tasks_run_under_kfp_local(tmp_path: Path) -> None:
     @dsl.pipeline(name="local-settings")
     def pipeline(run_dir: str) -> None:
         resources.configure(
-            kfp_ops.note_blocked_op(run_dir=run_dir, stage="gate", reason="cluster settings"),
+            kfp_ops.note_blocked_op(run_dir=run_dir, step="gate", reason="cluster settings"),
             "note_blocked_op",
             settings,
         )
@@ -379,10 +379,10 @@ def test_configured_tasks_run_under_kfp_local(tmp_path: Path) -> None:
         warnings.simplefilter("always")
         pipeline(run_dir=str(tmp_path / "run"))
     blocked = json.loads((tmp_path / "run" / "blocked.json").read_text())
-    assert blocked == {"stage": "gate", "reason": "cluster settings"}
+    assert blocked == {"step": "gate", "reason": "cluster settings"}
     assert any("no effect in the current local runner" in str(w.message) for w in caught)
 
-    task = kfp_ops.note_blocked_op(run_dir=str(tmp_path / "direct"), stage="validate", reason="direct")
+    task = kfp_ops.note_blocked_op(run_dir=str(tmp_path / "direct"), step="validate", reason="direct")
     assert resources.configure(task, "note_blocked_op", resources.compile_settings(gpu_pool_config())) is task
     assert (tmp_path / "direct" / "blocked.json").is_file()
 

@@ -268,9 +268,7 @@ def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path, monkeypatc
     assert not (tmp_path / "fresh").exists()
 
 
-def test_register_stage_logs_reports_metrics_and_weights(workspace: Workspace, tmp_path: Path) -> None:
-    from components.registry import register_stage
-
+def test_register_run_logs_reports_metrics_and_weights(workspace: Workspace, tmp_path: Path) -> None:
     report = {"retrieval": {"t2i": {"new/old": {"R@1": 34.5}}}, "margins": {"t2i": {"R@1": {"margin": 4.5}}}}
     (tmp_path / "compat_report.json").write_text(json.dumps(report))
     metrics = {
@@ -280,8 +278,7 @@ def test_register_stage_logs_reports_metrics_and_weights(workspace: Workspace, t
     (tmp_path / "metrics.json").write_text(json.dumps(metrics))
     (tmp_path / "gate.json").write_text(json.dumps(PASS))
     make_checkpoint(tmp_path / "ckpt", 60)
-    info = register_stage(
-        workspace,
+    info = Registry(workspace, model_name="clip-stage").register_run(
         "stage-run",
         tmp_path / "ckpt",
         data_phase=2,
@@ -291,7 +288,6 @@ def test_register_stage_logs_reports_metrics_and_weights(workspace: Workspace, t
         training_metrics=tmp_path / "metrics.json",
         reports=[tmp_path / "gate.json"],
         params={"compat": {"method": "taca"}},
-        model_name="clip-stage",
     )
     client = Registry(workspace, model_name="clip-stage").client
     run = client.get_run(info["mlflow_run_id"])

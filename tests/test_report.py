@@ -175,12 +175,12 @@ def test_missing_and_unreadable_stages(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "early"
     (run / "validate").mkdir(parents=True)
     (run / "validate" / "validation.json").write_text('{"total": 10, "pass')  # truncated
-    (run / "blocked.json").write_text(json.dumps({"stage": "validate", "reason": "quarantined 40% > 5%"}))
+    (run / "blocked.json").write_text(json.dumps({"step": "validate", "reason": "quarantined 40% > 5%"}))
     text = render(run)
     page = parse(text)
     assert page.images == []
     assert text.count("not run") >= 6 and "unreadable" in text and "Gate: not run" in text
-    assert "The run stopped at stage validate: quarantined 40% &gt; 5%" in text
+    assert "The run stopped at step validate: quarantined 40% &gt; 5%" in text
 
 
 def test_markdown_and_both_formats(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
 def test_training_budget_by_steps_or_epochs_warns_when_a_small_phase_repeats():
     from components.report.inputs import RunInputs, Source
     from components.report.sections import build
-    from components.stages import training_budget
+    from components.steps import training_budget
 
     fixed = training_budget({"steps": 300, "batch_size": 64, "epochs": None}, 289)
     assert fixed["steps"] == 300 and fixed["from"] == "steps" and fixed["epochs"] == 66.44

@@ -1,7 +1,7 @@
 """Upgrades on top of upgrades: every kind of promoted model is next week's production model.
 
 For every compatibility method (and the foundation scenario) two upgrades ship in a row through the
-pipeline's own step functions (:mod:`components.stages`), then drift, continual training and
+pipeline's own step functions (:mod:`components.steps`), then drift, continual training and
 compatibility training run against the result. A shipped model must load, serve, teach and be the old
 side of the next upgrade whatever method produced it (:mod:`compat.production`).
 """
@@ -48,12 +48,12 @@ class Cycle:
         self.config = config
 
     def _validated(self, phase: int) -> tuple[dict, Path, Path]:
-        from components import stages
+        from components import steps
 
-        plan = stages.plan_stage(self.config, phase, f"run-{phase}-{len(self.runs())}")
+        plan = steps.plan_step(self.config, phase, f"run-{phase}-{len(self.runs())}")
         run_dir = Path(plan["run_dir"])
         validated = run_dir / "_validated"
-        stages.validate_stage(
+        steps.validate_step(
             self.config, run_dir, phase, plan["train_shards"], validated, run_dir / "_validation.json"
         )
         return plan, run_dir, validated
@@ -63,24 +63,24 @@ class Cycle:
         return sorted(root.iterdir()) if root.is_dir() else []
 
     def bootstrap(self) -> None:
-        from components import stages
+        from components import steps
 
         plan, run_dir, validated = self._validated(0)
-        stages.continual_stage(
+        steps.continual_step(
             self.config, run_dir, 0, plan["stream_dir"], str(validated), "", run_dir / "_candidate"
         )
-        version = stages.register_stage(self.config, run_dir, 0, str(run_dir / "_candidate"), bootstrap=True)
-        stages.serve_first_model_stage(self.config, run_dir, version["version"], plan["gallery_shards"])
+        version = steps.register_step(self.config, run_dir, 0, str(run_dir / "_candidate"), bootstrap=True)
+        steps.serve_first_model_step(self.config, run_dir, version["version"], plan["gallery_shards"])
         record_phase(Path(self.config["workspace"]), 0, "succeeded", run_dir.name)  # the exit handler's part
 
     def train(self, phase: int) -> tuple[dict, Path, str]:
         """Validate, drift, continual and compat training of ``phase`` against production."""
-        from components import stages
+        from components import steps
 
-        production = stages.resolve_production(self.config)
+        production = steps.resolve_production(self.config)
         assert production, "no production model"
         plan, run_dir, validated = self._validated(phase)
-        stages.drift_stage(
+        steps.drift_step(
             self.config,
             run_dir,
             plan["reference_shards"],
@@ -89,7 +89,7 @@ class Cycle:
             run_dir / "_drift.html",
             run_dir / "_drift.json",
         )
-        stages.continual_stage(
+        steps.continual_step(
             self.config,
             run_dir,
             phase,
@@ -98,8 +98,8 @@ class Cycle:
             production,
             run_dir / "_candidate",
         )
-        stages.ingest_stage(self.config, run_dir, plan["gallery_shards"])
-        compat = stages.compat_stage(
+        steps.ingest_step(self.config, run_dir, plan["gallery_shards"])
+        compat = steps.compat_step(
             self.config,
             run_dir,
             phase,
@@ -112,15 +112,15 @@ class Cycle:
 
     def ship(self, phase: int, *, probes_can_halt: bool = False) -> dict:
         """One upgrade through evaluate, gate, register and rollout; returns the rollout summary."""
-        from components import stages
+        from components import steps
         from components.rollout import RolloutPaths
 
         plan, run_dir, compat = self.train(phase)
-        production = stages.resolve_production(self.config)
-        stages.evaluate_stage(
+        production = steps.resolve_production(self.config)
+        steps.evaluate_step(
             self.config, run_dir, production, compat, plan["eval_shards"], run_dir / "_evaluate", phase
         )
-        decision = stages.gate_stage(
+        decision = steps.gate_step(
             self.config,
             run_dir,
             str(run_dir / "_evaluate" / "compat_report.json"),
@@ -129,15 +129,15 @@ class Cycle:
             run_dir / "_gate",
         )
         assert decision == "pass"
-        version = stages.register_stage(self.config, run_dir, phase, compat)["version"]
+        version = steps.register_step(self.config, run_dir, phase, compat)["version"]
         # Every gallery item relevant to every probe query: the probes cannot halt this rollout. These
         # tests check that each kind of model loads, serves and upgrades; tests/test_rollout.py the probes.
         if not probes_can_halt:
-            probe = RolloutPaths.for_workspace(stages.workspace_of(self.config)).probe
+            probe = RolloutPaths.for_workspace(steps.workspace_of(self.config)).probe
             doc = json.loads(probe.read_text())
             everything = sorted({p for positives in doc["positives"] for p in positives})
             probe.write_text(json.dumps({"texts": doc["texts"][:8], "positives": [everything] * 8}))
-        summary = stages.rollout_candidate_stage(self.config, run_dir, version)
+        summary = steps.rollout_step(self.config, run_dir, version)
         status = "succeeded" if summary["promoted"] else "rejected"
         record_phase(Path(self.config["workspace"]), phase, status, run_dir.name)
         return summary
@@ -146,15 +146,15 @@ class Cycle:
 def assert_serves(config: dict, version: str, n_items: int) -> None:
     """Production is ``version``, the gallery holds one vector per item, all written by it, and a text
     search through the serving alias answers with gallery items."""
-    from components import stages
+    from components import steps
     from components.index import gallery_status
     from components.search import search
 
-    registry = stages.registry_of(config)
+    registry = steps.registry_of(config)
     assert registry.alias_version("production") == version
     gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
     assert gallery["by_version"] == {version: n_items}
-    (hits,) = search(["a red circle"], k=3, workspace=stages.workspace_of(config))
+    (hits,) = search(["a red circle"], k=3, workspace=steps.workspace_of(config))
     assert len(hits) == 3 and all(hit["model_version"] == version for hit in hits)
 
 
@@ -197,7 +197,7 @@ def test_two_shipped_upgrades_then_a_third_trains(tmp_path, stream_dir, method, 
 
 
 def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(tmp_path, stream_dir):
-    from components import stages
+    from components import steps
     from components.index import gallery_status
 
     config = chain_config(tmp_path, stream_dir, "bct")
@@ -215,7 +215,7 @@ def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(tmp_pa
     shipped = cycle.ship(2)
     assert shipped["promoted"] and shipped["rollout"]["mode"] == "staged"
     assert_serves(config, "3", 48)
-    assert stages.registry_of(config).alias_version("previous") == "1"
+    assert steps.registry_of(config).alias_version("previous") == "1"
     assert gallery_status(config["index"]["uri"], config["index"]["alias"])["count"] == 48
 
 
@@ -225,7 +225,7 @@ def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(tmp
     items re-embedded by v1 into v1's collection) and lineage all return to v1."""
     from typer.testing import CliRunner
 
-    from components import stages
+    from components import steps
     from components.lineage import LineageStore
     from pipelines.cli import app
 
@@ -233,8 +233,8 @@ def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(tmp
     cycle = Cycle(config)
     cycle.bootstrap()
     assert cycle.ship(1)["rollout"]["mode"] == "blue_green"
-    plan = stages.plan_stage(config, 2, "ingest-2")
-    stages.ingest_stage(config, Path(plan["run_dir"]), plan["gallery_shards"])
+    plan = steps.plan_step(config, 2, "ingest-2")
+    steps.ingest_step(config, Path(plan["run_dir"]), plan["gallery_shards"])
     assert_serves(config, "2", 48)
 
     state_file = Path(config["workspace"]) / "rollout_state.json"

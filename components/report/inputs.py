@@ -15,7 +15,7 @@ SOURCES = {
     "compat_report": ("compat_report.json", ("evaluate", "compat")),
     "gate": ("gate.json", ("gate",)),
     "rollout": ("rollout_state.json", ("rollout",)),
-    "blocked": ("blocked.json", ()),  # written when a stage stopped the run
+    "blocked": ("blocked.json", ()),  # written when a step stopped the run
     "failure": ("failure.json", ()),  # written when a step raised (components.runs.record_failure)
 }
 

@@ -71,7 +71,7 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     stopped_by = (
         f"step {failure.get('step', '?')} failed before it"
         if failure
-        else f"{blocked.get('stage', '?')} stopped the run"
+        else f"{blocked.get('step', blocked.get('stage', '?'))} stopped the run"
         if blocked
         else None
     )
@@ -81,7 +81,7 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
                 section.items = [Note(f"The stage did not run: {stopped_by}.", "muted")]
     if blocked:
         stop = Note(
-            f"The run stopped at stage {blocked.get('stage', '?')}: "
+            f"The run stopped at step {blocked.get('step', blocked.get('stage', '?'))}: "
             f"{blocked.get('reason', 'no reason given')}",
             "bad",
         )

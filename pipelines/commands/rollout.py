@@ -66,11 +66,11 @@ def index_cmd(
     workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
     from components.rollout import ServingError
-    from components.rollout_stage import index_stage
+    from components.rollout.operations import index_new_items
     from pipelines.commands._common import fail
 
     try:
-        record = index_stage(
+        record = index_new_items(
             workspace, model, version, space, gallery, probe_size=probe_size, seed=seed, uri=uri
         )
     except (ServingError, GalleryIndexError, ValueError, OSError) as err:
@@ -133,11 +133,11 @@ def run_cmd(
     workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
     from components.rollout import RolloutError, ServingError
-    from components.rollout_stage import rollout_stage
+    from components.rollout.operations import roll_out
     from pipelines.commands._common import echo_json, fail
 
     try:
-        state = rollout_stage(
+        state = roll_out(
             workspace,
             new_version,
             new_model=new_model,

@@ -1,8 +1,8 @@
-"""Pipeline entry points of the gallery: index a gallery (first run) and roll a gate-passed model out.
+"""Rollout operations on a workspace: its gallery index, indexing new items, rolling a model out.
 
-Plain functions on a workspace (``components.workspace.Workspace``), called by the KFP components and
-by ``compatflow rollout``. Encoders come from a factory named ``module:function`` (default: real models,
-:func:`components.rollout.encoders.model_encoders`).
+Plain functions on a workspace (:class:`components.workspace.Workspace`), called by the pipeline's
+gallery steps (:mod:`components.steps.gallery`) and by ``compatflow rollout``. Encoders come from a
+factory named ``module:function`` (default: real models, :func:`components.rollout.encoders.model_encoders`).
 """
 
 from __future__ import annotations
@@ -13,15 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from components.index import DEFAULT_ALIAS, GalleryIndex
-from components.rollout import (
-    DEFAULT_FRACTIONS,
-    ProbeSet,
-    RolloutConfig,
-    RolloutPaths,
-    index_gallery,
-    run_rollout,
-)
+from components.rollout.engine import index_gallery, run_rollout
 from components.rollout.serving import DEFAULT_FACTORY, import_factory, read_serving
+from components.rollout.types import DEFAULT_FRACTIONS, ProbeSet, RolloutConfig, RolloutPaths
 
 DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
 
@@ -37,7 +31,7 @@ def open_index(workspace: Any = None, uri: str | None = None) -> GalleryIndex:
     return GalleryIndex(uri, alias=record["alias"] if record else ws.index_alias or DEFAULT_ALIAS)
 
 
-def index_stage(
+def index_new_items(
     workspace: Any,
     model: str | Path,
     version: str,
@@ -137,7 +131,7 @@ def index_stage(
     }
 
 
-def rollout_stage(
+def roll_out(
     workspace: Any,
     new_version: str,
     *,
@@ -158,7 +152,7 @@ def rollout_stage(
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state.
 
     ``old_model`` defaults to the serving record's query model; ``probe`` to the probe set written by
-    :func:`index_stage`; ``options`` go to the encoder factory and into the recorded query model.
+    :func:`index_new_items`; ``options`` go to the encoder factory and into the recorded query model.
     """
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})

@@ -1,0 +1,51 @@
+"""Step functions: one per pipeline step, a plain function of the resolved config.
+
+Each reads its inputs (paths), calls the service adapter or engine that does the work, writes its summary
+under ``<run_dir>/<step>/`` (what the on-call report and ``compatflow status`` read) and returns what the
+next step needs. The KFP ops in :mod:`components.kfp_ops` are thin wrappers around these; tests call them
+directly. "Stage" is kept for the stages of a backfill (:mod:`components.rollout`).
+
+Modules: :mod:`~components.steps.base` (the ``step`` decorator, config, workspace), ``data`` (plan,
+validate, drift), ``training`` (continual, compat), ``release`` (production, evaluate, gate, register),
+``gallery`` (first index, ingest, rollout) and ``outcome`` (blocked, finish, report).
+"""
+
+from components.steps.base import as_config, registry_of, step, workspace_of
+from components.steps.data import accepted_shards, drift_step, plan_step, validate_step
+from components.steps.gallery import ingest_step, rollout_step, serve_first_model_step
+from components.steps.outcome import finish_step, note_blocked, report_step
+from components.steps.release import (
+    bootstrap_gate,
+    evaluate_step,
+    gate_step,
+    model_dir_of,
+    register_step,
+    resolve_production,
+)
+from components.steps.training import compat_step, continual_step, training_budget
+
+__all__ = [
+    "accepted_shards",
+    "as_config",
+    "bootstrap_gate",
+    "compat_step",
+    "continual_step",
+    "drift_step",
+    "evaluate_step",
+    "finish_step",
+    "gate_step",
+    "ingest_step",
+    "model_dir_of",
+    "note_blocked",
+    "plan_step",
+    "register_step",
+    "registry_of",
+    "report_step",
+    "resolve_production",
+    "rollout_step",
+    "serve_first_model_step",
+    "step",
+    "training_budget",
+    "validate_step",
+    "workspace_of",
+]

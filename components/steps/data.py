@@ -1,0 +1,80 @@
+"""Steps on the phase's data: the run's plan, validation of its shards, drift against the reference."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from components.steps.base import Config, as_config, copy_summaries, step
+
+
+def plan_step(config: Config, phase: int, run_id: str, job_name: str = "") -> dict[str, Any]:
+    """The run's plan (see :func:`components.runs.plan_run`); fails when every phase has succeeded."""
+    from components.runs import PlanError, plan_run, record_failure, run_dir_for
+
+    config = as_config(config)
+    try:
+        plan = plan_run(config, phase, run_id, job_name)
+        if plan is None:
+            raise PlanError("every phase of the stream has succeeded: nothing to run")
+    except Exception as error:
+        record_failure(run_dir_for(config, run_id or job_name), "plan", error)
+        raise
+    return plan
+
+
+@step("validate")
+def validate_step(
+    config: Config, run_dir: Path, phase: int, shards: list[str], out_dir: Path, summary_path: Path
+) -> dict:
+    """Validation of the phase's shards into ``out_dir``; the summary is also copied to the run dir.
+
+    A phase that passes has its accepted shards kept in the workspace (:func:`components.runs.keep_validated`)
+    for later runs' replay and drift reference."""
+    from components.runs import keep_validated
+    from components.validation import ValidationPolicy, validate_phase
+
+    config = as_config(config)
+    policy = ValidationPolicy(max_quarantined_fraction=config["validation"]["max_quarantined_fraction"])
+    result = validate_phase(shards, out_dir, policy)
+    document = result.to_dict()
+    if not document["blocked"]:
+        keep_validated(config["workspace"], phase, result.accepted_paths)
+    summary_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out_dir / "validation.json", summary_path)
+    copy_summaries(out_dir, run_dir / "validate", ("validation.json",))
+    return document
+
+
+def accepted_shards(validated_dir: str | Path) -> list[str]:
+    """The accepted shards the validation stage wrote into ``validated_dir``."""
+    return sorted(str(p) for p in Path(validated_dir, "accepted").glob("*.tar"))
+
+
+@step("drift")
+def drift_step(
+    config: Config,
+    run_dir: Path,
+    reference_shards: list[str],
+    validated_dir: str,
+    production: str,
+    html_path: Path,
+    summary_path: Path,
+) -> str:
+    """Drift of the validated phase against the reference; returns the overall severity."""
+    from components.drift import run_drift
+
+    settings = as_config(config)["drift"]
+    stage_dir = run_dir / "drift"
+    result = run_drift(
+        reference_shards,
+        accepted_shards(validated_dir),
+        stage_dir,
+        production_checkpoint=Path(production) if production and settings["embeddings"] else None,
+        sample_size=settings["sample_size"],
+    )
+    for path, name in ((html_path, "drift_report.html"), (summary_path, "drift.json")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(stage_dir / name, path)
+    return str(result["severity"])

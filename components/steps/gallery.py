@@ -1,0 +1,171 @@
+"""Gallery steps: the first model's index, the phase's new items, and the rollout of a gate-passed model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from compat.io import write_json_atomic
+from components.steps.base import Config, as_config, registry_of, step, workspace_of
+from components.steps.outcome import note_blocked
+from components.steps.release import model_dir_of
+
+logger = logging.getLogger(__name__)
+
+
+@step("serve-first-model")
+def serve_first_model_step(
+    config: Config, run_dir: Path, version: str, gallery_shards: list[str]
+) -> dict[str, Any]:
+    """First run: index the gallery with the first model, record lineage, make it ``production``.
+
+    The first model is a plain checkpoint: its space is its checkpoint version (as
+    :func:`compat.methods.run.space_id_of` names it), read from the sidecar without loading the weights twice.
+    """
+    from compat.models import read_sidecar
+    from components.rollout.operations import index_new_items
+
+    config = as_config(config)
+    model = model_dir_of(config, version)
+    record = index_new_items(
+        workspace_of(config),
+        model,
+        version,
+        str(read_sidecar(Path(model))["version"]),
+        gallery_shards,
+        seed=config["training"]["seed"],
+        uri=config["index"]["uri"],
+    )
+    _record_lineage(config, record.pop("new_items"))
+    state = {"state": "completed", "model_version": version, "kind": "initial_index"}
+    registry_of(config).promote(version, rollout_state=state)
+    summary = {**record, "version": version, "promoted": True}
+    write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    return summary
+
+
+@step("ingest")
+def ingest_step(config: Config, run_dir: Path, gallery_shards: list[str]) -> dict[str, Any]:
+    """Index the phase's new gallery items with the serving model, whatever the gate will decide.
+
+    Items already in the index are skipped (idempotent), so the items of every phase are searchable from
+    the run that brings them; an upgrade that ships later re-embeds them with the rest of the gallery.
+    Lineage records them. Writes ``ingest/ingest.json``.
+    """
+    from components.rollout import RolloutPaths, read_serving
+    from components.rollout.operations import index_new_items
+
+    config = as_config(config)
+    workspace = workspace_of(config)
+    serving = read_serving(RolloutPaths.for_workspace(workspace).serving)
+    if serving is None:
+        raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
+    served = serving["query_model"]
+    added = index_new_items(
+        workspace,
+        served["uri"],
+        served["version"],
+        "",
+        gallery_shards,
+        seed=config["training"]["seed"],
+        uri=config["index"]["uri"],
+    )
+    summary = {
+        "model_version": served["version"],
+        "n_items": added["n_items"],
+        "n_new": added["n_new"],
+        "lineage_recorded": _record_lineage(config, added.pop("new_items")),
+    }
+    write_json_atomic(run_dir / "ingest" / "ingest.json", summary)
+    return summary
+
+
+@step("rollout")
+def rollout_step(config: Config, run_dir: Path, version: str) -> dict[str, Any]:
+    """After a gate pass: roll ``version`` out and make it ``production``.
+
+    The phase's new gallery items are already indexed with the serving model (:func:`ingest_step` runs
+    before it in the pipeline); the rollout switches queries and backfills the whole gallery in stages,
+    probing each (resumable; a rollback restores every item it touched). Lineage follows the index. A
+    rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
+    ``rejected`` and leaves ``production`` where it was.
+    """
+    from components.lineage import sync_from_index
+    from components.rollout import RolloutPaths, rollback
+    from components.rollout.operations import open_index, roll_out
+
+    config = as_config(config)
+    settings, uri, seed = config["rollout"], config["index"]["uri"], config["training"]["seed"]
+    workspace = workspace_of(config)
+    undone = _undo_unfinished_rollout(workspace, uri, version)
+    state = roll_out(
+        workspace,
+        version,
+        new_model=model_dir_of(config, version),
+        policy=settings["order"],
+        fractions=settings["fractions"],
+        seed=seed,
+        batch_size=settings["batch_size"],
+        floors=settings.get("floors") or {},
+        uri=uri,
+    )
+    if state["state"] == "halted":
+        # Halt means roll back: the stages accepted before the halted one are undone too and queries go back
+        # to the production model, so the gallery holds production's vectors only and production, the
+        # serving record and the index agree on what is served (the next upgrade is compatible with it).
+        with open_index(workspace, uri) as index:
+            state = rollback(RolloutPaths.for_workspace(workspace), index)
+    gallery = state["gallery"]
+    summary: dict[str, Any] = {
+        "version": version,
+        "undone_first": undone,
+        "rollout": state,
+        "lineage_updated": sync_from_index(config["lineage"]["repo"], gallery["uri"], gallery["alias"]),
+        "promoted": state["state"] == "completed",
+    }
+    if summary["promoted"]:
+        registry_of(config).promote(version, rollout_state=state)
+    else:
+        reason = state.get("halt_reason") or "see rollout/rollout.json"
+        note_blocked(run_dir, "rollout", f"rollout halted and rolled back: {reason}")
+    write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    write_json_atomic(run_dir / "rollout" / "rollout_state.json", state)  # for the on-call report
+    return summary
+
+
+def _undo_unfinished_rollout(workspace: Any, uri: str, version: str) -> dict[str, Any] | None:
+    """Roll back a rollout of another version left unfinished (its run was killed or failed and will not
+    resume it, or it halted under `compatflow rollout run`: never promoted); a rollout of ``version`` itself
+    is resumed by the caller. Returns what was undone (for the report), or None."""
+    from components.rollout import RolloutPaths, load_state, rollback
+    from components.rollout.operations import open_index
+
+    paths = RolloutPaths.for_workspace(workspace)
+    state = load_state(paths.state)
+    # Halted counts too: one left by `compatflow rollout run` keeps its accepted stages (a mixed gallery
+    # queried by its candidate), which the candidate here was not trained to read.
+    unfinished = state is not None and state["state"] in ("pending", "running", "halted")
+    if not unfinished or str(state["model_version"]) == str(version):
+        return None
+    logger.warning(
+        "rolling back unfinished rollout %s of version %s first", state["rollout_id"], state["model_version"]
+    )
+    with open_index(workspace, uri) as index:
+        rollback(paths, index)
+    return {
+        "rollout_id": state["rollout_id"],
+        "model_version": state["model_version"],
+        "state": state["state"],
+    }
+
+
+def _record_lineage(config: dict[str, Any], items: list[dict[str, Any]]) -> int:
+    """Record freshly indexed items in Feast (who embedded them, in which space, from which image)."""
+    from components.lineage import LineageStore
+
+    if not items:
+        return 0
+    store = LineageStore(config["lineage"]["repo"])
+    store.apply()
+    return store.write_items(items)

@@ -1,0 +1,140 @@
+"""Release steps: the production model, the compatibility evaluation, the gate and the registration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from compat.io import utc_now, write_json_atomic
+from components.steps.base import (
+    Config,
+    as_config,
+    copy_summaries,
+    model_dir_in,
+    registry_of,
+    step,
+    workspace_of,
+)
+
+BOOTSTRAP_REASON = {
+    "code": "bootstrap",
+    "message": "no production model yet: the phase-0 model becomes the first production model",
+}
+
+
+@step("resolve-production")
+def resolve_production(config: Config, run_dir: Path | None = None) -> str:
+    """Path of the production model (downloaded and verified once per version), or "" if none.
+
+    The model may be a plain checkpoint or a compatible model of any method (:mod:`compat.production`).
+    ``run_dir`` is where a failure is recorded."""
+    config = as_config(config)
+    registry = registry_of(config)
+    version = registry.alias_version("production") if registry.exists() else None
+    return "" if version is None else model_dir_of(config, version)
+
+
+def model_dir_of(config: Config, version: str) -> str:
+    """The workspace copy of a registered model version, downloaded once and hash-verified on reuse.
+
+    Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
+    on a cluster).
+    """
+    config = as_config(config)
+    target = workspace_of(config).models_dir / f"v{version}"
+    if (target / "model.json").is_file() or (target / "compat.json").is_file():
+        registry_of(config).verify_copy(version, target)
+        return str(target)
+    return str(registry_of(config).download(version, target))
+
+
+@step("evaluate")
+def evaluate_step(
+    config: Config,
+    run_dir: Path,
+    production: str,
+    compat_model: str,
+    eval_shards: list[str],
+    out_dir: Path,
+    phase: int,
+) -> dict[str, Any]:
+    """The compatibility matrix, bootstrap margins and ECC verdicts of the candidate against production."""
+    from components.evaluate import evaluate
+
+    config = as_config(config)
+    report = evaluate(
+        production,
+        compat_model,
+        eval_shards,
+        out_dir,
+        scenario=config["compat"]["scenario"],
+        data_phase=phase,
+        seed=config["training"]["seed"],
+    )
+    copy_summaries(out_dir, run_dir / "evaluate", ("compat_report.json",))
+    return report
+
+
+@step("gate")
+def gate_step(config: Config, run_dir: Path, report: str, validation: str, drift: str, out_dir: Path) -> str:
+    """Pass or block (fail-closed); returns the decision."""
+    from components.gate import run_gate
+
+    config = as_config(config)
+    decision = run_gate(report, out_dir, policy=config["gate"]["policy"], validation=validation, drift=drift)
+    copy_summaries(out_dir, run_dir / "gate", ("gate.json",))
+    return decision.decision
+
+
+def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
+    """The gate record of the first model: nothing to be compatible with."""
+    document = {
+        "decision": "pass",
+        "reasons": [BOOTSTRAP_REASON],
+        "checks": [],
+        "bootstrap": True,
+        "decided_at": utc_now(),
+    }
+    write_json_atomic(run_dir / "gate" / "gate.json", document)
+    return document
+
+
+@step("register")
+def register_step(
+    config: Config, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
+) -> dict:
+    """Log the run to MLflow and register the model as the ``candidate`` version."""
+    config = as_config(config)
+    method = "bootstrap" if bootstrap else config["compat"]["method"]
+    gate_path = run_dir / "gate" / "gate.json"
+    gate = json.loads(gate_path.read_text()) if gate_path.is_file() else bootstrap_gate(run_dir)
+    reports = [
+        run_dir / s / f
+        for s, f in (
+            ("validate", "validation.json"),
+            ("drift", "drift.json"),
+            ("drift", "drift_report.html"),
+            ("gate", "gate.json"),
+        )
+    ]
+    metrics = run_dir / "continual" / "metrics.json"
+    report = run_dir / "evaluate" / "compat_report.json"
+    info = registry_of(config).register_run(
+        run_dir.name,
+        model_dir_in(model_dir),
+        data_phase=phase,
+        method=method,
+        gate=gate,
+        compat_report=report if report.is_file() else None,
+        training_metrics=metrics if metrics.is_file() else None,
+        reports=reports,
+        params={
+            "phase": phase,
+            "method": method,
+            "model_config": config["training"]["model_config"],
+            "bootstrap": bootstrap,
+        },
+    )
+    write_json_atomic(run_dir / "register" / "registered.json", info)
+    return info

@@ -1,0 +1,190 @@
+"""Training steps: continual training of the new model (Mod-X), compatibility training against production."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from compat.io import write_json_atomic
+from components.steps.base import (
+    Config,
+    as_config,
+    checkpoint_dir_of,
+    copy_summaries,
+    read_json_or_none,
+    step,
+)
+from components.steps.data import accepted_shards
+
+logger = logging.getLogger(__name__)
+
+
+@step("continual")
+def continual_step(
+    config: Config,
+    run_dir: Path,
+    phase: int,
+    stream_dir: str,
+    validated_dir: str,
+    production: str,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """The candidate of the phase (CLIP_0 on phase 0).
+
+    Scenario ``continual``: the production model trained on the phase's validated shards with
+    ``training.method`` (Mod-X by default). Scenario ``foundation``: ``compat.foundation_config`` trained
+    from its own initialisation on every phase so far (the new architecture that the compat stage then
+    makes compatible with production).
+    """
+    from components.continual import run_continual
+    from components.runs import replay_shards, training_dir
+
+    config = as_config(config)
+    training = config["training"]
+    foundation = bool(production) and config["compat"]["scenario"] == "foundation"
+    accepted = accepted_shards(validated_dir)
+    budget = training_budget(training, _validated_count(validated_dir))
+    metrics = run_continual(
+        stream_dir,
+        phase,
+        out_dir,
+        production=production or None,
+        config_name=config["compat"]["foundation_config"] if foundation else training["model_config"],
+        method="foundation" if foundation else training["method"],
+        alpha=None if foundation else training["alpha"],
+        replay_buffer_size=training["replay_buffer_size"],
+        replay_rows=training["replay_rows"],
+        replay_urls=replay_shards(config, phase) if training["replay_buffer_size"] else None,
+        steps=budget["steps"],
+        checkpoint_every=training.get("checkpoint_every", 50),
+        batch_size=training["batch_size"],
+        lr=training["lr"],
+        warmup_fraction=training["warmup_fraction"],
+        seed=training["seed"] + phase,
+        device=training["device"],
+        train_urls=accepted or None,
+        version=f"{run_dir.name}",
+        # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
+        train_dir=training_dir(run_dir),
+    )
+    if metrics:
+        metrics["budget"] = budget
+        write_json_atomic(Path(out_dir) / "metrics.json", metrics)
+    copy_summaries(out_dir, run_dir / "continual", ("metrics.json", "spatial_disorder.json"))
+    return metrics
+
+
+# A budget that passes over the phase more often than this is reported as a warning (it memorises the phase).
+MAX_EPOCHS_WITHOUT_WARNING = 20.0
+
+
+def training_budget(training: dict[str, Any], samples: int | None) -> dict[str, Any]:
+    """Optimizer steps of the phase: ``training.steps``, or ``ceil(epochs x samples / batch_size)`` when
+    ``training.epochs`` is set; with the epochs the budget amounts to and a warning when it repeats a small
+    phase many times (shown in the report)."""
+    import math
+
+    batch, epochs = training["batch_size"], training.get("epochs")
+    if epochs is not None and samples:
+        steps = max(1, math.ceil(float(epochs) * samples / batch))
+    else:
+        steps = int(training["steps"])
+    passes = None if not samples else round(steps * batch / samples, 2)
+    warning = None
+    if passes is not None and passes > MAX_EPOCHS_WITHOUT_WARNING:
+        warning = (
+            f"the budget ({steps} steps x {batch} pairs) passes over this phase's {samples} samples "
+            f"{passes:g} times: the model may memorise it; set training.epochs (e.g. 5) to size the budget "
+            "to the phase"
+        )
+        logger.warning(warning)
+    return {
+        "steps": steps,
+        "from": "epochs" if epochs is not None and samples else "steps",
+        "samples": samples,
+        "epochs": passes,
+        "warning": warning,
+    }
+
+
+def _validated_count(validated_dir: str | Path) -> int | None:
+    """Samples the validation stage accepted (its ``validation.json``), or None when unknown."""
+    path = Path(validated_dir) / "validation.json"
+    try:
+        return int(json.loads(path.read_text())["passed"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+
+
+@step("compat")
+def compat_step(
+    config: Config,
+    run_dir: Path,
+    phase: int,
+    candidate: str,
+    production: str,
+    validated_dir: str,
+    out_dir: Path,
+) -> str:
+    """Make the candidate compatible with production with the configured method; returns the model dir.
+
+    Trains on the phase's accepted shards plus the first ``compat.replay_shards_per_phase`` validated
+    shards of every earlier phase: the old gallery holds those domains too, and the cross-model losses
+    need them among the in-batch negatives.
+    """
+    from compat.methods.base import COMPAT_FILE
+    from compat.methods.run import train_compat
+    from compat.models.checkpoint import tensors_digest
+    from compat.production import identity
+    from components.runs import replay_shards
+
+    config = as_config(config)
+    settings = config["compat"]
+    per_phase = settings["replay_shards_per_phase"]
+    replay = [s for shards in replay_shards(config, phase, per_phase) for s in shards] if per_phase else []
+    candidate = checkpoint_dir_of(candidate)
+    # Trained once per run: a resumed run reuses the model its earlier attempt finished (same inputs), so
+    # it registers the same version and a rollout it had started resumes from its cursor.
+    key = {
+        "method": settings["method"],
+        "options": settings["options"],
+        "steps": settings["steps"],
+        "batch_size": settings["batch_size"],
+        "production": identity(production)["sha256"],
+        "candidate": tensors_digest(Path(candidate)),  # the weights, not the file (see tensors_digest)
+        "replay_shards": replay,
+    }
+    model_dir, record_path = run_dir / "compat" / "model", run_dir / "compat" / "compat_model.json"
+    record = read_json_or_none(record_path)
+    if record and record.get("key") == key and (model_dir / COMPAT_FILE).is_file():
+        logger.info("compat: reusing %s (trained by an earlier attempt of this run)", model_dir)
+    else:
+        shutil.rmtree(model_dir, ignore_errors=True)
+        model = train_compat(
+            settings["method"],
+            production,
+            candidate,
+            accepted_shards(validated_dir) + replay,
+            model_dir,
+            settings={
+                **settings["options"],
+                "steps": settings["steps"],
+                "device": config["training"]["device"],
+            },
+            batch_size=settings["batch_size"],
+        )
+        record = {
+            "method": settings["method"],
+            "path": str(model_dir),
+            "replay_shards": replay,
+            "contract": model.contract.to_dict(),
+            "trainable_parameters": model.trainable_parameters,
+            "key": key,
+        }
+        write_json_atomic(record_path, record)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(model_dir, out_dir)
+    return str(out_dir)
