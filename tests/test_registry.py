@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
 from components.registry import (
     PromotionError,
     Registry,
@@ -19,7 +20,6 @@ from components.registry import (
     metric_key,
     register_rollback_hook,
     unregister_rollback_hook,
-    verify_checkpoint,
 )
 from components.workspace import Workspace
 
@@ -154,10 +154,10 @@ def test_download_detects_tampering(workspace: Workspace, tmp_path: Path) -> Non
     local = registry.download(version, tmp_path / "dl")
     verify_checkpoint(local)
     (local / "config.json").write_text("{}")
-    with pytest.raises(RegistryError, match="config.json"):
+    with pytest.raises(CheckpointIntegrityError, match="config.json"):
         verify_checkpoint(local)
     # Swapped and consistently re-hashed (manifest rewritten): only the registered digest catches it.
-    from components.registry import MANIFEST, CheckpointIntegrityError, file_manifest
+    from compat.models.integrity import MANIFEST, file_manifest
 
     (local / MANIFEST).unlink()
     (local / MANIFEST).write_text(json.dumps(file_manifest(local), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,47 @@
+"""MLflow tracking and model registry for compatflow.
+
+One MLflow run per pipeline run (found again by its ``compatflow.run_id`` tag, so a retried task
+resumes it), holding parameters, per-phase metrics, the reports as artifacts and the weights as
+safetensors artifacts with a sha256 manifest. Candidates are registered as model versions whose
+source is the run's ``checkpoint`` artifact directory.
+
+Aliases:
+
+* ``candidate``  -- the latest registered candidate, whatever the gate said (its tags say it).
+* ``production`` -- moves only through :meth:`Registry.promote`, which needs a gate pass and a
+  completed rollout; the version it replaces becomes ``previous``.
+* ``previous``   -- what :meth:`Registry.rollback` restores.
+
+Rollback history: the registered model's tag ``compatflow.production_history`` keeps the versions
+that were production, oldest first (a stack). Promote pushes; rollback pops the current version,
+makes the top of the stack production again and points ``previous`` at the entry below it (the
+alias is removed when there is none), so repeated rollbacks walk further back.
+
+Modules: :mod:`~components.registry.tracking` (runs, metrics, artifacts, weights) and
+:mod:`~components.registry.versions` (model versions, aliases, rollback); checkpoint integrity lives beside
+the checkpoint code (:mod:`compat.models.integrity`).
+"""
+
+from compat.models.integrity import CheckpointIntegrityError
+from components.registry.tracking import RegistryError, Tracking, metric_key
+from components.registry.versions import (
+    ALIASES,
+    PromotionError,
+    Registry,
+    RollbackHookError,
+    register_rollback_hook,
+    unregister_rollback_hook,
+)
+
+__all__ = [
+    "ALIASES",
+    "CheckpointIntegrityError",
+    "PromotionError",
+    "Registry",
+    "RegistryError",
+    "RollbackHookError",
+    "Tracking",
+    "metric_key",
+    "register_rollback_hook",
+    "unregister_rollback_hook",
+]

@@ -1,0 +1,251 @@
+"""MLflow tracking of pipeline runs: one MLflow run per pipeline run with its parameters, metrics,
+reports and safetensors weights (with their sha256 manifest)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from compat.models.integrity import MANIFEST, file_manifest, pickled_files
+from components.workspace import DEFAULT_MODEL_NAME, Workspace
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT = "compatflow"
+RUN_TAG = "compatflow.run_id"
+CHECKPOINT_PATH = "checkpoint"
+
+
+class RegistryError(RuntimeError):
+    """A registry operation cannot be done; the message says why and what to do."""
+
+
+def metric_key(name: str) -> str:
+    """An MLflow-legal metric/param name: ``R@1`` -> ``R_at_1``, other illegal characters -> ``_``."""
+    return re.sub(r"[^\w./\- :]", "_", name.replace("@", "_at_"))
+
+
+class Tracking:
+    """The MLflow runs of one workspace's pipeline runs (the run half of :class:`Registry`)."""
+
+    def __init__(
+        self,
+        workspace: Workspace | str | Path | None = None,
+        *,
+        tracking_uri: str | None = None,
+        model_name: str = DEFAULT_MODEL_NAME,
+        experiment: str = EXPERIMENT,
+    ) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        self.workspace = Workspace.coerce(workspace)
+        self.tracking_uri = tracking_uri or self.workspace.mlflow_uri
+        self.model_name = model_name
+        self.experiment = experiment
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            if self.tracking_uri.startswith("sqlite:///"):
+                Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        return self._client
+
+    def exists(self) -> bool:
+        """Whether the store is there (a local sqlite file is not created by asking)."""
+        if self.tracking_uri.startswith("sqlite:///"):
+            return Path(self.tracking_uri.removeprefix("sqlite:///")).is_file()
+        return True
+
+    # --- runs ------------------------------------------------------------------------------
+
+    def experiment_id(self) -> str:
+        found = self.client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            return found.experiment_id
+        location = self.workspace.artifacts_dir.as_uri() if self.tracking_uri.startswith("sqlite:") else None
+        if location:
+            self.workspace.artifacts_dir.mkdir(parents=True, exist_ok=True)
+        return self.client.create_experiment(self.experiment, artifact_location=location)
+
+    def start_run(
+        self,
+        pipeline_run_id: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> str:
+        """The MLflow run id of pipeline run ``pipeline_run_id``: resumed when it exists, else created."""
+        experiment_id = self.experiment_id()
+        quoted = pipeline_run_id.replace("'", "\\'")
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{quoted}'", max_results=1
+        )
+        if found:
+            run_id = found[0].info.run_id
+            if found[0].info.status != "RUNNING":
+                self.client.update_run(run_id, status="RUNNING")
+            log.info("resuming MLflow run %s of pipeline run %s", run_id, pipeline_run_id)
+        else:
+            run = self.client.create_run(
+                experiment_id, run_name=pipeline_run_id, tags={RUN_TAG: pipeline_run_id, **(tags or {})}
+            )
+            run_id = run.info.run_id
+            log.info("started MLflow run %s for pipeline run %s", run_id, pipeline_run_id)
+        if params:
+            self.log_params(run_id, params)
+        return run_id
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        """Log (nested) parameters as ``a.b`` keys; a value differing from an earlier one is an error."""
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        flat = {metric_key(k): str(v)[:6000] for k, v in _flatten(params).items()}
+        try:
+            self.client.log_batch(run_id, params=[Param(k, v) for k, v in flat.items()])
+        except MlflowException as err:
+            raise RegistryError(f"MLflow run {run_id}: cannot log parameters ({err.message})") from err
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log (nested) numeric metrics, e.g. per data phase with ``step=phase``."""
+        from mlflow.entities import Metric
+
+        now = int(datetime.now(UTC).timestamp() * 1000)
+        batch = [
+            Metric(metric_key(k), float(v), now, step or 0)
+            for k, v in _flatten(metrics).items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        ]
+        for start in range(0, len(batch), 500):
+            self.client.log_batch(run_id, metrics=batch[start : start + 500])
+
+    def log_compat_report(
+        self, run_id: str, report: Mapping[str, Any] | str | Path, step: int | None = None
+    ) -> None:
+        """Retrieval matrix and margins of a compat_report as metrics, the file itself as an artifact."""
+        if not isinstance(report, Mapping):
+            self.log_artifact(run_id, report)
+            report = json.loads(Path(report).read_text())
+        phase = report.get("data_phase") if step is None else step
+        self.log_metrics(
+            run_id,
+            {"retrieval": report.get("retrieval", {}), "margins": report.get("margins", {})},
+            step=phase if isinstance(phase, int) else None,
+        )
+
+    def local_artifacts(self, artifact_uri: str) -> Path | None:
+        """Where a ``file:`` artifact URI of a workspace-local store lives in *this* workspace.
+
+        MLflow records absolute artifact locations; the part after ``mlartifacts/`` is resolved under this
+        workspace's artifacts folder, so a copied or restored workspace reads and writes its own artifacts
+        and never the original's. None for a tracking server (its artifact store is not the workspace's).
+        """
+        from urllib.parse import unquote, urlparse
+
+        if not self.tracking_uri.startswith("sqlite:") or not artifact_uri.startswith("file:"):
+            return None
+        parts = Path(unquote(urlparse(artifact_uri).path)).parts
+        marker = self.workspace.artifacts_dir.name
+        if marker not in parts:
+            return None
+        at = len(parts) - 1 - parts[::-1].index(marker)
+        return self.workspace.artifacts_dir.joinpath(*parts[at + 1 :])
+
+    def _log(self, run_id: str, source: Path, artifact_path: str) -> None:
+        """Log a file or a directory's content under ``artifact_path`` of the run."""
+        local = self.local_artifacts(self.client.get_run(run_id).info.artifact_uri)
+        if local is None:
+            log_fn = self.client.log_artifacts if source.is_dir() else self.client.log_artifact
+            log_fn(run_id, str(source), artifact_path)
+        elif source.is_dir():
+            shutil.copytree(source, local / artifact_path, dirs_exist_ok=True)
+        else:
+            (local / artifact_path).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, local / artifact_path / source.name)
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str = "reports") -> None:
+        """A report file (or a directory of them) as artifacts of the run."""
+        path = Path(path)
+        if path.is_dir():
+            self._log(run_id, path, f"{artifact_path}/{path.name}")
+        elif path.is_file():
+            self._log(run_id, path, artifact_path)
+        else:
+            raise RegistryError(f"cannot log {path}: no such file or directory")
+
+    def log_weights(
+        self, run_id: str, checkpoint_dir: str | Path, artifact_path: str = CHECKPOINT_PATH
+    ) -> dict[str, str]:
+        """Log a safetensors checkpoint directory plus its sha256 manifest; returns the manifest."""
+        checkpoint_dir = Path(checkpoint_dir)
+        if not checkpoint_dir.is_dir():
+            raise RegistryError(f"checkpoint {checkpoint_dir} is not a directory")
+        manifest = file_manifest(checkpoint_dir)
+        pickled = pickled_files(manifest)
+        if pickled:
+            raise RegistryError(
+                f"checkpoint {checkpoint_dir} holds pickle-format files {pickled}: "
+                "registered weights must be safetensors (save with safetensors.torch.save_file)"
+            )
+        if not any(p.endswith(".safetensors") for p in manifest):
+            raise RegistryError(f"checkpoint {checkpoint_dir} has no .safetensors file to register")
+        self._log(run_id, checkpoint_dir, artifact_path)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            self._log(run_id, Path(tmp) / MANIFEST, artifact_path)
+        return manifest
+
+
+@contextmanager
+def mlflow_uris(uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide tracking and registry URIs at ``uri`` for the block, then restore them.
+
+    MLflow 3.17 resolves ``models:/`` URIs through a client built from the global URIs even when
+    ``download_artifacts(tracking_uri=..., registry_uri=...)`` are given (and would otherwise
+    create ``./mlflow.db``), so the download needs them set.
+    """
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    saved_env = {name: os.environ.get(name) for name in names}
+    saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])
+        registry_utils._registry_uri = saved[1]
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name))
+        else:
+            flat[name] = value
+    return flat
