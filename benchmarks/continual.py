@@ -145,12 +145,13 @@ def run_buffered(
 
     from compat.data.loader import load_captioned_set
     from compat.data.synth import load_manifest, phase_urls
+    from compat.device import resolve_device
     from compat.models import load_checkpoint, save_checkpoint
     from compat.training import ReplayBatchSource, ReplayBuffer, TrainConfig, train
-    from components.continual import EvalSet, evaluate_domains, resolve_device
+    from components.continual import EvalSet, evaluate_domains
 
     manifest = load_manifest(stream)
-    dev = resolve_device(args.device)
+    dev = str(resolve_device(args.device))
     sets = [
         EvalSet(q, manifest["phases"][q]["domain"], load_captioned_set(phase_urls(stream, q, "eval")))
         for q in range(args.phases)
@@ -250,6 +251,7 @@ def time_steps(args, clip0: Path, stream: Path) -> dict[str, Any]:
     import torch
 
     from compat.data.synth import phase_urls
+    from compat.device import resolve_device
     from compat.losses import ModXLoss
     from compat.models import load_checkpoint
     from compat.training import (
@@ -259,9 +261,8 @@ def time_steps(args, clip0: Path, stream: Path) -> dict[str, Any]:
         clamp_logit_scale,
         loss_and_backward,
     )
-    from components.continual import resolve_device
 
-    device = resolve_device(args.device)
+    device = str(resolve_device(args.device))
     teacher = load_checkpoint(clip0, device=device)
     teacher.model.eval().requires_grad_(False)
     students = {m: load_checkpoint(clip0, device=device) for m in ("finetune", "modx")}
@@ -584,7 +585,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     from compat.data.synth import generate_stream
-    from components.continual import resolve_device, run_continual
+    from compat.device import resolve_device
+    from components.continual import run_continual
 
     t_start = time.perf_counter()
     stream, runs = args.work / "stream", args.work / "runs"
@@ -643,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             doc = run_buffered(args, stream, runs / "sweep", clip0, a, f"modx + buffer a={a:g}", 1)[0]
         buffer_sweep.append({"alpha": a, "doc": doc})
-    device = resolve_device(args.device)
+    device = str(resolve_device(args.device))
     sd_rows = {
         label: domain0_disorder(clip0, results[label], stream, device)
         for label in ("finetune", "modx", "finetune + buffer", "modx + buffer")

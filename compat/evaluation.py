@@ -6,7 +6,7 @@ same evaluation set, in both directions (``t2i``: every caption queries the imag
 
 - ``old/old``  old queries, old gallery (what production serves today);
 - ``new/old``  new queries against the old gallery, read through the serving contract
-  (:meth:`compat.methods.base.CompatModel.read_old_gallery`: as is, forward adapter, zero-pad, truncation);
+  (:meth:`compat.methods.model.CompatModel.read_old_gallery`: as is, forward adapter, zero-pad, truncation);
 - ``new/new``  new queries, gallery re-embedded by the new model's serving encoders.
 
 ECC (lambda-orth Eq. 11, XBT Eq. 2): ``M(new, old) > M(old, old)`` per direction and K. Each margin
@@ -30,7 +30,8 @@ from compat.metrics.retrieval import DEFAULT_KS, caption_owners
 
 if TYPE_CHECKING:  # pragma: no cover
     from compat.data.loader import CaptionedSet
-    from compat.methods.base import CompatModel, Encoder
+    from compat.methods.contract import Encoder
+    from compat.methods.model import CompatModel
 
 DIRECTIONS = ("t2i", "i2t")
 PAIRS = ("old/old", "new/old", "new/new")

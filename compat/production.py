@@ -2,7 +2,7 @@
 
 A promoted model directory is either a plain checkpoint (``model.json`` + ``model.safetensors``: the first
 model, trained by bootstrap) or a compatible model (``compat.json`` + parts, written by
-:meth:`compat.methods.base.CompatModel.save` for bct, lambda_orth, bt2, xbt, xbt_base, taca or none).
+:meth:`compat.methods.model.CompatModel.save` for bct, lambda_orth, bt2, xbt, xbt_base, taca or none).
 :func:`load_production` reads either into a :class:`ProductionModel`, which every stage uses the same way:
 
 ============================  ==============================================================================
@@ -36,7 +36,7 @@ After a completed rollout (staged, the method keeps the space):
   ``B(new)`` vectors; every item then holds a candidate vector. Same rule for the next upgrade.
 - bt2: every item holds the candidate's wider vector (old dim + extra). Its contract's ``old_dims`` lists
   every earlier dimension it reads by truncation, and the next BT^2 model inherits them
-  (:func:`compat.methods.base.contract_lineage`): a gallery that still holds v1 vectors when v3 arrives
+  (:func:`compat.methods.training.contract_lineage`): a gallery that still holds v1 vectors when v3 arrives
   (a partial backfill) stays readable.
 
 After a blue-green rollout (none, or any method declaring a new space): a new collection holds every item
@@ -59,7 +59,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from compat.methods.base import CompatModel, Encoder
+    from compat.methods.contract import Encoder
+    from compat.methods.model import CompatModel
     from compat.models import ClipBundle
 
 BACKBONE_PART = "new"
@@ -71,7 +72,7 @@ class ProductionModelError(ValueError):
 
 def model_kind(path: str | Path) -> str:
     """``"checkpoint"`` or ``"compat"`` for a model directory; raises :class:`ProductionModelError`."""
-    from compat.methods.base import COMPAT_FILE
+    from compat.methods.model import COMPAT_FILE
     from compat.models.checkpoint import SIDECAR_FILE
 
     path = Path(path)
@@ -103,7 +104,7 @@ def identity(path: str | Path) -> dict[str, str]:
     of the file that pins every byte of it (sidecar weights hash, or ``compat.json``), its method."""
     import json
 
-    from compat.methods.base import COMPAT_FILE
+    from compat.methods.model import COMPAT_FILE
     from compat.models import read_sidecar
     from compat.models.checkpoint import sha256_file
 
@@ -121,7 +122,7 @@ def identity(path: str | Path) -> dict[str, str]:
 
 def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatModel:
     """The serving encoder of a model directory (a compatible model, or the plain checkpoint's bundle)."""
-    from compat.methods.base import load_compat_model
+    from compat.methods.model import load_compat_model
     from compat.models import load_checkpoint
 
     root = model_root(path)
@@ -134,14 +135,14 @@ def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatMo
 
 def space_id_of(path: str | Path, encoder: ClipBundle | CompatModel | None = None) -> str:
     """The space of the gallery vectors a model writes: a compatible model's own, else its version."""
-    from compat.methods.base import CompatModel
+    from compat.methods.model import CompatModel
 
     if isinstance(encoder, CompatModel):
         return encoder.contract.space_id
     if model_kind(path) == "compat":
         import json
 
-        from compat.methods.base import COMPAT_FILE
+        from compat.methods.model import COMPAT_FILE
 
         return str(json.loads((model_root(path) / COMPAT_FILE).read_text())["contract"]["space_id"])
     return identity(path)["version"]

@@ -73,16 +73,6 @@ class Embedded:
         return self.texts[starts]
 
 
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ContinualError(f"device {device!r} asked but CUDA is not available; use --device cpu or auto")
-    return device
-
-
 def embed_set(bundle: ClipBundle, data: CaptionedSet, device: str, batch_size: int = 256) -> Embedded:
     """L2-normalised embeddings of every image and every caption of ``data`` under ``bundle``."""
     counts = [len(c) for c in data.captions]
@@ -217,7 +207,12 @@ def run_continual(
         if method != "modx" and alpha not in (None, 0, 0.0):
             raise ContinualError(f"--alpha {alpha} applies to modx only; {method} trains with alpha = 0")
     dist = init_distributed()
-    dev = resolve_device(device)
+    from compat.device import resolve_device
+
+    try:
+        dev = str(resolve_device(device))
+    except ValueError as exc:
+        raise ContinualError(str(exc)) from exc
     if dev == "cuda" and dist.distributed:
         dev = f"cuda:{dist.local_rank}"
 

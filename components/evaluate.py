@@ -19,7 +19,7 @@ REPORT_FILE = "compat_report.json"
 
 def model_ref(path: str | Path) -> dict[str, Any]:
     """``{name, version, config, sha256, path}`` of a checkpoint or compatible-model directory."""
-    from compat.methods.base import COMPAT_FILE, is_compat_dir
+    from compat.methods.model import COMPAT_FILE, is_compat_dir
     from compat.models import read_sidecar
     from compat.models.checkpoint import sha256_file
 
@@ -70,9 +70,10 @@ def evaluate(
     ``max_items`` keeps the first N evaluation images (all by default).
     """
     from compat.data.loader import expand_urls, load_captioned_set
+    from compat.device import resolve_device
     from compat.evaluation import REPORT_SCHEMA, compat_report
     from compat.io import write_json_atomic
-    from compat.methods.base import CompatModel, resolve_device
+    from compat.methods.model import CompatModel
     from compat.methods.none import independent_model
     from compat.models import load_checkpoint
     from compat.production import load_encoder, space_id_of
@@ -88,7 +89,7 @@ def evaluate(
     old_model = load_encoder(old, device=dev)
     candidate = load_encoder(new, device=dev)
     if not isinstance(candidate, CompatModel):
-        from compat.methods.base import MethodConfig
+        from compat.methods.config import MethodConfig
         from compat.models import read_sidecar
 
         config = MethodConfig(

@@ -105,7 +105,7 @@ def _compat_problems(compat: dict[str, Any]) -> list[str]:
     if not compat["options"]:
         return []
     from compat.methods import get_method
-    from compat.methods.base import CompatError
+    from compat.methods.contract import CompatError
 
     try:
         get_method(compat["method"]).make_config(compat["options"], source="compat.options")

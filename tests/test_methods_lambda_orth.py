@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from _compat_pairs import one_thread, pair_batches, pairs
 
 from compat.methods import get_method, load_compat_model
-from compat.methods.base import CompatError
+from compat.methods.contract import CompatError
 from compat.methods.lambda_orth import (
     Adapters,
     LambdaOrthConfig,

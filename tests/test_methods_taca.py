@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from compat.losses import clip_loss
 from compat.methods import get_method, load_compat_model
-from compat.methods.base import CompatError
+from compat.methods.contract import CompatError
 from compat.methods.none import independent_model
 from compat.methods.taca import TaCAModel, contrastive_loss, distillation_loss, taca_loss
 from compat.models import build_model

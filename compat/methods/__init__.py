@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
-    from compat.methods.base import CompatMethod, CompatModel
+    from compat.methods.base import CompatMethod
+    from compat.methods.model import CompatModel
 
-_NOT_METHODS = {"base", "layers", "run"}
+_NOT_METHODS = {"base", "config", "contract", "layers", "model", "run", "training"}  # the shared parts
 _REGISTRY: dict[str, type[CompatMethod]] = {}
 M = TypeVar("M", bound="type[CompatMethod]")
 
@@ -69,8 +70,8 @@ def available_methods() -> list[str]:
 
 
 def load_compat_model(path: str | Path, device: Any = "cpu") -> CompatModel:
-    """Load a model saved by ``CompatModel.save`` (see :func:`compat.methods.base.load_compat_model`)."""
-    from compat.methods.base import load_compat_model as _load
+    """Load a model saved by ``CompatModel.save`` (see :func:`compat.methods.model.load_compat_model`)."""
+    from compat.methods.model import load_compat_model as _load
 
     return _load(path, device=device)
 

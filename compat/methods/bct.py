@@ -38,15 +38,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from compat.device import resolve_device
 from compat.losses import clip_loss, matched_rows
 from compat.methods import register_method
-from compat.methods.base import (
-    Batch,
-    CompatError,
-    CompatMethod,
-    Encoder,
-    MethodConfig,
-    ServingContract,
+from compat.methods.base import CompatMethod
+from compat.methods.config import MethodConfig
+from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
+from compat.methods.layers import truncate, zero_pad
+from compat.methods.none import PlainModel
+from compat.methods.training import (
     TrainingLog,
     adamw_cosine,
     cycle_batches,
@@ -54,11 +54,8 @@ from compat.methods.base import (
     frozen_features,
     logit_scale_of,
     prepare_images,
-    resolve_device,
     texts_of,
 )
-from compat.methods.layers import truncate, zero_pad
-from compat.methods.none import PlainModel
 from compat.models import ClipBundle
 from compat.progress import track
 

@@ -42,16 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compat.device import resolve_device
 from compat.losses import clip_loss
 from compat.methods import register_method
-from compat.methods.base import (
-    Batch,
-    CompatError,
-    CompatMethod,
-    CompatModel,
-    Encoder,
-    MethodConfig,
-    ServingContract,
+from compat.methods.base import CompatMethod
+from compat.methods.bct import MAX_LOGIT_SCALE, cross_model_loss
+from compat.methods.config import MethodConfig
+from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
+from compat.methods.layers import OrthogonalMatrix
+from compat.methods.model import CompatModel
+from compat.methods.training import (
     TrainingLog,
     adamw_cosine,
     contract_lineage,
@@ -60,11 +60,8 @@ from compat.methods.base import (
     frozen_features,
     logit_scale_of,
     prepare_images,
-    resolve_device,
     texts_of,
 )
-from compat.methods.bct import MAX_LOGIT_SCALE, cross_model_loss
-from compat.methods.layers import OrthogonalMatrix
 from compat.models import ClipBundle
 from compat.progress import track
 

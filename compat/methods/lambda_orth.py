@@ -41,22 +41,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compat.device import resolve_device
 from compat.losses import clip_loss
 from compat.methods import register_method
-from compat.methods.base import (
-    Batch,
-    CompatError,
-    CompatMethod,
-    CompatModel,
-    Encoder,
-    MethodConfig,
-    ServingContract,
-    TrainingLog,
-    freeze,
-    frozen_features,
-    resolve_device,
-)
+from compat.methods.base import CompatMethod
+from compat.methods.config import MethodConfig
+from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
 from compat.methods.layers import OrthogonalMatrix, truncate
+from compat.methods.model import CompatModel
+from compat.methods.training import TrainingLog, freeze, frozen_features
 from compat.models import ClipBundle
 from compat.progress import track
 

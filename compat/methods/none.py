@@ -14,14 +14,10 @@ from typing import Any
 import torch
 
 from compat.methods import register_method
-from compat.methods.base import (
-    Batch,
-    CompatMethod,
-    CompatModel,
-    Encoder,
-    MethodConfig,
-    ServingContract,
-)
+from compat.methods.base import CompatMethod
+from compat.methods.config import MethodConfig
+from compat.methods.contract import Batch, Encoder, ServingContract
+from compat.methods.model import CompatModel
 from compat.models import ClipBundle
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from compat.methods import get_method
-from compat.methods.base import CompatModel
+from compat.methods.model import CompatModel
 from compat.models import load_checkpoint, read_sidecar
 from compat.production import load_encoder, space_id_of
 

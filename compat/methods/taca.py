@@ -39,23 +39,20 @@ from typing import Any, NamedTuple
 
 import torch
 
+from compat.device import resolve_device
 from compat.losses import clip_loss
 from compat.methods import register_method
-from compat.methods.base import (
-    Batch,
-    CompatError,
-    CompatMethod,
-    CompatModel,
-    Encoder,
-    MethodConfig,
-    ServingContract,
+from compat.methods.base import CompatMethod
+from compat.methods.config import MethodConfig
+from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
+from compat.methods.model import CompatModel
+from compat.methods.training import (
     TrainingLog,
     cycle_batches,
     freeze,
     frozen_features,
     logit_scale_of,
     prepare_images,
-    resolve_device,
 )
 from compat.methods.xbt import make_contract, on_device, seeded
 from compat.models import ClipBundle

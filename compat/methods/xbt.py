@@ -51,21 +51,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compat.device import resolve_device
 from compat.losses import clip_loss
 from compat.methods import register_method
-from compat.methods.base import (
-    Batch,
-    CompatError,
-    CompatMethod,
-    CompatModel,
-    Encoder,
-    MethodConfig,
-    ServingContract,
-    TrainingLog,
-    cycle_batches,
-    prepare_images,
-    resolve_device,
-)
+from compat.methods.base import CompatMethod
+from compat.methods.config import MethodConfig
+from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
+from compat.methods.model import CompatModel
+from compat.methods.training import TrainingLog, cycle_batches, prepare_images
 from compat.models import ClipBundle
 from compat.modules.augment import augment_for
 from compat.modules.lora import LoraHandle, attach_lora

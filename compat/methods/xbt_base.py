@@ -11,8 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from compat.device import resolve_device
 from compat.methods import register_method
-from compat.methods.base import Batch, CompatMethod, Encoder, freeze, frozen_features, resolve_device
+from compat.methods.base import CompatMethod
+from compat.methods.contract import Batch, Encoder
+from compat.methods.training import freeze, frozen_features
 from compat.methods.xbt import (
     AdaptedNewModel,
     XBTModel,

@@ -1,0 +1,77 @@
+"""Method settings: the fields every method shares, and typed construction from a config mapping."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from compat.methods.contract import CompatError
+
+
+@dataclass
+class MethodConfig:
+    """Settings shared by every method; each method subclasses it with its own (documented) defaults."""
+
+    steps: int = 300
+    lr: float = 1e-4
+    seed: int = 0
+    device: str = "cpu"
+    version: str = "candidate"
+    old_space_id: str = "production"
+    log_every: int = 50
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise CompatError(f"{where}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise CompatError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise CompatError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise CompatError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def config_from_mapping(
+    config_class: type[MethodConfig], values: Mapping[str, Any] | None, source: str = "config"
+) -> MethodConfig:
+    """Build ``config_class`` from ``values``; unknown keys and wrong types raise :class:`CompatError`."""
+    values = dict(values or {})
+    hints = typing.get_type_hints(config_class)
+    known = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise CompatError(
+            f"{source}: unknown setting(s) {unknown} for {config_class.__name__}; known: {sorted(known)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{source}: {k}") for k, v in values.items()}
+    config = config_class(**kwargs)
+    validate = getattr(config, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ValueError as exc:
+            raise CompatError(f"{source}: {exc}") from exc
+    return config

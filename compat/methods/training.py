@@ -1,0 +1,172 @@
+"""Helpers every method's training loop shares: frozen features, batches, the optimiser schedule, the log."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compat.methods.contract import Batch, CompatError, Encoder
+from compat.methods.model import CompatModel
+from compat.models import ClipBundle
+
+log = logging.getLogger("compat.methods")
+
+
+def logit_scale_of(encoder: Encoder) -> float:
+    """The contrastive temperature multiplier ``s`` of a frozen encoder (a bundle's ``logit_scale.exp()``)."""
+    if isinstance(encoder, ClipBundle):
+        return float(encoder.model.logit_scale.detach().exp().clamp(max=100.0).item())
+    return float(getattr(encoder, "logit_scale", 1 / 0.07))
+
+
+def contract_lineage(old: Encoder) -> tuple[str | None, tuple[int, ...]]:
+    """Space id and gallery dimensions readable by prefix through ``old`` when it is a compatible model.
+
+    A plain bundle gives ``(None, ())``. For a compatible model: its own dimension, plus the dimensions it
+    reads by a prefix rule (``as_is`` / ``zero_pad`` / ``truncate``) when it kept the old space.
+    """
+    if not isinstance(old, CompatModel):
+        return None, ()
+    dims: tuple[int, ...] = (old.contract.dim,)
+    if old.contract.keeps_space and old.contract.old_vector_rule in ("as_is", "zero_pad", "truncate"):
+        dims += tuple(d for d in old.contract.old_dims if d not in dims)
+    return old.contract.space_id, dims
+
+
+def cycle_batches(batches: Iterable[Batch], steps: int) -> Iterator[Batch]:
+    """Yield ``steps`` batches, starting ``batches`` over when it runs out (it must be re-iterable)."""
+    produced = 0
+    while produced < steps:
+        empty = True
+        for batch in batches:
+            empty = False
+            yield batch
+            produced += 1
+            if produced >= steps:
+                return
+        if empty:
+            raise CompatError(
+                f"the training data produced no batch (after {produced} of {steps} steps); "
+                "pass a non-empty, re-iterable batch source"
+            )
+
+
+def prepare_images(images: Any, bundle: ClipBundle, train: bool = True) -> torch.Tensor:
+    """A [B, 3, S, S] tensor for ``bundle``: PIL lists go through its preprocessing; tensors are checked."""
+    if isinstance(images, torch.Tensor):
+        if images.ndim != 4 or images.shape[-1] != bundle.image_size or images.shape[-2] != bundle.image_size:
+            raise CompatError(
+                f"image batch of shape {tuple(images.shape)} does not fit model {bundle.config_name!r} "
+                f"(expects [B, 3, {bundle.image_size}, {bundle.image_size}]); preprocess with the "
+                "model's own transform or pass PIL images"
+            )
+        return images
+    transform = bundle.preprocess_train if train else bundle.preprocess_eval
+    return torch.stack([transform(im) for im in images])
+
+
+def texts_of(batch: Batch) -> list[str]:
+    """The raw captions of a batch (token ids are refused: each model tokenises with its own tokenizer)."""
+    texts = batch.texts
+    if isinstance(texts, torch.Tensor) or not all(isinstance(t, str) for t in texts):
+        raise CompatError(
+            "compatibility training needs raw caption strings in batch.texts (the old and new models "
+            "may use different tokenizers); use compat.methods.run.ShardBatches"
+        )
+    return list(texts)
+
+
+def image_size_of(encoder: Encoder) -> int | None:
+    """Input resolution of an encoder (None when unknown)."""
+    return encoder.image_size if isinstance(encoder, ClipBundle) else getattr(encoder, "image_size", None)
+
+
+def frozen_features(
+    encoder: Encoder, batch: Batch, device: torch.device, prepared: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised image and text features of a frozen encoder on ``batch``, on ``device``, without gradients.
+
+    ``prepared`` (the trained model's input tensor) is reused when the encoder takes the same resolution, so
+    both models see the same view; otherwise the encoder preprocesses the batch's images itself. All cf-*
+    configs share open_clip's default normalisation.
+    """
+    images = batch.images
+    if prepared is not None and image_size_of(encoder) == prepared.shape[-1]:
+        images = prepared
+    elif isinstance(encoder, ClipBundle):
+        images = prepare_images(images, encoder, train=False)
+    with torch.no_grad():
+        img = encoder.encode_images(images, device=device)
+        txt = encoder.encode_texts(texts_of(batch), device=device)
+    return img.to(device), txt.to(device)
+
+
+def freeze(encoder: Encoder, device: torch.device | None = None) -> Encoder:
+    """Gradients off, eval mode, moved to ``device`` (a bundle); compatible models stay as they are."""
+    if isinstance(encoder, ClipBundle):
+        for p in encoder.model.parameters():
+            p.requires_grad_(False)
+        encoder.model.eval()
+        if device is not None:
+            encoder.model.to(device)
+    return encoder
+
+
+def adamw_cosine(
+    params: Iterable[torch.nn.Parameter] | list[dict],
+    lr: float,
+    weight_decay: float,
+    steps: int,
+    warmup_fraction: float,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with linear warm-up over ``warmup_fraction`` of ``steps`` then cosine decay to zero."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warmup = max(int(round(warmup_fraction * steps)), 0)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(steps - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class TrainingLog:
+    """Loss history and wall time of a fit, stored in ``compat.json`` under ``training``."""
+
+    started: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def record(self, step: int, every: int, **terms: torch.Tensor | float) -> None:
+        self.steps = step + 1
+        self._last = {
+            "step": step,
+            **{
+                k: round(float(v.detach() if isinstance(v, torch.Tensor) else v), 6) for k, v in terms.items()
+            },
+        }
+        if step == 0 or (every > 0 and step % every == 0):
+            self.history.append(self._last)
+            log.info(
+                "step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in self._last.items() if k != "step")
+            )
+
+    def finish(self, **extra: Any) -> dict[str, Any]:
+        last = getattr(self, "_last", None)
+        if last is not None and (not self.history or self.history[-1]["step"] != last["step"]):
+            self.history.append(last)
+        return {
+            "steps": self.steps,
+            "seconds": round(time.monotonic() - self.started, 3),
+            "history": self.history,
+            **extra,
+        }
