@@ -4,6 +4,7 @@ and ``cluster`` share every key and differ only in values."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,6 @@ def load_config(name_or_path: str | Path, *, local_paths: bool = True) -> dict[s
 
 def _problems(document: dict[str, Any], *, local_paths: bool) -> list[str]:
     """What a schema-valid config gets wrong, as ``field: why`` sentences, in the config's order."""
-    from pipelines.resources import gpu_errors
-
     problems = _training_problems(document["training"])
     problems += _model_problems(document)
     problems += _compat_problems(document["compat"])
@@ -174,3 +173,51 @@ def resolve(config: dict[str, Any]) -> dict[str, Any]:
     if "://" not in stream_uri:
         resolved["stream"]["uri"] = str(Path(stream_uri).expanduser().resolve())
     return resolved
+
+
+TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def gpu_errors(gpu: Mapping[str, Any]) -> list[str]:
+    """What Kubernetes would refuse, or silently ignore, in a schema-valid ``resources.gpu`` section.
+
+    One sentence per mistake, naming the field; empty when the section is usable (:func:`load_config` runs it
+    on every config it reads; :mod:`pipelines.resources` again before compiling).
+    """
+    errors = []
+    accelerator, count = gpu["accelerator"] or "", gpu["accelerator_count"]
+    if accelerator and count < 1:
+        errors.append(
+            "resources.gpu.accelerator_count must be at least 1 when resources.gpu.accelerator is set"
+        )
+    if count > 0 and not accelerator:
+        errors.append(
+            f"resources.gpu.accelerator_count is {count} but resources.gpu.accelerator is not set: the GPU "
+            "tasks would request no GPU (set the accelerator's resource name, e.g. nvidia.com/gpu, or "
+            "accelerator_count: 0)"
+        )
+    for i, toleration in enumerate(gpu["tolerations"]):
+        where = f"resources.gpu.tolerations[{i}]"
+        unknown = set(toleration) - TOLERATION_FIELDS
+        if unknown:
+            errors.append(
+                f"{where} has unknown fields {sorted(unknown)} (allowed: {sorted(TOLERATION_FIELDS)})"
+            )
+        key, operator, value = toleration.get("key"), toleration.get("operator"), toleration.get("value")
+        effect, seconds = toleration.get("effect"), toleration.get("tolerationSeconds")
+        for name, given in (("key", key), ("value", value)):
+            if given is not None and not isinstance(given, str):
+                errors.append(f"{where}.{name} must be a string, got {given!r} (quote it in YAML)")
+        if operator not in (None, "Equal", "Exists"):
+            errors.append(f"{where}.operator is {operator!r}: use Equal or Exists")
+        if effect not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            errors.append(f"{where}.effect is {effect!r}: use NoSchedule, PreferNoSchedule or NoExecute")
+        if operator == "Exists" and value not in (None, ""):
+            errors.append(f"{where}.value must be empty when operator is Exists, got {value!r}")
+        if not key and operator != "Exists":
+            errors.append(f"{where}.key is empty: an empty key (every taint) needs operator: Exists")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)):
+            errors.append(f"{where}.tolerationSeconds must be an integer, got {seconds!r}")
+        elif seconds is not None and effect != "NoExecute":
+            errors.append(f"{where}.tolerationSeconds is set, so effect must be NoExecute (got {effect!r})")
+    return errors

@@ -60,6 +60,8 @@ from kfp import kubernetes
 from kfp.dsl import PipelineTask
 from kfp.dsl.pipeline_task import TaskState
 
+from pipelines.config import ConfigError, gpu_errors, load_config
+
 COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
 DEFAULT_COMPILE_CONFIG = "cluster"
 RUNNERS = ("kubernetes", "local")
@@ -132,7 +134,6 @@ FEAST_CONFIG_MAP = "compatflow-feast-repo"
 SHM_VOLUME = "dshm"
 SHM_PATH = "/dev/shm"
 IMAGE_PULL_POLICY = "IfNotPresent"  # tags are immutable release tags; kind loads images without a registry
-TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 
 _ACTIVE: ContextVar[dict[str, Any] | None] = ContextVar("compatflow_compile_settings", default=None)
 
@@ -172,51 +173,6 @@ def compile_settings(
         "workspace_mount": _absolute_path(document["workspace"]),
         "feast_mount": _absolute_path(document["lineage"]["repo"]),
     }
-
-
-def gpu_errors(gpu: Mapping[str, Any]) -> list[str]:
-    """What Kubernetes would refuse, or silently ignore, in a schema-valid ``resources.gpu`` section.
-
-    One sentence per mistake, naming the field; empty when the section is usable. Pure: no kfp, no I/O
-    (``pipelines.config.load_config`` runs it on every config it reads).
-    """
-    errors = []
-    accelerator, count = gpu["accelerator"] or "", gpu["accelerator_count"]
-    if accelerator and count < 1:
-        errors.append(
-            "resources.gpu.accelerator_count must be at least 1 when resources.gpu.accelerator is set"
-        )
-    if count > 0 and not accelerator:
-        errors.append(
-            f"resources.gpu.accelerator_count is {count} but resources.gpu.accelerator is not set: the GPU "
-            "tasks would request no GPU (set the accelerator's resource name, e.g. nvidia.com/gpu, or "
-            "accelerator_count: 0)"
-        )
-    for i, toleration in enumerate(gpu["tolerations"]):
-        where = f"resources.gpu.tolerations[{i}]"
-        unknown = set(toleration) - TOLERATION_FIELDS
-        if unknown:
-            errors.append(
-                f"{where} has unknown fields {sorted(unknown)} (allowed: {sorted(TOLERATION_FIELDS)})"
-            )
-        key, operator, value = toleration.get("key"), toleration.get("operator"), toleration.get("value")
-        effect, seconds = toleration.get("effect"), toleration.get("tolerationSeconds")
-        for name, given in (("key", key), ("value", value)):
-            if given is not None and not isinstance(given, str):
-                errors.append(f"{where}.{name} must be a string, got {given!r} (quote it in YAML)")
-        if operator not in (None, "Equal", "Exists"):
-            errors.append(f"{where}.operator is {operator!r}: use Equal or Exists")
-        if effect not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
-            errors.append(f"{where}.effect is {effect!r}: use NoSchedule, PreferNoSchedule or NoExecute")
-        if operator == "Exists" and value not in (None, ""):
-            errors.append(f"{where}.value must be empty when operator is Exists, got {value!r}")
-        if not key and operator != "Exists":
-            errors.append(f"{where}.key is empty: an empty key (every taint) needs operator: Exists")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)):
-            errors.append(f"{where}.tolerationSeconds must be an integer, got {seconds!r}")
-        elif seconds is not None and effect != "NoExecute":
-            errors.append(f"{where}.tolerationSeconds is set, so effect must be NoExecute (got {effect!r})")
-    return errors
 
 
 @contextmanager
@@ -349,8 +305,6 @@ def torchrun_command(
 
 
 def _validated(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    from pipelines.config import ConfigError, load_config
-
     if not isinstance(config, Mapping):
         return load_config(config, local_paths=False)  # the tasks read the config's paths, not this machine
     import schemas
@@ -366,8 +320,6 @@ def _validated(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, 
 
 
 def _config_error(document: Mapping[str, Any], message: str) -> Exception:
-    from pipelines.config import ConfigError
-
     return ConfigError(f"config {document.get('name', '?')!r}: {message}")
 
 
