@@ -1,20 +1,5 @@
-"""Release gate: decide ``pass`` or ``block`` for a candidate from its compatibility report.
-
-The gate fails closed: anything it cannot read, parse, or find blocks with a reason that names
-the file and field. A pass needs every check to pass:
-
-* ``ecc_margin``: the empirical compatibility criterion, per required direction and K:
-  ``M(new query, old gallery) - M(old query, old gallery) > min_margin`` (percentage points).
-  The margin is recomputed from the retrieval matrix; a reported margin or ECC verdict that
-  disagrees with it blocks as ``report_inconsistent`` (a report cannot vouch for itself).
-* ``ecc_interval``: the bootstrap confidence interval's lower bound of that margin is above zero.
-* ``eval_set_too_small``: the evaluation set has at least the policy's images and captions.
-* ``retention_floor``: ``new/new R@K >= floor x reference R@K``; the reference is the independent
-  new model's new/new when the report has one (policy ``reference: auto``), else old/old.
-* ``drift_too_severe``: the drift severity (the worst of the overall and per-metric verdicts)
-  is at most the policy's maximum.
-* ``validation_blocked``: data validation did not block the phase.
-"""
+"""The gate's checks: each reads one input (the compatibility report, the validation and drift summaries)
+and records a named pass, skip or failure with a sentence a person can act on."""
 
 from __future__ import annotations
 
@@ -23,233 +8,16 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-DEFAULT_POLICY_PATH = Path(__file__).resolve().parent / "policies" / "gate_default.yaml"
-SEVERITIES = ("none", "low", "medium", "high")
+from components.gate.policy import SEVERITIES, GatePolicy, non_finite
+
 MARGIN_TOLERANCE = 0.05  # percentage points of rounding allowed between reported and recomputed margins
 _MISSING = object()
 
 
-class PolicyError(ValueError):
-    """The gate policy is unreadable or invalid; the message names the file and the fields."""
-
-
-@dataclass(frozen=True)
-class GatePolicy:
-    """Resolved release-gate thresholds (see ``components/policies/gate_default.yaml``)."""
-
-    directions: tuple[str, ...]
-    ks: tuple[int, ...]
-    min_margin: float
-    require_ci_lower_above_zero: bool
-    min_eval_images: int
-    min_eval_captions: int
-    retention_floor: float
-    retention_reference: str
-    max_drift_severity: str
-    require_drift: bool
-    require_validation: bool
-    source: str = "default"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The policy in its YAML layout (what ``gate.json`` records)."""
-        return {
-            "schema_version": 1,
-            "directions": list(self.directions),
-            "ks": list(self.ks),
-            "min_margin": self.min_margin,
-            "require_ci_lower_above_zero": self.require_ci_lower_above_zero,
-            "min_eval_images": self.min_eval_images,
-            "min_eval_captions": self.min_eval_captions,
-            "retention": {"floor": self.retention_floor, "reference": self.retention_reference},
-            "max_drift_severity": self.max_drift_severity,
-            "require_drift": self.require_drift,
-            "require_validation": self.require_validation,
-        }
-
-    @classmethod
-    def from_mapping(cls, overrides: Mapping[str, Any] | None = None, source: str = "<policy>") -> GatePolicy:
-        """Merge ``overrides`` over the shipped default, validate, and build the policy."""
-        import schemas
-
-        base = _read_yaml(DEFAULT_POLICY_PATH, "default policy")
-        if overrides is not None and not isinstance(overrides, Mapping):
-            raise PolicyError(f"{source}: a policy must be a mapping of keys, got {type(overrides).__name__}")
-        merged = _merge(base, dict(overrides or {}))
-        errors = schemas.schema_errors(merged, "gate_policy")
-        errors += [f"{path}: {value!r} is not a finite number" for path, value in _non_finite(merged)]
-        missing = sorted(set(base) - set(merged))
-        errors += [f"{key}: required" for key in missing]
-        if errors:
-            raise PolicyError(
-                f"{source} is not a valid gate policy (schemas/gate_policy.schema.json):\n  "
-                + "\n  ".join(errors)
-            )
-        return cls(
-            directions=tuple(merged["directions"]),
-            ks=tuple(int(k) for k in merged["ks"]),
-            min_margin=float(merged["min_margin"]),
-            require_ci_lower_above_zero=bool(merged["require_ci_lower_above_zero"]),
-            min_eval_images=int(merged["min_eval_images"]),
-            min_eval_captions=int(merged["min_eval_captions"]),
-            retention_floor=float(merged["retention"]["floor"]),
-            retention_reference=str(merged["retention"]["reference"]),
-            max_drift_severity=str(merged["max_drift_severity"]),
-            require_drift=bool(merged["require_drift"]),
-            require_validation=bool(merged["require_validation"]),
-            source=source,
-        )
-
-
-def load_policy(path: str | Path | None = None) -> GatePolicy:
-    """The shipped default (``path`` None) or a YAML policy merged over it; raises :class:`PolicyError`."""
-    if path is None:
-        return GatePolicy.from_mapping(None, source=str(DEFAULT_POLICY_PATH))
-    path = Path(path)
-    return GatePolicy.from_mapping(_read_yaml(path, "gate policy"), source=str(path))
-
-
-@dataclass
-class GateDecision:
-    """What the gate decided and why; ``to_dict()`` matches ``schemas/gate_decision.schema.json``."""
-
-    decision: str
-    reasons: list[dict[str, Any]]
-    checks: list[dict[str, Any]]
-    policy: dict[str, Any] | None
-    policy_source: str | None
-    report_path: str | None
-    report_sha256: str | None
-    decided_at: str
-    inputs: dict[str, str | None] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return self.decision == "pass"
-
-    @property
-    def reason_codes(self) -> list[str]:
-        return [r["code"] for r in self.reasons]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": 1,
-            "decision": self.decision,
-            "reasons": self.reasons,
-            "checks": self.checks,
-            "policy": self.policy,
-            "policy_source": self.policy_source,
-            "report_path": self.report_path,
-            "report_sha256": self.report_sha256,
-            "decided_at": self.decided_at,
-            "inputs": self.inputs,
-        }
-
-    def write(self, out_dir: str | Path) -> Path:
-        """Write ``<out_dir>/gate.json`` atomically (checked against its schema first)."""
-        import schemas
-
-        document = self.to_dict()
-        schemas.validate(document, "gate_decision", source="gate decision")
-        out = Path(out_dir) / "gate.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-        tmp.replace(out)
-        return out
-
-
-def decide(
-    report: Mapping[str, Any] | str | Path,
-    policy: GatePolicy | Mapping[str, Any] | str | Path | None = None,
-    *,
-    validation: Mapping[str, Any] | str | Path | None = None,
-    drift: Mapping[str, Any] | str | Path | None = None,
-) -> GateDecision:
-    """Decide on ``report`` (a compat_report mapping or a path to one) under ``policy``.
-
-    ``policy`` None means the shipped default; a mapping or a YAML path is merged over it.
-    ``validation`` and ``drift`` are the summaries (mappings or paths) of those stages.
-    Never raises on bad input: every problem becomes a blocking reason.
-    """
-    checks = _Checks()
-    resolved: GatePolicy | None = None
-    try:
-        if isinstance(policy, GatePolicy):
-            resolved = policy
-        elif isinstance(policy, Mapping):
-            resolved = GatePolicy.from_mapping(policy, source="<policy mapping>")
-        else:
-            resolved = load_policy(policy)
-        checks.ok("policy", f"policy loaded from {resolved.source}")
-    except PolicyError as err:
-        code = "policy_unreadable" if isinstance(err.__cause__, OSError) else "policy_invalid"
-        checks.fail("policy", code, str(err))
-
-    doc, report_sha, report_path = _load_report(report, checks)
-    if doc is not None and resolved is not None:
-        _check_report(doc, resolved, checks)
-    if resolved is not None:
-        _check_validation(validation, resolved, checks)
-        _check_drift(drift, resolved, checks)
-
-    reasons = checks.reasons()
-    return GateDecision(
-        decision="pass" if not reasons and resolved is not None and doc is not None else "block",
-        reasons=reasons,
-        checks=checks.items,
-        policy=resolved.to_dict() if resolved else None,
-        policy_source=resolved.source
-        if resolved
-        else (str(policy) if isinstance(policy, str | Path) else None),
-        report_path=report_path,
-        report_sha256=report_sha,
-        decided_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        inputs={"validation": _describe(validation), "drift": _describe(drift)},
-    )
-
-
-def block_decision(code: str, message: str, *, report: str | Path | None = None) -> GateDecision:
-    """A block decision for a gate that could not run at all (usage or internal error)."""
-    return GateDecision(
-        decision="block",
-        reasons=[{"code": code, "message": message}],
-        checks=[{"name": "gate", "status": "fail", "code": code, "message": message}],
-        policy=None,
-        policy_source=None,
-        report_path=str(report) if report is not None else None,
-        report_sha256=None,
-        decided_at=datetime.now(UTC).isoformat(timespec="seconds"),
-    )
-
-
-def run_gate(
-    report: str | Path,
-    out_dir: str | Path,
-    *,
-    policy: str | Path | None = None,
-    validation: str | Path | None = None,
-    drift: str | Path | None = None,
-) -> GateDecision:
-    """The gate stage: decide and write ``<out_dir>/gate.json``; an internal error still writes a block."""
-    try:
-        decision = decide(report, policy, validation=validation, drift=drift)
-    except Exception as err:  # noqa: BLE001 - the gate must never fail open
-        decision = block_decision(
-            "gate_error", f"the gate crashed: {type(err).__name__}: {err}", report=report
-        )
-    decision.write(out_dir)
-    return decision
-
-
-# --- checks ------------------------------------------------------------------------------------
-
-
-class _Checks:
+class Checks:
     """Every evaluated check, in order; failing ones become the decision's reasons."""
 
     def __init__(self) -> None:
@@ -285,8 +53,8 @@ def _clean(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _load_report(
-    report: Mapping[str, Any] | str | Path, checks: _Checks
+def load_report(
+    report: Mapping[str, Any] | str | Path, checks: Checks
 ) -> tuple[dict[str, Any] | None, str | None, str | None]:
     """Parse the report; returns (document or None, sha256 of its bytes, path)."""
     if isinstance(report, Mapping):
@@ -314,7 +82,7 @@ def _load_report(
     return doc, sha, path
 
 
-def _check_report(doc: dict[str, Any], policy: GatePolicy, checks: _Checks) -> None:
+def check_report(doc: dict[str, Any], policy: GatePolicy, checks: Checks) -> None:
     import schemas
 
     errors = schemas.schema_errors(doc, "compat_report")
@@ -325,7 +93,7 @@ def _check_report(doc: dict[str, Any], policy: GatePolicy, checks: _Checks) -> N
         )
     else:
         checks.ok("report_schema", "report matches schemas/compat_report.schema.json")
-    bad = _non_finite(doc)
+    bad = non_finite(doc)
     if bad:
         shown = ", ".join(f"{p}={v!r}" for p, v in bad[:8])
         checks.fail("report_finite", "non_finite", f"report has non-finite numbers: {shown}", value=len(bad))
@@ -339,7 +107,7 @@ def _check_report(doc: dict[str, Any], policy: GatePolicy, checks: _Checks) -> N
             _check_retention(doc, direction, f"R@{k}", policy, checks)
 
 
-def _check_eval_size(doc: dict[str, Any], policy: GatePolicy, checks: _Checks) -> None:
+def _check_eval_size(doc: dict[str, Any], policy: GatePolicy, checks: Checks) -> None:
     for key, minimum in (("images", policy.min_eval_images), ("captions", policy.min_eval_captions)):
         name = f"eval_size.{key}"
         value = _number(doc, ("eval_sizes", key), checks, name)
@@ -363,7 +131,7 @@ def _check_eval_size(doc: dict[str, Any], policy: GatePolicy, checks: _Checks) -
             )
 
 
-def _check_ecc(doc: dict[str, Any], direction: str, metric: str, policy: GatePolicy, checks: _Checks) -> None:
+def _check_ecc(doc: dict[str, Any], direction: str, metric: str, policy: GatePolicy, checks: Checks) -> None:
     name = f"ecc.{direction}.{metric}"
     tags = {"direction": direction, "metric": metric}
     old_old = _number(doc, ("retrieval", direction, "old/old", metric), checks, name, **tags)
@@ -440,7 +208,7 @@ def _check_ecc(doc: dict[str, Any], direction: str, metric: str, policy: GatePol
 
 
 def _check_retention(
-    doc: dict[str, Any], direction: str, metric: str, policy: GatePolicy, checks: _Checks
+    doc: dict[str, Any], direction: str, metric: str, policy: GatePolicy, checks: Checks
 ) -> None:
     name = f"retention.{direction}.{metric}"
     tags = {"direction": direction, "metric": metric}
@@ -476,16 +244,16 @@ def _check_retention(
         )
 
 
-def _check_validation(source: Any, policy: GatePolicy, checks: _Checks) -> None:
+def check_validation(source: Any, policy: GatePolicy, checks: Checks) -> None:
     doc = _load_summary(source, "validation", policy.require_validation, checks)
     if doc is None:
         return
     blocked = doc.get("blocked")
-    if not isinstance(blocked, bool) or _non_finite(doc):
+    if not isinstance(blocked, bool) or non_finite(doc):
         checks.fail(
             "validation",
             "validation_invalid",
-            f"validation summary {_describe(source)} needs a boolean 'blocked' and finite numbers",
+            f"validation summary {describe(source)} needs a boolean 'blocked' and finite numbers",
         )
         return
     if blocked:
@@ -507,7 +275,7 @@ def _check_validation(source: Any, policy: GatePolicy, checks: _Checks) -> None:
         )
 
 
-def _check_drift(source: Any, policy: GatePolicy, checks: _Checks) -> None:
+def check_drift(source: Any, policy: GatePolicy, checks: Checks) -> None:
     doc = _load_summary(source, "drift", policy.require_drift, checks)
     if doc is None:
         return
@@ -523,7 +291,7 @@ def _check_drift(source: Any, policy: GatePolicy, checks: _Checks) -> None:
         checks.fail(
             "drift",
             "drift_invalid",
-            f"drift summary {_describe(source)} has a severity outside {list(SEVERITIES)}: {severities}",
+            f"drift summary {describe(source)} has a severity outside {list(SEVERITIES)}: {severities}",
         )
         return
     worst = max(severities, key=SEVERITIES.index)
@@ -542,7 +310,7 @@ def _check_drift(source: Any, policy: GatePolicy, checks: _Checks) -> None:
         )
 
 
-def _load_summary(source: Any, what: str, required: bool, checks: _Checks) -> dict[str, Any] | None:
+def _load_summary(source: Any, what: str, required: bool, checks: Checks) -> dict[str, Any] | None:
     if source is None:
         if required:
             checks.fail(
@@ -580,7 +348,7 @@ def _get(doc: Any, path: tuple[str, ...]) -> Any:
     return doc
 
 
-def _number(doc: Any, path: tuple[str, ...], checks: _Checks, name: str, **tags: Any) -> float | None:
+def _number(doc: Any, path: tuple[str, ...], checks: Checks, name: str, **tags: Any) -> float | None:
     """A finite number at ``path``; otherwise record a failing check and return None."""
     dotted = ".".join(path)
     value = _get(doc, path)
@@ -596,49 +364,7 @@ def _number(doc: Any, path: tuple[str, ...], checks: _Checks, name: str, **tags:
     return float(value)
 
 
-def _non_finite(doc: Any, prefix: str = "") -> list[tuple[str, float]]:
-    """Paths of every NaN / infinite number in a nested document."""
-    if isinstance(doc, float):
-        return [] if math.isfinite(doc) else [(prefix or "<root>", doc)]
-    if isinstance(doc, Mapping):
-        items = doc.items()
-    elif isinstance(doc, list | tuple):
-        items = enumerate(doc)
-    else:
-        return []
-    found: list[tuple[str, float]] = []
-    for key, value in items:
-        found += _non_finite(value, f"{prefix}.{key}" if prefix else str(key))
-    return found
-
-
-def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(dict(merged[key]), dict(value))
-        else:
-            merged[key] = value
-    return merged
-
-
-def _read_yaml(path: Path, what: str) -> Any:
-    import yaml
-
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise PolicyError(f"cannot read the {what} {path}: {err}") from err
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise PolicyError(f"{what} {path} is not valid YAML: {err}") from err
-    if not isinstance(doc, dict):
-        raise PolicyError(f"{what} {path} must be a YAML mapping of keys")
-    return doc
-
-
-def _describe(source: Any) -> str | None:
+def describe(source: Any) -> str | None:
     if source is None:
         return None
     return "<mapping>" if isinstance(source, Mapping) else str(source)
