@@ -30,7 +30,8 @@ Modules: :mod:`~components.rollout.types` (configuration, encoders, probe set, p
 (the serving record) and :mod:`~components.rollout.encoders` (encoders of real models).
 """
 
-from components.rollout.engine import Rollout, index_gallery, run_rollout
+from components.rollout.engine import Rollout, run_rollout
+from components.rollout.operations import index_gallery
 from components.rollout.probes import probe_metrics, recall_from_hits
 from components.rollout.rollback import rollback, rollout_of
 from components.rollout.serving import ServingError, read_serving, write_serving

@@ -1,4 +1,8 @@
-"""The rollout engine: plans a rollout, runs stage 0, the backfill stages or a blue-green fill, resumes."""
+"""The rollout engine: plans a rollout, runs stage 0, the backfill stages or a blue-green fill, resumes.
+
+One class, the rollout's state machine, kept in one module so that every transition of the state file
+reads in one place (hence its length).
+"""
 
 from __future__ import annotations
 
@@ -609,45 +613,3 @@ def run_rollout(
 ) -> dict[str, Any]:
     """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns the state."""
     return Rollout(index, paths, config, encoders, probe).run()
-
-
-def index_gallery(
-    index: GalleryIndex,
-    paths: RolloutPaths,
-    ids: Sequence[str],
-    vectors: np.ndarray,
-    *,
-    version: str,
-    space: str,
-    query_model: Mapping[str, Any],
-    phase: int | Sequence[int] = 0,
-    source_uris: Sequence[str] | None = None,
-    embedded_at: int | Sequence[int] | None = None,
-    batch_size: int = 1000,
-) -> dict[str, Any]:
-    """Index a gallery (first run) into the serving collection, creating it and the alias when missing;
-    writes the serving record (``query_model`` answers queries). Idempotent; returns the serving record."""
-    v = np.asarray(vectors, dtype=np.float32)
-    collection = index.serving_collection() or index.create_collection(space, int(v.shape[1]))
-    index.index_items(
-        ids,
-        v,
-        version,
-        space,
-        phase=phase,
-        source_uris=source_uris,
-        embedded_at=embedded_at,
-        collection=collection,
-        batch_size=batch_size,
-    )
-    index.flush(collection)
-    index.switch_alias(collection)
-    return write_serving(
-        paths.serving,
-        uri=index.uri,
-        alias=index.alias,
-        collection=collection,
-        space=space,
-        dim=index.collection_dim(collection),
-        query_model={"version": version, **query_model},
-    )

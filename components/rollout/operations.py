@@ -1,4 +1,4 @@
-"""Rollout operations on a workspace: its gallery index, indexing new items, rolling a model out.
+"""Rollout operations on a workspace: its gallery index, indexing (first and new items), rolling out.
 
 Plain functions on a workspace (:class:`components.workspace.Workspace`), called by the pipeline's
 gallery steps (:mod:`components.steps.gallery`) and by ``compatflow rollout``. Encoders come from a
@@ -12,12 +12,56 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from components.index import DEFAULT_ALIAS, GalleryIndex
-from components.rollout.engine import index_gallery, run_rollout
-from components.rollout.serving import DEFAULT_FACTORY, import_factory, read_serving
+from components.rollout.engine import run_rollout
+from components.rollout.serving import DEFAULT_FACTORY, import_factory, read_serving, write_serving
 from components.rollout.types import DEFAULT_FRACTIONS, ProbeSet, RolloutConfig, RolloutPaths
 
 DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
+
+
+def index_gallery(
+    index: GalleryIndex,
+    paths: RolloutPaths,
+    ids: Sequence[str],
+    vectors: np.ndarray,
+    *,
+    version: str,
+    space: str,
+    query_model: Mapping[str, Any],
+    phase: int | Sequence[int] = 0,
+    source_uris: Sequence[str] | None = None,
+    embedded_at: int | Sequence[int] | None = None,
+    batch_size: int = 1000,
+) -> dict[str, Any]:
+    """Index a gallery (first run) into the serving collection, creating it and the alias when missing;
+    writes the serving record (``query_model`` answers queries). Idempotent; returns the serving record."""
+    v = np.asarray(vectors, dtype=np.float32)
+    collection = index.serving_collection() or index.create_collection(space, int(v.shape[1]))
+    index.index_items(
+        ids,
+        v,
+        version,
+        space,
+        phase=phase,
+        source_uris=source_uris,
+        embedded_at=embedded_at,
+        collection=collection,
+        batch_size=batch_size,
+    )
+    index.flush(collection)
+    index.switch_alias(collection)
+    return write_serving(
+        paths.serving,
+        uri=index.uri,
+        alias=index.alias,
+        collection=collection,
+        space=space,
+        dim=index.collection_dim(collection),
+        query_model={"version": version, **query_model},
+    )
 
 
 def open_index(workspace: Any = None, uri: str | None = None) -> GalleryIndex:
@@ -52,8 +96,6 @@ def index_new_items(
     Returns the serving record plus ``n_items`` (gallery size), ``n_new`` and ``new_items`` (lineage rows
     of what was written: item id, caption, image URI, phase, domain).
     """
-    import numpy as np
-
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
     from components.rollout.serving import load_model
