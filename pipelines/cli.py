@@ -57,6 +57,9 @@ _register_commands()
 
 
 def main() -> None:
+    from compat import _torchvision_fix
+
+    _torchvision_fix.install()  # where the program starts (a no-op when the .pth start-up hook already did)
     app()
 
 

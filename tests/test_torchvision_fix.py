@@ -13,19 +13,30 @@ def test_open_clip_imports_in_a_fresh_process():
     assert result.stdout.strip() == "torchvision"
 
 
-def test_repair_applies_through_the_compat_import_alone():
-    code = (
-        "import sys; "
-        "sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != '_TorchvisionFinder']; "
-        "import compat, torchvision, torch; from compat import _torchvision_fix as f; "
-        "print(f.was_repaired() or hasattr(torch.ops.torchvision, 'nms'))"
-    )
-    result = subprocess.run(
+def _bare_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a process without the environment's start-up hooks (``-S``: no .pth files run)."""
+    return subprocess.run(
         [sys.executable, "-S", "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
         env={"PYTHONPATH": ":".join(p for p in sys.path if p)},
+    )
+
+
+def test_importing_the_library_changes_nothing_in_the_process():
+    result = _bare_python(
+        "import sys, compat, compat.models, compat.methods; "
+        "print(any(type(f).__name__ == '_TorchvisionFinder' for f in sys.meta_path))"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_the_program_start_repairs_torchvision():
+    result = _bare_python(
+        "from compat import _torchvision_fix as f; f.install(); import torchvision, torch; "
+        "print(f.was_repaired() or hasattr(torch.ops.torchvision, 'nms'))"
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"

@@ -16,8 +16,6 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from PIL import Image
@@ -66,9 +64,11 @@ def _resolve(value: Any, where: str) -> Any:
 
 @cache
 def _register() -> None:
-    """Register ``configs/`` with open_clip (once per process)."""
+    """Register ``configs/`` with open_clip (once per process, before the first model is built). Hugging Face
+    stays offline unless the environment says otherwise: every tower a config names is a local package."""
     import open_clip
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     open_clip.add_model_config(CONFIG_DIR)
 
 
