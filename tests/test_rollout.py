@@ -455,3 +455,45 @@ def test_cli_with_real_models_end_to_end(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
         assert index.count_by_version() == {"v1": 96}
+
+
+def test_cli_rollout_takes_its_settings_from_the_config(setup, tmp_path) -> None:
+    """`rollout run --config` plans with the config's rollout section; a flag overrides one setting."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    paths, index = setup
+    index.close()
+    ws = paths.state.parent
+    config = yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "pipelines/configs/local.yaml").read_text()
+    )
+    config["workspace"] = str(ws)
+    config["rollout"].update(order="oldest_first", fractions=[0.5, 1.0], batch_size=32)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    (ws / "probe.json").write_text(json.dumps(PROBE.to_dict()))
+    args = [
+        "rollout",
+        "run",
+        "--config",
+        str(path),
+        "--new-version",
+        "v2",
+        "--encoders",
+        f"{SYNTH_MODULE}:synthetic_encoders",
+        "--query-factory",
+        SYNTH_QUERY,
+        "--probe",
+        str(ws / "probe.json"),
+        "--json",
+        *[f"--option={k}={v}" for k, v in OPTS.items()],
+    ]
+    result = CliRunner().invoke(app, [*args, "--batch-size", "64"])
+    assert result.exit_code == 0, result.output
+    state = json.loads(result.output)
+    assert state["order"]["policy"] == "oldest_first"
+    assert [p["fraction"] for p in state["curve"]] == [0.0, 0.5, 1.0]
+    assert state["batch_size"] == 64  # the flag overrode the config's 32

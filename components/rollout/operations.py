@@ -17,7 +17,7 @@ import numpy as np
 from components.index import DEFAULT_ALIAS, GalleryIndex
 from components.rollout.engine import run_rollout
 from components.rollout.serving import DEFAULT_FACTORY, import_factory, read_serving, write_serving
-from components.rollout.types import DEFAULT_FRACTIONS, ProbeSet, RolloutConfig, RolloutPaths
+from components.rollout.types import ProbeSet, RolloutConfig, RolloutPaths
 
 DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
 
@@ -176,16 +176,13 @@ def index_new_items(
 def roll_out(
     workspace: Any,
     new_version: str,
+    settings: Mapping[str, Any],
     *,
     new_model: str = "",
     old_model: str = "",
     probe: str | Path | None = None,
-    policy: str = "random",
-    fractions: Sequence[float] = DEFAULT_FRACTIONS,
     seed: int = 0,
-    batch_size: int = 256,
     space: str | None = None,
-    floors: Mapping[str, float] | None = None,
     encoders: str = DEFAULT_ENCODERS,
     query_factory: str = DEFAULT_FACTORY,
     options: Mapping[str, Any] | None = None,
@@ -193,8 +190,10 @@ def roll_out(
 ) -> dict[str, Any]:
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state.
 
-    ``old_model`` defaults to the serving record's query model; ``probe`` to the probe set written by
-    :func:`index_new_items`; ``options`` go to the encoder factory and into the recorded query model.
+    ``settings`` is the pipeline config's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
+    ``floors``): the one place a deployment sets them. ``old_model`` defaults to the serving record's query
+    model; ``probe`` to the probe set written by :func:`index_new_items`; ``options`` go to the encoder
+    factory and into the recorded query model.
     """
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})
@@ -203,12 +202,12 @@ def roll_out(
     built = import_factory(encoders)({"old_model": old, "new_model": new_model, "options": options})
     config = RolloutConfig(
         new_version=new_version,
-        policy=policy,
-        fractions=tuple(fractions),
+        policy=settings["order"],
+        fractions=tuple(settings["fractions"]),
         seed=seed,
-        batch_size=batch_size,
+        batch_size=settings["batch_size"],
         space=space,
-        floors=dict(floors or {}),
+        floors=dict(settings.get("floors") or {}),
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )
     probe_set = ProbeSet.from_file(probe or paths.probe)

@@ -102,12 +102,9 @@ def rollout_step(config: Config, run_dir: Path, version: str) -> dict[str, Any]:
     state = roll_out(
         workspace,
         version,
+        settings,
         new_model=model_dir_of(config, version),
-        policy=settings["order"],
-        fractions=settings["fractions"],
         seed=seed,
-        batch_size=settings["batch_size"],
-        floors=settings.get("floors") or {},
         uri=uri,
     )
     if state["state"] == "halted":

@@ -57,19 +57,25 @@ ConfigOpt = Annotated[
 ]
 
 
+def config_of(config: str | None) -> dict[str, Any]:
+    """The resolved config an operator command reads its defaults from (``local`` when none is given)."""
+    from pipelines.config import ConfigError, load_config, resolve
+
+    try:
+        return resolve(load_config(config or "local"))
+    except ConfigError as err:
+        fail(str(err))
+
+
 def workspace_of(config: str | None, workspace: Path | None) -> Any:
     """The :class:`~components.workspace.Workspace` an operator command works on: the config's workspace and
     service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services."""
     import os
 
     from components.workspace import ENV_ROOT, Workspace
-    from pipelines.config import ConfigError, load_config, resolve
 
     if config is not None and workspace is not None:
         fail("give --config or --workspace, not both")
     if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
         return Workspace(workspace)
-    try:
-        return Workspace.from_config(resolve(load_config(config or "local")))
-    except ConfigError as err:
-        fail(str(err))
+    return Workspace.from_config(config_of(config))

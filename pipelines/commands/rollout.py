@@ -95,13 +95,20 @@ def run_cmd(
         Path | None, typer.Option("--probe", help="Probe set JSON (default: <workspace>/rollout/probe.json).")
     ] = None,
     policy: Annotated[
-        str, typer.Option("--policy", help="random | oldest_first | lambda_orth | uncertainty")
-    ] = "random",
+        str | None,
+        typer.Option(
+            "--policy",
+            help="random | oldest_first | lambda_orth | uncertainty (default: the config's rollout.order).",
+        ),
+    ] = None,
     fractions: Annotated[
-        str, typer.Option("--fractions", help="Stage fractions, comma-separated.")
-    ] = "0.1,0.25,0.5,1.0",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    batch_size: Annotated[int, typer.Option("--batch-size")] = 256,
+        str | None,
+        typer.Option("--fractions", help="Stage fractions, comma-separated (default: the config's)."),
+    ] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Default: the config's training.seed.")] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", help="Default: the config's rollout.batch_size.")
+    ] = None,
     space: Annotated[
         str | None,
         typer.Option(
@@ -110,7 +117,10 @@ def run_cmd(
         ),
     ] = None,
     floor: Annotated[
-        list[str], typer.Option("--floor", help="Extra floor METRIC=VALUE (only raises the old/old floor).")
+        list[str],
+        typer.Option(
+            "--floor", help="Floor METRIC=VALUE over the config's rollout.floors (only raises old/old)."
+        ),
     ] = [],  # noqa: B006
     encoders: Annotated[
         str, typer.Option("--encoders", help="Encoder factory module:function.")
@@ -128,7 +138,7 @@ def run_cmd(
 
     Exit code 0 when completed, 1 when halted (a probe fell below its floor; the stage was restored).
     """
-    from pipelines.commands._common import workspace_of
+    from pipelines.commands._common import config_of, workspace_of
 
     workspace = workspace_of(config, workspace)
     from components.index import GalleryIndexError
@@ -136,19 +146,25 @@ def run_cmd(
     from components.rollout.operations import roll_out
     from pipelines.commands._common import echo_json, fail
 
+    resolved = config_of(config)
+    settings = dict(resolved["rollout"])
+    if policy is not None:
+        settings["order"] = policy
+    if fractions is not None:
+        settings["fractions"] = [float(f) for f in fractions.split(",") if f.strip()]
+    if batch_size is not None:
+        settings["batch_size"] = batch_size
+    settings["floors"] = {**settings.get("floors", {}), **{k: float(v) for k, v in _options(floor).items()}}
     try:
         state = roll_out(
             workspace,
             new_version,
+            settings,
             new_model=new_model,
             old_model=old_model,
             probe=probe,
-            policy=policy,
-            fractions=[float(f) for f in fractions.split(",") if f.strip()],
-            seed=seed,
-            batch_size=batch_size,
+            seed=resolved["training"]["seed"] if seed is None else seed,
             space=space,
-            floors={k: float(v) for k, v in _options(floor).items()},
             encoders=encoders,
             query_factory=query_factory,
             options=_options(option),
