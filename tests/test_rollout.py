@@ -308,15 +308,12 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     assert plugin.status(ws)["gallery"]["by_version"] == {"v1": N}
 
 
-def _cli(ws: Path, *extra: str) -> list[str]:
+def _run_args(ws: Path, *where: str) -> list[str]:
+    """``rollout run`` of v2 with the known-geometry encoders on workspace ``ws`` (``where``: its flags)."""
     return [
-        sys.executable,
-        "-m",
-        "pipelines.cli",
         "rollout",
         "run",
-        "--workspace",
-        str(ws),
+        *where,
         "--new-version",
         "v2",
         "--encoders",
@@ -325,13 +322,13 @@ def _cli(ws: Path, *extra: str) -> list[str]:
         SYNTH_QUERY,
         "--probe",
         str(ws / "probe.json"),
-        "--batch-size",
-        "16",
-        "--policy",
-        "random",
         *[f"--option={k}={v}" for k, v in OPTS.items()],
-        *extra,
     ]
+
+
+def _cli(ws: Path, *extra: str) -> list[str]:
+    cli = [sys.executable, "-m", "pipelines.cli"]
+    return [*cli, *_run_args(ws, "--workspace", str(ws)), "--batch-size", "16", "--policy", "random", *extra]
 
 
 @pytest.mark.slow
@@ -475,23 +472,7 @@ def test_cli_rollout_takes_its_settings_from_the_config(setup, tmp_path) -> None
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     (ws / "probe.json").write_text(json.dumps(PROBE.to_dict()))
-    args = [
-        "rollout",
-        "run",
-        "--config",
-        str(path),
-        "--new-version",
-        "v2",
-        "--encoders",
-        f"{SYNTH_MODULE}:synthetic_encoders",
-        "--query-factory",
-        SYNTH_QUERY,
-        "--probe",
-        str(ws / "probe.json"),
-        "--json",
-        *[f"--option={k}={v}" for k, v in OPTS.items()],
-    ]
-    result = CliRunner().invoke(app, [*args, "--batch-size", "64"])
+    result = CliRunner().invoke(app, [*_run_args(ws, "--config", str(path)), "--json", "--batch-size", "64"])
     assert result.exit_code == 0, result.output
     state = json.loads(result.output)
     assert state["order"]["policy"] == "oldest_first"

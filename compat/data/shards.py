@@ -21,6 +21,8 @@ from typing import Any, BinaryIO
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from compat.io import atomic_write
+
 TAR_MTIME = 0
 TAR_MODE = 0o644
 
@@ -42,10 +44,10 @@ class RawSample:
 def write_shard(path: str | os.PathLike[str], samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> int:
     """Write ``(key, {ext: bytes})`` samples to the tar shard ``path`` atomically; return the sample count."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     count = 0
-    try:
+
+    def write(tmp: Path) -> None:
+        nonlocal count
         with open(tmp, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for key, members in samples:
                 if "/" in key or "." in key:
@@ -59,10 +61,8 @@ def write_shard(path: str | os.PathLike[str], samples: Iterable[tuple[str, Mappi
                     info.uname = info.gname = ""
                     tar.addfile(info, io.BytesIO(data))
                 count += 1
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    atomic_write(path, write)
     return count
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from compat.io import atomic_write, utc_now
 from compat.models.factory import ClipBundle, _build, config_path, read_config, tokenizer_name_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,17 +59,6 @@ def tensors_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _plain_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU copies: safetensors refuses tensors sharing storage."""
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
@@ -98,7 +85,7 @@ def save_checkpoint(
     param_names = {name for name, _ in bundle.model.named_parameters()}
     metadata = {"format": FORMAT, "config_name": bundle.config_name, "version": str(version)}
     weights = out_dir / WEIGHTS_FILE
-    _atomic_write(weights, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    atomic_write(weights, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     sidecar = {
         "format": FORMAT,
         "config_name": bundle.config_name,
@@ -107,13 +94,13 @@ def save_checkpoint(
         "tokenizer": bundle.tokenizer_name,
         "version": str(version),
         "sha256": sha256_file(weights),
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "created_at": utc_now(),
         "parameters": int(sum(t.numel() for k, t in tensors.items() if k in param_names)),
         "extra": extra or {},
     }
     text = json.dumps(sidecar, indent=2, sort_keys=True) + "\n"
     path = out_dir / SIDECAR_FILE
-    _atomic_write(path, lambda tmp: tmp.write_text(text))
+    atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
 

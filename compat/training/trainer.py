@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from compat.io import atomic_write
 from compat.training.ddp import SINGLE, DistInfo, barrier, gather_no_grad, gather_with_grad
 from compat.training.schedule import CosineWarmup, set_lr
 from compat.training.state import (
@@ -295,9 +295,7 @@ class _Ledger:
                 f"{path} lists {len(kept)} steps up to step {keep_through_step}; "
                 "it does not belong to this checkpoint"
             )
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: tmp.write_text("".join(k + "\n" for k in kept)))
         self._fh = open(path, "a")  # noqa: SIM115 - held open for the whole run
 
     def append(self, step: int, keys: list[str]) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compat.io import write_json_atomic
 from components.validation.checks import CheckTimings, Reason, inspect_sample
 from components.validation.policy import ValidationPolicy
 from components.validation.quarantine import (
@@ -29,7 +30,6 @@ from components.validation.quarantine import (
     quarantine_name,
     quarantine_sample,
     remove_stale_outputs,
-    write_json_atomic,
 )
 from components.validation.shard_reader import SampleGroup, ShardReader
 

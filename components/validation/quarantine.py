@@ -109,14 +109,6 @@ def quarantine_sample(writer: AtomicTarWriter, group: SampleGroup, shard: str, r
     writer.add_bytes(group.key + REASON_SUFFIX, document, mtime)
 
 
-def write_json_atomic(path: Path, document: Any) -> None:
-    """Write strict JSON (no NaN) via a temp file and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-
-
 def remove_stale_outputs(out_dir: Path, keep: set[str]) -> list[str]:
     """Delete output shards (and temp files) of earlier runs that this run did not write."""
     removed = []
