@@ -119,3 +119,13 @@ def stream_dir(tmp_path_factory):
         out, phases=4, samples_per_phase=96, seed=0, eval_per_domain=12, gallery_per_domain=16, image_size=64
     )
     return out
+
+
+@pytest.fixture
+def rendered():
+    """The manifest overlays rendered once per session (``tests/_manifests.py``), copied for each test."""
+    import copy
+
+    from _manifests import rendered_overlays
+
+    return copy.deepcopy(rendered_overlays())
