@@ -1,3 +1,4 @@
-"""Pipeline stages: each module implements one step on top of ``compat`` and the MLOps
-libraries (Great Expectations, Evidently, MLflow, Feast, Milvus) and exposes it as a
-KFP v2 component in ``components.kfp_ops``."""
+"""The pipeline's steps and what they run on, in layers: KFP ops (:mod:`components.kfp_ops`), step functions
+(:mod:`components.steps`), engines (:mod:`components.rollout`, :mod:`components.gate`,
+:mod:`components.report`), service adapters (registry, index, lineage, drift, validation, continual
+training, evaluation) and the workspace (paths, runs, lock, status). See README "Architecture"."""
