@@ -478,3 +478,71 @@ def test_cli_rollout_takes_its_settings_from_the_config(setup, tmp_path) -> None
     assert state["order"]["policy"] == "oldest_first"
     assert [p["fraction"] for p in state["curve"]] == [0.0, 0.5, 1.0]
     assert state["batch_size"] == 64  # the flag overrode the config's 32
+
+
+# ------------------------------------------------------------------------------------------------- pacing
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_pace_caps_the_rate() -> None:
+    from components.rollout.pacing import Pace
+
+    clock = _FakeClock()
+    pace = Pace(max_items_per_s=100, clock=clock, sleep=clock.sleep)
+    pace.begin()
+    for _ in range(4):
+        clock.now += 0.1  # a batch of 50 items takes 0.1 s; the cap allows 50 items per 0.5 s
+        pace.after_batch(50)
+    assert clock.now == pytest.approx(2.0) and pace.slept_s == pytest.approx(1.6)
+    assert pace.to_dict()["items_per_s_allowed"] == 100
+
+
+def test_pace_halves_when_queries_slow_down_and_recovers_when_they_are_quiet() -> None:
+    from components.rollout.pacing import FLOOR_SHARE, GROWTH, MIN_SAMPLES, Pace
+
+    clock = _FakeClock()
+    pace = Pace(p99_factor=1.5, idle_p99_ms=10.0, clock=clock, sleep=clock.sleep)
+    pace.begin()
+    for _ in range(MIN_SAMPLES):  # 100 items/s unpaced, queries at 3x idle
+        clock.now += 1.0
+        pace.after_batch(100, latency_ms=30.0)
+    assert pace.slowdowns == 1 and pace.rate == pytest.approx(50.0) and pace.last_p99_ms == 30.0
+    for _ in range(40 * MIN_SAMPLES):  # still slow: halves again and again, down to the floor only
+        clock.now += 0.01
+        pace.after_batch(10, latency_ms=30.0)
+    assert pace.rate == pytest.approx(FLOOR_SHARE * 100.0)
+    slow = pace.rate
+    for _ in range(MIN_SAMPLES):  # quiet again: the rate grows
+        pace.after_batch(10, latency_ms=5.0)
+    assert pace.rate == pytest.approx(slow * GROWTH)
+    with pytest.raises(ValueError, match="p99_factor must be above 1"):
+        Pace(p99_factor=0.5)
+
+
+def test_rollout_records_its_pace_and_holds_the_cap(setup) -> None:
+    """A real rollout measures the idle p99, times a query per batch and keeps to max_items_per_s."""
+    paths, index = setup
+    cap = 400.0
+    t0 = time.perf_counter()
+    state = ro.run_rollout(
+        index,
+        paths,
+        _config(fractions=(0.5, 1.0), slo_p99_factor=1.5, max_items_per_s=cap),
+        synthetic_encoders({"options": OPTS}),
+        PROBE,
+    )
+    elapsed = time.perf_counter() - t0
+    assert state["state"] == "completed"
+    pace = state["pace"]
+    assert pace["idle_p99_ms"] > 0 and pace["last_p99_ms"] is not None and pace["max_items_per_s"] == cap
+    assert elapsed >= N / cap * 0.9  # every item paced: N items at the cap take N / cap seconds
+    assert all(s["items_per_s"] <= cap * 1.05 for s in state["stages"] if "items_per_s" in s)
+    schemas.validate(json.loads(paths.state.read_text()), "rollout_state", "state")

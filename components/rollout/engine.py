@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import numpy as np
 
 from compat.io import utc_now
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
+from components.rollout.pacing import IDLE_QUERIES, Pace, p99_ms
 from components.rollout.probes import broken_floors, probe_metrics
 from components.rollout.serving import read_serving, write_serving
 from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_rows, save_state
@@ -62,6 +63,7 @@ class Rollout:
         if self.adapt and not encoders.transform_tag:
             raise ValueError("a gallery_transform needs a transform_tag naming it (recorded in row lineage)")
         self._queries: np.ndarray | None = None
+        self.pace = Pace(config.slo_p99_factor, config.max_items_per_s)
 
     @property
     def rollout_id(self) -> str:
@@ -88,6 +90,9 @@ class Rollout:
                 if state is not None:
                     self._replace(state)
                 state = self._plan()
+            self.pace = Pace.resumed(
+                state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
+            )
             while True:
                 if state["state"] in ("completed", "rolled_back"):
                     return state
@@ -356,6 +361,8 @@ class Rollout:
         there, then upserts finished batches and records progress: the encoder never waits on the index.
         """
         t0, written = time.perf_counter(), 0
+        timed = self._latency_probe(state, batches, ids, source)
+        self.pace.begin()
         todo = iter(batches)
         queue: deque[tuple[int, Future]] = deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
@@ -379,6 +386,8 @@ class Rollout:
                         self.index.flush(target)
                     state["cursor"]["position"] = end
                     state["fraction_backfilled"] = end / state["n_items"]
+                    self.pace.after_batch(len(rows), timed() if timed else None)
+                    state["pace"] = self.pace.to_dict()
                     self._save(state)
             finally:
                 for _, future in queue:
@@ -386,6 +395,30 @@ class Rollout:
         if written:
             rate = written / max(time.perf_counter() - t0, 1e-9)
             log.info("rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], written, rate)
+
+    def _latency_probe(
+        self, state: dict[str, Any], batches: Sequence[tuple[int, int]], ids: Sequence[str], source: str
+    ) -> Callable[[], float] | None:
+        """A timed search of the collection that answers users' queries now (milliseconds), for the pace;
+        the idle p99 is measured with it first, once per rollout. None when no SLO throttle is set."""
+        if not batches or self.config.slo_p99_factor is None:
+            return None
+        serving = self.index.serving_collection() or source
+        (row,) = self.index.fetch([ids[batches[0][0]]], source)
+        query = np.asarray(row["vector"], dtype=np.float32)[None]
+        if query.shape[1] != self.index.collection_dim(serving):
+            return None  # a blue-green fill reads another space: users' queries are not timed by it
+
+        def timed() -> float:
+            t0 = time.perf_counter()
+            self.index.search(query, k=10, collection=serving)
+            return 1000 * (time.perf_counter() - t0)
+
+        if self.pace.idle_p99_ms is None:
+            self.pace.idle_p99_ms = p99_ms([timed() for _ in range(IDLE_QUERIES)])
+            state["pace"] = self.pace.to_dict()
+            log.info("rollout %s: idle query p99 %.1f ms", state["rollout_id"], self.pace.idle_p99_ms)
+        return timed
 
     def _batches(self, start: int, end: int) -> list[tuple[int, int]]:
         step = self.config.batch_size

@@ -191,9 +191,9 @@ def roll_out(
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state.
 
     ``settings`` is the pipeline config's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
-    ``floors``): the one place a deployment sets them. ``old_model`` defaults to the serving record's query
-    model; ``probe`` to the probe set written by :func:`index_new_items`; ``options`` go to the encoder
-    factory and into the recorded query model.
+    ``floors``, ``slo``): the one place a deployment sets them. ``old_model`` defaults to the serving
+    record's query model; ``probe`` to the probe set written by :func:`index_new_items`; ``options`` go to
+    the encoder factory and into the recorded query model.
     """
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})
@@ -208,6 +208,8 @@ def roll_out(
         batch_size=settings["batch_size"],
         space=space,
         floors=dict(settings.get("floors") or {}),
+        slo_p99_factor=settings["slo"]["p99_factor"],
+        max_items_per_s=settings["slo"]["max_items_per_s"],
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )
     probe_set = ProbeSet.from_file(probe or paths.probe)

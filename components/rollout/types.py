@@ -112,6 +112,8 @@ class RolloutConfig:
     n_clusters: int | None = None
     flush_every: int = 0  # batches between flushes; 0: at stage ends only (Milvus seals segments itself)
     prefetch: int = 2  # batches read and encoded ahead of the upserts
+    slo_p99_factor: float | None = None  # query p99 the backfill may cause, x idle (None: unpaced)
+    max_items_per_s: float | None = None  # a cap on the backfill rate
 
     def __post_init__(self) -> None:
         from compat.backfill import POLICIES
@@ -139,6 +141,9 @@ class RolloutConfig:
             raise ValueError(
                 f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"
             )
+        from components.rollout.pacing import Pace
+
+        Pace(self.slo_p99_factor, self.max_items_per_s)  # raises ValueError naming a bad setting
         self.ks = tuple(sorted({int(k) for k in self.ks}))
         if not self.ks or self.ks[0] < 1:
             raise ValueError(f"ks must be positive, got {self.ks}")

@@ -109,6 +109,17 @@ def run_cmd(
     batch_size: Annotated[
         int | None, typer.Option("--batch-size", help="Default: the config's rollout.batch_size.")
     ] = None,
+    p99_factor: Annotated[
+        float | None,
+        typer.Option(
+            "--slo-p99-factor",
+            help="Query p99 the backfill may cause, x idle (0: unpaced; default: the config's rollout.slo).",
+        ),
+    ] = None,
+    max_items_per_s: Annotated[
+        float | None,
+        typer.Option("--max-items-per-s", help="Backfill rate cap (default: the config's rollout.slo)."),
+    ] = None,
     space: Annotated[
         str | None,
         typer.Option(
@@ -155,6 +166,11 @@ def run_cmd(
     if batch_size is not None:
         settings["batch_size"] = batch_size
     settings["floors"] = {**settings.get("floors", {}), **{k: float(v) for k, v in _options(floor).items()}}
+    settings["slo"] = dict(settings["slo"])
+    if p99_factor is not None:
+        settings["slo"]["p99_factor"] = p99_factor or None
+    if max_items_per_s is not None:
+        settings["slo"]["max_items_per_s"] = max_items_per_s
     try:
         state = roll_out(
             workspace,
