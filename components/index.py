@@ -20,6 +20,7 @@ atomically (Milvus ``alter_alias``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -70,6 +71,7 @@ class Hit:
     item_id: str
     score: float
     model_version: str
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # output_fields asked for
 
     def to_dict(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "score": self.score, "model_version": self.model_version}
@@ -388,8 +390,10 @@ class GalleryIndex:
         filter: str | None = None,
         collection: str | None = None,
         ef: int | None = None,
+        output_fields: Sequence[str] = (),
     ) -> list[list[Hit]]:
-        """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector."""
+        """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector and
+        the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``)."""
         q = np.atleast_2d(np.asarray(query_vectors, dtype=np.float32))
         if not np.isfinite(q).all():
             raise ValueError("query vectors contain NaN or infinite values")
@@ -402,12 +406,20 @@ class GalleryIndex:
             data=q.tolist(),
             filter=filter or "",
             limit=int(k),
-            output_fields=["model_version"],
+            output_fields=list(dict.fromkeys(["model_version", *output_fields])),
             search_params=params,
             timeout=self.timeout,
         )
         return [
-            [Hit(str(h["item_id"]), float(h["distance"]), str(h["entity"]["model_version"])) for h in row]
+            [
+                Hit(
+                    str(h["item_id"]),
+                    float(h["distance"]),
+                    str(h["entity"]["model_version"]),
+                    {f: h["entity"].get(f) for f in output_fields},
+                )
+                for h in row
+            ]
             for row in result
         ]
 
