@@ -11,8 +11,15 @@ Three families of signals, each compared per column between reference and curren
 
 Every column gets a score on a scale where 0 means "same distribution": normalised
 Wasserstein distance for numbers, Jensen-Shannon distance for categories, classifier
-ROC AUC for embeddings, and the unseen-word rate for the caption vocabulary. Severities come from
-fixed score bands (:data:`SEVERITY_BANDS`), so a verdict means the same thing from one run to the next.
+ROC AUC for embeddings (0.5), and the unseen-word rate for the caption vocabulary.
+
+Scores carry sampling noise (two samples of one distribution never score 0; a caption vocabulary with a
+long tail of rare words gives every fresh sample unseen words), so each signal is calibrated on the
+reference itself: :func:`noise_floors` scores ``NOISE_SPLITS`` random halves of the reference sample against
+each other, and the largest such score is the signal's noise floor (conservative: halves are smaller, so
+noisier, than the samples compared). Only the excess over the floor counts: the calibrated score is the
+no-drift score plus ``max(0, score - floor)``, banded by the fixed :data:`SEVERITY_BANDS`, so a phase
+against a fresh sample of itself reads "none" on any data and a verdict means the same from run to run.
 Outputs: ``drift.json`` (schema ``schemas/drift_summary.schema.json``) and a self-contained
 ``drift_report.html``.
 """
@@ -52,6 +59,8 @@ NUMERIC_COLUMNS = {
 }
 CATEGORICAL_COLUMNS = {"image_dominant_hue": "image"}
 HUE_NAMES = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "magenta", "grey")
+NO_DRIFT_SCORE = {"wasserstein": 0.0, "jensenshannon": 0.0, "model": 0.5, "oov_rate": 0.0}
+NOISE_SPLITS = 10  # random halves of the reference scored against each other, per signal
 
 
 @dataclass(frozen=True)
@@ -132,23 +141,18 @@ def caption_statistics(caption: str) -> dict[str, Any]:
 def vocabulary_verdict(reference: Sequence[Any], current: Sequence[Any]) -> dict[str, Any]:
     """Share of the current captions' words that no reference caption uses (new vocabulary).
 
-    A rate, not a distribution test: the reference side has no out-of-vocabulary words by
-    construction, so the rate itself is the score, banded by :data:`SEVERITY_BANDS` ``oov_rate``.
+    A rate, not a distribution test: the rate itself is the score (calibrated and banded by
+    :func:`calibrated_verdict` like every other signal).
     """
+    rate, unseen = _unseen_words(reference, current)
+    return {"kind": "caption", "method": "oov_rate", "score": rate, "examples": sorted(set(unseen))[:20]}
+
+
+def _unseen_words(reference: Sequence[Any], current: Sequence[Any]) -> tuple[float, list[str]]:
     vocabulary = {w for s in reference for w in _words(s.caption)}
     words = [w for s in current for w in _words(s.caption)]
     unseen = [w for w in words if w not in vocabulary]
-    rate = len(unseen) / len(words) if words else 0.0
-    threshold = SEVERITY_BANDS["oov_rate"][0]
-    return {
-        "kind": "caption",
-        "method": "oov_rate",
-        "score": rate,
-        "threshold": threshold,
-        "drift": rate >= threshold,
-        "severity": severity_for(rate, "oov_rate"),
-        "examples": sorted(set(unseen))[:20],
-    }
+    return (len(unseen) / len(words) if words else 0.0), unseen
 
 
 def sample_phase(shard_spec: str | Sequence[str], size: int, seed: int) -> list[Any]:
@@ -193,6 +197,59 @@ def _embedding_columns(samples: Sequence[Any], bundle: Any, prefix: str) -> dict
 
 def _is_drift(method: str, score: float, threshold: float) -> bool:
     return score >= threshold if method != "model" else score > threshold
+
+
+def calibrated_verdict(method: str, score: float, noise_floor: float | None) -> dict[str, Any]:
+    """Threshold, drift flag and severity of ``score`` once its noise floor is taken off (see the module doc);
+    without a floor (a reference too small to split) the raw score is banded."""
+    null = NO_DRIFT_SCORE[method]
+    calibrated = score if noise_floor is None else null + max(0.0, score - max(noise_floor, null))
+    threshold = SEVERITY_BANDS[method][0]
+    return {
+        "noise_floor": noise_floor,
+        "calibrated_score": calibrated,
+        "threshold": threshold,
+        "drift": _is_drift(method, calibrated, threshold),
+        "severity": severity_for(calibrated, method),
+    }
+
+
+def noise_floors(
+    reference: Sequence[Any],
+    ref_df: Any,
+    numeric: Sequence[str],
+    embeddings: dict[str, list[str]],
+    splits: int = NOISE_SPLITS,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The largest score of each signal between two random halves of the reference, over ``splits`` splits:
+    what sampling alone produces. Scored by the same Evidently functions as the comparison itself."""
+    from evidently.legacy.calculations.stattests.jensenshannon import _jensenshannon
+    from evidently.legacy.calculations.stattests.wasserstein_distance_norm import _wasserstein_distance_norm
+    from evidently.legacy.core import ColumnType
+    from evidently.legacy.metrics.data_drift.embedding_drift_methods import ModelDriftMethod
+
+    n = len(reference)
+    if n < 4:
+        return {}
+    rng = np.random.default_rng(seed)
+    scores: dict[str, list[float]] = {}
+    for _ in range(splits):
+        order = rng.permutation(n)
+        a, b = order[: n // 2], order[n // 2 :]
+        half_a, half_b = ref_df.iloc[a].reset_index(drop=True), ref_df.iloc[b].reset_index(drop=True)
+        found = {"caption_vocabulary": _unseen_words([reference[i] for i in a], [reference[i] for i in b])[0]}
+        for column in numeric:
+            found[column] = _wasserstein_distance_norm(
+                half_a[column], half_b[column], ColumnType.Numerical, 0.1
+            )[0]
+        for column in CATEGORICAL_COLUMNS:
+            found[column] = _jensenshannon(half_a[column], half_b[column], ColumnType.Categorical, 0.1)[0]
+        for name, columns in embeddings.items():
+            found[name] = ModelDriftMethod()(half_b[columns].copy(), half_a[columns].copy())[0]
+        for name, score in found.items():
+            scores.setdefault(name, []).append(float(score))
+    return {name: max(values) for name, values in scores.items()}
 
 
 def compute_drift(
@@ -240,25 +297,19 @@ def compute_drift(
         html_path.parent.mkdir(parents=True, exist_ok=True)
         snapshot.save_html(str(html_path))
 
+    floors = noise_floors(reference, ref_df, numeric, embeddings)
     verdicts: dict[str, Any] = {"caption_vocabulary": vocabulary_verdict(reference, current)}
     for result in snapshot.dict()["metrics"]:
         config = result["config"]
         if config["type"].endswith("EmbeddingsDrift"):
-            name, method, threshold, kind = config["embeddings_name"], "model", 0.55, "embedding"
+            name, method, kind = config["embeddings_name"], "model", "embedding"
         else:
             name, method = config["column"], config.get("method") or "wasserstein"
             method = "jensenshannon" if "jensen" in method.lower() else "wasserstein"
-            threshold = float(config.get("threshold") or 0.1)
             kind = NUMERIC_COLUMNS.get(name) or CATEGORICAL_COLUMNS[name]
-        score = float(result["value"])
-        verdicts[name] = {
-            "kind": kind,
-            "method": method,
-            "score": score,
-            "threshold": threshold,
-            "drift": _is_drift(method, score, threshold),
-            "severity": severity_for(score, method),
-        }
+        verdicts[name] = {"kind": kind, "method": method, "score": float(result["value"])}
+    for name, verdict in verdicts.items():
+        verdict.update(calibrated_verdict(verdict["method"], verdict["score"], floors.get(name)))
     worst = max((v["severity"] for v in verdicts.values()), key=SEVERITIES.index, default="none")
     return {
         "severity": worst,
@@ -301,6 +352,7 @@ def run_drift(
             "production_model": str(production_checkpoint) if production_checkpoint else None,
             "html_report": "drift_report.html",
             "severity_bands": {k: list(v) for k, v in SEVERITY_BANDS.items()},
+            "noise_splits": NOISE_SPLITS,
         }
     )
     schemas.validate(summary, "drift_summary", source=str(out_dir / "drift.json"))

@@ -243,13 +243,21 @@ def _drift_section(source: Source, base: Path) -> Section:
                     v.get("kind", "-"),
                     v.get("method", "-"),
                     _fmt(v.get("score")),
+                    _fmt(v.get("noise_floor")),
+                    _fmt(v.get("calibrated_score")),
                     _fmt(v.get("threshold")),
                     "yes" if v.get("drift") else "no",
                     v.get("severity", "-"),
                 ]
             )
+        header = ["metric", "kind", "method", "score", "noise floor", "above noise", "threshold", "drift"]
+        section.items.append(Table([*header, "severity"], rows))
         section.items.append(
-            Table(["metric", "kind", "method", "score", "threshold", "drift", "severity"], rows)
+            Note(
+                "noise floor: the largest score between random halves of the reference (what sampling alone "
+                "gives); threshold and severity apply to the score above it",
+                "muted",
+            )
         )
     html_report = doc.get("html_report")
     if html_report and source.path is not None:
