@@ -133,13 +133,27 @@ def _synthetic(options: Mapping[str, Any]) -> Any:
     return synthetic_upgrade(**{k: cast(options[k]) for k, cast in keys.items() if k in options})
 
 
+def _new_space(options: Mapping[str, Any], dim: int) -> tuple[np.ndarray | None, str | None]:
+    """A fixed isometry ``[dim, new_dim]`` and the space id ``new<new_dim>`` when ``new_dim`` is set: the new
+    model writes into a space the old one cannot read (a blue-green rollout), else ``(None, None)``."""
+    if not options.get("new_dim"):
+        return None, None
+    new_dim = int(options["new_dim"])
+    if new_dim < dim:
+        raise ValueError(f"option new_dim must be >= dim ({dim}), got {new_dim}")
+    rng = np.random.default_rng(int(options.get("seed", 0)) + 7919)
+    rot = np.linalg.qr(rng.normal(size=(new_dim, new_dim)))[0][:dim].astype(np.float32)
+    return rot, f"new{new_dim}"
+
+
 def synthetic_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     """Encoders of :func:`synthetic_upgrade` (for smoke runs and benchmarks).
 
     Options: ``n_items``, ``n_queries``, ``dim``, ``n_clusters``, ``seed`` (the geometry), ``delay_s``
-    (a pause per gallery batch, standing in for a slow encoder), ``broken`` (new gallery vectors collapse onto
-    the mean query direction -- hubs that outrank the relevant items of most queries -- a regression every
-    stage probe must catch).
+    (a pause per gallery batch, standing in for a slow encoder), ``new_dim`` (the new model writes into a
+    space of that many dimensions, ``new<new_dim>``, which the old model cannot read: blue-green),
+    ``broken`` (new gallery vectors collapse onto the mean query direction -- hubs that outrank the relevant
+    items of most queries -- a regression every stage probe must catch).
     """
     opts = dict(config.get("options") or {})
     upgrade = _synthetic(opts)
@@ -157,15 +171,27 @@ def synthetic_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
             vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
         return vectors
 
+    rot, space = _new_space(opts, upgrade.old_gallery.shape[1])
+    if rot is None:
+        return RolloutEncoders(
+            old_query=lambda t: upgrade.query_vectors(t, "old"),
+            new_query=lambda t: upgrade.query_vectors(t, "new"),
+            new_gallery=gallery,
+        )
     return RolloutEncoders(
         old_query=lambda t: upgrade.query_vectors(t, "old"),
-        new_query=lambda t: upgrade.query_vectors(t, "new"),
-        new_gallery=gallery,
+        new_query=lambda t: upgrade.query_vectors(t, "new") @ rot,
+        new_gallery=lambda refs: gallery(refs) @ rot,
+        space=space,
     )
 
 
 def synthetic_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
     """Query encoder of a synthetic model (``options`` as in :func:`synthetic_encoders`, ``side`` old|new)."""
-    upgrade = _synthetic(query_model.get("options") or {})
+    options = query_model.get("options") or {}
+    upgrade = _synthetic(options)
     side = str(query_model.get("side", "new"))
+    rot, _ = _new_space(options, upgrade.old_gallery.shape[1]) if side == "new" else (None, None)
+    if rot is not None:
+        return lambda texts: upgrade.query_vectors(texts, side) @ rot
     return lambda texts: upgrade.query_vectors(texts, side)

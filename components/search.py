@@ -1,5 +1,8 @@
 """Answering queries as the serving record says (:mod:`components.rollout.serving`): a long-lived
-:class:`Searcher` that follows rollouts live, and a one-shot :func:`search`."""
+:class:`Searcher` that follows rollouts live, and a one-shot :func:`search`. Both run each query on one
+(query model, collection) pair (:mod:`components.serving.pair`); the HTTP service is
+:mod:`components.serving`.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from components.rollout.serving import ServingError, load_query_encoder, read_serving
+from components.rollout.serving import ServingError
 from components.rollout.types import QueryEncoder
 
 
 class Searcher:
-    """A long-lived query server: keeps the index connection and the query encoder, and reloads the
-    encoder when the serving record changes (a rollout's query switch or a rollback takes effect live)."""
+    """A long-lived query server: keeps the index connection and the query encoder, and swaps both when the
+    serving record changes (a rollout's query switch or a rollback takes effect live)."""
 
     def __init__(
         self,
@@ -26,39 +27,16 @@ class Searcher:
         index: Any = None,
         encoder: QueryEncoder | None = None,
     ) -> None:
+        from components.serving.pair import PairFollower
+
         self.record_path = Path(record_path)
-        self.uri = uri
-        self._index = index
-        self._own_index = index is None
-        self._fixed_encoder = encoder
-        self._stamp: tuple[int, int] | None = None
-        self._record: dict[str, Any] = {}
-        self._encoder: QueryEncoder | None = encoder
-
-    def _refresh(self) -> dict[str, Any]:
-        missing = ServingError(f"no serving record at {self.record_path}: index the gallery first")
-        try:
-            st = self.record_path.stat()
-        except FileNotFoundError:
-            raise missing from None
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp != self._stamp:
-            record = read_serving(self.record_path)
-            if record is None:
-                raise missing
-            if self._fixed_encoder is None and record["query_model"] != self._record.get("query_model"):
-                self._encoder = load_query_encoder(record["query_model"])
-            self._record, self._stamp = record, stamp
-        if self._index is None:
-            from components.index import GalleryIndex
-
-            self._index = GalleryIndex(self.uri or self._record["uri"], self._record["alias"])
-        return self._record
+        self._follower = PairFollower(record_path, uri=uri, index=index, encoder=encoder)
+        self._captions: Any = None
 
     def search(
-        self, texts: Sequence[str], k: int = 10, *, filter: str | None = None
+        self, texts: Sequence[str], k: int = 10, *, filter: str | None = None, captions: bool = False
     ) -> list[list[dict[str, Any]]]:
-        """Hits (``item_id``, ``score``, ``model_version``) per text, through the serving alias."""
+        """Hits (``item_id``, ``score``, ``model_version``, and ``caption`` when asked) per text."""
         if isinstance(texts, str):
             raise TypeError("search expects a list of texts, got a single string")
         empty = [i for i, text in enumerate(texts) if not str(text).strip()]
@@ -66,22 +44,30 @@ class Searcher:
             raise ServingError(
                 f"empty query text (position {empty[:5] or 'none given'}): give words to search for"
             )
-        record = self._refresh()
-        vectors = np.asarray(self._encoder(list(texts)), dtype=np.float32)
-        target = self._index.serving_collection()
-        collection = record["collection"] if target != record["collection"] else None
-        hits = self._index.search(vectors, k=k, filter=filter, collection=collection)
-        return [[h.to_dict() for h in row] for row in hits]
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        pair = self._follower.current()
+        fields = ("source_uri",) if captions else ()
+        hits = pair.search(list(texts), k, filter=filter, output_fields=fields)
+        rows = [[h.to_dict() for h in row] for row in hits]
+        if captions:
+            from components.serving.captions import ShardCaptions
+
+            self._captions = self._captions or ShardCaptions()
+            found = iter(self._captions.lookup([h.fields.get("source_uri") for row in hits for h in row]))
+            for row in rows:
+                for hit in row:
+                    hit["caption"] = next(found)
+        return rows
 
     @property
     def query_model(self) -> dict[str, Any]:
         """The serving query model the last search used."""
-        return dict(self._record.get("query_model", {}))
+        pair = self._follower.pair
+        return dict(pair.record["query_model"]) if pair is not None else {}
 
     def close(self) -> None:
-        if self._own_index and self._index is not None:
-            self._index.close()
-            self._index = None
+        self._follower.close()
 
 
 def search(
@@ -94,18 +80,21 @@ def search(
     filter: str | None = None,
     encoder: QueryEncoder | None = None,
     index: Any = None,
+    captions: bool = False,
 ) -> list[list[dict[str, Any]]]:
-    """Hits (``item_id``, ``score``, ``model_version``) per text, served as the serving record says.
+    """Hits (``item_id``, ``score``, ``model_version``; ``caption`` when ``captions``) per text, served as
+    the serving record says.
 
     ``record_path`` defaults to the workspace's ``serving.json``; ``uri`` overrides the record's index URI
     (e.g. a server URI while another process holds the embedded directory); ``encoder`` and ``index``
-    replace the record's query model and a freshly opened index. A long-lived server uses :class:`Searcher`.
+    replace the record's query model and a freshly opened index. Captions come from the gallery shards each
+    hit's row names (:mod:`components.serving.captions`). A long-lived server uses :class:`Searcher`.
     """
     from components.workspace import Workspace
 
     path = Path(record_path) if record_path is not None else Workspace.coerce(workspace).serving_path
     searcher = Searcher(path, uri=uri, index=index, encoder=encoder)
     try:
-        return searcher.search(texts, k, filter=filter)
+        return searcher.search(texts, k, filter=filter, captions=captions)
     finally:
         searcher.close()

@@ -291,7 +291,8 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     hits = json.loads(result.output)
     assert [h["item_id"] for h in hits] == [h.item_id for h in expected]
-    assert set(hits[0]) == {"item_id", "score", "model_version"} and hits[0]["model_version"] == "v2"
+    assert set(hits[0]) == {"item_id", "score", "model_version", "caption"}
+    assert hits[0]["model_version"] == "v2" and hits[0]["caption"] is None  # its rows name no real shard
     result = CliRunner().invoke(app, ["rollout", "status", "--json", "--workspace", str(ws)])
     assert json.loads(result.output)["state"] == "completed"
     refused = CliRunner().invoke(app, ["search", "  ", "--workspace", str(ws)])

@@ -248,7 +248,8 @@ def search_cmd(
     uri: UriOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Search the gallery with the serving query model, through the serving alias."""
+    """Search the gallery with the serving query model, through the serving alias; prints each hit's caption
+    (read from the gallery shard its row names)."""
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
@@ -259,7 +260,7 @@ def search_cmd(
 
     paths = _paths(workspace)
     try:
-        hits = search(texts, k, record_path=paths.serving, uri=uri)
+        hits = search(texts, k, record_path=paths.serving, uri=uri, captions=True)
     except (ServingError, GalleryIndexError, ValueError) as err:
         fail(str(err))
     if as_json:
@@ -268,7 +269,10 @@ def search_cmd(
     for text, row in zip(texts, hits, strict=True):
         typer.echo(text)
         for rank, hit in enumerate(row, 1):
-            typer.echo(f"  {rank:3d}  {hit['score']:.4f}  {hit['item_id']}  ({hit['model_version']})")
+            caption = hit.get("caption") or "(no caption)"
+            typer.echo(
+                f"  {rank:3d}  {hit['score']:.4f}  {hit['item_id']}  {caption}  ({hit['model_version']})"
+            )
 
 
 def register(app: typer.Typer) -> None:

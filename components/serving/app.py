@@ -1,0 +1,216 @@
+"""The HTTP search service (FastAPI): ``POST /search``, ``GET /healthz``, ``/readyz`` and ``/metrics``.
+
+``POST /search`` takes ``{"queries": [...], "k": N, "phases": [...]?}`` and answers
+``{"results": [[{"id", "score", "caption", "model_version"}, ...], ...], "model_version", "collection"}``:
+one list per query, best first, every query of a request answered by the same serving pair
+(:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field.
+``/metrics`` is Prometheus text: query latency histogram, queries and errors, the serving model version and
+collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1 (read from the
+rollout state when scraped).
+
+(No ``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's
+annotations, and the model is defined inside :func:`create_app` so that pydantic loads with the service.)
+"""
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_K = 1000
+MAX_QUERIES = 256
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class _RolloutCollector:
+    """Rollout gauges read from the rollout state file at scrape time (absent when there is no rollout)."""
+
+    def __init__(self, state_path: Path | None) -> None:
+        self.state_path = state_path
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        if self.state_path is None or not self.state_path.is_file():
+            return
+        from components.rollout.state import load_state
+
+        try:
+            state = load_state(self.state_path)
+        except Exception as exc:  # noqa: BLE001 - a state being rewritten or damaged: no gauges this scrape
+            log.warning("rollout state %s unreadable for metrics: %s", self.state_path, exc)
+            return
+        if not state:
+            return
+        labels = ["rollout_id", "state"]
+        values = [str(state.get("rollout_id", "")), str(state.get("state", ""))]
+        stage = GaugeMetricFamily("compatflow_rollout_stage", "Backfill stage of the rollout", labels=labels)
+        stage.add_metric(values, float(state.get("stage") or 0))
+        yield stage
+        frac = GaugeMetricFamily(
+            "compatflow_rollout_fraction_backfilled", "Fraction of the gallery backfilled", labels=labels
+        )
+        frac.add_metric(values, float(state.get("fraction_backfilled") or 0.0))
+        yield frac
+        curve = [p for p in state.get("curve") or [] if isinstance(p, dict) and "t2i_R@1" in p]
+        probed = [s.get("probe") for s in state.get("stages") or [] if isinstance(s, dict) and s.get("probe")]
+        last = probed[-1].get("R@1") if probed else (curve[-1]["t2i_R@1"] if curve else None)
+        if last is not None:
+            probe = GaugeMetricFamily(
+                "compatflow_rollout_probe_recall_at_1", "R@1 (%) of the last rollout probe", labels=labels
+            )
+            probe.add_metric(values, float(last))
+            yield probe
+
+
+def create_app(
+    record_path: str | os.PathLike[str],
+    *,
+    state_path: str | os.PathLike[str] | None = None,
+    uri: str | None = None,
+    watch_interval_s: float = 0.25,
+    follower: Any = None,
+) -> Any:
+    """The FastAPI app serving the record at ``record_path`` (``uri`` overrides its index URI)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        Histogram,
+        generate_latest,
+    )
+    from pydantic import BaseModel, Field, field_validator
+
+    from components.serving.captions import ShardCaptions
+    from components.serving.pair import PairFollower, ServingPair
+
+    registry = CollectorRegistry()
+    latency = Histogram(
+        "compatflow_query_latency_seconds",
+        "Search latency per request (embedding, index search and captions)",
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+    queries = Counter("compatflow_queries", "Query texts answered", registry=registry)
+    errors = Counter(
+        "compatflow_query_errors", "Search requests failed on the server side", ["kind"], registry=registry
+    )
+    serving = Gauge(
+        "compatflow_serving_model_info",
+        "1 for the query model version and collection serving now",
+        ["version", "collection"],
+        registry=registry,
+    )
+    swaps = Counter("compatflow_serving_swaps", "Query model and collection swaps", registry=registry)
+    registry.register(_RolloutCollector(Path(state_path) if state_path else None))
+
+    def on_swap(old: ServingPair | None, new: ServingPair) -> None:
+        if old is not None and (old.version, old.collection) == (new.version, new.collection):
+            return
+        if old is not None:
+            swaps.inc()
+            with contextlib.suppress(KeyError):
+                serving.remove(old.version, old.collection)
+        serving.labels(new.version, new.collection).set(1)
+
+    follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap)
+    captions = ShardCaptions()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            follow.refresh()
+        except Exception as exc:  # noqa: BLE001 - not ready yet: /readyz says why, the watcher keeps trying
+            log.warning("not ready: %s", exc)
+        follow.watch(watch_interval_s)
+        yield
+        follow.close()
+
+    app = FastAPI(title="compatflow search", lifespan=lifespan)
+    app.state.follower = follow
+
+    class SearchRequest(BaseModel):
+        queries: list[str] = Field(min_length=1, max_length=MAX_QUERIES, description="Query texts.")
+        k: int = Field(10, ge=1, le=MAX_K, description="Hits per query.")
+        phases: list[int] | None = Field(None, description="Only items of these data phases.")
+
+        @field_validator("queries")
+        @classmethod
+        def _words(cls, value: list[str]) -> list[str]:
+            empty = [i for i, text in enumerate(value) if not text.strip()]
+            if empty:
+                raise ValueError(f"queries{empty[:5]} empty: give words to search for")
+            return value
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
+
+    @app.post("/search")
+    def search(request: SearchRequest) -> Any:
+        t0 = time.perf_counter()
+        try:
+            pair = follow.current()
+            expr = f"phase in {sorted(set(request.phases))}" if request.phases else None
+            hits = pair.search(request.queries, request.k, filter=expr, output_fields=("source_uri",))
+            texts = captions.lookup([h.fields.get("source_uri") for row in hits for h in row])
+        except Exception as exc:
+            kind = type(exc).__name__
+            errors.labels(kind).inc()
+            log.exception("search failed")
+            return JSONResponse(status_code=503, content={"detail": f"search failed ({kind}): {exc}"})
+        it = iter(texts)
+        results = [
+            [
+                {"id": h.item_id, "score": h.score, "caption": next(it), "model_version": h.model_version}
+                for h in row
+            ]
+            for row in hits
+        ]
+        latency.observe(time.perf_counter() - t0)
+        queries.inc(len(request.queries))
+        return {"results": results, "model_version": pair.version, "collection": pair.collection}
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> Any:
+        pair = follow.pair
+        if pair is None:
+            reason = follow.error or "the serving pair is not loaded yet"
+            return JSONResponse(status_code=503, content={"ready": False, "detail": reason})
+        try:
+            reachable = pair.index.has_collection(pair.collection)
+        except Exception as exc:  # noqa: BLE001 - the index is down: not ready, say why
+            body = {"ready": False, "detail": f"index unreachable: {exc}"}
+            return JSONResponse(status_code=503, content=body)
+        body = {"ready": reachable, "model_version": pair.version, "collection": pair.collection}
+        if not reachable:
+            body["detail"] = f"collection {pair.collection!r} is gone from {pair.index.uri}"
+        elif follow.error:
+            body.update(ready=False, detail=f"serving record changed but cannot be followed: {follow.error}")
+        return JSONResponse(status_code=200 if body["ready"] else 503, content=body)
+
+    @app.get("/metrics")
+    def metrics() -> Any:
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
