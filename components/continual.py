@@ -281,7 +281,7 @@ def run_continual(
         "batch_size": batch_size,
         "replay": {"buffer_size": replay_buffer_size, "rows": replay_rows} if replay else None,
         "seed": seed,
-        "stream_seed": manifest["seed"],
+        "stream_seed": manifest.get("seed"),  # synthetic streams only
         "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
     }
     sidecar = save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)

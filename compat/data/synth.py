@@ -7,7 +7,7 @@ vocabulary, object kinds, backgrounds and styles shift from phase to phase and f
 
 Layout written by :func:`generate_stream`::
 
-    DIR/stream.json                                  manifest (see :func:`load_manifest`)
+    DIR/stream.json                                  manifest (:mod:`compat.data.manifest`)
     DIR/phase-PP/{train,eval,gallery}/shard-NNNNN.tar members {key}.jpg / {key}.txt / {key}.json
 
 Keys are ``p{PP}-{split}-{index:06d}``. Every sample is a pure function of (seed, phase, split,
@@ -30,23 +30,24 @@ from typing import Any
 
 from compat.data.captions import scene_captions
 from compat.data.domains import SIZE_FRACTIONS, Domain, domain_for_phase
+from compat.data.manifest import (  # noqa: F401 -- the manifest's owner; re-exported for callers of synth
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    VERSION,
+    StreamError,
+    load_manifest,
+    phase_urls,
+)
 from compat.data.render import render_scene, shade
 from compat.data.shards import write_shard
 
 log = logging.getLogger(__name__)
 
-FORMAT = "compatflow-stream"
-VERSION = 1
-MANIFEST = "stream.json"
 PENDING = ".generating.json"
-SPLITS = ("train", "eval", "gallery")
 JPEG_QUALITY = 90
 GENERATOR_VERSION = 1
 MIN_CONTRAST = 110.0
-
-
-class StreamError(ValueError):
-    """A stream directory or manifest is missing, malformed, or was generated with other settings."""
 
 
 def sample_key(phase: int, split: str, index: int) -> str:
@@ -345,53 +346,3 @@ def _atomic_write_json(path: Path, doc: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
-
-
-def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and check ``directory/stream.json``; raise :class:`StreamError` naming the file and field."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise StreamError(
-            f"{path} not found: generate a stream with `compatflow data generate --out {directory}`"
-        )
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StreamError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise StreamError(f"{path}: field 'format' must be {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise StreamError(
-            f"{path}: field 'version' is {doc.get('version')!r}; this reader knows version {VERSION}"
-        )
-    for field_name, kind in (("seed", int), ("image_size", int), ("phases", list)):
-        if not isinstance(doc.get(field_name), kind):
-            raise StreamError(f"{path}: field {field_name!r} must be {kind.__name__}")
-    for i, entry in enumerate(doc["phases"]):
-        where = f"{path}: phases[{i}]"
-        if not isinstance(entry, dict) or entry.get("phase") != i:
-            raise StreamError(f"{where}.phase must be {i}")
-        if not isinstance(entry.get("domain"), str) or not entry["domain"]:
-            raise StreamError(f"{where}.domain must be a non-empty string")
-        for split in SPLITS:
-            if not isinstance(entry.get(split), list) or not all(isinstance(s, str) for s in entry[split]):
-                raise StreamError(f"{where}.{split} must be a list of shard paths")
-        counts = entry.get("counts")
-        if not isinstance(counts, dict) or any(not isinstance(counts.get(s), int) for s in SPLITS):
-            raise StreamError(f"{where}.counts must give integer train/eval/gallery counts")
-    return doc
-
-
-def phase_urls(
-    directory: str | os.PathLike[str], phase: int, split: str, manifest: dict[str, Any] | None = None
-) -> list[str]:
-    """Absolute shard paths of ``split`` in ``phase`` of the stream in ``directory``."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    manifest = manifest if manifest is not None else load_manifest(directory)
-    phases = manifest["phases"]
-    if not 0 <= phase < len(phases):
-        raise StreamError(
-            f"{Path(directory) / MANIFEST} has phases 0..{len(phases) - 1}; phase {phase} asked"
-        )
-    return [str(Path(directory).resolve() / rel) for rel in phases[phase][split]]

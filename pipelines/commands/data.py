@@ -1,4 +1,4 @@
-"""``compatflow data ...``: generate the synthetic captioned-image stream and inspect streams."""
+"""``compatflow data ...``: import captioned images into shards, the synthetic stream, stream info."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import typer
 from pipelines.commands._common import echo_json, fail
 
 data_app = typer.Typer(
-    help="Synthetic captioned-image streams (img2dataset-layout tar shards).", no_args_is_help=True
+    help="Captioned-image data: import images into img2dataset-layout tar shards, synthetic streams.",
+    no_args_is_help=True,
 )
 SPLITS = ("train", "eval", "gallery")
 
@@ -50,36 +51,113 @@ def generate(
     echo_json({"out": str(out), "seconds": round(time.perf_counter() - start, 2), **_summary(manifest)})
 
 
+@data_app.command("import")
+def import_(
+    src: Annotated[
+        Path,
+        typer.Argument(
+            help="A folder of images (x.jpg + x.txt captions, or class folders) or a .csv/.parquet table."
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option("--out", help="Output folder: {train,eval,gallery}/*.tar and import.json.")
+    ],
+    source_format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="auto (a folder: sidecar, a .csv/.parquet file: table) | sidecar | class-folders | table.",
+        ),
+    ] = "auto",
+    template: Annotated[
+        str, typer.Option(help="class-folders: the caption of each image, {label} being its folder's name.")
+    ] = "a photo of a {label}",
+    split: Annotated[
+        str, typer.Option(help="train,eval,gallery fractions of the items (a seeded hash of each key).")
+    ] = "0.8,0.1,0.1",
+    seed: Annotated[int, typer.Option(help="Seed of the split hash.")] = 0,
+    samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
+    key_prefix: Annotated[
+        str, typer.Option(help="Prefix of every sample key (letters, digits, _ and -).")
+    ] = "",
+    path_column: Annotated[str, typer.Option(help="table: the column of image paths.")] = "path",
+    caption_column: Annotated[str, typer.Option(help="table: the column of captions.")] = "caption",
+    max_image_bytes: Annotated[
+        int, typer.Option(min=1, help="Larger image files are refused (the validation policy's default).")
+    ] = 32 * 1024 * 1024,
+) -> None:
+    """Turn images with captions into webdataset shards split train/eval/gallery; print import.json's counts.
+
+    Deterministic (same input, same bytes) and resumable (a killed import, run again, writes only the
+    shards still missing). Duplicate images are imported once; every refused file is listed with its
+    reason in OUT/import.json. Exit 0 when something was imported, 1 when nothing was.
+    """
+    import time
+
+    from compat.data.importer import DataImportError, ImportSettings, detect_format, import_images
+
+    start = time.perf_counter()
+    try:
+        fractions = tuple(float(f) for f in split.split(","))
+    except ValueError:
+        fail(f"--split {split!r} must be three fractions train,eval,gallery, e.g. 0.8,0.1,0.1")
+    try:
+        fmt = detect_format(src) if source_format == "auto" else source_format
+        settings = ImportSettings(
+            source_format=fmt,
+            template=template,
+            split=fractions,  # type: ignore[arg-type]  # checked by ImportSettings.check
+            seed=seed,
+            samples_per_shard=samples_per_shard,
+            key_prefix=key_prefix,
+            max_image_bytes=max_image_bytes,
+            path_column=path_column,
+            caption_column=caption_column,
+        )
+        result = import_images(src, out, settings)
+    except DataImportError as exc:
+        fail(str(exc))
+    report = result.report
+    echo_json(
+        {
+            "out": str(result.out),
+            "seconds": round(time.perf_counter() - start, 2),
+            "imported": report["imported"],
+            "counts": report["counts"],
+            "duplicates": report["duplicates"],
+            "refused": report["refused"],
+            "refused_by_reason": report["refused_by_reason"],
+            "shards_written": result.written_shards,
+            "shards_already_there": result.reused_shards,
+            "report": str(result.out / "import.json"),
+        }
+    )
+    if not result.imported:
+        reasons = ", ".join(f"{n} {r}" for r, n in report["refused_by_reason"].items()) or "no files found"
+        fail(
+            f"nothing imported from {src} ({reasons}); "
+            f"see {result.out / 'import.json'} for every file's reason",
+            code=1,
+        )
+
+
 @data_app.command("info")
 def info(stream_dir: Annotated[Path, typer.Argument(help="Directory holding stream.json.")]) -> None:
     """Print phases, domains, shard and sample counts of a stream as JSON; exit 1 if shards are missing."""
-    from compat.data.synth import StreamError, load_manifest
+    from pipelines.commands.stream import show_stream
 
-    try:
-        manifest = load_manifest(stream_dir)
-    except StreamError as exc:
-        fail(str(exc))
-    missing = [
-        rel
-        for p in manifest["phases"]
-        for split in SPLITS
-        for rel in p[split]
-        if not (stream_dir / rel).is_file()
-    ]
-    echo_json({"dir": str(stream_dir), **_summary(manifest), "missing_shards": missing})
-    if missing:
-        raise typer.Exit(1)
+    show_stream(stream_dir)
 
 
 def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
     return {
-        "seed": manifest["seed"],
-        "image_size": manifest["image_size"],
+        "seed": manifest.get("seed"),
+        "image_size": manifest.get("image_size"),
         "phases": [
             {
                 "phase": p["phase"],
                 "domain": p["domain"],
-                "counts": p["counts"],
+                "counts": p.get("counts"),
                 "shards": {s: len(p[s]) for s in SPLITS},
             }
             for p in manifest["phases"]

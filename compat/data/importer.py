@@ -1,0 +1,646 @@
+"""Import captioned images into img2dataset-layout shards split train / eval / gallery.
+
+Sources (:func:`import_images`):
+
+* ``sidecar`` -- a folder (searched recursively) of images with a caption file beside each
+  (``x.jpg`` + ``x.txt``; an ``x.json`` object beside them is kept as ``source_meta``);
+* ``class-folders`` -- one sub-folder per label, captioned by a template (``"a photo of a {label}"``);
+* ``table`` -- a ``.csv`` or ``.parquet`` file of ``path,caption[,extra columns]``, paths relative to it.
+
+Output::
+
+    DIR/{train,eval,gallery}/NNNNN.tar   members {key}.{jpg|png|webp} / {key}.txt / {key}.json
+    DIR/import.json                      counts per split, duplicates, refused files with reasons
+
+JPEG, PNG and WebP files keep their bytes; other images PIL reads (BMP, GIF, TIFF, ...) are stored
+losslessly as PNG (CMYK as JPEG). A sample's key is a prefix and the first 20 hex digits of the SHA-256
+of its image bytes, so items keep their key from import to import and two phases never reuse a key for
+different images; identical bytes are imported once (the first by source order) and counted as
+duplicates. The split is a seeded, stable hash of the key. Every file that is not imported is listed
+with its reason (:data:`REFUSALS`).
+
+The same input and settings give byte-identical shards and ``import.json``. The plan (which item goes to
+which shard) is stored first; shards are written atomically one by one, so a killed import started again
+writes only the shards still missing, and ``import.json`` is written last.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FORMAT = "compatflow-import"
+VERSION = 1
+REPORT = "import.json"
+PENDING = ".import-pending.json"
+SPLITS = ("train", "eval", "gallery")
+SOURCE_FORMATS = ("sidecar", "class-folders", "table")
+DEFAULT_TEMPLATE = "a photo of a {label}"
+DEFAULT_SPLIT = (0.8, 0.1, 0.1)
+KEY_HEX = 20
+MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
+CAPTION_EXT, METADATA_EXT = ".txt", ".json"
+KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # what the pipeline decodes
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
+# Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
+RESERVED_FIELDS = (
+    "key",
+    "caption",
+    "source",
+    "width",
+    "height",
+    "original_width",
+    "original_height",
+    "mode",
+    "format",
+    "sha256",
+    "source_sha256",
+    "status",
+    "split",
+    "label",
+    "source_meta",
+)
+
+REFUSALS: dict[str, str] = {
+    "caption_missing": "no caption: no .txt file beside the image (sidecar) or an empty caption cell (table)",
+    "caption_empty": "the caption is empty or whitespace only",
+    "caption_not_utf8": "the caption file is not UTF-8 text",
+    "image_missing": "a caption file with no image beside it, or a table row whose path is not a file",
+    "not_an_image": "the file is not an image PIL can identify",
+    "image_unreadable": "the image cannot be decoded (truncated or corrupt)",
+    "image_too_large": "the file is larger than the import's max_image_bytes",
+    "unsupported_mode": "the image mode can be stored neither as PNG nor as JPEG",
+    "metadata_not_json": "the .json file beside the image is not a JSON object",
+    "not_in_class_folder": "class-folders input: the file is not inside a label folder",
+}
+
+
+class DataImportError(ValueError):
+    """The import cannot run: bad source, settings or output directory; the message says what to do."""
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+@dataclass(frozen=True)
+class ImportSettings:
+    """What decides the output bytes besides the source files."""
+
+    source_format: str = "sidecar"
+    template: str = DEFAULT_TEMPLATE
+    split: tuple[float, float, float] = DEFAULT_SPLIT
+    seed: int = 0
+    samples_per_shard: int = 1000
+    key_prefix: str = ""
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    path_column: str = "path"
+    caption_column: str = "caption"
+
+    def check(self) -> None:
+        """Raise :class:`DataImportError` naming the setting that is wrong."""
+        if self.source_format not in SOURCE_FORMATS:
+            raise DataImportError(
+                f"--format must be one of {', '.join(SOURCE_FORMATS)}, got {self.source_format!r}"
+            )
+        if self.source_format == "class-folders":
+            try:
+                self.template.format(label="x")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise DataImportError(
+                    f"--template {self.template!r} is not a caption template ({exc}): "
+                    "use {label} as its only field"
+                ) from exc
+            if "{label}" not in self.template:
+                raise DataImportError(f"--template {self.template!r} must contain {{label}}")
+        fractions = self.split
+        if (
+            len(fractions) != 3
+            or any(not math.isfinite(f) or f < 0 for f in fractions)
+            or abs(sum(fractions) - 1.0) > 1e-6
+        ):
+            raise DataImportError(
+                f"--split {','.join(str(f) for f in fractions)} must be three non-negative fractions "
+                "(train,eval,gallery) summing to 1, e.g. 0.8,0.1,0.1"
+            )
+        if self.samples_per_shard < 1:
+            raise DataImportError(f"--samples-per-shard must be at least 1, got {self.samples_per_shard}")
+        if not _KEY_PREFIX.match(self.key_prefix) or len(self.key_prefix) > 64:
+            raise DataImportError(
+                f"--key-prefix {self.key_prefix!r} may hold only letters, digits, '_' and '-' (64 at most)"
+            )
+        if self.max_image_bytes < 1:
+            raise DataImportError(f"--max-image-bytes must be positive, got {self.max_image_bytes}")
+
+
+@dataclass
+class _Candidate:
+    source: str  # what the report names: the path relative to SRC, or the table's path cell
+    path: Path | None  # the image file
+    caption: str | None = None  # class folders and tables: the caption itself
+    caption_file: Path | None = None  # sidecar: the file to read it from
+    metadata_file: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
+    refused: tuple[str, str] | None = None  # known before reading anything
+
+
+@dataclass
+class ImportResult:
+    """What an import did: the report written to ``DIR/import.json`` and where it lies."""
+
+    out: Path
+    report: dict[str, Any]
+    written_shards: int
+    reused_shards: int
+
+    @property
+    def imported(self) -> int:
+        return int(self.report["imported"])
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def _walk(root: Path, skip: Path | None) -> list[Path]:
+    """Every non-hidden file under ``root`` (not under ``skip``), sorted by relative POSIX path."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and (skip is None or here / d != skip)]
+        found += [here / f for f in filenames if not f.startswith(".")]
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _sidecar_candidates(root: Path, skip: Path | None) -> list[_Candidate]:
+    files = _walk(root, skip)
+    by_stem: dict[tuple[Path, str], list[Path]] = {}
+    for f in files:
+        by_stem.setdefault((f.parent, f.stem), []).append(f)
+    out = []
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        suffix = f.suffix.lower()
+        group = by_stem[(f.parent, f.stem)]
+        if suffix in (CAPTION_EXT, METADATA_EXT):
+            if suffix == CAPTION_EXT and all(g.suffix.lower() in (CAPTION_EXT, METADATA_EXT) for g in group):
+                out.append(
+                    _Candidate(rel, None, refused=("image_missing", f"{rel}: a caption with no image"))
+                )
+            continue
+        caption = next((g for g in group if g.suffix == CAPTION_EXT), None)
+        caption = caption or next((g for g in group if g.suffix.lower() == CAPTION_EXT), None)
+        metadata = next((g for g in group if g.suffix.lower() == METADATA_EXT), None)
+        out.append(_Candidate(rel, f, caption_file=caption, metadata_file=metadata))
+    return out
+
+
+def _class_folder_candidates(root: Path, skip: Path | None, template: str) -> list[_Candidate]:
+    out = []
+    for f in _walk(root, skip):
+        rel = f.relative_to(root)
+        if len(rel.parts) < 2:
+            reason = ("not_in_class_folder", f"{rel.as_posix()}: not inside a label folder")
+            out.append(_Candidate(rel.as_posix(), f, refused=reason))
+            continue
+        label = rel.parts[0].replace("_", " ").strip()
+        out.append(_Candidate(rel.as_posix(), f, caption=template.format(label=label), label=rel.parts[0]))
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):  # numpy scalars
+        return _json_safe(value.item())
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _read_table(table: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    suffix = table.suffix.lower()
+    try:
+        if suffix == ".csv":
+            with open(table, newline="", encoding="utf-8-sig") as f:
+                reader = csv.DictReader(f)
+                rows = list(reader)
+                columns = list(reader.fieldnames or [])
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            data = pq.read_table(table)
+            columns, rows = list(data.column_names), data.to_pylist()
+        else:
+            raise DataImportError(f"{table}: a table must be a .csv or .parquet file")
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
+        if isinstance(exc, DataImportError):
+            raise
+        raise DataImportError(f"{table} cannot be read as a {suffix[1:]} table: {exc}") from exc
+    return columns, rows
+
+
+def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]:
+    columns, rows = _read_table(table)
+    missing = [c for c in (settings.path_column, settings.caption_column) if c not in columns]
+    if missing:
+        raise DataImportError(
+            f"{table} has no column {', '.join(repr(c) for c in missing)} (columns: {', '.join(columns)}); "
+            "name them path and caption, or pass --path-column / --caption-column"
+        )
+    extras = [c for c in columns if c not in (settings.path_column, settings.caption_column)]
+    clash = [c for c in extras if c in RESERVED_FIELDS]
+    if clash:
+        raise DataImportError(
+            f"{table}: column(s) {', '.join(clash)} would overwrite field(s) the importer writes into each "
+            "sample's .json; rename them"
+        )
+    base = table.parent
+    out = []
+    for n, row in enumerate(rows, start=2 if table.suffix.lower() == ".csv" else 1):
+        cell = row.get(settings.path_column)
+        where = f"{table.name} row {n}"
+        extra = {c: _json_safe(row.get(c)) for c in extras}
+        caption = row.get(settings.caption_column)
+        caption = (
+            "" if caption is None or (isinstance(caption, float) and math.isnan(caption)) else str(caption)
+        )
+        if cell is None or not str(cell).strip():
+            out.append(_Candidate(where, None, refused=("image_missing", f"{where}: the path cell is empty")))
+            continue
+        rel = str(cell).strip()
+        path = Path(rel) if Path(rel).is_absolute() else base / rel
+        source = f"{where}: {rel}"
+        if not path.is_file():
+            out.append(_Candidate(source, path, refused=("image_missing", f"{source}: no such file {path}")))
+            continue
+        out.append(_Candidate(source, path, caption=caption, extra=extra))
+    return out
+
+
+def detect_format(src: Path) -> str:
+    """``table`` for a .csv/.parquet file, ``sidecar`` for a folder."""
+    if src.is_file():
+        if src.suffix.lower() in (".csv", ".parquet"):
+            return "table"
+        raise DataImportError(f"{src} is a file but not a .csv or .parquet table; give a folder or a table")
+    if src.is_dir():
+        return "sidecar"
+    raise DataImportError(f"{src} does not exist; give a folder of images or a .csv/.parquet table")
+
+
+def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candidate]:
+    fmt = settings.source_format
+    if fmt == "table":
+        if not src.is_file():
+            raise DataImportError(f"--format table needs a .csv or .parquet file; {src} is not a file")
+        return _table_candidates(src, settings)
+    if not src.is_dir():
+        raise DataImportError(f"--format {fmt} needs a folder; {src} is not a folder")
+    skip = out if out.is_relative_to(src) else None
+    if fmt == "class-folders":
+        return _class_folder_candidates(src, skip, settings.template)
+    return _sidecar_candidates(src, skip)
+
+
+# ------------------------------------------------------------------------------------------------ scan
+
+
+def probe_image(data: bytes) -> dict[str, Any]:
+    """Format, mode and size of an encoded image after decoding it fully (JPEG at 1/8 scale, which reads
+    every byte all the same); raises ``_Refused`` when it is not an image or does not decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as exc:
+        raise _Refused("not_an_image", "not an image PIL can identify") from exc
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+        raise _Refused("image_unreadable", f"cannot open the image: {exc}") from exc
+    with image:
+        info = {"format": image.format, "mode": image.mode, "width": image.width, "height": image.height}
+        try:
+            if image.format in ("JPEG", "MPO"):
+                image.draft(None, (1, 1))
+            image.load()
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+            raise _Refused("image_unreadable", f"cannot decode the image: {exc}") from exc
+    return info
+
+
+def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
+    """The member extension and bytes an image is stored as: its own bytes when the pipeline decodes its
+    format, else lossless PNG (CMYK: JPEG quality 95); raises ``_Refused`` for a mode neither can hold."""
+    if fmt in KEPT_FORMATS:
+        return KEPT_FORMATS[fmt], data
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        buf = io.BytesIO()
+        try:
+            image.save(buf, format="PNG")
+            return "png", buf.getvalue()
+        except (OSError, KeyError, ValueError):
+            pass
+        if image.mode == "CMYK":
+            buf = io.BytesIO()
+            image.save(buf, format="JPEG", quality=95)
+            return "jpg", buf.getvalue()
+    raise _Refused(
+        "unsupported_mode", f"a {fmt} image in mode {image.mode} can be stored neither as PNG nor JPEG"
+    )
+
+
+def _read_caption(candidate: _Candidate) -> str:
+    if candidate.caption_file is None and candidate.caption is None:
+        assert candidate.path is not None
+        raise _Refused("caption_missing", f"no caption file {candidate.path.stem}{CAPTION_EXT} beside it")
+    if candidate.caption_file is not None:
+        try:
+            text = candidate.caption_file.read_bytes().decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise _Refused("caption_not_utf8", f"{candidate.caption_file.name} is not UTF-8: {exc}") from exc
+    else:
+        text = candidate.caption or ""
+    text = text.strip()
+    if not text:
+        raise _Refused("caption_empty", "the caption is empty")
+    return text
+
+
+def _read_metadata(candidate: _Candidate) -> dict[str, Any] | None:
+    if candidate.metadata_file is None:
+        return None
+    try:
+        doc = json.loads(candidate.metadata_file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not a JSON object")
+    return _json_safe(doc)
+
+
+def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
+    """The split of ``key``: a seeded hash mapped to [0, 1), cut at the cumulative fractions."""
+    digest = hashlib.sha256(f"compatflow-split/{seed}/{key}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    edge = 0.0
+    for split, fraction in zip(SPLITS, fractions, strict=True):
+        edge += fraction
+        if u < edge and fraction > 0:
+            return split
+    return next(s for s, f in zip(reversed(SPLITS), reversed(fractions), strict=True) if f > 0)
+
+
+def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
+    """The plan item of one candidate (raises ``_Refused``)."""
+    if candidate.refused:
+        raise _Refused(*candidate.refused)
+    assert candidate.path is not None
+    try:
+        size = candidate.path.stat().st_size
+        if size > settings.max_image_bytes:
+            raise _Refused(
+                "image_too_large", f"{size} bytes, over max_image_bytes {settings.max_image_bytes}"
+            )
+        data = candidate.path.read_bytes()
+    except OSError as exc:
+        raise _Refused("image_unreadable", f"cannot read the file: {exc}") from exc
+    if not data:
+        raise _Refused("not_an_image", "the file is empty (0 bytes)")
+    info = probe_image(data)
+    if info["format"] not in KEPT_FORMATS:
+        stored_image(data, info["format"])  # refuses a mode that cannot be stored
+    caption = _read_caption(candidate)
+    metadata = _read_metadata(candidate)
+    sha = hashlib.sha256(data).hexdigest()
+    return {
+        "key": settings.key_prefix + sha[:KEY_HEX],
+        "split": split_of(sha[:KEY_HEX], settings.seed, settings.split),
+        "path": str(candidate.path.resolve()),
+        "source": candidate.source,
+        "caption": caption,
+        "sha256": sha,
+        **info,
+        "label": candidate.label,
+        "extra": candidate.extra,
+        "source_meta": metadata,
+    }
+
+
+def _plan(
+    src: Path, out: Path, settings: ImportSettings, progress: Callable[..., Iterator[Any]]
+) -> dict[str, Any]:
+    candidates = _candidates(src, out, settings)
+    items: list[dict[str, Any]] = []
+    refused: list[dict[str, str]] = []
+    duplicates: list[dict[str, str]] = []
+    first_of: dict[str, str] = {}
+    for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
+        try:
+            item = _inspect(candidate, settings)
+        except _Refused as refusal:
+            message = (
+                refusal.message
+                if refusal.message.startswith(candidate.source)
+                else (f"{candidate.source}: {refusal.message}")
+            )
+            refused.append({"source": candidate.source, "reason": refusal.reason, "message": message})
+            continue
+        if item["sha256"] in first_of:
+            duplicates.append({"source": candidate.source, "duplicate_of": first_of[item["sha256"]]})
+            continue
+        first_of[item["sha256"]] = candidate.source
+        items.append(item)
+    shards: dict[str, list[dict[str, Any]]] = {}
+    per = settings.samples_per_shard
+    for split in SPLITS:
+        of_split = [i for i in items if i["split"] == split]
+        shards[split] = [
+            {"path": f"{split}/{n:05d}.tar", "items": of_split[start : start + per]}
+            for n, start in enumerate(range(0, len(of_split), per))
+        ]
+    plan = {"settings": asdict(settings), "shards": shards, "refused": refused, "duplicates": duplicates}
+    content = json.dumps(
+        {
+            "settings": plan["settings"],
+            "shards": {s: [[_portable(i) for i in sh["items"]] for sh in v] for s, v in shards.items()},
+        },
+        sort_keys=True,
+    )
+    plan["digest"] = hashlib.sha256(content.encode()).hexdigest()
+    return plan
+
+
+def _portable(item: dict[str, Any]) -> dict[str, Any]:
+    """An item without its absolute path (the digest and the report do not depend on where SRC lies)."""
+    return {k: v for k, v in item.items() if k != "path"}
+
+
+# ----------------------------------------------------------------------------------------------- write
+
+
+def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
+    path = Path(item["path"])
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
+    if hashlib.sha256(data).hexdigest() != item["sha256"]:
+        raise DataImportError(f"{path} changed while it was being imported; run the import again")
+    try:
+        ext, stored = stored_image(data, item["format"])
+    except _Refused as refusal:  # it was storable when planned: the file changed
+        raise DataImportError(f"{path}: {refusal.message}; run the import again") from refusal
+    meta: dict[str, Any] = {
+        "key": item["key"],
+        "caption": item["caption"],
+        "source": item["source"],
+        "width": item["width"],
+        "height": item["height"],
+        "original_width": item["width"],
+        "original_height": item["height"],
+        "mode": item["mode"],
+        "format": item["format"],
+        "sha256": hashlib.sha256(stored).hexdigest(),
+        "status": "success",
+        "split": item["split"],
+    }
+    if stored is not data:
+        meta["source_sha256"] = item["sha256"]
+    if item["label"] is not None:
+        meta["label"] = item["label"]
+    if item["source_meta"] is not None:
+        meta["source_meta"] = item["source_meta"]
+    meta.update(item["extra"])
+    members = {
+        ext: stored,
+        "txt": item["caption"].encode("utf-8"),
+        "json": json.dumps(meta, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode("utf-8"),
+    }
+    return item["key"], members
+
+
+def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
+    counts = {s: sum(len(sh["items"]) for sh in plan["shards"][s]) for s in SPLITS}
+    by_reason: dict[str, int] = {}
+    for r in plan["refused"]:
+        by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+    converted = sum(
+        1 for s in SPLITS for sh in plan["shards"][s] for i in sh["items"] if i["format"] not in KEPT_FORMATS
+    )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": str(src),
+        "settings": {**plan["settings"], "split": list(plan["settings"]["split"])},
+        "imported": sum(counts.values()),
+        "counts": counts,
+        "shards": {s: [sh["path"] for sh in plan["shards"][s]] for s in SPLITS},
+        "converted_to_png_or_jpeg": converted,
+        "duplicates": len(plan["duplicates"]),
+        "duplicate_files": plan["duplicates"],
+        "refused": len(plan["refused"]),
+        "refused_by_reason": dict(sorted(by_reason.items())),
+        "refused_files": plan["refused"],
+        "plan_sha256": plan["digest"],
+    }
+
+
+def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The finished report and the pending plan found in ``out`` (refuses a folder that holds other files)."""
+
+    def read(path: Path) -> dict[str, Any] | None:
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataImportError(f"{path} is unreadable ({exc}); delete {out} and import again") from exc
+
+    report, pending = read(out / REPORT), read(out / PENDING)
+    if report is None and pending is None and out.is_dir() and any(out.iterdir()):
+        raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
+    return report, pending
+
+
+def import_images(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    settings: ImportSettings | None = None,
+    *,
+    progress: bool = True,
+) -> ImportResult:
+    """Import ``src`` into shards under ``out`` (see the module docstring); resumes a killed import.
+
+    Raises :class:`DataImportError` for a bad source, settings or output folder, or an ``out`` that holds
+    a finished import of other input. Nothing imported is not an error here: see ``ImportResult.imported``.
+    """
+    from compat.io import write_json_atomic
+    from compat.progress import track
+
+    settings = settings or ImportSettings(source_format=detect_format(Path(src)))
+    settings.check()
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if src_path == out_path:
+        raise DataImportError("--out must be another folder than the source")
+    report, pending = _check_out_dir(out_path)
+
+    def quiet(items: Any, *_: Any, **__: Any) -> Any:
+        return items
+
+    show = (
+        (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
+    )
+    plan = _plan(src_path, out_path, settings, show)
+    if report is not None:
+        if report.get("plan_sha256") == plan["digest"] and all(
+            (out_path / sh["path"]).is_file() for s in SPLITS for sh in plan["shards"][s]
+        ):
+            log.info("%s already holds this import: nothing written", out_path)
+            return ImportResult(out_path, report, 0, sum(len(plan["shards"][s]) for s in SPLITS))
+        raise DataImportError(
+            f"{out_path} holds a finished import of other input or settings ({out_path / REPORT}); "
+            "give a new --out folder or delete this one"
+        )
+    out_path.mkdir(parents=True, exist_ok=True)
+    if pending is not None and pending.get("digest") != plan["digest"]:
+        log.warning("%s: the source or settings changed since the import started; starting over", out_path)
+        for split in SPLITS:
+            for tar in (out_path / split).glob("*.tar"):
+                tar.unlink()
+    for split in SPLITS:
+        for stale in (out_path / split).glob(".*.tmp"):  # temporary files of a killed write
+            stale.unlink()
+    write_json_atomic(out_path / PENDING, {"digest": plan["digest"], "settings": plan["settings"]})
+    todo = [sh for s in SPLITS for sh in plan["shards"][s] if not (out_path / sh["path"]).is_file()]
+    total = sum(len(plan["shards"][s]) for s in SPLITS)
+    from compat.data.shards import write_shard
+
+    for shard in show(todo, f"writing {len(todo)} of {total} shards", total=len(todo)):
+        write_shard(out_path / shard["path"], (_members(item) for item in shard["items"]))
+    report = _report(src_path, plan)
+    write_json_atomic(out_path / REPORT, report)
+    (out_path / PENDING).unlink()
+    return ImportResult(out_path, report, len(todo), total - len(todo))
