@@ -248,3 +248,45 @@ def _screenshot_if_possible(html_file: Path, png: Path) -> None:
         assert shot.size == (1200, 3000)
         colours = shot.convert("RGB").resize((60, 150)).getcolors(maxcolors=100000)
         assert colours is not None and len(colours) > 20  # rendered content, not a blank page
+
+
+def test_ungated_direction_and_probe_floor(tmp_path: Path) -> None:
+    """A gate judging t2i only passes over a failing i2t: the report says the candidate holds the ECC where it
+    is judged and labels i2t "measured, not gated"; the rollout section states the probe's own floor."""
+    run = make_run(tmp_path)  # i2t new/old 33 < old/old 35: the ECC fails there
+    policy = run / "policy.yaml"
+    policy.write_text("directions: [t2i]\n")
+    run_gate(
+        run / "evaluate" / "compat_report.json",
+        run / "gate",
+        policy=policy,
+        validation=run / "validate" / "validation.json",
+        drift=run / "drift" / "drift.json",
+    )
+    state = json.loads((run / "rollout" / "rollout_state.json").read_text())
+    state.update(baseline={"R@1": 8.2}, floors={"R@1": 8.2})
+    (run / "rollout" / "rollout_state.json").write_text(json.dumps(state))
+    md = render(run, "md")
+    assert "## Release gate — pass" in md
+    assert "## Compatibility matrix — ECC holds (t2i)" in md and "ECC fails" not in md
+    assert "i2t: measured, not gated" in md and "| i2t | R@1 |" in md
+    assert "| measured, not gated |" in md
+    assert "R@1 8.20 (the probe set's old/old is 8.20" in md
+    assert len(parse(render(run)).images) == 4
+
+
+def test_cli_report_prints_path_and_summary(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "report", "--workspace", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "<html" not in out.stdout.lower()
+    assert f"report: {run / 'report' / 'report.html'}" in out.stdout
+    assert "compatflow run run-42" in out.stdout and "Release gate: block" in out.stdout
+    assert "Rollout and backfill: completed" in out.stdout
+    assert (run / "report" / "report.md").is_file()

@@ -1,7 +1,8 @@
 """The on-call report of one pipeline run: why a model shipped or was blocked, on one page.
 
 ``render(run_dir, fmt)`` returns the report (``html``: one self-contained file with inline CSS and
-base64 PNG plots; ``md``: a Markdown summary); ``write_reports(run_dir, out_dir)`` writes both.
+base64 PNG plots; ``md``: a Markdown summary); ``write_reports(run_dir, out_dir)`` writes both;
+``summary(run_dir)`` is a few lines of plain text for a terminal (the key facts and each section's status).
 Stages that did not run (or whose output is unreadable) are shown as such, never as a failure
 of the report.
 """
@@ -51,3 +52,19 @@ def write_reports(run_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
     """``report.html`` and ``report.md`` of the run, written into ``out_dir``."""
     out_dir = Path(out_dir)
     return {fmt: write_report(run_dir, out_dir / f"report.{fmt}", fmt) for fmt in FORMATS}
+
+
+def summary(run_dir: str | Path) -> str:
+    """Plain text for a terminal: the report's key facts, then one line per section (title, status, and
+    its first note when that note is a warning or a failure)."""
+    from components.report import inputs as run_inputs
+    from components.report import sections
+
+    loaded = run_inputs.load(Path(run_dir))
+    lines = [f"compatflow run {loaded.run_id}"]
+    lines += [f"  {label}: {value}" for label, value in sections.header(loaded)[1:]]
+    for section in sections.build(loaded):
+        lines.append(f"{section.title}: {section.status}")
+        notes = [i for i in section.items if isinstance(i, sections.Note) and i.tone in ("bad", "warn")]
+        lines += [f"  {note.text}" for note in notes[:3]]
+    return "\n".join(lines) + "\n"

@@ -166,8 +166,10 @@ def ecc_margins(report: Mapping[str, Any], min_margin: float = 0.0) -> bytes | N
     return _png(plt, fig)
 
 
-def backfill_curve(rollout: Mapping[str, Any], report: Mapping[str, Any] | None = None) -> bytes | None:
-    """R@1 on the mixed gallery against the fraction backfilled, with old/old and new/new as references."""
+def backfill_curve(rollout: Mapping[str, Any]) -> bytes | None:
+    """The probe's R@1 on the mixed gallery against the fraction backfilled, with the probe's own references:
+    its floor (old/old on the probe set, or a higher configured floor) and its new/new (the probe at 100 %,
+    once reached). The evaluation set's figures are another query set and are not drawn here."""
     curve = rollout.get("curve")
     if not isinstance(curve, Sequence) or not curve:
         return None
@@ -179,7 +181,8 @@ def backfill_curve(rollout: Mapping[str, Any], report: Mapping[str, Any] | None 
     ax = fig.add_subplot(1, 1, 1)
     colors = {"t2i": "#0969da", "i2t": "#bf3989"}
     plotted = False
-    retrieval = (report or {}).get("retrieval") if isinstance(report, Mapping) else None
+    floors = rollout.get("floors") if isinstance(rollout.get("floors"), Mapping) else {}
+    baseline = rollout.get("baseline") if isinstance(rollout.get("baseline"), Mapping) else {}
     for direction in DIRECTIONS:
         key = f"{direction}_R@1"
         xy = [(100 * p["fraction"], p[key]) for p in points if _finite(p.get(key))]
@@ -191,20 +194,19 @@ def backfill_curve(rollout: Mapping[str, Any], report: Mapping[str, Any] | None 
             [y for _, y in xy],
             marker="o",
             color=colors[direction],
-            label=f"{direction} R@1 (mixed gallery)",
+            label=f"{direction} R@1, probe (mixed gallery)",
         )
-        pairs = retrieval.get(direction) if isinstance(retrieval, Mapping) else None
-        for pair, style in (("old/old", ":"), ("new/new", "--")):
-            value = ((pairs or {}).get(pair) or {}).get("R@1") if isinstance(pairs, Mapping) else None
-            if _finite(value):
-                ax.axhline(
-                    value,
-                    color=colors[direction],
-                    linestyle=style,
-                    linewidth=1,
-                    alpha=0.7,
-                    label=f"{direction} {pair}",
-                )
+        if direction != "t2i":
+            continue  # the probe's floors and baseline are text-to-image figures
+        floor = floors.get("R@1")
+        if _finite(floor):
+            own = _finite(baseline.get("R@1")) and float(baseline["R@1"]) >= float(floor)
+            label = "probe floor (probe old/old)" if own else "probe floor (configured)"
+            ax.axhline(floor, color="#cf222e", linestyle=":", linewidth=1.2, label=label)
+        full = [y for x, y in xy if x >= 100.0]
+        if full:
+            style = {"color": colors[direction], "linestyle": "--", "linewidth": 1, "alpha": 0.7}
+            ax.axhline(full[-1], label="probe new/new", **style)
     if not plotted:
         plt.close(fig)
         return None

@@ -55,7 +55,6 @@ class Section:
 def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     """Every section of the report, in reading order; ``link_base`` is where relative links start."""
     base = link_base or inputs.run_dir
-    report = inputs.data("compat_report")
     gate = inputs.data("gate")
     blocked = inputs.data("blocked")
     sections = [
@@ -63,9 +62,9 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         _validation_section(inputs["validation"]),
         _drift_section(inputs["drift"], base),
         _training_section(inputs["metrics"]),
-        _compat_section(inputs["compat_report"]),
+        _compat_section(inputs["compat_report"], gate),
         _margins_section(inputs["compat_report"], gate),
-        _rollout_section(inputs["rollout"], report),
+        _rollout_section(inputs["rollout"]),
     ]
     failure = inputs.data("failure")
     stopped_by = (
@@ -296,16 +295,48 @@ def _training_section(source: Source) -> Section:
     return section
 
 
-def _compat_section(source: Source) -> Section:
+NOT_GATED = "measured, not gated"
+
+
+def _gated_directions(gate: Mapping[str, Any] | None) -> tuple[str, ...] | None:
+    """The directions the release gate judges (its policy's), None when no gate ran."""
+    policy = (gate or {}).get("policy")
+    directions = policy.get("directions") if isinstance(policy, Mapping) else None
+    return tuple(str(d) for d in directions) if isinstance(directions, list | tuple) else None
+
+
+def _ecc_verdict(report: Mapping[str, Any], gated: tuple[str, ...] | None) -> tuple[bool | None, list[str]]:
+    """Whether the ECC holds over the gated directions (all of them when no gate ran), and the measured
+    directions the gate does not judge."""
+    ecc = report.get("ecc") if isinstance(report.get("ecc"), Mapping) else {}
+    if gated is None or not ecc:
+        return report.get("ecc_passed"), []
+    verdicts = [v for d in gated if isinstance(ecc.get(d), Mapping) for v in ecc[d].values()]
+    ungated = [d for d in ecc if d not in gated]
+    return (all(bool(v) for v in verdicts) if verdicts else report.get("ecc_passed")), ungated
+
+
+def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Section:
     missing = _absent(source, "compat", "Compatibility matrix", "compatibility report")
     if missing:
         return missing
     report = source.data or {}
-    passed = report.get("ecc_passed")
+    gated = _gated_directions(gate)
+    passed, ungated = _ecc_verdict(report, gated)
     status = {True: "ECC holds", False: "ECC fails"}.get(passed, "evaluated")
+    if ungated and passed is not None:
+        status += f" ({', '.join(gated or ())})"
     section = Section(
         "compat", "Compatibility matrix", status, {True: "good", False: "bad"}.get(passed, "plain")
     )
+    for direction in ungated:
+        section.items.append(
+            Note(
+                f"{direction}: {NOT_GATED} (the gate judges {', '.join(gated or ()) or 'no direction'}; "
+                f"its figures are shown for information).",
+                "muted",
+            )
+        )
     png = plots.compat_heatmap(report)
     if png:
         section.items.append(Figure("Query model x gallery model, R@1", png))
@@ -315,7 +346,8 @@ def _compat_section(source: Source) -> Section:
         pairs = retrieval.get(direction) if isinstance(retrieval.get(direction), Mapping) else {}
         for pair, values in pairs.items():
             if isinstance(values, Mapping):
-                rows.append([direction, pair, *(_fmt(values.get(m)) for m in plots.METRICS)])
+                label = f"{direction} ({NOT_GATED})" if direction in ungated else direction
+                rows.append([label, pair, *(_fmt(values.get(m)) for m in plots.METRICS)])
     independent = report.get("independent_new_new")
     if isinstance(independent, Mapping):
         for direction, values in independent.items():
@@ -352,6 +384,7 @@ def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
     rows = []
     margins = report.get("margins") if isinstance(report.get("margins"), Mapping) else {}
     ecc = report.get("ecc") if isinstance(report.get("ecc"), Mapping) else {}
+    gated = _gated_directions(gate)
     for direction in plots.DIRECTIONS:
         per_metric = margins.get(direction) if isinstance(margins.get(direction), Mapping) else {}
         for metric, entry in per_metric.items():
@@ -368,18 +401,20 @@ def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
                         _fmt(entry.get("margin")),
                         _fmt(entry.get("ci_low")),
                         _fmt(entry.get("ci_high")),
-                        {True: "holds", False: "fails"}.get(verdict, "-"),
+                        NOT_GATED
+                        if gated is not None and direction not in gated
+                        else {True: "holds", False: "fails"}.get(verdict, "-"),
                     ]
                 )
     if rows:
         section.items.append(Table(["direction", "metric", "margin (pp)", "CI low", "CI high", "ECC"], rows))
-        weak = [f"{r[0]} {r[1]}" for r in rows if not (_num(r[3]) > 0)]
+        weak = [f"{r[0]} {r[1]}" for r in rows if not (_num(r[3]) > 0) and r[5] != NOT_GATED]
         section.status = "all intervals above zero" if not weak else f"{len(weak)} interval(s) reach zero"
         section.tone = "good" if not weak else "warn"
     return section
 
 
-def _rollout_section(source: Source, report: Mapping[str, Any] | None) -> Section:
+def _rollout_section(source: Source) -> Section:
     missing = _absent(source, "rollout", "Rollout and backfill", "rollout state")
     if missing:
         return missing
@@ -393,9 +428,20 @@ def _rollout_section(source: Source, report: Mapping[str, Any] | None) -> Sectio
             [[state, doc.get("stage"), _pct(doc.get("fraction_backfilled"), 1)]],
         )
     )
-    png = plots.backfill_curve(doc, report)
+    png = plots.backfill_curve(doc)
     if png:
         section.items.append(Figure("Backfill curve", png))
+    floors = doc.get("floors") if isinstance(doc.get("floors"), Mapping) else {}
+    baseline = doc.get("baseline") if isinstance(doc.get("baseline"), Mapping) else {}
+    if floors:
+        section.items.append(
+            Note(
+                f"Every stage's probe must stay at or above its floor: R@1 {_fmt(floors.get('R@1'))} "
+                f"(the probe set's old/old is {_fmt(baseline.get('R@1'))}; the evaluation set's figures "
+                "in the compatibility matrix come from other queries and are not this floor).",
+                "muted",
+            )
+        )
     curve = doc.get("curve")
     if isinstance(curve, list) and curve:
         section.items.append(

@@ -1,4 +1,5 @@
-"""``compatflow report``: the on-call report of a run (HTML or Markdown), written to a file or printed."""
+"""``compatflow report``: the on-call report of a run, written beside the run (or to ``--out``); prints where
+it is and a text summary (``--format md`` without ``--out`` prints the Markdown report instead)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def report(
         typer.Argument(help="Run directory, or a run id under WORKSPACE/runs (default: the newest run)."),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Write the report here instead of printing it.")
+        Path | None, typer.Option("--out", help="Write the report here (default: RUN/report/report.html).")
     ] = None,
     fmt: Annotated[
         str | None, typer.Option("--format", help="html or md (default: from --out's suffix, else html).")
@@ -25,8 +26,9 @@ def report(
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Render the on-call report of RUN: validation, drift, training, compatibility, gate, rollout."""
-    from components.report import FORMATS, render, write_report
+    """Write the on-call report of RUN (validation, drift, training, compatibility, gate, rollout) and print
+    its path and a summary."""
+    from components.report import FORMATS, render, summary, write_report, write_reports
     from pipelines.commands._common import fail, workspace_of
 
     if fmt is not None and fmt not in FORMATS:
@@ -46,11 +48,15 @@ def report(
             fail(f"{run!r} is neither a directory nor a run id: {err}")
         if not run_dir.is_dir():
             fail(f"{run!r} is neither a directory nor a run under {ws.runs_dir}")
+    if out is None and fmt == "md":
+        sys.stdout.write(render(run_dir, "md", link_base=Path.cwd()))
+        return
     if out is not None:
         written = write_report(run_dir, out, fmt)
-        typer.echo(f"report written to {written}", err=True)
-        return
-    sys.stdout.write(render(run_dir, fmt or "html", link_base=Path.cwd()))
+    else:
+        written = write_reports(run_dir, run_dir / "report")["html"]
+    sys.stdout.write(summary(run_dir))
+    typer.echo(f"report: {written}")
 
 
 def register(app: typer.Typer) -> None:
