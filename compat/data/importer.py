@@ -74,7 +74,7 @@ RESERVED_FIELDS = (
 )
 
 REFUSALS: dict[str, str] = {
-    "caption_missing": "no caption: no .txt file beside the image (sidecar) or an empty caption cell (table)",
+    "caption_missing": "no caption: no .txt file beside the image",
     "caption_empty": "the caption is empty or whitespace only",
     "caption_not_utf8": "the caption file is not UTF-8 text",
     "image_missing": "a caption file with no image beside it, or a table row whose path is not a file",

@@ -1,0 +1,454 @@
+"""Real data in: `compatflow data import` (sidecar folders, class folders, CSV/Parquet tables; duplicates,
+refused files, determinism, resumption) and `compatflow stream add-phase/show` (manifest, schema, img2dataset
+folders, the pipeline's phase picker)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from compat.data.importer import PENDING, REPORT, DataImportError, ImportSettings, import_images, split_of
+from compat.data.manifest import StreamError, add_phase, load_manifest, phase_urls
+from compat.data.shards import write_shard
+from pipelines.cli import app
+from schemas import schema_errors
+
+runner = CliRunner()
+LABELS = ("red", "green", "blue", "grey")
+
+
+def picture(seed: int, size: tuple[int, int], mode: str) -> Image.Image:
+    """A small image of ``mode`` with content that differs per seed (so no two are byte-identical)."""
+    rng = np.random.default_rng(seed)
+    base = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).resize(size, Image.BILINEAR)
+    if mode == "I;16":
+        return Image.fromarray(np.asarray(base.convert("L"), dtype="<u2") * 257)
+    if mode == "P":
+        return base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    return base.convert(mode)
+
+
+# (mode, file extension, PIL format, member extension): formats the pipeline decodes keep their bytes
+KINDS = [
+    ("RGB", "jpg", "JPEG", "jpg"),
+    ("L", "jpeg", "JPEG", "jpg"),
+    ("RGBA", "png", "PNG", "png"),
+    ("P", "png", "PNG", "png"),
+    ("LA", "png", "PNG", "png"),
+    ("I;16", "png", "PNG", "png"),
+    ("RGB", "webp", "WEBP", "webp"),
+    ("RGB", "bmp", "BMP", "png"),
+    ("P", "gif", "GIF", "png"),
+    ("CMYK", "tiff", "TIFF", "jpg"),  # PNG holds no CMYK: JPEG, the one format the pipeline decodes that does
+]
+SIZES = [(32, 32), (48, 20), (20, 64), (57, 41), (100, 30)]
+
+
+def image_folder(root: Path, n: int, start: int = 0) -> Path:
+    """``n`` images of every kind in KINDS (mixed sizes) with sidecar captions, in a nested folder tree."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(start, start + n):
+        mode, ext, fmt, _ = KINDS[i % len(KINDS)]
+        sub = root / ("a" if i % 3 else "b/c")
+        sub.mkdir(parents=True, exist_ok=True)
+        picture(i, SIZES[i % len(SIZES)], mode).save(sub / f"img{i:04d}.{ext}", format=fmt)
+        (sub / f"img{i:04d}.txt").write_text(f"a {LABELS[i % 4]} thing number {i}\n")
+    return root
+
+
+def read_tar(path: Path) -> dict[str, dict[str, bytes]]:
+    samples: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tar:
+        for info in tar:
+            key, ext = info.name.split(".", 1)
+            samples.setdefault(key, {})[ext] = tar.extractfile(info).read()
+    return samples
+
+
+def all_samples(out: Path) -> dict[str, dict[str, bytes]]:
+    report = json.loads((out / REPORT).read_text())
+    return {k: v for s in report["shards"].values() for rel in s for k, v in read_tar(out / rel).items()}
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 good images of ten kinds plus a duplicate and one file of every refusal a folder can hold."""
+    root = image_folder(tmp_path_factory.mktemp("src") / "photos", 30)
+    (root / "a" / "copy.png").write_bytes((root / "a" / "img0002.png").read_bytes())  # same bytes
+    (root / "a" / "copy.txt").write_text("another caption of the same picture")
+    picture(900, (30, 30), "RGB").save(root / "a" / "nocaption.jpg")
+    picture(901, (30, 30), "RGB").save(root / "a" / "blank.jpg")
+    (root / "a" / "blank.txt").write_text("  \n")
+    picture(902, (30, 30), "RGB").save(root / "a" / "latin1.jpg")
+    (root / "a" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    good = (root / "a" / "img0001.jpeg").read_bytes()
+    (root / "a" / "cut.jpg").write_bytes(good[: len(good) // 2])
+    (root / "a" / "cut.txt").write_text("half a picture")
+    (root / "a" / "notes.md").write_text("not a picture")
+    (root / "a" / "notes.txt").write_text("a caption for a text file")
+    (root / "a" / "orphan.txt").write_text("a caption without its picture")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.txt").write_text("ignored")
+    return root
+
+
+@pytest.fixture(scope="module")
+def imported(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("import") / "out"
+    result = runner.invoke(
+        app, ["data", "import", str(folder), "--out", str(out), "--samples-per-shard", "8"]
+    )
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_sidecar_folder_every_mode_kept_or_stored_losslessly(folder: Path, imported: Path) -> None:
+    report = json.loads((imported / REPORT).read_text())
+    assert schema_errors(report, "stream_import") == []
+    assert report["imported"] == 30 and sum(report["counts"].values()) == 30
+    assert all(report["counts"][s] > 0 for s in ("train", "eval", "gallery"))
+    assert report["converted_to_png_or_jpeg"] == 9  # the BMP, GIF and TIFF files
+    samples = all_samples(imported)
+    assert len(samples) == 30
+    for key, members in samples.items():
+        meta = json.loads(members["json"])
+        assert schema_errors(meta, "sample") == [] and meta["key"] == key
+        copy = meta["source"] == "a/copy.png"  # img0002.png's bytes, first in path order: the one kept
+        i = 2 if copy else int(meta["source"].rsplit("img", 1)[1][:4])
+        mode, ext, fmt, member = KINDS[i % len(KINDS)]
+        image_member = next(e for e in members if e not in ("txt", "json"))
+        assert image_member == member and set(members) == {member, "txt", "json"}
+        assert (meta["mode"], meta["format"]) == (mode, fmt)
+        assert (meta["original_width"], meta["original_height"]) == SIZES[i % len(SIZES)]
+        source = folder / meta["source"]
+        if fmt in ("JPEG", "PNG", "WEBP"):
+            assert members[member] == source.read_bytes()  # the original bytes, not re-encoded
+        else:
+            with Image.open(io.BytesIO(members[member])) as stored, Image.open(source) as original:
+                assert stored.size == original.size and stored.mode == original.mode
+                if member == "png":
+                    assert np.array_equal(np.asarray(stored), np.asarray(original))  # lossless
+        caption = "another caption of the same picture" if copy else f"a {LABELS[i % 4]} thing number {i}"
+        assert members["txt"].decode() == meta["caption"] == caption
+        assert meta["split"] == split_of(key, 0, (0.8, 0.1, 0.1))
+    tars = sorted(p.relative_to(imported).as_posix() for p in imported.rglob("*.tar"))
+    assert tars == sorted(rel for s in report["shards"].values() for rel in s)
+    assert not (imported / PENDING).exists() and not list(imported.rglob("*.tmp"))
+
+
+def test_duplicates_and_every_refused_file_reported_with_its_reason(imported: Path) -> None:
+    report = json.loads((imported / REPORT).read_text())
+    assert report["duplicates"] == 1
+    assert report["duplicate_files"] == [{"source": "a/img0002.png", "duplicate_of": "a/copy.png"}]
+    reasons = {r["source"]: r["reason"] for r in report["refused_files"]}
+    assert reasons == {
+        "a/nocaption.jpg": "caption_missing",
+        "a/blank.jpg": "caption_empty",
+        "a/latin1.jpg": "caption_not_utf8",
+        "a/cut.jpg": "image_unreadable",
+        "a/notes.md": "not_an_image",
+        "a/orphan.txt": "image_missing",
+    }
+    assert report["refused"] == 6 and sum(report["refused_by_reason"].values()) == 6
+    for refusal in report["refused_files"]:
+        assert refusal["message"].startswith(refusal["source"] + ": ")
+
+
+def test_same_input_gives_identical_bytes_and_a_rerun_writes_nothing(
+    folder: Path, imported: Path, tmp_path: Path
+) -> None:
+    again = import_images(folder, tmp_path / "again", ImportSettings(samples_per_shard=8), progress=False)
+    assert tree_bytes(tmp_path / "again") == tree_bytes(imported)
+    rerun = import_images(folder, imported, ImportSettings(samples_per_shard=8), progress=False)
+    assert rerun.written_shards == 0 and rerun.report == again.report
+    other = import_images(
+        folder, tmp_path / "seed", ImportSettings(samples_per_shard=8, seed=5), progress=False
+    )
+    assert other.report["imported"] == 30 and other.report["counts"] != again.report["counts"]
+    with pytest.raises(DataImportError, match="finished import of other input"):
+        import_images(folder, imported, ImportSettings(samples_per_shard=8, seed=5), progress=False)
+
+
+def test_a_killed_import_resumes_without_rewriting_finished_shards(
+    folder: Path, imported: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    settings = ImportSettings(samples_per_shard=8)
+    full = import_images(folder, out, settings, progress=False)
+    shards = [rel for s in full.report["shards"].values() for rel in s]
+    assert len(shards) >= 4
+    # The state a kill during the third shard leaves: the pending plan, two shards, a temporary file.
+    (out / REPORT).unlink()
+    for rel in shards[2:]:
+        (out / rel).unlink()
+    (out / PENDING).write_text(json.dumps({"digest": full.report["plan_sha256"], "settings": {}}))
+    (out / shards[2]).with_name(".00000.tar.x1y2.tmp").write_bytes(b"half a shard")
+    kept = {rel: os.stat(out / rel).st_ino for rel in shards[:2]}
+    resumed = import_images(folder, out, settings, progress=False)
+    assert (resumed.written_shards, resumed.reused_shards) == (len(shards) - 2, 2)
+    assert {rel: os.stat(out / rel).st_ino for rel in shards[:2]} == kept  # not rewritten
+    assert tree_bytes(out) == tree_bytes(imported)
+    # A pending plan of other input (the source changed between the kill and the restart) starts over.
+    (out / REPORT).unlink()
+    (out / PENDING).write_text(json.dumps({"digest": "0" * 64, "settings": {}}))
+    assert import_images(folder, out, settings, progress=False).written_shards == len(shards)
+    assert tree_bytes(out) == tree_bytes(imported)
+
+
+def test_class_folders_caption_from_the_template(tmp_path: Path) -> None:
+    src = tmp_path / "classes"
+    for i, label in enumerate(["ankle_boot", "bag", "ankle_boot", "coat", "bag", "coat"] * 2):
+        (src / label).mkdir(parents=True, exist_ok=True)
+        picture(i, (24 + i, 24), "RGB").save(src / label / f"{i}.png")
+    picture(99, (24, 24), "RGB").save(src / "loose.png")
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app,
+        ["data", "import", str(src), "--out", str(out), "--format", "class-folders", "--template",
+         "a photo of a {label}", "--split", "0.5,0.25,0.25"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / REPORT).read_text())
+    assert report["imported"] == 12 and report["settings"]["split"] == [0.5, 0.25, 0.25]
+    assert [r["reason"] for r in report["refused_files"]] == ["not_in_class_folder"]
+    for members in all_samples(out).values():
+        meta = json.loads(members["json"])
+        assert meta["caption"] == f"a photo of a {meta['label'].replace('_', ' ')}"
+        assert members["txt"].decode() == meta["caption"]
+    bad = runner.invoke(
+        app, ["data", "import", str(src), "--out", str(tmp_path / "x"), "--format", "class-folders",
+              "--template", "a photo"],
+    )  # fmt: skip
+    assert bad.exit_code == 2 and "{label}" in bad.output
+
+
+def write_table_images(root: Path) -> list[dict[str, object]]:
+    (root / "img").mkdir(parents=True)
+    rows: list[dict[str, object]] = []
+    for i in range(8):
+        picture(i, (30, 20 + i), "RGB").save(root / "img" / f"{i}.jpg")
+        rows.append(
+            {"path": f"img/{i}.jpg", "caption": f"caption {i}", "url": f"https://x/{i}", "score": i / 2}
+        )
+    rows.append({"path": "img/missing.jpg", "caption": "gone", "url": "", "score": 0.0})
+    rows.append({"path": "img/0.jpg", "caption": "the first one again", "url": "", "score": 1.0})
+    picture(50, (30, 30), "RGB").save(root / "img" / "nocap.jpg")
+    rows.append({"path": "img/nocap.jpg", "caption": "", "url": "", "score": 0.0})
+    return rows
+
+
+def check_table_import(out: Path, result_output: str, exit_code: int) -> None:
+    assert exit_code == 0, result_output
+    report = json.loads((out / REPORT).read_text())
+    assert report["imported"] == 8 and report["duplicates"] == 1
+    assert sorted(r["reason"] for r in report["refused_files"]) == ["caption_empty", "image_missing"]
+    for members in all_samples(out).values():
+        meta = json.loads(members["json"])
+        i = int(meta["source"].rsplit("/", 1)[1].split(".")[0])
+        assert (
+            meta["url"] == f"https://x/{i}" and meta["score"] == i / 2 and meta["caption"] == f"caption {i}"
+        )
+        assert (meta["original_width"], meta["original_height"]) == (30, 20 + i)
+
+
+def test_csv_table_with_extra_columns(tmp_path: Path) -> None:
+    import csv
+
+    rows = write_table_images(tmp_path / "data")
+    with open(tmp_path / "data" / "pairs.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["path", "caption", "url", "score"])
+        writer.writeheader()
+        writer.writerows(rows)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["data", "import", str(tmp_path / "data" / "pairs.csv"), "--out", str(out)])
+    # CSV cells are text: the score column comes back as the string the file holds
+    assert result.exit_code == 0, result.output
+    metas = [json.loads(m["json"]) for m in all_samples(out).values()]
+    assert sorted(m["score"] for m in metas) == sorted(str(i / 2) for i in range(8))
+    (tmp_path / "bad.csv").write_text("file,text\nimg/0.jpg,x\n")
+    bad = runner.invoke(app, ["data", "import", str(tmp_path / "bad.csv"), "--out", str(tmp_path / "b")])
+    assert bad.exit_code == 2 and "bad.csv has no column 'path', 'caption'" in bad.output
+
+
+def test_parquet_table_with_typed_extra_columns(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = write_table_images(tmp_path / "data")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data" / "pairs.parquet")
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app, ["data", "import", str(tmp_path / "data" / "pairs.parquet"), "--out", str(out)]
+    )
+    check_table_import(out, result.output, result.exit_code)
+
+
+def test_nothing_imported_exits_non_zero_naming_the_reasons(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a caption with no image")
+    (src / "b.jpg").write_bytes(b"not really a jpeg")
+    (src / "b.txt").write_text("b")
+    result = runner.invoke(app, ["data", "import", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "nothing imported" in result.output and "1 image_missing, 1 not_an_image" in result.output
+    for args, message in (
+        (["--split", "0.8,0.3,0.1"], "summing to 1"),
+        (["--split", "a,b"], "three fractions"),
+        (["--key-prefix", "a.b"], "--key-prefix"),
+    ):
+        bad = runner.invoke(app, ["data", "import", str(src), "--out", str(tmp_path / "o2"), *args])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("someone's file")
+    busy = runner.invoke(app, ["data", "import", str(src), "--out", str(tmp_path / "busy")])
+    assert busy.exit_code == 2 and "not empty and holds no import" in busy.output
+
+
+# ------------------------------------------------------------------------------------------- streams
+
+
+def import_drop(tmp_path: Path, name: str, start: int) -> Path:
+    src = image_folder(tmp_path / f"{name}-src", 40, start=start)
+    out = tmp_path / name
+    import_images(src, out, ImportSettings(split=(0.6, 0.2, 0.2), samples_per_shard=10), progress=False)
+    return out
+
+
+def test_add_phase_appends_a_schema_valid_phase_and_the_phase_picker_takes_it(tmp_path: Path) -> None:
+    from components.runs import plan_run, record_phase
+    from pipelines.config import load_config, resolve
+    from pipelines.local_runner import ensure_stream
+
+    drop1, drop2 = import_drop(tmp_path, "drop1", 0), import_drop(tmp_path, "drop2", 1000)
+    stream = tmp_path / "stream"
+    added = runner.invoke(
+        app, ["stream", "add-phase", str(stream), "--shards", str(drop1), "--domain", "drop-1"]
+    )
+    assert added.exit_code == 0, added.output
+    manifest = load_manifest(stream)
+    assert schema_errors(manifest, "stream") == []
+    assert "seed" not in manifest and "image_size" not in manifest
+    counts = json.loads((drop1 / REPORT).read_text())["counts"]
+    assert manifest["phases"][0]["counts"] == counts and manifest["phases"][0]["domain"] == "drop-1"
+
+    config = resolve(load_config("local"))
+    config["workspace"] = str(tmp_path / "ws")
+    config["stream"].update(uri=str(stream), generate_if_missing=False)
+    assert ensure_stream(config) == stream
+    plan = plan_run(config)
+    assert plan["phase"] == 0 and plan["domain"] == "drop-1"
+    assert plan["gallery_shards"] == phase_urls(stream, 0, "gallery")
+    record_phase(Path(config["workspace"]), 0, "succeeded", plan["run_id"])
+    assert plan_run(config) is None  # nothing pending until the next phase lands
+
+    added = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(drop2)])
+    assert added.exit_code == 0, added.output
+    manifest = load_manifest(stream)
+    assert schema_errors(manifest, "stream") == [] and len(manifest["phases"]) == 2
+    assert manifest["phases"][1]["domain"] == "drop2"  # the --shards folder's name by default
+    for split in ("train", "eval", "gallery"):
+        urls = phase_urls(stream, 1, split)
+        assert all(u.startswith(str((stream / "phase-01").resolve())) for u in urls)
+        assert sum(len(read_tar(Path(u))) for u in urls) == manifest["phases"][1]["counts"][split]
+        assert all(os.stat(u).st_nlink == 2 for u in urls)  # hard links, not copies
+    plan = plan_run(config)
+    assert plan["phase"] == 1 and plan["domain"] == "drop2"
+    assert plan["train_shards"] == phase_urls(stream, 1, "train")
+    assert plan["eval_shards"] == phase_urls(stream, 0, "eval") + phase_urls(stream, 1, "eval")
+
+    shown = runner.invoke(app, ["stream", "show", str(stream)])
+    info = runner.invoke(app, ["data", "info", str(stream)])
+    assert shown.exit_code == info.exit_code == 0 and shown.stdout == info.stdout
+    doc = json.loads(shown.stdout)
+    assert [p["domain"] for p in doc["phases"]] == ["drop-1", "drop2"] and doc["missing_shards"] == []
+
+
+def test_an_img2dataset_folder_works_as_it_is(tmp_path: Path) -> None:
+    """img2dataset writes {00000..N}.tar with .parquet and _stats.json beside them: the splits are named."""
+    folder = tmp_path / "img2dataset-out"
+    for shard in range(4):
+        samples = []
+        for j in range(5):
+            idx = shard * 5 + j
+            buf = io.BytesIO()
+            picture(idx, (40, 30), "RGB").save(buf, format="JPEG")
+            key = f"{shard:05d}{j:04d}"
+            meta = {"key": key, "caption": f"photo {idx}", "status": "success", "width": 40, "height": 30}
+            samples.append(
+                (
+                    key,
+                    {
+                        "jpg": buf.getvalue(),
+                        "txt": meta["caption"].encode(),
+                        "json": json.dumps(meta).encode(),
+                    },
+                )
+            )
+        write_shard(folder / f"{shard:05d}.tar", samples)
+        (folder / f"{shard:05d}.parquet").write_bytes(b"PAR1")
+        (folder / f"{shard:05d}_stats.json").write_text("{}")
+    stream = tmp_path / "stream"
+    plain = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(folder)])
+    assert plain.exit_code == 2 and "--train" in plain.output and "directly" in plain.output
+    ok = runner.invoke(
+        app,
+        ["stream", "add-phase", str(stream), "--domain", "web", "--in-place",
+         "--train", f"{folder}/{{00000..00001}}.tar", "--eval", str(folder / "00002.tar"),
+         "--gallery", str(folder / "00003.tar")],
+    )  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    entry = load_manifest(stream)["phases"][0]
+    assert entry["counts"] == {"train": 10, "eval": 5, "gallery": 5}
+    assert entry["train"] == [str(folder / "00000.tar"), str(folder / "00001.tar")]  # listed where they are
+    assert schema_errors(load_manifest(stream), "stream") == []
+
+
+def test_add_phase_refuses_unreadable_or_too_small_splits_and_writes_nothing(tmp_path: Path) -> None:
+    drop = import_drop(tmp_path, "drop", 0)
+    stream = tmp_path / "stream"
+    shards = {s: sorted(str(p) for p in (drop / s).glob("*.tar")) for s in ("train", "eval", "gallery")}
+    cut = tmp_path / "cut.tar"
+    data = Path(shards["train"][0]).read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(StreamError, match=r"train shard is unreadable: shard .*cut\.tar is malformed"):
+        add_phase(stream, {**shards, "train": [*shards["train"], str(cut)]}, "x")
+    with pytest.raises(StreamError, match="the eval split holds 0 samples; a phase needs at least 2"):
+        add_phase(stream, {**shards, "eval": []}, "x")
+    assert not stream.exists()
+    add_phase(stream, shards, "ok")
+    (stream / "phase-01" / "train").mkdir(parents=True)  # left by an add that was killed before stream.json
+    entry = add_phase(stream, shards, "again")
+    assert entry["phase"] == 1 and len(list((stream / "phase-01" / "train").glob("*.tar"))) == len(
+        shards["train"]
+    )
+
+
+def test_synthetic_manifests_still_read_and_match_the_schema(tmp_path: Path) -> None:
+    from compat.data.synth import generate_stream
+
+    manifest = generate_stream(
+        tmp_path / "s", phases=1, samples_per_phase=4, seed=1, eval_per_domain=2, gallery_per_domain=2
+    )
+    assert schema_errors(manifest, "stream") == [] and load_manifest(tmp_path / "s") == manifest
+    entry = add_phase(
+        tmp_path / "s", {s: phase_urls(tmp_path / "s", 0, s) for s in ("train", "eval", "gallery")}, "real"
+    )
+    manifest = load_manifest(tmp_path / "s")
+    assert entry["phase"] == 1 and manifest["seed"] == 1 and schema_errors(manifest, "stream") == []
+    bad = {**manifest, "image_size": "64"}
+    (tmp_path / "s" / "stream.json").write_text(json.dumps(bad))
+    with pytest.raises(StreamError, match="'image_size' must be an integer"):
+        load_manifest(tmp_path / "s")
