@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,6 +168,7 @@ class ImportResult:
     report: dict[str, Any]
     written_shards: int
     reused_shards: int
+    timings: dict[str, float] = field(default_factory=dict)  # wall and CPU seconds of the scan and the writes
 
     @property
     def imported(self) -> int:
@@ -613,13 +615,15 @@ def import_images(
     show = (
         (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
     )
+    wall, cpu = time.perf_counter(), time.process_time()
     plan = _plan(src_path, out_path, settings, show)
+    timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     if report is not None:
         if report.get("plan_sha256") == plan["digest"] and all(
             (out_path / sh["path"]).is_file() for s in SPLITS for sh in plan["shards"][s]
         ):
             log.info("%s already holds this import: nothing written", out_path)
-            return ImportResult(out_path, report, 0, sum(len(plan["shards"][s]) for s in SPLITS))
+            return ImportResult(out_path, report, 0, sum(len(plan["shards"][s]) for s in SPLITS), timings)
         raise DataImportError(
             f"{out_path} holds a finished import of other input or settings ({out_path / REPORT}); "
             "give a new --out folder or delete this one"
@@ -638,9 +642,11 @@ def import_images(
     total = sum(len(plan["shards"][s]) for s in SPLITS)
     from compat.data.shards import write_shard
 
+    wall, cpu = time.perf_counter(), time.process_time()
     for shard in show(todo, f"writing {len(todo)} of {total} shards", total=len(todo)):
         write_shard(out_path / shard["path"], (_members(item) for item in shard["items"]))
     report = _report(src_path, plan)
     write_json_atomic(out_path / REPORT, report)
     (out_path / PENDING).unlink()
-    return ImportResult(out_path, report, len(todo), total - len(todo))
+    timings.update(write_s=time.perf_counter() - wall, write_cpu_s=time.process_time() - cpu)
+    return ImportResult(out_path, report, len(todo), total - len(todo), timings)
