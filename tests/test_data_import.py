@@ -257,6 +257,7 @@ def check_table_import(out: Path, result_output: str, exit_code: int) -> None:
     for members in all_samples(out).values():
         meta = json.loads(members["json"])
         i = int(meta["source"].rsplit("/", 1)[1].split(".")[0])
+        assert meta["source"] == f"img/{i}.jpg" and meta["source_row"] == i + 1
         assert (
             meta["url"] == f"https://x/{i}" and meta["score"] == i / 2 and meta["caption"] == f"caption {i}"
         )

@@ -68,6 +68,7 @@ RESERVED_FIELDS = (
     "format",
     "sha256",
     "source_sha256",
+    "source_row",
     "status",
     "split",
     "label",
@@ -150,13 +151,15 @@ class ImportSettings:
 
 @dataclass
 class _Candidate:
-    source: str  # what the report names: the path relative to SRC, or the table's path cell
+    source: str  # what the report names: the path relative to SRC, or "table row N: path"
     path: Path | None  # the image file
     caption: str | None = None  # class folders and tables: the caption itself
     caption_file: Path | None = None  # sidecar: the file to read it from
     metadata_file: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     label: str | None = None
+    listed: str | None = None  # tables: the path cell as written (the sample's "source"), and its row
+    row: int | None = None
     refused: tuple[str, str] | None = None  # known before reading anything
 
 
@@ -279,7 +282,7 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
         )
     base = table.parent
     out = []
-    for n, row in enumerate(rows, start=2 if table.suffix.lower() == ".csv" else 1):
+    for n, row in enumerate(rows, start=1):  # data rows, the header not counted
         cell = row.get(settings.path_column)
         where = f"{table.name} row {n}"
         extra = {c: _json_safe(row.get(c)) for c in extras}
@@ -296,7 +299,7 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
         if not path.is_file():
             out.append(_Candidate(source, path, refused=("image_missing", f"{source}: no such file {path}")))
             continue
-        out.append(_Candidate(source, path, caption=caption, extra=extra))
+        out.append(_Candidate(source, path, caption=caption, extra=extra, listed=rel, row=n))
     return out
 
 
@@ -441,7 +444,8 @@ def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
         "key": settings.key_prefix + sha[:KEY_HEX],
         "split": split_of(sha[:KEY_HEX], settings.seed, settings.split),
         "path": str(candidate.path.resolve()),
-        "source": candidate.source,
+        "source": candidate.listed or candidate.source,
+        "row": candidate.row,
         "caption": caption,
         "sha256": sha,
         **info,
@@ -519,6 +523,7 @@ def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
         "key": item["key"],
         "caption": item["caption"],
         "source": item["source"],
+        **({"source_row": item["row"]} if item["row"] is not None else {}),
         "width": item["width"],
         "height": item["height"],
         "original_width": item["width"],
