@@ -19,9 +19,10 @@ different images; identical bytes are imported once (the first by source order) 
 duplicates. The split is a seeded, stable hash of the key. Every file that is not imported is listed
 with its reason (:data:`REFUSALS`).
 
-The same input and settings give byte-identical shards and ``import.json``. The plan (which item goes to
-which shard) is stored first; shards are written atomically one by one, so a killed import started again
-writes only the shards still missing, and ``import.json`` is written last.
+The same input and settings give byte-identical shards and ``import.json``. The digest of the plan (which
+item goes to which shard) is stored before the first shard; shards are written atomically one by one, so a
+killed import started again rescans the source and, the plan being the same, writes only the shards still
+missing; ``import.json`` is written last.
 """
 
 from __future__ import annotations

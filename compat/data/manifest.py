@@ -15,11 +15,12 @@ phases added with :func:`add_phase` carry ``source`` and ``added`` instead. Both
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 FORMAT = "compatflow-stream"
 VERSION = 1
 MANIFEST = "stream.json"
+LOCK = ".stream.lock"
 SPLITS = ("train", "eval", "gallery")
 # The least a phase needs to run: training pairs, two eval pairs (retrieval metrics), one gallery item.
 MIN_COUNTS = {"train": 1, "eval": 2, "gallery": 1}
@@ -146,11 +148,6 @@ def add_phase(
     copied) to ``phase-PP/{split}/shard-NNNNN.tar`` in a temporary folder renamed into place, then the
     manifest is replaced atomically; ``in_place`` lists them where they are instead. Returns the entry.
     """
-    from compat.io import utc_now, write_json_atomic
-
-    root = Path(directory)
-    path = manifest_path(root)
-    manifest = load_manifest(root) if path.is_file() else {"format": FORMAT, "version": VERSION, "phases": []}
     if not isinstance(domain, str) or not domain.strip():
         raise StreamError("the phase's domain must be a non-empty name (--domain)")
     unknown = sorted(set(shards) - set(SPLITS))
@@ -171,12 +168,45 @@ def add_phase(
                 f"the {split} split holds {counts[split]} samples; a phase needs at least {least} "
                 f"(give its shards with --{split}, or import with split fractions that leave it some)"
             )
+    root = Path(directory)
+    if manifest_path(root).is_file():
+        load_manifest(root)  # a malformed manifest is refused before anything is written
+    root.mkdir(parents=True, exist_ok=True)
+    with _stream_lock(root):
+        entry = {
+            "domain": domain.strip(),
+            **({"description": description} if description else {}),
+            "counts": counts,
+            **({"source": source} if source else {}),
+        }
+        return _append_locked(root, urls, entry, in_place)
+
+
+@contextlib.contextmanager
+def _stream_lock(root: Path) -> Iterator[None]:
+    """Hold ``root/.stream.lock`` (released by the OS when the holder dies); a second add waits for it."""
+    import fcntl
+
+    with open(root / LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _append_locked(
+    root: Path, urls: dict[str, list[str]], fields: dict[str, Any], in_place: bool
+) -> dict[str, Any]:
+    from compat.io import utc_now, write_json_atomic
+
+    path = manifest_path(root)
+    manifest = load_manifest(root) if path.is_file() else {"format": FORMAT, "version": VERSION, "phases": []}
     phase = len(manifest["phases"])
     name = f"phase-{phase:02d}"
     if in_place:
         listed = {split: [_relative_or_absolute(u, root) for u in urls[split]] for split in SPLITS}
     else:
-        root.mkdir(parents=True, exist_ok=True)
         final = root / name
         if final.exists():  # a phase folder the manifest does not list: left by an add that was killed
             log.warning("removing %s: not listed in %s (an earlier add-phase was interrupted)", final, path)
@@ -188,18 +218,14 @@ def add_phase(
         for split in SPLITS:
             (staging / split).mkdir(parents=True)
             for n, url in enumerate(urls[split]):
-                rel = f"{name}/{split}/shard-{n:05d}.tar"
                 _link_or_copy(Path(url), staging / split / f"shard-{n:05d}.tar")
-                listed[split].append(rel)
+                listed[split].append(f"{name}/{split}/shard-{n:05d}.tar")
         os.replace(staging, final)
-    entry: dict[str, Any] = {
-        "phase": phase,
-        "domain": domain.strip(),
-        **({"description": description} if description else {}),
-        **listed,
-        "counts": counts,
-        **({"source": source} if source else {}),
-        "added": utc_now(),
+    entry = {"phase": phase, **fields, **listed, "added": utc_now()}
+    entry = {
+        k: entry[k]
+        for k in ("phase", "domain", "description", *SPLITS, "counts", "source", "added")
+        if k in entry
     }
     updated = {**manifest, "phases": [*manifest["phases"], entry]}
     check_manifest(updated, path)
