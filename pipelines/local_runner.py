@@ -78,6 +78,8 @@ def ensure_stream(config: dict[str, Any]) -> Path:
             eval_per_domain=stream["eval_per_domain"],
             gallery_per_domain=stream["gallery_per_domain"],
             image_size=stream["image_size"],
+            shift=stream["shift"],
+            old_word_share=stream["old_word_share"],
         )
     load_manifest(stream_dir)
     return stream_dir

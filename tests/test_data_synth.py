@@ -315,6 +315,8 @@ def test_cli_generate_and_info(tmp_path: Path) -> None:
         "6",
         "--samples-per-shard",
         "4",
+        "--shift",
+        "disjoint",
         "--image-size",
         "32",
     ]

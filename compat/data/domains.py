@@ -6,6 +6,11 @@ textures and tones, rendering styles and the collective noun all change from one
 so a model trained on a later phase meets new words and new image statistics. Phases past the base
 domains recombine parts of them (kinds of one, colours of another, ...) under distinct names.
 
+A second plan, the *realistic* shift (:class:`RealisticPhase`, :func:`realistic_phase`), shares a core
+vocabulary (the geometric colours, sizes, positions, the circle, square and triangle) across every phase
+and lets each phase bring the kinds, colours, backgrounds, tones and styles of one more base domain,
+while what earlier phases brought grows rarer: real streams shift like that.
+
 Object kinds are drawn from primitives in a unit box ``[-1, 1]^2`` (y grows downwards); each
 primitive is filled with a colour *role*: ``main`` (the object's named colour), ``dark`` (a darker
 shade of it) or a fixed accent RGB (a stem, a trunk, a wheel).
@@ -430,3 +435,104 @@ def domain_for_phase(phase: int) -> Domain:
         styles=s.styles,
         sources=(k.name, c.name, b.name, s.name),
     )
+
+
+# ------------------------------------------------------------------------------------ realistic shift
+SHIFTS = ("realistic", "disjoint")
+DEFAULT_OLD_WORD_SHARE = 0.6
+CORE_KINDS = ("circle", "square", "triangle")
+CORE_TONES = ("white", "gray", "black")
+CORE_STYLES = ("flat",)
+NOVEL_DECAY = 0.5  # weight of an item brought by phase q, at phase p > q: NOVEL_DECAY ** (p - q)
+NEW_WEIGHT = 1.5  # weight of an item in the phase that brings it
+
+
+@dataclass(frozen=True)
+class RealisticPhase:
+    """Phase ``phase`` of the realistic stream: what it may draw, when each item entered, its mix.
+
+    ``domain`` holds every item available (core and everything brought so far, for rendering and
+    captions); ``intro`` maps ``(slot, name)`` (slots ``kind``, ``colour``, ``background``, ``tone``,
+    ``style``) to the phase that brought it, ``None`` for the core, which never fades.
+    """
+
+    phase: int
+    domain: Domain
+    intro: dict[tuple[str, str], int | None]
+
+    def weight(self, slot: str, name: str) -> float:
+        """Sampling weight of an item at this phase: 1 for the core, fading with the item's age."""
+        q = self.intro[(slot, name)]
+        if q is None:
+            return 1.0
+        return NEW_WEIGHT if q == self.phase else NOVEL_DECAY ** (self.phase - q)
+
+    def is_new(self, slot: str, name: str) -> bool:
+        """Whether this phase brought the item (its words appear in no earlier phase)."""
+        return self.intro[(slot, name)] == self.phase and self.phase > 0
+
+
+def _novelty_source(phase: int) -> Domain | None:
+    """The base domain whose items phase ``phase`` brings: geometric's extras at 0, one base domain each
+    for phases 1-4; none after (later phases only shift the mix)."""
+    return BASE_DOMAINS[phase] if phase < len(BASE_DOMAINS) else None
+
+
+def realistic_phase(phase: int) -> RealisticPhase:
+    """The realistic plan of ``phase``: core vocabulary plus the novelty of every phase up to it.
+
+    Phase 0 is the geometric domain (circle, square, triangle, its colours, sizes, positions, plain
+    backgrounds in white/gray/black and the flat style are the core; diamond, beige and outlined fade
+    like any novelty). Phases 1-4 each bring the kinds, colours, backgrounds, tones and styles of the next
+    base domain (signs, orchard, town, reef), named in its own words; their sizes and positions are the
+    core's. Phases past 4 bring nothing new: the mix keeps shifting towards the core and the newest items.
+    """
+    if phase < 0:
+        raise ValueError(f"phase must be >= 0, got {phase}")
+    g = GEOMETRIC
+    intro: dict[tuple[str, str], int | None] = {}
+    kinds, colours, backgrounds, tones, styles = [], [], [], [], []
+    for q in range(min(phase, len(BASE_DOMAINS) - 1) + 1):
+        src = _novelty_source(q)
+        assert src is not None
+        for kind in src.kinds:
+            intro[("kind", kind.names[0])] = None if kind.names[0] in CORE_KINDS else q
+            kinds.append(kind)
+        for name, rgb in src.colours:
+            intro[("colour", name)] = None if q == 0 else q
+            colours.append((name, rgb))
+        for bg in src.backgrounds:
+            intro[("background", bg.name)] = None if q == 0 else q
+            backgrounds.append(bg)
+        for name, rgb in src.tones:
+            intro[("tone", name)] = None if name in CORE_TONES else q
+            tones.append((name, rgb))
+        for style in src.styles:
+            intro[("style", style.name)] = None if style.name in CORE_STYLES else q
+            styles.append(style)
+    newest = _novelty_source(phase)
+    name = f"r{phase:02d}-{newest.name if newest is not None else 'mix'}"
+    brought = (
+        f"new: {', '.join(k.names[0] for k in newest.kinds)}; "
+        f"{', '.join(c for c, _ in newest.colours)}; "
+        f"{' and '.join(b.name for b in newest.backgrounds)} backgrounds; "
+        f"{' and '.join(s.name for s in newest.styles)} styles"
+        if newest is not None and phase > 0
+        else ("the core vocabulary" if phase == 0 else "no new word, a shifted mix")
+    )
+    domain = Domain(
+        name=name,
+        description=f"core shapes, colours, sizes and positions with what earlier phases brought; {brought}",
+        collective=("object", "objects"),
+        kinds=tuple(kinds),
+        colours=tuple(colours),
+        sizes=g.sizes,
+        rows=g.rows,
+        cols=g.cols,
+        centre=g.centre,
+        backgrounds=tuple(backgrounds),
+        tones=tuple(tones),
+        styles=tuple(styles),
+        sources=tuple(d.name for d in BASE_DOMAINS[: min(phase, len(BASE_DOMAINS) - 1) + 1]),
+    )
+    return RealisticPhase(phase, domain, intro)

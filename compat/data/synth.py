@@ -2,8 +2,11 @@
 
 Each sample is a scene of one to three objects (kind, colour, size, grid position) on a textured
 background in a rendering style, drawn with PIL/numpy and described by five template captions
-(:mod:`compat.data.captions`). Phases draw from different domains (:mod:`compat.data.domains`), so
-vocabulary, object kinds, backgrounds and styles shift from phase to phase and forgetting is real.
+(:mod:`compat.data.captions`). Two shifts (``shift``): ``disjoint`` draws each phase from its own domain
+(:mod:`compat.data.domains`), sharing no word but the position grid (the hard case); ``realistic`` keeps a
+core vocabulary in every phase and lets each phase bring new kinds, colours, backgrounds and styles while
+earlier ones fade, a share ``old_word_share`` of its scenes told in earlier words only (measured by
+:func:`compat.data.shift.earlier_word_shares`).
 
 Layout written by :func:`generate_stream`::
 
@@ -29,7 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from compat.data.captions import scene_captions
-from compat.data.domains import SIZE_FRACTIONS, Domain, domain_for_phase
+from compat.data.domains import (
+    DEFAULT_OLD_WORD_SHARE,
+    SHIFTS,
+    SIZE_FRACTIONS,
+    Domain,
+    RealisticPhase,
+    domain_for_phase,
+    realistic_phase,
+)
 from compat.data.manifest import (  # noqa: F401 -- the manifest's owner; re-exported for callers of synth
     FORMAT,
     MANIFEST,
@@ -48,6 +59,7 @@ PENDING = ".generating.json"
 JPEG_QUALITY = 90
 GENERATOR_VERSION = 1
 MIN_CONTRAST = 110.0
+FORCED_SLOTS = ("kind", "colour", "tone")  # named by all five caption templates (texture and style are not)
 
 
 def sample_key(phase: int, split: str, index: int) -> str:
@@ -130,17 +142,112 @@ def sample_scene(domain: Domain, rng: random.Random) -> dict[str, Any]:
     }
 
 
+def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_share: float) -> dict[str, Any]:
+    """Draw a scene of the realistic stream at ``plan.phase``.
+
+    From phase 1 on, a scene is *familiar* with probability ``old_word_share``: every item comes from the
+    core or an earlier phase, so its captions use earlier words only. Otherwise it is *novel*: one slot
+    (the first object's kind or colour, or the background's tone: words every caption template names)
+    takes an item the phase brings, the others are drawn from everything available, new backgrounds and
+    styles included. Items are weighted by
+    :meth:`RealisticPhase.weight`, so the newest items are common and older ones fade.
+    """
+    domain = plan.domain
+    pools: dict[str, list[tuple[str, Any]]] = {
+        "kind": [(k.names[0], k) for k in domain.kinds],
+        "colour": [(c[0], c) for c in domain.colours],
+        "background": [(b.name, b) for b in domain.backgrounds],
+        "tone": [(t[0], t) for t in domain.tones],
+        "style": [(s.name, s) for s in domain.styles],
+    }
+    new_slots = [s for s in FORCED_SLOTS if any(plan.is_new(s, n) for n, _ in pools[s])]
+    novel = plan.phase > 0 and bool(new_slots) and rng.random() >= old_word_share
+    forced = rng.choice(new_slots) if novel else None
+
+    def pick(slot: str, items: list[tuple[str, Any]], first: bool = True) -> Any:
+        if slot == forced and first:
+            items = [(n, x) for n, x in items if plan.is_new(slot, n)] or [
+                (n, x) for n, x in pools[slot] if plan.is_new(slot, n)
+            ]
+        elif not novel:
+            items = [(n, x) for n, x in items if not plan.is_new(slot, n)] or [
+                (n, x) for n, x in pools[slot] if not plan.is_new(slot, n)
+            ]
+        weights = [plan.weight(slot, n) for n, _ in items]
+        return rng.choices([x for _, x in items], weights=weights)[0]
+
+    background = pick("background", pools["background"])
+    tone_name, tone_rgb = pick("tone", pools["tone"])
+    style = pick("style", pools["style"])
+    backdrop = shade(tone_rgb, 0.3) if style.effect == "neon" else tone_rgb
+    colours = [(n, c) for n, c in pools["colour"] if _distance(c[1], backdrop) >= MIN_CONTRAST]
+    count = rng.choices((1, 2, 3), weights=(0.4, 0.4, 0.2))[0]
+    objects = []
+    for i, cell in enumerate(sorted(rng.sample(range(9), count))):
+        row, col = divmod(cell, 3)
+        kind = pick("kind", pools["kind"], first=i == 0)
+        colour_name, rgb = pick("colour", colours or pools["colour"], first=i == 0)
+        size = rng.randrange(3)
+        cx = (col + 0.5) / 3 + rng.uniform(-0.04, 0.04)
+        cy = (row + 0.5) / 3 + rng.uniform(-0.04, 0.04)
+        half = SIZE_FRACTIONS[size] / 2
+        objects.append(
+            {
+                "kind": kind.names[0],
+                "colour": colour_name,
+                "rgb": list(rgb),
+                "size": domain.sizes[size],
+                "position": domain.position_name(row, col),
+                "cell": [row, col],
+                "box": [round(cx - half, 4), round(cy - half, 4), round(cx + half, 4), round(cy + half, 4)],
+            }
+        )
+    return {
+        "domain": domain.name,
+        "style": style.name,
+        "style_effect": style.effect,
+        "effect_seed": rng.getrandbits(32),
+        "background": {
+            "name": background.name,
+            "texture": background.texture,
+            "tone": tone_name,
+            "rgb": list(tone_rgb),
+            "params": _texture_params(background.texture, rng),
+        },
+        "count": count,
+        "objects": objects,
+        "novel": novel,
+    }
+
+
+def scene_domain(phase: int, shift: str) -> Domain:
+    """The domain a phase's scenes are drawn and rendered from under ``shift``."""
+    if shift not in SHIFTS:
+        raise ValueError(f"shift must be one of {', '.join(SHIFTS)}, got {shift!r}")
+    return realistic_phase(phase).domain if shift == "realistic" else domain_for_phase(phase)
+
+
 def make_sample(
-    seed: int, phase: int, split: str, index: int, image_size: int
+    seed: int,
+    phase: int,
+    split: str,
+    index: int,
+    image_size: int,
+    shift: str = "disjoint",
+    old_word_share: float = DEFAULT_OLD_WORD_SHARE,
 ) -> tuple[str, dict[str, bytes]]:
     """Build sample ``index`` of ``split`` in ``phase``: its key and its ``jpg``/``txt``/``json`` members.
 
     Eval and gallery samples list their five captions in template order; train samples in a
     per-sample shuffled order, so the ``.txt`` caption varies in phrasing across the train split.
     """
-    domain = domain_for_phase(phase)
-    rng = random.Random(f"compatflow-synth/{seed}/{phase}/{split}/{index}")
-    scene = sample_scene(domain, rng)
+    domain = scene_domain(phase, shift)
+    if shift == "realistic":
+        rng = random.Random(f"compatflow-synth-realistic/{seed}/{old_word_share!r}/{phase}/{split}/{index}")
+        scene = sample_realistic_scene(realistic_phase(phase), rng, old_word_share)
+    else:
+        rng = random.Random(f"compatflow-synth/{seed}/{phase}/{split}/{index}")
+        scene = sample_scene(domain, rng)
     image = render_scene(scene, domain, image_size)
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
@@ -181,10 +288,10 @@ class ShardJob:
     count: int
 
 
-def _write_job(args: tuple[str, ShardJob, int, int]) -> int:
-    out_dir, job, seed, image_size = args
+def _write_job(args: tuple[str, ShardJob, int, int, str, float]) -> int:
+    out_dir, job, seed, image_size, shift, old_word_share = args
     samples = (
-        make_sample(seed, job.phase, job.split, i, image_size)
+        make_sample(seed, job.phase, job.split, i, image_size, shift, old_word_share)
         for i in range(job.start, job.start + job.count)
     )
     return write_shard(Path(out_dir) / job.path, samples)
@@ -209,7 +316,9 @@ def _settings(
     gallery_per_domain: int,
     image_size: int,
     samples_per_shard: int,
-) -> dict[str, int]:
+    shift: str,
+    old_word_share: float,
+) -> dict[str, Any]:
     return {
         "generator_version": GENERATOR_VERSION,
         "seed": seed,
@@ -218,10 +327,13 @@ def _settings(
         "gallery_per_domain": gallery_per_domain,
         "image_size": image_size,
         "samples_per_shard": samples_per_shard,
+        "shift": shift,
+        **({"old_word_share": old_word_share} if shift == "realistic" else {}),
     }
 
 
-def _check_settings(found: dict[str, Any], wanted: dict[str, int], source: Path) -> None:
+def _check_settings(found: dict[str, Any], wanted: dict[str, Any], source: Path) -> None:
+    found = {"shift": "disjoint", **found}  # streams written before the realistic shift existed
     diff = {k: (found.get(k), v) for k, v in wanted.items() if found.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in diff.items())
@@ -231,10 +343,18 @@ def _check_settings(found: dict[str, Any], wanted: dict[str, int], source: Path)
         )
 
 
-def _run_jobs(out_dir: Path, jobs: list[ShardJob], seed: int, image_size: int, workers: int) -> None:
+def _run_jobs(
+    out_dir: Path,
+    jobs: list[ShardJob],
+    seed: int,
+    image_size: int,
+    workers: int,
+    shift: str = "disjoint",
+    old_word_share: float = DEFAULT_OLD_WORD_SHARE,
+) -> None:
     from compat.progress import track
 
-    args = [(str(out_dir), job, seed, image_size) for job in jobs]
+    args = [(str(out_dir), job, seed, image_size, shift, old_word_share) for job in jobs]
     total = sum(j.count for j in jobs)
     desc = f"writing {len(jobs)} shards ({total} samples)"
     if workers <= 1 or len(jobs) <= 1:
@@ -261,12 +381,18 @@ def generate_stream(
     image_size: int = 64,
     samples_per_shard: int = 1000,
     workers: int = 1,
+    shift: str = "disjoint",
+    old_word_share: float = DEFAULT_OLD_WORD_SHARE,
 ) -> dict[str, Any]:
     """Write (or complete) the stream in ``out_dir`` and return its manifest.
 
-    A complete stream with the same settings is left as it is; missing shards of an interrupted run
-    are written; asking for more phases than a stream holds extends it. Other settings than those a
-    directory was generated with raise :class:`StreamError`.
+    ``shift`` is ``disjoint`` (one domain per phase, no shared word: the hard stream, kept byte for byte)
+    or ``realistic`` (a shared core vocabulary, new items per phase, ``old_word_share`` of each later
+    phase's scenes in earlier words only); the pipeline's default stream is realistic.
+
+    A complete stream with the same settings is left as it is; missing shards of an interrupted run are
+    written; asking for more phases than a stream holds extends it. Other settings than those a directory
+    was generated with raise :class:`StreamError`.
     """
     for name, value, low in (
         ("phases", phases, 1),
@@ -279,9 +405,21 @@ def generate_stream(
     ):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if shift not in SHIFTS:
+        raise ValueError(f"shift must be one of {', '.join(SHIFTS)}, got {shift!r}")
+    if not isinstance(old_word_share, (int, float)) or not 0.0 <= old_word_share <= 1.0:
+        raise ValueError(f"old_word_share must be a number in [0, 1], got {old_word_share!r}")
+    old_word_share = float(old_word_share)
     out = Path(out_dir)
     settings = _settings(
-        seed, samples_per_phase, eval_per_domain, gallery_per_domain, image_size, samples_per_shard
+        seed,
+        samples_per_phase,
+        eval_per_domain,
+        gallery_per_domain,
+        image_size,
+        samples_per_shard,
+        shift,
+        old_word_share,
     )
     manifest_path, pending_path = out / MANIFEST, out / PENDING
     if manifest_path.exists():
@@ -307,7 +445,7 @@ def generate_stream(
     counts = {"train": samples_per_phase, "eval": eval_per_domain, "gallery": gallery_per_domain}
     entries, todo, n_shards = [], [], 0
     for phase in range(phases):
-        domain = domain_for_phase(phase)
+        domain = scene_domain(phase, shift)
         jobs = plan_phase(phase, counts, samples_per_shard)
         n_shards += len(jobs)
         todo += [j for j in jobs if not (out / j.path).is_file()]
@@ -336,7 +474,7 @@ def generate_stream(
         stale.unlink()
     if todo:
         log.info("writing %d of %d shards into %s", len(todo), n_shards, out)
-        _run_jobs(out, todo, seed, image_size, workers)
+        _run_jobs(out, todo, seed, image_size, workers, shift, old_word_share)
     _atomic_write_json(manifest_path, manifest)
     pending_path.unlink()
     return manifest

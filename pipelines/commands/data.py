@@ -27,6 +27,19 @@ def generate(
     image_size: Annotated[int, typer.Option(min=16, help="Image side in pixels.")] = 64,
     samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
     workers: Annotated[int, typer.Option(min=1, help="Processes writing shards in parallel.")] = 1,
+    shift: Annotated[
+        str,
+        typer.Option(
+            help="realistic: a core vocabulary shared by every phase, new items per phase; "
+            "disjoint: no word shared between phases (the hard stream)."
+        ),
+    ] = "realistic",
+    old_word_share: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="realistic: share of a later phase's captions in earlier words only."
+        ),
+    ] = 0.6,
 ) -> None:
     """Write (or complete, or extend) a synthetic stream; print a summary of its manifest as JSON."""
     import time
@@ -45,6 +58,8 @@ def generate(
             image_size=image_size,
             samples_per_shard=samples_per_shard,
             workers=workers,
+            shift=shift,
+            old_word_share=old_word_share,
         )
     except (StreamError, ValueError) as exc:
         fail(str(exc))
@@ -143,10 +158,32 @@ def import_(
 
 @data_app.command("info")
 def info(stream_dir: Annotated[Path, typer.Argument(help="Directory holding stream.json.")]) -> None:
-    """Print phases, domains, shard and sample counts of a stream as JSON; exit 1 if shards are missing."""
+    """Print phases, domains, shard and sample counts of a stream as JSON, with its vocabulary shift (per
+    phase: new words, share of train captions in earlier words only); exit 1 if shards are missing."""
     from pipelines.commands.stream import show_stream
 
-    show_stream(stream_dir)
+    show_stream(stream_dir, extra=_vocabulary(stream_dir))
+
+
+def _vocabulary(stream_dir: Path) -> dict[str, Any]:
+    """The stream's shift setting and measured vocabulary shift; empty when its shards cannot be read."""
+    from compat.data.manifest import StreamError, load_manifest, missing_shards
+    from compat.data.shards import ShardError
+    from compat.data.shift import earlier_word_shares
+
+    try:
+        manifest = load_manifest(stream_dir)
+        if missing_shards(stream_dir, manifest):
+            return {}
+        rows = earlier_word_shares(stream_dir, manifest=manifest)
+    except (StreamError, ShardError):
+        return {}
+    generator = manifest.get("generator", {})
+    return {
+        **({"shift": generator.get("shift", "disjoint")} if generator else {}),
+        **({"old_word_share": generator["old_word_share"]} if "old_word_share" in generator else {}),
+        "vocabulary": rows,
+    }
 
 
 def _summary(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -140,8 +140,9 @@ def _phase_summary(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def show_stream(stream_dir: Path) -> None:
-    """Print a stream's phases (domain, counts, shards) and missing shards as JSON; exit 1 when any is."""
+def show_stream(stream_dir: Path, extra: dict[str, Any] | None = None) -> None:
+    """Print a stream's phases (domain, counts, shards), missing shards and ``extra`` fields as JSON; exit 1
+    when a shard is missing."""
     from compat.data.manifest import StreamError, load_manifest, missing_shards
 
     try:
@@ -154,6 +155,7 @@ def show_stream(stream_dir: Path) -> None:
         **{k: manifest[k] for k in ("seed", "image_size") if k in manifest},
         "phases": [_phase_summary(p) for p in manifest["phases"]],
         "missing_shards": missing,
+        **(extra or {}),
     }
     echo_json(doc)
     if missing:
