@@ -99,6 +99,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "a" / "notes.md").write_text("not a picture")
     (root / "a" / "notes.txt").write_text("a caption for a text file")
     (root / "a" / "orphan.txt").write_text("a caption without its picture")
+    (root / "a" / "orphan.json").write_text("{}")
+    (root / "a" / "lone.json").write_text("{}")
+    (root / "a" / "img0004.json").write_text('{"url": "https://example.com/4.png"}')
     (root / ".hidden").mkdir()
     (root / ".hidden" / "x.txt").write_text("ignored")
     return root
@@ -143,6 +146,7 @@ def test_sidecar_folder_every_mode_kept_or_stored_losslessly(folder: Path, impor
         caption = "another caption of the same picture" if copy else f"a {LABELS[i % 4]} thing number {i}"
         assert members["txt"].decode() == meta["caption"] == caption
         assert meta["split"] == split_of(key, 0, (0.8, 0.1, 0.1))
+        assert meta.get("source_meta") == ({"url": "https://example.com/4.png"} if i == 4 else None)
     tars = sorted(p.relative_to(imported).as_posix() for p in imported.rglob("*.tar"))
     assert tars == sorted(rel for s in report["shards"].values() for rel in s)
     assert not (imported / PENDING).exists() and not list(imported.rglob("*.tmp"))
@@ -160,8 +164,9 @@ def test_duplicates_and_every_refused_file_reported_with_its_reason(imported: Pa
         "a/cut.jpg": "image_unreadable",
         "a/notes.md": "not_an_image",
         "a/orphan.txt": "image_missing",
+        "a/lone.json": "image_missing",
     }
-    assert report["refused"] == 6 and sum(report["refused_by_reason"].values()) == 6
+    assert report["refused"] == 7 and sum(report["refused_by_reason"].values()) == 7
     for refusal in report["refused_files"]:
         assert refusal["message"].startswith(refusal["source"] + ": ")
 

@@ -203,10 +203,11 @@ def _sidecar_candidates(root: Path, skip: Path | None) -> list[_Candidate]:
         suffix = f.suffix.lower()
         group = by_stem[(f.parent, f.stem)]
         if suffix in (CAPTION_EXT, METADATA_EXT):
-            if suffix == CAPTION_EXT and all(g.suffix.lower() in (CAPTION_EXT, METADATA_EXT) for g in group):
-                out.append(
-                    _Candidate(rel, None, refused=("image_missing", f"{rel}: a caption with no image"))
-                )
+            sidecars = [g.suffix.lower() for g in group]
+            orphan = all(x in (CAPTION_EXT, METADATA_EXT) for x in sidecars)
+            if orphan and (suffix == CAPTION_EXT or CAPTION_EXT not in sidecars):  # reported once per stem
+                what = "a caption" if suffix == CAPTION_EXT else "metadata"
+                out.append(_Candidate(rel, None, refused=("image_missing", f"{rel}: {what} with no image")))
             continue
         caption = next((g for g in group if g.suffix == CAPTION_EXT), None)
         caption = caption or next((g for g in group if g.suffix.lower() == CAPTION_EXT), None)
