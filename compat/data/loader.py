@@ -3,8 +3,9 @@
 Shards come from local paths, globs, brace patterns or fsspec URLs (:func:`expand_urls`). A
 :class:`ShardStream` visits them in a deterministic per-(seed, epoch) order, reads them with
 tarfile and webdataset's key grouper (:func:`compat.data.shards.iter_raw_samples`) and decodes
-samples with webdataset's decoder (images to PIL RGB, ``.txt`` and ``.json`` only; nothing is
-ever unpickled). Its :attr:`ShardStream.position` is the position after the last
+samples with webdataset's decoder (images to 8-bit RGB by :func:`compat.data.images.decode_rgb`, with
+transparency on a white background unless told otherwise; ``.txt`` and ``.json`` only; nothing is ever
+unpickled). Its :attr:`ShardStream.position` is the position after the last
 sample yielded; a stream built with that position continues with exactly the next sample,
 passing over the already-consumed members of the current shard without decoding them.
 
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from compat.data.images import WHITE, ImageDecodeError, check_background, decode_rgb
 from compat.data.shards import ShardError, is_local, iter_raw_samples, local_path, refuse_pipe
 
 if TYPE_CHECKING:
@@ -138,11 +140,18 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> l
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n_shards)]
 
 
-def _decoder() -> Callable[[dict[str, Any]], dict[str, Any]]:
+def _decoder(background: Sequence[int] = WHITE) -> Callable[[dict[str, Any]], dict[str, Any]]:
     from webdataset import autodecode
 
-    def text(key: str, data: bytes) -> Any:
+    background = check_background(background, "shard reader")
+
+    def decode(key: str, data: bytes) -> Any:
         ext = key.rsplit(".", 1)[-1].lower()
+        if ext in IMAGE_EXTS:
+            try:
+                return decode_rgb(data, background)
+            except ImageDecodeError as exc:
+                raise ValueError(str(exc)) from exc
         if ext == "txt":
             return data.decode("utf-8")
         if ext == "json":
@@ -152,7 +161,7 @@ def _decoder() -> Callable[[dict[str, Any]], dict[str, Any]]:
         return None
 
     only = {*IMAGE_EXTS, "txt", "json"}
-    return autodecode.Decoder([autodecode.imagehandler("pil", IMAGE_EXTS), text], pre=[], post=[], only=only)
+    return autodecode.Decoder([decode], pre=[], post=[], only=only)
 
 
 def decode_sample(
@@ -186,7 +195,8 @@ def decode_sample(
 class ShardStream:
     """Iterable of :class:`Sample` over shards, with a deterministic shard order and a resumable position.
 
-    ``epochs=None`` repeats forever. Shard order is :func:`shard_order` per (seed, epoch); samples
+    ``epochs=None`` repeats forever. Images are decoded by :func:`compat.data.images.decode_rgb`
+    (transparency onto ``background``). Shard order is :func:`shard_order` per (seed, epoch); samples
     keep their order inside a shard. Iterating again (a second ``iter()``) continues from
     :attr:`position`; build a new stream with ``position=`` to resume in another process.
     """
@@ -199,6 +209,7 @@ class ShardStream:
         seed: int = 0,
         epochs: int | None = 1,
         position: StreamPosition | dict[str, int] | None = None,
+        background: Sequence[int] = WHITE,
     ) -> None:
         self.urls = expand_urls(urls)
         self.shuffle_shards = shuffle_shards
@@ -213,7 +224,7 @@ class ShardStream:
             raise ValueError(
                 f"position shard_index {self.position.shard_index} is past the {len(self.urls)} shards"
             )
-        self._decoder = _decoder()
+        self._decoder = _decoder(background)
 
     def order(self, epoch: int) -> list[str]:
         """Shard URLs in the order epoch ``epoch`` visits them."""
@@ -324,14 +335,15 @@ class CaptionedSet:
         return len(self.keys)
 
 
-def load_captioned_set(urls: str | Sequence[str]) -> CaptionedSet:
-    """Read every sample of ``urls`` (in spec order, shards unshuffled) into a :class:`CaptionedSet`.
+def load_captioned_set(urls: str | Sequence[str], background: Sequence[int] = WHITE) -> CaptionedSet:
+    """Read every sample of ``urls`` (in spec order, shards unshuffled) into a :class:`CaptionedSet`
+    (images decoded by :func:`compat.data.images.decode_rgb`, transparency onto ``background``).
 
     Raises :class:`LoaderError` on a duplicate key.
     """
     out = CaptionedSet([], [], [], [])
     seen: dict[str, str] = {}
-    for sample in ShardStream(urls, shuffle_shards=False, epochs=1):
+    for sample in ShardStream(urls, shuffle_shards=False, epochs=1, background=background):
         if sample.key in seen:
             raise LoaderError(f"key {sample.key!r} appears twice: in {seen[sample.key]} and {sample.shard}")
         seen[sample.key] = sample.shard

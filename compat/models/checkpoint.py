@@ -1,7 +1,9 @@
 """Checkpoints: ``model.safetensors`` plus a ``model.json`` sidecar, checksummed, never unpickled.
 
-The sidecar is written last (temp file + rename), so a directory holding a sidecar always holds the
-complete weights it describes. Loading verifies the sha256 of the weights before reading them.
+The sidecar records how images are resized for the model (``resize_mode``; absent in older sidecars, which
+mean ``shortest``), so whoever loads it preprocesses as training did, and where pretrained start weights came
+from (``pretrained``). The sidecar is written last (temp file + rename), so a directory holding a sidecar
+always holds the complete weights it describes. Loading verifies the weights' sha256 before reading them.
 """
 
 from __future__ import annotations
@@ -96,8 +98,11 @@ def save_checkpoint(
         "sha256": sha256_file(weights),
         "created_at": utc_now(),
         "parameters": int(sum(t.numel() for k, t in tensors.items() if k in param_names)),
+        "resize_mode": bundle.resize_mode,
         "extra": extra or {},
     }
+    if bundle.pretrained:
+        sidecar["pretrained"] = bundle.pretrained
     text = json.dumps(sidecar, indent=2, sort_keys=True) + "\n"
     path = out_dir / SIDECAR_FILE
     atomic_write(path, lambda tmp: tmp.write_text(text))
@@ -145,6 +150,12 @@ def read_sidecar(path: Path) -> dict:
                 f"{path}: field {key!r} is {doc[key]!r} but config {doc['config_name']!r} "
                 f"({config_path(doc['config_name'])}) has {want!r}"
             )
+    from compat.data.images import DEFAULT_RESIZE_MODE, check_resize_mode
+
+    try:
+        check_resize_mode(doc.setdefault("resize_mode", DEFAULT_RESIZE_MODE), f"{path}: field 'resize_mode'")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
     return doc
 
 
@@ -152,7 +163,8 @@ def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> ClipBu
     """Load a checkpoint written by :func:`save_checkpoint` (``path`` = directory or model.json).
 
     The weights' sha256 is checked against the sidecar before they are read; the state dict is
-    loaded strictly. Raises FileNotFoundError, CheckpointError or ChecksumError with the file named.
+    loaded strictly; images are preprocessed with the sidecar's ``resize_mode``. Raises FileNotFoundError,
+    CheckpointError or ChecksumError with the file named.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -181,7 +193,10 @@ def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> ClipBu
             f"{sidecar_path}: config_name {doc['config_name']!r} does not match the weights "
             f"{weights} (written for {meta.get('config_name')!r})"
         )
-    bundle = _build(doc["config_name"], device="cpu", seed=None, pretrained_text=False)
+    bundle = _build(
+        doc["config_name"], device="cpu", seed=None, pretrained_text=False, resize_mode=doc["resize_mode"]
+    )
+    bundle.pretrained = doc.get("pretrained")
     try:
         bundle.model.load_state_dict(state_dict, strict=True)
     except RuntimeError as exc:

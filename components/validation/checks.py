@@ -194,7 +194,8 @@ def unsafe_member_problem(member: Member) -> str | None:
 def _check_image(
     member: Member, max_width: int, max_height: int
 ) -> tuple[int | None, int | None, Reason | None]:
-    """Read the image size from its header and, when within bounds, decode it fully.
+    """Read the image size from its header and, when within bounds, decode it to RGB as every reader does
+    (:func:`compat.data.images.decode_rgb`: orientation applied, so the size is the upright one).
 
     The size bounds themselves are the suite's (``image_size``); an image beyond them is never decoded.
     """
@@ -204,13 +205,17 @@ def _check_image(
 
     from PIL import Image
 
+    from compat.data.images import ImageDecodeError, decode_rgb
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size bounds come first
             with Image.open(io.BytesIO(member.data), formats=_PIL_FORMATS) as image:
                 width, height = image.size
                 if width <= max_width and height <= max_height:
-                    image.load()
+                    width, height = decode_rgb(image).size
+    except ImageDecodeError as exc:
+        return None, None, Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {exc}")
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, None, Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {detail}")
