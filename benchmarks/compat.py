@@ -1,8 +1,10 @@
 """Compatibility benchmark: the methods of compat.methods on two upgrades, side by side, in one run.
 
 Writes benchmarks/results/compat.md. All models are trained here, from random init, on the synthetic stream
-(phase 0 and phase 1, two domains); every method is evaluated with compat.evaluation on the eval splits of
-both phases (multi-caption protocol, paired bootstrap of the new/old - old/old margins).
+(phase 0 and phase 1, two domains; ``--stream realistic``, the default, shares a core vocabulary between
+them, ``--stream disjoint`` shares no word: the hard stream); every method is evaluated with
+compat.evaluation on the eval splits of both phases (multi-caption protocol, paired bootstrap of the
+new/old - old/old margins).
 
 - production ("old"): ``--old-config`` (cf-tiny) trained on phase 0 (CLIP loss).
 - scenario (a) continual: the Mod-X + buffer candidate of phase 1 (started from production, production as
@@ -107,6 +109,7 @@ def train_clip(
 
     key = _fingerprint(
         {
+            "stream": Path(urls[0]).parents[2].name,
             "config": config_name,
             "urls": [Path(u).name for u in urls],
             "steps": steps,
@@ -150,12 +153,20 @@ def train_clip(
     return ckpt
 
 
-def prepare(workdir: Path, sizes: Sizes, old_config: str, foundation_config: str) -> dict[str, Any]:
+def prepare(
+    workdir: Path,
+    sizes: Sizes,
+    old_config: str,
+    foundation_config: str,
+    shift: str = "realistic",
+    old_word_share: float = 0.6,
+) -> dict[str, Any]:
     """The stream, production, the Mod-X candidate and the foundation model (cached by settings)."""
     from compat.data.synth import generate_stream, phase_urls
     from compat.models import load_checkpoint
 
-    stream = workdir / f"stream-{sizes.samples_per_phase}-{sizes.eval_per_domain}"
+    name = f"stream-{sizes.samples_per_phase}-{sizes.eval_per_domain}"
+    stream = workdir / (name if shift == "disjoint" else f"{name}-{shift}-{old_word_share:g}")
     generate_stream(
         stream,
         phases=2,
@@ -163,6 +174,8 @@ def prepare(workdir: Path, sizes: Sizes, old_config: str, foundation_config: str
         seed=0,
         eval_per_domain=sizes.eval_per_domain,
         gallery_per_domain=0,
+        shift=shift,
+        old_word_share=old_word_share,
     )
     p0, p1 = phase_urls(stream, 0, "train"), phase_urls(stream, 1, "train")
     print("training production on phase 0", flush=True)
@@ -198,6 +211,7 @@ def prepare(workdir: Path, sizes: Sizes, old_config: str, foundation_config: str
         "p1_buffer": p1 + p0[:1],
         "p01": p0 + p1,
         "eval": evals,
+        "stream": stream,
     }
 
 
@@ -311,11 +325,19 @@ def render(
     scenarios: list[tuple[str, list]],
     seconds: float,
     base_seconds: dict[str, float],
+    base_stream: Path,
 ) -> str:
     import torch
 
+    from compat.data.shift import earlier_word_shares
+
+    shares = [r["earlier_word_share"] for r in earlier_word_shares(base_stream)]
     lines = [
         "# Compatibility methods: two upgrades, side by side",
+        "",
+        f"Stream `{args.stream}`"
+        + (f" (old_word_share {args.old_word_share:g})" if args.stream == "realistic" else "")
+        + f": phase 1's train captions in phase 0's words only, measured: {100 * shares[1]:.0f} %.",
         "",
         f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/compat.py', *sys.argv[1:]])}` "
         f"({seconds / 60:.1f} min, torch threads {torch.get_num_threads()}, CPU).",
@@ -355,6 +377,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--old-config", default="cf-tiny")
+    parser.add_argument(
+        "--stream",
+        choices=("realistic", "disjoint", "fashion-mnist"),
+        default="realistic",
+        help="realistic: phases share a core vocabulary; disjoint: no shared word (the hard stream)",
+    )
+    parser.add_argument("--old-word-share", type=float, default=0.6, help="realistic stream: the knob")
     parser.add_argument("--foundation-config", default=DEFAULT_FOUNDATION)
     parser.add_argument(
         "--rows", default=",".join(ROWS), help=f"comma-separated labels of ROWS ({', '.join(ROWS)})"
@@ -364,6 +393,12 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch CPU threads (1: fastest on a shared machine)"
     )
     args = parser.parse_args()
+    if args.stream == "fashion-mnist":
+        parser.error(
+            "the ECC here is pairwise retrieval at R@1, which Fashion-MNIST's class-only captions make "
+            "ill-posed (every image of a class shares its captions, and ties count against the query): "
+            "measure that stream with benchmarks/continual.py --stream fashion-mnist (class accuracy)"
+        )
     logging.basicConfig(level=logging.WARNING)
     import torch
 
@@ -378,7 +413,9 @@ def main() -> None:
         parser.error(f"unknown rows {unknown}; known: {list(ROWS)}")
     t_start = time.perf_counter()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    base = prepare(args.workdir, sizes, args.old_config, args.foundation_config)
+    base = prepare(
+        args.workdir, sizes, args.old_config, args.foundation_config, args.stream, args.old_word_share
+    )
     base_seconds = {
         k: float(read_sidecar(base[k])["extra"]["train_seconds"]) for k in ("old", "candidate", "foundation")
     }
@@ -400,7 +437,7 @@ def main() -> None:
                 run_scenario("b", base["foundation"], base["old"], base["p01"], sizes, rows, data),
             )
         )
-    text = render(sizes, args, scenarios, time.perf_counter() - t_start, base_seconds)
+    text = render(sizes, args, scenarios, time.perf_counter() - t_start, base_seconds, base["stream"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

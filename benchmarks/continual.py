@@ -1,7 +1,9 @@
 """Mod-X vs fine-tuning (CLIP_ct) vs joint training over a stream of shifting domains.
 
-On the generated stream (phase 0 plus N shifted phases, one domain each) with the same seeds, data order,
-schedule and steps, through the real ``continual`` stage:
+On a stream (``--stream``: the synthetic ``realistic`` default, whose phases share a core vocabulary and
+bring new items; the ``disjoint`` hard stream, one vocabulary per phase; or ``fashion-mnist``, real photos,
+two new classes per phase, built by benchmarks/fashion_mnist.py) with the same seeds, data order, schedule
+and steps, through the real ``continual`` stage:
 
 * CLIP_0 is trained on phase 0 from scratch;
 * ``modx`` (alpha 20 unless given) and ``finetune`` (alpha 0) continue phase by phase from their own previous
@@ -11,7 +13,9 @@ schedule and steps, through the real ``continual`` stage:
   ``--sweep-no-correction``: phase 1 only, from CLIP_0, a learning-rate x alpha grid (and Mod-X without the
   Eq 3 selective correction, an ablation) to investigate the trade-off.
 
-Reported: multi-caption R@1 in both directions on every domain seen so far, after every phase; the share of
+Reported: multi-caption R@1 in both directions on every domain seen so far, after every phase (on
+Fashion-MNIST, whose captions name only the class, zero-shot class accuracy instead: among every class the
+model has seen / within the phase's own classes); the share of
 teacher rows Eq 3 keeps; Spatial Disorder (RAM/SAM/ImAV) on the phase-0 domain for every phase's move and
 for CLIP_0 -> final; step time Mod-X vs fine-tuning, interleaved on the same pre-decoded batches (compute
 only), and the stage's own median step time (data loading included).
@@ -38,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 log = logging.getLogger("benchmarks.continual")
+STREAMS = ("realistic", "disjoint", "fashion-mnist")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "compatflow-bench-continual")
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "continual.md")
     p.add_argument("--config", default="cf-tiny")
+    p.add_argument("--stream", choices=STREAMS, default="realistic", help="which stream (see the module doc)")
+    p.add_argument(
+        "--old-word-share", type=float, default=0.6, help="realistic stream: captions in earlier words"
+    )
+    p.add_argument("--fashion-dir", type=Path, default=None, help="fashion-mnist: the package's files")
     p.add_argument("--phases", type=int, default=5, help="phase 0 + (phases - 1) shifted phases")
     p.add_argument("--samples-per-phase", type=int, default=2000)
     p.add_argument("--eval-per-domain", type=int, default=200)
@@ -86,8 +96,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def r1(doc: dict[str, Any], domain: str) -> tuple[float, float]:
+    """The pair of figures a table cell shows: R@1 t2i / i2t, or class accuracy seen so far / within phase."""
+    if "class_accuracy" in doc:
+        return tuple(doc["class_accuracy"][domain])  # type: ignore[return-value]
     m = doc["domains"][domain]
     return m["t2i"]["R@1"], m["i2t"]["R@1"]
+
+
+def make_stream(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """The benchmark's stream directory and manifest (generated or built once, reused after)."""
+    if args.stream == "fashion-mnist":
+        from benchmarks.fashion_mnist import DEFAULT_DIR, build_stream
+
+        stream = args.work / "stream-fashion"
+        classes = 2
+        manifest = build_stream(
+            stream,
+            args.fashion_dir or DEFAULT_DIR,
+            classes_per_phase=classes,
+            class_order=list(range(2 * args.phases)),
+            train_per_class=args.samples_per_phase // classes,
+            eval_per_class=args.eval_per_domain // classes,
+            gallery_per_class=1,
+            samples_per_shard=250,
+            seed=args.seed,
+        )
+        return stream, manifest
+    from compat.data.synth import generate_stream
+
+    stream = args.work / f"stream-{args.stream}"
+    manifest = generate_stream(
+        stream,
+        args.phases,
+        args.samples_per_phase,
+        args.seed,
+        eval_per_domain=args.eval_per_domain,
+        gallery_per_domain=0,
+        samples_per_shard=250,
+        workers=min(args.threads, 4),
+        shift=args.stream,
+        old_word_share=args.old_word_share,
+    )
+    return stream, manifest
+
+
+_CLASS_SETS: dict[tuple[str, int], tuple[list[Any], list[str], list[str]]] = {}
+
+
+def add_class_accuracy(
+    args: argparse.Namespace, stream: Path, doc: dict[str, Any], model: Path, phase: int
+) -> None:
+    """Fashion-MNIST: ``doc["class_accuracy"][domain]`` = (accuracy among every class of phases 0..phase,
+    accuracy within the domain's own classes) of ``model`` on each seen phase's eval images."""
+    if args.stream != "fashion-mnist":
+        return
+    from benchmarks.fashion_mnist import class_accuracy
+    from compat.data.loader import load_captioned_set
+    from compat.data.synth import load_manifest, phase_urls
+    from compat.device import resolve_device
+    from compat.models import load_checkpoint
+
+    manifest = load_manifest(stream)
+    for q in range(phase + 1):
+        if (str(stream), q) not in _CLASS_SETS:
+            data = load_captioned_set(phase_urls(stream, q, "eval", manifest))
+            own = manifest["phases"][q]["classes"]
+            _CLASS_SETS[(str(stream), q)] = (data.images, [m["label"] for m in data.metas], own)
+    seen = [c for q in range(phase + 1) for c in manifest["phases"][q]["classes"]]
+    bundle = load_checkpoint(model)
+    device = str(resolve_device(args.device))
+    doc["class_accuracy"] = {}
+    for q in range(phase + 1):
+        images, labels, own = _CLASS_SETS[(str(stream), q)]
+        doc["class_accuracy"][manifest["phases"][q]["domain"]] = (
+            class_accuracy(bundle, images, labels, seen, device),
+            class_accuracy(bundle, images, labels, own, device),
+        )
 
 
 def run_method(
@@ -126,6 +210,7 @@ def run_method(
             resume=False,
         )
         doc["wall_s"] = time.perf_counter() - t0
+        add_class_accuracy(args, stream, doc, out / "model", phase)
         log.info(
             "%s phase %d: %s (%.0f s)", label, phase, {d: r1(doc, d) for d in doc["domains"]}, doc["wall_s"]
         )
@@ -194,6 +279,7 @@ def run_buffered(
             },
             "wall_s": time.perf_counter() - t0,
         }
+        add_class_accuracy(args, stream, doc, out / "model", phase)
         log.info("%s phase %d: %s (%.0f s)", label, phase, {d: r1(doc, d) for d in metrics}, doc["wall_s"])
         docs.append(doc)
         prev = out / "model"
@@ -347,8 +433,15 @@ def render(
     d0 = domains[0]
     n = args.phases - 1
     labels = list(results)
+    fashion = args.stream == "fashion-mnist"
+    metric = "class accuracy" if fashion else "R@1"
+    shares = ", ".join("-" if s is None else f"{100 * s:.0f}%" for s in meta.get("shares", []))
     lines = ["# Continual training: Mod-X vs fine-tuning vs joint training", ""]
     lines += [
+        f"Stream `{args.stream}`"
+        + (f" (old_word_share {args.old_word_share:g})" if args.stream == "realistic" else "")
+        + f"; share of each phase's train captions in earlier phases' words only, measured: {shares}.",
+        "",
         f"Stream: {args.phases} phases (phase 0 + {n} shifted domains: {', '.join(domains)}), "
         f"{args.samples_per_phase} train pairs per phase, {args.eval_per_domain} eval images per domain x 5 "
         f"captions, stream seed {args.seed}. Model `{args.config}` "
@@ -369,7 +462,12 @@ def render(
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {args.threads}, device "
         f"{meta['device']}; Python {platform.python_version()}. Wall time {meta['wall_s'] / 60:.1f} min.",
         "",
-        "## R@1 after every phase (text-to-image / image-to-text, %)",
+        (
+            "## Zero-shot class accuracy after every phase (among every class seen so far / within the "
+            "domain's own classes, %)"
+            if fashion
+            else "## R@1 after every phase (text-to-image / image-to-text, %)"
+        ),
         "",
         "| after phase | method | " + " | ".join(domains) + " |",
         "|---|---|" + "---:|" * len(domains),
@@ -387,8 +485,10 @@ def render(
     lines += [
         "## After the final phase",
         "",
-        "| method | phase-0 domain R@1 (CLIP_0: " + _cell(base0) + ") | earlier domains: mean R@1 | "
-        "earlier domains: mean drop from own peak | newest domain R@1 |",
+        f"| method | phase-0 domain {metric} (CLIP_0: "
+        + _cell(base0)
+        + f") | earlier domains: mean {metric} | "
+        f"earlier domains: mean drop from own peak | newest domain {metric} |",
         "|---|---:|---:|---:|---:|",
     ]
     summary = {}
@@ -406,6 +506,32 @@ def render(
             f"{_cell(newest)} |"
         )
     lines.append("")
+    if "finetune" in summary:
+        ft = summary["finetune"]
+        lines += [
+            "Goals (issue 13): earlier-domain figures as a share of CLIP_0's on the phase-0 domain and of "
+            "each domain's own peak; newest domain against fine-tuning (t2i / i2t"
+            + (", or seen-classes / within-phase accuracy" if fashion else "")
+            + "):",
+            "",
+            "| method | phase-0 domain, % of CLIP_0 | earlier domains, % of own peak "
+            "| newest minus fine-tuning |",
+            "|---|---:|---:|---:|",
+        ]
+        for label, sm in summary.items():
+            keep0 = [100 * sm["d0"][k] / base0[k] if base0[k] else float("nan") for k in (0, 1)]
+            keep = [
+                100 * sm["earlier"][k] / (sm["earlier"][k] + sm["drop"][k])
+                if sm["earlier"][k] + sm["drop"][k]
+                else float("nan")
+                for k in (0, 1)
+            ]
+            gap = [sm["newest"][k] - ft["newest"][k] for k in (0, 1)]
+            lines.append(
+                f"| {label} | {keep0[0]:.0f}% / {keep0[1]:.0f}% | {keep[0]:.0f}% / {keep[1]:.0f}% | "
+                f"{gap[0]:+.1f} / {gap[1]:+.1f} |"
+            )
+        lines.append("")
     pairs = [("modx", "finetune", f"lr {args.lr:g}")]
     pairs += [("modx + buffer", "finetune + buffer", f"lr {args.lr:g}, both with the replay buffer")]
     pairs += [
@@ -584,22 +710,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from compat.data.synth import generate_stream
+    from compat.data.shift import earlier_word_shares
     from compat.device import resolve_device
     from components.continual import run_continual
 
     t_start = time.perf_counter()
-    stream, runs = args.work / "stream", args.work / "runs"
-    manifest = generate_stream(
-        stream,
-        args.phases,
-        args.samples_per_phase,
-        args.seed,
-        eval_per_domain=args.eval_per_domain,
-        gallery_per_domain=0,
-        samples_per_shard=250,
-        workers=min(args.threads, 4),
-    )
+    runs = args.work / "runs"
+    stream, manifest = make_stream(args)
     if runs.exists():
         shutil.rmtree(runs)
     clip0_doc = run_continual(
@@ -616,6 +733,7 @@ def main(argv: list[str] | None = None) -> None:
         resume=False,
     )
     clip0 = runs / "clip0" / "model"
+    add_class_accuracy(args, stream, clip0_doc, clip0, 0)
     log.info("CLIP_0: %s", r1(clip0_doc, manifest["phases"][0]["domain"]))
     results: dict[str, list[dict[str, Any]]] = {}
     results["finetune"] = run_method(args, stream, runs, "finetune", clip0, None, "finetune")
@@ -656,6 +774,7 @@ def main(argv: list[str] | None = None) -> None:
 
     meta = {
         "domains": [p["domain"] for p in manifest["phases"]],
+        "shares": [r["earlier_word_share"] for r in earlier_word_shares(stream, manifest=manifest)],
         "device": device,
         "parameters": read_sidecar(clip0)["parameters"],
         "wall_s": time.perf_counter() - t_start,

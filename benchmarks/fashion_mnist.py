@@ -285,25 +285,15 @@ def build_stream(
 def class_accuracy(
     bundle: Any, images: list[Any], labels: list[str], class_names: list[str], device: str = "cpu"
 ) -> float:
-    """Top-1 accuracy (%) of ``bundle`` as a zero-shot classifier of ``images`` over ``class_names``: each
-    class is the mean of its normalised template-caption embeddings; ``labels`` are the true class names."""
-    import torch
+    """Top-1 accuracy (%) of ``bundle`` (a :class:`compat.models.ClipBundle`) as a zero-shot classifier of
+    ``images`` over ``class_names``: each class is the normalised mean of its template captions' embeddings;
+    ``labels`` are the images' true class names."""
     import torch.nn.functional as F
 
-    model = bundle.model.eval().to(device)
-    with torch.no_grad():
-        protos = []
-        for name in class_names:
-            t = F.normalize(model.encode_text(bundle.tokenizer(captions(name)).to(device)), dim=-1)
-            protos.append(F.normalize(t.mean(0), dim=-1))
-        classes = torch.stack(protos)
-        correct = 0
-        for first in range(0, len(images), 256):
-            batch = torch.stack([bundle.preprocess_val(im) for im in images[first : first + 256]]).to(device)
-            pred = (F.normalize(model.encode_image(batch), dim=-1) @ classes.T).argmax(1).tolist()
-            correct += sum(
-                class_names[p] == y for p, y in zip(pred, labels[first : first + 256], strict=True)
-            )
+    texts = bundle.encode_texts([c for name in class_names for c in captions(name)], device=device)
+    protos = F.normalize(texts.view(len(class_names), len(TEMPLATES), -1).mean(1), dim=-1)
+    pred = (bundle.encode_images(images, device=device) @ protos.T).argmax(1).tolist()
+    correct = sum(class_names[p] == y for p, y in zip(pred, labels, strict=True))
     return 100.0 * correct / max(len(images), 1)
 
 
