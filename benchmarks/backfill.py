@@ -14,6 +14,9 @@ C. Throughput: the cf-tiny image encoder (random init: the cost does not depend 
    same batches (the physical limit) and against the raw forward on preprocessed tensors.
 D. Query latency p50/p99 under a bounded concurrent load (2 client processes, fixed rate each) on
    loopback, idle against during the backfill of C; failed queries.
+E. Queries through the search service (``compatflow serve``) at a fixed open-loop rate during complete
+   rollouts (staged with and without the SLO throttle, blue-green) and their rollbacks
+   (:mod:`benchmarks.service_load`; ``--service-only`` runs it alone).
 
 Run: ``.venv/bin/python benchmarks/backfill.py [--quick]`` (about 3-5 minutes on 2 CPU cores).
 """
@@ -590,12 +593,43 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
     return "\n".join(lines) + "\n"
 
 
+def _service_part(command: str) -> str:
+    """Part E (:mod:`benchmarks.service_load`) on its own milvus-lite server; its Markdown section."""
+    from benchmarks import service_load
+
+    print("part E: queries through the search service during rollouts", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-service-milvus-"))
+    server = MilvusServer(work)
+    try:
+        return service_load.section(service_load.run(server.uri, _free_port()), command)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _service_only(out: Path) -> None:
+    """Run part E alone and put its section in place of the one in ``out`` (appended when absent)."""
+    from benchmarks.service_load import HEADING
+
+    text = _service_part(".venv/bin/python benchmarks/backfill.py --service-only")
+    old = out.read_text() if out.is_file() else ""
+    kept = old.split(HEADING)[0].rstrip("\n")
+    out.write_text((kept + "\n\n" if kept else "") + text)
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, about a minute)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--service-only", action="store_true", help="run part E only and replace its section in --out"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.service_only:
+        _service_only(args.out)
+        return
     sizes = (2000, 400, 1200, 300, 512, 3.0) if args.quick else (10000, 1000, 4000, 400, 3072, 8.0)
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-backfill-"))
@@ -612,6 +646,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     command = ".venv/bin/python benchmarks/backfill.py" + (" --quick" if args.quick else "")
     text = render(a, b, cd, time.perf_counter() - t_start, command)
+    text = text.rstrip("\n") + "\n\n" + _service_part(command)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

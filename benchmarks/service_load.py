@@ -1,0 +1,282 @@
+"""Part E of the backfill benchmark: queries through the search service during complete rollouts.
+
+``compatflow serve`` runs as its own process on 127.0.0.1, over a ``milvus-lite server`` on loopback; a
+client process sends ``POST /search`` (one text, k=10) at a fixed open-loop rate: request i is due at
+t0 + i/rate whatever happened to the earlier ones, and its latency is counted from when it was due (a slow
+answer delays no later request's clock, so queueing shows up in the figures). Meanwhile this process runs,
+on the known-geometry upgrade (:mod:`benchmarks.synthetic_upgrade`): a staged rollout (stage 0 query switch,
+backfill 10/25/50/100 %) without the SLO throttle, its rollback, the same rollout with the throttle
+(``slo_p99_factor`` 1.5), its rollback, a blue-green rollout (a new space) and its rollback. Each answer is
+attributed to the operation running when it was due; failed = any non-200 answer or transport error.
+
+Run alone: ``.venv/bin/python benchmarks/backfill.py --service-only`` (replaces section E of the results).
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## E. Queries through the search service during rollouts"
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _write_captions(path: Path, item_ids: list[str]) -> str:
+    """A gallery shard of captions (``<key>.txt``) for the service to show with each hit."""
+    with tarfile.open(path, "w") as tar:
+        for item_id in item_ids:
+            blob = f"a synthetic item, {item_id}".encode()
+            info = tarfile.TarInfo(f"{item_id}.txt")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return str(path)
+
+
+def _client(port: int, texts: list[str], rate: float, stop: Any, out: Any) -> None:
+    """Open-loop client: request i is due at t0 + i/rate; a pool of connections sends it when due."""
+    local = threading.local()
+    records: list[tuple[float, float, bool, str]] = []  # due (wall), latency from due (s), ok, version
+    lock = threading.Lock()
+
+    def fire(i: int, due_wall: float, due_mono: float) -> None:
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        ok, version = False, ""
+        try:
+            conn.request(
+                "POST",
+                "/search",
+                body=json.dumps({"queries": [texts[i % len(texts)]], "k": 10}),
+                headers={"Content-Type": "application/json"},
+            )
+            response = conn.getresponse()
+            body = response.read()
+            ok = response.status == 200
+            version = json.loads(body).get("model_version", "") if ok else str(response.status)
+        except Exception as exc:  # noqa: BLE001 - a failed query is what is being counted
+            version = type(exc).__name__
+            conn.close()
+            local.conn = None
+        with lock:
+            records.append((due_wall, time.monotonic() - due_mono, ok, version))
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        t0_mono, t0_wall, i = time.monotonic() + 0.2, time.time() + 0.2, 0
+        while not stop.is_set():
+            due = t0_mono + i / rate
+            time.sleep(max(0.0, due - time.monotonic()))
+            pool.submit(fire, i, t0_wall + i / rate, due)
+            i += 1
+    out.put(records)
+
+
+class Service:
+    """``compatflow serve`` for a workspace on a free loopback port."""
+
+    def __init__(self, ws: Path, uri: str, port: int, log: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        argv = [sys.executable, "-m", "pipelines.cli", "serve", "--workspace", str(ws), "--port", str(port)]
+        argv += ["--uri", uri, "--log-level", "warning"]
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.port = port
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("GET", "/readyz")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"compatflow serve did not become ready; see {log}")
+            time.sleep(0.3)
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = -9
+        self.log.close()
+        return code
+
+
+def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: float = 40.0) -> dict[str, Any]:
+    """Part E on the Milvus server at ``uri``; returns per-operation query figures and rollout facts."""
+    from benchmarks.synthetic_upgrade import MODULE, synthetic_encoders, synthetic_upgrade
+    from components import rollout as ro
+    from components.index import GalleryIndex
+
+    work = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "2"}
+    u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=2)
+    probe = ro.ProbeSet(u.query_texts, [[u.item_ids[p[0]]] for p in u.positives])
+    query = f"{MODULE}:synthetic_query_encoder"
+    ws = work / "ws"
+    paths = ro.RolloutPaths.for_workspace(ws)
+    shard = _write_captions(work / "gallery-000000.tar", u.item_ids)
+    index = GalleryIndex(uri, alias="bench_service")
+    ro.index_gallery(
+        index,
+        paths,
+        u.item_ids,
+        u.old_gallery,
+        version="v1",
+        space="syn",
+        query_model={"factory": query, "options": opts, "side": "old"},
+        embedded_at=u.embedded_at,
+        source_uris=[f"{shard}#{i}" for i in u.item_ids],
+    )
+    service = Service(ws, uri, port, work / "serve.log")
+    warm = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    for text in u.query_texts[:5]:  # the query model, the collection and the captions' shard, loaded once
+        warm.request("POST", "/search", json.dumps({"queries": [text], "k": 10}), JSON_HEADERS)
+        warm.getresponse().read()
+    warm.close()
+    load_before = os.getloadavg()[0]
+    ctx = mp.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    client = ctx.Process(target=_client, args=(port, u.query_texts, rate, stop, out))
+    client.start()
+    time.sleep(3.0)  # the client imports and connects
+    phases: list[tuple[str, float, float, dict[str, Any]]] = []
+
+    def phase(name: str, action: Any) -> None:
+        t0 = time.time()
+        facts = action() or {}
+        phases.append((name, t0, time.time(), facts))
+
+    def rollout(version: str, options: dict[str, str], **kw: Any) -> dict[str, Any]:
+        config = ro.RolloutConfig(
+            new_version=version,
+            batch_size=256,
+            query_model={"factory": query, "options": options, "side": "new"},
+            **kw,
+        )
+        t0 = time.perf_counter()
+        state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": options}), probe)
+        seconds = time.perf_counter() - t0
+        return {
+            "state": state["state"],
+            "mode": state["mode"],
+            "seconds": seconds,
+            "items_per_s": n_items / seconds,
+            "pace": state.get("pace"),
+        }
+
+    try:
+        phase("idle", lambda: time.sleep(10.0))
+        phase("staged rollout, no throttle", lambda: rollout("v2", opts))
+        phase("rollback (rows restored)", lambda: {"state": ro.rollback(paths, index)["state"]})
+        phase("staged rollout, SLO throttle 1.5x", lambda: rollout("v3", opts, slo_p99_factor=1.5))
+        phase("rollback of the throttled one", lambda: {"state": ro.rollback(paths, index)["state"]})
+        phase("blue-green rollout (new space)", lambda: rollout("v4", {**opts, "new_dim": "48"}))
+        phase("rollback (alias back)", lambda: {"state": ro.rollback(paths, index)["state"]})
+        phase("idle after", lambda: time.sleep(5.0))
+    finally:
+        stop.set()
+        records = out.get(timeout=120)
+        client.join(timeout=30)
+        exit_code = service.stop()
+        index.close()
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for name, t0, t1, facts in phases:
+        mine = [r for r in records if t0 <= r[0] < t1]
+        lat = np.array([r[1] for r in mine if r[2]]) * 1000.0
+        versions: dict[str, int] = {}
+        for r in mine:
+            versions[r[3]] = versions.get(r[3], 0) + 1
+        rows.append(
+            {
+                "phase": name,
+                "seconds": t1 - t0,
+                "queries": len(mine),
+                "failed": sum(not r[2] for r in mine),
+                "p50": float(np.percentile(lat, 50)) if lat.size else None,
+                "p99": float(np.percentile(lat, 99)) if lat.size else None,
+                "max": float(lat.max()) if lat.size else None,
+                "versions": versions,
+                **facts,
+            }
+        )
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r[2]:
+            errors[r[3]] = errors.get(r[3], 0) + 1
+    return {
+        "rows": rows,
+        "errors": errors,
+        "load": (load_before, os.getloadavg()[0]),
+        "rate": rate,
+        "n_items": n_items,
+        "total": len(records),
+        "failed": sum(not r[2] for r in records),
+        "exit_code": exit_code,
+    }
+
+
+def section(e: dict[str, Any], command: str) -> str:
+    """The Markdown section of part E."""
+
+    def f(x: float | None, digits: int = 1) -> str:
+        return "n/a" if x is None else f"{x:.{digits}f}"
+
+    idle = next((r for r in e["rows"] if r["phase"] == "idle"), None)
+    lines = [
+        HEADING,
+        "",
+        f"`compatflow serve` (uvicorn, 127.0.0.1) over a milvus-lite server on loopback, gallery of "
+        f"{e['n_items']} items (synthetic upgrade, captions from a gallery shard); one client process sends "
+        f"`POST /search` (1 text, k=10) at a fixed open-loop rate of {e['rate']:.0f}/s, latency counted from "
+        "when each request was due. Operations run one after another in the benchmark process. "
+        f"Command: `{command}`.",
+        "",
+        "| operation | s | queries | failed | p50 ms | p99 ms | max ms | p99/idle | answered by | rollout |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in e["rows"]:
+        ratio = r["p99"] / idle["p99"] if idle and idle["p99"] and r["p99"] else None
+        by = ", ".join(f"{v}: {n}" for v, n in sorted(r["versions"].items()))
+        facts = ""
+        if "items_per_s" in r:
+            facts = f"{r['state']}, {r['mode']}, {r['items_per_s']:.0f} items/s (whole rollout)"
+        elif "state" in r:
+            facts = r["state"]
+        lines.append(
+            f"| {r['phase']} | {r['seconds']:.1f} | {r['queries']} | {r['failed']} | {f(r['p50'])} | "
+            f"{f(r['p99'])} | {f(r['max'])} | {f(ratio, 2)} | {by} | {facts} |"
+        )
+    lines += [
+        "",
+        f"Failed queries over the whole run: **{e['failed']} of {e['total']}**"
+        + (f" ({', '.join(f'{k}: {n}' for k, n in sorted(e['errors'].items()))})" if e["errors"] else "")
+        + f"; the service exited with {e['exit_code']} on SIGTERM. 'answered by' counts the query model "
+        "version each answer reports (attributed to the operation running when the request was due): the "
+        "pair swaps at stage 0, at the blue-green alias move and at each rollback. Machine load average "
+        f"(1 min) {e['load'][0]:.1f} at the start and {e['load'][1]:.1f} at the end, on 2 cores shared with "
+        "other work: latencies are those of a busy machine.",
+        "",
+    ]
+    return "\n".join(lines)
