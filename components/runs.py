@@ -199,11 +199,17 @@ def validated_dir(workspace: str | Path, phase: int) -> Path:
     return Path(workspace).resolve() / VALIDATED_DIR / f"phase-{phase:03d}"
 
 
-def keep_validated(workspace: str | Path, phase: int, accepted: Sequence[str | Path]) -> list[str]:
+def keep_validated(
+    workspace: str | Path,
+    phase: int,
+    accepted: Sequence[str | Path],
+    splits: dict[str, Sequence[str | Path]] | None = None,
+) -> list[str]:
     """Copy a phase's accepted shards into the workspace (atomically replacing an earlier copy).
 
     Later runs replay and compare against these, never the raw stream, whose rejected samples stay in
-    quarantine. Returns the kept paths.
+    quarantine. ``splits`` (e.g. eval, gallery) are kept in subdirectories of the same name, created even
+    when a split accepted nothing (see :func:`validated_shards`). Returns the kept training shard paths.
     """
     final = validated_dir(workspace, phase)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -211,12 +217,44 @@ def keep_validated(workspace: str | Path, phase: int, accepted: Sequence[str | P
     tmp.mkdir(parents=True)
     for shard in accepted:
         shutil.copyfile(shard, tmp / Path(shard).name)
+    for split, shards in (splits or {}).items():
+        (tmp / split).mkdir()
+        for shard in shards:
+            shutil.copyfile(shard, tmp / split / Path(shard).name)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
         final.rename(old)
     tmp.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     return sorted(str(p) for p in final.glob("*.tar"))
+
+
+def validated_shards(config: dict[str, Any], shards: Sequence[str], split: str) -> list[str]:
+    """``shards`` (raw stream shards of ``split``, of any phases) with each phase's replaced by what its
+    validation accepted and kept (:func:`keep_validated`), so quarantined items are never read; a phase
+    validated before its ``split`` was kept keeps its raw shards (with a warning). Shards of no phase of
+    the stream pass through unchanged."""
+    from compat.data.manifest import load_manifest, phase_urls
+
+    stream_dir = Path(config["stream"]["uri"])
+    manifest = load_manifest(stream_dir)
+    wanted = [str(s) for s in shards]
+    out: list[str] = []
+    claimed: set[str] = set()
+    for phase in range(len(manifest["phases"])):
+        raw = [s for s in phase_urls(stream_dir, phase, split, manifest) if s in wanted]
+        if not raw:
+            continue
+        claimed.update(raw)
+        kept = validated_dir(config["workspace"], phase) / split
+        if kept.is_dir():
+            out += sorted(str(p) for p in kept.glob("*.tar"))
+        else:
+            log.warning(
+                "phase %d has no validated %s shards under %s: using its raw shards", phase, split, kept
+            )
+            out += raw
+    return out + [s for s in wanted if s not in claimed]
 
 
 def train_shards_of(config: dict[str, Any], phase: int, manifest: dict[str, Any] | None = None) -> list[str]:

@@ -28,19 +28,31 @@ def plan_step(config: Config, phase: int, run_id: str, job_name: str = "") -> di
 def validate_step(
     config: Config, run_dir: Path, phase: int, shards: list[str], out_dir: Path, summary_path: Path
 ) -> dict:
-    """Validation of the phase's shards into ``out_dir``; the summary is also copied to the run dir.
+    """Validation of the phase's train shards (``shards``) and its eval and gallery shards (from the stream)
+    into ``out_dir``; the summary is also copied to the run dir. Captions are measured against the training
+    model's text context.
 
-    A phase that passes has its accepted shards kept in the workspace (:func:`components.runs.keep_validated`)
-    for later runs' replay and drift reference."""
+    A phase that passes has its accepted shards of every split kept in the workspace
+    (:func:`components.runs.keep_validated`): later runs replay and compare against the train split; the
+    gallery and evaluation steps read the kept gallery and eval splits
+    (:func:`components.runs.validated_shards`)."""
+    from compat.data.manifest import phase_urls
+    from compat.models import read_config
     from components.runs import keep_validated
-    from components.validation import ValidationPolicy, validate_phase
+    from components.validation import ValidationPolicy, split_accepted_paths, validate_splits
 
     config = as_config(config)
-    policy = ValidationPolicy(max_quarantined_fraction=config["validation"]["max_quarantined_fraction"])
-    result = validate_phase(shards, out_dir, policy)
+    text_cfg = read_config(config["training"]["model_config"]).get("text_cfg", {})
+    policy = ValidationPolicy(
+        max_quarantined_fraction=config["validation"]["max_quarantined_fraction"],
+        max_caption_tokens=int(text_cfg.get("context_length", 77)),
+    )
+    others = {split: phase_urls(config["stream"]["uri"], phase, split) for split in ("eval", "gallery")}
+    result = validate_splits({"train": shards, **others}, out_dir, policy)
     document = result.to_dict()
     if not document["blocked"]:
-        keep_validated(config["workspace"], phase, result.accepted_paths)
+        kept = {split: split_accepted_paths(result, split) for split in others}
+        keep_validated(config["workspace"], phase, result.accepted_paths, kept)
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "validation.json", summary_path)
     copy_summaries(out_dir, run_dir / "validate", ("validation.json",))

@@ -25,8 +25,10 @@ def serve_first_model_step(
     """
     from compat.models import read_sidecar
     from components.rollout.operations import index_new_items
+    from components.runs import validated_shards
 
     config = as_config(config)
+    gallery_shards = validated_shards(config, gallery_shards, "gallery")  # quarantined items are not indexed
     model = model_dir_of(config, version)
     record = index_new_items(
         workspace_of(config),
@@ -55,8 +57,10 @@ def ingest_step(config: Config, run_dir: Path, gallery_shards: list[str]) -> dic
     """
     from components.rollout import RolloutPaths, read_serving
     from components.rollout.operations import index_new_items
+    from components.runs import validated_shards
 
     config = as_config(config)
+    gallery_shards = validated_shards(config, gallery_shards, "gallery")  # quarantined items are not indexed
     workspace = workspace_of(config)
     serving = read_serving(RolloutPaths.for_workspace(workspace).serving)
     if serving is None:

@@ -59,14 +59,16 @@ def evaluate_step(
     out_dir: Path,
     phase: int,
 ) -> dict[str, Any]:
-    """The compatibility matrix, bootstrap margins and ECC verdicts of the candidate against production."""
+    """The compatibility matrix, bootstrap margins and ECC verdicts of the candidate against production, on
+    the eval items that validation accepted."""
     from components.evaluate import evaluate
+    from components.runs import validated_shards
 
     config = as_config(config)
     report = evaluate(
         production,
         compat_model,
-        eval_shards,
+        validated_shards(config, eval_shards, "eval"),
         out_dir,
         scenario=config["compat"]["scenario"],
         data_phase=phase,

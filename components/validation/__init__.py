@@ -4,12 +4,14 @@
 schema, key uniqueness) with Python checks and Great Expectations suites, quarantines rejected
 samples unchanged with their reasons, writes accepted samples to new shards, and blocks the
 phase when too many samples are rejected, a shard is damaged, or a phase expectation fails.
+``validate_splits`` does it for every split of a phase (train, eval, gallery), summed up in one document.
 """
 
 from components.validation.checks import REASONS, Reason
 from components.validation.phase import ShardSpecError, ValidationSummary, resolve_shards, validate_phase
 from components.validation.policy import ValidationPolicy, load_policy
 from components.validation.shard_reader import ShardReader, split_member_name
+from components.validation.splits import split_accepted_paths, validate_splits
 
 __all__ = [
     "REASONS",
@@ -20,6 +22,8 @@ __all__ = [
     "ValidationSummary",
     "load_policy",
     "resolve_shards",
+    "split_accepted_paths",
     "split_member_name",
     "validate_phase",
+    "validate_splits",
 ]

@@ -124,6 +124,7 @@ def inspect_sample(
         "caption_member": None,
         "caption": None,
         "caption_chars": None,
+        "caption_tokens": None,
         "metadata_member": None,
         "metadata_key": None,
     }
@@ -145,6 +146,7 @@ def inspect_sample(
             )
         else:
             facts["caption"], facts["caption_chars"] = caption, len(caption)
+            facts["caption_tokens"] = caption_tokens(caption)
     if metadata:
         facts["metadata_member"] = metadata[0].name
     if metadata and not metadata[0].truncated:
@@ -164,6 +166,19 @@ def inspect_sample(
                 reasons.append(problem)
         timings.decode_s += time.perf_counter() - start
     return facts, reasons
+
+
+@lru_cache(maxsize=1)
+def _clip_tokenizer():
+    from open_clip.tokenizer import SimpleTokenizer
+
+    return SimpleTokenizer()
+
+
+def caption_tokens(caption: str) -> int:
+    """Tokens of ``caption`` under open_clip's CLIP BPE tokenizer, start and end tokens included: what the
+    text tower's context must hold (the tokenizer cuts anything beyond it)."""
+    return len(_clip_tokenizer().encode(caption)) + 2
 
 
 def unsafe_member_problem(member: Member) -> str | None:

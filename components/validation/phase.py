@@ -36,7 +36,7 @@ from components.validation.shard_reader import SampleGroup, ShardReader
 logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "validation.json"
-STAGE_VERSION = 2  # bump when a check changes meaning: earlier summaries are then recomputed
+STAGE_VERSION = 3  # bump when a check changes meaning: earlier summaries are then recomputed
 
 
 class ShardSpecError(ValueError):
@@ -339,6 +339,23 @@ def _summary_document(
             "... and %d more problems (all listed in the reason.json members of the quarantine shards)",
             len(problems) - policy.max_problems_listed,
         )
+    accepted_tokens = [
+        f["caption_tokens"]
+        for row, f in enumerate(facts)
+        if row not in reasons and f["caption_tokens"] is not None
+    ]
+    captions = {
+        "context_tokens": policy.max_caption_tokens,
+        "over_context": sum(t > policy.max_caption_tokens for t in accepted_tokens),
+        "max_tokens": max(accepted_tokens, default=None),
+    }
+    if captions["over_context"]:
+        logger.warning(
+            "%d of %d accepted captions are longer than the %d-token context (the tokenizer cuts them)",
+            captions["over_context"],
+            len(accepted_tokens),
+            policy.max_caption_tokens,
+        )
     return {
         "schema_version": 1,
         "shard_spec": [
@@ -349,6 +366,7 @@ def _summary_document(
         "quarantined": quarantined,
         "quarantined_fraction": fraction,
         "by_reason": dict(sorted(by_reason.items())),
+        "captions": captions,
         "blocked": bool(blocked_reasons),
         "blocked_reasons": blocked_reasons,
         "shards": [

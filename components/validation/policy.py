@@ -42,6 +42,8 @@ class ValidationPolicy:
     caption_chars_mean_max: float = 500.0
     caption_chars_quantile_ranges: dict[str, list] = field(default_factory=_default_quantile_ranges)
     max_problems_listed: int = 1000
+    max_caption_tokens: int = 77  # the text tower's context: CLIP BPE tokens, start and end included
+    max_over_context_fraction: float = 0.1  # share of captions cut at the context that still passes
     max_caption_bytes: int = 64 * 1024  # members read only when their tar header declares at most this
     max_metadata_bytes: int = 1 << 20
     max_image_bytes: int = 32 << 20
@@ -74,11 +76,19 @@ class ValidationPolicy:
 
     def suite_parameters(self) -> dict[str, Any]:
         """Values for the ``$PARAMETER`` placeholders of the expectation suites."""
-        return {
+        parameters = {
             k: v
             for k, v in self.to_dict().items()
-            if k not in ("max_quarantined_fraction", "max_problems_listed", *_READ_LIMITS)
+            if k
+            not in (
+                "max_quarantined_fraction",
+                "max_problems_listed",
+                "max_over_context_fraction",
+                *_READ_LIMITS,
+            )
         }
+        parameters["min_within_context_fraction"] = 1.0 - self.max_over_context_fraction
+        return parameters
 
     def member_limits(self) -> Any:
         """The shard reader's bounds (:class:`components.validation.shard_reader.MemberLimits`)."""

@@ -40,6 +40,7 @@ FACT_COLUMNS: dict[str, str] = {
     "caption_member": "object",
     "caption": "object",
     "caption_chars": "Int64",
+    "caption_tokens": "Int64",
     "metadata_member": "object",
     "metadata_key": "object",
 }

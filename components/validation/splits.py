@@ -1,0 +1,150 @@
+"""Validation of every split of a phase (train, eval, gallery) with one policy, summarized in one document.
+
+The train split is validated into ``out_dir`` itself (``accepted/``, ``quarantine/``, ``validation.json``: the
+layout every reader of a train validation knows), every other split into ``out_dir/<split>/``. ``out_dir/
+validation.json`` is then rewritten (atomically) as the train document plus ``splits``: each split's counts,
+reasons, caption lengths and shards; the phase is blocked when any split is. A gallery item that fails lands
+in its split's quarantine and nowhere else, so nothing indexes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from compat.io import write_json_atomic
+from components.validation.phase import SUMMARY_FILE, ValidationSummary, validate_phase
+from components.validation.policy import ValidationPolicy
+
+logger = logging.getLogger(__name__)
+
+TRAIN = "train"
+
+
+def split_dir(out_dir: Path, split: str) -> Path:
+    """Where ``split`` is validated: ``out_dir`` for train, ``out_dir/<split>`` for any other."""
+    return Path(out_dir) if split == TRAIN else Path(out_dir) / split
+
+
+def validate_splits(
+    splits: Mapping[str, str | os.PathLike | Sequence[str | os.PathLike]],
+    out_dir: Path,
+    policy: ValidationPolicy | None = None,
+    *,
+    force: bool = False,
+) -> ValidationSummary:
+    """Validate each split's shards (see the module doc); the returned summary is the combined document's.
+
+    ``splits`` maps a split name to its shard pattern(s) and must hold ``train``; a split with no shards
+    is recorded with no samples. Raises :class:`components.validation.ShardSpecError` when a pattern matches
+    nothing, ``ValueError`` for a split name that is not a plain directory name.
+    """
+    if TRAIN not in splits:
+        raise ValueError(f"validate_splits needs the train split; got {sorted(splits)}")
+    for name in splits:
+        if (
+            not name
+            or name in (".", "..")
+            or "/" in name
+            or "\\" in name
+            or name in ("accepted", "quarantine")
+        ):
+            raise ValueError(f"split name {name!r} must be a plain directory name (not accepted/quarantine)")
+    policy = policy or ValidationPolicy()
+    out_dir = Path(out_dir)
+    results: dict[str, ValidationSummary | None] = {}
+    for name, shards in splits.items():  # train last: its validation.json is the one rewritten below
+        if name != TRAIN:
+            results[name] = _validate(shards, split_dir(out_dir, name), policy, force)
+    train = _validate(splits[TRAIN], out_dir, policy, force)
+    if train is None:
+        raise ValueError("the train split has no shards")
+    results = {TRAIN: train, **results}
+    # A reused train summary is the combined document of an earlier run: keep only the train split's reasons.
+    prefixes = tuple(f"{name} split: " for name in splits if name != TRAIN)
+    entries = {
+        name: _split_entry(name, result, out_dir, policy, prefixes) for name, result in results.items()
+    }
+    document = {k: v for k, v in train.document.items() if k != "splits"}
+    document["blocked_reasons"] = list(entries[TRAIN]["blocked_reasons"]) + [
+        f"{name} split: {reason}"
+        for name, entry in entries.items()
+        if name != TRAIN
+        for reason in entry["blocked_reasons"]
+    ]
+    document["blocked"] = bool(document["blocked_reasons"])
+    document["splits"] = entries
+    from schemas import validate
+
+    validate(document, "validation", source=str(out_dir / SUMMARY_FILE))
+    write_json_atomic(out_dir / SUMMARY_FILE, document)
+    for name, entry in document["splits"].items():
+        logger.info(
+            "%s split: %d samples, %d passed, %d quarantined%s",
+            name,
+            entry["total"],
+            entry["passed"],
+            entry["quarantined"],
+            " (blocked)" if entry["blocked"] else "",
+        )
+    return ValidationSummary(out_dir=out_dir, document=document, timings=train.timings, reused=train.reused)
+
+
+def _validate(shards: Any, out_dir: Path, policy: ValidationPolicy, force: bool) -> ValidationSummary | None:
+    if not isinstance(shards, (str, os.PathLike)) and not list(shards):
+        return None
+    return validate_phase(
+        shards if isinstance(shards, (str, os.PathLike)) else list(shards), out_dir, policy, force=force
+    )
+
+
+def _split_entry(
+    name: str,
+    result: ValidationSummary | None,
+    out_dir: Path,
+    policy: ValidationPolicy,
+    prefixes: tuple[str, ...],
+) -> dict[str, Any]:
+    if result is None:
+        return {
+            "dir": os.path.relpath(split_dir(out_dir, name), out_dir),
+            "total": 0,
+            "passed": 0,
+            "quarantined": 0,
+            "quarantined_fraction": 0.0,
+            "by_reason": {},
+            "captions": {"context_tokens": policy.max_caption_tokens, "over_context": 0, "max_tokens": None},
+            "blocked": False,
+            "blocked_reasons": [],
+            "accepted_shards": [],
+            "quarantine_shards": [],
+        }
+    doc = result.document
+    own_reasons = [r for r in doc["blocked_reasons"] if not r.startswith(prefixes)]
+    return {
+        "dir": os.path.relpath(split_dir(out_dir, name), out_dir),
+        "total": doc["total"],
+        "passed": doc["passed"],
+        "quarantined": doc["quarantined"],
+        "quarantined_fraction": doc["quarantined_fraction"],
+        "by_reason": doc["by_reason"],
+        "captions": doc["captions"],
+        "blocked": bool(own_reasons),
+        "blocked_reasons": own_reasons,
+        "accepted_shards": doc["accepted_shards"],
+        "quarantine_shards": doc["quarantine_shards"],
+    }
+
+
+def split_accepted_paths(summary: ValidationSummary, split: str) -> list[Path]:
+    """Absolute paths of the accepted shards of ``split`` in a :func:`validate_splits` summary."""
+    entry = summary.document.get("splits", {}).get(split)
+    if entry is None:
+        raise KeyError(
+            f"{summary.path} has no {split!r} split; known: {sorted(summary.document.get('splits', {}))}"
+        )
+    base = summary.out_dir / entry["dir"]
+    return [base / p for p in entry["accepted_shards"]]
