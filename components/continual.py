@@ -158,6 +158,8 @@ def run_continual(
     replay_rows: int = 0,
     replay_urls: Sequence[Sequence[str]] | None = None,
     train_dir: str | Path | None = None,
+    pretrained: str | None = None,
+    resize_mode: str | None = None,
 ) -> dict[str, Any]:
     """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
 
@@ -171,6 +173,8 @@ def run_continual(
     batch come from a buffer of that many pairs drawn evenly from the earlier phases' train shards -- the
     Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for fine-tuning. ``replay_urls`` (one
     shard list per earlier phase; the pipeline passes the validated ones) replaces the manifest's.
+    ``pretrained`` (a local open_clip checkpoint or a cached open_clip tag) and ``resize_mode`` apply to the
+    bootstrap only: CLIP_0 fine-tunes from those weights instead of a random init (None: the model config's).
     """
     from compat.data.loader import load_captioned_set
     from compat.data.synth import load_manifest, phase_urls
@@ -219,7 +223,11 @@ def run_continual(
     # Whatever method produced production (a plain checkpoint or a compatible model), the student and the
     # Mod-X teacher are its backbone network; the serving encoder is the start model evaluated below.
     parent = None if bootstrap else load_production(production, device=dev)
-    if bootstrap or method_used == "foundation":
+    if bootstrap:
+        student = build_model(
+            config_name, device=dev, seed=seed, pretrained=pretrained, resize_mode=resize_mode
+        )
+    elif method_used == "foundation":
         student = build_model(config_name, device=dev, seed=seed)
     else:
         student = parent.backbone(device=dev)

@@ -59,7 +59,7 @@ def load_config(name_or_path: str | Path, *, local_paths: bool = True) -> dict[s
 def _problems(document: dict[str, Any], *, local_paths: bool) -> list[str]:
     """What a schema-valid config gets wrong, as ``field: why`` sentences, in the config's order."""
     problems = _training_problems(document["training"])
-    problems += _model_problems(document)
+    problems += _model_problems(document, local_paths=local_paths)
     problems += _compat_problems(document["compat"])
     if local_paths:
         problems += _gate_problems(document["gate"])
@@ -77,9 +77,11 @@ def _training_problems(training: dict[str, Any]) -> list[str]:
     return []
 
 
-def _model_problems(document: dict[str, Any]) -> list[str]:
-    """Model config names, as the model factory resolves them."""
-    from compat.models.factory import config_path
+def _model_problems(document: dict[str, Any], *, local_paths: bool = True) -> list[str]:
+    """Model config names and their settings, as the model factory resolves them; the pretrained start
+    weights (when ``local_paths``: they must be on this machine)."""
+    from compat.models.factory import config_path, read_config, resize_mode_of
+    from compat.models.pretrained import PretrainedError, resolve_pretrained
 
     problems = []
     for field, name in (
@@ -88,8 +90,21 @@ def _model_problems(document: dict[str, Any]) -> list[str]:
     ):
         try:
             config_path(name)
+            resize_mode_of(read_config(name), str(config_path(name)))
         except KeyError as err:
             problems.append(f"{field}: {err.args[0]}")
+        except ValueError as err:
+            problems.append(f"{field}: {err}")
+    if local_paths and not problems:
+        name = document["training"]["model_config"]
+        model_config = read_config(name)
+        pretrained = document["training"].get("pretrained") or model_config.get("pretrained")
+        where = "training.pretrained" if document["training"].get("pretrained") else f"{config_path(name)}"
+        try:
+            if pretrained:
+                resolve_pretrained(pretrained, arch=model_config.get("open_clip_model"), where=where)
+        except PretrainedError as err:
+            problems.append(str(err))
     return problems
 
 

@@ -67,7 +67,10 @@ def _cached_tag(tag: str, arch: str | None, where: str) -> Path:
             f"{where}: open_clip has no pretrained tag {tag!r} for {arch!r}; "
             f"known: {', '.join(tags) or 'none'}"
         )
+    if cfg.get("file") and Path(cfg["file"]).is_file():
+        return Path(cfg["file"])
     tried: list[str] = []
+    hint = ""
     hub = cfg.get("hf_hub", "")
     if hub:
         if hub.endswith("/"):
@@ -84,20 +87,18 @@ def _cached_tag(tag: str, arch: str | None, where: str) -> Path:
                 return Path(hf_hub_download(repo_id=repo, filename=name, local_files_only=True))
             except Exception:
                 tried.append(f"https://huggingface.co/{repo}/resolve/main/{name}")
-        hf_home = constants.HF_HUB_CACHE
         hint = (
-            f"run `huggingface-cli download {repo} {candidates[-1]}` on a machine with internet and copy its "
-            f"cache into {hf_home} (or set HF_HOME), "
+            f"run `huggingface-cli download {repo} {candidates[0]}` on a machine with internet and copy its "
+            f"cache into {constants.HF_HUB_CACHE} (or set HF_HUB_CACHE), "
         )
-    else:
-        hint = ""
     url = cfg.get("url", "")
     if url:
         target = Path("~/.cache/clip").expanduser() / os.path.basename(url)
         if target.is_file():
             return target
         tried.append(url)
-        hint += f"download {url} to {target}, "
+        if not hub:  # a hub copy is a plain state dict; some of these URLs are TorchScript archives
+            hint = f"download {url} to {target}, "
     raise PretrainedError(
         f"{where}: open_clip pretrained weights {arch}/{tag} are not in the local cache and nothing is "
         f"downloaded at run time ({', '.join(tried)}): {hint}"

@@ -69,6 +69,8 @@ def continual_step(
         version=f"{run_dir.name}",
         # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
         train_dir=training_dir(run_dir),
+        pretrained=training.get("pretrained"),
+        resize_mode=training.get("resize_mode"),
     )
     if metrics:
         metrics["budget"] = budget
