@@ -236,6 +236,15 @@ def run_continual(
                 "production model is %s; training that config (not %s)", student.config_name, config_name
             )
     teacher = parent.backbone(device=dev) if method_used == "modx" else None
+    stream_size = manifest.get("image_size")  # synthetic streams record the size they rendered
+    if stream_size is not None and int(stream_size) != student.image_size:
+        log.warning(
+            "the stream's images are %spx but %s takes %dpx: they are resized (%s) to the model's size",
+            stream_size,
+            student.config_name,
+            student.image_size,
+            student.resize_mode,
+        )
 
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = replay_buffer_size > 0 and method_used in ("modx", "finetune")

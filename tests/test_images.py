@@ -167,3 +167,13 @@ def test_resize_mode_recorded_and_reused_when_loaded(bundles, tmp_path):
     (tmp_path / "m" / "model.json").write_text(json.dumps(sidecar))
     with pytest.raises(ValueError, match="resize_mode"):
         load_checkpoint(tmp_path / "m")
+
+
+def test_model_config_schema_checks_the_resize_mode():
+    from compat.models import read_config
+    from schemas import SchemaError, validate
+
+    config = read_config("cf-tiny")
+    validate({**config, "preprocess_cfg": {"resize_mode": "longest"}}, "model_config")
+    with pytest.raises(SchemaError, match="preprocess_cfg.resize_mode"):
+        validate({**config, "preprocess_cfg": {"resize_mode": "crop"}}, "model_config", source="cf-x.json")

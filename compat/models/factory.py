@@ -53,8 +53,16 @@ def config_path(config_name: str) -> Path:
 
 
 def read_config(config_name: str) -> dict[str, Any]:
-    """The raw JSON config (placeholders unresolved)."""
-    return json.loads(config_path(config_name).read_text())
+    """The raw JSON config (placeholders unresolved), checked against ``schemas/model_config.schema.json``."""
+    from schemas import validate
+
+    path = config_path(config_name)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    validate(config, "model_config", source=str(path))
+    return config
 
 
 def _resolve(value: Any, where: str) -> Any:
