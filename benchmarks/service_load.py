@@ -277,6 +277,12 @@ def section(e: dict[str, Any], command: str) -> str:
         "pair swaps at stage 0, at the blue-green alias move and at each rollback. Machine load average "
         f"(1 min) {e['load'][0]:.1f} at the start and {e['load'][1]:.1f} at the end, on 2 cores shared with "
         "other work: latencies are those of a busy machine.",
-        "",
     ]
+    worst = max((r for r in e["rows"] if r["p99"] is not None), key=lambda r: r["p99"], default=None)
+    if worst is not None and idle and idle["p99"]:
+        lines.append(
+            f"Highest p99: {worst['phase']} ({worst['p99']:.0f} ms, {worst['p99'] / idle['p99']:.1f}x idle). "
+            "The SLO throttle paces the backfill's batches; a rollback replays every saved row unpaced."
+        )
+    lines.append("")
     return "\n".join(lines)

@@ -133,7 +133,7 @@ def _synthetic(options: Mapping[str, Any]) -> Any:
     return synthetic_upgrade(**{k: cast(options[k]) for k, cast in keys.items() if k in options})
 
 
-def _new_space(options: Mapping[str, Any], dim: int) -> tuple[np.ndarray | None, str | None]:
+def space_change(options: Mapping[str, Any], dim: int) -> tuple[np.ndarray | None, str | None]:
     """A fixed isometry ``[dim, new_dim]`` and the space id ``new<new_dim>`` when ``new_dim`` is set: the new
     model writes into a space the old one cannot read (a blue-green rollout), else ``(None, None)``."""
     if not options.get("new_dim"):
@@ -171,7 +171,7 @@ def synthetic_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
             vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
         return vectors
 
-    rot, space = _new_space(opts, upgrade.old_gallery.shape[1])
+    rot, space = space_change(opts, upgrade.old_gallery.shape[1])
     if rot is None:
         return RolloutEncoders(
             old_query=lambda t: upgrade.query_vectors(t, "old"),
@@ -191,7 +191,7 @@ def synthetic_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
     options = query_model.get("options") or {}
     upgrade = _synthetic(options)
     side = str(query_model.get("side", "new"))
-    rot, _ = _new_space(options, upgrade.old_gallery.shape[1]) if side == "new" else (None, None)
+    rot, _ = space_change(options, upgrade.old_gallery.shape[1]) if side == "new" else (None, None)
     if rot is not None:
         return lambda texts: upgrade.query_vectors(texts, side) @ rot
     return lambda texts: upgrade.query_vectors(texts, side)

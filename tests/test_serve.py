@@ -168,7 +168,7 @@ def _top_ids(index: GalleryIndex, text: str, side: str, collection: str, rot=Non
 
 
 def test_contract_health_and_metrics(gallery, service) -> None:
-    _, index, _ = gallery
+    paths, index, _ = gallery
     client = Client(service.port)
     texts = UPGRADE.query_texts[:3]
     status, body = client.json("POST", "/search", {"queries": texts, "k": K})
@@ -205,6 +205,19 @@ def test_contract_health_and_metrics(gallery, service) -> None:
     assert "compatflow_query_latency_seconds_count 2.0" in metrics  # the two answered requests
     assert 'compatflow_serving_model_info{collection="' in metrics and 'version="v1"' in metrics
     assert "compatflow_query_errors_total" in metrics
+
+    # a damaged record is not followed: the last good pair keeps answering, /readyz says why it is not ready
+    good = paths.serving.read_text()
+    damaged = paths.serving.with_name("serving.json.tmp")
+    damaged.write_text('{"uri": ')
+    damaged.replace(paths.serving)
+    status, ready = client.json("GET", "/readyz")
+    assert status == 503 and "not valid JSON" in ready["detail"], ready
+    status, body = client.json("POST", "/search", {"queries": texts[:1], "k": K})
+    assert status == 200 and body["model_version"] == "v1"
+    damaged.write_text(good)
+    damaged.replace(paths.serving)
+    assert client.json("GET", "/readyz")[0] == 200
     client.close()
 
 
@@ -274,9 +287,9 @@ def test_blue_green_swap_and_rollback_under_load(gallery, service) -> None:
     finally:
         load.stop()
     assert not load.failures, load.failures[:5]
-    from benchmarks.synthetic_upgrade import _new_space
+    from benchmarks.synthetic_upgrade import space_change
 
-    rot, _ = _new_space(options, UPGRADE.old_gallery.shape[1])
+    rot, _ = space_change(options, UPGRADE.old_gallery.shape[1])
     expected = {
         ("v1", source): {t: _top_ids(index, t, "old", source) for t in UPGRADE.query_texts},
         ("v2", target): {t: _top_ids(index, t, "new", target, rot) for t in UPGRADE.query_texts},

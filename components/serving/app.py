@@ -193,10 +193,10 @@ def create_app(
 
     @app.get("/readyz")
     def readyz() -> Any:
-        pair = follow.pair
-        if pair is None:
-            reason = follow.error or "the serving pair is not loaded yet"
-            return JSONResponse(status_code=503, content={"ready": False, "detail": reason})
+        try:
+            pair = follow.current()  # the record as it is now: loaded, or why it cannot be
+        except Exception as exc:  # noqa: BLE001 - nothing to serve yet: not ready, say why
+            return JSONResponse(status_code=503, content={"ready": False, "detail": str(exc)})
         try:
             reachable = pair.index.has_collection(pair.collection)
         except Exception as exc:  # noqa: BLE001 - the index is down: not ready, say why
