@@ -93,6 +93,7 @@ def create_app(
     )
     from pydantic import BaseModel, Field, field_validator
 
+    from components.rollout.serving import ServingError
     from components.serving.captions import ShardCaptions
     from components.serving.pair import PairFollower, ServingPair
 
@@ -173,7 +174,10 @@ def create_app(
         except Exception as exc:
             kind = type(exc).__name__
             errors.labels(kind).inc()
-            log.exception("search failed")
+            if isinstance(exc, ServingError):  # no record yet, or a record that cannot be loaded: said once
+                log.warning("search failed: %s", exc)
+            else:
+                log.exception("search failed")
             return JSONResponse(status_code=503, content={"detail": f"search failed ({kind}): {exc}"})
         it = iter(texts)
         results = [
