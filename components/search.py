@@ -46,9 +46,9 @@ class Searcher:
             )
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        pair = self._follower.current()
         fields = ("source_uri",) if captions else ()
-        hits = pair.search(list(texts), k, filter=filter, output_fields=fields)
+        texts = list(texts)
+        hits, _ = self._follower.answer(lambda p: p.search(texts, k, filter=filter, output_fields=fields))
         rows = [[h.to_dict() for h in row] for row in hits]
         if captions:
             from components.serving.captions import ShardCaptions

@@ -357,3 +357,29 @@ def test_search_command_prints_captions(gallery) -> None:
         timeout=60,
     )
     assert refused.returncode == 2 and "every interface is refused" in refused.stderr
+
+
+def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:
+    """Stage 0 of an in-place rollout moves the query model on the same collection while a query runs: the
+    answer comes from the new query model (the old one could meet the backfill's first new vectors)."""
+    from components.rollout.serving import read_serving, write_serving
+    from components.serving import PairFollower
+
+    paths, index, _ = gallery
+    record = read_serving(paths.serving)
+    follower = PairFollower(paths.serving, index=index)
+    text = UPGRADE.query_texts[3]
+    seen = []
+
+    def query(pair):
+        seen.append(pair.version)
+        if len(seen) == 1:  # the record is rewritten while the first run is in flight
+            fields = {k: record[k] for k in ("uri", "alias", "collection", "space", "dim")}
+            new_model = {"version": "v2", "factory": SYNTH_QUERY, "options": OPTS, "side": "new"}
+            write_serving(paths.serving, **fields, query_model=new_model, previous=None, rollout_id="r")
+        return pair.search([text], K)
+
+    hits, pair = follower.answer(query)
+    assert seen == ["v1", "v2"] and pair.version == "v2" and pair.collection == record["collection"]
+    assert [h.item_id for h in hits[0]] == _top_ids(index, text, "new", record["collection"])
+    follower.close()

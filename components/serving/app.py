@@ -167,9 +167,10 @@ def create_app(
     def search(request: SearchRequest) -> Any:
         t0 = time.perf_counter()
         try:
-            pair = follow.current()
             expr = f"phase in {sorted(set(request.phases))}" if request.phases else None
-            hits = pair.search(request.queries, request.k, filter=expr, output_fields=("source_uri",))
+            hits, pair = follow.answer(
+                lambda p: p.search(request.queries, request.k, filter=expr, output_fields=("source_uri",))
+            )
             texts = captions.lookup([h.fields.get("source_uri") for row in hits for h in row])
         except Exception as exc:
             kind = type(exc).__name__

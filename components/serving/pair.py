@@ -11,9 +11,12 @@ run on the old one, so no query is answered by a query model the record no longe
 A record that cannot be loaded leaves the current pair serving and is reported (:attr:`PairFollower.error`)
 until the record changes again.
 
-Residual window (in-place staged rollouts): a query that started on the old pair just before stage 0
-wrote the record finishes on the old query model; the backfill writes its first new vectors only after
-stage 0 is saved, so such a query meets the gallery as stage 0 left it.
+In-place rollouts (stage 0 switches the query model on the same collection, then the backfill writes new
+vectors into it): a query that started on the old pair and finds, when it ends, that the record moved the
+query model on its collection is run again on the new pair (:meth:`PairFollower.answer`). The record is
+written before any new vector, so an answer that could have met one is never returned from the old query
+model. When the collection changes with the query model (blue-green, a transformed copy, a rollback to the
+source collection), the old pair's collection is not written by the rollout and its answer stands.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 Stamp = tuple[int, int, int]  # (inode, mtime_ns, size) of the record: atomic rewrites change the inode
 RETRY_S = 5.0  # a record that failed to load is tried again after this long (an index may come back)
+MAX_RERUNS = 3  # a query overtaken by in-place query-model switches is run again at most this often
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,22 @@ class PairFollower:
         if pair is not None and (stamp == pair.stamp or self._is_failed(stamp)):
             return pair
         return self.refresh()
+
+    def answer(self, query: Callable[[ServingPair], T]) -> tuple[T, ServingPair]:
+        """``query(pair)`` on the current pair, and the pair that answered (see the module doc: run again on
+        the new pair when the record moved the query model on the same collection meanwhile)."""
+        pair = self.current()
+        result = query(pair)
+        for _ in range(MAX_RERUNS):
+            now = self.current()
+            if (
+                now is pair
+                or now.collection != pair.collection
+                or now.record["query_model"] == dict(pair.record["query_model"])
+            ):
+                break
+            pair, result = now, query(now)
+        return result, pair
 
     def _is_failed(self, stamp: Stamp | None) -> bool:
         failed = self._failed
