@@ -127,3 +127,26 @@ def test_gallery_defect_is_quarantined_and_not_indexed(tmp_path):
     with GalleryIndex(str(tmp_path / "ws" / "milvus" / "gallery.db")) as index:
         ids = {str(r["item_id"]) for batch in index.iter_rows(()) for r in batch}
     assert "g-tiny" not in ids and len(ids) == 30
+
+
+def test_the_report_shows_every_split(tmp_path):
+    from components.report.inputs import Source
+    from components.report.sections import Table, _validation_section
+
+    inputs = tmp_path / "in"
+    gallery = {f"g{i:03d}": _sample(f"g{i:03d}", LONG_CAPTION if i < 6 else "a dot") for i in range(30)}
+    gallery["g-tiny"] = _sample("g-tiny", size=8)
+    summary = validate_splits(
+        {
+            "train": _shard(inputs / "train.tar", {f"t{i:03d}": _sample(f"t{i:03d}") for i in range(20)}),
+            "gallery": _shard(inputs / "gallery.tar", gallery),
+        },
+        tmp_path / "out",
+    )
+    section = _validation_section(Source("validation", summary.path, summary.document))
+    tables = [item for item in section.items if isinstance(item, Table)]
+    assert tables[0].headers[0] == "split" and "captions over 77 tokens" in tables[0].headers
+    assert [row[:4] for row in tables[0].rows] == [["train", 20, 20, 0], ["gallery", 31, 30, 1]]
+    assert tables[1].rows == [["gallery", "image_size", 1]]
+    # 6 of 30 gallery captions are cut at the context: counted, but only the train split is judged on it
+    assert tables[0].rows[1][5] == 6 and not summary.blocked

@@ -200,24 +200,57 @@ def _validation_section(source: Source) -> Section:
     section = Section(
         "validation", "Data validation", "blocked" if blocked else "ok", "bad" if blocked else "good"
     )
-    section.items.append(
-        Table(
-            ["samples", "passed", "quarantined", "quarantined %", "phase blocked"],
-            [
+    splits = doc.get("splits")
+    if isinstance(splits, Mapping) and splits:  # every split validated: one row each (quarantined = not used)
+        rows, reasons = [], []
+        for name, entry in splits.items():
+            entry = entry if isinstance(entry, Mapping) else {}
+            captions = entry.get("captions") if isinstance(entry.get("captions"), Mapping) else {}
+            rows.append(
                 [
-                    doc.get("total"),
-                    doc.get("passed"),
-                    doc.get("quarantined"),
-                    _pct(doc.get("quarantined"), doc.get("total")),
-                    "yes" if blocked else "no",
+                    name,
+                    entry.get("total"),
+                    entry.get("passed"),
+                    entry.get("quarantined"),
+                    _pct(entry.get("quarantined"), entry.get("total")),
+                    captions.get("over_context"),
+                    "yes" if entry.get("blocked") else "no",
                 ]
-            ],
+            )
+            by_reason = entry.get("by_reason")
+            if isinstance(by_reason, Mapping):
+                reasons += [[name, str(k), v] for k, v in by_reason.items()]
+        context = (
+            (doc.get("captions") or {}).get("context_tokens")
+            if isinstance(doc.get("captions"), Mapping)
+            else None
         )
-    )
-    by_reason = doc.get("by_reason")
-    if isinstance(by_reason, Mapping) and by_reason:
-        rows = sorted(([str(k), v] for k, v in by_reason.items()), key=lambda r: -_num(r[1]))
-        section.items.append(Table(["quarantine reason", "samples"], rows))
+        over = f"captions over {context} tokens" if context else "captions over context"
+        section.items.append(
+            Table(["split", "samples", "passed", "quarantined", "quarantined %", over, "blocked"], rows)
+        )
+        if reasons:
+            reasons.sort(key=lambda r: -_num(r[2]))
+            section.items.append(Table(["split", "quarantine reason", "samples"], reasons))
+    else:
+        section.items.append(
+            Table(
+                ["samples", "passed", "quarantined", "quarantined %", "phase blocked"],
+                [
+                    [
+                        doc.get("total"),
+                        doc.get("passed"),
+                        doc.get("quarantined"),
+                        _pct(doc.get("quarantined"), doc.get("total")),
+                        "yes" if blocked else "no",
+                    ]
+                ],
+            )
+        )
+        by_reason = doc.get("by_reason")
+        if isinstance(by_reason, Mapping) and by_reason:
+            rows = sorted(([str(k), v] for k, v in by_reason.items()), key=lambda r: -_num(r[1]))
+            section.items.append(Table(["quarantine reason", "samples"], rows))
     for reason in doc.get("blocked_reasons") or []:
         section.items.append(Note(f"blocked: {reason}", "bad"))
     return section

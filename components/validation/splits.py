@@ -4,7 +4,8 @@ The train split is validated into ``out_dir`` itself (``accepted/``, ``quarantin
 layout every reader of a train validation knows), every other split into ``out_dir/<split>/``. ``out_dir/
 validation.json`` is then rewritten (atomically) as the train document plus ``splits``: each split's counts,
 reasons, caption lengths and shards; the phase is blocked when any split is. A gallery item that fails lands
-in its split's quarantine and nowhere else, so nothing indexes it.
+in its split's quarantine and nowhere else, so nothing indexes it. Captions longer than the text context are
+counted in every split, judged (``max_over_context_fraction``) in the train split only.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def validate_splits(
     policy = policy or ValidationPolicy()
     out_dir = Path(out_dir)
     results: dict[str, ValidationSummary | None] = {}
+    # Captions cut at the text context are counted in every split but judged in train only: evaluation
+    # queries and gallery captions are measured, not learnt from, and a small split would trip on one caption.
+    counted_only = policy.replace(max_over_context_fraction=1.0)
     for name, shards in splits.items():  # train last: its validation.json is the one rewritten below
         if name != TRAIN:
-            results[name] = _validate(shards, split_dir(out_dir, name), policy, force)
+            results[name] = _validate(shards, split_dir(out_dir, name), counted_only, force)
     train = _validate(splits[TRAIN], out_dir, policy, force)
     if train is None:
         raise ValueError("the train split has no shards")
