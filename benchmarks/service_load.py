@@ -174,15 +174,39 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
             query_model={"factory": query, "options": options, "side": "new"},
             **kw,
         )
+        marks: list[tuple[str, float]] = []  # (stage label, wall time it began), from the state file
+        done = threading.Event()
+
+        def watch() -> None:
+            last = None
+            while not done.wait(0.01):
+                try:
+                    doc = json.loads(paths.state.read_text())
+                except (OSError, ValueError):
+                    continue
+                if doc.get("new_version") != version or doc.get("state") != "running":
+                    continue
+                label = f"stage {doc['stage']}" if doc["mode"] != "blue_green" else "fill"
+                if label != last:
+                    marks.append((label, time.time()))
+                    last = label
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         t0 = time.perf_counter()
-        state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": options}), probe)
+        try:
+            state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": options}), probe)
+        finally:
+            done.set()
+            watcher.join()
         seconds = time.perf_counter() - t0
+        ends = [t for _, t in marks[1:]] + [time.time()]
         return {
             "state": state["state"],
             "mode": state["mode"],
             "seconds": seconds,
             "items_per_s": n_items / seconds,
-            "pace": state.get("pace"),
+            "stages": [(label, t, end) for (label, t), end in zip(marks, ends, strict=True)],
         }
 
     try:
@@ -201,26 +225,28 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
         exit_code = service.stop()
         index.close()
         shutil.rmtree(work, ignore_errors=True)
-    rows = []
-    for name, t0, t1, facts in phases:
+
+    def figures(name: str, t0: float, t1: float) -> dict[str, Any]:
         mine = [r for r in records if t0 <= r[0] < t1]
         lat = np.array([r[1] for r in mine if r[2]]) * 1000.0
         versions: dict[str, int] = {}
         for r in mine:
             versions[r[3]] = versions.get(r[3], 0) + 1
-        rows.append(
-            {
-                "phase": name,
-                "seconds": t1 - t0,
-                "queries": len(mine),
-                "failed": sum(not r[2] for r in mine),
-                "p50": float(np.percentile(lat, 50)) if lat.size else None,
-                "p99": float(np.percentile(lat, 99)) if lat.size else None,
-                "max": float(lat.max()) if lat.size else None,
-                "versions": versions,
-                **facts,
-            }
-        )
+        return {
+            "phase": name,
+            "seconds": t1 - t0,
+            "queries": len(mine),
+            "failed": sum(not r[2] for r in mine),
+            "p50": float(np.percentile(lat, 50)) if lat.size else None,
+            "p99": float(np.percentile(lat, 99)) if lat.size else None,
+            "max": float(lat.max()) if lat.size else None,
+            "versions": versions,
+        }
+
+    rows = []
+    for name, t0, t1, facts in phases:
+        rows.append({**figures(name, t0, t1), **{k: v for k, v in facts.items() if k != "stages"}})
+        rows += [figures(f"... {label}", a, b) for label, a, b in facts.get("stages", ())]
     errors: dict[str, int] = {}
     for r in records:
         if not r[2]:
@@ -244,13 +270,16 @@ def section(e: dict[str, Any], command: str) -> str:
         return "n/a" if x is None else f"{x:.{digits}f}"
 
     idle = next((r for r in e["rows"] if r["phase"] == "idle"), None)
+    top = [r for r in e["rows"] if not r["phase"].startswith("...")]
     lines = [
         HEADING,
         "",
         f"`compatflow serve` (uvicorn, 127.0.0.1) over a milvus-lite server on loopback, gallery of "
         f"{e['n_items']} items (synthetic upgrade, captions from a gallery shard); one client process sends "
         f"`POST /search` (1 text, k=10) at a fixed open-loop rate of {e['rate']:.0f}/s, latency counted from "
-        "when each request was due. Operations run one after another in the benchmark process. "
+        "when each request was due. Operations run one after another in the benchmark process; the '...' "
+        "rows split a rollout by the stage its state file showed (stage 0: the probe and the query switch; "
+        "stages 1-4: backfill to 10/25/50/100 % with each stage's probe). "
         f"Command: `{command}`.",
         "",
         "| operation | s | queries | failed | p50 ms | p99 ms | max ms | p99/idle | answered by | rollout |",
@@ -278,7 +307,7 @@ def section(e: dict[str, Any], command: str) -> str:
         f"(1 min) {e['load'][0]:.1f} at the start and {e['load'][1]:.1f} at the end, on 2 cores shared with "
         "other work: latencies are those of a busy machine.",
     ]
-    worst = max((r for r in e["rows"] if r["p99"] is not None), key=lambda r: r["p99"], default=None)
+    worst = max((r for r in top if r["p99"] is not None), key=lambda r: r["p99"], default=None)
     if worst is not None and idle and idle["p99"]:
         lines.append(
             f"Highest p99: {worst['phase']} ({worst['p99']:.0f} ms, {worst['p99'] / idle['p99']:.1f}x idle). "
