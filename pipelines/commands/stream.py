@@ -37,13 +37,23 @@ def split_shards(shards: Path | None, specs: dict[str, list[str] | None]) -> tup
         if not present and not any(specs.values()):
             loose = sorted(shards.glob("*.tar"))
             if loose:
+                names = [p.name for p in loose]
+                train = names[0] if len(names) < 4 else f"{{{loose[0].stem}..{loose[-3].stem}}}.tar"
+                example = (
+                    f"--train '{shards}/{train}' --eval '{shards}/{names[-2]}' "
+                    f"--gallery '{shards}/{names[-1]}'"
+                    if len(names) >= 3
+                    else "--train DIR_OR_GLOB --eval DIR_OR_GLOB --gallery DIR_OR_GLOB"
+                )
                 fail(
                     f"{shards} holds {len(loose)} tar shards directly (an img2dataset output folder?) and no "
-                    "train/eval/gallery folders: say which split each part is, e.g. "
-                    f"--train '{shards}/{{00000..00007}}.tar' --eval '{shards}/00008.tar' "
-                    f"--gallery '{shards}/00009.tar' (or `compatflow data import` the images to split them)"
+                    f"train/eval/gallery folders: say which split each part is, e.g. {example} "
+                    "(or `compatflow data import` the images to split them)"
                 )
-            fail(f"{shards} has no train/eval/gallery folders of .tar shards")
+            fail(
+                f"{shards} has no train/eval/gallery folders of .tar shards; a folder of images is imported "
+                f"first: `compatflow data import {shards} --out SHARDS`, then `--shards SHARDS`"
+            )
         for split in present:
             found[split] = sorted(str(p) for p in (shards / split).glob("*.tar"))
     for split, spec in specs.items():
