@@ -280,8 +280,9 @@ def build_model(
         resize_mode=resize_mode,
     )
     if spec:
+        where = f"{config_path(config_name)}: pretrained" if pretrained is None else "pretrained"
         bundle.pretrained = load_pretrained(
-            bundle.model, spec, arch=config.get("open_clip_model"), where=str(config_path(config_name))
+            bundle.model, spec, arch=config.get("open_clip_model"), where=where
         )
         bundle.model.to(device)
     return bundle
