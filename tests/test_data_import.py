@@ -4,10 +4,14 @@ folders, the pipeline's phase picker)."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -186,30 +190,71 @@ def test_same_input_gives_identical_bytes_and_a_rerun_writes_nothing(
         import_images(folder, imported, ImportSettings(samples_per_shard=8, seed=5), progress=False)
 
 
-def test_a_killed_import_resumes_without_rewriting_finished_shards(
-    folder: Path, imported: Path, tmp_path: Path
-) -> None:
+def _open_for_writing_once_read(fifo: Path, proc: subprocess.Popen, deadline_s: float = 60) -> int:
+    """Open ``fifo`` for writing as soon as a reader has it open (the importer reading that file)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+        assert proc.poll() is None, f"the import ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the import never read the file"
+        time.sleep(0.01)
+
+
+def test_a_killed_import_resumes_without_rewriting_finished_shards(tmp_path: Path) -> None:
+    """The import is killed for real while it writes a shard: one source file is a named pipe, fed during the
+    scan and left empty when the shard writer reads it again, and the importer is killed there."""
+    src = image_folder(tmp_path / "src", 20)
+    buf = io.BytesIO()
+    picture(777, (30, 30), "RGB").save(buf, format="PNG")
+    fifo = src / "zzz.png"  # the last item of its split: the shards before it are written first
+    os.mkfifo(fifo)
+    (src / "zzz.txt").write_text("a picture read through a pipe")
     out = tmp_path / "out"
-    settings = ImportSettings(samples_per_shard=8)
-    full = import_images(folder, out, settings, progress=False)
-    shards = [rel for s in full.report["shards"].values() for rel in s]
-    assert len(shards) >= 4
-    # The state a kill during the third shard leaves: the pending plan, two shards, a temporary file.
-    (out / REPORT).unlink()
-    for rel in shards[2:]:
-        (out / rel).unlink()
-    (out / PENDING).write_text(json.dumps({"digest": full.report["plan_sha256"], "settings": {}}))
-    (out / shards[2]).with_name(".00000.tar.x1y2.tmp").write_bytes(b"half a shard")
-    kept = {rel: os.stat(out / rel).st_ino for rel in shards[:2]}
-    resumed = import_images(folder, out, settings, progress=False)
-    assert (resumed.written_shards, resumed.reused_shards) == (len(shards) - 2, 2)
-    assert {rel: os.stat(out / rel).st_ino for rel in shards[:2]} == kept  # not rewritten
-    assert tree_bytes(out) == tree_bytes(imported)
+    code = (
+        "import sys; from compat.data.importer import ImportSettings, import_images; "
+        "import_images(sys.argv[1], sys.argv[2], ImportSettings(samples_per_shard=2), progress=False)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)], stderr=subprocess.PIPE)
+    try:
+        fd = _open_for_writing_once_read(fifo, proc)  # the scan reads it
+        os.set_blocking(fd, True)
+        os.write(fd, buf.getvalue())
+        os.close(fd)
+        deadline = time.monotonic() + 60
+        while not (out / PENDING).exists():  # the plan is stored: the scan is over, the writes begin
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        fd = _open_for_writing_once_read(fifo, proc)  # the shard writer waits for the picture's bytes
+        proc.kill()
+        proc.wait()
+        os.close(fd)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not (out / REPORT).exists() and (out / PENDING).exists()
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.tar"))
+    assert written and list(out.rglob(".*.tmp"))  # finished shards, and the one cut off as a temporary file
+    kept = {rel: os.stat(out / rel).st_ino for rel in written}
+    fifo.unlink()
+    fifo.write_bytes(buf.getvalue())  # the same bytes, now in a plain file
+    settings = ImportSettings(samples_per_shard=2)
+    resumed = import_images(src, out, settings, progress=False)
+    assert resumed.reused_shards == len(written) and resumed.written_shards >= 1
+    assert {rel: os.stat(out / rel).st_ino for rel in written} == kept  # not rewritten
+    assert not list(out.rglob(".*.tmp")) and not (out / PENDING).exists()
+    fresh = import_images(src, tmp_path / "fresh", settings, progress=False)
+    assert fresh.report["imported"] == 21 and tree_bytes(out) == tree_bytes(tmp_path / "fresh")
     # A pending plan of other input (the source changed between the kill and the restart) starts over.
     (out / REPORT).unlink()
     (out / PENDING).write_text(json.dumps({"digest": "0" * 64, "settings": {}}))
-    assert import_images(folder, out, settings, progress=False).written_shards == len(shards)
-    assert tree_bytes(out) == tree_bytes(imported)
+    total = resumed.written_shards + resumed.reused_shards
+    assert import_images(src, out, settings, progress=False).written_shards == total
+    assert tree_bytes(out) == tree_bytes(tmp_path / "fresh")
 
 
 def test_class_folders_caption_from_the_template(tmp_path: Path) -> None:
