@@ -103,6 +103,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "a" / "notes.md").write_text("not a picture")
     (root / "a" / "notes.txt").write_text("a caption for a text file")
     (root / "a" / "orphan.txt").write_text("a caption without its picture")
+    picture(903, (30, 30), "RGB").save(root / "a" / "essay.jpg")
+    (root / "a" / "essay.txt").write_text("word " * 300_000)  # 1.5 MB: not a caption
     (root / "a" / "orphan.json").write_text("{}")
     (root / "a" / "lone.json").write_text("{}")
     (root / "a" / "img0004.json").write_text('{"url": "https://example.com/4.png"}')
@@ -169,8 +171,9 @@ def test_duplicates_and_every_refused_file_reported_with_its_reason(imported: Pa
         "a/notes.md": "not_an_image",
         "a/orphan.txt": "image_missing",
         "a/lone.json": "image_missing",
+        "a/essay.jpg": "sidecar_unreadable",
     }
-    assert report["refused"] == 7 and sum(report["refused_by_reason"].values()) == 7
+    assert report["refused"] == 8 and sum(report["refused_by_reason"].values()) == 8
     for refusal in report["refused_files"]:
         assert refusal["message"].startswith(refusal["source"] + ": ")
 

@@ -53,6 +53,7 @@ DEFAULT_TEMPLATE = "a photo of a {label}"
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 KEY_HEX = 20
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
+MAX_SIDECAR_BYTES = 1024 * 1024  # a caption or metadata file (the policy's caps are 64 KiB and 1 MiB)
 CAPTION_EXT, METADATA_EXT = ".txt", ".json"
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # what the pipeline decodes
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
@@ -86,6 +87,7 @@ REFUSALS: dict[str, str] = {
     "image_too_large": "the file is larger than the import's max_image_bytes",
     "unsupported_mode": "the image mode can be stored neither as PNG nor as JPEG",
     "metadata_not_json": "the .json file beside the image is not a JSON object",
+    "sidecar_unreadable": "the caption or metadata file cannot be read, or is over 1 MiB",
     "not_in_class_folder": "class-folders input: the file is not inside a label folder",
 }
 
@@ -379,13 +381,32 @@ def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
     )
 
 
+def read_bounded(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path``, or None when it holds more than ``limit`` (never more is read: a device or
+    an endless stream named as an image cannot exhaust memory)."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    return None if len(data) > limit else data
+
+
+def _read_sidecar(path: Path, what: str) -> bytes:
+    try:
+        data = read_bounded(path, MAX_SIDECAR_BYTES)
+    except OSError as exc:
+        raise _Refused("sidecar_unreadable", f"cannot read the {what} file {path.name}: {exc}") from exc
+    if data is None:
+        raise _Refused("sidecar_unreadable", f"the {what} file {path.name} is over {MAX_SIDECAR_BYTES} bytes")
+    return data
+
+
 def _read_caption(candidate: _Candidate) -> str:
     if candidate.caption_file is None and candidate.caption is None:
         assert candidate.path is not None
         raise _Refused("caption_missing", f"no caption file {candidate.path.stem}{CAPTION_EXT} beside it")
     if candidate.caption_file is not None:
+        data = _read_sidecar(candidate.caption_file, "caption")
         try:
-            text = candidate.caption_file.read_bytes().decode("utf-8-sig")
+            text = data.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             raise _Refused("caption_not_utf8", f"{candidate.caption_file.name} is not UTF-8: {exc}") from exc
     else:
@@ -399,8 +420,9 @@ def _read_caption(candidate: _Candidate) -> str:
 def _read_metadata(candidate: _Candidate) -> dict[str, Any] | None:
     if candidate.metadata_file is None:
         return None
+    data = _read_sidecar(candidate.metadata_file, "metadata")
     try:
-        doc = json.loads(candidate.metadata_file.read_bytes())
+        doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not JSON: {exc}") from exc
     if not isinstance(doc, dict):
@@ -426,14 +448,11 @@ def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
     try:
-        size = candidate.path.stat().st_size
-        if size > settings.max_image_bytes:
-            raise _Refused(
-                "image_too_large", f"{size} bytes, over max_image_bytes {settings.max_image_bytes}"
-            )
-        data = candidate.path.read_bytes()
+        data = read_bounded(candidate.path, settings.max_image_bytes)
     except OSError as exc:
         raise _Refused("image_unreadable", f"cannot read the file: {exc}") from exc
+    if data is None:
+        raise _Refused("image_too_large", f"over max_image_bytes {settings.max_image_bytes}")
     if not data:
         raise _Refused("not_an_image", "the file is empty (0 bytes)")
     info = probe_image(data)
@@ -450,6 +469,7 @@ def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
         "row": candidate.row,
         "caption": caption,
         "sha256": sha,
+        "size": len(data),
         **info,
         "label": candidate.label,
         "extra": candidate.extra,
@@ -512,10 +532,10 @@ def _portable(item: dict[str, Any]) -> dict[str, Any]:
 def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
     path = Path(item["path"])
     try:
-        data = path.read_bytes()
+        data = read_bounded(path, item["size"])
     except OSError as exc:
         raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
-    if hashlib.sha256(data).hexdigest() != item["sha256"]:
+    if data is None or hashlib.sha256(data).hexdigest() != item["sha256"]:
         raise DataImportError(f"{path} changed while it was being imported; run the import again")
     try:
         ext, stored = stored_image(data, item["format"])
