@@ -608,6 +608,8 @@ def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | N
         except (OSError, json.JSONDecodeError) as exc:
             raise DataImportError(f"{path} is unreadable ({exc}); delete {out} and import again") from exc
 
+    if out.exists() and not out.is_dir():
+        raise DataImportError(f"--out {out} is a file; give a new or empty folder")
     report, pending = read(out / REPORT), read(out / PENDING)
     if report is None and pending is None and out.is_dir() and any(out.iterdir()):
         raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
