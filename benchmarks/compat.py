@@ -160,8 +160,10 @@ def prepare(
     foundation_config: str,
     shift: str = "realistic",
     old_word_share: float = 0.6,
+    foundation: bool = True,
 ) -> dict[str, Any]:
-    """The stream, production, the Mod-X candidate and the foundation model (cached by settings)."""
+    """The stream, production, the Mod-X candidate and (``foundation``) the foundation model, cached by
+    settings."""
     from compat.data.synth import generate_stream, phase_urls
     from compat.models import load_checkpoint
 
@@ -197,15 +199,16 @@ def prepare(
         buffer_size=sizes.buffer_size,
         replay=sizes.replay,
     )
-    print(f"training the foundation model ({foundation_config}) on phases 0 + 1", flush=True)
-    foundation = train_clip(
-        foundation_config, p0 + p1, sizes.foundation_steps, sizes, workdir / "foundation", seed=2, lr=5e-4
-    )
+    if foundation:
+        print(f"training the foundation model ({foundation_config}) on phases 0 + 1", flush=True)
+        foundation_ckpt = train_clip(
+            foundation_config, p0 + p1, sizes.foundation_steps, sizes, workdir / "foundation", seed=2, lr=5e-4
+        )
     evals = phase_urls(stream, 0, "eval") + phase_urls(stream, 1, "eval")
     return {
         "old": old,
         "candidate": candidate,
-        "foundation": foundation,
+        "foundation": foundation_ckpt if foundation else None,
         "p1": p1,
         # scenario (a) trains on the new phase plus the replay buffer: the first phase-0 shard
         "p1_buffer": p1 + p0[:1],
@@ -348,8 +351,14 @@ def render(
         f"{CANDIDATE_LR:g}) {sizes.candidate_steps} steps on phase 1 with {sizes.replay} of every "
         f"{sizes.batch_size} rows replayed from a buffer of {sizes.buffer_size} phase-0 pairs "
         f"({base_seconds['candidate']:.0f} s); scenario (a)'s methods train on phase 1 plus a phase-0 shard "
-        f"(the buffer); foundation {args.foundation_config} {sizes.foundation_steps} "
-        f"steps on phases 0+1 ({base_seconds['foundation']:.0f} s). Compatibility training: "
+        f"(the buffer); "
+        + (
+            f"foundation {args.foundation_config} {sizes.foundation_steps} steps on phases 0+1 "
+            f"({base_seconds['foundation']:.0f} s). "
+            if "b" in args.scenarios
+            else "no foundation model (scenario (a) only). "
+        )
+        + "Compatibility training: "
         f"{sizes.compat_steps} steps for methods that train a network, {sizes.adapter_steps} adapter steps "
         f"for lambda-orth / FCT (on cached features); bootstrap {sizes.bootstrap} resamples.",
         "",
@@ -414,10 +423,17 @@ def main() -> None:
     t_start = time.perf_counter()
     args.workdir.mkdir(parents=True, exist_ok=True)
     base = prepare(
-        args.workdir, sizes, args.old_config, args.foundation_config, args.stream, args.old_word_share
+        args.workdir,
+        sizes,
+        args.old_config,
+        args.foundation_config,
+        args.stream,
+        args.old_word_share,
+        foundation="b" in args.scenarios,
     )
     base_seconds = {
-        k: float(read_sidecar(base[k])["extra"]["train_seconds"]) for k in ("old", "candidate", "foundation")
+        k: float(read_sidecar(base[k])["extra"]["train_seconds"]) if base[k] is not None else 0.0
+        for k in ("old", "candidate", "foundation")
     }
     data = load_captioned_set(base["eval"])
     scenarios = []
