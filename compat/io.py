@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,17 +12,17 @@ from typing import Any
 
 
 def atomic_write(path: Path | str, write: Callable[[Path], Any]) -> Path:
-    """Create ``path`` whole or not at all: ``write`` fills a temporary file beside it, which is then renamed
-    over ``path`` (a kill leaves the old file or the new one, never half of one)."""
+    """Create ``path`` whole or not at all: ``write`` creates and fills a temporary file beside it (with the
+    process's umask, like any new file), which is then renamed over ``path`` (a kill leaves the old file or
+    the new one, never half of one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        write(Path(tmp))
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
