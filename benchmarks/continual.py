@@ -185,7 +185,7 @@ def run_method(
     lr: float | None = None,
 ) -> list[dict[str, Any]]:
     """Phases 1..N of one method; returns each phase's metrics document."""
-    from components.continual import run_continual
+    from components.continual import TrainingSettings, run_continual
 
     docs, prev = [], clip0
     for phase in range(1, args.phases):
@@ -193,11 +193,7 @@ def run_method(
         start = clip0 if method == "joint" else prev
         out = runs / label / f"phase-{phase:02d}"
         t0 = time.perf_counter()
-        doc = run_continual(
-            stream,
-            phase,
-            out,
-            production=start,
+        settings = TrainingSettings(
             config_name=args.config,
             method=method,
             alpha=alpha,
@@ -207,8 +203,8 @@ def run_method(
             checkpoint_every=0,
             seed=args.seed,
             device=args.device,
-            resume=False,
         )
+        doc = run_continual(stream, phase, out, settings, production=start, resume=False)
         doc["wall_s"] = time.perf_counter() - t0
         add_class_accuracy(args, stream, doc, out / "model", phase)
         log.info(
@@ -290,7 +286,7 @@ def sweep_phase1(
     args, stream: Path, runs: Path, clip0: Path, results: dict[str, list[dict[str, Any]]]
 ) -> list[dict[str, Any]]:
     """Phase 1 only, from CLIP_0: every (lr, alpha) of the sweep; runs of the main comparison are reused."""
-    from components.continual import run_continual
+    from components.continual import TrainingSettings, run_continual
 
     reuse: dict[tuple[float, float, bool], list[dict[str, Any]]] = {}
     for label, docs in results.items():
@@ -308,11 +304,7 @@ def sweep_phase1(
             if (lr, alpha, corr) in reuse:
                 doc = reuse[(lr, alpha, corr)][0]
             else:
-                doc = run_continual(
-                    stream,
-                    1,
-                    runs / "sweep" / f"lr{lr:g}-a{alpha:g}{'' if corr else '-noeq3'}",
-                    production=clip0,
+                settings = TrainingSettings(
                     config_name=args.config,
                     method="modx" if alpha > 0 else "finetune",
                     alpha=alpha if alpha > 0 else None,
@@ -322,9 +314,10 @@ def sweep_phase1(
                     checkpoint_every=0,
                     seed=args.seed,
                     device=args.device,
-                    resume=False,
                     selective_correction=corr,
                 )
+                out = runs / "sweep" / f"lr{lr:g}-a{alpha:g}{'' if corr else '-noeq3'}"
+                doc = run_continual(stream, 1, out, settings, production=clip0, resume=False)
             rows.append({"lr": lr, "alpha": alpha, "eq3": corr, "doc": doc})
             log.info(
                 "sweep lr %g alpha %g eq3 %s: %s", lr, alpha, corr, {d: r1(doc, d) for d in doc["domains"]}
@@ -712,17 +705,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from compat.data.shift import earlier_word_shares
     from compat.device import resolve_device
-    from components.continual import run_continual
+    from components.continual import TrainingSettings, run_continual
 
     t_start = time.perf_counter()
     runs = args.work / "runs"
     stream, manifest = make_stream(args)
     if runs.exists():
         shutil.rmtree(runs)
-    clip0_doc = run_continual(
-        stream,
-        0,
-        runs / "clip0",
+    settings = TrainingSettings(
         config_name=args.config,
         steps=args.clip0_steps,
         batch_size=args.batch_size,
@@ -730,8 +720,8 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint_every=0,
         seed=args.seed,
         device=args.device,
-        resume=False,
     )
+    clip0_doc = run_continual(stream, 0, runs / "clip0", settings, resume=False)
     clip0 = runs / "clip0" / "model"
     add_class_accuracy(args, stream, clip0_doc, clip0, 0)
     log.info("CLIP_0: %s", r1(clip0_doc, manifest["phases"][0]["domain"]))

@@ -21,9 +21,10 @@ Run under ``torchrun`` the stage trains with DDP (every rank), evaluates and wri
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,36 +131,58 @@ def _train_urls(
     return earlier + newest
 
 
+@dataclass(frozen=True)
+class TrainingSettings:
+    """How one phase is trained: the pipeline config's ``training`` section, typed (:meth:`from_config`);
+    the defaults are the local config's. ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for
+    benchmarks, not the paper's method). ``replay_buffer_size`` > 0 (``modx`` / ``finetune`` after phase 0):
+    the last ``replay_rows`` rows of every batch come from a buffer of that many pairs drawn evenly from the
+    earlier phases' train shards -- the Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for
+    fine-tuning. ``pretrained`` (a local open_clip checkpoint or a cached open_clip tag) and ``resize_mode``
+    apply to the bootstrap only: CLIP_0 fine-tunes from those weights instead of a random init (None: the
+    model config's)."""
+
+    config_name: str = "cf-tiny"
+    method: str = "modx"
+    alpha: float | None = None
+    steps: int = 300
+    batch_size: int = 64
+    accum_steps: int = 1
+    lr: float = 5e-4
+    weight_decay: float = 0.2
+    warmup_fraction: float = 0.2
+    precision: str = "auto"
+    checkpoint_every: int = 50
+    seed: int = 0
+    device: str = "auto"
+    eval_batch_size: int = 256
+    selective_correction: bool = True
+    replay_buffer_size: int = 0
+    replay_rows: int = 0
+    pretrained: str | None = None
+    resize_mode: str | None = None
+
+    @classmethod
+    def from_config(cls, training: Mapping[str, Any]) -> TrainingSettings:
+        """The settings a pipeline config's ``training`` section names (``model_config`` is the config name;
+        keys it does not set keep their defaults, keys that are not training settings are left out)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {("config_name" if k == "model_config" else k): v for k, v in training.items()}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
 def run_continual(
     stream: str | Path,
     phase: int,
     out_dir: str | Path,
+    settings: TrainingSettings = TrainingSettings(),  # noqa: B008 - frozen, never mutated
     *,
     production: str | Path | None = None,
-    config_name: str = "cf-tiny",
-    method: str = "modx",
-    alpha: float | None = None,
-    steps: int = 300,
-    batch_size: int = 64,
-    accum_steps: int = 1,
-    lr: float = 5e-4,
-    weight_decay: float = 0.2,
-    warmup_fraction: float = 0.2,
-    precision: str = "auto",
-    checkpoint_every: int = 50,
-    seed: int = 0,
-    device: str = "auto",
     train_urls: Sequence[str] | None = None,
-    eval_batch_size: int = 256,
+    replay_urls: Sequence[Sequence[str]] | None = None,
     version: str | None = None,
     resume: bool = True,
-    selective_correction: bool = True,
-    replay_buffer_size: int = 0,
-    replay_rows: int = 0,
-    replay_urls: Sequence[Sequence[str]] | None = None,
     train_dir: str | Path | None = None,
-    pretrained: str | None = None,
-    resize_mode: str | None = None,
 ) -> dict[str, Any]:
     """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
 
@@ -167,14 +190,8 @@ def run_continual(
     shards). ``production`` is the production checkpoint (directory or model.json): the teacher and the
     student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
     (CLIP_0 from scratch). Interrupted runs resume from ``train_dir`` (default ``out_dir/train``: resumable
-    checkpoints and the sample ledger) unless ``resume=False``.
-    ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method).
-    ``replay_buffer_size`` > 0 (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every
-    batch come from a buffer of that many pairs drawn evenly from the earlier phases' train shards -- the
-    Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for fine-tuning. ``replay_urls`` (one
-    shard list per earlier phase; the pipeline passes the validated ones) replaces the manifest's.
-    ``pretrained`` (a local open_clip checkpoint or a cached open_clip tag) and ``resize_mode`` apply to the
-    bootstrap only: CLIP_0 fine-tunes from those weights instead of a random init (None: the model config's).
+    checkpoints and the sample ledger) unless ``resume=False``. ``replay_urls`` (one shard list per earlier
+    phase; the pipeline passes the validated ones) replaces the manifest's for the replay buffer.
     """
     from compat.data.loader import load_captioned_set
     from compat.data.synth import load_manifest, phase_urls
@@ -192,6 +209,9 @@ def run_continual(
         train,
     )
 
+    method, alpha, seed, config_name = settings.method, settings.alpha, settings.seed, settings.config_name
+    steps, batch_size = settings.steps, settings.batch_size
+    replay_buffer_size, replay_rows = settings.replay_buffer_size, settings.replay_rows
     if method not in METHODS:
         raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     stream, out_dir = Path(stream), Path(out_dir)
@@ -214,7 +234,7 @@ def run_continual(
     from compat.device import resolve_device
 
     try:
-        dev = str(resolve_device(device))
+        dev = str(resolve_device(settings.device))
     except ValueError as exc:
         raise ContinualError(str(exc)) from exc
     if dev == "cuda" and dist.distributed:
@@ -225,7 +245,11 @@ def run_continual(
     parent = None if bootstrap else load_production(production, device=dev)
     if bootstrap:
         student = build_model(
-            config_name, device=dev, seed=seed, pretrained=pretrained, resize_mode=resize_mode
+            config_name,
+            device=dev,
+            seed=seed,
+            pretrained=settings.pretrained,
+            resize_mode=settings.resize_mode,
         )
     elif method_used == "foundation":
         student = build_model(config_name, device=dev, seed=seed)
@@ -259,14 +283,14 @@ def run_continual(
     config = TrainConfig(
         steps=steps,
         batch_size=batch_size,
-        accum_steps=accum_steps,
-        lr=lr,
-        weight_decay=weight_decay,
-        warmup_fraction=warmup_fraction,
+        accum_steps=settings.accum_steps,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        warmup_fraction=settings.warmup_fraction,
         alpha=alpha_used,
-        selective_correction=selective_correction,
-        precision=precision,
-        checkpoint_every=checkpoint_every,
+        selective_correction=settings.selective_correction,
+        precision=settings.precision,
+        checkpoint_every=settings.checkpoint_every,
         seed=seed,
     )
     log.info(
@@ -313,10 +337,10 @@ def run_continual(
                 "metrics need at least 2 (generate the stream with eval samples)"
             )
         sets.append(EvalSet(q, manifest["phases"][q]["domain"], data))
-    candidate, cand_emb = evaluate_domains(student, sets, dev, eval_batch_size)
+    candidate, cand_emb = evaluate_domains(student, sets, dev, settings.eval_batch_size)
     start_metrics, sd_doc = None, None
     if not bootstrap:
-        start_metrics, start_emb = evaluate_domains(parent.encoder, sets, dev, eval_batch_size)
+        start_metrics, start_emb = evaluate_domains(parent.encoder, sets, dev, settings.eval_batch_size)
         newest = entry["domain"]
         old, new = start_emb[newest], cand_emb[newest]
         if old.images.shape[1] == new.images.shape[1]:  # rotation angles need one embedding dimension

@@ -134,7 +134,7 @@ def _shard(path: Path, prefix: str, n: int) -> str:
 
 def test_bootstrap_starts_from_the_pretrained_weights(written, tmp_path):
     from compat.data.manifest import add_phase
-    from components.continual import run_continual
+    from components.continual import TrainingSettings, run_continual
 
     root, _, state = written
     stream = tmp_path / "stream"
@@ -148,10 +148,7 @@ def test_bootstrap_starts_from_the_pretrained_weights(written, tmp_path):
         "shapes",
     )
     out = tmp_path / "continual"
-    run_continual(
-        stream,
-        0,
-        out,
+    settings = TrainingSettings(
         config_name="cf-tiny",
         steps=1,
         batch_size=4,
@@ -161,6 +158,7 @@ def test_bootstrap_starts_from_the_pretrained_weights(written, tmp_path):
         pretrained=str(root / "open_clip_tiny.safetensors"),
         resize_mode="longest",
     )
+    run_continual(stream, 0, out, settings)
     first = load_checkpoint(out / "model")
     weights = first.model.state_dict()
     assert all(torch.equal(weights[k], state[k]) for k in state)

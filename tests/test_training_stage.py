@@ -6,9 +6,12 @@ import json
 
 import pytest
 
-from components.continual import ContinualError, run_continual
+from components.continual import ContinualError, TrainingSettings, run_continual
 
-KW = {"steps": 4, "batch_size": 8, "checkpoint_every": 2, "device": "cpu", "eval_batch_size": 64}
+
+def _settings(**kw) -> TrainingSettings:
+    """Tiny training runs: a few steps of small batches on the CPU."""
+    return TrainingSettings(steps=4, batch_size=8, checkpoint_every=2, device="cpu", eval_batch_size=64, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def stream(tmp_path_factory):
 @pytest.fixture(scope="module")
 def clip0(stream, tmp_path_factory):
     out = tmp_path_factory.mktemp("p0")
-    doc = run_continual(stream, 0, out, **KW)
+    doc = run_continual(stream, 0, out, _settings())
     return out, doc
 
 
@@ -51,7 +54,7 @@ def test_phase0_bootstraps_clip0(clip0):
 
 def test_modx_phase_evaluates_every_domain_and_writes_sd(stream, clip0, tmp_path):
     p0, _ = clip0
-    doc = run_continual(stream, 1, tmp_path, production=p0 / "model", **KW)
+    doc = run_continual(stream, 1, tmp_path, _settings(), production=p0 / "model")
     assert doc["method"] == "modx" and doc["alpha"] == 20.0
     assert list(doc["domains"]) == ["geometric", "signs"] and list(doc["start_domains"]) == [
         "geometric",
@@ -73,7 +76,7 @@ def test_modx_phase_evaluates_every_domain_and_writes_sd(stream, clip0, tmp_path
 def test_modx_with_a_replay_buffer_trains_on_earlier_phases_too(stream, clip0, tmp_path):
     p0, _ = clip0
     doc = run_continual(
-        stream, 1, tmp_path, production=p0 / "model", replay_buffer_size=10, replay_rows=3, **KW
+        stream, 1, tmp_path, _settings(replay_buffer_size=10, replay_rows=3), production=p0 / "model"
     )
     assert doc["training"]["replay"] == {"buffer_size": 10, "rows": 3}
     ledger = [json.loads(x) for x in (tmp_path / "train" / "samples.jsonl").read_text().splitlines()]
@@ -84,7 +87,7 @@ def test_modx_with_a_replay_buffer_trains_on_earlier_phases_too(stream, clip0, t
 def test_foundation_candidate_is_a_fresh_architecture_on_every_phase(stream, clip0, tmp_path):
     p0, _ = clip0
     doc = run_continual(
-        stream, 1, tmp_path, production=p0 / "model", method="foundation", config_name="cf-small", **KW
+        stream, 1, tmp_path, _settings(method="foundation", config_name="cf-small"), production=p0 / "model"
     )
     assert doc["method"] == "foundation" and doc["alpha"] == 0.0 and doc["model_config"] == "cf-small"
     assert doc["training"]["train_shards"] == 4  # phases 0 and 1
@@ -96,10 +99,10 @@ def test_foundation_candidate_is_a_fresh_architecture_on_every_phase(stream, cli
 
 def test_finetune_and_joint_baselines(stream, clip0, tmp_path):
     p0, _ = clip0
-    ft = run_continual(stream, 2, tmp_path / "ft", production=p0 / "model", method="finetune", **KW)
+    ft = run_continual(stream, 2, tmp_path / "ft", _settings(method="finetune"), production=p0 / "model")
     assert ft["alpha"] == 0.0 and all(p["kl"] == 0.0 for p in ft["curve"])
     assert ft["training"]["train_shards"] == 2
-    joint = run_continual(stream, 2, tmp_path / "joint", production=p0 / "model", method="joint", **KW)
+    joint = run_continual(stream, 2, tmp_path / "joint", _settings(method="joint"), production=p0 / "model")
     assert joint["method"] == "joint" and joint["training"]["train_shards"] == 6  # phases 0, 1, 2
     assert list(joint["domains"]) == ["geometric", "signs", "orchard"]
 
@@ -110,7 +113,7 @@ def test_explicit_train_shards(stream, clip0, tmp_path):
     p0, _ = clip0
     accepted = phase_urls(stream, 1, "train")[1:]  # as if validation had quarantined the first shard
     doc = run_continual(
-        stream, 1, tmp_path, production=p0 / "model", method="finetune", train_urls=accepted, **KW
+        stream, 1, tmp_path, _settings(method="finetune"), production=p0 / "model", train_urls=accepted
     )
     assert doc["training"]["train_shards"] == 1
     ledger = [json.loads(x) for x in (tmp_path / "train" / "samples.jsonl").read_text().splitlines()]
@@ -120,13 +123,13 @@ def test_explicit_train_shards(stream, clip0, tmp_path):
 def test_bad_arguments_are_explained(stream, clip0, tmp_path):
     p0, _ = clip0
     with pytest.raises(ContinualError, match="needs the production model"):
-        run_continual(stream, 1, tmp_path, **KW)
+        run_continual(stream, 1, tmp_path, _settings())
     with pytest.raises(ContinualError, match="method must be one of"):
-        run_continual(stream, 1, tmp_path, production=p0 / "model", method="ewc", **KW)
+        run_continual(stream, 1, tmp_path, _settings(method="ewc"), production=p0 / "model")
     with pytest.raises(ContinualError, match="phases 0..2"):
-        run_continual(stream, 7, tmp_path, production=p0 / "model", **KW)
+        run_continual(stream, 7, tmp_path, _settings(), production=p0 / "model")
     with pytest.raises(ContinualError, match="alpha"):
-        run_continual(stream, 1, tmp_path, production=p0 / "model", method="finetune", alpha=5.0, **KW)
+        run_continual(stream, 1, tmp_path, _settings(method="finetune", alpha=5.0), production=p0 / "model")
 
 
 def test_cli_reports_errors_with_exit_code_2(stream, tmp_path):

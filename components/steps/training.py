@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -39,7 +40,7 @@ def continual_step(
     from its own initialisation on every phase so far (the new architecture that the compat stage then
     makes compatible with production).
     """
-    from components.continual import run_continual
+    from components.continual import TrainingSettings, run_continual
     from components.runs import replay_shards, training_dir
 
     config = as_config(config)
@@ -47,30 +48,27 @@ def continual_step(
     foundation = bool(production) and config["compat"]["scenario"] == "foundation"
     accepted = accepted_shards(validated_dir)
     budget = training_budget(training, _validated_count(validated_dir))
+    settings = dataclasses.replace(
+        TrainingSettings.from_config(training),
+        steps=budget["steps"],
+        seed=training["seed"] + phase,
+        **(
+            {"config_name": config["compat"]["foundation_config"], "method": "foundation", "alpha": None}
+            if foundation
+            else {}
+        ),
+    )
     metrics = run_continual(
         stream_dir,
         phase,
         out_dir,
+        settings,
         production=production or None,
-        config_name=config["compat"]["foundation_config"] if foundation else training["model_config"],
-        method="foundation" if foundation else training["method"],
-        alpha=None if foundation else training["alpha"],
-        replay_buffer_size=training["replay_buffer_size"],
-        replay_rows=training["replay_rows"],
         replay_urls=replay_shards(config, phase) if training["replay_buffer_size"] else None,
-        steps=budget["steps"],
-        checkpoint_every=training.get("checkpoint_every", 50),
-        batch_size=training["batch_size"],
-        lr=training["lr"],
-        warmup_fraction=training["warmup_fraction"],
-        seed=training["seed"] + phase,
-        device=training["device"],
         train_urls=accepted or None,
         version=f"{run_dir.name}",
         # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
         train_dir=training_dir(run_dir),
-        pretrained=training.get("pretrained"),
-        resize_mode=training.get("resize_mode"),
     )
     if metrics:
         metrics["budget"] = budget

@@ -23,24 +23,34 @@ def continual(
             "--production", help="Production checkpoint (dir or model.json); omit only for phase 0 (CLIP_0)."
         ),
     ] = None,
-    config: Annotated[str, typer.Option("--config", help="Model config for CLIP_0 (phase 0).")] = "cf-tiny",
-    method: Annotated[str, typer.Option("--method", help="modx | finetune | joint.")] = "modx",
+    config: Annotated[
+        str | None, typer.Option("--config", help="Model config for CLIP_0 (phase 0; default cf-tiny).")
+    ] = None,
+    method: Annotated[
+        str | None, typer.Option("--method", help="modx | finetune | joint (default modx).")
+    ] = None,
     alpha: Annotated[
         float | None, typer.Option("--alpha", min=0.0, help="Mod-X KL weight (default 20).")
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 300,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=2, help="Global contrastive batch B.")] = 64,
-    accum_steps: Annotated[int, typer.Option("--accum-steps", min=1, help="Micro-batches per step.")] = 1,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 5e-4,
-    weight_decay: Annotated[float, typer.Option("--weight-decay")] = 0.2,
-    warmup_fraction: Annotated[float, typer.Option("--warmup-fraction", min=0.0, max=1.0)] = 0.2,
-    precision: Annotated[str, typer.Option("--precision", help="auto | fp32 | bf16 | fp16.")] = "auto",
+    steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="Optimizer steps (default 300).")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", min=2, help="Global contrastive batch B (default 64).")
+    ] = None,
+    accum_steps: Annotated[
+        int | None, typer.Option("--accum-steps", min=1, help="Micro-batches per step.")
+    ] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate (default 5e-4).")] = None,
+    weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
+    warmup_fraction: Annotated[float | None, typer.Option("--warmup-fraction", min=0.0, max=1.0)] = None,
+    precision: Annotated[str | None, typer.Option("--precision", help="auto | fp32 | bf16 | fp16.")] = None,
     checkpoint_every: Annotated[
-        int,
+        int | None,
         typer.Option("--checkpoint-every", min=0, help="Resumable checkpoint every N steps (0: end only)."),
-    ] = 50,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")] = "auto",
+    ] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda.")] = None,
     train_shard: Annotated[
         list[str] | None,
         typer.Option(
@@ -60,27 +70,31 @@ def continual(
     from compat.data.synth import StreamError
     from compat.models import CheckpointError
     from compat.training import ResumeError
-    from components.continual import ContinualError, run_continual
+    from components.continual import ContinualError, TrainingSettings, run_continual
 
     try:
+        given = {
+            "config_name": config,
+            "method": method,
+            "alpha": alpha,
+            "steps": steps,
+            "batch_size": batch_size,
+            "accum_steps": accum_steps,
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "warmup_fraction": warmup_fraction,
+            "precision": precision,
+            "checkpoint_every": checkpoint_every,
+            "seed": seed,
+            "device": device,
+        }
+        settings = TrainingSettings(**{k: v for k, v in given.items() if v is not None})
         doc = run_continual(
             stream,
             phase,
             out,
+            settings,
             production=production,
-            config_name=config,
-            method=method,
-            alpha=alpha,
-            steps=steps,
-            batch_size=batch_size,
-            accum_steps=accum_steps,
-            lr=lr,
-            weight_decay=weight_decay,
-            warmup_fraction=warmup_fraction,
-            precision=precision,
-            checkpoint_every=checkpoint_every,
-            seed=seed,
-            device=device,
             train_urls=train_shard,
             version=version,
             resume=not fresh,
