@@ -111,35 +111,8 @@ def sample_scene(domain: Domain, rng: random.Random) -> dict[str, Any]:
         kind = rng.choice(domain.kinds)
         size = rng.randrange(3)
         colour_name, rgb = rng.choice(colours)
-        cx = (col + 0.5) / 3 + rng.uniform(-0.04, 0.04)
-        cy = (row + 0.5) / 3 + rng.uniform(-0.04, 0.04)
-        half = SIZE_FRACTIONS[size] / 2
-        objects.append(
-            {
-                "kind": kind.names[0],
-                "colour": colour_name,
-                "rgb": list(rgb),
-                "size": domain.sizes[size],
-                "position": domain.position_name(row, col),
-                "cell": [row, col],
-                "box": [round(cx - half, 4), round(cy - half, 4), round(cx + half, 4), round(cy + half, 4)],
-            }
-        )
-    return {
-        "domain": domain.name,
-        "style": style.name,
-        "style_effect": style.effect,
-        "effect_seed": rng.getrandbits(32),
-        "background": {
-            "name": background.name,
-            "texture": background.texture,
-            "tone": tone_name,
-            "rgb": list(tone_rgb),
-            "params": _texture_params(background.texture, rng),
-        },
-        "count": count,
-        "objects": objects,
-    }
+        objects.append(_placed_object(domain, kind, size, colour_name, rgb, row, col, rng))
+    return _scene(domain, style, background, tone_name, tone_rgb, objects, rng)
 
 
 def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_share: float) -> dict[str, Any]:
@@ -188,20 +161,32 @@ def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_sh
         kind = pick("kind", pools["kind"], first=i == 0)
         colour_name, rgb = pick("colour", colours or pools["colour"], first=i == 0)
         size = rng.randrange(3)
-        cx = (col + 0.5) / 3 + rng.uniform(-0.04, 0.04)
-        cy = (row + 0.5) / 3 + rng.uniform(-0.04, 0.04)
-        half = SIZE_FRACTIONS[size] / 2
-        objects.append(
-            {
-                "kind": kind.names[0],
-                "colour": colour_name,
-                "rgb": list(rgb),
-                "size": domain.sizes[size],
-                "position": domain.position_name(row, col),
-                "cell": [row, col],
-                "box": [round(cx - half, 4), round(cy - half, 4), round(cx + half, 4), round(cy + half, 4)],
-            }
-        )
+        objects.append(_placed_object(domain, kind, size, colour_name, rgb, row, col, rng))
+    return {**_scene(domain, style, background, tone_name, tone_rgb, objects, rng), "novel": novel}
+
+
+def _placed_object(
+    domain: Any, kind: Any, size: int, colour_name: str, rgb: Any, row: int, col: int, rng: random.Random
+) -> dict[str, Any]:
+    """One object of a scene in grid cell (row, col), jittered by two draws of ``rng``."""
+    cx = (col + 0.5) / 3 + rng.uniform(-0.04, 0.04)
+    cy = (row + 0.5) / 3 + rng.uniform(-0.04, 0.04)
+    half = SIZE_FRACTIONS[size] / 2
+    return {
+        "kind": kind.names[0],
+        "colour": colour_name,
+        "rgb": list(rgb),
+        "size": domain.sizes[size],
+        "position": domain.position_name(row, col),
+        "cell": [row, col],
+        "box": [round(cx - half, 4), round(cy - half, 4), round(cx + half, 4), round(cy + half, 4)],
+    }
+
+
+def _scene(
+    domain: Any, style: Any, background: Any, tone_name: str, tone_rgb: Any, objects: list, rng: random.Random
+) -> dict[str, Any]:
+    """A scene description: its objects on a textured background (the texture drawn from ``rng``)."""
     return {
         "domain": domain.name,
         "style": style.name,
@@ -214,9 +199,8 @@ def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_sh
             "rgb": list(tone_rgb),
             "params": _texture_params(background.texture, rng),
         },
-        "count": count,
+        "count": len(objects),
         "objects": objects,
-        "novel": novel,
     }
 
 
