@@ -1,4 +1,4 @@
-"""Small helpers shared across the project: atomic file writes and UTC timestamps."""
+"""Small helpers shared across the project: atomic file writes, JSON reads and UTC timestamps."""
 
 from __future__ import annotations
 
@@ -31,6 +31,18 @@ def write_json_atomic(path: Path | str, document: Any) -> Path:
     """Write ``document`` as indented strict JSON (no NaN), atomically (see :func:`atomic_write`)."""
     text = json.dumps(document, indent=2, allow_nan=False) + "\n"
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def read_json(path: Path | str, damaged: Callable[[str], Exception]) -> Any | None:
+    """The JSON document at ``path``, or None when there is no file; a file that is not JSON raises
+    ``damaged(reason)`` (the caller's error, whose message names the file and what to do)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise damaged(f"{path}: not valid JSON ({exc})") from exc
 
 
 def utc_now() -> str:

@@ -19,7 +19,6 @@ Factories are imported only from the project's packages or from modules listed i
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from compat.io import utc_now, write_json_atomic
+from compat.io import read_json, utc_now, write_json_atomic
 from components.rollout.types import QueryEncoder
 from components.workspace import map_paths, resolved_path, stored_path
 
@@ -45,14 +44,9 @@ class ServingError(RuntimeError):
 def read_serving(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The serving record at ``path``; None when there is none yet; ServingError when it is malformed."""
     path = Path(path)
-    if not path.is_file():
+    doc = read_json(path, lambda why: ServingError(f"{why}; restore it from the rollout state or re-index"))
+    if doc is None:
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ServingError(
-            f"{path}: not valid JSON ({exc}); restore it from the rollout state or re-index"
-        ) from exc
     missing = [k for k in ("uri", "alias", "collection", "query_model") if k not in doc]
     if not isinstance(doc, dict) or missing:
         raise ServingError(f"{path}: missing field(s) {missing} of a serving record")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from compat.io import atomic_write, utc_now, write_json_atomic
+from compat.io import atomic_write, read_json, utc_now, write_json_atomic
 from components.index import ROW_FIELDS
 from components.rollout.types import RolloutError
 from components.workspace import map_paths, resolved_path, stored_path
@@ -36,15 +35,16 @@ def load_state(path: str | os.PathLike[str], root: Path | None = None) -> dict[s
     import schemas
 
     path = Path(path)
-    if not path.is_file():
+    archive = path.parent / "rollout"
+    doc = read_json(
+        path,
+        lambda why: RolloutError(
+            f"{why}; it was damaged: restore it from a backup (a rollout's state is archived in "
+            f"{archive}/<rollout id>/ only once a later rollout replaces it)"
+        ),
+    )
+    if doc is None:
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise RolloutError(
-            f"{path}: not valid JSON ({exc}); it was damaged: restore it from a backup (a rollout's state "
-            f"is archived in {path.parent / 'rollout'}/<rollout id>/ only once a later rollout replaces it)"
-        ) from exc
     schemas.validate(doc, "rollout_state", str(path))
     base = Path(root) if root is not None else path.resolve().parent
     return map_paths(doc, STATE_PATHS, lambda value: resolved_path(base, value))
