@@ -171,20 +171,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
             state=work / policy / "rollout_state.json", serving=work / policy / "serving.json"
         )
         with GalleryIndex(uri, alias=f"bench_{policy}") as index:
-            ro.index_gallery(
-                index,
-                paths,
-                u.item_ids,
-                u.old_gallery,
-                version="v1",
-                space="syn",
-                query_model={
-                    "factory": f"{SYNTH_MODULE}:synthetic_query_encoder",
-                    "options": opts,
-                    "side": "old",
-                },
-                embedded_at=u.embedded_at,
-            )
+            u.index_old_gallery(index, paths, opts, space="syn")
             config = ro.RolloutConfig(
                 new_version="v2",
                 policy=policy,

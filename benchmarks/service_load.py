@@ -124,7 +124,7 @@ class Service:
 
 def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: float = 40.0) -> dict[str, Any]:
     """Part E on the Milvus server at ``uri``; returns per-operation query figures and rollout facts."""
-    from benchmarks.synthetic_upgrade import MODULE, synthetic_encoders, synthetic_upgrade
+    from benchmarks.synthetic_upgrade import QUERY_FACTORY, synthetic_encoders, synthetic_upgrade
     from components import rollout as ro
     from components.index import GalleryIndex
 
@@ -132,22 +132,11 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "2"}
     u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=2)
     probe = ro.ProbeSet(u.query_texts, [[u.item_ids[p[0]]] for p in u.positives])
-    query = f"{MODULE}:synthetic_query_encoder"
     ws = work / "ws"
     paths = ro.RolloutPaths.for_workspace(ws)
     shard = _write_captions(work / "gallery-000000.tar", u.item_ids)
     index = GalleryIndex(uri, alias="bench_service")
-    ro.index_gallery(
-        index,
-        paths,
-        u.item_ids,
-        u.old_gallery,
-        version="v1",
-        space="syn",
-        query_model={"factory": query, "options": opts, "side": "old"},
-        embedded_at=u.embedded_at,
-        source_uris=[f"{shard}#{i}" for i in u.item_ids],
-    )
+    u.index_old_gallery(index, paths, opts, space="syn", source_uris=[f"{shard}#{i}" for i in u.item_ids])
     service = Service(ws, uri, port, work / "serve.log")
     warm = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     for text in u.query_texts[:5]:  # the query model, the collection and the captions' shard, loaded once
@@ -171,7 +160,7 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
         config = ro.RolloutConfig(
             new_version=version,
             batch_size=256,
-            query_model={"factory": query, "options": options, "side": "new"},
+            query_model={"factory": QUERY_FACTORY, "options": options, "side": "new"},
             **kw,
         )
         marks: list[tuple[str, float]] = []  # (stage label, wall time it began), from the state file

@@ -21,6 +21,7 @@ from compat.backfill import unit_rows
 from components.rollout.types import ItemRef, QueryEncoder, RolloutEncoders
 
 MODULE = "benchmarks.synthetic_upgrade"  # what $COMPATFLOW_TRUSTED_MODULES must list to use the factories
+QUERY_FACTORY = f"{MODULE}:synthetic_query_encoder"
 
 
 @dataclass
@@ -65,6 +66,35 @@ class SyntheticUpgrade:
                 f"unknown synthetic query text(s) {missing[:3]}; texts look like 'find item-00042'"
             )
         return table[[row[t] for t in texts]]
+
+    def index_old_gallery(
+        self,
+        index: Any,
+        paths: Any,
+        options: Mapping[str, Any],
+        *,
+        space: str = "s1",
+        source_uris: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Index the old gallery as version v1 in ``space``, served by the old synthetic query model built
+        from ``options`` (:func:`synthetic_query_encoder`); returns the serving record."""
+        from components.rollout import index_gallery
+
+        return index_gallery(
+            index,
+            paths,
+            self.item_ids,
+            self.old_gallery,
+            version="v1",
+            space=space,
+            query_model={
+                "factory": f"{MODULE}:synthetic_query_encoder",
+                "options": dict(options),
+                "side": "old",
+            },
+            embedded_at=self.embedded_at,
+            source_uris=source_uris,
+        )
 
     def gallery_vectors(self, item_ids: Sequence[str], side: str) -> np.ndarray:
         """Gallery vectors of ``item_ids`` under the ``"old"`` or ``"new"`` model."""

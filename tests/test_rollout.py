@@ -30,17 +30,7 @@ PROBE = ro.ProbeSet(UPGRADE.query_texts, [[UPGRADE.item_ids[p[0]]] for p in UPGR
 
 
 def _index_old(paths: ro.RolloutPaths, index: GalleryIndex) -> None:
-    ro.index_gallery(
-        index,
-        paths,
-        UPGRADE.item_ids,
-        UPGRADE.old_gallery,
-        version="v1",
-        space="s1",
-        query_model={"factory": SYNTH_QUERY, "options": OPTS, "side": "old"},
-        embedded_at=UPGRADE.embedded_at,
-        source_uris=[f"shard#{i}" for i in UPGRADE.item_ids],
-    )
+    UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
 
 
 def _config(**kw) -> ro.RolloutConfig:

@@ -130,17 +130,7 @@ def gallery(tmp_path, milvus_server):
     paths = ro.RolloutPaths.for_workspace(ws)
     shard = _write_shard(tmp_path / "gallery-000000.tar")
     index = GalleryIndex(milvus_server, f"s{uuid.uuid4().hex[:10]}")
-    ro.index_gallery(
-        index,
-        paths,
-        UPGRADE.item_ids,
-        UPGRADE.old_gallery,
-        version="v1",
-        space="s1",
-        query_model={"factory": SYNTH_QUERY, "options": OPTS, "side": "old"},
-        embedded_at=UPGRADE.embedded_at,
-        source_uris=[f"{shard}#{i}" for i in UPGRADE.item_ids],
-    )
+    UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"{shard}#{i}" for i in UPGRADE.item_ids])
     yield paths, index, milvus_server
     index.close()
 
