@@ -19,7 +19,6 @@ The import runs in one process: items per CPU-second is the per-core figure, wha
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import platform
 import shutil
@@ -33,30 +32,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
-CLASSES = (
-    "t-shirt",
-    "trouser",
-    "pullover",
-    "dress",
-    "coat",
-    "sandal",
-    "shirt",
-    "sneaker",
-    "bag",
-    "ankle boot",
-)
-
 
 def source_images(samples: int):
     """``samples`` (uint8 HxW array, caption) pairs and the name of their source."""
     import numpy as np
 
-    images, labels = FASHION / "train-images-idx3-ubyte.gz", FASHION / "train-labels-idx1-ubyte.gz"
-    if images.is_file() and labels.is_file():
-        pixels = np.frombuffer(gzip.open(images).read(), np.uint8, offset=16).reshape(-1, 28, 28)
-        classes = np.frombuffer(gzip.open(labels).read(), np.uint8, offset=8)
-        pairs = [(255 - pixels[i], f"a photo of a {CLASSES[classes[i]]}") for i in range(samples)]
+    from benchmarks.fashion_mnist import DEFAULT_DIR, LABELS, FashionMNISTMissing, load_split
+
+    try:
+        pixels, classes = load_split(DEFAULT_DIR, "train")
+    except FashionMNISTMissing:
+        pass
+    else:
+        pairs = [(255 - pixels[i], f"a photo of a {LABELS[classes[i]]}") for i in range(samples)]
         return pairs, "Fashion-MNIST (dataset-fashion-mnist), 28x28 grayscale"
     rng = np.random.default_rng(0)
     pairs = [(rng.integers(0, 256, (28, 28), dtype=np.uint8), f"random field {i}") for i in range(samples)]

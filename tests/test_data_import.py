@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -69,12 +68,9 @@ def image_folder(root: Path, n: int, start: int = 0) -> Path:
 
 
 def read_tar(path: Path) -> dict[str, dict[str, bytes]]:
-    samples: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(path) as tar:
-        for info in tar:
-            key, ext = info.name.split(".", 1)
-            samples.setdefault(key, {})[ext] = tar.extractfile(info).read()
-    return samples
+    from compat.data.shards import iter_raw_samples
+
+    return {sample.key: sample.members for sample in iter_raw_samples(str(path))}
 
 
 def all_samples(out: Path) -> dict[str, dict[str, bytes]]:

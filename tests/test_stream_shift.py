@@ -126,18 +126,18 @@ def test_same_seed_same_bytes_and_settings_are_kept(tmp_path: Path) -> None:
 # sha256 over "<sha256 of shard>  ./<path>" lines of every shard, written by the generator before the
 # realistic shift existed (6 phases, 30 train / 8 eval / 8 gallery, 16 per shard, seed 7)
 DISJOINT_DIGEST = "6b5769b0f0cc90eb594d1539abf720297ac4c987376e8e06d383ebdd940bd1c2"
+PINNED = {
+    "phases": 6,
+    "samples_per_phase": 30,
+    "seed": 7,
+    "eval_per_domain": 8,
+    "gallery_per_domain": 8,
+    "samples_per_shard": 16,
+}
 
 
 def test_disjoint_stream_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
-    generate_stream(
-        tmp_path,
-        phases=6,
-        samples_per_phase=30,
-        seed=7,
-        eval_per_domain=8,
-        gallery_per_domain=8,
-        samples_per_shard=16,
-    )
+    generate_stream(tmp_path, **PINNED)
     lines = "".join(
         f"{hashlib.sha256(p.read_bytes()).hexdigest()}  ./{p.relative_to(tmp_path)}\n"
         for p in sorted(tmp_path.rglob("*.tar"))
@@ -147,15 +147,7 @@ def test_disjoint_stream_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "stream.json").read_text())
     del manifest["generator"]["shift"]
     (tmp_path / "stream.json").write_text(json.dumps(manifest))
-    generate_stream(
-        tmp_path,
-        phases=6,
-        samples_per_phase=30,
-        seed=7,
-        eval_per_domain=8,
-        gallery_per_domain=8,
-        samples_per_shard=16,
-    )
+    generate_stream(tmp_path, **PINNED)
 
 
 def test_data_info_reports_the_measured_shift(realistic: Path) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 
 OLD_VECTOR_RULES = ("as_is", "forward_adapter", "zero_pad", "truncate")
 

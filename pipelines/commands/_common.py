@@ -67,7 +67,7 @@ def config_of(config: str | None) -> dict[str, Any]:
         fail(str(err))
 
 
-def workspace_of(config: str | None, workspace: Path | None) -> Any:
+def workspace_of(config: str | None, workspace: Path | None, resolved: dict[str, Any] | None = None) -> Any:
     """The :class:`~components.workspace.Workspace` an operator command works on: the config's workspace and
     service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services."""
     import os
@@ -78,4 +78,4 @@ def workspace_of(config: str | None, workspace: Path | None) -> Any:
         fail("give --config or --workspace, not both")
     if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
         return Workspace(workspace)
-    return Workspace.from_config(config_of(config))
+    return Workspace.from_config(resolved if resolved is not None else config_of(config))

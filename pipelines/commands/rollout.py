@@ -151,13 +151,13 @@ def run_cmd(
     """
     from pipelines.commands._common import config_of, workspace_of
 
-    workspace = workspace_of(config, workspace)
+    resolved = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
+    workspace = workspace_of(config, workspace, resolved)
     from components.index import GalleryIndexError
     from components.rollout import RolloutError, ServingError
     from components.rollout.operations import roll_out
     from pipelines.commands._common import echo_json, fail
 
-    resolved = config_of(config)
     settings = dict(resolved["rollout"])
     if policy is not None:
         settings["order"] = policy
