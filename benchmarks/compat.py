@@ -402,6 +402,12 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: fastest on a shared machine)"
     )
+    parser.add_argument(
+        "--eval-per-domain",
+        type=int,
+        default=None,
+        help="eval images per domain (default 200, quick 60): the bootstrap interval narrows with it",
+    )
     args = parser.parse_args()
     if args.stream == "fashion-mnist":
         parser.error(
@@ -417,6 +423,10 @@ def main() -> None:
     from compat.models import read_sidecar
 
     sizes = QUICK if args.quick else FULL
+    if args.eval_per_domain is not None:
+        if args.eval_per_domain < 10:
+            parser.error(f"--eval-per-domain must be >= 10, got {args.eval_per_domain}")
+        sizes = dataclasses.replace(sizes, eval_per_domain=args.eval_per_domain)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
     if unknown:

@@ -20,6 +20,8 @@ from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from components import rollout as ro
 from components.index import GalleryIndex
 from components.rollout import engine, read_serving
+from components.rollout.state import load_rows, saved_batches
+from components.rollout.types import DEFAULT_FLUSH_ROWS
 from components.search import Searcher
 
 N, Q, SEED = 400, 200, 3
@@ -537,3 +539,104 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup) -> None:
     assert elapsed >= N / cap * 0.9  # every item paced: N items at the cap take N / cap seconds
     assert all(s["items_per_s"] <= cap * 1.05 for s in state["stages"] if "items_per_s" in s)
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", "state")
+
+
+class _Recorder:
+    """Wraps a GalleryIndex's writes and reads: what a rollout asks of Milvus, in order."""
+
+    def __init__(self, index: GalleryIndex, monkeypatch) -> None:
+        self.calls: list[tuple[str, int]] = []
+        for name in ("upsert", "flush", "fetch"):
+            real = getattr(index, name)
+
+            def record(*args, _name=name, _real=real, **kw):
+                rows = len(args[0]) if _name in ("upsert", "fetch") else 0
+                self.calls.append((_name, rows))
+                return _real(*args, **kw)
+
+            monkeypatch.setattr(index, name, record)
+
+    def rows(self, name: str) -> int:
+        return sum(n for op, n in self.calls if op == name)
+
+    def most_unflushed(self) -> int:
+        most = run = 0
+        for op, n in self.calls:
+            run = 0 if op == "flush" else run + (n if op == "upsert" else 0)
+            most = max(most, run)
+        return most
+
+
+def test_in_place_plan_is_the_restore_capture_and_flushes_bound_unflushed_rows(setup, monkeypatch) -> None:
+    """An in-place rollout fetches no row after its plan (the plan saved every batch's rows) and never
+    leaves more than ``flush_rows`` (+ one batch) unflushed; its rollback restores the old gallery."""
+    paths, index = setup
+    calls = _Recorder(index, monkeypatch)
+    state = ro.run_rollout(
+        index,
+        paths,
+        _config(fractions=(0.5, 1.0), flush_rows=64),
+        synthetic_encoders({"options": OPTS}),
+        PROBE,
+    )
+    assert state["state"] == "completed"
+    assert calls.rows("fetch") == 0 and calls.rows("upsert") == N
+    assert 64 <= calls.most_unflushed() < 64 + 32
+    files = saved_batches(paths.restore_dir(state["rollout_id"]))
+    assert len(files) == 2 * 7  # two stages of 200 items in batches of 32
+    saved = [r["item_id"] for f in files for r in load_rows(f)]
+    assert sorted(saved) == sorted(UPGRADE.item_ids)
+    _assert_gallery(index, UPGRADE.new_gallery, "v2")
+    ro.rollback(paths, index)
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")
+
+
+def test_rollback_replays_only_the_batches_that_ran(setup, monkeypatch) -> None:
+    """After a failure at the cursor, the rollback writes back the batches up to the cursor (the one in
+    flight included), not the whole saved order, and the gallery is the old one again."""
+    paths, index = setup
+    good = synthetic_encoders({"options": OPTS})
+    calls = {"n": 0}
+
+    def failing(refs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise _Crash("encoder died")
+        return good.new_gallery(refs)
+
+    with pytest.raises(_Crash):
+        ro.run_rollout(
+            index,
+            paths,
+            _config(prefetch=1),
+            ro.RolloutEncoders(good.old_query, good.new_query, failing),
+            PROBE,
+        )
+    position = json.loads(paths.state.read_text())["cursor"]["position"]
+    assert 0 < position < N
+    writes = _Recorder(index, monkeypatch)
+    state = ro.rollback(paths, index)
+    assert state["state"] == "rolled_back"
+    assert position <= writes.rows("upsert") <= position + 32
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")
+
+
+def test_rollback_replay_keeps_the_rollouts_pace(setup, monkeypatch) -> None:
+    """The replay of saved rows runs at the rate cap its rollout recorded, and flushes as it goes."""
+    paths, index = setup
+    cap = 2000.0
+    state = ro.run_rollout(
+        index,
+        paths,
+        _config(max_items_per_s=cap, flush_rows=100),
+        synthetic_encoders({"options": OPTS}),
+        PROBE,
+    )
+    assert state["pace"]["max_items_per_s"] == cap
+    writes = _Recorder(index, monkeypatch)
+    t0 = time.perf_counter()
+    state = ro.rollback(paths, index)
+    assert time.perf_counter() - t0 >= 0.9 * N / cap
+    assert state["rollback"]["pace"]["max_items_per_s"] == cap
+    assert writes.rows("upsert") == N and writes.most_unflushed() <= DEFAULT_FLUSH_ROWS
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")

@@ -18,14 +18,20 @@ collection is filled with new vectors, probed, and the serving record and alias 
 collection stays for rollback.
 
 Durability: before a batch is upserted its previous rows are saved to a restore file (never
-overwritten: a retried batch keeps the rows it first replaced); the state JSON is written atomically
+overwritten: a retried batch keeps the rows it first replaced; an in-place rollout's plan reads every
+row once and saves them all, so no batch reads the index again); the state JSON is written atomically
 after every batch. Upserts are keyed by item_id, so a crash between an upsert and the state write
 repeats one batch harmlessly. Killed at any moment and run again with the same configuration, the
-rollout resumes. :func:`rollback` restores the previous collection or the saved rows, and the previous
-query model.
+rollout resumes. :func:`rollback` restores the previous collection or the saved rows of the batches that
+ran (at the rollout's pace), and the previous query model.
+
+Index work: writes are flushed every ``flush_rows`` rows (a search over many unflushed rows is a slow
+brute-force scan in Milvus), and, with ``slo_p99_factor``, paced to hold users' query latency
+(:mod:`~components.rollout.pacing`).
 
 Modules: :mod:`~components.rollout.types` (configuration, encoders, probe set, paths, errors),
-:mod:`~components.rollout.state` (the state file, its lock, restore files), :mod:`~components.rollout.probes`,
+:mod:`~components.rollout.state` (the state file, its lock, restore files), :mod:`~components.rollout.pacing`,
+:mod:`~components.rollout.probes`,
 :mod:`~components.rollout.engine`, :mod:`~components.rollout.rollback`, :mod:`~components.rollout.serving`
 (the serving record) and :mod:`~components.rollout.encoders` (encoders of real models).
 """

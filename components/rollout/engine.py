@@ -21,10 +21,19 @@ import numpy as np
 
 from compat.io import utc_now
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
-from components.rollout.pacing import IDLE_QUERIES, Pace, p99_ms
+from components.rollout.pacing import Pace, search_timer
 from components.rollout.probes import broken_floors, probe_metrics
+from components.rollout.rollback import replay_rows
 from components.rollout.serving import read_serving, write_serving
-from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_rows, save_state
+from components.rollout.state import (
+    STATE_FILE,
+    exclusive,
+    load_rows,
+    load_state,
+    save_rows,
+    save_state,
+    saved_batches,
+)
 from components.rollout.types import (
     ProbeSet,
     RolloutConfig,
@@ -139,8 +148,9 @@ class Rollout:
         source_space, source_dim = idx.collection_space(source), idx.collection_dim(source)
         space = self.space or source_space
         mode = "staged" if (self.adapt or space == source_space) else "blue_green"
+        in_place = mode == "staged" and not self.adapt  # the batches overwrite the rows this plan reads
         need_vectors = c.policy in ("lambda_orth", "uncertainty")
-        fields = ("embedded_at", *(("vector",) if need_vectors else ()))
+        fields = ROW_FIELDS if in_place else ("embedded_at", *(("vector",) if need_vectors else ()))
         rows = sorted(
             (r for batch in idx.iter_rows(fields, source) for r in batch), key=lambda r: r["item_id"]
         )
@@ -224,6 +234,8 @@ class Rollout:
                 }
                 for j, f in enumerate(c.fractions)
             ]
+        if in_place:
+            self._save_restore_rows(rid, rows, ordered, stages)
         state = {
             "schema_version": 1,
             "rollout_id": rid,
@@ -272,6 +284,23 @@ class Rollout:
         self._save(state)
         log.info("rollout %s planned: %s, %d items, policy %s, floors %s", rid, mode, n, c.policy, floors)
         return state
+
+    def _save_restore_rows(
+        self,
+        rollout_id: str,
+        rows: Sequence[Mapping[str, Any]],
+        ordered: Sequence[str],
+        stages: Sequence[Mapping[str, Any]],
+    ) -> None:
+        """The plan's read is the restore capture of an in-place rollout: the complete rows of every batch
+        of every stage, saved before anything overwrites them (no batch fetches its rows again; nothing
+        but the rollout rewrites an item the plan read: new items are added, never replaced)."""
+        by_id = {str(r["item_id"]): r for r in rows}
+        lo = 0
+        for rec in stages[1:]:
+            for start, end in self._batches(lo, rec["target_position"]):
+                save_rows(self._restore_path(rollout_id, start, end), [by_id[i] for i in ordered[start:end]])
+            lo = rec["target_position"]
 
     # ---- shared pieces
     def _order(self, state: dict[str, Any]) -> list[str]:
@@ -330,14 +359,15 @@ class Rollout:
             for j, r in enumerate(previous)
         ]
 
-    def _restore_path(self, state: dict[str, Any], start: int, end: int) -> Path:
-        return self.paths.restore_dir(state["rollout_id"]) / f"{start:09d}-{end:09d}.npz"
+    def _restore_path(self, rollout_id: str, start: int, end: int) -> Path:
+        return self.paths.restore_dir(rollout_id) / f"{start:09d}-{end:09d}.npz"
 
     def _previous_rows(
         self, state: dict[str, Any], ids: Sequence[str], start: int, end: int, collection: str, keep: bool
     ) -> list[dict[str, Any]]:
-        """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback."""
-        path = self._restore_path(state, start, end)
+        """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback (an
+        in-place rollout's plan saved them all already)."""
+        path = self._restore_path(state["rollout_id"], start, end)
         if keep and path.is_file():
             return load_rows(path)
         rows = self.index.fetch(ids, collection)
@@ -360,7 +390,7 @@ class Rollout:
         them) and hands the batch to an encoder thread, keeping up to ``config.prefetch`` batches queued
         there, then upserts finished batches and records progress: the encoder never waits on the index.
         """
-        t0, written = time.perf_counter(), 0
+        t0, written, unflushed = time.perf_counter(), 0, 0
         timed = self._latency_probe(state, batches, ids, source)
         self.pace.begin()
         todo = iter(batches)
@@ -381,9 +411,11 @@ class Rollout:
                     refill()
                     self.index.upsert(rows, target)
                     written += len(rows)
+                    unflushed += len(rows)
                     state["cursor"]["batches"] += 1
-                    if self.config.flush_every and state["cursor"]["batches"] % self.config.flush_every == 0:
+                    if self.config.flush_rows and unflushed >= self.config.flush_rows:
                         self.index.flush(target)
+                        unflushed = 0
                     state["cursor"]["position"] = end
                     state["fraction_backfilled"] = end / state["n_items"]
                     self.pace.after_batch(len(rows), timed() if timed else None)
@@ -405,17 +437,11 @@ class Rollout:
             return None
         serving = self.index.serving_collection() or source
         (row,) = self.index.fetch([ids[batches[0][0]]], source)
-        query = np.asarray(row["vector"], dtype=np.float32)[None]
-        if query.shape[1] != self.index.collection_dim(serving):
+        if len(row["vector"]) != self.index.collection_dim(serving):
             return None  # a blue-green fill reads another space: users' queries are not timed by it
-
-        def timed() -> float:
-            t0 = time.perf_counter()
-            self.index.search(query, k=10, collection=serving)
-            return 1000 * (time.perf_counter() - t0)
-
+        timed = search_timer(self.index, serving, np.asarray(row["vector"]))
         if self.pace.idle_p99_ms is None:
-            self.pace.idle_p99_ms = p99_ms([timed() for _ in range(IDLE_QUERIES)])
+            self.pace.measure_idle(timed)
             state["pace"] = self.pace.to_dict()
             log.info("rollout %s: idle query p99 %.1f ms", state["rollout_id"], self.pace.idle_p99_ms)
         return timed
@@ -562,6 +588,7 @@ class Rollout:
             rows = [r for b in self.index.iter_rows(ROW_FIELDS, g["collection"], filter=flt) for r in b]
             if not rows:
                 return
+            unflushed = 0
             for start in range(0, len(rows), self.config.batch_size):
                 batch = [{f: r[f] for f in ROW_FIELDS} for r in rows[start : start + self.config.batch_size]]
                 digest = hashlib.sha256("\n".join(r["item_id"] for r in batch).encode()).hexdigest()[:16]
@@ -569,6 +596,10 @@ class Rollout:
                 if not path.is_file():
                     save_rows(path, batch)
                 self.index.upsert(self._new_rows(state, batch), g["collection"])
+                unflushed += len(batch)
+                if self.config.flush_rows and unflushed >= self.config.flush_rows:
+                    self.index.flush(g["collection"])
+                    unflushed = 0
             log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], len(rows))
             self.index.flush(g["collection"])
 
@@ -585,12 +616,8 @@ class Rollout:
         if j > 0 and state["mode"] == "staged":
             lo, hi = state["stages"][j - 1]["target_position"], state["stages"][j]["target_position"]
             last = j == len(state["stages"]) - 1
-            coll = state["gallery"]["collection"]
-            for path in sorted(self.paths.restore_dir(state["rollout_id"]).glob("*.npz")):
-                sweep = path.stem.startswith("sweep-")
-                if (sweep and last) or (not sweep and lo <= int(path.stem.split("-")[0]) < hi):
-                    self.index.upsert(load_rows(path), coll)
-            self.index.flush(coll)
+            files = saved_batches(self.paths.restore_dir(state["rollout_id"]), lo, hi, sweep=last)
+            replay_rows(self.index, files, state["gallery"]["collection"], self.pace, self.config.flush_rows)
             state["cursor"]["position"] = lo
             state["fraction_backfilled"] = lo / state["n_items"]
         state["restored"] = True

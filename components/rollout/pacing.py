@@ -13,7 +13,8 @@ re-embedded items per second follows additive-increase / multiplicative-decrease
 
 and ``max_items_per_s`` caps it at all times. The pace is enforced by sleeping after a batch until
 ``items / rate`` seconds have passed since the previous one. What it ran at goes into the rollout state
-(``pace``): the idle and last p99, the rate, how often it slowed down and how long it slept.
+(``pace``): the idle and last p99, the rate, how often it slowed down and how long it slept. A rollback
+replays its saved rows at the pace its rollout recorded (:func:`components.rollout.rollback.replay_rows`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ QUIET = 0.7  # p99 below this share of the limit lets the rate grow
 GROWTH = 1.25
 MIN_ITEMS_PER_S = 1.0
 FLOOR_SHARE = 0.1  # the slowest pace, as a share of the unpaced rate measured before the first slowdown
+
+
+def search_timer(index: Any, collection: str, query: np.ndarray) -> Callable[[], float]:
+    """A timed top-10 search of ``query`` (one vector of the collection's space) in ``collection``: each
+    call returns its latency in milliseconds."""
+    query = np.asarray(query, dtype=np.float32).reshape(1, -1)
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        index.search(query, k=10, collection=collection)
+        return 1000 * (time.perf_counter() - t0)
+
+    return timed
 
 
 def p99_ms(samples: Any) -> float:
@@ -79,6 +93,12 @@ class Pace:
     def allowed(self) -> float:
         """Items per second the next batch may run at (``inf``: as fast as it goes)."""
         return min(self.rate or np.inf, self.max_items_per_s or np.inf)
+
+    def measure_idle(self, timed: Callable[[], float]) -> float:
+        """Time ``IDLE_QUERIES`` searches with ``timed`` (before any write) unless the idle p99 is known."""
+        if self.idle_p99_ms is None:
+            self.idle_p99_ms = p99_ms([timed() for _ in range(IDLE_QUERIES)])
+        return self.idle_p99_ms
 
     def begin(self) -> None:
         """Mark the start of a run of batches (the first batch is paced from here)."""

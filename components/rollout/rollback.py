@@ -3,16 +3,58 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from compat.io import utc_now
 from components.index import GalleryIndex
+from components.rollout.pacing import Pace, search_timer
 from components.rollout.serving import write_serving
-from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_state
-from components.rollout.types import RolloutError, RolloutPaths
+from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_state, saved_batches
+from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
 
 log = logging.getLogger(__name__)
+
+
+def recorded_pace(state: Mapping[str, Any]) -> Pace:
+    """The pace a rollout ran at (its SLO factor, cap and idle p99), for replaying its saved rows."""
+    recorded = state.get("pace") or {}
+    return Pace.resumed(recorded, recorded.get("p99_factor"), recorded.get("max_items_per_s"))
+
+
+def replay_rows(
+    index: GalleryIndex,
+    files: Iterable[Path],
+    collection: str,
+    pace: Pace | None = None,
+    flush_rows: int = DEFAULT_FLUSH_ROWS,
+) -> int:
+    """Upsert the rows saved in restore ``files`` (one upsert per file) into ``collection``, flushing every
+    ``flush_rows`` rows and at the end, at ``pace`` (with an SLO factor it times a search of the collection
+    after every file, as the backfill does). Idempotent. Returns the number of rows written."""
+    written = unflushed = 0
+    timed = None
+    for path in files:
+        rows = load_rows(path)
+        if not rows:
+            continue
+        if pace is not None and pace.p99_factor is not None and timed is None:
+            timed = search_timer(index, collection, np.asarray(rows[0]["vector"]))
+            pace.measure_idle(timed)
+            pace.begin()
+        index.upsert(rows, collection)
+        written += len(rows)
+        unflushed += len(rows)
+        if flush_rows and unflushed >= flush_rows:
+            index.flush(collection)
+            unflushed = 0
+        if pace is not None:
+            pace.after_batch(len(rows), timed() if timed else None)
+    index.flush(collection)
+    return written
 
 
 def rollback(
@@ -20,6 +62,10 @@ def rollback(
 ) -> dict[str, Any]:
     """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
     previous collection (or the saved rows) and previous query model.
+
+    In place, the saved rows of every batch up to the cursor (the batch in flight at a crash included) are
+    replayed at the pace the rollout recorded (its SLO throttle and rate cap), flushed every
+    ``DEFAULT_FLUSH_ROWS`` rows so that queries never search thousands of unflushed rows.
 
     Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
     """
@@ -38,10 +84,12 @@ def rollback(
             state["rollback"] = {"started_at": utc_now(), "from_state": state["state"]}
             save_state(state_path, state, root)
             source = g["source_collection"]
-            if g["collection"] == source:  # in place: replay every saved row
-                for path in sorted(paths.restore_dir(state["rollout_id"]).glob("*.npz")):
-                    index.upsert(load_rows(path), source)
-                index.flush(source)
+            if g["collection"] == source:  # in place: replay the saved rows of every batch that may have run
+                restore = paths.restore_dir(state["rollout_id"])
+                files = saved_batches(restore, hi=state["cursor"]["position"] + 1)
+                pace = recorded_pace(state)
+                replay_rows(index, files, source, pace)
+                state["rollback"]["pace"] = pace.to_dict()
             write_serving(
                 paths.serving,
                 uri=g["uri"],

@@ -102,6 +102,18 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     ]
 
 
+def saved_batches(restore_dir: Path, lo: int = 0, hi: int | None = None, sweep: bool = True) -> list[Path]:
+    """Restore files in ``restore_dir`` of the batches that start in ``[lo, hi)`` of the order (every batch
+    when ``hi`` is None), then, with ``sweep``, those of items the last stage swept up (``sweep-*``)."""
+    batches, swept = [], []
+    for path in sorted(Path(restore_dir).glob("*.npz")):
+        if path.stem.startswith("sweep-"):
+            swept.append(path)
+        elif lo <= int(path.stem.split("-")[0]) and (hi is None or int(path.stem.split("-")[0]) < hi):
+            batches.append(path)
+    return batches + (swept if sweep else [])
+
+
 def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
     """``{"state", "stage", "fraction_backfilled", ...}`` of the rollout at ``state_path`` (or "none")."""
     state = load_state(state_path)

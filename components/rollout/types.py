@@ -13,6 +13,10 @@ import numpy as np
 
 DEFAULT_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
 DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
+# Rows upserted between flushes. Milvus answers a search over unflushed (growing) rows by brute force: with
+# thousands of them every query slows down several-fold (measured in benchmarks/results/backfill.md, part E),
+# while a flush of up to ~1,000 rows costs about as much as a few searches.
+DEFAULT_FLUSH_ROWS = 1024
 STATES = ("pending", "running", "halted", "completed", "rolled_back")
 
 
@@ -110,7 +114,7 @@ class RolloutConfig:
     ks: tuple[int, ...] = DEFAULT_KS
     floors: dict[str, float] = field(default_factory=dict)
     n_clusters: int | None = None
-    flush_every: int = 0  # batches between flushes; 0: at stage ends only (Milvus seals segments itself)
+    flush_rows: int = DEFAULT_FLUSH_ROWS  # rows written between flushes (0: at stage ends only)
     prefetch: int = 2  # batches read and encoded ahead of the upserts
     slo_p99_factor: float | None = None  # query p99 the backfill may cause, x idle (None: unpaced)
     max_items_per_s: float | None = None  # a cap on the backfill rate
@@ -137,6 +141,8 @@ class RolloutConfig:
             raise ValueError(f"unknown backfill policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.flush_rows < 0:
+            raise ValueError(f"flush_rows must be >= 0 (0: flush at stage ends only), got {self.flush_rows}")
         if self.prefetch < 1:
             raise ValueError(
                 f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"
