@@ -12,6 +12,7 @@ Layout (the pipeline and every command use it)::
     <root>/serving.json       the serving record: which collection and query model answer queries
     <root>/rollout_state.json progress of the rollout in flight (written by the rollout engine)
     <root>/rollout/           the probe set and each rollout's work files (restore rows, archived states)
+    <root>/services/          one file per running search service (`compatflow serve`), read by rollouts
 
 The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``; the tracking URI to
 ``$COMPATFLOW_TRACKING_URI`` or the sqlite file above.

@@ -499,25 +499,60 @@ def test_pace_caps_the_rate() -> None:
 
 
 def test_pace_halves_when_queries_slow_down_and_recovers_when_they_are_quiet() -> None:
-    from components.rollout.pacing import FLOOR_SHARE, GROWTH, MIN_SAMPLES, Pace
+    from components.rollout.pacing import FLOOR_SHARE, GROWTH, MIN_SAMPLES, Pace, SearchLatency
 
     clock = _FakeClock()
-    pace = Pace(p99_factor=1.5, idle_p99_ms=10.0, clock=clock, sleep=clock.sleep)
+    latency = {"ms": 30.0}
+    pace = Pace(p99_factor=1.5, clock=clock, sleep=clock.sleep)
+    idle = iter([10.0] * 30)
+    source = SearchLatency(lambda: next(idle, latency["ms"]))
+    assert pace.watch([source]) is source and pace.idle_p99_ms == pytest.approx(10.0)
     pace.begin()
     for _ in range(MIN_SAMPLES):  # 100 items/s unpaced, queries at 3x idle
         clock.now += 1.0
-        pace.after_batch(100, latency_ms=30.0)
+        pace.after_batch(100)
     assert pace.slowdowns == 1 and pace.rate == pytest.approx(50.0) and pace.last_p99_ms == 30.0
     for _ in range(40 * MIN_SAMPLES):  # still slow: halves again and again, down to the floor only
         clock.now += 0.01
-        pace.after_batch(10, latency_ms=30.0)
+        pace.after_batch(10)
     assert pace.rate == pytest.approx(FLOOR_SHARE * 100.0)
     slow = pace.rate
+    latency["ms"] = 5.0
     for _ in range(MIN_SAMPLES):  # quiet again: the rate grows
-        pace.after_batch(10, latency_ms=5.0)
+        pace.after_batch(10)
     assert pace.rate == pytest.approx(slow * GROWTH)
+    assert pace.to_dict()["latency_from"] == "searches"
     with pytest.raises(ValueError, match="p99_factor must be above 1"):
         Pace(p99_factor=0.5)
+
+
+def test_resumed_pace_keeps_its_idle_p99_only_for_the_same_source() -> None:
+    from components.rollout.pacing import Pace, SearchLatency
+
+    calls = {"n": 0}
+
+    def timed() -> float:
+        calls["n"] += 1
+        return 4.0
+
+    recorded = {"idle_p99_ms": 9.0, "latency_from": "searches"}
+    pace = Pace.resumed(recorded, 1.5, None)
+    pace.watch([SearchLatency(timed)])
+    assert pace.idle_p99_ms == 9.0 and calls["n"] == 0  # the idle p99 measured before the crash
+    pace = Pace.resumed({**recorded, "latency_from": "service"}, 1.5, None)
+    pace.watch([SearchLatency(timed)])
+    assert pace.idle_p99_ms == pytest.approx(4.0) and calls["n"] == 30  # another source: measured again
+
+
+def test_histogram_quantile_interpolates_within_the_bucket() -> None:
+    from components.rollout.pacing import histogram_quantile
+
+    inf = float("inf")
+    # 100 observations: 50 up to 5 ms, 40 in (5, 10], 10 in (10, 20]: p99 is 90 % of the way into (10, 20]
+    assert histogram_quantile(0.99, [5.0, 10.0, 20.0, inf], [50, 90, 100, 100]) == pytest.approx(19.0)
+    assert histogram_quantile(0.5, [5.0, 10.0, 20.0, inf], [50, 90, 100, 100]) == pytest.approx(5.0)
+    assert histogram_quantile(0.99, [5.0, 10.0, inf], [10, 10, 20]) == 10.0  # in +Inf: the highest bound
+    assert histogram_quantile(0.99, [5.0, inf], [0, 0]) is None
 
 
 def test_rollout_records_its_pace_and_holds_the_cap(setup) -> None:
@@ -536,6 +571,7 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup) -> None:
     assert state["state"] == "completed"
     pace = state["pace"]
     assert pace["idle_p99_ms"] > 0 and pace["last_p99_ms"] is not None and pace["max_items_per_s"] == cap
+    assert pace["latency_from"] == "searches"  # no service announced in this workspace
     assert elapsed >= N / cap * 0.9  # every item paced: N items at the cap take N / cap seconds
     assert all(s["items_per_s"] <= cap * 1.05 for s in state["stages"] if "items_per_s" in s)
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", "state")

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -302,10 +303,11 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
     load = Load(service.port, threads=2)
     try:
         load.wait_for(20)
-        state = ro.run_rollout(
-            index, paths, _config(OPTS, fractions=(0.5, 1.0)), synthetic_encoders({"options": OPTS}), PROBE
-        )
+        config = _config(OPTS, fractions=(0.5, 1.0), slo_p99_factor=1.5)
+        state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE)
         assert state["state"] == "completed" and state["mode"] != "blue_green"
+        pace = state["pace"]  # paced on the users' queries the service answered, read from its /metrics
+        assert pace["latency_from"] == "service" and pace["idle_p99_ms"] > 0 and pace["last_p99_ms"] > 0
         n = len(load.answers)
         load.wait_for(n + 40)
     finally:
@@ -327,6 +329,25 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
     assert "compatflow_rollout_probe_recall_at_1" in metrics
     assert 'version="v2"' in metrics and 'version="v1"' not in metrics
     assert "compatflow_serving_swaps_total 1.0" in metrics
+
+
+def test_service_announces_itself_while_it_runs(gallery, tmp_path) -> None:
+    """A running service is found in its workspace (services/<port>.json) and gone after SIGTERM; a file
+    left by a process that no longer runs is ignored."""
+    from components.services import live_services
+
+    paths, _, uri = gallery
+    svc = Service(paths.serving.parent, uri, tmp_path)
+    try:
+        assert live_services(paths.services) == [f"http://127.0.0.1:{svc.port}"]
+    finally:
+        assert svc.stop() == 0, svc.output()
+    assert list(paths.services.glob("*.json")) == []
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = {"url": "http://127.0.0.1:9", "pid": dead.pid, "hostname": socket.gethostname()}
+    (paths.services / "9.json").write_text(json.dumps(stale))
+    assert live_services(paths.services) == []
 
 
 def test_search_command_prints_captions(gallery, capsys) -> None:

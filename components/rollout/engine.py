@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ import numpy as np
 
 from compat.io import utc_now
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
-from components.rollout.pacing import Pace, search_timer
+from components.rollout.pacing import Pace, latency_sources
 from components.rollout.probes import broken_floors, probe_metrics
 from components.rollout.rollback import replay_rows
 from components.rollout.serving import read_serving, write_serving
@@ -42,6 +42,7 @@ from components.rollout.types import (
     RolloutPaths,
     item_ref,
 )
+from components.services import live_services
 
 log = logging.getLogger(__name__)
 
@@ -391,7 +392,7 @@ class Rollout:
         there, then upserts finished batches and records progress: the encoder never waits on the index.
         """
         t0, written, unflushed = time.perf_counter(), 0, 0
-        timed = self._latency_probe(state, batches, ids, source)
+        self._watch_latency(state, batches, ids, source)
         self.pace.begin()
         todo = iter(batches)
         queue: deque[tuple[int, Future]] = deque()
@@ -418,7 +419,7 @@ class Rollout:
                         unflushed = 0
                     state["cursor"]["position"] = end
                     state["fraction_backfilled"] = end / state["n_items"]
-                    self.pace.after_batch(len(rows), timed() if timed else None)
+                    self.pace.after_batch(len(rows))
                     state["pace"] = self.pace.to_dict()
                     self._save(state)
             finally:
@@ -428,23 +429,29 @@ class Rollout:
             rate = written / max(time.perf_counter() - t0, 1e-9)
             log.info("rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], written, rate)
 
-    def _latency_probe(
+    def _watch_latency(
         self, state: dict[str, Any], batches: Sequence[tuple[int, int]], ids: Sequence[str], source: str
-    ) -> Callable[[], float] | None:
-        """A timed search of the collection that answers users' queries now (milliseconds), for the pace;
-        the idle p99 is measured with it first, once per rollout. None when no SLO throttle is set."""
-        if not batches or self.config.slo_p99_factor is None:
-            return None
+    ) -> None:
+        """Give the pace its query-latency source (the running services' users' queries, else searches it
+        times itself) and the idle p99, measured once per rollout before any write. Nothing without an SLO
+        throttle, or in a blue-green fill (users' queries read another space than the rows it writes)."""
+        if not batches or self.config.slo_p99_factor is None or self.pace.latency is not None:
+            return  # (the source chosen at the first stage keeps its window of samples)
         serving = self.index.serving_collection() or source
         (row,) = self.index.fetch([ids[batches[0][0]]], source)
         if len(row["vector"]) != self.index.collection_dim(serving):
-            return None  # a blue-green fill reads another space: users' queries are not timed by it
-        timed = search_timer(self.index, serving, np.asarray(row["vector"]))
-        if self.pace.idle_p99_ms is None:
-            self.pace.measure_idle(timed)
+            return
+        sources = latency_sources(
+            self.index, serving, np.asarray(row["vector"]), live_services(self.paths.services)
+        )
+        if self.pace.watch(sources) is not None:
             state["pace"] = self.pace.to_dict()
-            log.info("rollout %s: idle query p99 %.1f ms", state["rollout_id"], self.pace.idle_p99_ms)
-        return timed
+            log.info(
+                "rollout %s: idle query p99 %.1f ms (%s)",
+                state["rollout_id"],
+                self.pace.idle_p99_ms,
+                self.pace.idle_from,
+            )
 
     def _batches(self, start: int, end: int) -> list[tuple[int, int]]:
         step = self.config.batch_size
@@ -617,7 +624,14 @@ class Rollout:
             lo, hi = state["stages"][j - 1]["target_position"], state["stages"][j]["target_position"]
             last = j == len(state["stages"]) - 1
             files = saved_batches(self.paths.restore_dir(state["rollout_id"]), lo, hi, sweep=last)
-            replay_rows(self.index, files, state["gallery"]["collection"], self.pace, self.config.flush_rows)
+            replay_rows(
+                self.index,
+                files,
+                state["gallery"]["collection"],
+                self.pace,
+                self.config.flush_rows,
+                live_services(self.paths.services),
+            )
             state["cursor"]["position"] = lo
             state["fraction_backfilled"] = lo / state["n_items"]
         state["restored"] = True

@@ -1,9 +1,15 @@
 """Pacing of a backfill: query latency held within its SLO while items are re-embedded, and a rate cap.
 
-Before the first backfill batch the rollout times ``IDLE_QUERIES`` searches of the serving collection: the
-idle p99. After every batch it times one more search (a query the serving collection answers, as users'
-queries are); the p99 of the last ``window`` of these is the latency under the backfill. The rate of
-re-embedded items per second follows additive-increase / multiplicative-decrease on it:
+Query latency comes from one of two sources, chosen when the backfill starts:
+
+* :class:`ServiceLatency` -- users' queries: the latency histogram of every search service announced in the
+  workspace (:mod:`components.services`), scraped from its ``/metrics`` after every batch; the idle p99
+  is that of the queries answered in the few seconds before the first batch (at least ``IDLE_QUERIES``);
+* :class:`SearchLatency` -- when no service runs (or none has traffic): the rollout times a search of the
+  serving collection itself, ``IDLE_QUERIES`` before the first batch (the idle p99), one after each batch.
+
+The p99 over the last ``window`` samples is the latency under the backfill. The rate of re-embedded items
+per second follows additive-increase / multiplicative-decrease on it:
 
 * p99 above ``p99_factor`` x idle p99: the rate halves (first from the rate measured so far), never below
   ``FLOOR_SHARE`` of that first measured rate (the backfill always finishes); the window starts over so
@@ -13,21 +19,29 @@ re-embedded items per second follows additive-increase / multiplicative-decrease
 
 and ``max_items_per_s`` caps it at all times. The pace is enforced by sleeping after a batch until
 ``items / rate`` seconds have passed since the previous one. What it ran at goes into the rollout state
-(``pace``): the idle and last p99, the rate, how often it slowed down and how long it slept. A rollback
-replays its saved rows at the pace its rollout recorded (:func:`components.rollout.rollback.replay_rows`).
+(``pace``): the latency source, the idle and last p99, the rate, how often it slowed down and how long it
+slept. A rollback replays its saved rows at the pace its rollout recorded
+(:func:`components.rollout.rollback.replay_rows`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import urllib.error
+import urllib.request
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 IDLE_QUERIES = 30
+IDLE_WAIT_S = 5.0  # longest wait for IDLE_QUERIES users' queries before timing searches instead
+LATENCY_METRIC = "compatflow_query_latency_seconds"  # the service's histogram (components.serving.app)
 MIN_SAMPLES = 8  # latency samples before the first decision
 QUIET = 0.7  # p99 below this share of the limit lets the rate grow
 GROWTH = 1.25
@@ -53,6 +67,150 @@ def p99_ms(samples: Any) -> float:
     return float(np.percentile(np.asarray(list(samples), dtype=np.float64), 99))
 
 
+def histogram_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[float]) -> float | None:
+    """The ``q`` quantile of a Prometheus histogram (upper ``bounds`` ascending, the last ``inf``; cumulative
+    counts), interpolated linearly within its bucket as Prometheus does; None without observations. A
+    quantile in the ``+Inf`` bucket is the highest finite bound."""
+    total = float(cumulative[-1]) if len(cumulative) else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    previous_bound, previous_count = 0.0, 0.0
+    for bound, count in zip(bounds, cumulative, strict=True):
+        if count >= rank:
+            if not np.isfinite(bound):
+                return float(previous_bound)
+            share = (rank - previous_count) / max(count - previous_count, 1e-12)
+            return float(previous_bound + (bound - previous_bound) * share)
+        previous_bound, previous_count = bound, float(count)
+    return float(previous_bound)
+
+
+class LatencySource(Protocol):
+    """Where the pace reads query latency (milliseconds)."""
+
+    kind: str
+
+    def idle_p99(self) -> float | None: ...
+
+    def sample(self) -> None: ...
+
+    def p99(self) -> float | None: ...
+
+    def clear(self) -> None: ...
+
+
+class SearchLatency:
+    """Searches the rollout times itself: one after every batch (``timed`` returns milliseconds)."""
+
+    kind = "searches"
+
+    def __init__(self, timed: Callable[[], float], window: int = 32) -> None:
+        self.timed = timed
+        self._samples: deque[float] = deque(maxlen=window)
+
+    def idle_p99(self) -> float | None:
+        return p99_ms([self.timed() for _ in range(IDLE_QUERIES)])
+
+    def sample(self) -> None:
+        self._samples.append(float(self.timed()))
+
+    def p99(self) -> float | None:
+        return p99_ms(self._samples) if len(self._samples) >= MIN_SAMPLES else None
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+
+class ServiceLatency:
+    """Users' queries: the latency histograms of the search services at ``urls``, summed, as deltas between
+    scrapes of their ``/metrics``; the window holds the deltas of the last ``window`` scrapes. A service that
+    does not answer a scrape is left out of that scrape (and a restarted one starts over)."""
+
+    kind = "service"
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        window: int = 32,
+        timeout_s: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.urls, self.timeout_s, self.sleep, self.clock = list(urls), timeout_s, sleep, clock
+        self._previous: dict[str, dict[float, float]] = {}
+        self._deltas: deque[dict[float, float]] = deque(maxlen=window)
+
+    def _scrape(self, url: str) -> dict[float, float] | None:
+        """Cumulative bucket counts by upper bound, or None when the service does not answer."""
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=self.timeout_s) as response:
+                text = response.read().decode("utf-8", "replace")
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            log.debug("service %s did not answer its metrics: %s", url, exc)
+            return None
+        buckets: dict[float, float] = {}
+        prefix = f"{LATENCY_METRIC}_bucket{{"
+        for line in text.splitlines():
+            if line.startswith(prefix) and 'le="' in line:
+                bound = line.split('le="', 1)[1].split('"', 1)[0]
+                upper_ms = float("inf") if bound == "+Inf" else 1000 * float(bound)
+                buckets[upper_ms] = float(line.rsplit(" ", 1)[1])
+        return buckets or None
+
+    def _delta(self) -> dict[float, float]:
+        """Observations since the previous scrape, summed over the services that answered both."""
+        total: dict[float, float] = {}
+        for url in self.urls:
+            now = self._scrape(url)
+            if now is None:
+                continue
+            before = self._previous.get(url)
+            self._previous[url] = now
+            if before is None:
+                continue
+            if any(now.get(b, 0.0) < c for b, c in before.items()):  # the service restarted
+                before = {}
+            for bound, count in now.items():
+                total[bound] = total.get(bound, 0.0) + count - before.get(bound, 0.0)
+        return total
+
+    @staticmethod
+    def _p99(deltas: Sequence[dict[float, float]]) -> float | None:
+        summed: dict[float, float] = {}
+        for delta in deltas:
+            for bound, count in delta.items():
+                summed[bound] = summed.get(bound, 0.0) + count
+        if not summed or summed.get(float("inf"), 0.0) < MIN_SAMPLES:
+            return None
+        bounds = sorted(summed)
+        return histogram_quantile(0.99, bounds, [summed[b] for b in bounds])
+
+    def idle_p99(self) -> float | None:
+        """p99 of the users' queries answered before the backfill (None when fewer than ``IDLE_QUERIES``
+        arrive within ``IDLE_WAIT_S``, or no service answers)."""
+        self._delta()
+        if not self._previous:
+            return None
+        seen: list[dict[float, float]] = []
+        deadline = self.clock() + IDLE_WAIT_S
+        while self.clock() < deadline:
+            self.sleep(0.25)
+            seen.append(self._delta())
+            if sum(d.get(float("inf"), 0.0) for d in seen) >= IDLE_QUERIES:
+                return self._p99(seen)
+        return None
+
+    def sample(self) -> None:
+        self._deltas.append(self._delta())
+
+    def p99(self) -> float | None:
+        return self._p99(self._deltas)
+
+    def clear(self) -> None:
+        self._deltas.clear()
+
+
 @dataclass
 class Pace:
     """The backfill's pace; ``p99_factor`` None turns the latency throttle off (the cap still applies)."""
@@ -60,14 +218,14 @@ class Pace:
     p99_factor: float | None = None
     max_items_per_s: float | None = None
     idle_p99_ms: float | None = None
-    window: int = 32
+    idle_from: str | None = None  # the kind of latency source the idle p99 was measured with
     rate: float | None = None  # items/s allowed by the throttle; None: unthrottled
     slowdowns: int = 0
     slept_s: float = 0.0
     last_p99_ms: float | None = None
+    latency: LatencySource | None = field(default=None, repr=False)
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
-    _samples: deque = field(default_factory=deque, repr=False)
     _last: float | None = field(default=None, repr=False)
     _done: int = field(default=0, repr=False)
     _started: float | None = field(default=None, repr=False)
@@ -80,11 +238,10 @@ class Pace:
             )
         if self.max_items_per_s is not None and self.max_items_per_s <= 0:
             raise ValueError(f"max_items_per_s must be positive, got {self.max_items_per_s}")
-        self._samples = deque(maxlen=self.window)
 
     @property
     def throttled(self) -> bool:
-        return self.p99_factor is not None and self.idle_p99_ms is not None
+        return self.p99_factor is not None and self.idle_p99_ms is not None and self.latency is not None
 
     def limit_ms(self) -> float | None:
         """The p99 the backfill may push queries to, or None without a throttle."""
@@ -94,11 +251,20 @@ class Pace:
         """Items per second the next batch may run at (``inf``: as fast as it goes)."""
         return min(self.rate or np.inf, self.max_items_per_s or np.inf)
 
-    def measure_idle(self, timed: Callable[[], float]) -> float:
-        """Time ``IDLE_QUERIES`` searches with ``timed`` (before any write) unless the idle p99 is known."""
-        if self.idle_p99_ms is None:
-            self.idle_p99_ms = p99_ms([timed() for _ in range(IDLE_QUERIES)])
-        return self.idle_p99_ms
+    def watch(self, sources: Sequence[LatencySource]) -> LatencySource | None:
+        """Read latency from the first of ``sources`` that gives an idle p99 (or whose kind measured the one
+        recorded before a resume): call before any write. None without a throttle or a usable source."""
+        if self.p99_factor is None:
+            return None
+        for source in sources:
+            if self.idle_p99_ms is not None and self.idle_from == source.kind:
+                self.latency = source
+                return source
+            idle = source.idle_p99()
+            if idle is not None:
+                self.latency, self.idle_p99_ms, self.idle_from = source, idle, source.kind
+                return source
+        return None
 
     def begin(self) -> None:
         """Mark the start of a run of batches (the first batch is paced from here)."""
@@ -106,15 +272,15 @@ class Pace:
         if self._started is None:
             self._started = self._last
 
-    def after_batch(self, n_items: int, latency_ms: float | None = None) -> float:
-        """Record a batch of ``n_items`` (and the latency of a query timed after it); sleep to the allowed
+    def after_batch(self, n_items: int) -> float:
+        """Record a batch of ``n_items``, sample the query latency it left behind and sleep to the allowed
         rate. Returns the seconds slept."""
         now = self.clock()
         if self._started is None:
             self._started = now
         self._done += n_items
-        if latency_ms is not None and self.throttled:
-            self._samples.append(float(latency_ms))
+        if self.throttled:
+            self.latency.sample()
             self._decide(now)
         wait = 0.0
         rate = self.allowed()
@@ -127,19 +293,20 @@ class Pace:
         return wait
 
     def _decide(self, now: float) -> None:
-        if len(self._samples) < MIN_SAMPLES:
+        p99 = self.latency.p99()
+        if p99 is None:
             return
-        self.last_p99_ms = p99_ms(self._samples)
+        self.last_p99_ms = p99
         limit = self.limit_ms()
-        if self.last_p99_ms > limit:
+        if p99 > limit:
             if self.rate is None:
                 measured = self._done / max(now - self._started, 1e-9)
                 self._floor = max(MIN_ITEMS_PER_S, FLOOR_SHARE * measured)
                 self.rate = measured
             self.rate = max(self._floor, self.rate / 2)
             self.slowdowns += 1
-            self._samples.clear()
-        elif self.rate is not None and self.last_p99_ms < QUIET * limit:
+            self.latency.clear()
+        elif self.rate is not None and p99 < QUIET * limit:
             self.rate *= GROWTH
             if self.max_items_per_s is not None and self.rate >= self.max_items_per_s:
                 self.rate = None  # the cap takes over
@@ -150,6 +317,7 @@ class Pace:
         return {
             "p99_factor": self.p99_factor,
             "max_items_per_s": self.max_items_per_s,
+            "latency_from": self.idle_from,
             "idle_p99_ms": self.idle_p99_ms,
             "last_p99_ms": self.last_p99_ms,
             "items_per_s_allowed": None if not np.isfinite(rate) else round(float(rate), 3),
@@ -160,5 +328,16 @@ class Pace:
     @classmethod
     def resumed(cls, recorded: Mapping[str, Any] | None, p99_factor: float | None, cap: float | None) -> Pace:
         """The pace of a rollout that resumes: the idle p99 it measured before it was interrupted."""
-        idle = (recorded or {}).get("idle_p99_ms")
-        return cls(p99_factor=p99_factor, max_items_per_s=cap, idle_p99_ms=idle)
+        recorded = recorded or {}
+        idle = recorded.get("idle_p99_ms")
+        source = recorded.get("latency_from") or (SearchLatency.kind if idle is not None else None)
+        return cls(p99_factor=p99_factor, max_items_per_s=cap, idle_p99_ms=idle, idle_from=source)
+
+
+def latency_sources(
+    index: Any, collection: str, query: np.ndarray, service_urls: Sequence[str] = ()
+) -> list[LatencySource]:
+    """The sources a pace tries, in order: the announced services' users' queries, then timed searches of
+    ``collection`` with ``query`` (a vector of its space)."""
+    own = SearchLatency(search_timer(index, collection, query))
+    return [ServiceLatency(service_urls), own] if service_urls else [own]

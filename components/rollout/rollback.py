@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,10 +11,11 @@ import numpy as np
 
 from compat.io import utc_now
 from components.index import GalleryIndex
-from components.rollout.pacing import Pace, search_timer
+from components.rollout.pacing import Pace, latency_sources
 from components.rollout.serving import write_serving
 from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_state, saved_batches
 from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
+from components.services import live_services
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +32,22 @@ def replay_rows(
     collection: str,
     pace: Pace | None = None,
     flush_rows: int = DEFAULT_FLUSH_ROWS,
+    service_urls: Sequence[str] = (),
 ) -> int:
     """Upsert the rows saved in restore ``files`` (one upsert per file) into ``collection``, flushing every
-    ``flush_rows`` rows and at the end, at ``pace`` (with an SLO factor it times a search of the collection
-    after every file, as the backfill does). Idempotent. Returns the number of rows written."""
+    ``flush_rows`` rows and at the end, at ``pace`` (with an SLO factor, it watches the query latency of the
+    services at ``service_urls``, or of searches it times, as the backfill does). Idempotent. Returns the
+    number of rows written."""
     written = unflushed = 0
-    timed = None
+    started = False
     for path in files:
         rows = load_rows(path)
         if not rows:
             continue
-        if pace is not None and pace.p99_factor is not None and timed is None:
-            timed = search_timer(index, collection, np.asarray(rows[0]["vector"]))
-            pace.measure_idle(timed)
+        if pace is not None and not started:
+            pace.watch(latency_sources(index, collection, np.asarray(rows[0]["vector"]), service_urls))
             pace.begin()
+            started = True
         index.upsert(rows, collection)
         written += len(rows)
         unflushed += len(rows)
@@ -52,7 +55,7 @@ def replay_rows(
             index.flush(collection)
             unflushed = 0
         if pace is not None:
-            pace.after_batch(len(rows), timed() if timed else None)
+            pace.after_batch(len(rows))
     index.flush(collection)
     return written
 
@@ -88,7 +91,7 @@ def rollback(
                 restore = paths.restore_dir(state["rollout_id"])
                 files = saved_batches(restore, hi=state["cursor"]["position"] + 1)
                 pace = recorded_pace(state)
-                replay_rows(index, files, source, pace)
+                replay_rows(index, files, source, pace, service_urls=live_services(paths.services))
                 state["rollback"]["pace"] = pace.to_dict()
             write_serving(
                 paths.serving,

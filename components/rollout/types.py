@@ -174,6 +174,13 @@ class RolloutPaths:
         """The probe set the gallery's first indexing writes (held-out queries and their relevant items)."""
         return self.state.parent / "rollout" / "probe.json"
 
+    @property
+    def services(self) -> Path:
+        """Where running search services announce themselves (:mod:`components.services`)."""
+        from components.services import services_dir
+
+        return services_dir(self.state.parent)
+
     def work(self, rollout_id: str) -> Path:
         return self.state.parent / "rollout" / rollout_id
 

@@ -75,7 +75,9 @@ def serve(
     """Serve searches over HTTP (POST /search, GET /healthz /readyz /metrics) until SIGTERM or SIGINT.
 
     Queries are answered by the serving record's query model against the collection it names; when a
-    rollout or a rollback rewrites the record, both are swapped together.
+    rollout or a rollback rewrites the record, both are swapped together. While it runs, the service is
+    announced in the workspace (services/<port>.json): a rollout with an SLO throttle paces its backfill on
+    the latency of these users' queries.
     """
     from pipelines.commands._common import fail, workspace_of
 
@@ -86,10 +88,13 @@ def serve(
     record: Path = ws.serving_path
     if not record.is_file():
         typer.echo(f"no serving record at {record} yet: /readyz answers 503 until one is written", err=True)
+    from components.services import announced, services_dir
+
     app = create_app(record, state_path=ws.rollout_state_path, uri=uri, watch_interval_s=watch_interval)
     server = _server(app, host, port, log_level)
     try:
-        server.run()
+        with announced(services_dir(ws.root), host, port):  # a rollout paces itself on these queries
+            server.run()
     except OSError as err:
         fail(f"cannot listen on {host}:{port}: {err}", code=1)
     if not server.started:

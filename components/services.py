@@ -1,0 +1,69 @@
+"""The running search services of a workspace: one small file per service process, found by the rollout.
+
+``compatflow serve`` writes ``<workspace>/services/<port>.json`` (``url``, ``pid``, ``hostname``,
+``started_at``) once it listens and removes it when it stops; a rollout's pace reads the query-latency
+histogram of every live one (:class:`components.rollout.pacing.ServiceLatency`). A file left by a process
+that no longer runs on this host (kill -9) is ignored; one from another host is kept, and a service that
+does not answer its ``/metrics`` is skipped by the reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+from compat.io import utc_now, write_json_atomic
+
+
+def services_dir(workspace_root: Path) -> Path:
+    """The folder of a workspace's service files."""
+    return Path(workspace_root) / "services"
+
+
+@contextlib.contextmanager
+def announced(directory: Path, host: str, port: int) -> Iterator[Path]:
+    """Announce the service listening on ``host:port`` for the duration of the block."""
+    path = Path(directory) / f"{port}.json"
+    write_json_atomic(
+        path,
+        {
+            "url": f"http://{host}:{port}",
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "started_at": utc_now(),
+        },
+    )
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _alive(doc: dict) -> bool:
+    if doc.get("hostname") != socket.gethostname():
+        return True  # another host's process: the reader finds out by asking it
+    try:
+        os.kill(int(doc["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, KeyError, TypeError, ValueError):
+        return True
+    return True
+
+
+def live_services(directory: Path) -> list[str]:
+    """Base URLs of the services announced in ``directory`` whose process may still run, sorted."""
+    urls = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written or removed right now
+        if isinstance(doc, dict) and isinstance(doc.get("url"), str) and _alive(doc):
+            urls.append(doc["url"])
+    return urls
