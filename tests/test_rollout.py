@@ -555,15 +555,19 @@ def test_histogram_quantile_interpolates_within_the_bucket() -> None:
     assert histogram_quantile(0.99, [5.0, inf], [0, 0]) is None
 
 
-def test_rollout_records_its_pace_and_holds_the_cap(setup) -> None:
-    """A real rollout measures the idle p99, times a query per batch and keeps to max_items_per_s."""
+def test_rollout_records_its_pace_and_holds_the_cap(setup, monkeypatch) -> None:
+    """A real rollout measures the idle p99, times a query per batch and keeps to max_items_per_s; paced, it
+    writes in small upserts and flushes often (no single write holds users' queries for long)."""
+    from components.rollout.writes import PACED_FLUSH_ROWS, PACED_UPSERT_ROWS
+
     paths, index = setup
+    calls = _Recorder(index, monkeypatch)
     cap = 400.0
     t0 = time.perf_counter()
     state = ro.run_rollout(
         index,
         paths,
-        _config(fractions=(0.5, 1.0), slo_p99_factor=1.5, max_items_per_s=cap),
+        _config(fractions=(0.5, 1.0), batch_size=50, slo_p99_factor=1.5, max_items_per_s=cap),
         synthetic_encoders({"options": OPTS}),
         PROBE,
     )
@@ -574,6 +578,10 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup) -> None:
     assert pace["latency_from"] == "searches"  # no service announced in this workspace
     assert elapsed >= N / cap * 0.9  # every item paced: N items at the cap take N / cap seconds
     assert all(s["items_per_s"] <= cap * 1.05 for s in state["stages"] if "items_per_s" in s)
+    assert (
+        calls.rows("upsert") == N and max(n for op, n in calls.calls if op == "upsert") == PACED_UPSERT_ROWS
+    )
+    assert calls.most_unflushed() <= PACED_FLUSH_ROWS + 50
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", "state")
 
 

@@ -42,6 +42,7 @@ from components.rollout.types import (
     RolloutPaths,
     item_ref,
 )
+from components.rollout.writes import GalleryWriter
 from components.services import live_services
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,15 @@ class Rollout:
             if state is None or state["rollout_id"] != self.rollout_id:
                 if state is not None:
                     self._replace(state)
+                self.pace = Pace(self.config.slo_p99_factor, self.config.max_items_per_s)
+                self._measure_idle()
                 state = self._plan()
-            self.pace = Pace.resumed(
-                state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
-            )
+                state["pace"] = self.pace.to_dict()
+                self._save(state)
+            else:
+                self.pace = Pace.resumed(
+                    state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
+                )
             while True:
                 if state["state"] in ("completed", "rolled_back"):
                     return state
@@ -116,6 +122,19 @@ class Rollout:
                     self._stage0(state)
                 else:
                     self._stage(state, state["stage"])
+
+    def _measure_idle(self) -> None:
+        """The idle query p99 the SLO is a multiple of, measured before the rollout touches anything: on the
+        users' queries of the running services, or on searches of the serving collection with a probe text
+        under the serving query model (the backfill's own source is chosen at its first batch)."""
+        serving = self.index.serving_collection()
+        if self.config.slo_p99_factor is None or serving is None or not self.probe.texts:
+            return
+        query = _check_vectors(
+            self.encoders.old_query(self.probe.texts[:1]), 1, self.index.collection_dim(serving), "old_query"
+        )
+        self.pace.watch(latency_sources(self.index, serving, query, live_services(self.paths.services)))
+        self.pace.latency = None
 
     def _save(self, state: dict[str, Any]) -> None:
         save_state(self.paths.state, state)
@@ -391,8 +410,9 @@ class Rollout:
         them) and hands the batch to an encoder thread, keeping up to ``config.prefetch`` batches queued
         there, then upserts finished batches and records progress: the encoder never waits on the index.
         """
-        t0, written, unflushed = time.perf_counter(), 0, 0
+        t0 = time.perf_counter()
         self._watch_latency(state, batches, ids, source)
+        writer = self._writer(target)
         self.pace.begin()
         todo = iter(batches)
         queue: deque[tuple[int, Future]] = deque()
@@ -410,24 +430,23 @@ class Rollout:
                     end, future = queue.popleft()
                     rows = future.result()
                     refill()
-                    self.index.upsert(rows, target)
-                    written += len(rows)
-                    unflushed += len(rows)
+                    writer.write(rows)  # paced after every upsert call
                     state["cursor"]["batches"] += 1
-                    if self.config.flush_rows and unflushed >= self.config.flush_rows:
-                        self.index.flush(target)
-                        unflushed = 0
                     state["cursor"]["position"] = end
                     state["fraction_backfilled"] = end / state["n_items"]
-                    self.pace.after_batch(len(rows))
                     state["pace"] = self.pace.to_dict()
                     self._save(state)
             finally:
                 for _, future in queue:
                     future.cancel()
-        if written:
-            rate = written / max(time.perf_counter() - t0, 1e-9)
-            log.info("rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], written, rate)
+        if writer.written:
+            rate = writer.written / max(time.perf_counter() - t0, 1e-9)
+            log.info(
+                "rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], writer.written, rate
+            )
+
+    def _writer(self, collection: str) -> GalleryWriter:
+        return GalleryWriter.for_pace(self.index, collection, self.pace, self.config.flush_rows)
 
     def _watch_latency(
         self, state: dict[str, Any], batches: Sequence[tuple[int, int]], ids: Sequence[str], source: str
@@ -595,20 +614,16 @@ class Rollout:
             rows = [r for b in self.index.iter_rows(ROW_FIELDS, g["collection"], filter=flt) for r in b]
             if not rows:
                 return
-            unflushed = 0
+            writer = self._writer(g["collection"])
             for start in range(0, len(rows), self.config.batch_size):
                 batch = [{f: r[f] for f in ROW_FIELDS} for r in rows[start : start + self.config.batch_size]]
                 digest = hashlib.sha256("\n".join(r["item_id"] for r in batch).encode()).hexdigest()[:16]
                 path = self.paths.restore_dir(state["rollout_id"]) / f"sweep-{digest}.npz"
                 if not path.is_file():
                     save_rows(path, batch)
-                self.index.upsert(self._new_rows(state, batch), g["collection"])
-                unflushed += len(batch)
-                if self.config.flush_rows and unflushed >= self.config.flush_rows:
-                    self.index.flush(g["collection"])
-                    unflushed = 0
+                writer.write(self._new_rows(state, batch))
             log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], len(rows))
-            self.index.flush(g["collection"])
+            writer.flush()
 
     def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
         rec.update(state="halted", finished_at=utc_now())

@@ -29,9 +29,11 @@ def probe_metrics(
     query_vectors: np.ndarray,
     probe: ProbeSet,
     ks: Sequence[int] = DEFAULT_KS,
-    chunk: int = 256,
+    chunk: int = 32,
 ) -> dict[str, float]:
-    """R@K of the probe queries against ``collection`` as it is now."""
+    """R@K of the probe queries against ``collection`` as it is now, searched ``chunk`` queries per call:
+    Milvus answers calls one at a time, and a call of 256 queries holds users' queries for ~90 ms where one
+    of 32 holds them ~18 ms (benchmarks/results/backfill.md, part E)."""
     ranked: list[list[str]] = []
     for start in range(0, len(query_vectors), chunk):
         rows = index.search(query_vectors[start : start + chunk], k=max(ks), collection=collection)

@@ -15,6 +15,7 @@ from components.rollout.pacing import Pace, latency_sources
 from components.rollout.serving import write_serving
 from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_state, saved_batches
 from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
+from components.rollout.writes import GalleryWriter
 from components.services import live_services
 
 log = logging.getLogger(__name__)
@@ -34,30 +35,25 @@ def replay_rows(
     flush_rows: int = DEFAULT_FLUSH_ROWS,
     service_urls: Sequence[str] = (),
 ) -> int:
-    """Upsert the rows saved in restore ``files`` (one upsert per file) into ``collection``, flushing every
-    ``flush_rows`` rows and at the end, at ``pace`` (with an SLO factor, it watches the query latency of the
+    """Upsert the rows saved in restore ``files`` into ``collection`` (:class:`GalleryWriter`: flushed every
+    ``flush_rows`` rows and at the end), at ``pace`` (with an SLO factor, it watches the query latency of the
     services at ``service_urls``, or of searches it times, as the backfill does). Idempotent. Returns the
     number of rows written."""
-    written = unflushed = 0
-    started = False
+    writer: GalleryWriter | None = None
     for path in files:
         rows = load_rows(path)
         if not rows:
             continue
-        if pace is not None and not started:
-            pace.watch(latency_sources(index, collection, np.asarray(rows[0]["vector"]), service_urls))
-            pace.begin()
-            started = True
-        index.upsert(rows, collection)
-        written += len(rows)
-        unflushed += len(rows)
-        if flush_rows and unflushed >= flush_rows:
-            index.flush(collection)
-            unflushed = 0
-        if pace is not None:
-            pace.after_batch(len(rows))
-    index.flush(collection)
-    return written
+        if writer is None:
+            if pace is not None:
+                pace.watch(latency_sources(index, collection, np.asarray(rows[0]["vector"]), service_urls))
+                pace.begin()
+            writer = GalleryWriter.for_pace(index, collection, pace, flush_rows)
+        writer.write(rows)
+    if writer is None:
+        return 0
+    writer.flush()
+    return writer.written
 
 
 def rollback(
