@@ -50,6 +50,7 @@ from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE  # noqa: E402
 from benchmarks.synthetic_upgrade import synthetic_upgrade  # noqa: E402
 from compat import backfill as bf  # noqa: E402
 
+SLO_FACTOR = 1.5
 RESULTS = ROOT / "benchmarks" / "results" / "backfill.md"
 os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", SYNTH_MODULE)  # its encoders are named in serving records
 log = logging.getLogger("benchmarks.backfill")
@@ -383,8 +384,9 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
     )
     queries = vectors[rng.choice(n_items, size=512, replace=False)]
 
-    def one_rollout(alias: str, load_s: float | None) -> dict[str, Any]:
-        """Index the old vectors under ``alias``, then roll out; with ``load_s``, under the query load."""
+    def one_rollout(alias: str, load_s: float | None, slo: float | None = None) -> dict[str, Any]:
+        """Index the old vectors under ``alias``, then roll out (SLO throttle ``slo``); with ``load_s``,
+        under the query load."""
         paths = ro.RolloutPaths(
             state=work / alias / "rollout_state.json", serving=work / alias / "serving.json"
         )
@@ -403,7 +405,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             with QueryLoad(uri, alias, queries) as load:
                 time.sleep(load_s)
             idle = load.result
-        config = ro.RolloutConfig(new_version="v2", policy="random", batch_size=batch)
+        config = ro.RolloutConfig(new_version="v2", policy="random", batch_size=batch, slo_p99_factor=slo)
         with GalleryIndex(uri, alias=alias) as index:
             with contextlib.ExitStack() as stack:
                 load = stack.enter_context(QueryLoad(uri, alias, queries)) if load_s is not None else None
@@ -430,12 +432,15 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             "by_version": by_version,
             "idle": idle,
             "during": during,
+            "pace": state.get("pace") or {},
         }
 
-    def measured(alias: str, load_s: float | None = None, bare_first: bool = True) -> dict[str, Any]:
+    def measured(
+        alias: str, load_s: float | None = None, bare_first: bool = True, slo: float | None = None
+    ) -> dict[str, Any]:
         """One rollout and the bare encoder back to back (the machine's load drifts)."""
         bare = bare_encoder()[1] if bare_first else None
-        run = one_rollout(alias, load_s)
+        run = one_rollout(alias, load_s, slo)
         bare = bare if bare is not None else bare_encoder()[1]
         return {**run, "bare": bare, "bare_cpu": bare_cpu[True], "ratio": run["items_per_s"] / bare}
 
@@ -443,7 +448,9 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
     with index_on_its_own_core(server) as ok:
         pinned = [measured(f"tput_pinned_{r}") for r in range(2 if ok else 0)]
     loaded = measured("tput_load", idle_s, bare_first=False)
+    throttled = measured("tput_load_slo", idle_s, bare_first=False, slo=SLO_FACTOR)
     return {
+        "throttled": throttled,
         "raw": raw,
         "main_thread": main_thread,
         "rounds": rounds,
@@ -538,7 +545,8 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
     pinned = cd["pinned"]
     names = [f"{i + 1}" for i in range(len(rounds))]
     names += [f"index on its own core {i + 1}" for i in range(len(pinned))] + ["under the query load of D"]
-    for name, r in zip(names, [*rounds, *pinned, loaded], strict=True):
+    names += [f"under the query load of D, SLO throttle {SLO_FACTOR}x"]
+    for name, r in zip(names, [*rounds, *pinned, loaded, cd["throttled"]], strict=True):
         lines.append(
             f"| {name} | {r['bare']:.0f} | {r['items_per_s']:.0f} | {r['ratio']:.0%} | {r['wall']:.1f} | "
             f"{r['bare_cpu']:.2f} / {r['client_cpu']:.2f} / {r['server_cpu']:.2f} | "
@@ -575,6 +583,22 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
         f"{_fmt(idle['max'])} | {idle['failed']} |",
         f"| during the backfill | {during['queries']} | {_fmt(during['p50'])} | {_fmt(during['p99'])} | "
         f"{_fmt(during['max'])} | {during['failed']} |",
+    ]
+    t = cd["throttled"]
+    lines += [
+        f"| idle, before the throttled backfill | {t['idle']['queries']} | {_fmt(t['idle']['p50'])} | "
+        f"{_fmt(t['idle']['p99'])} | {_fmt(t['idle']['max'])} | {t['idle']['failed']} |",
+        f"| during the backfill with the SLO throttle {SLO_FACTOR}x | {t['during']['queries']} | "
+        f"{_fmt(t['during']['p50'])} | {_fmt(t['during']['p99'])} | {_fmt(t['during']['max'])} | "
+        f"{t['during']['failed']} |",
+        "",
+        f"Throttled: backfill at {t['ratio']:.0%} of the bare encoder, query p99 "
+        f"{t['during']['p99'] / t['idle']['p99']:.1f}x idle (goal: <= {SLO_FACTOR}x at >= 50 %); the pace "
+        f"timed its own searches (idle p99 {_fmt(t['pace'].get('idle_p99_ms'))} ms, last "
+        f"{_fmt(t['pace'].get('last_p99_ms'))} ms), slowed down {t['pace'].get('slowdowns', 0)} times and "
+        f"slept {t['pace'].get('slept_s', 0.0):.1f} s. Unthrottled: {loaded['ratio']:.0%}, p99 "
+        f"{during['p99'] / idle['p99']:.1f}x idle. What writes cost queries at each rate: "
+        "`write_latency.md`.",
         "",
     ]
     return "\n".join(lines) + "\n"

@@ -4,9 +4,10 @@
 client process sends ``POST /search`` (one text, k=10) at a fixed open-loop rate: request i is due at
 t0 + i/rate whatever happened to the earlier ones, and its latency is counted from when it was due (a slow
 answer delays no later request's clock, so queueing shows up in the figures). Meanwhile this process runs,
-on the known-geometry upgrade (:mod:`benchmarks.synthetic_upgrade`): a staged rollout (stage 0 query switch,
-backfill 10/25/50/100 %) without the SLO throttle, its rollback, the same rollout with the throttle
-(``slo_p99_factor`` 1.5), its rollback, a blue-green rollout (a new space) and its rollback. Each answer is
+on the known-geometry upgrade (:mod:`benchmarks.synthetic_upgrade`), ``SETTLE_S`` apart: a staged rollout
+(stage 0 query switch, backfill 10/25/50/100 %) without the SLO throttle, its rollback, the same rollout
+with the throttle (``slo_p99_factor`` 1.5, paced on the service's own latency histogram), its rollback, a
+blue-green rollout (a new space) and its rollback. Each answer is
 attributed to the operation running when it was due; failed = any non-200 answer or transport error.
 
 Run alone: ``.venv/bin/python benchmarks/backfill.py --service-only`` (replaces section E of the results).
@@ -35,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## E. Queries through the search service during rollouts"
 JSON_HEADERS = {"Content-Type": "application/json"}
+SETTLE_S = 5.0
 STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
 
 
@@ -165,6 +167,7 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
         t0 = time.time()
         facts = action() or {}
         phases.append((name, t0, time.time(), facts))
+        time.sleep(SETTLE_S)  # Milvus builds the index of what was written: the next operation starts idle
 
     def rollout(version: str, options: dict[str, str], **kw: Any) -> dict[str, Any]:
         config = ro.RolloutConfig(
@@ -320,8 +323,8 @@ def section(e: dict[str, Any], command: str) -> str:
         + f"; the service exited with {e['exit_code']} on SIGTERM; {e['resent']} requests were sent again on "
         "a new connection after the server had closed an idle keep-alive one before reading them (as HTTP "
         "clients do; their latency counts from when they were first due). 'answered by' counts the query "
-        "model version each answer reports (attributed to the operation running when the request was due): the "
-        "pair swaps at stage 0, at the blue-green alias move and at each rollback. Machine load average "
+        "model version each answer reports (attributed to the operation running when the request was due): "
+        "the pair swaps at stage 0, at the blue-green alias move and at each rollback. Machine load average "
         f"(1 min) {e['load'][0]:.1f} at the start and {e['load'][1]:.1f} at the end, on 2 cores shared with "
         "other work: latencies are those of a busy machine.",
     ]

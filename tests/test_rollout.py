@@ -499,7 +499,14 @@ def test_pace_caps_the_rate() -> None:
 
 
 def test_pace_halves_when_queries_slow_down_and_recovers_when_they_are_quiet() -> None:
-    from components.rollout.pacing import FLOOR_SHARE, GROWTH, MIN_SAMPLES, Pace, SearchLatency
+    from components.rollout.pacing import (
+        FLOOR_SHARE,
+        GROWTH,
+        MIN_SAMPLES,
+        SAMPLE_INTERVAL_S,
+        Pace,
+        SearchLatency,
+    )
 
     clock = _FakeClock()
     latency = {"ms": 30.0}
@@ -513,7 +520,7 @@ def test_pace_halves_when_queries_slow_down_and_recovers_when_they_are_quiet() -
         pace.after_batch(100)
     assert pace.slowdowns == 1 and pace.rate == pytest.approx(50.0) and pace.last_p99_ms == 30.0
     for _ in range(40 * MIN_SAMPLES):  # still slow: halves again and again, down to the floor only
-        clock.now += 0.01
+        clock.now += SAMPLE_INTERVAL_S
         pace.after_batch(10)
     assert pace.rate == pytest.approx(FLOOR_SHARE * 100.0)
     slow = pace.rate
@@ -562,7 +569,7 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup, monkeypatch) -> None:
 
     paths, index = setup
     calls = _Recorder(index, monkeypatch)
-    cap = 400.0
+    cap = 150.0  # N items take ~2.7 s: about ten latency samples (one per SAMPLE_INTERVAL_S)
     t0 = time.perf_counter()
     state = ro.run_rollout(
         index,

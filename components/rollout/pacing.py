@@ -3,10 +3,13 @@
 Query latency comes from one of two sources, chosen when the backfill starts:
 
 * :class:`ServiceLatency` -- users' queries: the latency histogram of every search service announced in the
-  workspace (:mod:`components.services`), scraped from its ``/metrics`` after every batch; the idle p99
-  is that of the queries answered in the few seconds before the first batch (at least ``IDLE_QUERIES``);
+  workspace (:mod:`components.services`), scraped from its ``/metrics``; the idle p99 is that of the
+  queries answered in the ``IDLE_WAIT_S`` before the rollout touches the gallery (at least ``IDLE_QUERIES``);
 * :class:`SearchLatency` -- when no service runs (or none has traffic): the rollout times a search of the
-  serving collection itself, ``IDLE_QUERIES`` before the first batch (the idle p99), one after each batch.
+  serving collection itself, ``IDLE_QUERIES`` before the first batch (the idle p99), then one per sample.
+
+Samples are taken after a write, at most one per ``SAMPLE_INTERVAL_S`` (each is a search or a scrape of
+the service: sampled after every small upsert they would be load of their own).
 
 The p99 over the last ``window`` samples is the latency under the backfill. The rate of re-embedded items
 per second follows additive-increase / multiplicative-decrease on it:
@@ -40,9 +43,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 IDLE_QUERIES = 30
-IDLE_WAIT_S = 5.0  # longest wait for IDLE_QUERIES users' queries before timing searches instead
+IDLE_WAIT_S = 5.0  # users' queries observed for the idle p99 (at least IDLE_QUERIES, else timed searches)
 LATENCY_METRIC = "compatflow_query_latency_seconds"  # the service's histogram (components.serving.app)
 MIN_SAMPLES = 8  # latency samples before the first decision
+SAMPLE_INTERVAL_S = 0.25  # at most one latency sample per interval: a sample is itself a search or a scrape
 QUIET = 0.7  # p99 below this share of the limit lets the rate grow
 GROWTH = 1.25
 MIN_ITEMS_PER_S = 1.0
@@ -135,9 +139,8 @@ class ServiceLatency:
         window: int = 32,
         timeout_s: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.urls, self.timeout_s, self.sleep, self.clock = list(urls), timeout_s, sleep, clock
+        self.urls, self.timeout_s, self.sleep = list(urls), timeout_s, sleep
         self._previous: dict[str, dict[float, float]] = {}
         self._deltas: deque[dict[float, float]] = deque(maxlen=window)
 
@@ -187,19 +190,15 @@ class ServiceLatency:
         return histogram_quantile(0.99, bounds, [summed[b] for b in bounds])
 
     def idle_p99(self) -> float | None:
-        """p99 of the users' queries answered before the backfill (None when fewer than ``IDLE_QUERIES``
-        arrive within ``IDLE_WAIT_S``, or no service answers)."""
+        """p99 of the users' queries answered in the ``IDLE_WAIT_S`` before the backfill (None when fewer
+        than ``IDLE_QUERIES`` arrive, or no service answers). The whole wait counts: the p99 of a few dozen
+        queries is their maximum, one slow answer."""
         self._delta()
         if not self._previous:
             return None
-        seen: list[dict[float, float]] = []
-        deadline = self.clock() + IDLE_WAIT_S
-        while self.clock() < deadline:
-            self.sleep(0.25)
-            seen.append(self._delta())
-            if sum(d.get(float("inf"), 0.0) for d in seen) >= IDLE_QUERIES:
-                return self._p99(seen)
-        return None
+        self.sleep(IDLE_WAIT_S)
+        seen = self._delta()
+        return self._p99([seen]) if seen.get(float("inf"), 0.0) >= IDLE_QUERIES else None
 
     def sample(self) -> None:
         self._deltas.append(self._delta())
@@ -227,6 +226,7 @@ class Pace:
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
     _last: float | None = field(default=None, repr=False)
+    _sampled: float = field(default=-np.inf, repr=False)
     _done: int = field(default=0, repr=False)
     _started: float | None = field(default=None, repr=False)
     _floor: float = field(default=MIN_ITEMS_PER_S, repr=False)
@@ -273,13 +273,14 @@ class Pace:
             self._started = self._last
 
     def after_batch(self, n_items: int) -> float:
-        """Record a batch of ``n_items``, sample the query latency it left behind and sleep to the allowed
-        rate. Returns the seconds slept."""
+        """Record a batch of ``n_items``, sample the query latency it left behind (at most once per
+        ``SAMPLE_INTERVAL_S``) and sleep to the allowed rate. Returns the seconds slept."""
         now = self.clock()
         if self._started is None:
             self._started = now
         self._done += n_items
-        if self.throttled:
+        if self.throttled and now - self._sampled >= SAMPLE_INTERVAL_S:
+            self._sampled = now
             self.latency.sample()
             self._decide(now)
         wait = 0.0
