@@ -170,20 +170,26 @@ def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypat
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
-    """Batches prepared ahead of a failure are never written: the index holds exactly the cursor's prefix."""
-    paths, index = setup
+def _failing_encoders(at_call: int) -> ro.RolloutEncoders:
+    """The synthetic upgrade's encoders whose gallery encoder dies on its ``at_call``-th batch."""
     good = synthetic_encoders({"options": OPTS})
     calls = {"n": 0}
 
     def failing(refs):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == at_call:
             raise _Crash("encoder died")
         return good.new_gallery(refs)
 
-    bad = ro.RolloutEncoders(good.old_query, good.new_query, failing)
+    return ro.RolloutEncoders(good.old_query, good.new_query, failing)
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
+    """Batches prepared ahead of a failure are never written: the index holds exactly the cursor's prefix."""
+    paths, index = setup
+    good = synthetic_encoders({"options": OPTS})
+    bad = _failing_encoders(5)
     with pytest.raises(_Crash):
         ro.run_rollout(index, paths, _config(prefetch=prefetch), bad, PROBE)
     saved = json.loads(paths.state.read_text())
@@ -646,23 +652,8 @@ def test_rollback_replays_only_the_batches_that_ran(setup, monkeypatch) -> None:
     """After a failure at the cursor, the rollback writes back the batches up to the cursor (the one in
     flight included), not the whole saved order, and the gallery is the old one again."""
     paths, index = setup
-    good = synthetic_encoders({"options": OPTS})
-    calls = {"n": 0}
-
-    def failing(refs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise _Crash("encoder died")
-        return good.new_gallery(refs)
-
     with pytest.raises(_Crash):
-        ro.run_rollout(
-            index,
-            paths,
-            _config(prefetch=1),
-            ro.RolloutEncoders(good.old_query, good.new_query, failing),
-            PROBE,
-        )
+        ro.run_rollout(index, paths, _config(prefetch=1), _failing_encoders(4), PROBE)
     position = json.loads(paths.state.read_text())["cursor"]["position"]
     assert 0 < position < N
     writes = _Recorder(index, monkeypatch)
