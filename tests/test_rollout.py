@@ -596,6 +596,12 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup, monkeypatch) -> None:
     )
     assert calls.most_unflushed() <= PACED_FLUSH_ROWS + 50
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", "state")
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    shown = CliRunner().invoke(app, ["rollout", "status", "--workspace", str(paths.state.parent)])
+    assert shown.exit_code == 0 and "paced on searches" in shown.output, shown.output
 
 
 class _Recorder:

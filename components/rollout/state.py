@@ -130,4 +130,5 @@ def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
         "policy": state["order"]["policy"],
         "halt_reason": state["halt_reason"],
         "curve": state["curve"],
+        "pace": state.get("pace"),
     }

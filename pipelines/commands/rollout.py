@@ -214,7 +214,15 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
     if as_json:
         echo_json(doc)
         return
-    typer.echo(f"state {doc['state']}  stage {doc['stage']}  backfilled {doc['fraction_backfilled']}")
+    line = f"state {doc['state']}  stage {doc['stage']}  backfilled {doc['fraction_backfilled']}"
+    pace = doc.get("pace") or {}
+    if pace.get("p99_factor") and pace.get("idle_p99_ms") is not None:
+        last = pace.get("last_p99_ms")
+        line += (
+            f"  paced on {pace.get('latency_from')}: p99 {'-' if last is None else f'{last:.1f}'} ms "
+            f"(limit {pace['p99_factor'] * pace['idle_p99_ms']:.1f}), {pace.get('slowdowns', 0)} slowdowns"
+        )
+    typer.echo(line)
 
 
 @rollout_app.command("rollback")
