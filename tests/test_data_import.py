@@ -480,10 +480,18 @@ def test_add_phase_refuses_unreadable_or_too_small_splits_and_writes_nothing(tmp
         add_phase(stream, {**shards, "eval": []}, "x")
     assert not stream.exists()
     add_phase(stream, shards, "ok")
+    with pytest.raises(StreamError, match=r"sample key '\w+' of .* is already in phase 0 .*imported again"):
+        add_phase(stream, shards, "the same samples again")  # evaluation and the gallery key samples by it
+    twice = {**shards, "gallery": [*shards["gallery"], shards["eval"][0]]}
+    with pytest.raises(StreamError, match="is in two splits of the new phase"):
+        add_phase(tmp_path / "other", twice, "x")
+    assert len(load_manifest(stream)["phases"]) == 1
+    drop2 = import_drop(tmp_path, "drop2", 1000)
+    shards2 = {s: sorted(str(p) for p in (drop2 / s).glob("*.tar")) for s in ("train", "eval", "gallery")}
     (stream / "phase-01" / "train").mkdir(parents=True)  # left by an add that was killed before stream.json
-    entry = add_phase(stream, shards, "again")
+    entry = add_phase(stream, shards2, "again")
     assert entry["phase"] == 1 and len(list((stream / "phase-01" / "train").glob("*.tar"))) == len(
-        shards["train"]
+        shards2["train"]
     )
 
 
@@ -494,8 +502,11 @@ def test_synthetic_manifests_still_read_and_match_the_schema(tmp_path: Path) -> 
         tmp_path / "s", phases=1, samples_per_phase=4, seed=1, eval_per_domain=2, gallery_per_domain=2
     )
     assert schema_errors(manifest, "stream") == [] and load_manifest(tmp_path / "s") == manifest
+    generate_stream(
+        tmp_path / "t", phases=2, samples_per_phase=4, seed=1, eval_per_domain=2, gallery_per_domain=2
+    )  # its phase 1 holds samples that phase 0 of "s" does not
     entry = add_phase(
-        tmp_path / "s", {s: phase_urls(tmp_path / "s", 0, s) for s in ("train", "eval", "gallery")}, "real"
+        tmp_path / "s", {s: phase_urls(tmp_path / "t", 1, s) for s in ("train", "eval", "gallery")}, "real"
     )
     manifest = load_manifest(tmp_path / "s")
     assert entry["phase"] == 1 and manifest["seed"] == 1 and schema_errors(manifest, "stream") == []

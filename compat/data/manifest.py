@@ -115,21 +115,50 @@ def missing_shards(directory: str | os.PathLike[str], manifest: dict[str, Any]) 
     ]
 
 
-def check_shards(urls: Sequence[str], split: str) -> int:
-    """Read every shard of ``split`` to its end and return its sample count; raise :class:`StreamError`
-    naming the shard when one is unreadable, truncated or empty."""
+def check_shards(urls: Sequence[str], split: str) -> dict[str, str]:
+    """Read every shard of ``split`` to its end; return its sample keys (each with its shard). Raise
+    :class:`StreamError` naming the shard when one is unreadable, truncated or empty, or repeats a key."""
     from compat.data.shards import ShardError, iter_raw_samples
 
-    total = 0
+    keys: dict[str, str] = {}
     for url in urls:
         try:
-            n = sum(1 for _ in iter_raw_samples(url))
+            mine = [sample.key for sample in iter_raw_samples(url)]
         except ShardError as exc:
             raise StreamError(f"{split} shard is unreadable: {exc}") from exc
-        if n == 0:
+        if not mine:
             raise StreamError(f"{split} shard {url} holds no samples; leave it out")
-        total += n
-    return total
+        for key in mine:
+            if key in keys:
+                raise StreamError(
+                    f"sample key {key!r} appears twice in the {split} split ({keys[key]} and {url}): "
+                    "a key names one sample of the stream; drop the repeat or give it a new key"
+                )
+            keys[key] = url
+    return keys
+
+
+def _check_new_keys(root: Path, manifest: dict[str, Any], keys: Mapping[str, str]) -> None:
+    """Refuse keys of the new phase that an earlier phase (any split) or another split already holds:
+    validation, evaluation and the gallery index read phases together and key their samples by it."""
+    from compat.data.shards import ShardError, sample_keys
+
+    for entry in manifest["phases"]:
+        for split in SPLITS:
+            for rel in entry[split]:
+                path = root / rel
+                try:
+                    taken = sample_keys(str(path))
+                except ShardError as exc:
+                    raise StreamError(f"phase {entry['phase']} of {manifest_path(root)}: {exc}") from exc
+                clash = next((k for k in keys if k in taken), None)
+                if clash is not None:
+                    raise StreamError(
+                        f"sample key {clash!r} of {keys[clash]} is already in phase {entry['phase']} "
+                        f"({path}): a key names one sample of the stream; add only samples it does not "
+                        "hold yet (`compatflow data import` keys a sample by its content: the same image "
+                        "imported again keeps its key)"
+                    )
 
 
 def add_phase(
@@ -144,7 +173,8 @@ def add_phase(
     """Append the next phase to the stream in ``directory`` (created with its manifest when missing).
 
     ``shards`` gives each split's local tar paths. Every shard is read to its end (counts computed, a
-    truncated or unreadable shard refused) before anything is written. The shards are hard-linked (or
+    truncated or unreadable shard refused) before anything is written, and a sample key that the stream
+    already holds (or that two of the new shards share) is refused. The shards are hard-linked (or
     copied) to ``phase-PP/{split}/shard-NNNNN.tar`` in a temporary folder renamed into place, then the
     manifest is replaced atomically; ``in_place`` lists them where they are instead. Returns the entry.
     """
@@ -161,7 +191,17 @@ def add_phase(
         dupes = {u for u in urls[split] if urls[split].count(u) > 1}
         if dupes:
             raise StreamError(f"{split} lists {sorted(dupes)[0]} more than once")
-    counts = {split: check_shards(urls[split], split) for split in SPLITS}
+    keys = {split: check_shards(urls[split], split) for split in SPLITS}
+    counts = {split: len(keys[split]) for split in SPLITS}
+    every: dict[str, str] = {}
+    for split in SPLITS:
+        for key, url in keys[split].items():
+            if key in every:
+                raise StreamError(
+                    f"sample key {key!r} is in two splits of the new phase ({every[key]} and {url}): a "
+                    "key names one sample of the stream"
+                )
+            every[key] = url
     for split, least in MIN_COUNTS.items():
         if counts[split] < least:
             raise StreamError(
@@ -173,6 +213,8 @@ def add_phase(
         load_manifest(root)  # a malformed manifest is refused before anything is written
     root.mkdir(parents=True, exist_ok=True)
     with _stream_lock(root):
+        if manifest_path(root).is_file():
+            _check_new_keys(root, load_manifest(root), every)
         entry = {
             "domain": domain.strip(),
             **({"description": description} if description else {}),

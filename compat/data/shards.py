@@ -160,8 +160,8 @@ def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
         stream.close()
 
 
-def count_samples(url: str) -> int:
-    """Number of samples in shard ``url`` (reads headers only, decodes nothing)."""
+def sample_keys(url: str) -> set[str]:
+    """The sample keys of shard ``url`` (reads headers only, decodes nothing)."""
     from webdataset.tariterators import base_plus_ext
 
     keys = set()
@@ -173,4 +173,9 @@ def count_samples(url: str) -> int:
                     keys.add(prefix)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise ShardError(f"shard {url} is malformed: {exc}") from exc
-    return len(keys)
+    return keys
+
+
+def count_samples(url: str) -> int:
+    """Number of samples in shard ``url`` (reads headers only, decodes nothing)."""
+    return len(sample_keys(url))
