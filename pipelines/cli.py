@@ -32,6 +32,9 @@ OFFLINE_DEFAULTS = {
 }
 
 
+NOISY_LOGGERS = ("faiss", "milvus_lite")
+
+
 @app.callback()
 def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages."),
@@ -43,6 +46,9 @@ def _root(
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    if not verbose:  # libraries' start-up chatter (which faiss build loaded, milvus-lite's port) is debug
+        for name in NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 def _register_commands() -> None:
