@@ -103,8 +103,6 @@ class Rollout:
                 self.pace = Pace(self.config.slo_p99_factor, self.config.max_items_per_s)
                 self._measure_idle()
                 state = self._plan()
-                state["pace"] = self.pace.to_dict()
-                self._save(state)
             else:
                 self.pace = Pace.resumed(
                     state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
@@ -300,6 +298,7 @@ class Rollout:
             "restored": True,
             "halt_reason": None,
             "rollback": None,
+            "pace": self.pace.to_dict(),  # the idle p99 measured before this plan read anything
         }
         self._save(state)
         log.info("rollout %s planned: %s, %d items, policy %s, floors %s", rid, mode, n, c.policy, floors)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -149,7 +148,7 @@ class ServiceLatency:
         try:
             with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=self.timeout_s) as response:
                 text = response.read().decode("utf-8", "replace")
-        except (OSError, urllib.error.URLError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # URLError is an OSError
             log.debug("service %s did not answer its metrics: %s", url, exc)
             return None
         buckets: dict[float, float] = {}
