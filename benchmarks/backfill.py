@@ -417,14 +417,16 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             by_version, count = index.count_by_version(), index.count()
         stages = [s for s in state["stages"] if s["kind"] == "backfill"]
         bounds = [0] + [s["target_position"] for s in stages]
-        seconds = sum(
+        writing = sum(
             (hi - lo) / s["items_per_s"]
             for lo, hi, s in zip(bounds[:-1], bounds[1:], stages, strict=True)
             if hi > lo
         )
         return {
             "state": state["state"],
-            "items_per_s": n_items / seconds,
+            "items_per_s": n_items / writing,
+            "staged_items_per_s": n_items / sum(s["seconds"] for s in stages),
+            "probe_s": sum(s["seconds"] for s in stages) - writing,
             "wall": wall,
             "client_cpu": client_cpu,
             "server_cpu": server_cpu,
@@ -442,7 +444,13 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
         bare = bare_encoder()[1] if bare_first else None
         run = one_rollout(alias, load_s, slo)
         bare = bare if bare is not None else bare_encoder()[1]
-        return {**run, "bare": bare, "bare_cpu": bare_cpu[True], "ratio": run["items_per_s"] / bare}
+        return {
+            **run,
+            "bare": bare,
+            "bare_cpu": bare_cpu[True],
+            "ratio": run["items_per_s"] / bare,
+            "staged_ratio": run["staged_items_per_s"] / bare,
+        }
 
     rounds = [measured(f"tput_{r}") for r in range(3)]
     with index_on_its_own_core(server) as ok:
@@ -460,6 +468,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
         "batch": batch,
         "source": source,
         "threads": torch.get_num_threads(),
+        "prefetch": ro.RolloutConfig(new_version="v2").prefetch,
     }
 
 
@@ -526,6 +535,7 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
         )
     rounds, loaded = cd["rounds"], cd["loaded"]
     median_ratio = float(np.median([r["ratio"] for r in rounds]))
+    head_start = min(1.0, 3 * cd["prefetch"] * cd["batch"] / cd["n_items"])
     lines += [
         "",
         "## C. Backfill throughput vs the bare encoder (cf-tiny image encoder)",
@@ -533,14 +543,20 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
         f"{cd['n_items']} gallery items ({cd['source']}), batch {cd['batch']}, torch threads "
         f"{cd['threads']}. Bare encoder = the same gallery-encoder callable (JPEG decode + preprocess + "
         "forward) on the same batches with no index work, on a worker thread as the engine encodes, "
-        "measured right before each backfill (the shared machine's load drifts); backfill = items / time "
-        "inside the backfill stages (restore capture, encode, upsert, state write per batch, flushes; "
-        f"probes excluded). For reference: the same bare encoder on the main thread {cd['main_thread']:.0f} "
-        f"items/s; raw forward on preprocessed tensors (main thread) {cd['raw']:.0f} items/s.",
+        "measured right before each backfill (the shared machine's load drifts). Two backfill figures: "
+        "**writing** = items / time inside the backfill stages' writes (restore capture, encode, upsert, "
+        "state write per batch, flushes; the stage probes excluded), and **staged** = items / the stages' "
+        "whole time, their four probes (200 queries each) included. The encoder prepares "
+        f"{cd['prefetch']} batches ahead, also across a stage's end, so up to {head_start:.0%} of the items "
+        "are encoded while the previous stage is probed: the writing figure counts that work as free, the "
+        "staged one does not. For reference: the same bare encoder on the main thread "
+        f"{cd['main_thread']:.0f} items/s; raw forward on preprocessed tensors (main thread) {cd['raw']:.0f} "
+        "items/s.",
         "",
-        "| round | bare encoder items/s | backfill items/s | backfill / bare | rollout wall s (incl. probes) "
-        "| CPU s: bare encoder / rollout client / Milvus server | final gallery |",
-        "|---|---|---|---|---|---|---|",
+        "| round | bare encoder items/s | backfill items/s: writing / staged | backfill / bare: writing / "
+        "staged | probes s | rollout wall s | CPU s: bare encoder / rollout client / Milvus server "
+        "| final gallery |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     pinned = cd["pinned"]
     names = [f"{i + 1}" for i in range(len(rounds))]
@@ -548,18 +564,20 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
     names += [f"under the query load of D, SLO throttle {SLO_FACTOR}x"]
     for name, r in zip(names, [*rounds, *pinned, loaded, cd["throttled"]], strict=True):
         lines.append(
-            f"| {name} | {r['bare']:.0f} | {r['items_per_s']:.0f} | {r['ratio']:.0%} | {r['wall']:.1f} | "
+            f"| {name} | {r['bare']:.0f} | {r['items_per_s']:.0f} / {r['staged_items_per_s']:.0f} | "
+            f"{r['ratio']:.0%} / {r['staged_ratio']:.0%} | {r['probe_s']:.1f} | {r['wall']:.1f} | "
             f"{r['bare_cpu']:.2f} / {r['client_cpu']:.2f} / {r['server_cpu']:.2f} | "
             f"{r['count']} items, {r['by_version']}, {r['state']} |"
         )
     cpu_ratio = float(np.median([r["bare_cpu"] / r["client_cpu"] for r in rounds]))
     lines += [
         "",
-        f"Median backfill / bare encoder over the unloaded rounds (wall clock): **{median_ratio:.0%}** "
-        "(target >= 80%). CPU view: the rollout process (encoding, restore capture, upserts, state writes, "
-        f"plan and probes) costs {1 / cpu_ratio:.2f}x the bare encoder's CPU, i.e. it could sustain "
-        f"{cpu_ratio:.0%} of the encoder's rate if the index ran on its own cores; here the milvus-lite "
-        "server shares the same 2 cores (its CPU is in the table).",
+        "Median backfill / bare encoder over the unloaded rounds (wall clock): writing "
+        f"**{median_ratio:.0%}**, staged **{float(np.median([r['staged_ratio'] for r in rounds])):.0%}** "
+        "(target >= 80%). CPU view: "
+        "the rollout process (encoding, restore capture, upserts, state writes, plan and probes) costs "
+        f"{1 / cpu_ratio:.2f}x the bare encoder's CPU; here the milvus-lite server shares the same 2 cores "
+        "(its CPU is in the table).",
         "",
     ]
     if pinned:
@@ -567,7 +585,8 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
             "Index on its own core (the production topology, where Milvus runs on its own nodes): the "
             "milvus-lite server pinned to one core, the rollout process and its encoder (one torch thread) "
             "to the other, the bare encoder measured under the same pinning: median backfill / bare "
-            f"**{float(np.median([r['ratio'] for r in pinned])):.0%}**.",
+            f"writing **{float(np.median([r['ratio'] for r in pinned])):.0%}**, staged "
+            f"**{float(np.median([r['staged_ratio'] for r in pinned])):.0%}**.",
             "",
         ]
     idle, during = loaded["idle"], loaded["during"]
@@ -641,7 +660,7 @@ def main() -> None:
     if args.service_only:
         _service_only(args.out)
         return
-    sizes = (2000, 400, 1200, 300, 512, 3.0) if args.quick else (10000, 1000, 4000, 400, 3072, 8.0)
+    sizes = (2000, 400, 1200, 300, 512, 3.0) if args.quick else (10000, 1000, 4000, 400, 12288, 8.0)
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-backfill-"))
     server = MilvusServer(work)

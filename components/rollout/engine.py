@@ -11,9 +11,7 @@ import json
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import numpy as np
 
 from compat.io import utc_now
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
+from components.rollout.ahead import Batch, BatchesAhead
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.probes import broken_floors, probe_metrics
 from components.rollout.rollback import replay_rows
@@ -75,6 +74,8 @@ class Rollout:
             raise ValueError("a gallery_transform needs a transform_tag naming it (recorded in row lineage)")
         self._queries: np.ndarray | None = None
         self.pace = Pace(config.slo_p99_factor, config.max_items_per_s)
+        self._ahead: BatchesAhead[list[dict[str, Any]]] | None = None
+        self._ahead_reads: tuple[str, bool] | None = None  # (collection, keep) its batches read
 
     @property
     def rollout_id(self) -> str:
@@ -107,19 +108,22 @@ class Rollout:
                 self.pace = Pace.resumed(
                     state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
                 )
-            while True:
-                if state["state"] in ("completed", "rolled_back"):
-                    return state
-                if state["state"] == "halted":
-                    if not state["restored"]:
-                        self._restore_stage(state)
-                    return state
-                if state["mode"] == "blue_green":
-                    self._blue_green(state)
-                elif state["stage"] == 0:
-                    self._stage0(state)
-                else:
-                    self._stage(state, state["stage"])
+            try:
+                while True:
+                    if state["state"] in ("completed", "rolled_back"):
+                        return state
+                    if state["state"] == "halted":
+                        if not state["restored"]:
+                            self._restore_stage(state)
+                        return state
+                    if state["mode"] == "blue_green":
+                        self._blue_green(state)
+                    elif state["stage"] == 0:
+                        self._stage0(state)
+                    else:
+                        self._stage(state, state["stage"])
+            finally:
+                self._close_ahead()
 
     def _measure_idle(self) -> None:
         """The idle query p99 the SLO is a multiple of, measured before the rollout touches anything: on the
@@ -398,51 +402,60 @@ class Rollout:
         self,
         state: dict[str, Any],
         ids: Sequence[str],
-        batches: Sequence[tuple[int, int]],
+        batches: Sequence[Batch],
         source: str,
         target: str,
         keep: bool,
+        later: Sequence[Batch] = (),
     ) -> None:
-        """Re-embed and upsert ``batches`` (start, end) of ``ids`` in order.
+        """Re-embed and upsert ``batches`` (start, end) of ``ids`` in order, then prepare ``later`` (the next
+        stages' batches) ahead while this stage is flushed and probed.
 
         This thread reads the rows a batch replaces (saving them for restore before anything overwrites
         them) and hands the batch to an encoder thread, keeping up to ``config.prefetch`` batches queued
-        there, then upserts finished batches and records progress: the encoder never waits on the index.
+        there (:mod:`components.rollout.ahead`), then upserts finished batches and records progress: the
+        encoder never waits on the index.
         """
         t0 = time.perf_counter()
         self._watch_latency(state, batches, ids, source)
         writer = self._writer(target)
         self.pace.begin()
-        todo = iter(batches)
-        queue: deque[tuple[int, Future]] = deque()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
-
-            def refill() -> None:
-                while len(queue) < self.config.prefetch and (batch := next(todo, None)) is not None:
-                    start, end = batch
-                    previous = self._previous_rows(state, ids[start:end], start, end, source, keep)
-                    queue.append((end, pool.submit(self._new_rows, state, previous)))
-
-            try:
-                refill()
-                while queue:
-                    end, future = queue.popleft()
-                    rows = future.result()
-                    refill()
-                    writer.write(rows)  # paced after every upsert call
-                    state["cursor"]["batches"] += 1
-                    state["cursor"]["position"] = end
-                    state["fraction_backfilled"] = end / state["n_items"]
-                    state["pace"] = self.pace.to_dict()
-                    self._save(state)
-            finally:
-                for _, future in queue:
-                    future.cancel()
+        ahead = self._ahead_for(state, ids, source, keep)
+        ahead.plan([*batches, *later])
+        for expected in batches:
+            (start, end), rows = ahead.next()
+            if (start, end) != tuple(expected):  # the plan above starts with ``batches``
+                raise RolloutError(f"batch {start}-{end} prepared where {expected} was due")
+            writer.write(rows)  # paced after every upsert call
+            state["cursor"]["batches"] += 1
+            state["cursor"]["position"] = end
+            state["fraction_backfilled"] = end / state["n_items"]
+            state["pace"] = self.pace.to_dict()
+            self._save(state)
         if writer.written:
             rate = writer.written / max(time.perf_counter() - t0, 1e-9)
             log.info(
                 "rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], writer.written, rate
             )
+
+    def _ahead_for(
+        self, state: dict[str, Any], ids: Sequence[str], source: str, keep: bool
+    ) -> BatchesAhead[list[dict[str, Any]]]:
+        """The pipeline of prepared batches, kept from stage to stage while batches read the same place."""
+        if self._ahead is None or self._ahead_reads != (source, keep):
+            self._close_ahead()
+            self._ahead = BatchesAhead(
+                lambda b: self._previous_rows(state, ids[b[0] : b[1]], b[0], b[1], source, keep),
+                lambda previous: self._new_rows(state, previous),
+                self.config.prefetch,
+            )
+            self._ahead_reads = (source, keep)
+        return self._ahead
+
+    def _close_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = self._ahead_reads = None
 
     def _writer(self, collection: str) -> GalleryWriter:
         return GalleryWriter.for_pace(self.index, collection, self.pace, self.config.flush_rows)
@@ -471,7 +484,7 @@ class Rollout:
                 self.pace.idle_from,
             )
 
-    def _batches(self, start: int, end: int) -> list[tuple[int, int]]:
+    def _batches(self, start: int, end: int) -> list[Batch]:
         step = self.config.batch_size
         return [(s, min(s + step, end)) for s in range(start, end, step)]
 
@@ -573,7 +586,14 @@ class Rollout:
         ids = self._order(state)
         t0 = time.perf_counter()
         start = state["cursor"]["position"]
-        self._run_batches(state, ids, self._batches(start, hi), g["collection"], g["collection"], keep=True)
+        later = [
+            batch
+            for lo, rec_k in zip(state["stages"][j:], state["stages"][j + 1 :], strict=False)
+            for batch in self._batches(lo["target_position"], rec_k["target_position"])
+        ]
+        self._run_batches(
+            state, ids, self._batches(start, hi), g["collection"], g["collection"], keep=True, later=later
+        )
         last = j == len(state["stages"]) - 1
         if last:
             self._sweep(state)
@@ -581,7 +601,7 @@ class Rollout:
         if hi > start:
             rec["items_per_s"] = round((hi - start) / max(time.perf_counter() - t0, 1e-9), 1)
         metrics = self._probe(state, g["collection"])
-        rec["probe"] = metrics
+        rec["probe"], rec["seconds"] = metrics, round(time.perf_counter() - t0, 3)
         self._curve_point(state, hi / state["n_items"], metrics)
         broken = broken_floors(metrics, state["floors"])
         if broken:
@@ -673,7 +693,7 @@ class Rollout:
         if len(ids) > start:
             rec["items_per_s"] = round((len(ids) - start) / max(time.perf_counter() - t0, 1e-9), 1)
         metrics = self._probe(state, g["collection"])
-        rec["probe"] = metrics
+        rec["probe"], rec["seconds"] = metrics, round(time.perf_counter() - t0, 3)
         self._curve_point(state, 0.0, state["baseline"])
         self._curve_point(state, 1.0, metrics)
         broken = broken_floors(metrics, state["floors"])

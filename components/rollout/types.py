@@ -115,7 +115,7 @@ class RolloutConfig:
     floors: dict[str, float] = field(default_factory=dict)
     n_clusters: int | None = None
     flush_rows: int = DEFAULT_FLUSH_ROWS  # rows written between flushes (0: at stage ends only)
-    prefetch: int = 2  # batches read and encoded ahead of the upserts
+    prefetch: int = 2  # batches read and encoded ahead of the upserts (past a stage's end too)
     slo_p99_factor: float | None = None  # query p99 the backfill may cause, x idle (None: unpaced)
     max_items_per_s: float | None = None  # a cap on the backfill rate
 
