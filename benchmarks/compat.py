@@ -408,6 +408,12 @@ def main() -> None:
         default=None,
         help="eval images per domain (default 200, quick 60): the bootstrap interval narrows with it",
     )
+    parser.add_argument(
+        "--candidate-steps",
+        type=int,
+        default=None,
+        help="training steps of scenario (a)'s Mod-X + buffer candidate (default 400, quick 60)",
+    )
     args = parser.parse_args()
     if args.stream == "fashion-mnist":
         parser.error(
@@ -427,6 +433,10 @@ def main() -> None:
         if args.eval_per_domain < 10:
             parser.error(f"--eval-per-domain must be >= 10, got {args.eval_per_domain}")
         sizes = dataclasses.replace(sizes, eval_per_domain=args.eval_per_domain)
+    if args.candidate_steps is not None:
+        if args.candidate_steps < 1:
+            parser.error(f"--candidate-steps must be >= 1, got {args.candidate_steps}")
+        sizes = dataclasses.replace(sizes, candidate_steps=args.candidate_steps)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
