@@ -414,6 +414,12 @@ def main() -> None:
         default=None,
         help="training steps of scenario (a)'s Mod-X + buffer candidate (default 400, quick 60)",
     )
+    parser.add_argument(
+        "--compat-steps",
+        type=int,
+        default=None,
+        help="training steps of the methods that train a network (default 300, quick 30)",
+    )
     args = parser.parse_args()
     if args.stream == "fashion-mnist":
         parser.error(
@@ -437,6 +443,10 @@ def main() -> None:
         if args.candidate_steps < 1:
             parser.error(f"--candidate-steps must be >= 1, got {args.candidate_steps}")
         sizes = dataclasses.replace(sizes, candidate_steps=args.candidate_steps)
+    if args.compat_steps is not None:
+        if args.compat_steps < 1:
+            parser.error(f"--compat-steps must be >= 1, got {args.compat_steps}")
+        sizes = dataclasses.replace(sizes, compat_steps=args.compat_steps)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
