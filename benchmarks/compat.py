@@ -15,8 +15,8 @@ new/old - old/old margins).
   the pretrained MiniLM text tower) trained from its initialisation on phases 0 + 1; methods train on both.
 
 Rows per scenario: no compatibility training (``none``: the independent new model), BCT (the baseline of
-every paper), lambda-orth (strict B, forward adapter F) with the paper's FCT baseline, BT^2, XBT with its
-"Base" baseline (L_Direct, random phi) and TaCA. Columns:
+every paper), lambda-orth (strict B or relaxed B_lambda, forward adapter F) with the paper's FCT baseline,
+BT^2, XBT with its "Base" baseline (L_Direct, random phi) and TaCA. Columns:
 new/old and new/new R@1/5/10 both ways, the ECC at R@1 with its 95 % interval, new/new R@1 retention
 against the independent new model, trainable parameters and fit time (``--rows`` selects rows of ``ROWS``).
 
@@ -49,6 +49,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "bct + synthesised classifier (BCT new-class rule)": ("bct", {"synthesize_unmatched": True}),
     "fct (lambda-orth baseline)": ("lambda_orth", {"variant": "fct"}),
     "lambda_orth (strict)": ("lambda_orth", {"variant": "strict"}),
+    "lambda_orth (relaxed: lambda 12)": ("lambda_orth", {"variant": "relaxed", "lam": 12.0}),
     "bt2": ("bt2", {}),
     "xbt base (L_Direct with random phi)": ("xbt_base", {}),
     "xbt": ("xbt", {}),
