@@ -50,6 +50,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "fct (lambda-orth baseline)": ("lambda_orth", {"variant": "fct"}),
     "lambda_orth (strict)": ("lambda_orth", {"variant": "strict"}),
     "lambda_orth (relaxed: lambda 12)": ("lambda_orth", {"variant": "relaxed", "lam": 12.0}),
+    "lambda_orth (strict: ablation w3 = 0)": ("lambda_orth", {"variant": "strict", "w_contrastive": 0.0}),
     "bt2": ("bt2", {}),
     "xbt base (L_Direct with random phi)": ("xbt_base", {}),
     "xbt": ("xbt", {}),
