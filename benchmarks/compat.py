@@ -19,6 +19,8 @@ every paper), lambda-orth (strict B or relaxed B_lambda, forward adapter F) with
 BT^2, XBT with its "Base" baseline (L_Direct, random phi) and TaCA. Columns:
 new/old and new/new R@1/5/10 both ways, the ECC at R@1 with its 95 % interval, new/new R@1 retention
 against the independent new model, trainable parameters and fit time (``--rows`` selects rows of ``ROWS``).
+lambda-orth and FCT rows also get the paper's own columns (F(old)/old ... B(new)/B(new) and the backfill
+metric M~: benchmarks/lambda_orth_table.py), the entries where the paper reports lambda-orth ahead.
 
 Run: ``.venv/bin/python benchmarks/compat.py [--quick]``; trained base models are cached in ``--workdir``.
 """
@@ -51,6 +53,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "lambda_orth (strict)": ("lambda_orth", {"variant": "strict"}),
     "lambda_orth (relaxed: lambda 12)": ("lambda_orth", {"variant": "relaxed", "lam": 12.0}),
     "lambda_orth (strict: ablation w3 = 0)": ("lambda_orth", {"variant": "strict", "w_contrastive": 0.0}),
+    "lambda_orth (strict: old gallery as is)": (
+        "lambda_orth",
+        {"variant": "strict", "old_vector_rule": "as_is"},
+    ),
     "bt2": ("bt2", {}),
     "xbt base (L_Direct with random phi)": ("xbt_base", {}),
     "xbt": ("xbt", {}),
@@ -248,7 +254,24 @@ def fit_row(
     fit_seconds = time.perf_counter() - t0
     independent = load_checkpoint(new_ckpt)
     report = compat_report(old, model, data, independent=independent, n_bootstrap=sizes.bootstrap, seed=0)
-    return {"label": label, "report": report, "fit_seconds": fit_seconds}
+    result = {"label": label, "report": report, "fit_seconds": fit_seconds}
+    if name == "lambda_orth":
+        result["paper_columns"] = lambda_orth_columns(model, old, data)
+    return result
+
+
+def lambda_orth_columns(model: Any, old: Any, data: Any) -> dict[str, Any]:
+    """A lambda-orth / FCT row in the paper's columns (benchmarks/lambda_orth_table.py)."""
+    from benchmarks.lambda_orth_table import paper_columns
+    from compat.evaluation import flatten_captions
+
+    captions, counts = flatten_captions(data)
+    vectors = [
+        encoder.encode_images(data.images) if kind == "images" else encoder.encode_texts(captions)
+        for encoder in (old, model.new)
+        for kind in ("images", "texts")
+    ]
+    return paper_columns(model.adapters, *vectors, counts)
 
 
 def run_scenario(
@@ -281,6 +304,8 @@ def _retention(report: dict, direction: str) -> float:
 
 
 def render_scenario(title: str, results: list[dict[str, Any]]) -> list[str]:
+    from benchmarks.lambda_orth_table import render as render_paper_columns
+
     first = results[0]["report"]
     ind = first["independent_new_new"]
     sizes = first["eval_sizes"]
@@ -315,8 +340,8 @@ def render_scenario(title: str, results: list[dict[str, Any]]) -> list[str]:
         if all(res["report"]["margins"][d]["R@1"]["ci_low"] > 0 for d in ("t2i", "i2t"))
         and all(_retention(res["report"], d) >= 95 for d in ("t2i", "i2t"))
     ]
+    lines += ["", *render_paper_columns(results)]
     lines += [
-        "",
         "Goal (ECC at R@1 both ways with the interval above zero, and >= 95 % new/new R@1 retention): "
         + (", ".join(winners) if winners else "no method reaches it in this run")
         + ".",
@@ -366,8 +391,9 @@ def render(
         f"for lambda-orth / FCT (on cached features); bootstrap {sizes.bootstrap} resamples.",
         "",
         "Pairs are query model / gallery model; new/old reads the production gallery through each method's "
-        "serving contract (none/BCT: as is or zero-padded; lambda-orth/FCT: forward adapter F; BT2: "
-        "truncation). Retention = new/new R@1 relative to the independent new model. Recall in %.",
+        "serving contract (none/BCT: as is or zero-padded; lambda-orth/FCT: forward adapter F, unless "
+        'the row says "as is"; BT2: truncation). Retention = new/new R@1 relative to the independent new '
+        "model. Recall in %.",
         "",
     ]
     if args.foundation_config != DEFAULT_FOUNDATION:
