@@ -229,9 +229,19 @@ def prepare(
 
 # -------------------------------------------------------------------------------------------- scenarios
 def fit_row(
-    label: str, new_ckpt: Path, old_ckpt: Path, urls: list[str], sizes: Sizes, data: Any
+    label: str,
+    new_ckpt: Path,
+    old_ckpt: Path,
+    urls: list[str],
+    sizes: Sizes,
+    data: Any,
+    frozen: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Fit one row's method and evaluate it; returns the report plus timing."""
+    """Fit one row's method and evaluate it; returns the report plus timing.
+
+    ``frozen`` keeps the raw old and new embeddings of ``data`` between rows of one scenario (both models
+    are frozen for lambda-orth / FCT, so every such row reads the same vectors).
+    """
     from compat.evaluation import compat_report
     from compat.methods import get_method
     from compat.methods.run import ShardBatches
@@ -256,31 +266,41 @@ def fit_row(
     report = compat_report(old, model, data, independent=independent, n_bootstrap=sizes.bootstrap, seed=0)
     result = {"label": label, "report": report, "fit_seconds": fit_seconds}
     if name == "lambda_orth":
-        result["paper_columns"] = lambda_orth_columns(model, old, data)
+        frozen = {} if frozen is None else frozen
+        if "vectors" not in frozen:
+            frozen["vectors"] = raw_vectors(old, model.new, data)
+        result["paper_columns"] = lambda_orth_columns(model, frozen["vectors"], data)
     return result
 
 
-def lambda_orth_columns(model: Any, old: Any, data: Any) -> dict[str, Any]:
+def raw_vectors(old: Any, new: Any, data: Any) -> tuple[Any, ...]:
+    """Raw (no adapter) embeddings of ``data``: old images, old texts, new images, new texts."""
+    from compat.evaluation import flatten_captions
+
+    captions, _ = flatten_captions(data)
+    return tuple(
+        encoder.encode_images(data.images) if kind == "images" else encoder.encode_texts(captions)
+        for encoder in (old, new)
+        for kind in ("images", "texts")
+    )
+
+
+def lambda_orth_columns(model: Any, vectors: tuple[Any, ...], data: Any) -> dict[str, Any]:
     """A lambda-orth / FCT row in the paper's columns (benchmarks/lambda_orth_table.py)."""
     from benchmarks.lambda_orth_table import paper_columns
     from compat.evaluation import flatten_captions
 
-    captions, counts = flatten_captions(data)
-    vectors = [
-        encoder.encode_images(data.images) if kind == "images" else encoder.encode_texts(captions)
-        for encoder in (old, model.new)
-        for kind in ("images", "texts")
-    ]
+    _, counts = flatten_captions(data)
     return paper_columns(model.adapters, *vectors, counts)
 
 
 def run_scenario(
     name: str, new_ckpt: Path, old_ckpt: Path, urls: list[str], sizes: Sizes, rows: list[str], data: Any
 ) -> list[dict[str, Any]]:
-    out = []
+    out, frozen = [], {}
     for label in rows:
         print(f"  [{name}] {label}", flush=True)
-        out.append(fit_row(label, new_ckpt, old_ckpt, urls, sizes, data))
+        out.append(fit_row(label, new_ckpt, old_ckpt, urls, sizes, data, frozen))
     return out
 
 

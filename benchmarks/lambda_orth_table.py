@@ -31,7 +31,6 @@ from compat.methods.layers import truncate
 from compat.metrics.retrieval import caption_owners
 
 COLUMNS = ("F(old)/old", "F(old)/F(old)", "new-side/F(old)", "B(new)/old", "B(new)/B(new)")
-CURVE = tuple(i / 20 for i in range(21))  # 21 fractions, as benchmarks/backfill.py part A
 
 
 def _r1(query: tuple[torch.Tensor, torch.Tensor], gallery: tuple[torch.Tensor, torch.Tensor], counts) -> dict:
@@ -48,7 +47,7 @@ def backfill_area(
     target: torch.Tensor,
     order: np.ndarray,
     owners: Sequence[int],
-    fractions: Sequence[float] = CURVE,
+    fractions: Sequence[float] = backfill.DEFAULT_CURVE_FRACTIONS,
 ) -> float:
     """M~: the trapezoid area of t2i R@1 over ``fractions`` as items move from ``start`` to ``target``."""
     metric = backfill.t2i_recall_metric(queries.double().numpy(), [[i] for i in owners], ks=(1,))
