@@ -4,13 +4,11 @@ folders, the pipeline's phase picker)."""
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +165,7 @@ def test_duplicates_and_every_refused_file_reported_with_its_reason(imported: Pa
         "a/notes.md": "not_an_image",
         "a/orphan.txt": "image_missing",
         "a/lone.json": "image_missing",
-        "a/essay.jpg": "sidecar_unreadable",
+        "a/essay.jpg": "caption_too_large",
     }
     assert report["refused"] == 8 and sum(report["refused_by_reason"].values()) == 8
     for refusal in report["refused_files"]:
@@ -189,58 +187,45 @@ def test_same_input_gives_identical_bytes_and_a_rerun_writes_nothing(
         import_images(folder, imported, ImportSettings(samples_per_shard=8, seed=5), progress=False)
 
 
-def _open_for_writing_once_read(fifo: Path, proc: subprocess.Popen, deadline_s: float = 60) -> int:
-    """Open ``fifo`` for writing as soon as a reader has it open (the importer reading that file)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:
-                raise
-        assert proc.poll() is None, f"the import ended early: {proc.communicate()}"
-        assert time.monotonic() < deadline, "the import never read the file"
-        time.sleep(0.01)
+# Run in a child process: the import kills itself (SIGKILL) while the third shard's writer holds its first
+# sample, so the shards before it are finished and that one is left as a temporary file.
+KILLED_IMPORT = """
+import os, signal, sys
+import compat.data.shards as shards
+from compat.data.importer import ImportSettings, import_images
+
+real, started = shards.write_shard, []
+
+def write_shard(path, samples):
+    started.append(path)
+
+    def feed():
+        for n, sample in enumerate(samples):
+            if len(started) == 3 and n == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield sample
+
+    return real(path, feed())
+
+shards.write_shard = write_shard
+import_images(sys.argv[1], sys.argv[2], ImportSettings(samples_per_shard=2), progress=False)
+"""
 
 
 def test_a_killed_import_resumes_without_rewriting_finished_shards(tmp_path: Path) -> None:
-    """The import is killed for real while it writes a shard: one source file is a named pipe, fed during the
-    scan and left empty when the shard writer reads it again, and the importer is killed there."""
+    """The import is killed for real (SIGKILL) while it writes a shard, then run again."""
     src = image_folder(tmp_path / "src", 20)
-    buf = io.BytesIO()
-    picture(777, (30, 30), "RGB").save(buf, format="PNG")
-    fifo = src / "zzz.png"  # the last item of its split: the shards before it are written first
-    os.mkfifo(fifo)
-    (src / "zzz.txt").write_text("a picture read through a pipe")
+    picture(777, (30, 30), "RGB").save(src / "zzz.png")
+    (src / "zzz.txt").write_text("a picture read last")
     out = tmp_path / "out"
-    code = (
-        "import sys; from compat.data.importer import ImportSettings, import_images; "
-        "import_images(sys.argv[1], sys.argv[2], ImportSettings(samples_per_shard=2), progress=False)"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_IMPORT, str(src), str(out)], capture_output=True, timeout=120
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(out)], stderr=subprocess.PIPE)
-    try:
-        fd = _open_for_writing_once_read(fifo, proc)  # the scan reads it
-        os.set_blocking(fd, True)
-        os.write(fd, buf.getvalue())
-        os.close(fd)
-        deadline = time.monotonic() + 60
-        while not (out / PENDING).exists():  # the plan is stored: the scan is over, the writes begin
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.01)
-        fd = _open_for_writing_once_read(fifo, proc)  # the shard writer waits for the picture's bytes
-        proc.kill()
-        proc.wait()
-        os.close(fd)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    assert proc.returncode == -9, proc.stderr.decode()
     assert not (out / REPORT).exists() and (out / PENDING).exists()
     written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.tar"))
     assert written and list(out.rglob(".*.tmp"))  # finished shards, and the one cut off as a temporary file
     kept = {rel: os.stat(out / rel).st_ino for rel in written}
-    fifo.unlink()
-    fifo.write_bytes(buf.getvalue())  # the same bytes, now in a plain file
     settings = ImportSettings(samples_per_shard=2)
     resumed = import_images(src, out, settings, progress=False)
     assert resumed.reused_shards == len(written) and resumed.written_shards >= 1
@@ -365,6 +350,92 @@ def test_nothing_imported_exits_non_zero_naming_the_reasons(tmp_path: Path) -> N
     (tmp_path / "busy" / "keep.txt").write_text("someone's file")
     busy = runner.invoke(app, ["data", "import", str(src), "--out", str(tmp_path / "busy")])
     assert busy.exit_code == 2 and "not empty and holds no import" in busy.output
+
+
+def test_only_regular_files_inside_src_are_read_and_captions_are_bounded(tmp_path: Path) -> None:
+    """A symlinked caption or metadata file, a hard link, a FIFO and a caption over the validation limit are
+    refused with their reason; nothing of a file outside SRC reaches a shard."""
+    from compat.data.importer import MAX_CAPTION_BYTES
+    from components.validation.policy import ValidationPolicy
+
+    assert MAX_CAPTION_BYTES == ValidationPolicy().max_caption_bytes == 65536  # one limit, both places
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0:the secret line\n")
+    (tmp_path / "secret.json").write_text('{"leak": "the secret line"}')
+    src = image_folder(tmp_path / "src", 3)
+    for seed, name in enumerate(("link", "meta", "hard", "fifo", "long", "edge"), start=500):
+        picture(seed, (30, 30), "RGB").save(src / f"{name}.jpg")
+    (src / "link.txt").symlink_to(secret)
+    (src / "meta.txt").write_text("a caption")
+    (src / "meta.json").symlink_to(tmp_path / "secret.json")
+    os.link(secret, src / "hard.txt")
+    os.mkfifo(src / "fifo.txt")  # a reader that followed it would wait for a writer forever
+    (src / "long.txt").write_text("x" * (MAX_CAPTION_BYTES + 1))
+    (src / "edge.txt").write_text("y" * MAX_CAPTION_BYTES)  # exactly the limit: kept
+    (src / "a").joinpath("img0001.jpeg").rename(src / "a" / "moved.jpeg")
+    (src / "a" / "img0001.jpeg").symlink_to(src / "a" / "moved.jpeg")  # a link even inside SRC
+    (src / "a" / "moved.txt").write_text("the picture the link inside SRC points to")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["data", "import", str(src), "--out", str(out), "--split", "0,0,1"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / REPORT).read_text())
+    assert schema_errors(report, "stream_import") == []
+    reasons = {r["source"]: r["reason"] for r in report["refused_files"]}
+    assert reasons == {
+        "link.jpg": "not_a_regular_file",
+        "meta.jpg": "not_a_regular_file",
+        "hard.jpg": "not_a_regular_file",
+        "fifo.jpg": "not_a_regular_file",
+        "long.jpg": "caption_too_large",
+        "a/img0001.jpeg": "not_a_regular_file",
+    }
+    messages = {r["source"]: r["message"] for r in report["refused_files"]}
+    assert "symbolic link" in messages["link.jpg"] and "--allow-outside" in messages["link.jpg"]
+    assert "hard.txt is a hard link (2 names" in messages["hard.jpg"]
+    samples = all_samples(out)
+    assert len(samples) == 4  # img0000, img0002, a/moved.jpeg and edge
+    assert not any(b"the secret line" in data for m in samples.values() for data in m.values())
+    assert max(len(m["txt"]) for m in samples.values()) == MAX_CAPTION_BYTES
+
+
+def test_table_paths_outside_its_folder_need_allow_outside(tmp_path: Path) -> None:
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    data.mkdir()
+    elsewhere.mkdir()
+    picture(1, (30, 30), "RGB").save(data / "in.jpg")
+    picture(2, (30, 30), "RGB").save(elsewhere / "out.jpg")
+    picture(3, (30, 30), "RGB").save(elsewhere / "abs.jpg")
+    (data / "linked").symlink_to(elsewhere, target_is_directory=True)
+    table = data / "pairs.csv"
+    table.write_text(
+        "path,caption\n"
+        f"in.jpg,inside\n../elsewhere/out.jpg,dot dot\n{elsewhere / 'abs.jpg'},absolute\n"
+        "linked/out.jpg,through a folder link\n"
+        f"../data/in.jpg,{'z' * (65536 + 1)}\n"
+    )
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["data", "import", str(table), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / REPORT).read_text())
+    reasons = {r["source"]: r["reason"] for r in report["refused_files"]}
+    assert reasons == {
+        "pairs.csv row 2: ../elsewhere/out.jpg": "outside_source",
+        f"pairs.csv row 3: {elsewhere / 'abs.jpg'}": "outside_source",
+        "pairs.csv row 4: linked/out.jpg": "not_a_regular_file",
+        "pairs.csv row 5: ../data/in.jpg": "caption_too_large",
+    }
+    assert report["imported"] == 1
+    allowed = runner.invoke(
+        app, ["data", "import", str(table), "--out", str(tmp_path / "o2"), "--allow-outside", str(elsewhere)]
+    )
+    assert allowed.exit_code == 0, allowed.output
+    report = json.loads((tmp_path / "o2" / REPORT).read_text())
+    assert report["imported"] == 3 and report["duplicates"] == 1  # linked/out.jpg is out.jpg's bytes
+    assert [r["reason"] for r in report["refused_files"]] == ["caption_too_large"]
+    missing = runner.invoke(
+        app, ["data", "import", str(table), "--out", str(tmp_path / "o3"), "--allow-outside", "/no/such"]
+    )
+    assert missing.exit_code == 2 and "--allow-outside /no/such is not a folder" in missing.output
 
 
 # ------------------------------------------------------------------------------------------- streams

@@ -19,6 +19,11 @@ different images; identical bytes are imported once (the first by source order) 
 duplicates. The split is a seeded, stable hash of the key. Every file that is not imported is listed
 with its reason (:data:`REFUSALS`).
 
+Every file read is a regular file with one name inside SRC (a table's folder for a table): a symbolic
+link, a hard link, a device or FIFO, and a table path (``../``, absolute) or link target outside SRC are
+refused, unless the file's real path lies in a folder given as ``allow_outside``. Captions are bounded
+by :data:`MAX_CAPTION_BYTES`, the limit validation applies to a shard's caption members.
+
 The same input and settings give byte-identical shards and ``import.json``. The digest of the plan (which
 item goes to which shard) is stored before the first shard; shards are written atomically one by one, so a
 killed import started again rescans the source and, the plan being the same, writes only the shards still
@@ -28,6 +33,7 @@ missing; ``import.json`` is written last.
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import io
 import json
@@ -35,6 +41,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,7 +60,8 @@ DEFAULT_TEMPLATE = "a photo of a {label}"
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 KEY_HEX = 20
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
-MAX_SIDECAR_BYTES = 1024 * 1024  # a caption or metadata file (the policy's caps are 64 KiB and 1 MiB)
+MAX_SIDECAR_BYTES = 1024 * 1024  # a metadata file (the validation policy's max_metadata_bytes)
+MAX_CAPTION_BYTES = 64 * 1024  # one caption, UTF-8; also the validation policy's max_caption_bytes
 CAPTION_EXT, METADATA_EXT = ".txt", ".json"
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # what the pipeline decodes
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
@@ -81,14 +89,17 @@ REFUSALS: dict[str, str] = {
     "caption_missing": "no caption: no .txt file beside the image",
     "caption_empty": "the caption is empty or whitespace only",
     "caption_not_utf8": "the caption file is not UTF-8 text",
+    "caption_too_large": f"the caption is over {MAX_CAPTION_BYTES} bytes (validation would refuse it)",
     "image_missing": "a caption file with no image beside it, or a table row whose path is not a file",
     "not_an_image": "the file is not an image PIL can identify",
     "image_unreadable": "the image cannot be decoded (truncated or corrupt)",
     "image_too_large": "the file is larger than the import's max_image_bytes",
     "unsupported_mode": "the image mode can be stored neither as PNG nor as JPEG",
     "metadata_not_json": "the .json file beside the image is not a JSON object",
-    "sidecar_unreadable": "the caption or metadata file cannot be read, or is over 1 MiB",
+    "sidecar_unreadable": "the caption or metadata file cannot be read, or the metadata is over 1 MiB",
     "not_in_class_folder": "class-folders input: the file is not inside a label folder",
+    "not_a_regular_file": "a symbolic link, a hard link (a file with several names), a device or a FIFO",
+    "outside_source": "the path lies outside SRC (a table's ../ or absolute path); see --allow-outside",
 }
 
 
@@ -381,30 +392,77 @@ def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
     )
 
 
-def read_bounded(path: Path, limit: int) -> bytes | None:
-    """The bytes of ``path``, or None when it holds more than ``limit`` (never more is read: a device or
-    an endless stream named as an image cannot exhaust memory)."""
-    with open(path, "rb") as f:
+@dataclass(frozen=True)
+class _Place:
+    """Where the files an import reads may lie: ``root`` (SRC, or a table's folder) and ``allowed``."""
+
+    root: Path
+    allowed: tuple[Path, ...] = ()
+
+    def check(self, path: Path, what: str = "the file") -> Path:
+        """The real path of ``path``; raises ``_Refused`` for a symbolic link or a path outside the
+        root, unless its real path lies in an allowed folder."""
+        real = Path(os.path.realpath(path))
+        if any(real.is_relative_to(a) for a in self.allowed):
+            return real
+        if Path(os.path.abspath(path)) != real:
+            raise _Refused(
+                "not_a_regular_file",
+                f"{what} {path.name} is a symbolic link (or lies under one) to {real}: copy the file "
+                "into the source folder, or pass --allow-outside with the folder it points into",
+            )
+        if not real.is_relative_to(self.root):
+            raise _Refused(
+                "outside_source",
+                f"{what} {real} lies outside {self.root}: copy it there, or pass --allow-outside "
+                "with its folder",
+            )
+        return real
+
+
+def read_regular(path: Path, limit: int, what: str = "the file") -> bytes | None:
+    """The bytes of ``path``, or None when it holds more than ``limit`` (never more is read), read only
+    when it is a regular file with one name (opened without following a symbolic link, so a FIFO or a
+    device cannot block or exhaust memory); raises ``_Refused`` otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Refused("not_a_regular_file", f"{what} {path.name} is not a regular file")
+        if st.st_nlink > 1:
+            raise _Refused(
+                "not_a_regular_file",
+                f"{what} {path.name} is a hard link ({st.st_nlink} names, some maybe outside the source "
+                "folder): copy it so that it has one name",
+            )
         data = f.read(limit + 1)
     return None if len(data) > limit else data
 
 
-def _read_sidecar(path: Path, what: str) -> bytes:
+def _open_error(path: Path, what: str, exc: OSError, reason: str) -> _Refused:
+    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link that appeared after the check
+        return _Refused("not_a_regular_file", f"{what} {path.name} is a symbolic link")
+    return _Refused(reason, f"cannot read {what} {path.name}: {exc}")
+
+
+def _read_sidecar(path: Path, what: str, limit: int, place: _Place) -> bytes:
+    real = place.check(path, f"the {what} file")
     try:
-        data = read_bounded(path, MAX_SIDECAR_BYTES)
+        data = read_regular(real, limit, f"the {what} file")
     except OSError as exc:
-        raise _Refused("sidecar_unreadable", f"cannot read the {what} file {path.name}: {exc}") from exc
+        raise _open_error(path, f"the {what} file", exc, "sidecar_unreadable") from exc
     if data is None:
-        raise _Refused("sidecar_unreadable", f"the {what} file {path.name} is over {MAX_SIDECAR_BYTES} bytes")
+        reason = "caption_too_large" if what == "caption" else "sidecar_unreadable"
+        raise _Refused(reason, f"the {what} file {path.name} is over {limit} bytes")
     return data
 
 
-def _read_caption(candidate: _Candidate) -> str:
+def _read_caption(candidate: _Candidate, place: _Place) -> str:
     if candidate.caption_file is None and candidate.caption is None:
         assert candidate.path is not None
         raise _Refused("caption_missing", f"no caption file {candidate.path.stem}{CAPTION_EXT} beside it")
     if candidate.caption_file is not None:
-        data = _read_sidecar(candidate.caption_file, "caption")
+        data = _read_sidecar(candidate.caption_file, "caption", MAX_CAPTION_BYTES, place)
         try:
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
@@ -414,13 +472,15 @@ def _read_caption(candidate: _Candidate) -> str:
     text = text.strip()
     if not text:
         raise _Refused("caption_empty", "the caption is empty")
+    if len(text.encode("utf-8")) > MAX_CAPTION_BYTES:
+        raise _Refused("caption_too_large", f"the caption is over {MAX_CAPTION_BYTES} bytes")
     return text
 
 
-def _read_metadata(candidate: _Candidate) -> dict[str, Any] | None:
+def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | None:
     if candidate.metadata_file is None:
         return None
-    data = _read_sidecar(candidate.metadata_file, "metadata")
+    data = _read_sidecar(candidate.metadata_file, "metadata", MAX_SIDECAR_BYTES, place)
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -442,15 +502,16 @@ def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
     return next(s for s, f in zip(reversed(SPLITS), reversed(fractions), strict=True) if f > 0)
 
 
-def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
+def _inspect(candidate: _Candidate, settings: ImportSettings, place: _Place) -> dict[str, Any]:
     """The plan item of one candidate (raises ``_Refused``)."""
     if candidate.refused:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
+    real = place.check(candidate.path)
     try:
-        data = read_bounded(candidate.path, settings.max_image_bytes)
+        data = read_regular(real, settings.max_image_bytes)
     except OSError as exc:
-        raise _Refused("image_unreadable", f"cannot read the file: {exc}") from exc
+        raise _open_error(candidate.path, "the file", exc, "image_unreadable") from exc
     if data is None:
         raise _Refused("image_too_large", f"over max_image_bytes {settings.max_image_bytes}")
     if not data:
@@ -458,13 +519,13 @@ def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
     info = probe_image(data)
     if info["format"] not in KEPT_FORMATS:
         stored_image(data, info["format"])  # refuses a mode that cannot be stored
-    caption = _read_caption(candidate)
-    metadata = _read_metadata(candidate)
+    caption = _read_caption(candidate, place)
+    metadata = _read_metadata(candidate, place)
     sha = hashlib.sha256(data).hexdigest()
     return {
         "key": settings.key_prefix + sha[:KEY_HEX],
         "split": split_of(sha[:KEY_HEX], settings.seed, settings.split),
-        "path": str(candidate.path.resolve()),
+        "path": str(real),
         "source": candidate.listed or candidate.source,
         "row": candidate.row,
         "caption": caption,
@@ -478,16 +539,21 @@ def _inspect(candidate: _Candidate, settings: ImportSettings) -> dict[str, Any]:
 
 
 def _plan(
-    src: Path, out: Path, settings: ImportSettings, progress: Callable[..., Iterator[Any]]
+    src: Path,
+    out: Path,
+    settings: ImportSettings,
+    progress: Callable[..., Iterator[Any]],
+    allowed: tuple[Path, ...] = (),
 ) -> dict[str, Any]:
     candidates = _candidates(src, out, settings)
+    place = _Place(src.parent if settings.source_format == "table" else src, allowed)
     items: list[dict[str, Any]] = []
     refused: list[dict[str, str]] = []
     duplicates: list[dict[str, str]] = []
     first_of: dict[str, str] = {}
     for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
         try:
-            item = _inspect(candidate, settings)
+            item = _inspect(candidate, settings, place)
         except _Refused as refusal:
             message = (
                 refusal.message
@@ -532,8 +598,8 @@ def _portable(item: dict[str, Any]) -> dict[str, Any]:
 def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
     path = Path(item["path"])
     try:
-        data = read_bounded(path, item["size"])
-    except OSError as exc:
+        data = read_regular(path, item["size"])
+    except (OSError, _Refused) as exc:
         raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
     if data is None or hashlib.sha256(data).hexdigest() != item["sha256"]:
         raise DataImportError(f"{path} changed while it was being imported; run the import again")
@@ -622,11 +688,14 @@ def import_images(
     settings: ImportSettings | None = None,
     *,
     progress: bool = True,
+    allow_outside: Sequence[str | os.PathLike[str]] = (),
 ) -> ImportResult:
     """Import ``src`` into shards under ``out`` (see the module docstring); resumes a killed import.
 
     Raises :class:`DataImportError` for a bad source, settings or output folder, or an ``out`` that holds
     a finished import of other input. Nothing imported is not an error here: see ``ImportResult.imported``.
+    ``allow_outside``: folders whose files may be read although they lie outside SRC (or are reached
+    through a symbolic link).
     """
     from compat.io import write_json_atomic
     from compat.progress import track
@@ -637,6 +706,11 @@ def import_images(
     if src_path == out_path:
         raise DataImportError("--out must be another folder than the source")
     report, pending = _check_out_dir(out_path)
+    allowed = []
+    for folder in allow_outside:
+        if not Path(folder).is_dir():
+            raise DataImportError(f"--allow-outside {folder} is not a folder; name an existing folder")
+        allowed.append(Path(os.path.realpath(folder)))
 
     def quiet(items: Any, *_: Any, **__: Any) -> Any:
         return items
@@ -645,7 +719,7 @@ def import_images(
         (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
     )
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = _plan(src_path, out_path, settings, show)
+    plan = _plan(src_path, out_path, settings, show, tuple(allowed))
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     if report is not None:
         if report.get("plan_sha256") == plan["digest"] and all(

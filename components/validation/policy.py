@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from compat.data.importer import MAX_CAPTION_BYTES
+
 
 def _default_quantile_ranges() -> dict[str, list]:
     return {"quantiles": [0.05, 0.5, 0.95], "value_ranges": [[1, None], [3, 500], [None, 1000]]}
@@ -44,7 +46,7 @@ class ValidationPolicy:
     max_problems_listed: int = 1000
     max_caption_tokens: int = 77  # the text tower's context: CLIP BPE tokens, start and end included
     max_over_context_fraction: float = 0.1  # share of captions cut at the context that still passes
-    max_caption_bytes: int = 64 * 1024  # members read only when their tar header declares at most this
+    max_caption_bytes: int = MAX_CAPTION_BYTES  # read only when the tar header declares at most this
     max_metadata_bytes: int = 1 << 20
     max_image_bytes: int = 32 << 20
     max_other_member_bytes: int = 32 << 20

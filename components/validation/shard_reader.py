@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compat.data.importer import MAX_CAPTION_BYTES
+
 BLOCK = tarfile.BLOCKSIZE
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
 
@@ -54,7 +56,7 @@ MiB = 1 << 20
 class MemberLimits:
     """Largest member read, by extension, from the tar header before any byte of it is read."""
 
-    caption_bytes: int = 64 * 1024
+    caption_bytes: int = MAX_CAPTION_BYTES  # the importer's bound too
     metadata_bytes: int = 1 * MiB
     image_bytes: int = 32 * MiB
     other_bytes: int = 32 * MiB

@@ -100,6 +100,14 @@ def import_(
     max_image_bytes: Annotated[
         int, typer.Option(min=1, help="Larger image files are refused (the validation policy's default).")
     ] = 32 * 1024 * 1024,
+    allow_outside: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--allow-outside",
+            help="A folder outside SRC whose files may be read (table paths, symbolic links into it); "
+            "repeatable. Without it every file read must be a regular file inside SRC.",
+        ),
+    ] = None,
 ) -> None:
     """Turn images with captions into webdataset shards split train/eval/gallery; print import.json's counts.
 
@@ -129,7 +137,7 @@ def import_(
             path_column=path_column,
             caption_column=caption_column,
         )
-        result = import_images(src, out, settings)
+        result = import_images(src, out, settings, allow_outside=allow_outside or ())
     except DataImportError as exc:
         fail(str(exc))
     report = result.report
