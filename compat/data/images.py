@@ -1,17 +1,28 @@
-"""Image decoding to RGB, one way for every reader (validation, training, indexing, search); resize modes.
+"""Image decoding to RGB, one bounded way for every reader (validation, drift, training, indexing, search).
 
 :func:`decode_rgb` turns the bytes of any image PIL reads into an 8-bit RGB image: EXIF orientation applied,
 transparency (RGBA, LA, PA, palette or single-colour ``tRNS`` transparency) composited onto a background
 (white by default), 16-bit and 32-bit integer greyscale scaled to 8 bits (not clipped), CMYK, palette,
-bilevel and greyscale converted. Resizing belongs to the model's preprocessing; :data:`RESIZE_MODES` are
-open_clip's own (``open_clip.transform.image_transform``), :data:`DEFAULT_RESIZE_MODE` keeps the
-shortest-side resize and centre crop CLIP models were always trained with here.
+bilevel and greyscale converted.
+
+It is bounded in memory: the size the header declares is checked before a pixel is decoded (above
+``max_pixels``, default :data:`MAX_PIXELS`, :class:`ImageTooLargeError`), and a caller that needs only
+``size`` pixels on the short side gets no more: a JPEG is decoded by libjpeg at 1/2, 1/4 or 1/8 scale
+(``draft``: every byte is still read, so a truncated file still fails), any other format is decoded once and
+scaled down. The upright size of the original is kept in the result's ``info["original_size"]``.
+
+Resizing to the model input belongs to the model's preprocessing; :data:`RESIZE_MODES` are open_clip's own
+(``open_clip.transform.image_transform``), :data:`DEFAULT_RESIZE_MODE` keeps the shortest-side resize and
+centre crop CLIP models were always trained with here.
 """
 
 from __future__ import annotations
 
 import io
+import re
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,10 +34,76 @@ RESIZE_MODES = ("shortest", "longest", "squash")
 DEFAULT_RESIZE_MODE = "shortest"
 _TRANSPARENT_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+# The most pixels any reader decodes (validation.max_pixels may only lower it): 40 megapixels, a 7,700 x 5,200
+# camera photo, 120 MB as RGB; PIL warns at 89 and refuses at 179 megapixels.
+MAX_PIXELS = 40_000_000
+_ORIENTATION = 0x0112
+_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
 class ImageDecodeError(ValueError):
     """The bytes are not an image PIL can read, or its mode has no conversion to RGB."""
+
+
+class ImageTooLargeError(ImageDecodeError):
+    """The header declares more pixels than allowed; nothing was decoded."""
+
+    def __init__(self, pixels: int | None, max_pixels: int, size: tuple[int, int] | None = None) -> None:
+        self.pixels, self.max_pixels, self.size = pixels, max_pixels, size
+        what = (
+            f"{size[0]}x{size[1]} ({size[0] * size[1] / 1e6:.1f} megapixels)"
+            if size
+            else f"{pixels / 1e6:.1f} megapixels"
+            if pixels
+            else "over PIL's decompression-bomb limit"
+        )
+        super().__init__(
+            f"the image is {what}, above max_pixels {max_pixels:,} ({max_pixels / 1e6:g} megapixels); "
+            "not decoded (import it with --max-side to store it smaller)"
+        )
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image's header declares (nothing decoded): format, mode and stored size."""
+
+    format: str
+    mode: str
+    width: int
+    height: int
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+
+def _open(data: bytes, formats: Sequence[str] | None, max_pixels: int | None) -> Image.Image:
+    """Open ``data`` lazily (header only); raise :class:`ImageTooLargeError` above ``max_pixels``."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # max_pixels is the bound here
+            image = Image.open(io.BytesIO(data), formats=list(formats) if formats else None)
+    except Image.DecompressionBombError as exc:
+        found = _BOMB_PIXELS.search(str(exc))
+        limit = max_pixels or 2 * int(Image.MAX_IMAGE_PIXELS or 0)
+        raise ImageTooLargeError(int(found.group(1)) if found else None, limit) from exc
+    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ImageDecodeError(f"cannot decode the image: {detail}") from exc
+    if max_pixels is not None and image.width * image.height > max_pixels:
+        raise ImageTooLargeError(image.width * image.height, max_pixels, image.size)
+    return image
+
+
+def read_header(
+    data: bytes, formats: Sequence[str] | None = IMAGE_FORMATS, max_pixels: int | None = None
+) -> ImageHeader:
+    """The header of ``data`` without decoding a pixel; :class:`ImageTooLargeError` above ``max_pixels``
+    (None: PIL's own limit), :class:`ImageDecodeError` when it is not an image."""
+    with _open(data, formats, max_pixels) as image:
+        return ImageHeader(str(image.format), image.mode, image.width, image.height)
 
 
 def check_resize_mode(value: object, where: str) -> str:
@@ -55,33 +132,58 @@ def decode_rgb(
     data: bytes | Image.Image,
     background: Sequence[int] = WHITE,
     formats: Sequence[str] | None = IMAGE_FORMATS,
+    *,
+    size: int | None = None,
+    max_pixels: int | None = MAX_PIXELS,
 ) -> Image.Image:
-    """Decode image bytes (or convert an opened PIL image) to an 8-bit RGB image (see the module doc).
+    """Decode image bytes (or convert an opened, not yet loaded PIL image) to 8-bit RGB (see the module doc).
 
-    ``formats`` limits the decoders PIL may try (None: any it has). Raises :class:`ImageDecodeError`.
+    ``size``: the short side the caller needs (the model input; None: full size); a larger image comes back
+    with exactly that short side, a smaller one as it is. ``max_pixels`` bounds the header's size before
+    decoding (None: PIL's own limit). ``formats`` limits the decoders PIL may try (None: any it has).
+    Raises :class:`ImageTooLargeError` above ``max_pixels``, :class:`ImageDecodeError` for anything else.
     """
     from PIL import Image, ImageOps
 
     background = check_background(background, "decode_rgb")
+    if size is not None and size < 1:
+        raise ValueError(f"decode_rgb: size must be a positive number of pixels, got {size}")
+    if isinstance(data, Image.Image):
+        image = data
+        if max_pixels is not None and image.width * image.height > max_pixels:
+            raise ImageTooLargeError(image.width * image.height, max_pixels, image.size)
+    else:
+        image = _open(data, formats, max_pixels)
+    stored = image.size
     try:
-        if isinstance(data, Image.Image):
-            image = data
-        else:
-            image = Image.open(io.BytesIO(data), formats=list(formats) if formats else None)
+        if size is not None and image.format in ("JPEG", "MPO") and min(stored) > size:
+            scale = size / min(stored)  # libjpeg scales by 1/2, 1/4 or 1/8 and never below this request
+            image.draft(None, (max(1, int(stored[0] * scale)), max(1, int(stored[1] * scale))))
         image.load()
-    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, ...
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ImageDecodeError(f"cannot decode the image: {detail}") from exc
     try:
-        image = ImageOps.exif_transpose(image) or image
+        orientation = int(image.getexif().get(_ORIENTATION, 1))
     except Exception:  # a malformed EXIF block: keep the stored orientation
+        orientation = 1
+    upright = (stored[1], stored[0]) if orientation in (5, 6, 7, 8) else stored
+    try:
+        image = ImageOps.exif_transpose(image) or image
+    except Exception:
         pass
     try:
-        return _to_rgb(image, background)
+        rgb = _to_rgb(image, background)
     except ImageDecodeError:
         raise
     except Exception as exc:
         raise ImageDecodeError(f"cannot convert an image of mode {image.mode!r} to RGB: {exc}") from exc
+    if size is not None and min(rgb.size) > size:
+        scale = size / min(rgb.size)
+        target = tuple(size if v == min(rgb.size) else max(1, round(v * scale)) for v in rgb.size)
+        rgb = rgb.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    rgb.info["original_size"] = upright
+    return rgb
 
 
 def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:

@@ -4,7 +4,8 @@ Shards come from local paths, globs, brace patterns or fsspec URLs (:func:`expan
 :class:`ShardStream` visits them in a deterministic per-(seed, epoch) order, reads them with
 tarfile and webdataset's key grouper (:func:`compat.data.shards.iter_raw_samples`) and decodes
 samples with webdataset's decoder (images to 8-bit RGB by :func:`compat.data.images.decode_rgb`, with
-transparency on a white background unless told otherwise; ``.txt`` and ``.json`` only; nothing is ever
+transparency on a white background unless told otherwise, at most :data:`compat.data.images.MAX_PIXELS`
+and no larger than the ``image_size`` the reader asks for; ``.txt`` and ``.json`` only; nothing is ever
 unpickled). Its :attr:`ShardStream.position` is the position after the last
 sample yielded; a stream built with that position continues with exactly the next sample,
 passing over the already-consumed members of the current shard without decoding them.
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from compat.data.images import WHITE, ImageDecodeError, check_background, decode_rgb
+from compat.data.images import MAX_PIXELS, WHITE, ImageDecodeError, check_background, decode_rgb
 from compat.data.shards import ShardError, is_local, iter_raw_samples, local_path, refuse_pipe
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ def expand_urls(spec: str | Sequence[str]) -> list[str]:
 
 @dataclass
 class Sample:
-    """A decoded sample: PIL RGB image, its caption (``.txt``), all captions, the ``.json`` metadata."""
+    """A decoded sample: PIL RGB image, its caption (``.txt``), all captions, the ``.json`` metadata, and the
+    upright size of the stored image (the image itself may be decoded smaller)."""
 
     key: str
     image: Image.Image
@@ -102,6 +104,7 @@ class Sample:
     captions: list[str]
     meta: dict[str, Any]
     shard: str
+    original_size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,9 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> l
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n_shards)]
 
 
-def _decoder(background: Sequence[int] = WHITE) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def _decoder(
+    background: Sequence[int] = WHITE, image_size: int | None = None, max_pixels: int | None = MAX_PIXELS
+) -> Callable[[dict[str, Any]], dict[str, Any]]:
     from webdataset import autodecode
 
     background = check_background(background, "shard reader")
@@ -149,7 +154,7 @@ def _decoder(background: Sequence[int] = WHITE) -> Callable[[dict[str, Any]], di
         ext = key.rsplit(".", 1)[-1].lower()
         if ext in IMAGE_EXTS:
             try:
-                return decode_rgb(data, background)
+                return decode_rgb(data, background, size=image_size, max_pixels=max_pixels)
             except ImageDecodeError as exc:
                 raise ValueError(str(exc)) from exc
         if ext == "txt":
@@ -189,16 +194,19 @@ def decode_sample(
         raise LoaderError(f"shard {shard}, key {key!r}: no caption (.txt member or json 'caption')")
     if not isinstance(captions, list) or not captions or not all(isinstance(c, str) for c in captions):
         captions = [caption]
-    return Sample(key=key, image=image, caption=caption, captions=list(captions), meta=meta, shard=shard)
+    size = image.info.get("original_size")
+    return Sample(key, image, caption, list(captions), meta, shard, tuple(size) if size else image.size)
 
 
 class ShardStream:
     """Iterable of :class:`Sample` over shards, with a deterministic shard order and a resumable position.
 
     ``epochs=None`` repeats forever. Images are decoded by :func:`compat.data.images.decode_rgb`
-    (transparency onto ``background``). Shard order is :func:`shard_order` per (seed, epoch); samples
-    keep their order inside a shard. Iterating again (a second ``iter()``) continues from
-    :attr:`position`; build a new stream with ``position=`` to resume in another process.
+    (transparency onto ``background``), to ``image_size`` on the short side when larger (None: full size;
+    a JPEG is decoded at a reduced scale), refused above ``max_pixels``. Shard order is
+    :func:`shard_order` per (seed, epoch); samples keep their order inside a shard. Iterating again (a
+    second ``iter()``) continues from :attr:`position`; build a new stream with ``position=`` to resume
+    in another process.
     """
 
     def __init__(
@@ -210,6 +218,8 @@ class ShardStream:
         epochs: int | None = 1,
         position: StreamPosition | dict[str, int] | None = None,
         background: Sequence[int] = WHITE,
+        image_size: int | None = None,
+        max_pixels: int | None = MAX_PIXELS,
     ) -> None:
         self.urls = expand_urls(urls)
         self.shuffle_shards = shuffle_shards
@@ -224,7 +234,7 @@ class ShardStream:
             raise ValueError(
                 f"position shard_index {self.position.shard_index} is past the {len(self.urls)} shards"
             )
-        self._decoder = _decoder(background)
+        self._decoder = _decoder(background, image_size, max_pixels)
 
     def order(self, epoch: int) -> list[str]:
         """Shard URLs in the order epoch ``epoch`` visits them."""
@@ -335,15 +345,29 @@ class CaptionedSet:
         return len(self.keys)
 
 
-def load_captioned_set(urls: str | Sequence[str], background: Sequence[int] = WHITE) -> CaptionedSet:
+def load_captioned_set(
+    urls: str | Sequence[str],
+    background: Sequence[int] = WHITE,
+    image_size: int | None = None,
+    max_pixels: int | None = MAX_PIXELS,
+) -> CaptionedSet:
     """Read every sample of ``urls`` (in spec order, shards unshuffled) into a :class:`CaptionedSet`
-    (images decoded by :func:`compat.data.images.decode_rgb`, transparency onto ``background``).
+    (images decoded by :func:`compat.data.images.decode_rgb`, transparency onto ``background``, to
+    ``image_size`` on the short side when larger: give the model input so the set holds no more).
 
     Raises :class:`LoaderError` on a duplicate key.
     """
     out = CaptionedSet([], [], [], [])
     seen: dict[str, str] = {}
-    for sample in ShardStream(urls, shuffle_shards=False, epochs=1, background=background):
+    stream = ShardStream(
+        urls,
+        shuffle_shards=False,
+        epochs=1,
+        background=background,
+        image_size=image_size,
+        max_pixels=max_pixels,
+    )
+    for sample in stream:
         if sample.key in seen:
             raise LoaderError(f"key {sample.key!r} appears twice: in {seen[sample.key]} and {sample.shard}")
         seen[sample.key] = sample.shard

@@ -7,7 +7,6 @@ Every reason a sample can be quarantined for is listed in :data:`REASONS`; the o
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTENSION = "txt"
 METADATA_EXTENSION = "json"
 _PIL_FORMATS = ("JPEG", "PNG", "WEBP")
+_CHECK_SIZE = 64  # the short side a within-bounds image is decoded to when checked
 
 REASONS: dict[str, str] = {
     # Python checks (this module)
@@ -31,6 +31,7 @@ REASONS: dict[str, str] = {
     "image_multiple": "the sample has more than one image member",
     "image_empty": "the image member is empty (0 bytes)",
     "image_undecodable": "the image member cannot be decoded as JPEG, PNG or WebP",
+    "image_pixels": "the image header declares more pixels (width x height) than the policy's max_pixels",
     "caption_not_utf8": "the caption member is not valid UTF-8",
     "metadata_not_json": "the metadata member is not a JSON document",
     "metadata_schema": "the metadata breaks schemas/sample.schema.json",
@@ -159,9 +160,7 @@ def inspect_sample(
         image = images[0]
         facts["image_member"], facts["image_bytes"] = image.name, len(image.data)
         if not image.truncated:
-            facts["width"], facts["height"], problem = _check_image(
-                image, policy.max_width, policy.max_height
-            )
+            facts["width"], facts["height"], problem = _check_image(image, policy)
             if problem:
                 reasons.append(problem)
         timings.decode_s += time.perf_counter() - start
@@ -206,29 +205,29 @@ def unsafe_member_problem(member: Member) -> str | None:
     return None
 
 
-def _check_image(
-    member: Member, max_width: int, max_height: int
-) -> tuple[int | None, int | None, Reason | None]:
+def _check_image(member: Member, policy: ValidationPolicy) -> tuple[int | None, int | None, Reason | None]:
     """Read the image size from its header and, when within bounds, decode it to RGB as every reader does
     (:func:`compat.data.images.decode_rgb`: orientation applied, so the size is the upright one).
 
-    The size bounds themselves are the suite's (``image_size``); an image beyond them is never decoded.
+    An image over ``policy.max_pixels`` is quarantined here (``image_pixels``) and one beyond the width and
+    height bounds by the suite (``image_size``); neither is decoded. Within bounds it is decoded at a small
+    size: JPEGs at 1/8 scale (libjpeg still reads every byte, so a cut-off file fails), others once.
     """
     if not member.data:
         return None, None, Reason("image_empty", f"image {member.name!r} is empty (0 bytes)")
-    import warnings
-
-    from PIL import Image
-
-    from compat.data.images import ImageDecodeError, decode_rgb
+    from compat.data.images import ImageDecodeError, ImageTooLargeError, decode_rgb, read_header
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size bounds come first
-            with Image.open(io.BytesIO(member.data), formats=_PIL_FORMATS) as image:
-                width, height = image.size
-                if width <= max_width and height <= max_height:
-                    width, height = decode_rgb(image).size
+        header = read_header(member.data, _PIL_FORMATS, max_pixels=policy.max_pixels)
+        width, height = header.width, header.height
+        if width <= policy.max_width and height <= policy.max_height:
+            decoded = decode_rgb(
+                member.data, formats=_PIL_FORMATS, size=_CHECK_SIZE, max_pixels=policy.max_pixels
+            )
+            width, height = decoded.info["original_size"]
+    except ImageTooLargeError as exc:
+        width, height = exc.size or (None, None)
+        return width, height, Reason("image_pixels", f"image {member.name!r}: {exc}")
     except ImageDecodeError as exc:
         return None, None, Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {exc}")
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)

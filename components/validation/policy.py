@@ -33,9 +33,10 @@ class ValidationPolicy:
 
     max_quarantined_fraction: float = 0.05
     min_width: int = 16
-    max_width: int = 4096
+    max_width: int = 16384
     min_height: int = 16
-    max_height: int = 4096
+    max_height: int = 16384
+    max_pixels: int = 40_000_000  # width x height from the header, before decoding (MAX_PIXELS at most)
     min_caption_chars: int = 1
     max_caption_chars: int = 1000
     min_samples: int = 1
