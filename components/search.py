@@ -13,6 +13,7 @@ from typing import Any
 
 from components.rollout.serving import ServingError
 from components.rollout.types import QueryEncoder
+from components.serving.limits import check_search
 
 
 class Searcher:
@@ -44,8 +45,7 @@ class Searcher:
             raise ServingError(
                 f"empty query text (position {empty[:5] or 'none given'}): give words to search for"
             )
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        check_search(texts, k)  # k, number and length of queries: the service's bounds
         fields = ("source_uri",) if captions else ()
         texts = list(texts)
         hits, _ = self._follower.answer(lambda p: p.search(texts, k, filter=filter, output_fields=fields))

@@ -3,6 +3,7 @@ server, following staged and blue-green rollouts and a rollback while queries ke
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -368,6 +369,58 @@ def test_search_command_prints_captions(gallery, capsys) -> None:
         with pytest.raises(typer.Exit) as refused:
             _check_host(wildcard)
         assert refused.value.exit_code == 2 and "every interface is refused" in capsys.readouterr().err
+
+
+def _raw_post(port: int, head: bytes, chunks: list[bytes] = ()) -> bytes:
+    """Send a request head and body chunks on a raw socket; return what the service answers (until close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head)
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:  # the service answered and closed while the body was still being sent
+            pass
+        answer = b""
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                answer += data
+    return answer
+
+
+def test_every_search_bound_is_refused_before_the_work(gallery, service) -> None:
+    """k, queries per request and characters per query are 422s naming the field (the CLI refuses the same
+    k); a body over the limit is a 413 answered before it is read, declared or chunked."""
+    from components.serving.limits import MAX_BODY_BYTES, MAX_K, MAX_QUERIES, MAX_QUERY_CHARS
+
+    paths, _, uri = gallery
+    client = Client(service.port)
+    text = UPGRADE.query_texts[0]
+    for bad, field in (
+        ({"queries": [text], "k": MAX_K + 1}, "k"),
+        ({"queries": [text] * (MAX_QUERIES + 1), "k": 3}, "queries"),
+        ({"queries": [text, "x" * (MAX_QUERY_CHARS + 1)], "k": 3}, "queries.1"),
+    ):
+        status, body = client.json("POST", "/search", bad)
+        assert status == 422 and body["detail"].startswith(field), body
+    status, body = client.json("POST", "/search", {"queries": [text], "k": MAX_K})
+    assert status == 200 and len(body["results"][0]) == N, body  # k beyond the gallery: the gallery
+    t0 = time.monotonic()
+    head = b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    answer = _raw_post(service.port, head + b"Content-Length: 104857600\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"over the limit of 1048576 bytes" in answer and time.monotonic() - t0 < 5
+    chunk = b"x" * 65536
+    body_chunks = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (2 * MAX_BODY_BYTES // len(chunk))
+    answer = _raw_post(service.port, head + b"Transfer-Encoding: chunked\r\n\r\n", body_chunks)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    status, body = client.json("POST", "/search", {"queries": [text], "k": 3})
+    assert status == 200  # the service goes on
+    client.close()
+    argv = [sys.executable, "-m", "pipelines.cli", "search", text, "-k", "1000000000", "--uri", uri]
+    argv += ["--workspace", str(paths.serving.parent)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "k must be between 1 and 1000, got 1000000000" in out.stderr, out.stderr
 
 
 def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:

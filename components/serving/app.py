@@ -3,7 +3,9 @@
 ``POST /search`` takes ``{"queries": [...], "k": N, "phases": [...]?}`` and answers
 ``{"results": [[{"id", "score", "caption", "model_version"}, ...], ...], "model_version", "collection"}``:
 one list per query, best first, every query of a request answered by the same serving pair
-(:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field.
+(:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field; the bounds
+(:mod:`components.serving.limits`) are 422s too, and a body over ``MAX_BODY_BYTES`` is a 413 answered before
+the body is read (a ``Content-Length`` over it) or as soon as the bytes received pass it (a chunked body).
 ``/metrics`` is Prometheus text: query latency histogram, queries and errors, the serving model version and
 collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1 (read from the
 rollout state when scraped).
@@ -13,17 +15,19 @@ annotations, and the model is defined inside :func:`create_app` so that pydantic
 """
 
 import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from components.serving.limits import MAX_BODY_BYTES, MAX_K, MAX_QUERIES, MAX_QUERY_CHARS
 
 log = logging.getLogger(__name__)
 
-MAX_K = 1000
-MAX_QUERIES = 256
+CLOSE = {"Connection": "close"}  # an unread body is not drained: the connection ends with the answer
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -69,6 +73,58 @@ class _RolloutCollector:
             )
             probe.add_metric(values, float(last))
             yield probe
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 without being read (declared by
+    ``Content-Length``) or as soon as the bytes received pass the limit (a chunked body); the connection is
+    closed after the answer."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    def _detail(self, what: str) -> str:
+        return f"request body {what}, over the limit of {self.limit} bytes: send fewer or shorter queries"
+
+    async def _refuse(self, send: Any, what: str) -> None:
+        body = json.dumps({"detail": self._detail(what)}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from starlette.exceptions import HTTPException
+
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(send, f"of {declared.decode(errors='replace')} bytes")
+            return
+        received, started = 0, False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:  # an HTTPException passes FastAPI's body parsing as it is
+                    raise HTTPException(413, self._detail(f"of more than {received} bytes"), CLOSE)
+            return message
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, watched_send)
+        except HTTPException as exc:  # raised outside a route (no handler answered it)
+            if exc.status_code != 413 or started:
+                raise
+            await self._refuse(send, f"of more than {received} bytes")
 
 
 def create_app(
@@ -140,10 +196,13 @@ def create_app(
         follow.close()
 
     app = FastAPI(title="compatflow search", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     app.state.follower = follow
 
     class SearchRequest(BaseModel):
-        queries: list[str] = Field(min_length=1, max_length=MAX_QUERIES, description="Query texts.")
+        queries: list[Annotated[str, Field(max_length=MAX_QUERY_CHARS)]] = Field(
+            min_length=1, max_length=MAX_QUERIES, description="Query texts."
+        )
         k: int = Field(10, ge=1, le=MAX_K, description="Hits per query.")
         phases: list[int] | None = Field(None, description="Only items of these data phases.")
 

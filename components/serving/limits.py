@@ -1,0 +1,32 @@
+"""The bounds of a search, the same in the library (:class:`components.search.Searcher`), the CLI and the
+HTTP service: hits per query, queries per request, characters per query, bytes per request body.
+
+The text tower reads 77 tokens; a query of more than a few thousand characters says nothing more and only
+costs tokenizer time and memory, so it is refused rather than cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_K = 1000  # hits per query
+MAX_QUERIES = 256  # query texts per request
+MAX_QUERY_CHARS = 2048  # characters per query text
+MAX_BODY_BYTES = 1 << 20  # bytes of a POST /search body (413 beyond, before the body is read)
+
+
+class QueryBoundError(ValueError):
+    """A search asked for more than a bound allows; the message names the field and the bound."""
+
+
+def check_search(texts: Sequence[str], k: int) -> None:
+    """Raise :class:`QueryBoundError` naming ``k`` or ``queries`` when a search exceeds a bound."""
+    if not 1 <= k <= MAX_K:
+        raise QueryBoundError(f"k must be between 1 and {MAX_K}, got {k}")
+    if len(texts) > MAX_QUERIES:
+        raise QueryBoundError(f"queries: {len(texts)} texts, at most {MAX_QUERIES} per search")
+    long = [i for i, text in enumerate(texts) if len(text) > MAX_QUERY_CHARS]
+    if long:
+        raise QueryBoundError(
+            f"queries{long[:5]}: over {MAX_QUERY_CHARS} characters (the text tower reads 77 tokens)"
+        )
