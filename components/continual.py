@@ -274,12 +274,28 @@ def run_continual(
     replay = replay_buffer_size > 0 and method_used in ("modx", "finetune")
     if replay:
         earlier = replay_urls or [phase_urls(stream, q, "train", manifest) for q in range(phase)]
-        buffer = ReplayBuffer.from_phases(earlier, replay_buffer_size, seed=seed)
+        buffer = ReplayBuffer.from_phases(
+            earlier, replay_buffer_size, seed=seed, image_size=student.image_size
+        )
         source = ReplayBatchSource(
-            urls, buffer, batch_size, replay_rows, student.preprocess_train, student.tokenizer, seed=seed
+            urls,
+            buffer,
+            batch_size,
+            replay_rows,
+            student.preprocess_train,
+            student.tokenizer,
+            seed=seed,
+            image_size=student.image_size,
         )
     else:
-        source = ShardBatchSource(urls, batch_size, student.preprocess_train, student.tokenizer, seed=seed)
+        source = ShardBatchSource(
+            urls,
+            batch_size,
+            student.preprocess_train,
+            student.tokenizer,
+            seed=seed,
+            image_size=student.image_size,
+        )
     config = TrainConfig(
         steps=steps,
         batch_size=batch_size,
@@ -330,7 +346,7 @@ def run_continual(
     sets = []
     for q in range(phase + 1):
         urls_q = phase_urls(stream, q, "eval", manifest)
-        data = load_captioned_set(urls_q)
+        data = load_captioned_set(urls_q, image_size=student.image_size)
         if len(data) < 2:
             raise ContinualError(
                 f"phase {q}'s eval split ({urls_q}) holds {len(data)} samples; retrieval "

@@ -74,6 +74,7 @@ class SampleStats:
 
 EMBEDDING_PLOT_POINTS = 250  # per side, in the t-SNE picture of the HTML report
 EMBEDDING_PLOT_ITERATIONS = 250  # scikit-learn's minimum
+STATISTICS_IMAGE_SIZE = 128  # short side the image statistics are computed at (larger pictures scaled down)
 
 
 @contextmanager
@@ -108,8 +109,12 @@ def severity_for(score: float, method: str) -> str:
     return SEVERITIES[-1]
 
 
-def image_statistics(image: Any) -> dict[str, Any]:
-    """Size, brightness, contrast, saturation, edge density and dominant hue of a PIL image."""
+def image_statistics(image: Any, original_size: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Size, brightness, contrast, saturation, edge density and dominant hue of a PIL image.
+
+    ``original_size`` is the stored picture's size when ``image`` was decoded smaller (the statistics other
+    than the size are those of ``image``: every sample is decoded to the same short side).
+    """
     rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     grey = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
     maxc, minc = rgb.max(axis=2), rgb.min(axis=2)
@@ -118,9 +123,10 @@ def image_statistics(image: Any) -> dict[str, Any]:
     mean_rgb = rgb.reshape(-1, 3).mean(axis=0)
     hue, sat, _ = colorsys.rgb_to_hsv(*mean_rgb.tolist())
     hue_name = "grey" if sat < 0.15 else HUE_NAMES[int(((hue * 360 + 22.5) % 360) // 45)]
+    width, height = original_size or (rgb.shape[1], rgb.shape[0])
     return {
-        "image_width": int(rgb.shape[1]),
-        "image_height": int(rgb.shape[0]),
+        "image_width": int(width),
+        "image_height": int(height),
         "image_brightness": float(grey.mean()),
         "image_contrast": float(grey.std()),
         "image_saturation": float(saturation.mean()),
@@ -155,13 +161,17 @@ def _unseen_words(reference: Sequence[Any], current: Sequence[Any]) -> tuple[flo
     return (len(unseen) / len(words) if words else 0.0), unseen
 
 
-def sample_phase(shard_spec: str | Sequence[str], size: int, seed: int) -> list[Any]:
-    """A uniform reservoir sample of ``size`` samples from the shards (deterministic for a seed)."""
+def sample_phase(
+    shard_spec: str | Sequence[str], size: int, seed: int, image_size: int | None = STATISTICS_IMAGE_SIZE
+) -> list[Any]:
+    """A uniform reservoir sample of ``size`` samples from the shards (deterministic for a seed), images
+    decoded to ``image_size`` on the short side when larger (the reservoir holds no full-size picture)."""
     from compat.data.loader import ShardStream
 
     rng = random.Random(seed)
     reservoir: list[Any] = []
-    for seen, sample in enumerate(ShardStream(shard_spec, shuffle_shards=False, seed=seed, epochs=1)):
+    stream = ShardStream(shard_spec, shuffle_shards=False, seed=seed, epochs=1, image_size=image_size)
+    for seen, sample in enumerate(stream):
         if seen < size:
             reservoir.append(sample)
         else:
@@ -180,7 +190,7 @@ def _frame(samples: Iterable[Any]) -> Any:
     for sample in samples:
         row = {"key": sample.key}
         row.update(caption_statistics(sample.caption))
-        row.update(image_statistics(sample.image))
+        row.update(image_statistics(sample.image, getattr(sample, "original_size", None)))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -335,14 +345,20 @@ def run_drift(
 
     out_dir = Path(out_dir)
     logger.info("sampling up to %d reference and current samples", sample_size)
-    reference_samples = sample_phase(reference, sample_size, seed)
-    current_samples = sample_phase(current, sample_size, seed + 1)
     bundle = None
     if production_checkpoint is not None:
         from compat.production import load_encoder
 
         logger.info("embedding both sides with the production model %s", production_checkpoint)
         bundle = load_encoder(production_checkpoint)  # its serving encoder, whatever method produced it
+    image_size = STATISTICS_IMAGE_SIZE
+    if bundle is not None:
+        from compat.methods.run import decode_size
+
+        model_size = decode_size(bundle)
+        image_size = None if model_size is None else max(model_size, image_size)
+    reference_samples = sample_phase(reference, sample_size, seed, image_size=image_size)
+    current_samples = sample_phase(current, sample_size, seed + 1, image_size=image_size)
     summary = compute_drift(reference_samples, current_samples, bundle, out_dir / "drift_report.html")
     summary.update(
         {

@@ -75,17 +75,13 @@ def evaluate(
     from compat.io import write_json_atomic
     from compat.methods.model import CompatModel
     from compat.methods.none import independent_model
+    from compat.methods.run import decode_size
     from compat.models import load_checkpoint
     from compat.production import load_encoder, space_id_of
     from schemas import validate
 
     dev = resolve_device(device)
     urls = expand_urls(eval_shards)
-    data = load_captioned_set(urls)
-    if max_items is not None:
-        data.keys, data.images = data.keys[:max_items], data.images[:max_items]
-        data.captions, data.metas = data.captions[:max_items], data.metas[:max_items]
-    log.info("evaluate: %d images from %d shard(s)", len(data), len(urls))
     old_model = load_encoder(old, device=dev)
     candidate = load_encoder(new, device=dev)
     if not isinstance(candidate, CompatModel):
@@ -97,6 +93,12 @@ def evaluate(
         )
         candidate = independent_model(candidate, int(old_model.embed_dim), config)
     ind = load_checkpoint(Path(independent), device=dev) if independent is not None else None
+    # images decoded no larger than the largest model input (a big picture never decoded whole)
+    data = load_captioned_set(urls, image_size=decode_size(old_model, candidate, *([ind] if ind else [])))
+    if max_items is not None:
+        data.keys, data.images = data.keys[:max_items], data.images[:max_items]
+        data.captions, data.metas = data.captions[:max_items], data.metas[:max_items]
+    log.info("evaluate: %d images from %d shard(s)", len(data), len(urls))
     meta: dict[str, Any] = {"old_model": model_ref(old), "new_model": model_ref(new)}
     if scenario is not None:
         meta["scenario"] = scenario

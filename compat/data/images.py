@@ -168,6 +168,8 @@ def decode_rgb(
     except Exception:  # a malformed EXIF block: keep the stored orientation
         orientation = 1
     upright = (stored[1], stored[0]) if orientation in (5, 6, 7, 8) else stored
+    if size is not None and image.mode in ("RGB", "RGBA", "L") and min(image.size) >= 2 * size:
+        image = image.reduce(min(image.size) // size)  # box-average first: no full-size copy is converted
     try:
         image = ImageOps.exif_transpose(image) or image
     except Exception:
@@ -179,8 +181,10 @@ def decode_rgb(
     except Exception as exc:
         raise ImageDecodeError(f"cannot convert an image of mode {image.mode!r} to RGB: {exc}") from exc
     if size is not None and min(rgb.size) > size:
-        scale = size / min(rgb.size)
-        target = tuple(size if v == min(rgb.size) else max(1, round(v * scale)) for v in rgb.size)
+        # the target from the original's shape, so that the reduced steps' rounding does not compound
+        shape = upright if (upright[0] <= upright[1]) == (rgb.width <= rgb.height) else rgb.size
+        long_side = max(1, round(max(shape) * size / min(shape)))
+        target = (size, long_side) if shape[0] <= shape[1] else (long_side, size)
         rgb = rgb.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
     rgb.info["original_size"] = upright
     return rgb
@@ -203,7 +207,7 @@ def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image
             if converted is not None:
                 return converted
         return image.convert("RGB")
-    rgba = image.convert("RGBA")
+    rgba = image if mode == "RGBA" else image.convert("RGBA")
     out = Image.new("RGB", rgba.size, background)
     out.paste(rgba, mask=rgba.getchannel("A"))
     return out

@@ -19,6 +19,14 @@ from compat.production import load_encoder, space_id_of
 log = logging.getLogger(__name__)
 
 
+def decode_size(*encoders: Any) -> int | None:
+    """The short side images are decoded to for ``encoders``: the largest input (None when one is unknown)."""
+    from compat.methods.training import image_size_of
+
+    sizes = [image_size_of(e) for e in encoders]
+    return None if any(s is None for s in sizes) else max(int(s) for s in sizes)  # type: ignore[arg-type]
+
+
 @dataclass
 class PairBatch:
     """Training pairs as the methods take them: PIL images and raw captions (each model tokenises its own)."""
@@ -52,6 +60,7 @@ class ShardBatches:
         caption_choice: str = "random",
         max_samples: int | None = None,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+        image_size: int | None = None,
     ) -> None:
         from compat.data.loader import expand_urls
 
@@ -63,6 +72,9 @@ class ShardBatches:
         self.batch_size, self.seed, self.caption_choice = batch_size, seed, caption_choice
         self.max_samples = max_samples
         self.shuffle_buffer = shuffle_buffer
+        self.image_size = (
+            image_size  # images decoded to this short side when larger (the largest model input)
+        )
         self.epoch = 0
 
     def __iter__(self) -> Iterator[PairBatch]:
@@ -71,7 +83,11 @@ class ShardBatches:
         epoch = self.epoch
         self.epoch += 1
         stream = ShardStream(
-            self.urls, seed=self.seed, epochs=epoch + 1, position=StreamPosition(epoch=epoch)
+            self.urls,
+            seed=self.seed,
+            epochs=epoch + 1,
+            position=StreamPosition(epoch=epoch),
+            image_size=self.image_size,
         )
         images, texts, keys, yielded = [], [], [], 0
         for sample in self._shuffled(stream, epoch):
@@ -128,7 +144,13 @@ def train_compat(
     values.setdefault("old_space_id", space_id_of(old, old_encoder))
     values.setdefault("version", str(read_sidecar(Path(new))["version"]))
     config = runner.make_config(values)
-    batches = ShardBatches(shards, batch_size, seed=config.seed, max_samples=max_samples)
+    batches = ShardBatches(
+        shards,
+        batch_size,
+        seed=config.seed,
+        max_samples=max_samples,
+        image_size=decode_size(old_encoder, new_bundle),
+    )
     log.info(
         "compat %s: %d shard(s), batch %d, old %s, new %s", method, len(batches.urls), batch_size, old, new
     )

@@ -33,6 +33,7 @@ class ShardBatchSource:
 
     Shard order is shuffled per (seed, epoch); one of each sample's captions is drawn per epoch by a hash of
     (seed, epoch, key), so a resumed run sees exactly the samples, captions and order of an uninterrupted one.
+    Images are decoded to ``image_size`` on the short side when larger (give the model input).
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class ShardBatchSource:
         seed: int = 0,
         caption_choice: str = "random",
         shuffle_shards: bool = True,
+        image_size: int | None = None,
     ) -> None:
         from compat.data.loader import expand_urls
 
@@ -57,12 +59,18 @@ class ShardBatchSource:
         self.seed = seed
         self.caption_choice = caption_choice
         self.shuffle_shards = shuffle_shards
+        self.image_size = image_size
 
     def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]:
         from compat.data.loader import ShardStream, iter_batches
 
         stream = ShardStream(
-            self.urls, shuffle_shards=self.shuffle_shards, seed=self.seed, epochs=None, position=position
+            self.urls,
+            shuffle_shards=self.shuffle_shards,
+            seed=self.seed,
+            epochs=None,
+            position=position,
+            image_size=self.image_size,
         )
         for b in iter_batches(
             stream,
@@ -112,9 +120,14 @@ class ReplayBuffer:
 
     @classmethod
     def from_phases(
-        cls, urls_by_phase: Sequence[Sequence[str] | str], size: int, seed: int = 0
+        cls,
+        urls_by_phase: Sequence[Sequence[str] | str],
+        size: int,
+        seed: int = 0,
+        image_size: int | None = None,
     ) -> ReplayBuffer:
-        """``size`` samples drawn at random (seeded), split evenly over the earlier phases given.
+        """``size`` samples drawn at random (seeded), split evenly over the earlier phases given, their
+        images decoded to ``image_size`` on the short side when larger (the model input).
 
         The Mod-X paper's buffer (Table 2) is loosely specified: a random sample of the pretraining data
         before the first phase, topped up with the same number of samples of each finished phase. Here
@@ -134,7 +147,8 @@ class ReplayBuffer:
             # Reservoir sampling (Algorithm R) in one streaming pass: memory stays O(share) however
             # large the phase is.
             kept: list[tuple[int, Any]] = []
-            for seen, sample in enumerate(ShardStream(urls, shuffle_shards=False, epochs=1)):
+            stream = ShardStream(urls, shuffle_shards=False, epochs=1, image_size=image_size)
+            for seen, sample in enumerate(stream):
                 slot = seen if seen < share else rng.randrange(seen + 1)
                 if slot < share:
                     if seen < share:
@@ -169,13 +183,20 @@ class ReplayBatchSource:
         tokenizer: Callable[[list[str]], Any],
         *,
         seed: int = 0,
+        image_size: int | None = None,
     ) -> None:
         if not 1 <= replay <= batch_size - 2:
             raise ValueError(f"replay must be in [1, batch_size - 2] = [1, {batch_size - 2}], got {replay}")
         if len(buffer) < replay:
             raise ValueError(f"the replay buffer holds {len(buffer)} pairs, fewer than replay = {replay}")
         self.current = ShardBatchSource(
-            urls, batch_size - replay, image_transform, tokenizer, seed=seed, caption_choice="random"
+            urls,
+            batch_size - replay,
+            image_transform,
+            tokenizer,
+            seed=seed,
+            caption_choice="random",
+            image_size=image_size,
         )
         self.buffer, self.batch_size, self.replay = buffer, batch_size, replay
         self.image_transform, self.tokenizer, self.seed = image_transform, tokenizer, seed

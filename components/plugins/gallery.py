@@ -110,7 +110,10 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
         stale += [r for b in index.iter_rows(ROW_FIELDS, leaving) for r in b if r["item_id"] not in have]
     if not stale:
         return 0
-    encoder, images = load_encoder(model["uri"]), ShardImages()
+    from compat.methods.run import decode_size
+
+    encoder = load_encoder(model["uri"])
+    images = ShardImages(image_size=decode_size(encoder))
     space = index.collection_space(target)
     for start in range(0, len(stale), 256):
         rows = stale[start : start + 256]

@@ -21,8 +21,9 @@ from components.rollout.types import ItemRef, RolloutEncoders, RolloutError, Vec
 class ShardImages:
     """Images of gallery items addressed as ``<shard url>#<key>`` (the ``source_uri`` of indexed rows)."""
 
-    def __init__(self, max_shards: int = 8) -> None:
+    def __init__(self, max_shards: int = 8, image_size: int | None = None) -> None:
         self.max_shards = max_shards
+        self.image_size = image_size  # images decoded to this short side when larger (the model input)
         self._cache: dict[str, dict[str, Any]] = {}
 
     def load(self, refs: Sequence[ItemRef]) -> list[Any]:
@@ -38,7 +39,7 @@ class ShardImages:
             if url not in self._cache:
                 if len(self._cache) >= self.max_shards:
                     self._cache.pop(next(iter(self._cache)))
-                loaded = load_captioned_set(url)
+                loaded = load_captioned_set(url, image_size=self.image_size)
                 self._cache[url] = dict(zip(loaded.keys, loaded.images, strict=True))
             if key not in self._cache[url]:
                 raise RolloutError(f"item {ref.item_id!r}: key {key!r} is not in shard {url}")
@@ -79,8 +80,10 @@ def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     for key in ("old_model", "new_model"):
         if not config.get(key):
             raise RolloutError(f"model_encoders needs {key!r} (a model or checkpoint directory)")
+    from compat.methods.run import decode_size
+
     old, new = load_model(str(config["old_model"])), load_model(str(config["new_model"]))
-    images = ShardImages()
+    images = ShardImages(image_size=decode_size(new))
     transform, tag = _old_vector_transform(new)
     contract = getattr(new, "contract", None)
     return RolloutEncoders(

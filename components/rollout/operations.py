@@ -98,6 +98,7 @@ def index_new_items(
     """
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
+    from compat.methods.run import decode_size
     from components.rollout.serving import load_model
 
     paths = RolloutPaths.for_workspace(workspace)
@@ -110,11 +111,11 @@ def index_new_items(
         new_items: list[dict[str, Any]] = []
         vectors = []
         for url in expand_urls(gallery):
-            items = load_captioned_set(url)
+            encoder = encoder or load_model(str(model))  # its input size bounds the decoded images
+            items = load_captioned_set(url, image_size=decode_size(encoder))
             keep = [i for i, key in enumerate(items.keys) if key not in present]
             if not keep:
                 continue
-            encoder = encoder or load_model(str(model))
             vectors.append(encoder.encode_images([items.images[i] for i in keep]).numpy())
             for i in keep:
                 meta = items.metas[i] or {}
