@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,12 @@ class Searcher:
         uri: str | None = None,
         index: Any = None,
         encoder: QueryEncoder | None = None,
+        verify: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
         from components.serving.pair import PairFollower
 
         self.record_path = Path(record_path)
-        self._follower = PairFollower(record_path, uri=uri, index=index, encoder=encoder)
+        self._follower = PairFollower(record_path, uri=uri, index=index, encoder=encoder, verify=verify)
         self._captions: Any = None
 
     def search(
@@ -81,6 +82,7 @@ def search(
     encoder: QueryEncoder | None = None,
     index: Any = None,
     captions: bool = False,
+    verify: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Hits (``item_id``, ``score``, ``model_version``; ``caption`` when ``captions``) per text, served as
     the serving record says.
@@ -88,12 +90,14 @@ def search(
     ``record_path`` defaults to the workspace's ``serving.json``; ``uri`` overrides the record's index URI
     (e.g. a server URI while another process holds the embedded directory); ``encoder`` and ``index``
     replace the record's query model and a freshly opened index. Captions come from the gallery shards each
-    hit's row names (:mod:`components.serving.captions`). A long-lived server uses :class:`Searcher`.
+    hit's row names (:mod:`components.serving.captions`); ``verify`` checks the query model before it is
+    loaded (:class:`components.serving.verify.RegistryDigestCheck`). A long-lived server uses
+    :class:`Searcher`.
     """
     from components.workspace import Workspace
 
     path = Path(record_path) if record_path is not None else Workspace.coerce(workspace).serving_path
-    searcher = Searcher(path, uri=uri, index=index, encoder=encoder)
+    searcher = Searcher(path, uri=uri, index=index, encoder=encoder, verify=verify)
     try:
         return searcher.search(texts, k, filter=filter, captions=captions)
     finally:

@@ -75,7 +75,7 @@ class Client:
 class Service:
     """``compatflow serve`` on a free loopback port; ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, ws: Path, uri: str, tmp: Path) -> None:
+    def __init__(self, ws: Path, uri: str, tmp: Path, *, ready: bool = True) -> None:
         self.port = _free_loopback_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         argv = [
@@ -100,7 +100,7 @@ class Service:
                 client = Client(self.port)
                 status, _ = client.request("GET", "/readyz")
                 client.close()
-                if status == 200:
+                if status == 200 or not ready:  # not ready: listening is enough
                     break
             except OSError:
                 pass
@@ -421,6 +421,85 @@ def test_every_search_bound_is_refused_before_the_work(gallery, service) -> None
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "k must be between 1 and 1000, got 1000000000" in out.stderr, out.stderr
+
+
+def _checkpoint(directory: Path, seed: int) -> Path:
+    """A small safetensors checkpoint folder (weights and a config that differ per seed)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True)
+    weights = np.random.default_rng(seed).standard_normal((8, 4)).astype(np.float32)
+    save_file({"visual.proj": weights}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({"embed_dim": 4, "seed": seed}))
+    return directory
+
+
+def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None:
+    """A served model folder whose weights are swapped for an earlier version's, every sidecar digest and the
+    manifest rewritten to match, passes a check against itself: the search command and the service refuse it
+    against the registry's digest, and /readyz says so."""
+    import shutil
+
+    from compat.models.integrity import MANIFEST, file_manifest
+    from components.registry import Registry
+    from components.rollout.serving import read_serving, write_serving
+
+    paths, _, uri = gallery
+    ws = paths.serving.parent
+    registry = Registry(ws)
+    for seed in (1, 2):
+        run_id = registry.start_run(f"run-{seed}", params={"seed": seed})
+        registry.register_candidate(
+            run_id, _checkpoint(tmp_path / f"m{seed}", seed), data_phase=0, method="bct"
+        )
+    digest = registry.version_info("2")["tags"]["checkpoint.sha256"]
+    copy = registry.download("2", ws / "models" / "v2")
+    record = read_serving(paths.serving)
+    fields = ("uri", "alias", "collection", "space", "dim", "previous", "rollout_id")
+    query_model = {**record["query_model"], "version": "2", "uri": str(copy)}
+    write_serving(paths.serving, query_model=query_model, **{f: record[f] for f in fields})
+    text = UPGRADE.query_texts[0]
+    argv = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "search",
+        text,
+        "-k",
+        "3",
+        "--uri",
+        uri,
+        "--workspace",
+        str(ws),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr  # the registered files: served
+
+    for name in ("model.safetensors", "config.json"):  # version 1's weights, re-hashed to match
+        shutil.copy(tmp_path / "m1" / name, copy / name)
+    (copy / MANIFEST).write_text(json.dumps(file_manifest(copy), indent=2, sort_keys=True) + "\n")
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "does not match the digest registered" in refused.stderr
+    assert f"registered digest sha256 {digest}" in refused.stderr and "query model 2" in refused.stderr
+
+    service = Service(ws, uri, tmp_path, ready=False)
+    try:
+        client = Client(service.port)
+        status, ready = client.json("GET", "/readyz")
+        assert status == 503 and "does not match the digest registered" in ready["detail"], ready
+        assert digest in ready["detail"]
+        status, body = client.json("POST", "/search", {"queries": [text], "k": 3})
+        assert status == 503 and digest in body["detail"]  # never answered by the swapped weights
+        client.close()
+    finally:
+        assert service.stop() == 0, service.output()
+    from components.rollout.serving import ServingError
+    from components.serving.verify import RegistryDigestCheck
+
+    with pytest.raises(ServingError, match="version 7 is not in the registry"):
+        RegistryDigestCheck(ws)({"version": "7", "uri": str(copy)})
 
 
 def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:

@@ -134,8 +134,10 @@ def create_app(
     uri: str | None = None,
     watch_interval_s: float = 0.25,
     follower: Any = None,
+    verify: Any = None,
 ) -> Any:
-    """The FastAPI app serving the record at ``record_path`` (``uri`` overrides its index URI)."""
+    """The FastAPI app serving the record at ``record_path`` (``uri`` overrides its index URI; ``verify``
+    checks each query model before it is loaded, see :class:`components.serving.pair.PairFollower`)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -182,7 +184,7 @@ def create_app(
                 serving.remove(old.version, old.collection)
         serving.labels(new.version, new.collection).set(1)
 
-    follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap)
+    follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap, verify=verify)
     captions = ShardCaptions()
 
     @contextlib.asynccontextmanager

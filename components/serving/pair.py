@@ -69,8 +69,15 @@ class ServingPair:
             raise ServingError(
                 f"query model {self.version} returned shape {vectors.shape} for {len(texts)} text(s)"
             )
+        # as of the pair's load: sees the whole collection the record named (a blue-green fill, a rollback's
+        # restore), and never waits once the server has caught up with that moment
         return self.index.search(
-            vectors, k=k, filter=filter, collection=self.collection, output_fields=output_fields
+            vectors,
+            k=k,
+            filter=filter,
+            collection=self.collection,
+            output_fields=output_fields,
+            as_of=self.loaded_at,
         )
 
 
@@ -87,6 +94,8 @@ class PairFollower:
 
     ``uri`` overrides the record's index URI (e.g. a server URI while another process holds an embedded
     directory); ``index`` and ``encoder`` replace a freshly opened index and the record's query model.
+    ``verify(query_model)`` is called before a query model is loaded and raises to refuse it (the CLI and the
+    service pass :class:`components.serving.verify.RegistryDigestCheck`).
     ``on_swap(old, new)`` is called after each swap. Thread-safe.
     """
 
@@ -98,8 +107,10 @@ class PairFollower:
         index: Any = None,
         encoder: QueryEncoder | None = None,
         on_swap: Callable[[ServingPair | None, ServingPair], None] | None = None,
+        verify: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.record_path = Path(record_path)
+        self._verify = verify
         self.uri = uri
         self._given_index = index
         self._fixed_encoder = encoder
@@ -202,6 +213,8 @@ class PairFollower:
         elif pair is not None and dict(pair.record["query_model"]) == record["query_model"]:
             encoder = pair.encoder  # same query model: keep it
         else:
+            if self._verify is not None:
+                self._verify(record["query_model"])  # the registry's digest, before any weight is read
             encoder = load_query_encoder(record["query_model"])
         return ServingPair(encoder, index, collection, MappingProxyType(record), stamp or (0, 0, 0))
 

@@ -67,6 +67,23 @@ def config_of(config: str | None) -> dict[str, Any]:
         fail(str(err))
 
 
+def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, Any]:
+    """The workspace a query command serves (as :func:`workspace_of`) and the check of its query models
+    against the registry's digests (the config's ``registry.model_name``, the default one with
+    ``--workspace``)."""
+    import os
+
+    from components.serving.verify import RegistryDigestCheck
+    from components.workspace import ENV_ROOT
+
+    if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
+        ws = workspace_of(config, workspace)
+        return ws, RegistryDigestCheck(ws)
+    resolved = config_of(config)
+    ws = workspace_of(config, workspace, resolved)
+    return ws, RegistryDigestCheck(ws, resolved["registry"]["model_name"])
+
+
 def workspace_of(config: str | None, workspace: Path | None, resolved: dict[str, Any] | None = None) -> Any:
     """The :class:`~components.workspace.Workspace` an operator command works on: the config's workspace and
     service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services."""

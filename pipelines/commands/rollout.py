@@ -257,10 +257,11 @@ def search_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Search the gallery with the serving query model, through the serving alias; prints each hit's caption
-    (read from the gallery shard its row names)."""
-    from pipelines.commands._common import workspace_of
+    (read from the gallery shard its row names). The query model's folder must match the registry's digest
+    of its version."""
+    from pipelines.commands._common import serving_workspace
 
-    workspace = workspace_of(config, workspace)
+    workspace, verify = serving_workspace(config, workspace)
     from components.index import GalleryIndexError
     from components.rollout import ServingError
     from components.search import search
@@ -268,7 +269,7 @@ def search_cmd(
 
     paths = _paths(workspace)
     try:
-        hits = search(texts, k, record_path=paths.serving, uri=uri, captions=True)
+        hits = search(texts, k, record_path=paths.serving, uri=uri, captions=True, verify=verify)
     except (ServingError, GalleryIndexError, ValueError) as err:
         fail(str(err))
     if as_json:

@@ -79,10 +79,10 @@ def serve(
     announced in the workspace (services/<port>.json): a rollout with an SLO throttle paces its backfill on
     the latency of these users' queries.
     """
-    from pipelines.commands._common import fail, workspace_of
+    from pipelines.commands._common import fail, serving_workspace
 
     _check_host(host)
-    ws = workspace_of(config, workspace)
+    ws, verify = serving_workspace(config, workspace)
     from components.serving.app import create_app
 
     record: Path = ws.serving_path
@@ -90,7 +90,9 @@ def serve(
         typer.echo(f"no serving record at {record} yet: /readyz answers 503 until one is written", err=True)
     from components.services import announced, services_dir
 
-    app = create_app(record, state_path=ws.rollout_state_path, uri=uri, watch_interval_s=watch_interval)
+    app = create_app(
+        record, state_path=ws.rollout_state_path, uri=uri, watch_interval_s=watch_interval, verify=verify
+    )
     server = _server(app, host, port, log_level)
     try:
         with announced(services_dir(ws.root), host, port):  # a rollout paces itself on these queries

@@ -1,0 +1,72 @@
+"""The query path's model check: the folder a serving record's query model names is loaded only when it
+matches the digest the registry recorded for that version (the check the pipeline makes before it uses a
+model, :meth:`components.registry.Registry.verify_copy`). A folder whose weights were swapped and whose
+sidecars and manifest were re-hashed to match passes a check against itself, never this one. Where the
+workspace has a registry, a version it does not hold (or holds without a digest) is refused too; a workspace
+with no registry at all (a gallery indexed by ``compatflow rollout run`` alone) has nothing to check against.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from components.rollout.serving import ServingError
+
+log = logging.getLogger(__name__)
+
+
+class RegistryDigestCheck:
+    """Callable check of a ``query_model`` mapping against the registry of ``workspace``; raises
+    :class:`ServingError` naming the version, the folder and the registered digest. A query model that names
+    no folder (an encoder a factory builds from its options alone) has nothing to verify."""
+
+    def __init__(self, workspace: Any, model_name: str | None = None) -> None:
+        from components.workspace import DEFAULT_MODEL_NAME, Workspace
+
+        self.workspace = Workspace.coerce(workspace)
+        self.model_name = model_name or DEFAULT_MODEL_NAME
+        self._registry: Any = None
+
+    def __call__(self, query_model: Mapping[str, Any]) -> None:
+        uri = str(query_model.get("uri") or "")
+        if not uri:
+            return
+        folder = Path(uri)
+        version = str(query_model.get("version", ""))
+        if self._registry is None:
+            from components.registry import Registry
+
+            self._registry = Registry(self.workspace, model_name=self.model_name)
+        registry = self._registry
+        where = f"query model {version or '(no version)'} at {folder}"
+        if not registry.exists():  # a bare index (`compatflow rollout run` on a folder): nothing to check
+            log.warning("%s: no registry at %s to verify it against", where, registry.tracking_uri)
+            return
+        from mlflow.exceptions import MlflowException
+
+        from compat.models.integrity import CheckpointIntegrityError
+
+        try:
+            digest = registry.version_info(version)["tags"].get("checkpoint.sha256")
+        except MlflowException as exc:
+            raise ServingError(
+                f"{where}: {self.model_name} version {version} is not in the registry "
+                f"{registry.tracking_uri} ({type(exc).__name__}); refusing to serve it"
+            ) from exc
+        if not digest:
+            raise ServingError(
+                f"{where}: the registry records no checkpoint.sha256 for version {version}; "
+                "refusing to serve it"
+            )
+        try:
+            registry.verify_copy(version, folder)
+        except (CheckpointIntegrityError, OSError, ValueError) as exc:
+            raise ServingError(
+                f"{where} refused: {exc} (registered digest sha256 {digest}); restore the folder "
+                f"(delete it and run `compatflow run`, which downloads the registered files) or "
+                "`compatflow rollback`"
+            ) from exc
+        log.info("%s matches the registered digest %s", where, digest)
