@@ -24,6 +24,18 @@ link, a hard link, a device or FIFO, and a table path (``../``, absolute) or lin
 refused, unless the file's real path lies in a folder given as ``allow_outside``. Captions are bounded
 by :data:`MAX_CAPTION_BYTES`, the limit validation applies to a shard's caption members.
 
+Pictures are stored at the size the pipeline needs, as img2dataset stores them (``--image_size``,
+``--resize_mode``): ``max_side`` (default :data:`DEFAULT_MAX_SIDE`) and ``resize_mode`` (:data:`RESIZE_MODES`)
+with img2dataset's names and meanings -- ``keep_ratio``: the shorter side becomes ``max_side``;
+``center_crop``: that, then the centre square ``max_side`` x ``max_side``; ``border``: the longer side
+becomes ``max_side``, padded with black to a square; ``no``: stored as they are. A picture already that
+small is stored untouched (never enlarged); one that is resized is stored upright (EXIF orientation applied,
+transparency on white) as JPEG quality 95 when it was a JPEG, else as PNG. ``{key}.json`` records the stored
+and original width and height, the original mode and format, and the resize applied. With
+``keep_originals`` the untouched bytes are kept too, in a shard set of the same keys under ``originals/``.
+A picture with more pixels than any reader decodes (:data:`compat.data.images.MAX_PIXELS`) is refused when
+it would be stored as it is (``too_many_pixels``).
+
 The same input and settings give byte-identical shards and ``import.json``. The digest of the plan (which
 item goes to which shard) is stored before the first shard; shards are written atomically one by one, so a
 killed import started again rescans the source and, the plan being the same, writes only the shards still
@@ -48,6 +60,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compat.data.images import MAX_PIXELS
+
 log = logging.getLogger(__name__)
 
 FORMAT = "compatflow-import"
@@ -64,6 +78,12 @@ MAX_SIDECAR_BYTES = 1024 * 1024  # a metadata file (the validation policy's max_
 MAX_CAPTION_BYTES = 64 * 1024  # one caption, UTF-8; also the validation policy's max_caption_bytes
 CAPTION_EXT, METADATA_EXT = ".txt", ".json"
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # what the pipeline decodes
+RESIZE_MODES = ("keep_ratio", "center_crop", "border", "no")  # img2dataset's --resize_mode names
+DEFAULT_RESIZE_MODE = "keep_ratio"
+# 2x the largest model input of the shipped configs (224 px, pipelines/configs/cluster.yaml) and room for a
+# bigger one; a 12-megapixel photo is stored as 768 x 512.
+DEFAULT_MAX_SIDE = 512
+ORIGINALS = "originals"  # the folder of --keep-originals shards
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
 # Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
 RESERVED_FIELDS = (
@@ -83,6 +103,7 @@ RESERVED_FIELDS = (
     "split",
     "label",
     "source_meta",
+    "resize",
 )
 
 REFUSALS: dict[str, str] = {
@@ -100,6 +121,7 @@ REFUSALS: dict[str, str] = {
     "not_in_class_folder": "class-folders input: the file is not inside a label folder",
     "not_a_regular_file": "a symbolic link, a hard link (a file with several names), a device or a FIFO",
     "outside_source": "the path lies outside SRC (a table's ../ or absolute path); see --allow-outside",
+    "too_many_pixels": "stored as it is, the image would have more pixels than the pipeline's readers decode",
 }
 
 
@@ -126,6 +148,9 @@ class ImportSettings:
     max_image_bytes: int = MAX_IMAGE_BYTES
     path_column: str = "path"
     caption_column: str = "caption"
+    max_side: int = DEFAULT_MAX_SIDE
+    resize_mode: str = DEFAULT_RESIZE_MODE
+    keep_originals: bool = False
 
     def check(self) -> None:
         """Raise :class:`DataImportError` naming the setting that is wrong."""
@@ -158,6 +183,15 @@ class ImportSettings:
         if not _KEY_PREFIX.match(self.key_prefix) or len(self.key_prefix) > 64:
             raise DataImportError(
                 f"--key-prefix {self.key_prefix!r} may hold only letters, digits, '_' and '-' (64 at most)"
+            )
+        if self.resize_mode not in RESIZE_MODES:
+            raise DataImportError(
+                f"--resize-mode must be one of {', '.join(RESIZE_MODES)} (img2dataset's names), "
+                f"got {self.resize_mode!r}"
+            )
+        if self.max_side < 16:
+            raise DataImportError(
+                f"--max-side must be at least 16 (the validation policy's min_width), got {self.max_side}"
             )
         if self.max_image_bytes < 1:
             raise DataImportError(f"--max-image-bytes must be positive, got {self.max_image_bytes}")
@@ -392,6 +426,53 @@ def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
     )
 
 
+def resized_size(width: int, height: int, max_side: int, mode: str) -> tuple[int, int] | None:
+    """The size ``mode`` stores a ``width`` x ``height`` picture at, or None when it is stored as it is
+    (img2dataset's modes, never enlarging: see the module doc)."""
+    short, long = min(width, height), max(width, height)
+    if mode == "keep_ratio" and short > max_side:
+        scaled = max(1, round(long * max_side / short))
+        return (max_side, scaled) if width <= height else (scaled, max_side)
+    if mode == "center_crop" and long > max_side:
+        side = min(short, max_side)
+        return (side, max_side) if width <= height else (max_side, side)
+    if mode == "border" and long > max_side:
+        return max_side, max_side
+    return None
+
+
+def resize_image(data: bytes, fmt: str, max_side: int, mode: str) -> tuple[str, bytes, dict[str, Any]]:
+    """The member extension, bytes and facts (stored and original upright size) of ``data`` resized by
+    ``mode``; decoded once at the size it needs (a JPEG at a reduced scale)."""
+    from PIL import Image
+
+    from compat.data.images import decode_rgb
+
+    with Image.open(io.BytesIO(data)) as header:
+        short, long = min(header.size), max(header.size)
+    need = max_side if mode in ("keep_ratio", "center_crop") else max(1, math.ceil(max_side * short / long))
+    image = decode_rgb(data, formats=None, size=need, max_pixels=None)
+    original = image.info["original_size"]
+    if mode == "center_crop":
+        width, height = min(image.width, max_side), min(image.height, max_side)
+        left, top = (image.width - width) // 2, (image.height - height) // 2
+        image = image.crop((left, top, left + width, top + height))
+    elif mode == "border":
+        inner = (max_side, max(1, round(image.height * max_side / image.width)))
+        if image.width < image.height:
+            inner = (max(1, round(image.width * max_side / image.height)), max_side)
+        if image.size != inner:
+            image = image.resize(inner, Image.Resampling.BICUBIC)
+        canvas = Image.new("RGB", (max_side, max_side), (0, 0, 0))
+        canvas.paste(image, ((max_side - inner[0]) // 2, (max_side - inner[1]) // 2))
+        image = canvas
+    buffer = io.BytesIO()
+    as_jpeg = fmt in ("JPEG", "MPO")
+    image.save(buffer, "JPEG" if as_jpeg else "PNG", **({"quality": 95} if as_jpeg else {}))
+    facts = {"width": image.width, "height": image.height, "original_size": original}
+    return ("jpg" if as_jpeg else "png"), buffer.getvalue(), facts
+
+
 @dataclass(frozen=True)
 class _Place:
     """Where the files an import reads may lie: ``root`` (SRC, or a table's folder) and ``allowed``."""
@@ -517,7 +598,14 @@ def _inspect(candidate: _Candidate, settings: ImportSettings, place: _Place) -> 
     if not data:
         raise _Refused("not_an_image", "the file is empty (0 bytes)")
     info = probe_image(data)
-    if info["format"] not in KEPT_FORMATS:
+    target = resized_size(info["width"], info["height"], settings.max_side, settings.resize_mode)
+    if target is None and info["width"] * info["height"] > MAX_PIXELS:
+        raise _Refused(
+            "too_many_pixels",
+            f"{info['width']}x{info['height']} is more than the {MAX_PIXELS:,} pixels readers decode: "
+            f"store it smaller (--resize-mode keep_ratio, center_crop or border; --max-side)",
+        )
+    if target is None and info["format"] not in KEPT_FORMATS:
         stored_image(data, info["format"])  # refuses a mode that cannot be stored
     caption = _read_caption(candidate, place)
     metadata = _read_metadata(candidate, place)
@@ -535,6 +623,7 @@ def _inspect(candidate: _Candidate, settings: ImportSettings, place: _Place) -> 
         "label": candidate.label,
         "extra": candidate.extra,
         "source_meta": metadata,
+        "resize": None if target is None else {"mode": settings.resize_mode, "max_side": settings.max_side},
     }
 
 
@@ -595,7 +684,8 @@ def _portable(item: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- write
 
 
-def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
+def _source_bytes(item: dict[str, Any]) -> bytes:
+    """The planned file's bytes, read again and checked against the digest taken when planning."""
     path = Path(item["path"])
     try:
         data = read_regular(path, item["size"])
@@ -603,25 +693,50 @@ def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
         raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
     if data is None or hashlib.sha256(data).hexdigest() != item["sha256"]:
         raise DataImportError(f"{path} changed while it was being imported; run the import again")
+    return data
+
+
+def _original_members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
+    """The ``--keep-originals`` sample: the untouched file and what it is."""
+    data = _source_bytes(item)
+    meta = {"key": item["key"], "source": item["source"], "format": item["format"], "sha256": item["sha256"]}
+    ext = KEPT_FORMATS.get(item["format"], str(item["format"]).lower())
+    return item["key"], {ext: data, "json": json.dumps(meta, sort_keys=True).encode("utf-8")}
+
+
+def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
+    path = Path(item["path"])
+    data = _source_bytes(item)
+    resize = item.get("resize")
+    width, height = item["width"], item["height"]
+    original = (width, height)
     try:
-        ext, stored = stored_image(data, item["format"])
+        if resize:
+            ext, stored, facts = resize_image(data, item["format"], resize["max_side"], resize["mode"])
+            width, height, original = facts["width"], facts["height"], facts["original_size"]
+        else:
+            ext, stored = stored_image(data, item["format"])
     except _Refused as refusal:  # it was storable when planned: the file changed
         raise DataImportError(f"{path}: {refusal.message}; run the import again") from refusal
+    except ValueError as exc:  # compat.data.images.ImageDecodeError: it decoded when planned
+        raise DataImportError(f"{path}: {exc}; run the import again") from exc
     meta: dict[str, Any] = {
         "key": item["key"],
         "caption": item["caption"],
         "source": item["source"],
         **({"source_row": item["row"]} if item["row"] is not None else {}),
-        "width": item["width"],
-        "height": item["height"],
-        "original_width": item["width"],
-        "original_height": item["height"],
+        "width": width,
+        "height": height,
+        "original_width": original[0],
+        "original_height": original[1],
         "mode": item["mode"],
         "format": item["format"],
         "sha256": hashlib.sha256(stored).hexdigest(),
         "status": "success",
         "split": item["split"],
     }
+    if "resize" in item:  # plans written before resizing existed have no such field
+        meta["resize"] = {**(resize or {}), "applied": bool(resize)}
     if stored is not data:
         meta["source_sha256"] = item["sha256"]
     if item["label"] is not None:
@@ -642,9 +757,9 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
     by_reason: dict[str, int] = {}
     for r in plan["refused"]:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
-    converted = sum(
-        1 for s in SPLITS for sh in plan["shards"][s] for i in sh["items"] if i["format"] not in KEPT_FORMATS
-    )
+    items = [i for s in SPLITS for sh in plan["shards"][s] for i in sh["items"]]
+    converted = sum(1 for i in items if i["format"] not in KEPT_FORMATS and not i.get("resize"))
+    originals = plan["settings"].get("keep_originals")
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -654,6 +769,12 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
         "counts": counts,
         "shards": {s: [sh["path"] for sh in plan["shards"][s]] for s in SPLITS},
         "converted_to_png_or_jpeg": converted,
+        "resized": sum(1 for i in items if i.get("resize")),
+        **(
+            {"originals": {s: [f"{ORIGINALS}/{sh['path']}" for sh in plan["shards"][s]] for s in SPLITS}}
+            if originals
+            else {}
+        ),
         "duplicates": len(plan["duplicates"]),
         "duplicate_files": plan["duplicates"],
         "refused": len(plan["refused"]),
@@ -732,21 +853,29 @@ def import_images(
             "give a new --out folder or delete this one"
         )
     out_path.mkdir(parents=True, exist_ok=True)
+    folders = [out_path / s for s in SPLITS] + [out_path / ORIGINALS / s for s in SPLITS]
     if pending is not None and pending.get("digest") != plan["digest"]:
         log.warning("%s: the source or settings changed since the import started; starting over", out_path)
-        for split in SPLITS:
-            for tar in (out_path / split).glob("*.tar"):
+        for folder in folders:
+            for tar in folder.glob("*.tar"):
                 tar.unlink()
-    for split in SPLITS:
-        for stale in (out_path / split).glob(".*.tmp"):  # temporary files of a killed write
+    for folder in folders:
+        for stale in folder.glob(".*.tmp"):  # temporary files of a killed write
             stale.unlink()
     write_json_atomic(out_path / PENDING, {"digest": plan["digest"], "settings": plan["settings"]})
-    todo = [sh for s in SPLITS for sh in plan["shards"][s] if not (out_path / sh["path"]).is_file()]
+
+    def written(shard: dict[str, Any]) -> bool:
+        original = out_path / ORIGINALS / shard["path"]
+        return (out_path / shard["path"]).is_file() and (not settings.keep_originals or original.is_file())
+
+    todo = [sh for s in SPLITS for sh in plan["shards"][s] if not written(sh)]
     total = sum(len(plan["shards"][s]) for s in SPLITS)
     from compat.data.shards import write_shard
 
     wall, cpu = time.perf_counter(), time.process_time()
     for shard in show(todo, f"writing {len(todo)} of {total} shards", total=len(todo)):
+        if settings.keep_originals:
+            write_shard(out_path / ORIGINALS / shard["path"], (_original_members(i) for i in shard["items"]))
         write_shard(out_path / shard["path"], (_members(item) for item in shard["items"]))
     report = _report(src_path, plan)
     write_json_atomic(out_path / REPORT, report)

@@ -100,6 +100,27 @@ def import_(
     max_image_bytes: Annotated[
         int, typer.Option(min=1, help="Larger image files are refused (the validation policy's default).")
     ] = 32 * 1024 * 1024,
+    max_side: Annotated[
+        int,
+        typer.Option(
+            min=16,
+            help="img2dataset's --image_size: the size --resize-mode stores pictures at (never enlarged).",
+        ),
+    ] = 512,
+    resize_mode: Annotated[
+        str,
+        typer.Option(
+            help="img2dataset's: keep_ratio (shorter side to --max-side) | center_crop (then the "
+            "centre square) | border (longer side to --max-side, black borders) | no (as they are).",
+        ),
+    ] = "keep_ratio",
+    keep_originals: Annotated[
+        bool,
+        typer.Option(
+            "--keep-originals",
+            help="Also keep the untouched files, in shards of the same keys under OUT/originals/.",
+        ),
+    ] = False,
     allow_outside: Annotated[
         list[Path] | None,
         typer.Option(
@@ -136,6 +157,9 @@ def import_(
             max_image_bytes=max_image_bytes,
             path_column=path_column,
             caption_column=caption_column,
+            max_side=max_side,
+            resize_mode=resize_mode,
+            keep_originals=keep_originals,
         )
         result = import_images(src, out, settings, allow_outside=allow_outside or ())
     except DataImportError as exc:
