@@ -30,6 +30,7 @@ FAILURE_FILE = "failure.json"
 OUTCOME_FILE = "outcome.json"
 ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
 RESUMABLE = (None, "failed")  # outcomes of a run that the next run of its phase continues
+REGISTRY_KEYS = ("tracking_uri", "model_name")  # the config's registry section, as Registry takes it
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -38,7 +39,7 @@ class PlanError(ValueError):
 
 
 class StateError(ValueError):
-    """``state.json`` is unreadable, breaks its schema, or is missing while the registry has a model."""
+    """``state.json`` is unreadable, breaks its schema, or is missing or lacks work the workspace holds."""
 
 
 def read_state(workspace: Path) -> dict[str, Any]:
@@ -59,22 +60,41 @@ def read_state(workspace: Path) -> dict[str, Any]:
     return state
 
 
-def _refuse_lost_state(config: dict[str, Any], workspace: Path) -> None:
-    """A workspace without ``state.json`` must be new: finished runs or a production model mean it was
-    lost (refused with how to rebuild it)."""
-    held = []
-    if any((workspace / "runs").glob(f"*/{OUTCOME_FILE}")):
-        held.append(f"finished runs in {workspace / 'runs'}")
+def _refuse_lost_state(config: dict[str, Any], workspace: Path, state: dict[str, Any]) -> None:
+    """``state.json`` must account for the work the workspace holds: a phase with a finished run folder that
+    the state does not record (a missing, emptied or stale state.json), or a production model in the registry
+    while the state records no phase and no run folder is left, is refused with how to rebuild it. (A run
+    killed before it recorded its outcome is not finished: the next run resumes it.)"""
+    path = workspace / STATE_FILE
+    recorded = state["phases"]
+    unrecorded = sorted(
+        {
+            int(plan["phase"])
+            for outcome in (workspace / "runs").glob(f"*/{OUTCOME_FILE}")
+            if (plan := _read_json_or_none(outcome.parent / RUN_FILE)) and "phase" in plan
+        }
+        - {int(k) for k in recorded}
+    )
+    how = "rebuild it with `compatflow state rebuild`"
+    if unrecorded:
+        what = "is missing but" if not path.is_file() else "does not record what"
+        raise StateError(
+            f"{path} {what} the workspace holds: finished runs in {workspace / 'runs'} of phase(s) "
+            f"{', '.join(map(str, unrecorded))}; starting over would rewrite the history the registry and "
+            f"the gallery already hold; {how}"
+        )
+    if recorded or any((workspace / "runs").glob(f"*/{RUN_FILE}")):
+        return
     from components.registry import Registry
 
-    registry = Registry(workspace, tracking_uri=config["registry"]["tracking_uri"])
-    if registry.exists() and registry.alias_version("production") is not None:
-        held.append(f"a production model in the registry ({registry.tracking_uri})")
-    if held:
+    registry = Registry(workspace, **{k: v for k, v in config["registry"].items() if k in REGISTRY_KEYS})
+    production = registry.alias_version("production") if registry.exists() else None
+    if production is not None:
         raise StateError(
-            f"{workspace / STATE_FILE} is missing but the workspace holds {' and '.join(held)}: "
-            "starting over at phase 0 would rewrite the history the registry and the gallery already hold; "
-            "rebuild it with `compatflow state rebuild`"
+            f"{path} {'is missing' if not path.is_file() else 'records no phase'} but the registry "
+            f"{registry.tracking_uri} serves production version {production}: starting over at phase 0 "
+            f"would rewrite that history; restore the run folders under {workspace / 'runs'} and {how}, or "
+            "run in a new workspace"
         )
 
 
@@ -294,10 +314,10 @@ def plan_run(
     manifest = load_manifest(stream_dir)
     n_phases = len(manifest["phases"])
     workspace = Path(config["workspace"]).resolve()
-    if not (workspace / STATE_FILE).is_file():
-        _refuse_lost_state(config, workspace)
+    state = read_state(workspace)
+    _refuse_lost_state(config, workspace, state)  # a missing, emptied or stale state.json
     if phase < 0:
-        pending = next_pending_phase(read_state(workspace), n_phases)
+        pending = next_pending_phase(state, n_phases)
         if pending is None:
             return None
         phase = pending

@@ -4,6 +4,7 @@ import json
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from compat.data.synth import FORMAT, MANIFEST, VERSION
@@ -95,12 +96,50 @@ def test_state_file_errors_name_the_file_and_a_lost_state_is_refused(tmp_path):
     _finished_run(ws, "phase-00-a", 0, "succeeded")
     _finished_run(ws, "phase-01-a", 1, "failed")
     _finished_run(ws, "phase-01-b", 1, "rejected")
-    with pytest.raises(StateError, match="missing but the workspace holds finished runs"):
+    with pytest.raises(StateError, match="missing but the workspace holds: finished runs"):
+        plan_run(config)
+    (ws / "state.json").write_text('{"schema_version": 1, "phases": {}}')  # present, but emptied
+    with pytest.raises(StateError, match=r"(?s)does not record what the workspace holds.*state rebuild"):
+        plan_run(config)
+    (ws / "state.json").write_text(
+        '{"schema_version": 1, "phases": {"0": {"status": "succeeded", "run_id": "phase-00-a", "at": "x"}}}'
+    )
+    with pytest.raises(StateError, match=r"finished runs in .* of phase\(s\) 1"):  # stale: phase 1 lost
         plan_run(config)
     rebuilt = rebuild_state(ws)
     assert {k: v["status"] for k, v in rebuilt["phases"].items()} == {"0": "succeeded", "1": "rejected"}
     assert read_state(ws) == rebuilt
     assert plan_run(config) is None  # both phases done: nothing pending
+
+
+def test_an_emptied_state_over_a_production_model_is_refused(tmp_path):
+    """``{"schema_version": 1, "phases": {}}`` while the registry serves a production model and no run
+    folder is left: refused like a missing state.json, not phase 0 again."""
+    from safetensors.numpy import save_file
+
+    from components.registry import Registry
+    from components.runs import StateError, plan_run
+
+    config = {**_config(tmp_path), "drift": {"reference_phase": "previous"}}
+    config["registry"] = {"tracking_uri": f"sqlite:///{tmp_path}/ws/mlflow.db", "model_name": "clip-state"}
+    registry = Registry(
+        tmp_path / "ws", tracking_uri=config["registry"]["tracking_uri"], model_name="clip-state"
+    )
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.zeros((2, 2), dtype=np.float32)}, str(model / "model.safetensors"))
+    run_id = registry.start_run("phase-00-x")
+    version = registry.register_candidate(
+        run_id, model, data_phase=0, method="bootstrap", gate={"decision": "pass"}
+    )
+    registry.promote(version["version"], rollout_state={"state": "completed"})
+    (tmp_path / "ws" / "state.json").write_text('{"schema_version": 1, "phases": {}}')
+    with pytest.raises(StateError, match=r"records no phase but .* serves production version 1.*rebuild"):
+        plan_run(config)
+    _finished_run(
+        tmp_path / "ws", "phase-00-x", 0, None
+    )  # killed before its outcome: the next run resumes it
+    assert plan_run(config)["run_id"] == "phase-00-x"
 
 
 def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
