@@ -3,9 +3,11 @@
 ``status`` adds ``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the
 count) and ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled``. ``prepare_rollback``
 refuses a registry rollback whose gallery part cannot be done, before anything changes; ``on_rollback``
-rolls back the rollout of the version that leaves production (previous collection or vectors, previous
-query model; found even when later rollouts were archived), re-embeds with the returning model the items
-written since, and records the restored versions in the item lineage.
+first rolls back a rollout of a candidate left unfinished in the rollout state (a run killed or failed
+mid-backfill: that candidate was made for the production that is leaving, so no later run may resume it),
+then the rollout of the version that leaves production (previous collection or vectors, previous query
+model; found even when later rollouts were archived), re-embeds with the returning model the items written
+since, and records the restored versions in the item lineage.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def on_rollback(event: dict[str, Any]) -> None:
         return
     state_path = rollout_of(paths, event["from_version"])
     with GalleryIndex(record["uri"], record["alias"]) as index:
+        finish_superseded(paths, index, event)
         state = rollback(paths, index, state_path=state_path)
         written = complete_gallery(index, record["collection"], state)
     log.info("rollback: %d item(s) re-embedded by %s", written, state["previous_query_model"]["version"])
@@ -87,6 +90,36 @@ def on_rollback(event: dict[str, Any]) -> None:
         sync_from_index(repo, state["gallery"]["uri"], state["gallery"]["alias"])
     else:
         log.warning("no lineage repo at %s: item lineage not updated", repo)
+
+
+UNFINISHED = ("pending", "running", "halted")
+
+
+def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str, Any] | None:
+    """Roll back the rollout in ``paths.state`` when it is unfinished (its vectors and query switch undone,
+    its state ``rolled_back`` with the reason in ``halt_reason``), so that neither ``rollout status`` nor the
+    next run takes it for one in progress. Returns its final state, or None when there was none."""
+    from components.rollout import load_state, rollback
+    from components.rollout.state import exclusive, save_state
+
+    current = load_state(paths.state)
+    if current is None or current["state"] not in UNFINISHED:
+        return None
+    log.warning(
+        "rolling back unfinished rollout %s of %s first: production %s -> %s supersedes it",
+        current["rollout_id"],
+        current["new_version"],
+        event["from_version"],
+        event.get("to_version"),
+    )
+    state = rollback(paths, index)
+    with exclusive(paths.state):
+        state["halt_reason"] = (
+            f"superseded: production rolled back from {event['from_version']} to {event.get('to_version')} "
+            f"while this rollout was {current['state']} at stage {current['stage']}"
+        )
+        save_state(paths.state, state)
+    return state
 
 
 def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:

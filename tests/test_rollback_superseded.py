@@ -1,0 +1,75 @@
+"""A production rollback while a candidate's rollout is unfinished (its run died mid-backfill, the state a
+kill -9 leaves): the rollback finishes that rollout record too, and the next run neither resumes it nor
+undoes it over the restored production. Real milvus-lite, the synthetic upgrade's encoders."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
+from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
+from components import rollout as ro
+from components.index import GalleryIndex
+from components.plugins import gallery as plugin
+from components.rollout import read_serving
+
+N, Q, SEED = 400, 200, 3
+OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
+UPGRADE = synthetic_upgrade(n_items=N, n_queries=Q, seed=SEED)
+PROBE = ro.ProbeSet(UPGRADE.query_texts, [[UPGRADE.item_ids[p[0]]] for p in UPGRADE.positives])
+
+
+class _Died(Exception):
+    pass
+
+
+def _config(version: str) -> ro.RolloutConfig:
+    query_model = {"factory": f"{SYNTH_MODULE}:synthetic_query_encoder", "options": OPTS, "side": "new"}
+    return ro.RolloutConfig(new_version=version, query_model=query_model, batch_size=32)
+
+
+def _dying_encoders(at_call: int) -> ro.RolloutEncoders:
+    good = synthetic_encoders({"options": OPTS})
+    calls = {"n": 0}
+
+    def gallery(refs):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            raise _Died("the process died here")
+        return good.new_gallery(refs)
+
+    return ro.RolloutEncoders(good.old_query, good.new_query, gallery)
+
+
+def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp_path) -> None:
+    from components.steps.gallery import _undo_unfinished_rollout
+
+    ws = tmp_path / "ws"
+    paths = ro.RolloutPaths.for_workspace(ws)
+    uri = str(ws / "milvus" / "gallery.db")
+    with GalleryIndex(uri) as index:
+        UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
+        good = synthetic_encoders({"options": OPTS})
+        assert ro.run_rollout(index, paths, _config("v2"), good, PROBE)["state"] == "completed"  # v2 serves
+        with pytest.raises(_Died):  # the next candidate's rollout dies in its first backfill stage
+            ro.run_rollout(index, paths, _config("v3"), _dying_encoders(2), PROBE)
+        died = ro.status(paths.state)
+        assert died["state"] == "running" and died["stage"] == 1 and died["new_version"] == "v3"
+
+        plugin.on_rollback({"workspace": ws, "from_version": "v2", "to_version": "v1"})  # production v2 -> v1
+        after = ro.status(paths.state)
+        assert after["state"] == "rolled_back" and after["new_version"] == "v3"
+        assert "superseded: production rolled back from v2 to v1" in after["halt_reason"]
+        assert index.count_by_version() == {"v1": N}
+        assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+
+        # The next run: the killed run of v3 resumed gets its rolled-back rollout back, touching nothing ...
+        again = ro.run_rollout(index, paths, _config("v3"), good, PROBE)
+        assert again["state"] == "rolled_back" and again["rollout_id"] == died["rollout_id"]
+        assert index.count_by_version() == {"v1": N}
+    # ... and a run of another candidate finds nothing unfinished to undo over the restored production.
+    assert _undo_unfinished_rollout(ws, uri, "v4") is None
+    assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+    with GalleryIndex(uri) as index:
+        assert index.count_by_version() == {"v1": N}
+        assert index.serving_collection() == read_serving(paths.serving)["collection"]
