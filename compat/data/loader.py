@@ -24,12 +24,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from compat.data.cache import sample_bytes
 from compat.data.images import MAX_PIXELS, WHITE, ImageDecodeError, check_background, decode_rgb
 from compat.data.shards import ShardError, is_local, iter_raw_samples, local_path, refuse_pipe
 
 if TYPE_CHECKING:
     import torch
     from PIL import Image
+
+    from compat.data.cache import SampleCache
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -203,7 +206,9 @@ class ShardStream:
 
     ``epochs=None`` repeats forever. Images are decoded by :func:`compat.data.images.decode_rgb`
     (transparency onto ``background``), to ``image_size`` on the short side when larger (None: full size;
-    a JPEG is decoded at a reduced scale), refused above ``max_pixels``. Shard order is
+    a JPEG is decoded at a reduced scale), refused above ``max_pixels``. With a ``cache``
+    (:class:`compat.data.cache.SampleCache`) a local shard read to its end is kept decoded, and later reads
+    of it (the next epoch, another stream sharing the cache) decode nothing. Shard order is
     :func:`shard_order` per (seed, epoch); samples keep their order inside a shard. Iterating again (a
     second ``iter()``) continues from :attr:`position`; build a new stream with ``position=`` to resume
     in another process.
@@ -220,8 +225,11 @@ class ShardStream:
         background: Sequence[int] = WHITE,
         image_size: int | None = None,
         max_pixels: int | None = MAX_PIXELS,
+        cache: SampleCache | None = None,
     ) -> None:
         self.urls = expand_urls(urls)
+        self.cache = cache
+        self._decode_settings = (image_size, tuple(check_background(background, "shard reader")), max_pixels)
         self.shuffle_shards = shuffle_shards
         self.seed = seed
         if epochs is not None and epochs < 1:
@@ -247,15 +255,34 @@ class ShardStream:
             order = self.order(epoch)
             while shard_index < len(order):
                 url = order[shard_index]
+                key = self.cache.key(url, self._decode_settings) if self.cache is not None else None
+                cached = self.cache.get(key) if self.cache is not None else None
+                if cached is not None:
+                    for sample in cached[offset:]:
+                        offset += 1
+                        seen += 1
+                        self.position = StreamPosition(epoch, shard_index, offset, seen)
+                        yield sample
+                    shard_index, offset = shard_index + 1, 0
+                    continue
+                kept: list[Sample] | None = [] if key is not None and offset == 0 else None
+                kept_bytes = 0
                 try:
                     for raw in iter_raw_samples(url, skip=offset):
                         sample = decode_sample({"__key__": raw.key, **raw.members}, url, self._decoder)
+                        if kept is not None and self.cache is not None:
+                            kept_bytes += sample_bytes(sample)
+                            kept = kept if kept_bytes <= self.cache.max_bytes else None  # never fits: stop
+                            if kept is not None:
+                                kept.append(sample)
                         offset += 1
                         seen += 1
                         self.position = StreamPosition(epoch, shard_index, offset, seen)
                         yield sample
                 except ShardError as exc:
                     raise LoaderError(str(exc)) from exc
+                if kept is not None and self.cache is not None:
+                    self.cache.put(key, kept)
                 shard_index, offset = shard_index + 1, 0
             epoch, shard_index = epoch + 1, 0
             self.position = StreamPosition(epoch, 0, 0, seen)

@@ -61,7 +61,9 @@ class ShardBatches:
         max_samples: int | None = None,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
         image_size: int | None = None,
+        cache_bytes: int = 1 << 30,
     ) -> None:
+        from compat.data.cache import SampleCache
         from compat.data.loader import expand_urls
 
         if batch_size < 2:
@@ -72,9 +74,8 @@ class ShardBatches:
         self.batch_size, self.seed, self.caption_choice = batch_size, seed, caption_choice
         self.max_samples = max_samples
         self.shuffle_buffer = shuffle_buffer
-        self.image_size = (
-            image_size  # images decoded to this short side when larger (the largest model input)
-        )
+        self.image_size = image_size  # decoded to this short side when larger (the largest model input)
+        self.cache = SampleCache(cache_bytes)  # decoded shards kept across epochs: later ones decode nothing
         self.epoch = 0
 
     def __iter__(self) -> Iterator[PairBatch]:
@@ -88,6 +89,7 @@ class ShardBatches:
             epochs=epoch + 1,
             position=StreamPosition(epoch=epoch),
             image_size=self.image_size,
+            cache=self.cache,
         )
         images, texts, keys, yielded = [], [], [], 0
         for sample in self._shuffled(stream, epoch):

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+DEFAULT_CACHE_BYTES = 1 << 30  # decoded samples kept across epochs (compat.data.cache.DEFAULT_MAX_BYTES)
+
 
 @dataclass
 class TrainBatch:
@@ -33,7 +35,9 @@ class ShardBatchSource:
 
     Shard order is shuffled per (seed, epoch); one of each sample's captions is drawn per epoch by a hash of
     (seed, epoch, key), so a resumed run sees exactly the samples, captions and order of an uninterrupted one.
-    Images are decoded to ``image_size`` on the short side when larger (give the model input).
+    Images are decoded to ``image_size`` on the short side when larger (give the model input), and kept
+    decoded in a :class:`compat.data.cache.SampleCache` of ``cache_bytes`` (0: none), so that epochs after
+    the first decode nothing.
     """
 
     def __init__(
@@ -47,7 +51,9 @@ class ShardBatchSource:
         caption_choice: str = "random",
         shuffle_shards: bool = True,
         image_size: int | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
+        from compat.data.cache import SampleCache
         from compat.data.loader import expand_urls
 
         if batch_size < 2:
@@ -60,6 +66,7 @@ class ShardBatchSource:
         self.caption_choice = caption_choice
         self.shuffle_shards = shuffle_shards
         self.image_size = image_size
+        self.cache = SampleCache(cache_bytes)
 
     def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]:
         from compat.data.loader import ShardStream, iter_batches
@@ -71,6 +78,7 @@ class ShardBatchSource:
             epochs=None,
             position=position,
             image_size=self.image_size,
+            cache=self.cache,
         )
         for b in iter_batches(
             stream,
