@@ -34,13 +34,18 @@ def write_json_atomic(path: Path | str, document: Any) -> Path:
 
 
 def read_json(path: Path | str, damaged: Callable[[str], Exception]) -> Any | None:
-    """The JSON document at ``path``, or None when there is no file; a file that is not JSON raises
-    ``damaged(reason)`` (the caller's error, whose message names the file and what to do)."""
+    """The JSON document at ``path``, or None when there is no file; a file that cannot be read, is not
+    UTF-8 text or is not JSON raises ``damaged(reason)`` (the caller's error, whose message names the file
+    and what to do)."""
     path = Path(path)
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise damaged(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at {exc.start})") from exc
+    except OSError as exc:
+        raise damaged(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     except json.JSONDecodeError as exc:
         raise damaged(f"{path}: not valid JSON ({exc})") from exc
 

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,16 +19,29 @@ log = logging.getLogger(__name__)
 def collect(
     workspace: Workspace | str | Path | None = None, *, model_name: str = DEFAULT_MODEL_NAME
 ) -> dict[str, Any]:
-    """The status document of a workspace (JSON-serialisable; absent parts are ``None``)."""
+    """The status document of a workspace (JSON-serialisable; absent parts are ``None``). Files that could
+    not be read are listed under ``unreadable`` and failed plugins under ``plugin_errors``, each message
+    naming its file or plugin."""
     ws = Workspace.coerce(workspace)
     doc: dict[str, Any] = {
         "workspace": str(ws.root),
         "registry": registry_status(ws, model_name),
         "last_gate": last_gate(ws),
         "rollout": rollout_state(ws),
-        "phases": phase_history(ws),
     }
+    from components.runs import StateError
+
+    try:
+        doc["phases"] = phase_history(ws)
+    except (StateError, OSError, ValueError) as err:  # a damaged state.json or run file: named below
+        doc["phases"], state_error = [], str(err)
+    else:
+        state_error = None
     doc["production_check"] = production_check(ws, model_name, doc["registry"])
+    unreadable = [part["error"] for part in (doc["last_gate"], doc["rollout"]) if part and part.get("error")]
+    unreadable += [state_error] if state_error else []
+    if unreadable:
+        doc["unreadable"] = unreadable  # `compatflow status` exits non-zero over it
     from components import plugins
 
     errors = []
@@ -104,9 +116,15 @@ def last_gate(ws: Workspace) -> dict[str, Any] | None:
     path = _newest(ws.runs_dir.glob("*/**/gate.json")) if ws.runs_dir.is_dir() else None
     if path is None:
         return None
-    doc = _read_json(path)
+    doc, error = _read_json(path)
     if doc is None:
-        return {"path": str(path), "decision": "unreadable", "reasons": [], "run_id": _run_id(ws, path)}
+        return {
+            "path": str(path),
+            "decision": "unreadable",
+            "reasons": [],
+            "run_id": _run_id(ws, path),
+            "error": error,
+        }
     return {
         "path": str(path),
         "run_id": _run_id(ws, path),
@@ -123,9 +141,9 @@ def rollout_state(ws: Workspace) -> dict[str, Any] | None:
         path = _newest(ws.runs_dir.glob("*/**/rollout_state.json"))
     if path is None:
         return None
-    doc = _read_json(path)
+    doc, error = _read_json(path)
     if doc is None:
-        return {"path": str(path), "state": "unreadable"}
+        return {"path": str(path), "state": "unreadable", "error": error}
     return {"path": str(path), **doc}
 
 
@@ -134,13 +152,18 @@ def _newest(paths: Any) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object at ``path``, or None and why (the message names the file)."""
+    from compat.io import read_json
+
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        log.warning("cannot read %s: %s", path, err)
-        return None
-    return doc if isinstance(doc, dict) else None
+        doc = read_json(path, ValueError)
+    except ValueError as err:
+        log.warning("%s", err)
+        return None, str(err)
+    if not isinstance(doc, dict):
+        return None, f"{path}: not a JSON object"
+    return doc, None
 
 
 def _run_id(ws: Workspace, path: Path) -> str | None:

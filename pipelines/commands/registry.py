@@ -18,7 +18,9 @@ def status(
     model_name: ModelOpt = "compatflow-clip",
     as_json: JsonOpt = False,
 ) -> None:
-    """Show production, candidate and previous versions, the last gate decision and rollout progress."""
+    """Show production, candidate and previous versions, the last gate decision and rollout progress.
+
+    Exits 1 (after printing what it could) when a workspace file cannot be read or a part fails."""
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
@@ -28,8 +30,16 @@ def status(
     doc = collect(workspace, model_name=model_name)
     if as_json:
         echo_json(doc)
-        return
-    typer.echo(_format_status(doc))
+    else:
+        typer.echo(_format_status(doc))
+    problems = [
+        *doc.get("unreadable", []),
+        *(f"{e['hook']}: {e['error']}" for e in doc.get("plugin_errors", [])),
+    ]
+    if problems:
+        from pipelines.commands._common import fail
+
+        fail("; ".join(problems), code=1)
 
 
 def rollback(

@@ -208,9 +208,14 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
 
     workspace = workspace_of(config, workspace)
     from components.rollout import status
-    from pipelines.commands._common import echo_json
+    from components.rollout.types import RolloutError
+    from pipelines.commands._common import echo_json, fail
+    from schemas import SchemaError
 
-    doc = status(_paths(workspace).state)
+    try:
+        doc = status(_paths(workspace).state)
+    except (RolloutError, SchemaError) as err:  # a damaged state file: the message names it
+        fail(str(err), code=1)
     if as_json:
         echo_json(doc)
         return
