@@ -369,9 +369,10 @@ def test_path_traversal_and_link_members(tmp_path):
         "code": "unsafe_member",
         "message": "member 'p-link.jpg' is a symbolic link to '/etc/passwd', not a regular file",
     }
-    with tarfile.open(summary.quarantine_paths[0]) as tar:
+    with tarfile.open(summary.quarantine_paths[0]) as tar:  # kept as metadata, never as a link
         kept = tar.getmember("p-link.jpg")
-        assert kept.issym() and kept.linkname == "/etc/passwd"
+        assert kept.isreg() and kept.size == 0 and not kept.linkname
+    assert record["links"] == {"p-link.jpg": {"type": "symlink", "linkname": "/etc/passwd"}}
     assert doc["quarantined"] == 3 and doc["passed"] == GOOD
 
 

@@ -7,7 +7,10 @@ the index of the input shard in the sorted list of matched shards, so reruns wri
 A quarantine shard never holds more than the reader read: a member left unread (its header declares more
 than the policy's limit, or it lies past the decompression cap) is kept as an empty member of the same
 name, and the ``member_too_large`` reason in ``{key}.reason.json`` gives its declared size and the limit;
-a cut-off member keeps the bytes that were there (a ``truncated`` reason).
+a cut-off member keeps the bytes that were there (a ``truncated`` reason). A member that is not a regular file
+(a symbolic or hard link, a device, a FIFO, a folder) is kept as an empty regular file of the same name: what
+it was and where it pointed are recorded as metadata under ``links`` in ``{key}.reason.json``, so no
+quarantine shard carries a link that an extraction would follow.
 """
 
 from __future__ import annotations
@@ -61,8 +64,10 @@ class AtomicTarWriter:
             # A pax ``size`` record would outrank info.size and declare bytes that are not copied.
             info.pax_headers = {k: v for k, v in info.pax_headers.items() if k != "size"}
             self._open().addfile(info, io.BytesIO(member.data))
-        else:
-            self._open().addfile(info)
+        else:  # stored as metadata (the reasons file), never as a link
+            kept = tarfile.TarInfo(info.name)
+            kept.mtime, kept.mode = info.mtime, 0o644
+            self._open().addfile(kept, io.BytesIO(b""))
 
     def add_bytes(self, name: str, data: bytes, mtime: float) -> None:
         info = tarfile.TarInfo(name)
@@ -98,6 +103,26 @@ def reason_document(group: SampleGroup, shard: str, reasons: Iterable[Reason]) -
         "sample_index": group.index,
         "members": [m.name for m in group.members],
         "reasons": [r.to_dict() for r in reasons],
+        **({"links": links} if (links := _links(group)) else {}),
+    }
+
+
+_TYPES = {
+    tarfile.SYMTYPE: "symlink",
+    tarfile.LNKTYPE: "hardlink",
+    tarfile.CHRTYPE: "char_device",
+    tarfile.BLKTYPE: "block_device",
+    tarfile.FIFOTYPE: "fifo",
+    tarfile.DIRTYPE: "directory",
+}
+
+
+def _links(group: SampleGroup) -> dict[str, dict[str, str]]:
+    """What each member that is not a regular file was, and its link target (kept as metadata only)."""
+    return {
+        m.name: {"type": _TYPES.get(m.info.type, repr(m.info.type)), "linkname": m.info.linkname}
+        for m in group.members
+        if not m.info.isreg()
     }
 
 
