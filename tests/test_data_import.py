@@ -566,6 +566,17 @@ def test_add_phase_refuses_unreadable_or_too_small_splits_and_writes_nothing(tmp
     )
 
 
+def test_a_compressed_shard_in_a_shards_folder_is_named_not_skipped(tmp_path: Path) -> None:
+    import gzip
+
+    drop = import_drop(tmp_path, "drop", 0)
+    first = next((drop / "train").glob("*.tar"))
+    (drop / "train" / "extra.tar.gz").write_bytes(gzip.compress(first.read_bytes()))
+    result = runner.invoke(app, ["stream", "add-phase", str(tmp_path / "stream"), "--shards", str(drop)])
+    assert result.exit_code == 2 and "compressed tar file(s) extra.tar.gz" in result.output, result.output
+    assert not (tmp_path / "stream" / "stream.json").exists()
+
+
 def test_synthetic_manifests_still_read_and_match_the_schema(tmp_path: Path) -> None:
     from compat.data.synth import generate_stream
 

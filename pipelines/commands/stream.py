@@ -23,6 +23,9 @@ SplitOpt = Annotated[
 ]
 
 
+COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+
+
 def split_shards(shards: Path | None, specs: dict[str, list[str] | None]) -> tuple[dict[str, list[str]], str]:
     """Each split's local tar paths from ``--shards DIR`` (``DIR/{train,eval,gallery}/*.tar``) and the
     per-split options; a folder holding tar files directly must name its split with ``--train`` etc."""
@@ -56,6 +59,12 @@ def split_shards(shards: Path | None, specs: dict[str, list[str] | None]) -> tup
             )
         for split in present:
             found[split] = sorted(str(p) for p in (shards / split).glob("*.tar"))
+            packed = sorted(p.name for p in (shards / split).iterdir() if p.name.endswith(COMPRESSED_TARS))
+            if packed:
+                fail(
+                    f"{shards / split} holds compressed tar file(s) {', '.join(packed[:5])}: --shards takes "
+                    "uncompressed .tar shards only; decompress them there (gunzip) and add the phase again"
+                )
     for split, spec in specs.items():
         if spec:
             try:
