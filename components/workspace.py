@@ -26,6 +26,57 @@ from pathlib import Path
 DEFAULT_ROOT = "workspace"
 DEFAULT_MODEL_NAME = "compatflow-clip"
 ENV_ROOT = "COMPATFLOW_WORKSPACE"
+# Folders a workspace may never be (a run writes, archives and deletes below its workspace): the root, the
+# system folders and the folder that holds every user's home.
+SYSTEM_FOLDERS = frozenset(
+    Path(p)
+    for p in (
+        "/",
+        "/bin",
+        "/boot",
+        "/dev",
+        "/etc",
+        "/home",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/opt",
+        "/proc",
+        "/root",
+        "/run",
+        "/sbin",
+        "/srv",
+        "/sys",
+        "/tmp",
+        "/usr",
+        "/usr/bin",
+        "/usr/lib",
+        "/usr/local",
+        "/var",
+        "/var/lib",
+        "/var/log",
+        "/var/tmp",
+    )
+)
+
+
+class WorkspaceError(ValueError):
+    """The workspace folder is one that must not be written under (the root or a system folder)."""
+
+
+def check_root(root: str | Path) -> Path:
+    """``root`` resolved; raises :class:`WorkspaceError` for the filesystem root, a system folder or the
+    user's home folder itself (a workspace is a folder of its own, e.g. ``~/compatflow-ws``)."""
+    path = Path(root).expanduser().resolve()
+    if path in SYSTEM_FOLDERS or path == Path.home().resolve():
+        raise WorkspaceError(
+            f"workspace {path} is refused: a run writes and deletes files under its workspace, so it must "
+            "be a folder of its own (e.g. ./workspace or ~/compatflow-ws), not the root, a system folder "
+            "or a home folder"
+        )
+    return path
+
+
 ENV_TRACKING_URI = "COMPATFLOW_TRACKING_URI"
 
 
@@ -44,7 +95,7 @@ class Workspace:
         index_alias: str = "gallery",
     ) -> None:
         chosen = root if root is not None else os.environ.get(ENV_ROOT) or DEFAULT_ROOT
-        self.root = Path(chosen).expanduser().resolve()
+        self.root = check_root(chosen)
         self._tracking_uri = tracking_uri or os.environ.get(ENV_TRACKING_URI) or None
         self._lineage_repo = Path(lineage_repo) if lineage_repo else None
         self._index_uri = index_uri or None

@@ -169,7 +169,14 @@ def resolve(config: dict[str, Any]) -> dict[str, Any]:
 
     resolved = copy.deepcopy(config)
     workspace = Path(resolved["workspace"]).expanduser()
-    resolved["workspace"] = str(workspace if "://" in str(workspace) else workspace.resolve())
+    if "://" not in str(workspace):
+        from components.workspace import WorkspaceError, check_root
+
+        try:
+            workspace = check_root(workspace)
+        except WorkspaceError as err:
+            raise ConfigError(f"config field 'workspace': {err}") from err
+    resolved["workspace"] = str(workspace)
     root = resolved["workspace"]
     defaults = {
         ("registry", "tracking_uri"): f"sqlite:///{root}/mlflow.db",

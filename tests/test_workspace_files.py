@@ -29,3 +29,15 @@ def test_binary_garbage_is_named_and_refused(tmp_path: Path, name: str, commands
             f"{tmp_path / name} is unreadable" in result.output
         ), (command, result.output)
         assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+
+
+@pytest.mark.parametrize("root", ["/", "/etc", "/usr", "~"])
+def test_the_root_or_a_system_folder_is_refused_as_workspace(root: str) -> None:
+    from pipelines.config import ConfigError, load_config, resolve
+
+    result = CliRunner().invoke(app, ["status", "--workspace", root])
+    assert result.exit_code == 2 and "must be a folder of its own" in result.output, result.output
+    config = load_config("local")
+    config["workspace"] = root
+    with pytest.raises(ConfigError, match="config field 'workspace': workspace .* is refused"):
+        resolve(config)

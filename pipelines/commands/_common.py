@@ -93,6 +93,11 @@ def workspace_of(config: str | None, workspace: Path | None, resolved: dict[str,
 
     if config is not None and workspace is not None:
         fail("give --config or --workspace, not both")
-    if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
-        return Workspace(workspace)
-    return Workspace.from_config(resolved if resolved is not None else config_of(config))
+    from components.workspace import WorkspaceError
+
+    try:
+        if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
+            return Workspace(workspace)
+        return Workspace.from_config(resolved if resolved is not None else config_of(config))
+    except WorkspaceError as err:
+        fail(str(err))
