@@ -311,8 +311,10 @@ def test_a_resumed_run_registers_once(workspace: Workspace, tmp_path: Path) -> N
     v1, _ = candidate(registry, tmp_path / "a", "run-r", 1, PASS, phase=1)
     again, _ = candidate(registry, tmp_path / "b", "run-r", 1, PASS, phase=1)  # the same weights again
     assert again == v1
+    copy = registry.download(v1, workspace.models_dir / f"v{v1}")  # the step's workspace copy
     changed, _ = candidate(registry, tmp_path / "c", "run-r", 2, PASS, phase=1)  # retrained: other weights
     assert changed != v1
+    assert not copy.exists()  # the deleted version leaves no folder behind
     versions = registry.client.search_model_versions("name='clip-resume'")
     assert [str(v.version) for v in versions] == [changed]
     assert registry.alias_version("candidate") == changed

@@ -88,6 +88,7 @@ class Registry(Tracking):
                 )
             log.info("deleting version %s: an interrupted attempt of this run registered it", earlier.version)
             self.client.delete_model_version(self.model_name, str(earlier.version))
+            self._remove_copy(str(earlier.version), earlier.tags.get("checkpoint.sha256"))
         manifest = self.log_weights(run_id, checkpoint_dir)
         artifact_uri = self.client.get_run(run_id).info.artifact_uri
         pipeline_run = self.client.get_run(run_id).data.tags.get(RUN_TAG, "")
@@ -109,6 +110,20 @@ class Registry(Tracking):
             "registered %s version %s (gate: %s)", self.model_name, version, version_tags["gate.decision"]
         )
         return self.version_info(version)
+
+    def _remove_copy(self, version: str, digest: str | None) -> None:
+        """Delete the workspace copy of a deleted version (``models/v<version>``), only when its manifest is
+        that version's (a folder of another model's version of the same number is left alone)."""
+        from compat.models.integrity import MANIFEST
+
+        copy = self.workspace.models_dir / f"v{version}"
+        try:
+            ours = digest is not None and manifest_digest(json.loads((copy / MANIFEST).read_text())) == digest
+        except (OSError, ValueError):
+            ours = False
+        if ours:
+            shutil.rmtree(copy)
+            log.info("deleted %s, the workspace copy of deleted version %s", copy, version)
 
     def version_info(self, version: str | int) -> dict[str, Any]:
         mv = self.client.get_model_version(self.model_name, str(version))
