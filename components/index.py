@@ -14,7 +14,18 @@ queries go through the alias (``gallery`` by default), which :meth:`GalleryIndex
 atomically (Milvus ``alter_alias``).
 
 ``uri`` is a milvus-lite directory (``.../gallery.db``; one process at a time), the URI of a
-``milvus-lite server`` bound to 127.0.0.1 (several processes), or any Milvus URI.
+``milvus-lite server`` bound to 127.0.0.1 (several processes), or a Milvus server (2.3 or newer).
+
+Reads name their consistency deliberately (a Milvus server's default, Bounded, lets a read miss a write
+of the last few seconds; milvus-lite is always current):
+
+- ``SESSION`` (the default): the process reads its own writes (the rollout, its probes and cursor, the
+  ingest). A collection this process has not written yet is read ``STRONG`` instead, so a resumed
+  process sees what the one before it wrote.
+- ``STRONG``: reads of what another process wrote (``status``, :func:`gallery_status`, a service's first
+  query on a new serving pair); ~one server time tick (~200 ms on Milvus 2.3) per read.
+- ``BOUNDED``: only where a read a few seconds stale is harmless (steady-state service queries, the
+  pace's timed searches), said so at the call.
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 DEFAULT_ALIAS = "gallery"
+SESSION, STRONG, BOUNDED = "Session", "Strong", "Bounded"
+CONSISTENCY_LEVELS = (SESSION, STRONG, BOUNDED)
+MIN_SERVER_VERSION = (2, 3)
 TOKEN_ENV = "COMPATFLOW_MILVUS_TOKEN"
 SPACE_PROPERTY = "compatflow.space"
 META_FIELDS: tuple[str, ...] = (
@@ -124,6 +138,23 @@ for _name in ("pymilvus.client.iterator.query_iterator", "grpc._server"):
     logging.getLogger(_name).addFilter(_QuietIterator())
 
 
+# Collections written by this process, per server: a SESSION read of one of them sees this process's writes.
+_WRITTEN: set[tuple[str, str]] = set()
+
+
+def check_server_version(version: str, uri: str) -> None:
+    """Refuse a Milvus server older than :data:`MIN_SERVER_VERSION` (milvus-lite is always accepted)."""
+    if version.startswith("milvus_lite"):
+        return
+    found = re.match(r"v?(\d+)\.(\d+)", version)
+    if found is None or tuple(map(int, found.groups())) < MIN_SERVER_VERSION:
+        want = ".".join(map(str, MIN_SERVER_VERSION))
+        raise GalleryIndexError(
+            f"the Milvus server at {uri} reports version {version!r}; compatflow needs Milvus {want} or "
+            "newer (aliases, upsert, query iterators): upgrade the server or point index.uri at another"
+        )
+
+
 # milvus-lite runs one in-process engine per directory, shared by every client of this process; it holds
 # the directory's lock until released, so the last GalleryIndex using it releases it.
 _EMBEDDED_USERS: Counter[str] = Counter()
@@ -144,12 +175,16 @@ class GalleryIndex:
         *,
         token: str | None = None,
         timeout: float | None = 60.0,
+        consistency: str = SESSION,
     ) -> None:
         from pymilvus import MilvusClient
 
+        if consistency not in CONSISTENCY_LEVELS:
+            raise ValueError(f"consistency must be one of {CONSISTENCY_LEVELS}, got {consistency!r}")
         self.uri = str(uri)
         self.alias = alias
         self.timeout = timeout
+        self.consistency = consistency
         self._loaded: set[str] = set()
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not is_remote(self.uri):
@@ -171,6 +206,29 @@ class GalleryIndex:
         if self._local:
             with _EMBEDDED_LOCK:
                 _EMBEDDED_USERS[self._local] += 1
+        try:
+            self.server_version = str(self.client.get_server_version(timeout=timeout))
+            check_server_version(self.server_version, self.uri)
+        except Exception:
+            self.close()
+            raise
+        self.lite = self.server_version.startswith("milvus_lite")
+
+    def _level(self, name: str, consistency: str | None) -> str:
+        """The consistency level of a read of ``name`` (see the module doc)."""
+        level = consistency or self.consistency
+        if level not in CONSISTENCY_LEVELS:
+            raise ValueError(f"consistency must be one of {CONSISTENCY_LEVELS}, got {level!r}")
+        if level == SESSION and (self.uri, name) not in _WRITTEN:
+            return STRONG
+        return level
+
+    def _read_args(self, name: str, consistency: str | None, as_of: float | None) -> dict[str, Any]:
+        if as_of is None:
+            return {"consistency_level": self._level(name, consistency)}
+        from pymilvus.client.utils import mkts_from_unixtime
+
+        return {"consistency_level": "Customized", "guarantee_timestamp": mkts_from_unixtime(float(as_of))}
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -335,7 +393,13 @@ class GalleryIndex:
         missing = [f for f in ROW_FIELDS if f not in rows[0]]
         if missing:
             raise ValueError(f"gallery rows need the fields {list(ROW_FIELDS)}; missing {missing}")
-        self.client.upsert(name, list(rows), timeout=self.timeout)
+        result = self.client.upsert(name, list(rows), timeout=self.timeout)
+        _WRITTEN.add((self.uri, name))
+        written = result.get("upsert_count", len(rows)) if isinstance(result, dict) else len(rows)
+        if int(written) != len(rows):
+            raise GalleryIndexError(
+                f"upsert into {name!r} wrote {written} of {len(rows)} rows; retry the batch"
+            )
         return len(rows)
 
     def index_items(
@@ -391,9 +455,16 @@ class GalleryIndex:
         collection: str | None = None,
         ef: int | None = None,
         output_fields: Sequence[str] = (),
+        consistency: str | None = None,
+        as_of: float | None = None,
     ) -> list[list[Hit]]:
         """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector and
-        the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``)."""
+        the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``).
+
+        ``as_of`` (a Unix time) replaces ``consistency``: the search sees at least every write made before
+        that time, and waits for nothing once the server has caught up with it (a service reading a
+        collection that was complete when its serving pair was loaded).
+        """
         q = np.atleast_2d(np.asarray(query_vectors, dtype=np.float32))
         if not np.isfinite(q).all():
             raise ValueError("query vectors contain NaN or infinite values")
@@ -406,14 +477,16 @@ class GalleryIndex:
             data=q.tolist(),
             filter=filter or "",
             limit=int(k),
-            output_fields=list(dict.fromkeys(["model_version", *output_fields])),
+            # the primary key is asked for by name: a Milvus 2.3 server keys it "id" in the hit itself
+            output_fields=list(dict.fromkeys(["item_id", "model_version", *output_fields])),
             search_params=params,
+            **self._read_args(name, consistency, as_of),
             timeout=self.timeout,
         )
         return [
             [
                 Hit(
-                    str(h["item_id"]),
+                    str(h["entity"]["item_id"]),
                     float(h["distance"]),
                     str(h["entity"]["model_version"]),
                     {f: h["entity"].get(f) for f in output_fields},
@@ -423,10 +496,15 @@ class GalleryIndex:
             for row in result
         ]
 
-    def count(self, collection: str | None = None, filter: str = "") -> int:
+    def count(self, collection: str | None = None, filter: str = "", consistency: str | None = None) -> int:
         """Number of gallery rows (optionally matching ``filter``)."""
+        name = self.resolve(collection)
         res = self.client.query(
-            self.resolve(collection), filter=filter, output_fields=["count(*)"], timeout=self.timeout
+            name,
+            filter=filter,
+            output_fields=["count(*)"],
+            consistency_level=self._level(name, consistency),
+            timeout=self.timeout,
         )
         return int(res[0]["count(*)"])
 
@@ -436,10 +514,48 @@ class GalleryIndex:
         collection: str | None = None,
         filter: str = "",
         batch_size: int = 2000,
+        consistency: str | None = None,
     ) -> Iterator[list[dict[str, Any]]]:
-        """All rows (the given fields), in batches, via a query iterator."""
+        """All rows (the given fields), in batches.
+
+        On a Milvus server: pages in primary-key order (``item_id > last``), each read with the given
+        consistency. (pymilvus's query iterator takes its snapshot time from the server, which a Milvus 2.3
+        server does not send: right after a write its client-side fallback returned nothing.) milvus-lite,
+        always current but unordered under a limit, is read through the query iterator.
+        """
         name = self.resolve(collection)
         fields = list(dict.fromkeys(["item_id", *fields]))
+        level = self._level(name, consistency)
+        if self.lite:
+            yield from self._iterate_lite(name, fields, filter, batch_size)
+            return
+        last: str | None = None
+        while True:
+            after = f"item_id > {quote(last)}" if last is not None else 'item_id != ""'
+            page = self.client.query(
+                name,
+                filter=f"({filter}) and {after}" if filter else after,
+                output_fields=fields,
+                limit=int(batch_size),
+                consistency_level=level,
+                timeout=self.timeout,
+            )
+            if not page:
+                return
+            keys = [str(r["item_id"]) for r in page]
+            if keys != sorted(keys) or (last is not None and keys[0] <= last):
+                raise GalleryIndexError(
+                    f"the Milvus server at {self.uri} returned a page of {name!r} out of primary-key order; "
+                    "paging would skip rows (needs Milvus 2.3 or newer)"
+                )
+            yield [dict(r) for r in page]
+            if len(page) < batch_size:
+                return
+            last = keys[-1]
+
+    def _iterate_lite(
+        self, name: str, fields: list[str], filter: str, batch_size: int
+    ) -> Iterator[list[dict[str, Any]]]:
         iterator = self.client.query_iterator(
             name, batch_size=batch_size, filter=filter, output_fields=fields, timeout=self.timeout
         )
@@ -449,23 +565,34 @@ class GalleryIndex:
         finally:
             iterator.close()
 
-    def count_by_version(self, collection: str | None = None) -> dict[str, int]:
+    def count_by_version(
+        self, collection: str | None = None, consistency: str | None = None
+    ) -> dict[str, int]:
         """Rows per model version (sums to :meth:`count`)."""
         counts: Counter[str] = Counter()
-        for batch in self.iter_rows(("model_version",), collection):
+        for batch in self.iter_rows(("model_version",), collection, consistency=consistency):
             counts.update(str(r["model_version"]) for r in batch)
         return dict(sorted(counts.items()))
 
     def fetch(
-        self, ids: Sequence[str], collection: str | None = None, chunk: int = 1000
+        self,
+        ids: Sequence[str],
+        collection: str | None = None,
+        chunk: int = 1000,
+        consistency: str | None = None,
     ) -> list[dict[str, Any]]:
         """Complete rows (vector included) of ``ids`` that exist, in the order of ``ids``."""
         name = self.resolve(collection)
         found: dict[str, dict[str, Any]] = {}
         ids = [str(i) for i in ids]
+        level = self._level(name, consistency)
         for start in range(0, len(ids), chunk):
             for row in self.client.get(
-                name, ids=ids[start : start + chunk], output_fields=list(ROW_FIELDS), timeout=self.timeout
+                name,
+                ids=ids[start : start + chunk],
+                output_fields=list(ROW_FIELDS),
+                consistency_level=level,
+                timeout=self.timeout,
             ):
                 found[str(row["item_id"])] = {f: row[f] for f in ROW_FIELDS}
         return [found[i] for i in ids if i in found]
@@ -529,7 +656,7 @@ def make_rows(
 
 def gallery_status(uri: str | os.PathLike[str], alias: str = DEFAULT_ALIAS) -> dict[str, Any]:
     """``{"count", "by_version", "collection"}`` of the serving collection (0 when nothing is indexed)."""
-    with GalleryIndex(uri, alias) as index:
+    with GalleryIndex(uri, alias, consistency=STRONG) as index:  # another process wrote the gallery
         collection = index.serving_collection()
         if collection is None:
             return {"count": 0, "by_version": {}, "collection": None}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+from _milvus import SERVER_BACKENDS, server_uri
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -12,6 +14,28 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # the rollout tests name their known-geometry encoders in serving records (components.rollout.serving)
 os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", "benchmarks.synthetic_upgrade")
+
+
+_NETNS_NOTE = "not tried"
+
+
+def pytest_configure(config):
+    """Run the whole session in a private network namespace with only loopback (root only): Milvus 2.3
+    listens on every interface, and nothing a test starts may be reachable from beyond this machine."""
+    global _NETNS_NOTE
+    from components import milvus_server
+
+    if milvus_server.loopback_only():
+        _NETNS_NOTE = "the session's network namespace has loopback only"
+        return
+    if os.geteuid() != 0:
+        _NETNS_NOTE = "not root, so the test session cannot make a private network namespace"
+        return
+    try:
+        milvus_server.enter_private_network()
+        _NETNS_NOTE = "the session runs in a private network namespace (loopback only)"
+    except (OSError, RuntimeError) as exc:
+        _NETNS_NOTE = f"the private network namespace failed: {exc}"
 
 
 @pytest.fixture(autouse=True)
@@ -67,20 +91,49 @@ def _loopback_server(argv: list[str], port: int, data, name: str, wait_s: float 
 
 
 @pytest.fixture(scope="session")
-def milvus_server(tmp_path_factory):
+def milvus_lite_server(tmp_path_factory):
     """A real ``milvus-lite server`` on a free 127.0.0.1 port for the session; yields its URI."""
     import shutil
     import sys
-    from pathlib import Path
 
     exe = Path(sys.executable).with_name("milvus-lite")
     exe = str(exe) if exe.is_file() else shutil.which("milvus-lite")
     if exe is None:
         pytest.fail("the milvus-lite executable is missing from the environment (pip package milvus-lite)")
-    data = tmp_path_factory.mktemp("milvus-server")
+    data = tmp_path_factory.mktemp("milvus-lite-server")
     port = _free_loopback_port()
     argv = [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)]
     yield from _loopback_server(argv, port, data, "milvus-lite server", wait_s=60)
+
+
+def milvus_binaries_cache() -> Path:
+    """Where the Milvus server's binaries are unpacked once for every test session (~250 MB)."""
+    from components.milvus_server import server_version
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "compatflow" / f"milvus-{server_version()}"
+
+
+@pytest.fixture(scope="session")
+def milvus_standalone(tmp_path_factory):
+    """A real Milvus standalone server (PyPI ``milvus``) for the session, in this session's private
+    network namespace; yields the :class:`~components.milvus_server.MilvusStandalone`."""
+    from components import milvus_server
+
+    if not milvus_server.loopback_only():
+        pytest.skip(f"Milvus standalone needs a loopback-only network namespace: {_NETNS_NOTE}")
+    server = milvus_server.start(
+        tmp_path_factory.mktemp("milvus-standalone"), bin_dir=milvus_binaries_cache(), graceful_stop_s=3
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=SERVER_BACKENDS)
+def milvus_server(request):
+    """The URI of a real Milvus server, once per backend: ``milvus-lite server`` and Milvus standalone
+    (the collections the test creates are dropped after it)."""
+    return server_uri(request, request.param)
 
 
 @pytest.fixture

@@ -8,18 +8,18 @@ import uuid
 
 import numpy as np
 import pytest
+from _milvus import SERVER_BACKENDS, server_uri
 
 from components.index import GalleryIndex, GalleryIndexError, gallery_status, make_rows
 
 
-@pytest.fixture(params=["embedded", "server"])
+@pytest.fixture(params=["embedded", *SERVER_BACKENDS])
 def index(request, tmp_path):
-    """A GalleryIndex per backend; on the shared server each test gets its own alias (and collections)."""
+    """A GalleryIndex per backend; on a shared server each test gets its own alias (and collections)."""
     if request.param == "embedded":
         idx = GalleryIndex(str(tmp_path / "milvus" / "gallery.db"))
     else:
-        uri = request.getfixturevalue("milvus_server")
-        idx = GalleryIndex(uri, alias=f"g{uuid.uuid4().hex[:10]}")
+        idx = GalleryIndex(server_uri(request, request.param), alias=f"g{uuid.uuid4().hex[:10]}")
     yield idx
     idx.close()
 
@@ -135,3 +135,62 @@ def test_embedded_index_persists_and_is_single_process(tmp_path) -> None:
         assert idx.count() == 50 and idx.count_by_version() == {"v1": 50}
     assert gallery_status(path) == {"count": 50, "by_version": {"v1": 50}, "collection": coll}
     assert gallery_status(str(tmp_path / "empty.db")) == {"count": 0, "by_version": {}, "collection": None}
+
+
+def test_reads_after_writes_are_current_in_this_and_a_fresh_process(index: GalleryIndex) -> None:
+    """On a Milvus server the default consistency (Bounded) misses writes of the last seconds: a process
+    reads its own writes (Session), and a process that wrote nothing reads Strong."""
+    rng = np.random.default_rng(3)
+    coll = index.create_collection("s", 8)
+    assert index._level(coll, None) == "Strong"  # nothing written by this process yet
+    index.switch_alias(coll)
+    ids = [f"r{i:03d}" for i in range(240)]
+    vectors = _unit(rng, 240, 8)
+    index.index_items(ids, vectors, "v1", "s", batch_size=80)
+    assert index._level(coll, None) == "Session" and index._level(coll, "Bounded") == "Bounded"
+    assert index.count() == 240 and index.count_by_version() == {"v1": 240}
+    assert index.search(vectors[7:8], k=1)[0][0].item_id == "r007"
+    index.index_items(ids[:100], vectors[:100], "v2", "s")
+    assert index.count_by_version() == {"v1": 140, "v2": 100}
+    reader = (
+        "import json, sys\nfrom components.index import GalleryIndex\n"
+        "with GalleryIndex(sys.argv[1], sys.argv[2]) as idx:\n"
+        "    print(json.dumps([idx.count(), idx.count_by_version()]))"
+    )
+    uri = index.uri if index.uri.startswith("http") else None
+    if uri is not None:  # milvus-lite's directory is held by this process
+        out = subprocess.run(
+            [sys.executable, "-c", reader, uri, index.alias], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == '[240, {"v1": 140, "v2": 100}]'
+
+
+def test_server_version_check() -> None:
+    from components.index import check_server_version
+
+    check_server_version("v2.3.5-lite", "http://h:1")
+    check_server_version("v2.5.10", "http://h:1")
+    check_server_version("milvus_lite-3.2.2", "./g.db")
+    for old in ("v2.2.16", "2.1.0", "unknown"):
+        with pytest.raises(GalleryIndexError, match="needs Milvus 2.3 or newer"):
+            check_server_version(old, "http://h:1")
+
+
+def test_search_as_of_a_time_sees_every_write_before_it(index: GalleryIndex) -> None:
+    """A service reads with ``as_of`` = when its pair was loaded: every earlier write is visible at once."""
+    import time
+
+    rng = np.random.default_rng(4)
+    coll = index.create_collection("s", 8)
+    index.switch_alias(coll)
+    vectors = _unit(rng, 64, 8)
+    index.index_items([f"a{i:02d}" for i in range(64)], vectors, "v1", "s")
+    written = time.time()
+    fresh = GalleryIndex(index.uri, index.alias) if index.uri.startswith("http") else index
+    try:
+        hits = fresh.search(vectors[[3, 40]], k=1, as_of=written)
+        assert [row[0].item_id for row in hits] == ["a03", "a40"]
+    finally:
+        if fresh is not index:
+            fresh.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _milvus import SERVER_BACKENDS, server_uri
 
 import schemas
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
@@ -331,13 +332,13 @@ def _cli(ws: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["embedded", "server"])
+@pytest.mark.parametrize("backend", ["embedded", *SERVER_BACKENDS])
 def test_kill_9_mid_stage_then_resume(tmp_path, backend, request) -> None:
     """SIGKILL a real rollout process mid-stage; a rerun completes with one v2 vector per item."""
     ws = tmp_path / "ws"
     paths = ro.RolloutPaths.for_workspace(ws)
-    if backend == "server":
-        uri, alias = request.getfixturevalue("milvus_server"), f"g{uuid.uuid4().hex[:10]}"
+    if backend in SERVER_BACKENDS:
+        uri, alias = server_uri(request, backend), f"g{uuid.uuid4().hex[:10]}"
     else:
         uri, alias = str(ws / "milvus" / "gallery.db"), "gallery"
     with GalleryIndex(uri, alias) as index:

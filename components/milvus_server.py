@@ -1,0 +1,226 @@
+"""A Milvus standalone server (PyPI ``milvus``) started on loopback only, for local use and tests.
+
+Milvus 2.3 listens on every interface whatever its ``*.ip`` settings (only its embedded etcd stays on
+127.0.0.1), so it is started only inside a network namespace whose one interface is loopback: the
+caller's own, when :func:`loopback_only` holds, or a private one entered with
+:func:`enter_private_network` (root: ``unshare(CLONE_NEWNET)``) or ``ip netns exec``. Its clients must
+run in the same namespace. Everything the server writes (binaries unpacked from the wheel, configs,
+etcd, segments, logs, pid file) lives under one data folder; its ports are the first free ones from
+Milvus's defaults (gRPC 19530, health 9091). :meth:`MilvusStandalone.stop` ends it within
+``graceful_stop_s`` (Milvus waits ``common.gracefulStopTimeout``, 1800 s by default, with a loaded
+collection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import lzma
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+CLONE_NEWNET = 0x40000000
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class MilvusServerError(RuntimeError):
+    """The Milvus server cannot be started here; the message says why and what to do."""
+
+
+def interfaces() -> list[str]:
+    """Names of the network interfaces of this process's network namespace."""
+    return sorted(name for _, name in socket.if_nameindex())
+
+
+def loopback_only() -> bool:
+    """True when this network namespace has no interface but loopback (nothing here reaches beyond it)."""
+    return interfaces() == ["lo"]
+
+
+def enter_private_network() -> None:
+    """Move this process (and every child it starts later) into a new network namespace with only
+    loopback, up. Needs root (CAP_SYS_ADMIN); call it before any thread starts (namespaces are per thread).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise MilvusServerError(f"cannot create a private network namespace: {os.strerror(err)} (needs root)")
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+
+
+def _wheel_dir() -> Path:
+    try:
+        import milvus
+    except ImportError as exc:
+        raise MilvusServerError(
+            "the Milvus server package is not installed: `pip install milvus==2.3.5` (requirements/dev.txt)"
+        ) from exc
+    return Path(milvus.__file__).parent
+
+
+def server_version() -> str:
+    """The version of the installed Milvus server package."""
+    import milvus
+
+    return str(milvus.__version__)
+
+
+def unpack_binaries(root: Path) -> Path:
+    """The server's binaries under ``root/bin``, unpacked from the wheel once (by digest); returns the
+    executable."""
+    source = _wheel_dir() / "data" / "bin"
+    bin_dir = Path(root) / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for packed in sorted(source.glob("*.lzma")):
+        target = bin_dir / packed.name[: -len(".lzma")]
+        digest = hashlib.md5(packed.read_bytes()).hexdigest()
+        stamp = target.with_name(target.name + ".lzma.md5")
+        if target.is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
+            continue
+        tmp = target.with_name(target.name + ".tmp")
+        with lzma.open(packed) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        tmp.chmod(0o755)
+        tmp.replace(target)
+        stamp.write_text(digest)
+    return bin_dir / "milvus"
+
+
+def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
+    """Render ``configs/milvus.yaml`` from the wheel's template with free loopback ports; returns
+    (gRPC port, health port)."""
+    from milvus import MilvusServerConfig
+
+    config = MilvusServerConfig(data_dir=str(data_dir))
+    for role in (
+        "proxy",
+        "rootCoord",
+        "queryCoord",
+        "queryNode",
+        "indexCoord",
+        "indexNode",
+        "dataCoord",
+        "dataNode",
+    ):
+        config.set(f"{role}.ip", "127.0.0.1")
+    config.set("common.gracefulStopTimeout", int(graceful_stop_s))
+    config.set("log.level", "warn")
+    config.resolve()  # picks the first free port from each default and writes the file
+    health, sock = config.resolve_port(9091)
+    sock.close()
+    return int(config.get("proxy_port")), int(health)
+
+
+@dataclass
+class MilvusStandalone:
+    """A running Milvus standalone process (see the module doc)."""
+
+    data_dir: Path
+    process: subprocess.Popen
+    port: int
+    health_port: int
+    graceful_stop_s: int
+
+    @property
+    def uri(self) -> str:
+        """The ``index.uri`` that reaches this server."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as resp:
+                return b"OK" in resp.read()
+        except OSError:
+            return False
+
+    def stop(self) -> int:
+        """Stop the server (SIGTERM, then SIGKILL after the graceful time); returns its exit status."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=self.graceful_stop_s + 5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return int(self.process.returncode)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        path = self.data_dir / "logs" / "milvus-stdout.log"
+        return path.read_text(errors="replace")[-chars:] if path.is_file() else ""
+
+
+def start(
+    data_dir: str | os.PathLike[str],
+    *,
+    bin_dir: str | os.PathLike[str] | None = None,
+    graceful_stop_s: int = 10,
+    wait_s: float = 180,
+) -> MilvusStandalone:
+    """Start Milvus standalone with its data under ``data_dir`` and wait until it is healthy.
+
+    ``bin_dir`` holds the unpacked binaries (~250 MB; default ``data_dir``; several data folders may
+    share one). Refuses unless this network namespace is loopback-only (see the module doc).
+    """
+    if not loopback_only():
+        raise MilvusServerError(
+            "Milvus 2.3 listens on every network interface; it is started only in a network namespace with "
+            f"loopback alone (this one has {', '.join(interfaces())}). As root: `compatflow index "
+            "serve-milvus` creates one, or run inside `unshare --net sh -c 'ip link set lo up; ...'`"
+        )
+    data = Path(data_dir).expanduser().resolve()
+    data.mkdir(parents=True, exist_ok=True)
+    exe = unpack_binaries(Path(bin_dir).expanduser().resolve() if bin_dir else data)
+    port, health = _write_config(data, graceful_stop_s)
+    (data / "logs").mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "DEPLOY_MODE": "STANDALONE",
+        "MILVUSCONF": str(data / "configs"),
+        "METRICS_PORT": str(health),
+        "MILVUS_RUN_DIR": str(data / "run"),  # its pid file (default /run/milvus/standalone.pid)
+        "LD_LIBRARY_PATH": f"{exe.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+    }
+    with open(data / "logs" / "milvus-stdout.log", "ab") as out:
+        process = subprocess.Popen(
+            [str(exe), "run", "standalone"],
+            cwd=data,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    server = MilvusStandalone(data, process, port, health, graceful_stop_s)
+    deadline = time.monotonic() + wait_s
+    while not server.healthy():
+        if process.poll() is not None:
+            raise MilvusServerError(
+                f"Milvus exited with status {process.returncode} while starting; its log "
+                f"({data / 'logs'}):\n{server.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            server.stop()
+            raise MilvusServerError(f"Milvus was not healthy within {wait_s:.0f} s; logs in {data / 'logs'}")
+        time.sleep(0.2)
+    return server
+
+
+@contextlib.contextmanager
+def running(data_dir: str | os.PathLike[str], **kwargs: object) -> Iterator[MilvusStandalone]:
+    """:func:`start` for the duration of a block, then stop."""
+    server = start(data_dir, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.stop()
