@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 SERVER_BACKENDS = ("milvus-lite", "milvus-standalone")
+
+
+def milvus_binaries_cache() -> Path:
+    """Where the Milvus server's binaries are unpacked once for every test session (~250 MB)."""
+    from components.milvus_server import server_version
+
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "compatflow" / f"milvus-{server_version()}"
 
 
 def server_uri(request: pytest.FixtureRequest, backend: str) -> str:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _milvus import SERVER_BACKENDS, server_uri
+from _milvus import SERVER_BACKENDS, milvus_binaries_cache, server_uri
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -104,14 +104,6 @@ def milvus_lite_server(tmp_path_factory):
     port = _free_loopback_port()
     argv = [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)]
     yield from _loopback_server(argv, port, data, "milvus-lite server", wait_s=60)
-
-
-def milvus_binaries_cache() -> Path:
-    """Where the Milvus server's binaries are unpacked once for every test session (~250 MB)."""
-    from components.milvus_server import server_version
-
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "compatflow" / f"milvus-{server_version()}"
 
 
 @pytest.fixture(scope="session")
