@@ -551,7 +551,7 @@ def test_add_phase_refuses_unreadable_or_too_small_splits_and_writes_nothing(tmp
         add_phase(stream, {**shards, "eval": []}, "x")
     assert not stream.exists()
     add_phase(stream, shards, "ok")
-    with pytest.raises(StreamError, match=r"sample key '\w+' of .* is already in phase 0 .*imported again"):
+    with pytest.raises(StreamError, match=r"nothing new: all \d+ samples of the new phase are already in"):
         add_phase(stream, shards, "the same samples again")  # evaluation and the gallery key samples by it
     twice = {**shards, "gallery": [*shards["gallery"], shards["eval"][0]]}
     with pytest.raises(StreamError, match="is in two splits of the new phase"):
@@ -564,6 +564,108 @@ def test_add_phase_refuses_unreadable_or_too_small_splits_and_writes_nothing(tmp
     assert entry["phase"] == 1 and len(list((stream / "phase-01" / "train").glob("*.tar"))) == len(
         shards2["train"]
     )
+
+
+def overlapping_drops(tmp_path: Path) -> tuple[Path, Path]:
+    """Two folders of 40 captioned pictures sharing 16: the repeats under other file names and captions."""
+    first = image_folder(tmp_path / "week1", 40)
+    second = image_folder(tmp_path / "week2", 24, start=100)
+    for n, old in enumerate(sorted(first.rglob("img*"))[:32]):  # 16 pictures with their captions
+        if old.suffix != ".txt":
+            (second / "recrawl").mkdir(exist_ok=True)
+            (second / "recrawl" / f"again{n}{old.suffix}").write_bytes(old.read_bytes())
+            (second / "recrawl" / f"again{n}.txt").write_text(f"the same picture, crawled again ({n})\n")
+    return first, second
+
+
+def stream_samples(stream: Path) -> list[tuple[str, bytes]]:
+    """Every sample of the stream as (key, picture bytes), in manifest order."""
+    from compat.data.manifest import IMAGE_MEMBERS
+
+    found = []
+    for entry in load_manifest(stream)["phases"]:
+        for split in ("train", "eval", "gallery"):
+            for url in phase_urls(stream, entry["phase"], split):
+                for key, members in read_tar(Path(url)).items():
+                    found.append((key, next(members[e] for e in IMAGE_MEMBERS if e in members)))
+    return found
+
+
+def test_two_overlapping_drops_import_and_add_as_two_phases_repeats_counted_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    first, second = overlapping_drops(tmp_path)
+    stream, split = tmp_path / "stream", ["--split", "0.5,0.25,0.25", "--samples-per-shard", "8"]
+    for name, src in (("s1", first), ("s2", second)):
+        done = runner.invoke(app, ["data", "import", str(src), "--out", str(tmp_path / name), *split])
+        assert done.exit_code == 0, done.output
+        added = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(tmp_path / name)])
+        assert added.exit_code == 0, added.output
+    out = json.loads(added.stdout)["added"]
+    manifest = load_manifest(stream)
+    entry = manifest["phases"][1]
+    assert schema_errors(manifest, "stream") == []
+    assert out["repeats_skipped"] == entry["repeats_skipped"] and sum(entry["repeats_skipped"].values()) == 16
+    assert manifest["phases"][0]["repeats_skipped"] == {"train": 0, "eval": 0, "gallery": 0}
+    assert sum(entry["counts"].values()) == 24
+    samples = stream_samples(stream)
+    keys = [k for k, _ in samples]
+    assert len(keys) == len(set(keys)) == 64  # every picture once
+    assert len({image for _, image in samples}) == 64
+    for split_name in ("train", "eval", "gallery"):  # counts match the (rewritten) shards
+        held = sum(len(read_tar(Path(u))) for u in phase_urls(stream, 1, split_name))
+        assert held == entry["counts"][split_name]
+
+    again = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(tmp_path / "s2")])
+    assert again.exit_code == 2 and "nothing new: all 40 samples" in again.output, again.output
+    assert len(load_manifest(stream)["phases"]) == 2
+
+    # The same picture stored as other bytes (other resize settings) under its key is refused.
+    small = ["data", "import", str(second), "--out", str(tmp_path / "small"), *split, "--max-side", "16"]
+    assert runner.invoke(app, small).exit_code == 0
+    other = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(tmp_path / "small")])
+    assert other.exit_code == 2 and "for other picture bytes" in other.output, other.output
+    assert "--max-side" in other.output and len(load_manifest(stream)["phases"]) == 2
+
+
+def test_import_exclude_stream_leaves_out_what_the_stream_holds(tmp_path: Path) -> None:
+    first, second = overlapping_drops(tmp_path)
+    stream, split = tmp_path / "stream", ["--split", "0.5,0.25,0.25"]
+    assert (
+        runner.invoke(app, ["data", "import", str(first), "--out", str(tmp_path / "s1"), *split]).exit_code
+        == 0
+    )
+    assert (
+        runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(tmp_path / "s1")]).exit_code
+        == 0
+    )
+    done = runner.invoke(
+        app,
+        [
+            "data",
+            "import",
+            str(second),
+            "--out",
+            str(tmp_path / "s2"),
+            *split,
+            "--exclude-stream",
+            str(stream),
+        ],
+    )
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["in_stream"] == 16 and json.loads(done.stdout)["imported"] == 24
+    report = json.loads((tmp_path / "s2" / REPORT).read_text())
+    assert schema_errors(report, "stream_import") == [] and len(report["in_stream_files"]) == 16
+    assert all(f["source"].startswith("recrawl/again") for f in report["in_stream_files"])
+    added = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(tmp_path / "s2")])
+    assert added.exit_code == 0, added.output
+    assert json.loads(added.stdout)["added"]["repeats_skipped"] == {"train": 0, "eval": 0, "gallery": 0}
+    keys = [k for k, _ in stream_samples(stream)]
+    assert len(keys) == len(set(keys)) == 64
+    missing = runner.invoke(
+        app, ["data", "import", str(second), "--out", str(tmp_path / "s3"), "--exclude-stream", str(tmp_path)]
+    )
+    assert missing.exit_code == 2 and "--exclude-stream" in missing.output and "stream.json" in missing.output
 
 
 def test_a_compressed_shard_in_a_shards_folder_is_named_not_skipped(tmp_path: Path) -> None:

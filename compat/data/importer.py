@@ -16,8 +16,9 @@ JPEG, PNG and WebP files keep their bytes; other images PIL reads (BMP, GIF, TIF
 losslessly as PNG (CMYK as JPEG). A sample's key is a prefix and the first 20 hex digits of the SHA-256
 of its image bytes, so items keep their key from import to import and two phases never reuse a key for
 different images; identical bytes are imported once (the first by source order) and counted as
-duplicates. The split is a seeded, stable hash of the key. Every file that is not imported is listed
-with its reason (:data:`REFUSALS`).
+duplicates; with ``exclude`` (``--exclude-stream``) a picture whose key a stream already holds is left out
+and listed (``in_stream_files``). The split is a seeded, stable hash of the key. Every file that is not
+imported is listed with its reason (:data:`REFUSALS`).
 
 Every file read is a regular file with one name inside SRC (a table's folder for a table): a symbolic
 link, a hard link, a device or FIFO, and a table path (``../``, absolute) or link target outside SRC are
@@ -55,7 +56,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -633,12 +634,14 @@ def _plan(
     settings: ImportSettings,
     progress: Callable[..., Iterator[Any]],
     allowed: tuple[Path, ...] = (),
+    exclude: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     candidates = _candidates(src, out, settings)
     place = _Place(src.parent if settings.source_format == "table" else src, allowed)
     items: list[dict[str, Any]] = []
     refused: list[dict[str, str]] = []
     duplicates: list[dict[str, str]] = []
+    in_stream: list[dict[str, str]] = []  # keys the stream given as ``exclude`` already holds
     first_of: dict[str, str] = {}
     for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
         try:
@@ -655,6 +658,9 @@ def _plan(
             duplicates.append({"source": candidate.source, "duplicate_of": first_of[item["sha256"]]})
             continue
         first_of[item["sha256"]] = candidate.source
+        if exclude and item["key"] in exclude:
+            in_stream.append({"source": candidate.source, "key": item["key"], "shard": exclude[item["key"]]})
+            continue
         items.append(item)
     shards: dict[str, list[dict[str, Any]]] = {}
     per = settings.samples_per_shard
@@ -665,6 +671,8 @@ def _plan(
             for n, start in enumerate(range(0, len(of_split), per))
         ]
     plan = {"settings": asdict(settings), "shards": shards, "refused": refused, "duplicates": duplicates}
+    if exclude is not None:
+        plan["in_stream"] = in_stream
     content = json.dumps(
         {
             "settings": plan["settings"],
@@ -777,6 +785,11 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
         ),
         "duplicates": len(plan["duplicates"]),
         "duplicate_files": plan["duplicates"],
+        **(
+            {"in_stream": len(plan["in_stream"]), "in_stream_files": plan["in_stream"]}
+            if "in_stream" in plan
+            else {}
+        ),
         "refused": len(plan["refused"]),
         "refused_by_reason": dict(sorted(by_reason.items())),
         "refused_files": plan["refused"],
@@ -810,13 +823,15 @@ def import_images(
     *,
     progress: bool = True,
     allow_outside: Sequence[str | os.PathLike[str]] = (),
+    exclude: Mapping[str, str] | None = None,
 ) -> ImportResult:
     """Import ``src`` into shards under ``out`` (see the module docstring); resumes a killed import.
 
     Raises :class:`DataImportError` for a bad source, settings or output folder, or an ``out`` that holds
     a finished import of other input. Nothing imported is not an error here: see ``ImportResult.imported``.
     ``allow_outside``: folders whose files may be read although they lie outside SRC (or are reached
-    through a symbolic link).
+    through a symbolic link). ``exclude``: sample keys left out because a stream already holds them, each
+    with the shard that does (:func:`compat.data.manifest.stream_keys`); listed in ``in_stream_files``.
     """
     from compat.io import write_json_atomic
     from compat.progress import track
@@ -840,7 +855,7 @@ def import_images(
         (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
     )
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = _plan(src_path, out_path, settings, show, tuple(allowed))
+    plan = _plan(src_path, out_path, settings, show, tuple(allowed), exclude)
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     if report is not None:
         if report.get("plan_sha256") == plan["digest"] and all(

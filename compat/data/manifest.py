@@ -9,8 +9,8 @@ A stream is a directory whose ``stream.json`` lists, phase by phase, the tar sha
 
 Shard paths are relative to the stream directory (or absolute, for shards referenced in place).
 The synthetic generator (:mod:`compat.data.synth`) adds ``seed``, ``image_size`` and ``generator``;
-phases added with :func:`add_phase` carry ``source`` and ``added`` instead. Both are read by
-:func:`load_manifest`.
+phases added with :func:`add_phase` carry ``source``, ``added`` and ``repeats_skipped`` (samples of the
+added shards that the stream already held, left out) instead. Both are read by :func:`load_manifest`.
 """
 
 from __future__ import annotations
@@ -115,34 +115,56 @@ def missing_shards(directory: str | os.PathLike[str], manifest: dict[str, Any]) 
     ]
 
 
-def check_shards(urls: Sequence[str], split: str) -> dict[str, str]:
-    """Read every shard of ``split`` to its end; return its sample keys (each with its shard). Raise
-    :class:`StreamError` naming the shard when one is unreadable, truncated or empty, or repeats a key."""
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")  # the members that make a sample's content (its picture)
+
+
+def content_digest(members: Mapping[str, bytes]) -> str:
+    """SHA-256 of a sample's picture members (of every member when it has none): what a key names.
+
+    Captions and metadata are left out: a repeat of a picture in a later drop may sit under another file
+    name (``{key}.json`` records it) and still be the same sample."""
+    import hashlib
+
+    names = sorted(e for e in members if e in IMAGE_MEMBERS) or sorted(members)
+    digest = hashlib.sha256()
+    for ext in names:
+        digest.update(f"{ext}:{len(members[ext])}:".encode())
+        digest.update(members[ext])
+    return digest.hexdigest()
+
+
+def check_shards(urls: Sequence[str], split: str) -> dict[str, tuple[str, str]]:
+    """Read every shard of ``split`` to its end; return its sample keys, each with its shard and
+    :func:`content_digest`. Raise :class:`StreamError` naming the shard when one is unreadable, truncated
+    or empty, or repeats a key."""
     from compat.data.shards import ShardError, iter_raw_samples
 
-    keys: dict[str, str] = {}
+    keys: dict[str, tuple[str, str]] = {}
     for url in urls:
         try:
-            mine = [sample.key for sample in iter_raw_samples(url)]
+            mine = [(sample.key, content_digest(sample.members)) for sample in iter_raw_samples(url)]
         except ShardError as exc:
             raise StreamError(f"{split} shard is unreadable: {exc}") from exc
         if not mine:
             raise StreamError(f"{split} shard {url} holds no samples; leave it out")
-        for key in mine:
+        for key, digest in mine:
             if key in keys:
                 raise StreamError(
-                    f"sample key {key!r} appears twice in the {split} split ({keys[key]} and {url}): "
+                    f"sample key {key!r} appears twice in the {split} split ({keys[key][0]} and {url}): "
                     "a key names one sample of the stream; drop the repeat or give it a new key"
                 )
-            keys[key] = url
+            keys[key] = (url, digest)
     return keys
 
 
-def _check_new_keys(root: Path, manifest: dict[str, Any], keys: Mapping[str, str]) -> None:
-    """Refuse keys of the new phase that an earlier phase (any split) or another split already holds:
-    validation, evaluation and the gallery index read phases together and key their samples by it."""
+def stream_keys(directory: str | os.PathLike[str], manifest: dict[str, Any] | None = None) -> dict[str, str]:
+    """Every sample key of the stream in ``directory``, each with the shard holding it (reads tar headers
+    only); raise :class:`StreamError` naming the phase and shard when one cannot be read."""
     from compat.data.shards import ShardError, sample_keys
 
+    root = Path(directory)
+    manifest = manifest if manifest is not None else load_manifest(root)
+    held: dict[str, str] = {}
     for entry in manifest["phases"]:
         for split in SPLITS:
             for rel in entry[split]:
@@ -151,14 +173,36 @@ def _check_new_keys(root: Path, manifest: dict[str, Any], keys: Mapping[str, str
                     taken = sample_keys(str(path))
                 except ShardError as exc:
                     raise StreamError(f"phase {entry['phase']} of {manifest_path(root)}: {exc}") from exc
-                clash = next((k for k in keys if k in taken), None)
-                if clash is not None:
+                held.update(dict.fromkeys(taken - held.keys(), str(path)))
+    return held
+
+
+def _repeats(root: Path, manifest: dict[str, Any], new: Mapping[str, tuple[str, str]]) -> set[str]:
+    """The keys of the new phase that the stream already holds with the same picture bytes. A key it holds
+    for other bytes is refused: evaluation, validation and the gallery index key samples by it."""
+    from compat.data.shards import ShardError, iter_raw_samples
+
+    held = stream_keys(root, manifest)
+    by_shard: dict[str, set[str]] = {}
+    for key in new.keys() & held.keys():
+        by_shard.setdefault(held[key], set()).add(key)
+    for shard, keys in sorted(by_shard.items()):
+        try:
+            for sample in iter_raw_samples(shard):
+                if sample.key not in keys:
+                    continue
+                url, digest = new[sample.key]
+                if content_digest(sample.members) != digest:
                     raise StreamError(
-                        f"sample key {clash!r} of {keys[clash]} is already in phase {entry['phase']} "
-                        f"({path}): a key names one sample of the stream; add only samples it does not "
-                        "hold yet (`compatflow data import` keys a sample by its content: the same image "
-                        "imported again keeps its key)"
+                        f"sample key {sample.key!r} of {url} is already in the stream ({shard}) for other "
+                        "picture bytes: a key names one sample of the stream; give the new sample another "
+                        "key (`compatflow data import` keys a sample by its content, and the same settings "
+                        "store the same picture as the same bytes: import with the stream's --max-side and "
+                        "--resize-mode, or leave repeats out with --exclude-stream)"
                     )
+        except ShardError as exc:
+            raise StreamError(f"{manifest_path(root)}: {exc}") from exc
+    return set().union(*by_shard.values()) if by_shard else set()
 
 
 def add_phase(
@@ -173,10 +217,14 @@ def add_phase(
     """Append the next phase to the stream in ``directory`` (created with its manifest when missing).
 
     ``shards`` gives each split's local tar paths. Every shard is read to its end (counts computed, a
-    truncated or unreadable shard refused) before anything is written, and a sample key that the stream
-    already holds (or that two of the new shards share) is refused. The shards are hard-linked (or
-    copied) to ``phase-PP/{split}/shard-NNNNN.tar`` in a temporary folder renamed into place, then the
-    manifest is replaced atomically; ``in_place`` lists them where they are instead. Returns the entry.
+    truncated or unreadable shard refused) before anything is written. A sample whose key the stream
+    already holds with the same picture bytes (:func:`content_digest`) is a repeat: it is left out and
+    counted per split in the entry's ``repeats_skipped``. Refused: a key the stream holds for other bytes,
+    a key two of the new shards share, and a phase with nothing new (or a split under :data:`MIN_COUNTS`)
+    once repeats are left out. The shards are hard-linked (or copied; rewritten without their repeats
+    when they hold some) to ``phase-PP/{split}/shard-NNNNN.tar`` in a temporary folder renamed into place,
+    then the manifest is replaced atomically; ``in_place`` lists them where they are instead (refused when
+    there are repeats). Returns the entry.
     """
     if not isinstance(domain, str) or not domain.strip():
         raise StreamError("the phase's domain must be a non-empty name (--domain)")
@@ -192,36 +240,57 @@ def add_phase(
         if dupes:
             raise StreamError(f"{split} lists {sorted(dupes)[0]} more than once")
     keys = {split: check_shards(urls[split], split) for split in SPLITS}
-    counts = {split: len(keys[split]) for split in SPLITS}
-    every: dict[str, str] = {}
+    every: dict[str, tuple[str, str]] = {}
     for split in SPLITS:
-        for key, url in keys[split].items():
+        for key, seen in keys[split].items():
             if key in every:
                 raise StreamError(
-                    f"sample key {key!r} is in two splits of the new phase ({every[key]} and {url}): a "
-                    "key names one sample of the stream"
+                    f"sample key {key!r} is in two splits of the new phase ({every[key][0]} and {seen[0]}): "
+                    "a key names one sample of the stream"
                 )
-            every[key] = url
-    for split, least in MIN_COUNTS.items():
-        if counts[split] < least:
-            raise StreamError(
-                f"the {split} split holds {counts[split]} samples; a phase needs at least {least} "
-                f"(give its shards with --{split}, or import with split fractions that leave it some)"
-            )
+            every[key] = seen
     root = Path(directory)
     if manifest_path(root).is_file():
         load_manifest(root)  # a malformed manifest is refused before anything is written
+    else:
+        _check_counts({split: len(keys[split]) for split in SPLITS}, {})
     root.mkdir(parents=True, exist_ok=True)
     with _stream_lock(root):
-        if manifest_path(root).is_file():
-            _check_new_keys(root, load_manifest(root), every)
+        repeats = _repeats(root, load_manifest(root), every) if manifest_path(root).is_file() else set()
+        skipped = {split: len(keys[split].keys() & repeats) for split in SPLITS}
+        counts = {split: len(keys[split]) - skipped[split] for split in SPLITS}
+        if repeats and not any(counts.values()):
+            raise StreamError(
+                f"nothing new: all {len(repeats)} samples of the new phase are already in the stream "
+                f"{root} (same keys, same picture bytes); nothing was added"
+            )
+        _check_counts(counts, skipped)
+        if repeats and in_place:
+            raise StreamError(
+                f"{len(repeats)} samples of the new phase are already in the stream: --in-place lists shards "
+                "as they are and cannot leave them out; add the phase without --in-place (shards holding "
+                "repeats are rewritten without them), or import with --exclude-stream"
+            )
         entry = {
             "domain": domain.strip(),
             **({"description": description} if description else {}),
             "counts": counts,
+            "repeats_skipped": skipped,
             **({"source": source} if source else {}),
         }
-        return _append_locked(root, urls, entry, in_place)
+        return _append_locked(root, urls, entry, in_place, repeats)
+
+
+def _check_counts(counts: Mapping[str, int], skipped: Mapping[str, int]) -> None:
+    for split, least in MIN_COUNTS.items():
+        if counts[split] < least:
+            repeat = (
+                f" once {skipped[split]} already in the stream are left out" if skipped.get(split) else ""
+            )
+            raise StreamError(
+                f"the {split} split holds {counts[split]} samples{repeat}; a phase needs at least {least} "
+                f"(give its shards with --{split}, or import with split fractions that leave it some)"
+            )
 
 
 @contextlib.contextmanager
@@ -238,7 +307,7 @@ def _stream_lock(root: Path) -> Iterator[None]:
 
 
 def _append_locked(
-    root: Path, urls: dict[str, list[str]], fields: dict[str, Any], in_place: bool
+    root: Path, urls: dict[str, list[str]], fields: dict[str, Any], in_place: bool, skip: set[str]
 ) -> dict[str, Any]:
     from compat.io import utc_now, write_json_atomic
 
@@ -259,14 +328,15 @@ def _append_locked(
         listed = {split: [] for split in SPLITS}
         for split in SPLITS:
             (staging / split).mkdir(parents=True)
-            for n, url in enumerate(urls[split]):
-                _link_or_copy(Path(url), staging / split / f"shard-{n:05d}.tar")
-                listed[split].append(f"{name}/{split}/shard-{n:05d}.tar")
+            for url in urls[split]:
+                shard = f"{split}/shard-{len(listed[split]):05d}.tar"
+                if _copy_without(Path(url), staging / shard, skip):
+                    listed[split].append(f"{name}/{shard}")
         os.replace(staging, final)
     entry = {"phase": phase, **fields, **listed, "added": utc_now()}
     entry = {
         k: entry[k]
-        for k in ("phase", "domain", "description", *SPLITS, "counts", "source", "added")
+        for k in ("phase", "domain", "description", *SPLITS, "counts", "repeats_skipped", "source", "added")
         if k in entry
     }
     updated = {**manifest, "phases": [*manifest["phases"], entry]}
@@ -280,6 +350,21 @@ def _relative_or_absolute(url: str, root: Path) -> str:
         return Path(url).relative_to(root.resolve()).as_posix()
     except ValueError:
         return url
+
+
+def _copy_without(src: Path, dst: Path, skip: set[str]) -> bool:
+    """Put shard ``src`` at ``dst``: linked when it holds no key of ``skip``, else rewritten without those
+    samples (nothing written when none is left). Returns whether ``dst`` was written."""
+    from compat.data.shards import iter_raw_samples, sample_keys, write_shard
+
+    if not skip or not (sample_keys(str(src)) & skip):
+        _link_or_copy(src, dst)
+        return True
+    kept = [(s.key, s.members) for s in iter_raw_samples(str(src)) if s.key not in skip]
+    if not kept:
+        return False
+    write_shard(dst, kept)
+    return True
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

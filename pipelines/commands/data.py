@@ -129,18 +129,34 @@ def import_(
             "repeatable. Without it every file read must be a regular file inside SRC.",
         ),
     ] = None,
+    exclude_stream: Annotated[
+        Path | None,
+        typer.Option(
+            "--exclude-stream",
+            help="A stream folder (stream.json): pictures it already holds (same key) are left out and "
+            "listed in import.json's in_stream_files.",
+        ),
+    ] = None,
 ) -> None:
     """Turn images with captions into webdataset shards split train/eval/gallery; print import.json's counts.
 
     Deterministic (same input, same bytes) and resumable (a killed import, run again, writes only the
-    shards still missing). Duplicate images are imported once; every refused file is listed with its
-    reason in OUT/import.json. Exit 0 when something was imported, 1 when nothing was.
+    shards still missing). Duplicate images are imported once, pictures --exclude-stream already holds not at
+    all; every refused file is listed with its reason in OUT/import.json. Exit 0 when something was
+    imported, 1 when nothing was.
     """
     import time
 
     from compat.data.importer import DataImportError, ImportSettings, detect_format, import_images
+    from compat.data.manifest import StreamError, stream_keys
 
     start = time.perf_counter()
+    exclude = None
+    if exclude_stream is not None:
+        try:
+            exclude = stream_keys(exclude_stream)
+        except StreamError as exc:
+            fail(f"--exclude-stream: {exc}")
     try:
         fractions = tuple(float(f) for f in split.split(","))
     except ValueError:
@@ -161,7 +177,7 @@ def import_(
             resize_mode=resize_mode,
             keep_originals=keep_originals,
         )
-        result = import_images(src, out, settings, allow_outside=allow_outside or ())
+        result = import_images(src, out, settings, allow_outside=allow_outside or (), exclude=exclude)
     except DataImportError as exc:
         fail(str(exc))
     report = result.report
@@ -172,6 +188,7 @@ def import_(
             "imported": report["imported"],
             "counts": report["counts"],
             "duplicates": report["duplicates"],
+            **({"in_stream": report["in_stream"]} if "in_stream" in report else {}),
             "refused": report["refused"],
             "refused_by_reason": report["refused_by_reason"],
             "shards_written": result.written_shards,

@@ -107,7 +107,9 @@ def add_phase(
     ] = False,
 ) -> None:
     """Append the next phase: every shard read to its end (counts computed, unreadable shards refused),
-    shards hard-linked (or copied) into STREAM_DIR/phase-PP/, stream.json replaced atomically."""
+    samples the stream already holds (same key, same picture) left out and counted (repeats_skipped),
+    shards hard-linked (or copied, or rewritten without repeats) into STREAM_DIR/phase-PP/, stream.json
+    replaced atomically. Refused when nothing new remains or a key is reused for other picture bytes."""
     from compat.data.manifest import StreamError
     from compat.data.manifest import add_phase as append
 
@@ -154,6 +156,7 @@ def _phase_summary(entry: dict[str, Any]) -> dict[str, Any]:
         "phase": entry["phase"],
         "domain": entry["domain"],
         "counts": entry.get("counts"),
+        **({"repeats_skipped": entry["repeats_skipped"]} if "repeats_skipped" in entry else {}),
         "shards": {s: len(entry[s]) for s in SPLITS},
         **{k: entry[k] for k in ("source", "added") if k in entry},
     }
