@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import pkgutil
+import sys
 
 import typer
 
@@ -20,7 +21,7 @@ app = typer.Typer(
     name="compatflow",
     help="Continual, backward-compatible upgrades of CLIP-style embedding models for production retrieval.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
@@ -35,17 +36,61 @@ OFFLINE_DEFAULTS = {
 NOISY_LOGGERS = ("faiss", "milvus_lite")
 
 
+def version() -> str:
+    """The installed compatflow version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("compatflow")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from compat import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"compatflow {version()}")
+        raise typer.Exit()
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at each record, so log lines go above live progress bars
+    (rich redirects stderr while it draws them) instead of through them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 @app.callback()
 def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Log warnings and errors only; no progress bars or progress lines."
+    ),
+    _version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
+    from compat.progress import MODE_ENV
+
     for key, value in OFFLINE_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if quiet:
+        os.environ[MODE_ENV] = "quiet"  # task subprocesses inherit it
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    logging.basicConfig(level=level, handlers=[handler])
     if not verbose:  # libraries' start-up chatter (which faiss build loaded, milvus-lite's port) is debug
         for name in NOISY_LOGGERS:
             logging.getLogger(name).setLevel(max(level, logging.WARNING))

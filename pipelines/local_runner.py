@@ -5,7 +5,7 @@ stream exists (generating the default one on a first run), picks the next pendin
 the workspace state, runs the pipeline on it, records the outcome and returns where the
 outputs are. Each task is a subprocess of this Python, exactly the code a cluster runs in
 the compatflow image; the verbose task logs go to ``<run_dir>/pipeline.log`` and only task
-start/finish lines are echoed.
+start/finish lines and the steps' progress lines (live, in place, on a terminal) are echoed.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,23 +39,46 @@ class RunResult:
 
 
 class _EchoingLog(io.TextIOBase):
-    """Writes everything to the log file and echoes task start/finish lines to the terminal."""
+    """Writes everything to the log file and echoes task start/finish lines and the steps' progress lines
+    (:mod:`compat.progress`) to the terminal; on a terminal each progress line replaces the one before."""
 
     def __init__(self, log_file: io.TextIOBase, terminal: Any) -> None:
+        from compat.progress import LINE_MARK
+
         self._log, self._terminal, self._pending = log_file, terminal, ""
+        self._mark, self._live, self._status = LINE_MARK, _isatty(terminal), False
 
     def write(self, text: str) -> int:
         self._log.write(text)
         self._pending += text
         while "\n" in self._pending:
             line, self._pending = self._pending.split("\n", 1)
-            if _ECHO.search(line):
+            if self._mark in line:
+                shown = "  " + _ANSI.sub("", line.split(self._mark, 1)[1]).strip()
+                if self._live:  # one status line, rewritten in place
+                    width = shutil.get_terminal_size().columns - 1
+                    self._terminal.write("\r\x1b[K" + shown[:width])
+                    self._status = True
+                else:
+                    self._terminal.write(shown + "\n")
+                self._terminal.flush()
+            elif _ECHO.search(line):
+                if self._status:
+                    self._terminal.write("\r\x1b[K")
+                    self._status = False
                 self._terminal.write("  " + _ANSI.sub("", line).strip() + "\n")
                 self._terminal.flush()
         return len(text)
 
     def flush(self) -> None:
         self._log.flush()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def ensure_stream(config: dict[str, Any]) -> Path:
@@ -112,6 +136,10 @@ def _run_locked(config: dict[str, Any], workspace: Path, phase: int | None, echo
     tmp = workspace / "tmp"
     tmp.mkdir(exist_ok=True)
     os.environ["TMPDIR"] = str(tmp)  # kfp.local writes its temp folders there
+    if _isatty(echo):  # tasks write progress lines (their output is a pipe); a terminal shows them live
+        from compat.progress import EVERY_ENV
+
+        os.environ.setdefault(EVERY_ENV, "2")
     echo.write(f"compatflow: run {plan['run_id']} on phase {plan['phase']} ({plan['domain']})\n")
 
     local.init(

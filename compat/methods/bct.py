@@ -170,7 +170,8 @@ def train_new_model(
         student.model.parameters(), config.lr, config.weight_decay, config.steps, config.warmup_fraction
     )
     history = TrainingLog()
-    for step, batch in enumerate(track(cycle_batches(batches, config.steps), "bct", total=config.steps)):
+    steps = track(cycle_batches(batches, config.steps), "bct", total=config.steps, unit="steps")
+    for step, batch in enumerate(steps):
         images = prepare_images(batch.images, student, train=True).to(device)
         tokens = student.tokenizer(texts_of(batch)).to(device)
         old_img, old_txt = frozen_features(old, batch, device, images)
@@ -197,6 +198,7 @@ def train_new_model(
         with torch.no_grad():
             student.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
         history.record(step, config.log_every, loss=terms.total, own=terms.own, influence=terms.influence)
+        steps.set(loss=float(terms.total))
     student.model.eval()
     return student, history.finish()
 

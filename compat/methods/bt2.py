@@ -348,7 +348,8 @@ class BT2(CompatMethod):
         )
         s_old = logit_scale_of(old)
         history = TrainingLog()
-        for step, batch in enumerate(track(cycle_batches(batches, config.steps), "bt2", total=config.steps)):
+        steps = track(cycle_batches(batches, config.steps), "bt2", total=config.steps, unit="steps")
+        for step, batch in enumerate(steps):
             images = prepare_images(batch.images, student, train=True).to(device)
             tokens = student.tokenizer(texts_of(batch)).to(device)
             old_img, old_txt = frozen_features(old, batch, device, images)
@@ -369,6 +370,7 @@ class BT2(CompatMethod):
             with torch.no_grad():
                 logit_scale.clamp_(0, MAX_LOGIT_SCALE)
             history.record(step, config.log_every, **terms._asdict())
+            steps.set(loss=float(terms.total))
         student.model.eval().cpu()
         head.eval().cpu()
         _, lineage = contract_lineage(old)

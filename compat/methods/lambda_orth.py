@@ -289,7 +289,8 @@ def _fit_adapters(
     history = TrainingLog()
     n, bs = len(feats), min(config.batch_size, len(feats))
     order, cursor = torch.randperm(n, generator=generator), 0
-    for step in track(range(config.steps), "lambda_orth adapters", total=config.steps):
+    steps = track(range(config.steps), "lambda_orth adapters", unit="steps")
+    for step in steps:
         if cursor + bs > n:
             order, cursor = torch.randperm(n, generator=generator), 0
         idx = order[cursor : cursor + bs].to(device)
@@ -310,6 +311,7 @@ def _fit_adapters(
         terms.total.backward()
         optimizer.step()
         history.record(step, config.log_every, **terms._asdict())
+        steps.set(loss=float(terms.total))
     adapters.eval().cpu()
     info = history.finish(cached_pairs=n)
     if adapters.backward is not None:

@@ -270,7 +270,8 @@ def train_taca(
     adapted.projector.train()
     same_input = adapted.bundle.image_size == old.image_size
     history = TrainingLog()
-    for step, batch in enumerate(track(cycle_batches(batches, config.steps), "taca", total=config.steps)):
+    steps = track(cycle_batches(batches, config.steps), "taca", total=config.steps, unit="steps")
+    for step, batch in enumerate(steps):
         images = prepare_images(batch.images, adapted.bundle, train=True).to(device)
         old_batch = SimpleNamespace(images=images, texts=batch.texts) if same_input else batch
         old_image, old_text = frozen_features(old, old_batch, device)
@@ -290,6 +291,7 @@ def train_taca(
             contra=terms.contra.detach(),
             distill=terms.distill.detach(),
         )
+        steps.set(loss=float(terms.total))
     model.eval()
     adapted.projector.eval()
     for p in (*model.parameters(), *adapted.projector.parameters()):

@@ -374,7 +374,8 @@ def pretrain_projection(
     history = TrainingLog()
     order = torch.randperm(len(texts), device=device)
     cursor = 0
-    for step in track(range(config.stage1_steps), "xbt stage 1 (text-only phi)", total=config.stage1_steps):
+    steps = track(range(config.stage1_steps), "xbt stage 1 (text-only phi)", unit="steps")
+    for step in steps:
         if cursor + batch_size > len(texts):
             order, cursor = torch.randperm(len(texts), device=device), 0
         idx = order[cursor : cursor + batch_size]
@@ -386,6 +387,7 @@ def pretrain_projection(
         loss.backward()
         optimizer.step()
         history.record(step, config.log_every, loss=loss.detach())
+        steps.set(loss=float(loss))
     phi.eval()
     info = history.finish(
         texts=len(texts), batch_size=batch_size, trainable_parameters=sum(p.numel() for p in phi.parameters())
@@ -424,9 +426,8 @@ def train_adapters(
     model.train()
     adapted.phi.train()
     history = TrainingLog()
-    for step, batch in enumerate(
-        track(cycle_batches(batches, config.steps), description, total=config.steps)
-    ):
+    steps = track(cycle_batches(batches, config.steps), description, total=config.steps, unit="steps")
+    for step, batch in enumerate(steps):
         images = prepare_images(batch.images, adapted.bundle, train=True).to(device)
         if augment is not None:
             images = augment(images)
@@ -442,6 +443,7 @@ def train_adapters(
         loss.backward()
         optimizer.step()
         history.record(step, config.log_every, loss=loss.detach())
+        steps.set(loss=float(loss))
     model.eval()
     adapted.phi.eval()
     for p in (*model.parameters(), *adapted.phi.parameters()):

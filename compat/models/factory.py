@@ -142,8 +142,12 @@ class ClipBundle:
         """Number of parameters (only those with ``requires_grad`` if ``trainable_only``)."""
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
 
-    def _encode(self, fn: Callable, batches: Sequence[Any], device: Any, normalize: bool) -> torch.Tensor:
+    def _encode(
+        self, fn: Callable, batches: Sequence[Any], device: Any, normalize: bool, what: str = "items"
+    ) -> torch.Tensor:
         import torch
+
+        from compat.progress import task
 
         device = torch.device(device) if device is not None else self.device
         was_training = self.model.training
@@ -154,12 +158,14 @@ class ClipBundle:
         self.model.eval()
         try:
             out = []
-            with torch.no_grad():
+            total = sum(len(batch) for batch in batches)
+            with torch.no_grad(), task(f"encoding {what}", total=total, unit=what) as progress:
                 for batch in batches:
                     feats = fn(batch.to(device)).float()
                     if normalize:
                         feats = torch.nn.functional.normalize(feats, dim=-1)
                     out.append(feats.cpu())
+                    progress.advance(len(batch))
             if not out:
                 return torch.empty(0, self.embed_dim)
             return torch.cat(out)
@@ -190,7 +196,7 @@ class ClipBundle:
                 else:
                     yield torch.stack([self.preprocess_eval(im) for im in chunk])
 
-        return self._encode(self.model.encode_image, list(batches()), device, normalize)
+        return self._encode(self.model.encode_image, list(batches()), device, normalize, "images")
 
     def encode_texts(
         self,
@@ -204,7 +210,7 @@ class ClipBundle:
             raise TypeError("encode_texts expects a list of strings, got a single string")
         texts = list(texts)
         batches = [self.tokenizer(texts[i : i + batch_size]) for i in range(0, len(texts), batch_size)]
-        return self._encode(self.model.encode_text, batches, device, normalize)
+        return self._encode(self.model.encode_text, batches, device, normalize, "texts")
 
 
 def _build(

@@ -399,12 +399,11 @@ def train(
     last_ckpt = found
     step_times: list[float] = []
     batches = source.batches(state.position)
-    from compat.progress import track
+    from compat.progress import Task
 
+    bar = Task("training", config.steps, "steps", completed=state.step, enabled=dist.is_main)
     try:
-        for _ in track(
-            range(state.step, config.steps), "training steps", total=config.steps - state.step, logger=log
-        ):
+        for _ in range(state.step, config.steps):
             t0 = time.perf_counter()
             batch = next(batches)
             lr = schedule.lr_at(state.step)
@@ -457,6 +456,7 @@ def train(
             if terms.kept is not None:
                 state.history[-1]["teacher_rows_kept"] = float(terms.kept)
             ledger.append(state.step, batch.keys)
+            bar.advance(1, loss=loss_value)
             if config.log_every and state.step % config.log_every == 0:
                 log.info(
                     "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e",
@@ -483,6 +483,7 @@ def train(
                     )
                 barrier(dist)
     finally:
+        bar.close()
         ledger.close()
     assert last_ckpt is not None  # the final step always writes one
     return TrainResult(

@@ -235,7 +235,7 @@ def _inspect(shards: list[Shard], policy: ValidationPolicy):
             if reader.error:
                 logger.error("%s: %s", shard.name, reader.error)
 
-    for shard, group in track(groups(), "validate: reading samples", logger=logger):
+    for shard, group in track(groups(), "validate: reading samples", unit="samples"):
         row = len(facts)
         sample_facts, found = inspect_sample(group, shard.name, shard.index, row, policy, timings)
         facts.append(sample_facts)
@@ -255,7 +255,12 @@ def _write_outputs(
     """Pass 2: re-read each shard and write every sample, unchanged, to its accepted or quarantine shard."""
     outputs: dict[str, list[str]] = {"accepted": [], "quarantine": []}
     first_row = 0
-    for shard, stat in zip(shards, stats, strict=True):
+    from compat.progress import track
+
+    written = track(
+        zip(shards, stats, strict=True), "validate: writing shards", total=len(shards), unit="shards"
+    )
+    for shard, stat in written:
         accepted = AtomicTarWriter(out_dir / accepted_name(shard.index))
         quarantine = AtomicTarWriter(out_dir / quarantine_name(shard.index))
         reader = ShardReader(shard.path, shard.name, policy.member_limits())
