@@ -149,6 +149,8 @@ class LineageStore:
             row = {"item_id": item_id}
             for name in defs.FEATURE_NAMES:
                 row[name] = response[name][index]
+            if isinstance(row["embedded_at"], int):  # (online rows written before it was an int are datetimes)
+                row["embedded_at"] = _from_micros(row["embedded_at"]).to_pydatetime()
             rows.append(row)
         return rows
 
@@ -177,6 +179,7 @@ class LineageStore:
             .to_pandas()
         )
         frame = frame.sort_values(["written_at", "embedded_at"], kind="stable")
+        frame["embedded_at"] = _from_micros(frame["embedded_at"])
         return frame.drop_duplicates("item_id", keep="last").reset_index(drop=True)
 
 
@@ -218,7 +221,8 @@ def _normalise(items: Any) -> Any:
             frame[column] = None
     if "embedded_at" not in frame.columns:
         frame["embedded_at"] = now
-    frame["embedded_at"] = pd.to_datetime(frame["embedded_at"], utc=True).fillna(pd.Timestamp(now))
+    embedded = pd.to_datetime(frame["embedded_at"], utc=True).fillna(pd.Timestamp(now))
+    frame["embedded_at"] = _to_micros(embedded)
     frame["phase"] = pd.array(
         frame["phase"] if "phase" in frame.columns else [None] * len(frame), dtype="Int64"
     )
@@ -229,6 +233,19 @@ def _normalise(items: Any) -> Any:
     frame["written_at"] = pd.Timestamp(now)
     frame = frame.sort_values("embedded_at", kind="stable").drop_duplicates("item_id", keep="last")
     return frame[[*ITEM_COLUMNS, "written_at"]].reset_index(drop=True)
+
+
+def _to_micros(times: Any) -> Any:
+    """UTC datetimes as int64 epoch microseconds (how lineage stores ``embedded_at``)."""
+    import pandas as pd
+
+    return ((times - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(microseconds=1)).astype("int64")
+
+
+def _from_micros(values: Any) -> Any:
+    import pandas as pd
+
+    return pd.to_datetime(values, unit="us", utc=True)
 
 
 def _rows(items: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
@@ -249,7 +266,7 @@ def _arrow_schema() -> Any:
             ("image_uri", pa.string()),
             ("model_version", pa.string()),
             ("space_id", pa.string()),
-            ("embedded_at", ts),
+            ("embedded_at", pa.int64()),  # epoch us (parts written as timestamp[us] read the same)
             ("phase", pa.int64()),
             ("domain", pa.string()),
             ("written_at", ts),

@@ -1,20 +1,46 @@
-"""Feast lineage of gallery items on a real local repo (file offline store, sqlite online store)."""
+"""Feast lineage of gallery items on a real local repo (file offline store), its online store on sqlite (the
+embedded default) and on a Milvus standalone server (the cluster's: manifests/k8s/feast/configmap.yaml)."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
+from _milvus import server_uri
 
-from components.lineage import LineageError, LineageStore
+from components.feature_repo import REPO_TEMPLATE_DIR
+from components.lineage import LineageError, LineageStore, sync_from_index
 
 
-@pytest.fixture(scope="module")
-def lineage(tmp_path_factory) -> LineageStore:
-    store = LineageStore(tmp_path_factory.mktemp("ws") / "feast")
+ONLINE_STORES = ("sqlite", "milvus-standalone")
+
+
+def repo_on(repo_dir: Path, online: str, request: pytest.FixtureRequest) -> LineageStore:
+    """A lineage repo whose online store is ``online``; on the shared Milvus server each repo gets its own
+    Feast project (its collections are named after it) and its collections are dropped afterwards."""
+    if online == "milvus-standalone":
+        uri = server_uri(request, online)
+        repo_dir.mkdir(parents=True)
+        template = (REPO_TEMPLATE_DIR / "feature_store.yaml").read_text()
+        milvus = (
+            f"online_store:\n  type: milvus\n  uri: {uri}\n  vector_enabled: false\n  consistency_level: Strong\n"
+        )
+        text = template.replace("project: compatflow", f"project: lineage_{uuid.uuid4().hex[:8]}")
+        text = text.replace("online_store:\n  type: sqlite\n  path: data/online.db\n", milvus)
+        assert "type: milvus" in text
+        (repo_dir / "feature_store.yaml").write_text(text)
+    store = LineageStore(repo_dir)
     store.apply()
     return store
+
+
+@pytest.fixture(scope="module", params=ONLINE_STORES)
+def lineage(request, tmp_path_factory) -> LineageStore:
+    return repo_on(tmp_path_factory.mktemp("ws") / "feast", request.param, request)
 
 
 def gallery(version: str, ids: list[str]) -> list[dict]:
@@ -84,9 +110,9 @@ def test_bad_rows_are_refused(lineage: LineageStore) -> None:
         LineageStore(lineage.repo_dir.parent / "elsewhere").get_items(["x"])
 
 
-def test_sync_with_index_records_only_changed_items(tmp_path) -> None:
-    lineage = LineageStore(tmp_path / "feast")
-    lineage.apply()
+@pytest.mark.parametrize("online", ONLINE_STORES)
+def test_sync_with_index_records_only_changed_items(tmp_path, online, request) -> None:
+    lineage = repo_on(tmp_path / "feast", online, request)
     lineage.write_items(gallery("1", ["item-a", "item-b", "item-c"]))
     served = [
         {
@@ -104,3 +130,29 @@ def test_sync_with_index_records_only_changed_items(tmp_path) -> None:
     assert rows["item-a"]["caption"] == gallery("1", ["item-a"])[0]["caption"]  # carried over
     assert lineage.version_counts() == {"2": 2, "1": 1}
     assert lineage.sync_with_index(served) == 0
+
+
+def test_a_rollback_on_a_milvus_server_syncs_lineage_from_the_gallery(tmp_path, request) -> None:
+    """The cluster's layout: gallery and Feast's online store on one Milvus server. Indexing v1, then a
+    rollback that leaves the alias on a collection written by v0, brings the online lineage back to v0."""
+    from components.index import GalleryIndex
+
+    lineage = repo_on(tmp_path / "feast", "milvus-standalone", request)
+    uri, alias = server_uri(request, "milvus-standalone"), f"l{uuid.uuid4().hex[:8]}"
+    ids = [f"item-{i}" for i in range(6)]
+    vectors = np.eye(6, 8, dtype=np.float32) + 0.1
+    with GalleryIndex(uri, alias) as index:
+        old = index.create_collection("space-v1", 8)
+        index.index_items(ids, vectors, "0", "space-v1", collection=old)
+        new = index.create_collection("space-v1", 8)
+        index.index_items(ids, vectors, "1", "space-v1", collection=new)
+        index.switch_alias(new)
+    assert sync_from_index(lineage.repo_dir, uri, alias) == 6
+    assert set(lineage.versions_by_item(ids).values()) == {"1"}
+    with GalleryIndex(uri, alias) as index:  # the rollback moves the alias back
+        index.switch_alias(old)
+    assert sync_from_index(lineage.repo_dir, uri, alias) == 6
+    online = lineage.get_items(ids)
+    assert [r["model_version"] for r in online] == ["0"] * 6
+    assert all(isinstance(r["embedded_at"], datetime) for r in online)
+    assert sync_from_index(lineage.repo_dir, uri, alias) == 0

@@ -2,7 +2,7 @@
 
 One row per write of an item's vector: ``item_id`` (entity), ``caption``, ``image_uri``,
 ``model_version`` and ``space_id`` (the model and embedding space that wrote the vector),
-``embedded_at`` (when), ``phase`` and ``domain`` (where the item came from), and ``written_at``
+``embedded_at`` (when, epoch microseconds: Feast's Milvus online store has no timestamp type), ``phase`` and ``domain`` (where the item came from), and ``written_at``
 (the event timestamp: the newest write is what the online store serves).
 Self-contained (Feast only) so that ``feast apply`` works in a copied repo.
 """
@@ -10,7 +10,7 @@ Self-contained (Feast only) so that ``feast apply`` works in a copied repo.
 from datetime import timedelta
 
 from feast import Entity, FeatureView, Field, FileSource, ValueType
-from feast.types import Int64, String, UnixTimestamp
+from feast.types import Int64, String
 
 PROJECT = "compatflow"
 ITEMS_VIEW = "gallery_items"
@@ -39,7 +39,7 @@ gallery_items = FeatureView(
         Field(name="image_uri", dtype=String),
         Field(name="model_version", dtype=String),
         Field(name="space_id", dtype=String),
-        Field(name="embedded_at", dtype=UnixTimestamp),
+        Field(name="embedded_at", dtype=Int64),  # epoch microseconds
         Field(name="phase", dtype=Int64),
         Field(name="domain", dtype=String),
     ],

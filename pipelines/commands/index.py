@@ -1,0 +1,93 @@
+"""``compatflow index``: the gallery index's server for local use (Milvus standalone on loopback only)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+index_app = typer.Typer(help="The gallery index: run a Milvus standalone server locally, on loopback only.")
+
+
+def _into_namespace(name: str) -> None:
+    """Re-run this command inside the named network namespace (created with loopback up if missing)."""
+    from pipelines.commands._common import fail
+
+    if os.geteuid() != 0:
+        fail(
+            "Milvus 2.3 listens on every network interface, so compatflow starts it only in a network "
+            "namespace with loopback alone, and making one needs root. Run this command as root, or inside "
+            "a container or `unshare --net` namespace whose only interface is lo."
+        )
+    if name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+    argv = [sys.executable, "-m", "pipelines.cli", *sys.argv[1:]]
+    os.execvp("ip", ["ip", "netns", "exec", name, *argv])
+
+
+def _in_named_namespace(name: str) -> bool:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino == os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return False
+
+
+@index_app.command("serve-milvus")
+def serve_milvus(
+    data: Annotated[Path, typer.Option("--data", help="Folder of the server's data, configs and logs.")],
+    netns: Annotated[
+        str,
+        typer.Option(
+            "--netns",
+            help="Network namespace to run in when this one has interfaces beyond loopback (root; created "
+            "if missing; compatflow commands that use the server run in it too: `ip netns exec NAME ...`).",
+        ),
+    ] = "compatflow",
+    graceful_stop: Annotated[
+        int, typer.Option("--graceful-stop", help="Seconds a stop may wait for in-flight work.", min=1)
+    ] = 10,
+) -> None:
+    """Run Milvus standalone (PyPI ``milvus``) on loopback only until SIGTERM or SIGINT.
+
+    Prints the ``index.uri`` to put in a config. Data survives a restart on the same --data folder.
+    """
+    from components import milvus_server
+    from pipelines.commands._common import fail
+
+    if not milvus_server.loopback_only():
+        _into_namespace(netns)
+    try:
+        server = milvus_server.start(data, graceful_stop_s=graceful_stop)
+    except milvus_server.MilvusServerError as err:
+        fail(str(err))
+    typer.echo(f"Milvus standalone {milvus_server.server_version()} is ready (data in {server.data_dir})")
+    typer.echo(f"  index.uri: {server.uri}")
+    if _in_named_namespace(netns):
+        typer.echo(
+            f"  it listens in network namespace {netns!r} only: run the commands that use it there, "
+            f"e.g. ip netns exec {shlex.quote(netns)} .venv/bin/compatflow run --config CONFIG"
+        )
+    typer.echo("SIGTERM or Ctrl+C stops it.")
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    while not stopping and server.process.poll() is None:
+        try:
+            server.process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            continue
+    if not stopping:
+        fail(f"Milvus exited with status {server.process.returncode}:\n{server.log_tail()}")
+    status = server.stop()
+    typer.echo(f"Milvus stopped (status {status}).")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(index_app, name="index")
