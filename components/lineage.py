@@ -149,7 +149,7 @@ class LineageStore:
             row = {"item_id": item_id}
             for name in defs.FEATURE_NAMES:
                 row[name] = response[name][index]
-            if isinstance(row["embedded_at"], int):  # (online rows written before it was an int are datetimes)
+            if isinstance(row["embedded_at"], int):  # (online rows from before it was an int: datetimes)
                 row["embedded_at"] = _from_micros(row["embedded_at"]).to_pydatetime()
             rows.append(row)
         return rows

@@ -15,7 +15,6 @@ from _milvus import server_uri
 from components.feature_repo import REPO_TEMPLATE_DIR
 from components.lineage import LineageError, LineageStore, sync_from_index
 
-
 ONLINE_STORES = ("sqlite", "milvus-standalone")
 
 
@@ -27,7 +26,8 @@ def repo_on(repo_dir: Path, online: str, request: pytest.FixtureRequest) -> Line
         repo_dir.mkdir(parents=True)
         template = (REPO_TEMPLATE_DIR / "feature_store.yaml").read_text()
         milvus = (
-            f"online_store:\n  type: milvus\n  uri: {uri}\n  vector_enabled: false\n  consistency_level: Strong\n"
+            f"online_store:\n  type: milvus\n  uri: {uri}\n  vector_enabled: false\n"
+            "  consistency_level: Strong\n"
         )
         text = template.replace("project: compatflow", f"project: lineage_{uuid.uuid4().hex[:8]}")
         text = text.replace("online_store:\n  type: sqlite\n  path: data/online.db\n", milvus)

@@ -2,7 +2,8 @@
 
 One row per write of an item's vector: ``item_id`` (entity), ``caption``, ``image_uri``,
 ``model_version`` and ``space_id`` (the model and embedding space that wrote the vector),
-``embedded_at`` (when, epoch microseconds: Feast's Milvus online store has no timestamp type), ``phase`` and ``domain`` (where the item came from), and ``written_at``
+``embedded_at`` (when, in epoch microseconds: Feast's Milvus online store has no timestamp type),
+``phase`` and ``domain`` (where the item came from), and ``written_at``
 (the event timestamp: the newest write is what the online store serves).
 Self-contained (Feast only) so that ``feast apply`` works in a copied repo.
 """
