@@ -15,8 +15,9 @@ C. Throughput: the cf-tiny image encoder (random init: the cost does not depend 
 D. Query latency p50/p99 under a bounded concurrent load (2 client processes, fixed rate each) on
    loopback, idle against during the backfill of C; failed queries.
 E. Queries through the search service (``compatflow serve``) at a fixed open-loop rate during complete
-   rollouts (staged with and without the SLO throttle, blue-green) and their rollbacks
-   (:mod:`benchmarks.service_load`; ``--service-only`` runs it alone).
+   rollouts (staged with and without the SLO throttle, blue-green) and their rollbacks, on a milvus-lite
+   server and on Milvus standalone (:mod:`benchmarks.service_load`; ``--service-only`` runs it alone).
+   Milvus standalone needs a loopback-only network namespace: as root the benchmark enters one itself.
 
 Run: ``.venv/bin/python benchmarks/backfill.py [--quick]`` (about 3-5 minutes on 2 CPU cores).
 """
@@ -642,32 +643,80 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
     return "\n".join(lines) + "\n"
 
 
-def _service_part(command: str) -> str:
-    """Part E (:mod:`benchmarks.service_load`) on its own milvus-lite server; its Markdown section."""
+def _service_part(command: str, n_items: int = 6000) -> str:
+    """Part E (:mod:`benchmarks.service_load`) on a milvus-lite server and on Milvus standalone, one after
+    the other in the same run; its Markdown section."""
     from benchmarks import service_load
+    from components import milvus_server
 
-    print("part E: queries through the search service during rollouts", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-service-milvus-"))
-    server = MilvusServer(work)
-    try:
-        return service_load.section(service_load.run(server.uri, _free_port()), command)
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    results: dict[str, dict[str, Any]] = {}
+    sections = []
+    for backend in ("milvus-lite server", "Milvus standalone"):
+        print(f"part E on {backend}: queries through the search service during rollouts", flush=True)
+        work = Path(tempfile.mkdtemp(prefix="bench-service-milvus-"))
+        if backend == "milvus-lite server":
+            server: Any = MilvusServer(work)
+            uri, pid = server.uri, server.proc.pid
+        elif milvus_server.loopback_only():
+            server = milvus_server.start(work / "standalone", graceful_stop_s=5)
+            uri, pid = server.uri, server.process.pid
+        else:
+            sections.append(f"### E on {backend}\n\nNot run: {NOT_ISOLATED}\n")
+            continue
+        try:
+            results[backend] = service_load.run(uri, _free_port(), n_items=n_items, server_pid=pid)
+            sections.append(service_load.section(results[backend], command, backend))
+        finally:
+            server.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    return "\n".join(
+        [
+            service_load.HEADING,
+            "",
+            "The same operations and client on each backend, one after the other in one run (the index "
+            "server unpinned, sharing the 2 cores with the service, the client and the rollout). "
+            "'share of the unthrottled rollout' compares the paced rollout with the unpaced one on the same "
+            "backend (the synthetic encoders cost next to nothing: the unpaced rollout is the index's "
+            "limit).",
+            "",
+            service_load.comparison(results),
+            *sections,
+        ]
+    )
 
 
-def _service_only(out: Path) -> None:
+def _service_only(out: Path, quick: bool) -> None:
     """Run part E alone and put its section in place of the one in ``out`` (appended when absent)."""
     from benchmarks.service_load import HEADING
 
-    text = _service_part(".venv/bin/python benchmarks/backfill.py --service-only")
+    command = ".venv/bin/python benchmarks/backfill.py --service-only" + (" --quick" if quick else "")
+    text = _service_part(command, 1500 if quick else 6000)
     old = out.read_text() if out.is_file() else ""
     kept = old.split(HEADING)[0].rstrip("\n")
     out.write_text((kept + "\n\n" if kept else "") + text)
     print(text)
 
 
+NOT_ISOLATED = (
+    "Milvus standalone listens on every interface and runs only in a loopback-only network namespace; "
+    "run the benchmark as root (it makes one) or inside `unshare --net`."
+)
+
+
+def _private_network() -> None:
+    """Run this benchmark in a loopback-only network namespace (root), where Milvus standalone may start."""
+    from components import milvus_server
+
+    if milvus_server.loopback_only() or os.geteuid() != 0:
+        return
+    try:
+        milvus_server.enter_private_network()
+    except milvus_server.MilvusServerError as err:
+        log.warning("part E on Milvus standalone will be skipped: %s", err)
+
+
 def main() -> None:
+    _private_network()  # first, before any thread starts: a network namespace belongs to a thread
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run, about a minute)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -677,7 +726,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.service_only:
-        _service_only(args.out)
+        _service_only(args.out, args.quick)
         return
     sizes = (2000, 400, 1200, 300, 512, 3.0) if args.quick else (10000, 1000, 4000, 400, 12288, 8.0)
     t_start = time.perf_counter()
@@ -695,7 +744,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     command = ".venv/bin/python benchmarks/backfill.py" + (" --quick" if args.quick else "")
     text = render(a, b, cd, time.perf_counter() - t_start, command)
-    text = text.rstrip("\n") + "\n\n" + _service_part(command)
+    text = text.rstrip("\n") + "\n\n" + _service_part(command, 1500 if args.quick else 6000)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

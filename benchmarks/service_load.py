@@ -1,7 +1,8 @@
 """Part E of the backfill benchmark: queries through the search service during complete rollouts.
 
-``compatflow serve`` runs as its own process on 127.0.0.1, over a ``milvus-lite server`` on loopback; a
-client process sends ``POST /search`` (one text, k=10) at a fixed open-loop rate: request i is due at
+``compatflow serve`` runs as its own process on 127.0.0.1, over a Milvus server on loopback (a
+``milvus-lite server`` or Milvus standalone, one run each: :func:`run` takes the URI); a client process
+sends ``POST /search`` (one text, k=10) at a fixed open-loop rate: request i is due at
 t0 + i/rate whatever happened to the earlier ones, and its latency is counted from when it was due (a slow
 answer delays no later request's clock, so queueing shows up in the figures). Meanwhile this process runs,
 on the known-geometry upgrade (:mod:`benchmarks.synthetic_upgrade`), ``SETTLE_S`` apart: a staged rollout
@@ -134,8 +135,22 @@ class Service:
         return code
 
 
-def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: float = 40.0) -> dict[str, Any]:
-    """Part E on the Milvus server at ``uri``; returns per-operation query figures and rollout facts."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time process ``pid`` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(
+    uri: str,
+    port: int,
+    n_items: int = 6000,
+    n_queries: int = 600,
+    rate: float = 40.0,
+    server_pid: int | None = None,
+) -> dict[str, Any]:
+    """Part E on the Milvus server at ``uri`` (process ``server_pid``, for its CPU time); returns
+    per-operation query figures, rollout facts and the CPU seconds of server, service and rollout."""
     from benchmarks.synthetic_upgrade import QUERY_FACTORY, synthetic_encoders, synthetic_upgrade
     from components import rollout as ro
     from components.index import GalleryIndex
@@ -163,10 +178,19 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
     time.sleep(3.0)  # the client imports and connects
     phases: list[tuple[str, float, float, dict[str, Any]]] = []
 
+    def cpu() -> dict[str, float]:
+        return {
+            "server": cpu_seconds(server_pid) if server_pid else float("nan"),
+            "service": cpu_seconds(service.proc.pid),
+            "rollout": time.process_time(),  # this process: the rollout engine and its encoders
+        }
+
     def phase(name: str, action: Any) -> None:
-        t0 = time.time()
+        t0, c0 = time.time(), cpu()
         facts = action() or {}
-        phases.append((name, t0, time.time(), facts))
+        t1, c1 = time.time(), cpu()
+        facts["cpu"] = {k: c1[k] - c0[k] for k in c0}
+        phases.append((name, t0, t1, facts))
         time.sleep(SETTLE_S)  # Milvus builds the index of what was written: the next operation starts idle
 
     def rollout(version: str, options: dict[str, str], **kw: Any) -> dict[str, Any]:
@@ -273,11 +297,12 @@ def run(uri: str, port: int, n_items: int = 6000, n_queries: int = 600, rate: fl
         "failed": sum(not r[2] for r in records),
         "resent": resent,
         "exit_code": exit_code,
+        "uri": uri,
     }
 
 
-def section(e: dict[str, Any], command: str) -> str:
-    """The Markdown section of part E."""
+def section(e: dict[str, Any], command: str, backend: str = "milvus-lite server") -> str:
+    """The Markdown subsection of part E on one backend."""
 
     def f(x: float | None, digits: int = 1) -> str:
         return "n/a" if x is None else f"{x:.{digits}f}"
@@ -285,9 +310,9 @@ def section(e: dict[str, Any], command: str) -> str:
     idle = next((r for r in e["rows"] if r["phase"] == "idle"), None)
     top = [r for r in e["rows"] if not r["phase"].startswith("...")]
     lines = [
-        HEADING,
+        f"### E on {backend}",
         "",
-        f"`compatflow serve` (uvicorn, 127.0.0.1) over a milvus-lite server on loopback, gallery of "
+        f"`compatflow serve` (uvicorn, 127.0.0.1) over {backend} on loopback, gallery of "
         f"{e['n_items']} items (synthetic upgrade, captions from a gallery shard); one client process sends "
         f"`POST /search` (1 text, k=10) at a fixed open-loop rate of {e['rate']:.0f}/s, latency counted from "
         "when each request was due. Operations run one after another in the benchmark process; the '...' "
@@ -295,8 +320,9 @@ def section(e: dict[str, Any], command: str) -> str:
         "stages 1-4: backfill to 10/25/50/100 % with each stage's probe). "
         f"Command: `{command}`.",
         "",
-        "| operation | s | queries | failed | p50 ms | p99 ms | max ms | p99/idle | answered by | rollout |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| operation | s | queries | failed | p50 ms | p99 ms | max ms | p99/idle | answered by "
+        "| CPU s: index server / service / rollout | rollout |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in e["rows"]:
         ratio = r["p99"] / idle["p99"] if idle and idle["p99"] and r["p99"] else None
@@ -312,9 +338,11 @@ def section(e: dict[str, Any], command: str) -> str:
                 f"; paced on {pace['latency_from']}: idle p99 {f(pace['idle_p99_ms'])} ms, last p99 "
                 f"{f(pace['last_p99_ms'])} ms, {pace['slowdowns']} slowdowns, slept {pace['slept_s']:.1f} s"
             )
+        cpu = r.get("cpu")
+        cpu_text = f"{cpu['server']:.1f} / {cpu['service']:.1f} / {cpu['rollout']:.1f}" if cpu else ""
         lines.append(
             f"| {r['phase']} | {r['seconds']:.1f} | {r['queries']} | {r['failed']} | {f(r['p50'])} | "
-            f"{f(r['p99'])} | {f(r['max'])} | {f(ratio, 2)} | {by} | {facts} |"
+            f"{f(r['p99'])} | {f(r['max'])} | {f(ratio, 2)} | {by} | {cpu_text} | {facts} |"
         )
     lines += [
         "",
@@ -335,3 +363,55 @@ def section(e: dict[str, Any], command: str) -> str:
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def comparison(by_backend: dict[str, dict[str, Any]]) -> str:
+    """Part E's goals side by side, one column per backend."""
+
+    def row_of(e: dict[str, Any], name: str) -> dict[str, Any] | None:
+        return next((r for r in e["rows"] if r["phase"] == name), None)
+
+    def stages_of(e: dict[str, Any], name: str) -> list[dict[str, Any]]:
+        rows = e["rows"]
+        start = next(i for i, r in enumerate(rows) if r["phase"] == name)
+        out = []
+        for r in rows[start + 1 :]:
+            if not r["phase"].startswith("..."):
+                break
+            out.append(r)
+        return out
+
+    def worst_ratio(e: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+        idle = row_of(e, "idle")["p99"]
+        ratios = [r["p99"] / idle for r in rows if r and r["p99"] and r["queries"] >= 20]
+        return f"{max(ratios):.2f}x" if ratios else "n/a"
+
+    names = list(by_backend)
+    lines = [
+        "| goal | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    cells: dict[str, list[str]] = {}
+    for e in by_backend.values():
+        idle = row_of(e, "idle")
+        free = row_of(e, "staged rollout, no throttle")
+        paced = row_of(e, "staged rollout, SLO throttle 1.5x")
+        replay = row_of(e, "rollback of the throttled one")
+        paced_stages = stages_of(e, "staged rollout, SLO throttle 1.5x")
+        backfill = [r for r in paced_stages if r["phase"] != "... stage 0"]
+        share = paced["items_per_s"] / free["items_per_s"] if paced and free else None
+        cells.setdefault("failed queries, whole run (goal 0)", []).append(f"{e['failed']} of {e['total']}")
+        cells.setdefault("idle p50 / p99 ms", []).append(f"{idle['p50']:.1f} / {idle['p99']:.1f}")
+        cells.setdefault("unthrottled rollout: items/s; worst backfill-stage p99/idle", []).append(
+            f"{free['items_per_s']:.0f}; {worst_ratio(e, stages_of(e, 'staged rollout, no throttle')[1:])}"
+        )
+        cells.setdefault("paced backfill: worst stage p99/idle (goal <= 1.5x)", []).append(
+            worst_ratio(e, backfill)
+        )
+        cells.setdefault("paced rollout: items/s, share of the unthrottled rollout", []).append(
+            f"{paced['items_per_s']:.0f}, {share:.0%}" if share is not None else "n/a"
+        )
+        cells.setdefault("paced rollback replay p99/idle (goal <= 3x)", []).append(worst_ratio(e, [replay]))
+    for goal, values in cells.items():
+        lines.append(f"| {goal} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"

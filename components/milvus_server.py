@@ -95,6 +95,13 @@ def unpack_binaries(root: Path) -> Path:
     return bin_dir / "milvus"
 
 
+def _die_with_parent() -> None:
+    """In the server's child process: SIGTERM it when the process (thread) that started it ends, so a
+    killed test session or command leaves no server behind."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
     """Render ``configs/milvus.yaml`` from the wheel's template with free loopback ports; returns
     (gRPC port, health port)."""
@@ -200,6 +207,7 @@ def start(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
     server = MilvusStandalone(data, process, port, health, graceful_stop_s)
     deadline = time.monotonic() + wait_s
