@@ -1,9 +1,11 @@
 """MLflow tracking and model registry for compatflow.
 
 One MLflow run per pipeline run (found again by its ``compatflow.run_id`` tag, so a retried task
-resumes it), holding parameters, per-phase metrics, the reports as artifacts and the weights as
-safetensors artifacts with a sha256 manifest. Candidates are registered as model versions whose
-source is the run's ``checkpoint`` artifact directory.
+resumes it), holding parameters, per-phase metrics, the reports as artifacts and its model: an MLflow
+``python_function`` model (:mod:`~components.registry.pyfunc`: text or image in, embedding out, with a
+signature, an input example, the method and serving contract in its metadata) whose data are the safetensors
+weights with their sha256 manifest. Candidates are registered as model versions whose source is the run's
+``model`` artifact directory, so ``mlflow.pyfunc.load_model("models:/<name>@production")`` serves them.
 
 Aliases:
 
@@ -17,8 +19,9 @@ that were production, oldest first (a stack). Promote pushes; rollback pops the 
 makes the top of the stack production again and points ``previous`` at the entry below it (the
 alias is removed when there is none), so repeated rollbacks walk further back.
 
-Modules: :mod:`~components.registry.tracking` (runs, metrics, artifacts, weights) and
-:mod:`~components.registry.versions` (model versions, aliases, rollback); checkpoint integrity lives beside
+Modules: :mod:`~components.registry.tracking` (runs, metrics, artifacts, the model),
+:mod:`~components.registry.pyfunc` (the MLflow flavour) and :mod:`~components.registry.versions` (model
+versions, aliases, rollback); checkpoint integrity lives beside
 the checkpoint code (:mod:`compat.models.integrity`).
 """
 

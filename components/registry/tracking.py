@@ -1,5 +1,5 @@
 """MLflow tracking of pipeline runs: one MLflow run per pipeline run with its parameters, metrics,
-reports and safetensors weights (with their sha256 manifest)."""
+reports and its model (an MLflow pyfunc model around the safetensors weights and their sha256 manifest)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,8 @@ log = logging.getLogger(__name__)
 
 EXPERIMENT = "compatflow"
 RUN_TAG = "compatflow.run_id"
-CHECKPOINT_PATH = "checkpoint"
+CHECKPOINT_PATH = "checkpoint"  # the weights as plain files (versions that are not a compatflow model)
+MODEL_PATH = "model"  # the MLflow model (components.registry.pyfunc)
 
 
 class RegistryError(RuntimeError):
@@ -188,10 +188,13 @@ class Tracking:
         else:
             raise RegistryError(f"cannot log {path}: no such file or directory")
 
-    def log_weights(
-        self, run_id: str, checkpoint_dir: str | Path, artifact_path: str = CHECKPOINT_PATH
-    ) -> dict[str, str]:
-        """Log a safetensors checkpoint directory plus its sha256 manifest; returns the manifest."""
+    def log_model(self, run_id: str, checkpoint_dir: str | Path) -> tuple[str, dict[str, str]]:
+        """Log a safetensors model directory plus its sha256 manifest as the run's MLflow model
+        (:mod:`components.registry.pyfunc`; a directory that is not a compatflow model is logged as plain
+        files under ``checkpoint``). Returns the artifact path logged and the manifest."""
+        from compat.models.integrity import manifest_digest
+        from components.registry import pyfunc
+
         checkpoint_dir = Path(checkpoint_dir)
         if not checkpoint_dir.is_dir():
             raise RegistryError(f"checkpoint {checkpoint_dir} is not a directory")
@@ -204,40 +207,25 @@ class Tracking:
             )
         if not any(p.endswith(".safetensors") for p in manifest):
             raise RegistryError(f"checkpoint {checkpoint_dir} has no .safetensors file to register")
-        self._log(run_id, checkpoint_dir, artifact_path)
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            self._log(run_id, Path(tmp) / MANIFEST, artifact_path)
-        return manifest
+            files = Path(tmp) / pyfunc.CHECKPOINT_DIR
+            shutil.copytree(checkpoint_dir, files, copy_function=_link_or_copy)
+            (files / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            facts = pyfunc.describe(files)
+            if facts is None:
+                self._log(run_id, files, CHECKPOINT_PATH)
+                return CHECKPOINT_PATH, manifest
+            model = pyfunc.save(Path(tmp) / MODEL_PATH, files, facts, manifest_digest(manifest))
+            self._log(run_id, model, MODEL_PATH)
+        return MODEL_PATH, manifest
 
 
-@contextmanager
-def mlflow_uris(uri: str) -> Iterator[None]:
-    """Point MLflow's process-wide tracking and registry URIs at ``uri`` for the block, then restore them.
-
-    MLflow 3.17 resolves ``models:/`` URIs through a client built from the global URIs even when
-    ``download_artifacts(tracking_uri=..., registry_uri=...)`` are given (and would otherwise
-    create ``./mlflow.db``), so the download needs them set.
-    """
-    import mlflow
-    from mlflow.tracking._model_registry import utils as registry_utils
-    from mlflow.tracking._tracking_service import utils as tracking_utils
-
-    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
-    saved_env = {name: os.environ.get(name) for name in names}
-    saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link a weights file into a staging folder (copied across file systems)."""
     try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(saved[0])
-        registry_utils._registry_uri = saved[1]
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

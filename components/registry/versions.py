@@ -14,7 +14,8 @@ from typing import Any
 
 from compat.io import utc_now
 from compat.models.integrity import file_manifest, manifest_digest, verify_checkpoint
-from components.registry.tracking import CHECKPOINT_PATH, RUN_TAG, RegistryError, Tracking, mlflow_uris
+from components.registry.pyfunc import FILES, MLMODEL
+from components.registry.tracking import RUN_TAG, RegistryError, Tracking
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class Registry(Tracking):
             log.info("deleting version %s: an interrupted attempt of this run registered it", earlier.version)
             self.client.delete_model_version(self.model_name, str(earlier.version))
             self._remove_copy(str(earlier.version), earlier.tags.get("checkpoint.sha256"))
-        manifest = self.log_weights(run_id, checkpoint_dir)
+        logged, manifest = self.log_model(run_id, checkpoint_dir)
         artifact_uri = self.client.get_run(run_id).info.artifact_uri
         pipeline_run = self.client.get_run(run_id).data.tags.get(RUN_TAG, "")
         version_tags = {
@@ -102,7 +103,7 @@ class Registry(Tracking):
         }
         version = str(
             self.client.create_model_version(
-                self.model_name, source=f"{artifact_uri}/{CHECKPOINT_PATH}", run_id=run_id, tags=version_tags
+                self.model_name, source=f"{artifact_uri}/{logged}", run_id=run_id, tags=version_tags
             ).version
         )
         self.client.set_registered_model_alias(self.model_name, "candidate", version)
@@ -278,41 +279,48 @@ class Registry(Tracking):
     def download(
         self, ref: str = "production", dst: str | Path | None = None, *, verify: bool = True
     ) -> Path:
-        """Download a version's checkpoint (``ref``: an alias or a version number) via ``models:/``.
+        """Download a version's model files (``ref``: an alias or a version number) into ``dst``.
 
-        With ``verify`` every file is checked against the manifest, and the manifest against
+        The files are the MLflow model's ``data/checkpoint`` (or, for a version registered as plain files,
+        its source). With ``verify`` every file is checked against the manifest, and the manifest against
         the digest tagged on the version at registration; any mismatch raises.
         """
-        import mlflow.artifacts
-
-        is_version = ref.isdigit()
-        version = ref if is_version else self.alias_version(ref)
+        version = ref if ref.isdigit() else self.alias_version(ref)
         if version is None:
             raise RegistryError(f"{self.model_name} has no {ref!r} alias")
-        uri = f"models:/{self.model_name}/{ref}" if is_version else f"models:/{self.model_name}@{ref}"
         dst = Path(dst) if dst is not None else Path(tempfile.mkdtemp(prefix=f"{self.model_name}-{version}-"))
         if dst.exists() and any(dst.iterdir()):
             shutil.rmtree(dst)
         dst.mkdir(parents=True, exist_ok=True)
-        source = self.local_artifacts(self.client.get_model_version(self.model_name, version).source)
+        mv = self.client.get_model_version(self.model_name, version)
+        source = self.local_artifacts(mv.source)
         if source is not None:  # this workspace's copy of the version's files (see local_artifacts)
             if not source.is_dir():
                 raise RegistryError(f"{self.model_name} version {version}: its files {source} are missing")
-            local = Path(shutil.copytree(source, dst, dirs_exist_ok=True))
+            files = source / FILES if (source / MLMODEL).is_file() else source
+            local = Path(shutil.copytree(files, dst, dirs_exist_ok=True))
         else:
-            with mlflow_uris(self.tracking_uri):
-                local = Path(
-                    mlflow.artifacts.download_artifacts(
-                        artifact_uri=uri,
-                        dst_path=str(dst),
-                        tracking_uri=self.tracking_uri,
-                        registry_uri=self.tracking_uri,
-                    )
-                )
+            local = self._download_remote(mv, dst)
         if verify:
             expected_digest = self.version_info(version)["tags"].get("checkpoint.sha256")
             verify_checkpoint(local, expected_digest)
         return local
+
+    def _download_remote(self, mv: Any, dst: Path) -> Path:
+        """A version's files from the tracking server's artifact store (through the run's artifacts)."""
+        root = self.client.get_run(mv.run_id).info.artifact_uri.rstrip("/")
+        if not mv.source.startswith(root + "/"):
+            raise RegistryError(
+                f"{self.model_name} version {mv.version}: its source {mv.source} is not an artifact of run "
+                f"{mv.run_id} ({root}); register it again"
+            )
+        path = mv.source[len(root) + 1 :]
+        names = {Path(f.path).name for f in self.client.list_artifacts(mv.run_id, path)}
+        files = f"{path}/{FILES}" if MLMODEL in names else path
+        with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+            fetched = Path(self.client.download_artifacts(mv.run_id, files, tmp))
+            shutil.copytree(fetched, dst, dirs_exist_ok=True)
+        return dst
 
     # --- history tag -----------------------------------------------------------------------
 
