@@ -422,16 +422,21 @@ class Rollout:
         self.pace.begin()
         ahead = self._ahead_for(state, ids, source, keep)
         ahead.plan([*batches, *later])
-        for expected in batches:
-            (start, end), rows = ahead.next()
-            if (start, end) != tuple(expected):  # the plan above starts with ``batches``
-                raise RolloutError(f"batch {start}-{end} prepared where {expected} was due")
-            writer.write(rows)  # paced after every upsert call
-            state["cursor"]["batches"] += 1
-            state["cursor"]["position"] = end
-            state["fraction_backfilled"] = end / state["n_items"]
-            state["pace"] = self.pace.to_dict()
-            self._save(state)
+        from compat.progress import task
+
+        what = f"backfill stage {state.get('stage', 0)}"
+        with task(what, total=sum(end - start for start, end in batches), unit="items") as progress:
+            for expected in batches:
+                (start, end), rows = ahead.next()
+                if (start, end) != tuple(expected):  # the plan above starts with ``batches``
+                    raise RolloutError(f"batch {start}-{end} prepared where {expected} was due")
+                writer.write(rows)  # paced after every upsert call
+                state["cursor"]["batches"] += 1
+                state["cursor"]["position"] = end
+                state["fraction_backfilled"] = end / state["n_items"]
+                state["pace"] = self.pace.to_dict()
+                self._save(state)
+                progress.advance(end - start, backfilled=f"{100 * state['fraction_backfilled']:.0f}%")
         if writer.written:
             rate = writer.written / max(time.perf_counter() - t0, 1e-9)
             log.info(
