@@ -42,6 +42,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check compat components pipelines schemas tests benchmarks
+	$(VENV)/bin/lint-imports
 
 # The minutes-long benchmarks by default; BENCHES="continual compat" for the hours-long training ones.
 BENCHES ?= loader validation backfill
