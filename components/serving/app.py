@@ -143,6 +143,9 @@ def create_app(
     from fastapi.responses import JSONResponse, PlainTextResponse
     from prometheus_client import (
         CONTENT_TYPE_LATEST,
+        GC_COLLECTOR,
+        PLATFORM_COLLECTOR,
+        PROCESS_COLLECTOR,
         CollectorRegistry,
         Counter,
         Gauge,
@@ -156,6 +159,12 @@ def create_app(
     from components.serving.pair import PairFollower, ServingPair
 
     registry = CollectorRegistry()
+    for standard in (
+        PROCESS_COLLECTOR,
+        PLATFORM_COLLECTOR,
+        GC_COLLECTOR,
+    ):  # process_*, python_info, python_gc_*
+        registry.register(standard)
     latency = Histogram(
         "compatflow_query_latency_seconds",
         "Search latency per request (embedding, index search and captions)",
