@@ -1,4 +1,4 @@
-"""Small helpers shared across the project: atomic file writes, JSON reads and UTC timestamps."""
+"""Small helpers shared across the project: atomic, durable file writes, JSON reads and UTC timestamps."""
 
 from __future__ import annotations
 
@@ -12,19 +12,37 @@ from typing import Any
 
 
 def atomic_write(path: Path | str, write: Callable[[Path], Any]) -> Path:
-    """Create ``path`` whole or not at all: ``write`` creates and fills a temporary file beside it (with the
-    process's umask, like any new file), which is then renamed over ``path`` (a kill leaves the old file or
-    the new one, never half of one)."""
+    """Create ``path`` whole or not at all, durably: ``write`` creates and fills a temporary file beside it
+    (with the process's umask, like any new file), which is then flushed to disk and renamed over ``path``
+    (:func:`replace_durably`): a kill or a power cut leaves the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         write(tmp)
-        os.replace(tmp, path)
+        replace_durably(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def replace_durably(tmp: Path | str, path: Path | str) -> None:
+    """Rename the finished file ``tmp`` over ``path`` after its bytes reach the disk (``fsync``), then
+    ``fsync`` the folder so the rename itself survives a power cut. The one rename of every atomic write."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    try:
+        folder = os.open(Path(path).parent, os.O_RDONLY)
+    except OSError:  # a platform whose folders cannot be opened: the rename is atomic all the same
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
 
 
 def write_json_atomic(path: Path | str, document: Any) -> Path:

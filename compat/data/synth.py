@@ -465,6 +465,6 @@ def generate_stream(
 
 
 def _atomic_write_json(path: Path, doc: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
+    from compat.io import write_json_atomic
+
+    write_json_atomic(path, doc)

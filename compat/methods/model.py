@@ -125,7 +125,7 @@ class CompatModel(ABC):
         """Write the model to ``out_dir`` (backbones, adapters, ``compat.json`` last); return its path."""
         from safetensors.torch import save_file
 
-        from compat.io import write_json_atomic
+        from compat.io import atomic_write, write_json_atomic
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,9 +144,8 @@ class CompatModel(ABC):
         adapters = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.adapter_state().items()}
         adapters_sha = None
         if adapters:
-            tmp = out_dir / f".{ADAPTERS_FILE}.tmp"
-            save_file(adapters, str(tmp), metadata={"format": COMPAT_FORMAT, "method": self.method})
-            tmp.replace(out_dir / ADAPTERS_FILE)
+            meta = {"format": COMPAT_FORMAT, "method": self.method}
+            atomic_write(out_dir / ADAPTERS_FILE, lambda tmp: save_file(adapters, str(tmp), metadata=meta))
             adapters_sha = sha256_file(out_dir / ADAPTERS_FILE)
         doc = {
             "format": COMPAT_FORMAT,

@@ -42,10 +42,9 @@ def write_report(run_dir: str | Path, out: str | Path, fmt: str | None = None) -
     fmt = fmt or ("md" if out.suffix.lower() in {".md", ".markdown"} else "html")
     out.parent.mkdir(parents=True, exist_ok=True)
     text = render(run_dir, fmt, link_base=out.parent)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)
-    return out
+    from compat.io import atomic_write
+
+    return atomic_write(out, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_reports(run_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:

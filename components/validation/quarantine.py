@@ -18,12 +18,12 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
 import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from compat.io import replace_durably
 from components.validation.checks import Reason
 from components.validation.shard_reader import Member, SampleGroup
 
@@ -84,7 +84,7 @@ class AtomicTarWriter:
         if self._tar is None:
             return None
         self._tar.close()
-        os.replace(self._tmp, self.path)
+        replace_durably(self._tmp, self.path)
         self._tar = None
         return self.path
 
