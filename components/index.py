@@ -380,9 +380,41 @@ class GalleryIndex:
         self.client.drop_collection(self._require(collection), timeout=self.timeout)
         self._loaded.discard(collection)
 
-    def flush(self, collection: str | None = None) -> None:
-        """Seal growing segments (keeps search on indexed segments; data is durable without it)."""
-        self.client.flush(self.resolve(collection), timeout=self.timeout)
+    @property
+    def needs_periodic_flush(self) -> bool:
+        """True on milvus-lite, which scans unflushed rows by brute force: writers flush every so many rows.
+        A Milvus server indexes growing segments itself and seals them by size; a flush there costs
+        seconds (~3 s on 2.3) and leaves small segments, so writers leave it to the server."""
+        return self.lite
+
+    def flush(self, collection: str | None = None, *, wait_indexed: bool = False) -> None:
+        """Make what was written searchable on indexed segments (data is durable without it).
+
+        milvus-lite: seals growing segments. A Milvus server: nothing, unless ``wait_indexed`` (a collection
+        about to be served whole: a blue-green fill, the first gallery): then it seals and waits until the
+        vector index covers every row (:meth:`wait_indexed`).
+        """
+        name = self.resolve(collection)
+        if self.lite or wait_indexed:
+            self.client.flush(name, timeout=self.timeout)
+        if wait_indexed:
+            self.wait_indexed(name)
+
+    def wait_indexed(self, collection: str | None = None, timeout_s: float = 600.0) -> None:
+        """Wait until no sealed row of ``collection`` waits for its vector index (a server builds it
+        asynchronously after a flush; milvus-lite at once)."""
+        name = self.resolve(collection)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.client.describe_index(name, "vector", timeout=self.timeout)
+            if int(info.get("pending_index_rows") or 0) == 0:
+                return
+            if time.monotonic() > deadline:
+                raise GalleryIndexError(
+                    f"the vector index of {name!r} at {self.uri} still has {info.get('pending_index_rows')} "
+                    f"rows to build after {timeout_s:.0f} s; check the server's index nodes"
+                )
+            time.sleep(0.2)
 
     # -- writes --------------------------------------------------------------------------------------------
     def upsert(self, rows: Sequence[dict[str, Any]], collection: str | None = None) -> int:

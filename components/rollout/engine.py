@@ -694,7 +694,7 @@ class Rollout:
         self._run_batches(
             state, ids, self._batches(start, len(ids)), g["source_collection"], g["collection"], keep=False
         )
-        self.index.flush(g["collection"])
+        self.index.flush(g["collection"], wait_indexed=True)  # served whole once probed
         if len(ids) > start:
             rec["items_per_s"] = round((len(ids) - start) / max(time.perf_counter() - t0, 1e-9), 1)
         metrics = self._probe(state, g["collection"])

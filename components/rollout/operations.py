@@ -51,7 +51,7 @@ def index_gallery(
         collection=collection,
         batch_size=batch_size,
     )
-    index.flush(collection)
+    index.flush(collection, wait_indexed=True)  # served whole at once
     index.switch_alias(collection)
     return write_serving(
         paths.serving,

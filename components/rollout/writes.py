@@ -6,6 +6,8 @@ Milvus answers one call at a time, so a user's query that arrives during a write
 every search a slow brute-force scan. Unpaced, a rollout writes whole batches and flushes every
 ``flush_rows`` rows (throughput); with the SLO throttle on, it writes ``PACED_UPSERT_ROWS`` per call and
 flushes every ``PACED_FLUSH_ROWS`` rows, so that no single write holds a query for long (tail latency).
+A Milvus server indexes growing segments itself and a flush there costs seconds: the periodic flushes are
+for milvus-lite only (:attr:`components.index.GalleryIndex.needs_periodic_flush`).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class GalleryWriter:
                 self.pace.after_batch(len(chunk))
         self.written += len(rows)
         self._unflushed += len(rows)
-        if self.flush_rows and self._unflushed >= self.flush_rows:
+        if self.flush_rows and self._unflushed >= self.flush_rows and self.index.needs_periodic_flush:
             self.flush()
         return len(rows)
 
