@@ -194,3 +194,15 @@ def test_search_as_of_a_time_sees_every_write_before_it(index: GalleryIndex) -> 
     finally:
         if fresh is not index:
             fresh.close()
+
+
+def test_a_collection_about_to_be_served_is_indexed_whole(index: GalleryIndex) -> None:
+    """flush(wait_indexed=True) returns once the vector index covers every row (a server builds it after
+    the flush, asynchronously); periodic flushes are milvus-lite's alone."""
+    rng = np.random.default_rng(5)
+    coll = index.create_collection("s", 8)
+    index.index_items([f"w{i:03d}" for i in range(400)], _unit(rng, 400, 8), "v1", "s", collection=coll)
+    assert index.needs_periodic_flush == index.lite
+    index.flush(coll, wait_indexed=True)
+    info = index.client.describe_index(coll, "vector")
+    assert info["pending_index_rows"] == 0 and info["indexed_rows"] == info["total_rows"] == 400
