@@ -7,7 +7,7 @@ One run takes the next data phase through every stage::
         upgrades:   compat -> evaluate -> gate -> register -> [pass] rollout (staged backfill,
                     lineage, production)
 
-Validation and the gate are ``dsl.If`` conditions: nothing downstream runs when the phase is
+Validation and the gate are ``dsl.If``/``dsl.Else`` pairs: nothing downstream runs when the phase is
 blocked or the candidate fails the gate (the candidate is still registered, tagged with the
 gate's decision and reasons, so on-call can see what was refused). An exit handler writes the
 on-call report whatever happened. Every task gets the resources, scheduling, retries and caching
@@ -61,7 +61,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                 step="validate",
                 reason="data validation blocked the phase",
             )
-        with dsl.If(validation.outputs["Output"] == False, name="phase-valid"):  # noqa: E712
+        with dsl.Else(name="phase-valid"):
             drift = _task(
                 kfp_ops.drift_op,
                 config=config,
@@ -95,7 +95,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     version=first.output,
                     gallery_shards=gallery_shards,
                 )
-            with dsl.If(production.output != "", name="upgrade"):
+            with dsl.Else(name="upgrade"):
                 ingest = _task(
                     kfp_ops.ingest_op, config=config, run_dir=run_dir, gallery_shards=gallery_shards
                 )
@@ -137,7 +137,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=candidate.output).after(
                         ingest
                     )
-                with dsl.If(gate.outputs["Output"] == "block", name="gate-blocked"):
+                with dsl.Else(name="gate-blocked"):  # anything but a pass is a block (fail-closed)
                     _task(
                         kfp_ops.note_blocked_op,
                         run_dir=run_dir,
