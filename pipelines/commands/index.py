@@ -50,6 +50,12 @@ def serve_milvus(
             "if missing; compatflow commands that use the server run in it too: `ip netns exec NAME ...`).",
         ),
     ] = "compatflow",
+    binaries: Annotated[
+        Path | None,
+        typer.Option(
+            "--binaries", help="Folder to unpack the server's binaries into (~250 MB; default: --data)."
+        ),
+    ] = None,
     graceful_stop: Annotated[
         int, typer.Option("--graceful-stop", help="Seconds a stop may wait for in-flight work.", min=1)
     ] = 10,
@@ -64,7 +70,7 @@ def serve_milvus(
     if not milvus_server.loopback_only():
         _into_namespace(netns)
     try:
-        server = milvus_server.start(data, graceful_stop_s=graceful_stop)
+        server = milvus_server.start(data, bin_dir=binaries, graceful_stop_s=graceful_stop)
     except milvus_server.MilvusServerError as err:
         fail(str(err))
     typer.echo(f"Milvus standalone {milvus_server.server_version()} is ready (data in {server.data_dir})")
