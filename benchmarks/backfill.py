@@ -99,8 +99,9 @@ class MilvusServer:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time the server process has used so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        from benchmarks.service_load import cpu_seconds
+
+        return cpu_seconds(self.proc.pid)
 
     @property
     def uri(self) -> str:
