@@ -22,10 +22,12 @@ of the last few seconds; milvus-lite is always current):
 - ``SESSION`` (the default): the process reads its own writes (the rollout, its probes and cursor, the
   ingest). A collection this process has not written yet is read ``STRONG`` instead, so a resumed
   process sees what the one before it wrote.
-- ``STRONG``: reads of what another process wrote (``status``, :func:`gallery_status`, a service's first
-  query on a new serving pair); ~one server time tick (~200 ms on Milvus 2.3) per read.
-- ``BOUNDED``: only where a read a few seconds stale is harmless (steady-state service queries, the
-  pace's timed searches), said so at the call.
+- ``STRONG``: reads of what another process wrote (``status``, :func:`gallery_status`, lineage sync);
+  ~one server time tick (~200 ms on Milvus 2.3) per read.
+- ``as_of`` a time (searches only): every write before it is seen, with no wait once the server has
+  caught up; a service searches as of its serving pair's load (the collection was complete then).
+- ``BOUNDED``: only where a read a few seconds stale is harmless (the pace's timed searches), said so at
+  the call.
 """
 
 from __future__ import annotations
