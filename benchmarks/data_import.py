@@ -145,8 +145,6 @@ def main() -> None:
             measure(Path(tmp), "large", pairs, args.large_size, args.repeats),
         ]
     lines = [
-        "# Data import throughput",
-        "",
         f"{args.samples} captioned images from {source}, as a sidecar folder (x.png|jpg + x.txt, half "
         f"PNG, half JPEG), imported into shards of 1000 samples split 0.8/0.1/0.1; median of {args.repeats} "
         "runs, page cache warm. One process: items per CPU-second is the per-core rate. Machine: "
@@ -189,9 +187,9 @@ def main() -> None:
         + "`",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    from benchmarks.sections import write_section
+
+    print(write_section(args.out, "data-import", "\n".join(lines), "Data import throughput"))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ CLASSES = (
     "ankle boot",
 )
 RESULTS = ROOT / "benchmarks" / "results" / "loader.md"
-BEGIN, END = "<!-- large-images:begin -->", "<!-- large-images:end -->"
 LOADERS = {
     "today": {"image_size": None, "cache": False, "what": "full decode (the loader before bounded decoding)"},
     "bounded": {"image_size": 64, "cache": False, "what": "decoded to the model input (JPEG draft)"},
@@ -139,7 +138,6 @@ def main() -> None:
 def write(args: argparse.Namespace, source_mb: float, rows_import: list, rows_loader: list) -> None:
     load = os.getloadavg()
     lines = [
-        BEGIN,
         "## Real-size pictures: import resize, bounded decode, decoded-sample cache",
         "",
         "Command: `.venv/bin/python benchmarks/large_images.py "
@@ -176,15 +174,10 @@ def write(args: argparse.Namespace, source_mb: float, rows_import: list, rows_lo
             f"| {shards} | {loader}: {LOADERS[loader]['what']} | {first['n'] / first['s']:,.0f} | "
             f"{rate:,.0f} | {per_cpu:,.0f} | {per_cpu / base[shards]:.1f}x | {peak / 2**20:.0f} |"
         )
-    lines.append(END)
-    section = "\n".join(lines) + "\n"
-    text = RESULTS.read_text() if RESULTS.exists() else ""
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) + 1 :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    RESULTS.write_text(text)
-    print(section)
+    from benchmarks.sections import write_section
+
+    title = "Synthetic stream generation and shard loader throughput"
+    print(write_section(RESULTS, "large-images", "\n".join(lines), title))
 
 
 if __name__ == "__main__":

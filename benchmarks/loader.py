@@ -188,8 +188,6 @@ def main() -> None:
 
     base = next(cpu for _, _, cpu, _, kind in rows if kind == "read")
     lines = [
-        "# Synthetic stream generation and shard loader throughput",
-        "",
         f"Command: `.venv/bin/python benchmarks/loader.py --samples {args.samples} --repeats {args.repeats}"
         f" --per-shard {args.per_shard}`  ",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
@@ -212,9 +210,10 @@ def main() -> None:
         f"({t_dec / t_skip:.1f}x).",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    from benchmarks.sections import write_section
+
+    title = "Synthetic stream generation and shard loader throughput"
+    print(write_section(args.out, "loader", "\n".join(lines), title))
 
 
 if __name__ == "__main__":

@@ -156,3 +156,29 @@ def test_a_picture_no_reader_decodes_is_refused_unless_resized(tmp_path: Path) -
     meta, image, _ = _by_source(tmp_path / "yes")["huge.png"]
     assert image.size == (512, 512) and (meta["original_width"], meta["original_height"]) == (7000, 7000)
     assert resized.report["resized"] == 1
+
+
+def test_each_picture_is_decoded_once_and_the_spool_is_removed(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pictures resized and one kept: three decodes in all (the scan's), none when the shards are
+    written; the resized bytes wait in the spool, gone once the import ends (a killed scan's is taken over)."""
+    from PIL import ImageFile
+
+    from compat.data.importer import SPOOL
+
+    decodes: list[str] = []
+    real_load = ImageFile.ImageFile.load
+
+    def load(self: ImageFile.ImageFile):  # a spy around PIL's own decoding: it still decodes
+        if self.tile:
+            decodes.append(str(self.format))
+        return real_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    out = tmp_path / "out"
+    (out / SPOOL).mkdir(parents=True)
+    (out / SPOOL / "left-by-a-killed-scan.jpg").write_bytes(b"x")
+    result = import_images(source, out, ImportSettings(split=(1.0, 0.0, 0.0), max_side=256), progress=False)
+    assert result.report["resized"] == 2 and sorted(decodes) == ["JPEG", "PNG", "PNG"]
+    assert not (out / SPOOL).exists() and len(_by_source(out)) == 3

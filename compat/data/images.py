@@ -135,12 +135,14 @@ def decode_rgb(
     *,
     size: int | None = None,
     max_pixels: int | None = MAX_PIXELS,
+    resample: int | None = None,
 ) -> Image.Image:
     """Decode image bytes (or convert an opened, not yet loaded PIL image) to 8-bit RGB (see the module doc).
 
     ``size``: the short side the caller needs (the model input; None: full size); a larger image comes back
     with exactly that short side, a smaller one as it is. ``max_pixels`` bounds the header's size before
     decoding (None: PIL's own limit). ``formats`` limits the decoders PIL may try (None: any it has).
+    ``resample``: the PIL filter of the last scaling to ``size`` (None: bicubic).
     Raises :class:`ImageTooLargeError` above ``max_pixels``, :class:`ImageDecodeError` for anything else.
     """
     from PIL import Image, ImageOps
@@ -170,10 +172,11 @@ def decode_rgb(
     upright = (stored[1], stored[0]) if orientation in (5, 6, 7, 8) else stored
     if size is not None and image.mode in ("RGB", "RGBA", "L") and min(image.size) >= 2 * size:
         image = image.reduce(min(image.size) // size)  # box-average first: no full-size copy is converted
-    try:
-        image = ImageOps.exif_transpose(image) or image
-    except Exception:
-        pass
+    if orientation in range(2, 9):  # else exif_transpose would only copy the picture
+        try:
+            image = ImageOps.exif_transpose(image) or image
+        except Exception:
+            pass
     try:
         rgb = _to_rgb(image, background)
     except ImageDecodeError:
@@ -185,7 +188,8 @@ def decode_rgb(
         shape = upright if (upright[0] <= upright[1]) == (rgb.width <= rgb.height) else rgb.size
         long_side = max(1, round(max(shape) * size / min(shape)))
         target = (size, long_side) if shape[0] <= shape[1] else (long_side, size)
-        rgb = rgb.resize(target, Image.Resampling.BICUBIC, reducing_gap=3.0)
+        filter_ = Image.Resampling.BICUBIC if resample is None else resample
+        rgb = rgb.resize(target, filter_, reducing_gap=3.0)
     rgb.info["original_size"] = upright
     return rgb
 

@@ -37,6 +37,12 @@ and original width and height, the original mode and format, and the resize appl
 A picture with more pixels than any reader decodes (:data:`compat.data.images.MAX_PIXELS`) is refused when
 it would be stored as it is (``too_many_pixels``).
 
+Every picture is decoded once, while the source is scanned: a picture that is resized (or converted) is
+decoded at the size it is stored at (a JPEG by libjpeg at 1/2, 1/4 or 1/8 scale, the rest of the way by area
+averaging, as img2dataset downscales) and its stored bytes are
+kept in ``DIR/.import-spool/`` until its shard is written; one stored as it is is decoded to check it (a JPEG
+at 1/8 scale, which reads every byte all the same) and copied from the source when its shard is written.
+
 The same input and settings give byte-identical shards and ``import.json``. The digest of the plan (which
 item goes to which shard) is stored before the first shard; shards are written atomically one by one, so a
 killed import started again rescans the source and, the plan being the same, writes only the shards still
@@ -54,6 +60,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -85,6 +92,7 @@ DEFAULT_RESIZE_MODE = "keep_ratio"
 # bigger one; a 12-megapixel photo is stored as 768 x 512.
 DEFAULT_MAX_SIDE = 512
 ORIGINALS = "originals"  # the folder of --keep-originals shards
+SPOOL = ".import-spool"  # pictures stored resized or converted, from the scan until their shard is written
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
 # Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
 RESERVED_FIELDS = (
@@ -381,9 +389,10 @@ def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candida
 # ------------------------------------------------------------------------------------------------ scan
 
 
-def probe_image(data: bytes) -> dict[str, Any]:
+def probe_image(data: bytes, *, decode: bool = True) -> dict[str, Any]:
     """Format, mode and size of an encoded image after decoding it fully (JPEG at 1/8 scale, which reads
-    every byte all the same); raises ``_Refused`` when it is not an image or does not decode."""
+    every byte all the same; ``decode=False``: its header only); raises ``_Refused`` when it is not an
+    image or does not decode."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -394,6 +403,8 @@ def probe_image(data: bytes) -> dict[str, Any]:
         raise _Refused("image_unreadable", f"cannot open the image: {exc}") from exc
     with image:
         info = {"format": image.format, "mode": image.mode, "width": image.width, "height": image.height}
+        if not decode:
+            return info
         try:
             if image.format in ("JPEG", "MPO"):
                 image.draft(None, (1, 1))
@@ -411,7 +422,10 @@ def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
-        image.load()
+        try:
+            image.load()
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+            raise _Refused("image_unreadable", f"cannot decode the image: {exc}") from exc
         buf = io.BytesIO()
         try:
             image.save(buf, format="PNG")
@@ -442,17 +456,24 @@ def resized_size(width: int, height: int, max_side: int, mode: str) -> tuple[int
     return None
 
 
-def resize_image(data: bytes, fmt: str, max_side: int, mode: str) -> tuple[str, bytes, dict[str, Any]]:
+def resize_image(
+    data: bytes, fmt: str, max_side: int, mode: str, size: tuple[int, int] | None = None
+) -> tuple[str, bytes, dict[str, Any]]:
     """The member extension, bytes and facts (stored and original upright size) of ``data`` resized by
-    ``mode``; decoded once at the size it needs (a JPEG at a reduced scale)."""
+    ``mode``; decoded once at the size it needs (a JPEG at a reduced scale). ``size``: the stored size
+    its header declares, when the caller has read it already. Raises
+    :class:`compat.data.images.ImageDecodeError` when it does not decode."""
     from PIL import Image
 
     from compat.data.images import decode_rgb
 
-    with Image.open(io.BytesIO(data)) as header:
-        short, long = min(header.size), max(header.size)
+    if size is None:
+        with Image.open(io.BytesIO(data)) as header:
+            size = header.size
+    short, long = min(size), max(size)
     need = max_side if mode in ("keep_ratio", "center_crop") else max(1, math.ceil(max_side * short / long))
-    image = decode_rgb(data, formats=None, size=need, max_pixels=None)
+    # area averaging for the last scaling, as img2dataset downscales (OpenCV's INTER_AREA)
+    image = decode_rgb(data, formats=None, size=need, max_pixels=None, resample=Image.Resampling.BOX)
     original = image.info["original_size"]
     if mode == "center_crop":
         width, height = min(image.width, max_side), min(image.height, max_side)
@@ -584,8 +605,12 @@ def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
     return next(s for s, f in zip(reversed(SPLITS), reversed(fractions), strict=True) if f > 0)
 
 
-def _inspect(candidate: _Candidate, settings: ImportSettings, place: _Place) -> dict[str, Any]:
-    """The plan item of one candidate (raises ``_Refused``)."""
+def _inspect(
+    candidate: _Candidate, settings: ImportSettings, place: _Place, spool: Path | None = None
+) -> dict[str, Any]:
+    """The plan item of one candidate (raises ``_Refused``). The picture is decoded once: a picture stored
+    resized or converted is made here, its bytes written into ``spool`` (:data:`SPOOL`) and its facts
+    kept in the item's ``stored``."""
     if candidate.refused:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
@@ -598,19 +623,45 @@ def _inspect(candidate: _Candidate, settings: ImportSettings, place: _Place) -> 
         raise _Refused("image_too_large", f"over max_image_bytes {settings.max_image_bytes}")
     if not data:
         raise _Refused("not_an_image", "the file is empty (0 bytes)")
-    info = probe_image(data)
-    target = resized_size(info["width"], info["height"], settings.max_side, settings.resize_mode)
-    if target is None and info["width"] * info["height"] > MAX_PIXELS:
+    info = probe_image(data, decode=False)
+    size = (info["width"], info["height"])
+    target = resized_size(*size, settings.max_side, settings.resize_mode)
+    if target is None and size[0] * size[1] > MAX_PIXELS:
         raise _Refused(
             "too_many_pixels",
-            f"{info['width']}x{info['height']} is more than the {MAX_PIXELS:,} pixels readers decode: "
+            f"{size[0]}x{size[1]} is more than the {MAX_PIXELS:,} pixels readers decode: "
             f"store it smaller (--resize-mode keep_ratio, center_crop or border; --max-side)",
         )
-    if target is None and info["format"] not in KEPT_FORMATS:
-        stored_image(data, info["format"])  # refuses a mode that cannot be stored
+    made: tuple[str, bytes, dict[str, Any]] | None = None
+    if target is not None:
+        try:
+            made = resize_image(data, info["format"], settings.max_side, settings.resize_mode, size)
+        except ValueError as exc:  # compat.data.images.ImageDecodeError
+            raise _Refused("image_unreadable", str(exc)) from exc
+    elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
+        ext, converted = stored_image(data, info["format"])
+        made = ext, converted, {"width": size[0], "height": size[1], "original_size": size}
+    else:
+        probe_image(data)  # the one decode: the bytes are stored as they are
     caption = _read_caption(candidate, place)
     metadata = _read_metadata(candidate, place)
     sha = hashlib.sha256(data).hexdigest()
+    stored = None
+    if made is not None:
+        ext, made_bytes, facts = made
+        if spool is None:
+            raise ValueError("_inspect: a picture stored resized or converted needs a spool folder")
+        spool.mkdir(parents=True, exist_ok=True)
+        (spool / f"{sha}.{ext}").write_bytes(made_bytes)
+        stored = {
+            "ext": ext,
+            "sha256": hashlib.sha256(made_bytes).hexdigest(),
+            "size": len(made_bytes),
+            "width": facts["width"],
+            "height": facts["height"],
+            "original_width": facts["original_size"][0],
+            "original_height": facts["original_size"][1],
+        }
     return {
         "key": settings.key_prefix + sha[:KEY_HEX],
         "split": split_of(sha[:KEY_HEX], settings.seed, settings.split),
@@ -625,6 +676,7 @@ def _inspect(candidate: _Candidate, settings: ImportSettings, place: _Place) -> 
         "extra": candidate.extra,
         "source_meta": metadata,
         "resize": None if target is None else {"mode": settings.resize_mode, "max_side": settings.max_side},
+        "stored": stored,
     }
 
 
@@ -635,6 +687,7 @@ def _plan(
     progress: Callable[..., Iterator[Any]],
     allowed: tuple[Path, ...] = (),
     exclude: Mapping[str, str] | None = None,
+    spool: Path | None = None,
 ) -> dict[str, Any]:
     candidates = _candidates(src, out, settings)
     place = _Place(src.parent if settings.source_format == "table" else src, allowed)
@@ -645,7 +698,7 @@ def _plan(
     first_of: dict[str, str] = {}
     for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
         try:
-            item = _inspect(candidate, settings, place)
+            item = _inspect(candidate, settings, place, spool)
         except _Refused as refusal:
             message = (
                 refusal.message
@@ -685,8 +738,9 @@ def _plan(
 
 
 def _portable(item: dict[str, Any]) -> dict[str, Any]:
-    """An item without its absolute path (the digest and the report do not depend on where SRC lies)."""
-    return {k: v for k, v in item.items() if k != "path"}
+    """An item without its absolute path (the digest and the report do not depend on where SRC lies) and
+    without the facts of its stored picture (they follow from its bytes and the settings)."""
+    return {k: v for k, v in item.items() if k not in ("path", "stored")}
 
 
 # ----------------------------------------------------------------------------------------------- write
@@ -712,22 +766,29 @@ def _original_members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
     return item["key"], {ext: data, "json": json.dumps(meta, sort_keys=True).encode("utf-8")}
 
 
-def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
-    path = Path(item["path"])
-    data = _source_bytes(item)
-    resize = item.get("resize")
-    width, height = item["width"], item["height"]
-    original = (width, height)
+def _spooled(item: dict[str, Any], spool: Path) -> bytes:
+    """The stored picture the scan made of ``item``, checked against its digest."""
+    made = item["stored"]
+    path = spool / f"{item['sha256']}.{made['ext']}"
     try:
-        if resize:
-            ext, stored, facts = resize_image(data, item["format"], resize["max_side"], resize["mode"])
-            width, height, original = facts["width"], facts["height"], facts["original_size"]
-        else:
-            ext, stored = stored_image(data, item["format"])
-    except _Refused as refusal:  # it was storable when planned: the file changed
-        raise DataImportError(f"{path}: {refusal.message}; run the import again") from refusal
-    except ValueError as exc:  # compat.data.images.ImageDecodeError: it decoded when planned
-        raise DataImportError(f"{path}: {exc}; run the import again") from exc
+        data = read_regular(path, made["size"])
+    except (OSError, _Refused) as exc:
+        raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
+    if data is None or hashlib.sha256(data).hexdigest() != made["sha256"]:
+        raise DataImportError(f"{path} changed while the import ran; run the import again")
+    return data
+
+
+def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
+    resize = item.get("resize")
+    made = item.get("stored")
+    if made is not None:  # resized or converted during the scan
+        ext, stored = made["ext"], _spooled(item, spool)
+        width, height = made["width"], made["height"]
+        original = (made["original_width"], made["original_height"])
+    else:
+        ext, stored = KEPT_FORMATS[item["format"]], _source_bytes(item)
+        width, height = original = item["width"], item["height"]
     meta: dict[str, Any] = {
         "key": item["key"],
         "caption": item["caption"],
@@ -739,13 +800,13 @@ def _members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
         "original_height": original[1],
         "mode": item["mode"],
         "format": item["format"],
-        "sha256": hashlib.sha256(stored).hexdigest(),
+        "sha256": made["sha256"] if made is not None else item["sha256"],
         "status": "success",
         "split": item["split"],
     }
     if "resize" in item:  # plans written before resizing existed have no such field
         meta["resize"] = {**(resize or {}), "applied": bool(resize)}
-    if stored is not data:
+    if made is not None:
         meta["source_sha256"] = item["sha256"]
     if item["label"] is not None:
         meta["label"] = item["label"]
@@ -811,7 +872,7 @@ def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | N
     if out.exists() and not out.is_dir():
         raise DataImportError(f"--out {out} is a file; give a new or empty folder")
     report, pending = read(out / REPORT), read(out / PENDING)
-    if report is None and pending is None and out.is_dir() and any(out.iterdir()):
+    if report is None and pending is None and out.is_dir() and any(p.name != SPOOL for p in out.iterdir()):
         raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
     return report, pending
 
@@ -833,7 +894,6 @@ def import_images(
     through a symbolic link). ``exclude``: sample keys left out because a stream already holds them, each
     with the shard that does (:func:`compat.data.manifest.stream_keys`); listed in ``in_stream_files``.
     """
-    from compat.io import write_json_atomic
     from compat.progress import track
 
     settings = settings or ImportSettings(source_format=detect_format(Path(src)))
@@ -854,8 +914,32 @@ def import_images(
     show = (
         (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
     )
+    created = not out_path.exists()
+    try:
+        return _import(src_path, out_path, settings, show, tuple(allowed), exclude, report, pending)
+    finally:  # the spool is gone whatever happened (a killed import's is overwritten by the next scan)
+        shutil.rmtree(out_path / SPOOL, ignore_errors=True)
+        if created and out_path.is_dir() and not any(out_path.iterdir()):
+            out_path.rmdir()
+
+
+def _import(
+    src_path: Path,
+    out_path: Path,
+    settings: ImportSettings,
+    show: Callable[..., Iterator[Any]],
+    allowed: tuple[Path, ...],
+    exclude: Mapping[str, str] | None,
+    report: dict[str, Any] | None,
+    pending: dict[str, Any] | None,
+) -> ImportResult:
+    """:func:`import_images` once its arguments are checked: scan, then write the missing shards."""
+    from compat.data.shards import write_shard
+    from compat.io import write_json_atomic
+
+    spool = out_path / SPOOL
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = _plan(src_path, out_path, settings, show, tuple(allowed), exclude)
+    plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool)
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     if report is not None:
         if report.get("plan_sha256") == plan["digest"] and all(
@@ -885,13 +969,11 @@ def import_images(
 
     todo = [sh for s in SPLITS for sh in plan["shards"][s] if not written(sh)]
     total = sum(len(plan["shards"][s]) for s in SPLITS)
-    from compat.data.shards import write_shard
-
     wall, cpu = time.perf_counter(), time.process_time()
     for shard in show(todo, f"writing {len(todo)} of {total} shards", total=len(todo)):
         if settings.keep_originals:
             write_shard(out_path / ORIGINALS / shard["path"], (_original_members(i) for i in shard["items"]))
-        write_shard(out_path / shard["path"], (_members(item) for item in shard["items"]))
+        write_shard(out_path / shard["path"], (_members(item, spool) for item in shard["items"]))
     report = _report(src_path, plan)
     write_json_atomic(out_path / REPORT, report)
     (out_path / PENDING).unlink()
