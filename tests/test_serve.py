@@ -39,12 +39,31 @@ def caption_of(item_id: str) -> str:
     return f"a photo of {item_id}"
 
 
+def colour_of(item_id: str) -> tuple[int, int, int]:
+    code = sum(item_id.encode()) * 37
+    return (code % 200 + 20, code // 7 % 200 + 20, code // 49 % 200 + 20)
+
+
+def _picture(item_id: str) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (24, 16), colour_of(item_id)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
 def _write_shard(path: Path) -> str:
-    """A gallery shard holding each item's caption (``<key>.txt``) and metadata (``<key>.json``)."""
+    """A gallery shard holding each item's caption (``<key>.txt``), metadata (``<key>.json``) and a small
+    picture of one colour (``<key>.png``)."""
     with tarfile.open(path, "w") as tar:
         for item_id in UPGRADE.item_ids:
-            for ext, data in (("txt", caption_of(item_id)), ("json", json.dumps({"phase": 0}))):
-                blob = data.encode()
+            members = (
+                ("txt", caption_of(item_id)),
+                ("json", json.dumps({"phase": 0})),
+                ("png", _picture(item_id)),
+            )
+            for ext, data in members:
+                blob = data if isinstance(data, bytes) else data.encode()
                 info = tarfile.TarInfo(f"{item_id}.{ext}")
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
@@ -256,6 +275,32 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=30)
+
+
+def test_thumbnails_on_request(gallery, service) -> None:
+    """``"thumbnails": true``: each hit carries its gallery picture as a small JPEG data URI, read from the
+    shard its row points to; without it, no thumbnail field."""
+    import base64
+
+    from PIL import Image
+
+    client = Client(service.port)
+    texts = UPGRADE.query_texts[:2]
+    status, body = client.json("POST", "/search", {"queries": texts, "k": K, "thumbnails": True})
+    assert status == 200, body
+    for row in body["results"]:
+        assert [h["caption"] for h in row] == [caption_of(h["id"]) for h in row]
+        for hit in row:
+            head, data = hit["thumbnail"].split(",", 1)
+            assert head == "data:image/jpeg;base64"
+            picture = Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+            assert picture.size == (24, 16)  # smaller than the thumbnail side: never enlarged
+            assert picture.getpixel((12, 8)) == pytest.approx(colour_of(hit["id"]), abs=6)
+    status, body = client.json("POST", "/search", {"queries": texts[:1], "k": K})
+    assert status == 200 and all("thumbnail" not in h for h in body["results"][0])
+    status, body = client.json("POST", "/search", {"queries": texts[:1], "thumbnails": "many"})
+    assert status == 422 and "thumbnails" in body["detail"]
+    client.close()
 
 
 def test_blue_green_swap_and_rollback_under_load(gallery, service) -> None:

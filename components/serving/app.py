@@ -1,14 +1,15 @@
 """The HTTP search service (FastAPI): ``POST /search``, ``GET /healthz``, ``/readyz`` and ``/metrics``.
 
-``POST /search`` takes ``{"queries": [...], "k": N, "phases": [...]?}`` and answers
-``{"results": [[{"id", "score", "caption", "model_version"}, ...], ...], "model_version", "collection"}``:
-one list per query, best first, every query of a request answered by the same serving pair
-(:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field; the bounds
-(:mod:`components.serving.limits`) are 422s too, and a body over ``MAX_BODY_BYTES`` is a 413 answered before
-the body is read (a ``Content-Length`` over it) or as soon as the bytes received pass it (a chunked body).
-``/metrics`` is Prometheus text: query latency histogram, queries and errors, the serving model version and
-collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1 (read from the
-rollout state when scraped).
+``POST /search`` takes ``{"queries": [...], "k": N, "phases": [...]?, "thumbnails": false?}`` and answers
+``{"results": [[{"id", "score", "caption", "model_version"}, ...], ...], "model_version", "collection"}``: one
+list per query, best first (with ``"thumbnails": true`` each hit also has ``"thumbnail"``, a small JPEG data
+URI read from its gallery shard, :mod:`components.serving.thumbnails`), every query of a request answered by
+the same serving pair (:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field;
+the bounds (:mod:`components.serving.limits`) are 422s too, and a body over ``MAX_BODY_BYTES`` is a 413
+answered before the body is read (a ``Content-Length`` over it) or as soon as the bytes received pass it (a
+chunked body). ``/metrics`` is Prometheus text: query latency histogram, queries and errors, the serving model
+version and collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1 (read from
+the rollout state when scraped).
 
 (No ``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's
 annotations, and the model is defined inside :func:`create_app` so that pydantic loads with the service.)
@@ -157,6 +158,7 @@ def create_app(
     from components.rollout.serving import ServingError
     from components.serving.captions import ShardCaptions
     from components.serving.pair import PairFollower, ServingPair
+    from components.serving.thumbnails import ShardThumbnails
 
     registry = CollectorRegistry()
     for standard in (
@@ -167,7 +169,7 @@ def create_app(
         registry.register(standard)
     latency = Histogram(
         "compatflow_query_latency_seconds",
-        "Search latency per request (embedding, index search and captions)",
+        "Search latency per request (embedding, index search, captions and any thumbnails)",
         buckets=LATENCY_BUCKETS,
         registry=registry,
     )
@@ -195,6 +197,7 @@ def create_app(
 
     follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap, verify=verify)
     captions = ShardCaptions()
+    thumbnails = ShardThumbnails()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -216,6 +219,7 @@ def create_app(
         )
         k: int = Field(10, ge=1, le=MAX_K, description="Hits per query.")
         phases: list[int] | None = Field(None, description="Only items of these data phases.")
+        thumbnails: bool = Field(False, description="Add each hit's thumbnail (a JPEG data URI).")
 
         @field_validator("queries")
         @classmethod
@@ -241,7 +245,9 @@ def create_app(
             hits, pair = follow.answer(
                 lambda p: p.search(request.queries, request.k, filter=expr, output_fields=("source_uri",))
             )
-            texts = captions.lookup([h.fields.get("source_uri") for row in hits for h in row])
+            uris = [h.fields.get("source_uri") for row in hits for h in row]
+            texts = captions.lookup(uris)
+            pictures = thumbnails.lookup(uris) if request.thumbnails else None
         except Exception as exc:
             kind = type(exc).__name__
             errors.labels(kind).inc()
@@ -250,10 +256,11 @@ def create_app(
             else:
                 log.exception("search failed")
             return JSONResponse(status_code=503, content={"detail": f"search failed ({kind}): {exc}"})
-        it = iter(texts)
+        it, shown = iter(texts), iter(pictures or ())
         results = [
             [
                 {"id": h.item_id, "score": h.score, "caption": next(it), "model_version": h.model_version}
+                | ({"thumbnail": next(shown)} if pictures is not None else {})
                 for h in row
             ]
             for row in hits

@@ -1,0 +1,117 @@
+"""Thumbnails of gallery items, read from the gallery shards their rows point to (``"thumbnails": true``).
+
+Like captions (:mod:`components.serving.captions`), a hit's picture is the image member of ``<key>`` in the
+shard its ``source_uri = "<shard url>#<key>"`` names. It goes through the one bounded decode path
+(:func:`compat.data.images.decode_rgb`): the header is checked against ``max_pixels`` before a pixel is
+decoded, a JPEG is decoded by libjpeg at a reduced scale, and only the thumbnail's size is materialised. Only
+the hits' own members are decoded (one pass over each shard, stopped once its wanted keys are found), and the
+encoded thumbnails are kept in a bounded LRU cache. A thumbnail is a ``data:image/jpeg;base64,...`` URI, at
+most ``side`` pixels on its longer side; a hit whose shard or picture cannot be read has ``None``, never a
+failed query.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+THUMBNAIL_SIDE = 96  # pixels on the longer side
+THUMBNAIL_QUALITY = 85  # JPEG quality: about 3 KB a thumbnail
+
+
+def thumbnail_uri(data: bytes, side: int = THUMBNAIL_SIDE, max_pixels: int | None = None) -> str:
+    """``data`` (an encoded picture) as a JPEG data URI at most ``side`` pixels on its longer side, decoded
+    through the bounded path. Raises :class:`compat.data.images.ImageDecodeError` (a ``ValueError``)."""
+    from compat.data.images import MAX_PIXELS, decode_rgb, read_header
+
+    limit = MAX_PIXELS if max_pixels is None else max_pixels
+    header = read_header(data, max_pixels=limit)
+    short, long = sorted((header.width, header.height))
+    image = decode_rgb(data, size=max(1, math.ceil(side * short / long)), max_pixels=limit)
+    if max(image.size) > side:  # rounding of the short side's scaling
+        image.thumbnail((side, side))
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=THUMBNAIL_QUALITY)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def shard_thumbnails(
+    url: str, keys: Iterable[str], side: int = THUMBNAIL_SIDE, max_pixels: int | None = None
+) -> dict[str, str | None]:
+    """``{key: data URI or None}`` for ``keys`` of shard ``url``: one pass over the shard, stopped when every
+    key is found; a key absent from the shard, or whose picture does not decode, is None."""
+    from compat.data.loader import IMAGE_EXTS
+    from compat.data.shards import iter_raw_samples
+
+    wanted = set(keys)
+    out: dict[str, str | None] = dict.fromkeys(wanted)
+    left = set(wanted)
+    for raw in iter_raw_samples(url):
+        if raw.key not in left:
+            continue
+        left.discard(raw.key)
+        data = next((raw.members[e] for e in IMAGE_EXTS if isinstance(raw.members.get(e), bytes)), None)
+        if data is not None:
+            try:
+                out[raw.key] = thumbnail_uri(data, side, max_pixels)
+            except ValueError as exc:  # ImageDecodeError, ImageTooLargeError: no thumbnail for this hit
+                log.warning("no thumbnail for %s#%s: %s", url, raw.key, exc)
+        if not left:
+            break
+    return out
+
+
+class ShardThumbnails:
+    """Thumbnails by ``source_uri``, up to ``max_items`` of them cached (thread-safe; ~3 KB each)."""
+
+    def __init__(
+        self, side: int = THUMBNAIL_SIDE, max_items: int = 4096, max_pixels: int | None = None
+    ) -> None:
+        if side < 8:
+            raise ValueError(f"side must be at least 8 pixels, got {side}")
+        if max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {max_items}")
+        self.side, self.max_items, self.max_pixels = side, max_items, max_pixels
+        self._cache: OrderedDict[str, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def lookup(self, source_uris: Sequence[str | None]) -> list[str | None]:
+        """The thumbnail of each ``<shard url>#<key>`` (None: no shard named, key absent, or unreadable)."""
+        found: dict[str, str | None] = {}
+        missing: dict[str, set[str]] = {}
+        with self._lock:
+            for uri in source_uris:
+                text = str(uri or "")
+                url, sep, key = text.rpartition("#")
+                if not (sep and url and key) or text in found:
+                    continue
+                if text in self._cache:
+                    self._cache.move_to_end(text)
+                    found[text] = self._cache[text]
+                else:
+                    missing.setdefault(url, set()).add(key)
+        for url, keys in missing.items():
+            try:
+                read = shard_thumbnails(url, keys, self.side, self.max_pixels)
+            except Exception as exc:  # noqa: BLE001 - a missing shard costs thumbnails, not the query
+                log.warning("thumbnails of %s unavailable: %s", url, exc)
+                with self._lock:
+                    self.failures += 1
+                for key in keys:
+                    found[f"{url}#{key}"] = None
+                continue  # not cached: the shard may come back
+            with self._lock:
+                for key, uri_data in read.items():
+                    uri = f"{url}#{key}"
+                    found[uri] = self._cache[uri] = uri_data
+                while len(self._cache) > self.max_items:
+                    self._cache.popitem(last=False)
+        return [found.get(str(uri or "")) for uri in source_uris]
