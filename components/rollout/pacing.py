@@ -125,6 +125,23 @@ class SearchLatency:
         self._samples.clear()
 
 
+def _latency_buckets(text: str) -> dict[float, float]:
+    """The query-latency histogram's cumulative counts by upper bound in ms, from Prometheus text (read by
+    prometheus_client's own parser; labels besides ``le`` are summed over)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != LATENCY_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name == f"{LATENCY_METRIC}_bucket":
+                bound = sample.labels["le"]
+                upper_ms = float("inf") if bound == "+Inf" else 1000 * float(bound)
+                buckets[upper_ms] = buckets.get(upper_ms, 0.0) + float(sample.value)
+    return buckets
+
+
 class ServiceLatency:
     """Users' queries: the latency histograms of the search services at ``urls``, summed, as deltas between
     scrapes of their ``/metrics``; the window holds the deltas of the last ``window`` scrapes. A service that
@@ -148,17 +165,10 @@ class ServiceLatency:
         try:
             with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=self.timeout_s) as response:
                 text = response.read().decode("utf-8", "replace")
-        except (OSError, ValueError) as exc:  # URLError is an OSError
+            return _latency_buckets(text) or None
+        except (OSError, ValueError) as exc:  # URLError is an OSError; the parser raises ValueError
             log.debug("service %s did not answer its metrics: %s", url, exc)
             return None
-        buckets: dict[float, float] = {}
-        prefix = f"{LATENCY_METRIC}_bucket{{"
-        for line in text.splitlines():
-            if line.startswith(prefix) and 'le="' in line:
-                bound = line.split('le="', 1)[1].split('"', 1)[0]
-                upper_ms = float("inf") if bound == "+Inf" else 1000 * float(bound)
-                buckets[upper_ms] = float(line.rsplit(" ", 1)[1])
-        return buckets or None
 
     def _delta(self) -> dict[float, float]:
         """Observations since the previous scrape, summed over the services that answered both."""
