@@ -111,40 +111,38 @@ def test_a_loaded_server_stops_within_seconds(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_serve_milvus_command_prints_the_uri_and_stops_on_sigterm(tmp_path) -> None:
-    """`compatflow index serve-milvus` in a loopback-only namespace: the server starts in place, the printed
-    index.uri answers, SIGTERM stops it and the command exits 0; the data folder survives a restart."""
-    import signal
-
+    """`compatflow index serve-milvus` in a loopback-only namespace of its own (the session's already runs a
+    Milvus): the server starts in place, the printed index.uri answers, SIGTERM stops it and the command
+    exits 0; the data folder survives a restart."""
     from _milvus import milvus_binaries_cache
-    from pymilvus import MilvusClient
 
-    if not milvus_server.loopback_only():
-        pytest.skip("needs the session's loopback-only network namespace (root)")
-    argv = [sys.executable, "-m", "pipelines.cli", "index", "serve-milvus", "--data", str(tmp_path / "m")]
-    argv += ["--binaries", str(milvus_binaries_cache())]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for round_ in range(2):
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        uri = None
-        deadline = time.monotonic() + 180
-        while uri is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if "index.uri:" in line:
-                uri = line.split("index.uri:")[1].strip()
-        assert uri and uri.startswith("http://127.0.0.1:"), f"no index.uri printed (exit {proc.poll()})"
-        client = MilvusClient(uri=uri)
-        if round_ == 0:
-            client.create_collection("kept", dimension=4)
-            client.insert("kept", [{"id": 1, "vector": [0.1, 0.2, 0.3, 0.4]}])
-            client.flush("kept")
-        else:
-            assert client.has_collection("kept")
-        client.close()
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 0, rest[-2000:]
-        assert "Milvus stopped" in rest
+    script = textwrap.dedent(
+        f"""
+        import signal, subprocess, sys
+        from pymilvus import MilvusClient
+        argv = [sys.executable, "-m", "pipelines.cli", "index", "serve-milvus"]
+        argv += ["--data", {str(tmp_path / "m")!r}, "--binaries", {str(milvus_binaries_cache())!r}]
+        for round_ in range(2):
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            uri = None
+            for line in proc.stdout:
+                if "index.uri:" in line:
+                    uri = line.split("index.uri:")[1].strip()
+                    break
+            assert uri and uri.startswith("http://127.0.0.1:"), f"no index.uri printed (exit {{proc.poll()}})"
+            client = MilvusClient(uri=uri)
+            if round_ == 0:
+                client.create_collection("kept", dimension=4)
+                client.insert("kept", [{{"id": 1, "vector": [0.1, 0.2, 0.3, 0.4]}}])
+                client.flush("kept")
+            else:
+                assert client.has_collection("kept")
+            client.close()
+            proc.send_signal(signal.SIGTERM)
+            rest = proc.communicate(timeout=60)[0]
+            assert proc.returncode == 0 and "Milvus stopped" in rest, rest[-2000:]
+        print("both rounds ok")
+        """
+    )
+    done = _in_own_namespace(script, with_veth=False, timeout=400)
+    assert done.returncode == 0 and "both rounds ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
