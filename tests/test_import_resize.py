@@ -162,7 +162,7 @@ def test_each_picture_is_decoded_once_and_the_spool_is_removed(
     source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two pictures resized and one kept: three decodes in all (the scan's), none when the shards are
-    written; the resized bytes wait in the spool, gone once the import ends (a killed scan's is taken over)."""
+    written; the resized bytes wait in the spool, gone when the import ends (a killed scan's too)."""
     from PIL import ImageFile
 
     from compat.data.importer import SPOOL
