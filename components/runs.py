@@ -204,10 +204,11 @@ def _archive_attempt(run_dir: Path) -> int:
 
 
 def new_run_id(phase: int) -> str:
-    """``phase-PP-YYYYmmdd-HHMMSS-xxxx``: sortable by time, unique even for runs started in one second."""
+    """``phase-PP-YYYYmmdd-HHMMSS-xxxxxxxx``: sortable by time, unique even for runs started in one second
+    (32 random bits: two ids of one second collide once in ~4e9 pairs)."""
     import secrets
 
-    return f"phase-{phase:02d}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    return f"phase-{phase:02d}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
 
 
 def _shards(stream_dir: Path, manifest: dict[str, Any], phases: range | list[int], split: str) -> list[str]:
