@@ -53,7 +53,7 @@ class ServingPair:
     collection: str
     record: Mapping[str, Any]
     stamp: Stamp
-    loaded_at: float = field(default_factory=time.time)
+    complete_at: float = field(default_factory=time.time)  # the collection held all it serves by then
 
     @property
     def version(self) -> str:
@@ -69,15 +69,15 @@ class ServingPair:
             raise ServingError(
                 f"query model {self.version} returned shape {vectors.shape} for {len(texts)} text(s)"
             )
-        # as of the pair's load: sees the whole collection the record named (a blue-green fill, a rollback's
-        # restore), and never waits once the server has caught up with that moment
+        # as of the moment the collection was complete: sees all of a collection the record newly names (a
+        # blue-green fill, a rollback to its source), and never waits once the server has caught up with it
         return self.index.search(
             vectors,
             k=k,
             filter=filter,
             collection=self.collection,
             output_fields=output_fields,
-            as_of=self.loaded_at,
+            as_of=self.complete_at,
         )
 
 
@@ -216,7 +216,13 @@ class PairFollower:
             if self._verify is not None:
                 self._verify(record["query_model"])  # the registry's digest, before any weight is read
             encoder = load_query_encoder(record["query_model"])
-        return ServingPair(encoder, index, collection, MappingProxyType(record), stamp or (0, 0, 0))
+        # an in-place switch (same collection: stage 0, its rollback) keeps the moment the collection was
+        # complete; the backfill's later writes are compatible vectors either way
+        same = pair is not None and pair.index is index and pair.collection == collection
+        complete_at = pair.complete_at if same else time.time()
+        return ServingPair(
+            encoder, index, collection, MappingProxyType(record), stamp or (0, 0, 0), complete_at=complete_at
+        )
 
     def _index(self, uri: str, alias: str) -> Any:
         if self._given_index is not None:
