@@ -14,7 +14,6 @@ and with the default resize (``--max-side 512 --resize-mode keep_ratio``), and e
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import platform
@@ -29,19 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FASHION = Path("/usr/share/datasets/fashion-mnist")
-CLASSES = (
-    "T-shirt",
-    "trouser",
-    "pullover",
-    "dress",
-    "coat",
-    "sandal",
-    "shirt",
-    "sneaker",
-    "bag",
-    "ankle boot",
-)
+from benchmarks.fashion_mnist import DEFAULT_DIR, LABELS, load_split  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "loader.md"
 LOADERS = {
     "today": {"image_size": None, "cache": False, "what": "full decode (the loader before bounded decoding)"},
@@ -52,13 +40,9 @@ LOADERS = {
 
 def make_source(out: Path, n: int) -> None:
     """``n`` captioned pictures from Fashion-MNIST's test file, upscaled (see the module doc)."""
-    import numpy as np
     from PIL import Image
 
-    with gzip.open(FASHION / "t10k-images-idx3-ubyte.gz") as f:
-        images = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
-    with gzip.open(FASHION / "t10k-labels-idx1-ubyte.gz") as f:
-        labels = np.frombuffer(f.read(), np.uint8, offset=8)
+    images, labels = load_split(DEFAULT_DIR, "t10k")  # the checked IDX reader
     out.mkdir(parents=True)
     for i in range(n):
         picture = Image.fromarray(images[i]).convert("RGB")
@@ -66,7 +50,7 @@ def make_source(out: Path, n: int) -> None:
             picture.resize((3000, 2000), Image.Resampling.BICUBIC).save(out / f"{i:05d}.png")
         else:
             picture.resize((4000, 3000), Image.Resampling.BICUBIC).save(out / f"{i:05d}.jpg", quality=90)
-        (out / f"{i:05d}.txt").write_text(f"a photo of a {CLASSES[labels[i]]}")
+        (out / f"{i:05d}.txt").write_text(f"a photo of a {LABELS[labels[i]]}")
 
 
 def timed(command: list[str]) -> tuple[float, int, str]:
@@ -110,8 +94,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker[0], args.worker[1], int(args.worker[2]))
         return
-    if not FASHION.is_dir():
-        sys.exit(f"{FASHION} is missing: apt-get install -y dataset-fashion-mnist")
+    if not DEFAULT_DIR.is_dir():
+        sys.exit(f"{DEFAULT_DIR} is missing: apt-get install -y dataset-fashion-mnist")
     python, cli = sys.executable, str(Path(sys.executable).with_name("compatflow"))
     rows_import, rows_loader = [], []
     with tempfile.TemporaryDirectory(prefix="large-images-") as tmp:
