@@ -22,7 +22,8 @@ Ordering policies (all return item indices, the first to backfill first):
   of each old vector to the cluster centres; ``kind="margin"`` backfills the smallest gap between the
   two most similar centres first, ``kind="entropy"`` the highest entropy of softmax(sim / T) first.
 
-Everything here is pure numpy (the metric callbacks may use torch); nothing touches an index.
+Everything here is numpy (k-means is scikit-learn's MiniBatchKMeans; the metric callbacks may use torch);
+nothing touches an index.
 """
 
 from __future__ import annotations
@@ -56,43 +57,49 @@ def default_n_clusters(n: int) -> int:
     return max(2, min(n, int(round(math.sqrt(n / 2.0)))))
 
 
-def kmeans(
-    x: np.ndarray, k: int, *, seed: int = 0, iters: int = 100, tol: float = 1e-7
-) -> tuple[np.ndarray, np.ndarray]:
-    """Lloyd's k-means with k-means++ seeding; returns (centres [k, D], labels [N]).
+KMEANS_N_INIT = 3  # k-means++ seedings tried (each on a sample of at most init_size points); the best is kept
+KMEANS_BATCH_SIZE = 4096  # points per mini-batch: memory is O(batch_size * k), not O(N * k)
 
-    Deterministic for a given seed. An emptied cluster is re-seeded at the point farthest from its centre.
+
+def kmeans(
+    x: np.ndarray,
+    k: int,
+    *,
+    seed: int = 0,
+    iters: int = 100,
+    n_init: int = KMEANS_N_INIT,
+    batch_size: int = KMEANS_BATCH_SIZE,
+    threads: int | None = 1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """k-means (scikit-learn's ``MiniBatchKMeans``, k-means++ seeding); returns (centres [k, D], labels [N]).
+
+    Deterministic for a given seed. ``n_init`` seedings are tried and the one of least inertia kept; ``iters``
+    bounds the passes over the data. Memory grows with ``batch_size * k``, never with ``N * k``: labels are
+    assigned in chunks. A gallery no larger than ``batch_size`` is clustered in full batches. ``threads``
+    caps the BLAS/OpenMP threads of the fit (``None``: the libraries' default); one thread is the default
+    because on a shared CPU their threads cost more than they save (benchmarks/results/backfill_order.md).
     """
+    from sklearn.cluster import MiniBatchKMeans
+    from threadpoolctl import threadpool_limits
+
     x = _matrix(x, "kmeans input")
     n = x.shape[0]
     if not 1 <= k <= n:
         raise ValueError(f"kmeans: k={k} must lie in [1, {n}] (the number of points)")
-    rng = np.random.default_rng(seed)
-    centres = np.empty((k, x.shape[1]))
-    centres[0] = x[rng.integers(n)]
-    d2 = ((x - centres[0]) ** 2).sum(1)
-    for j in range(1, k):
-        total = d2.sum()
-        idx = int(rng.choice(n, p=d2 / total)) if total > 0 else int(rng.integers(n))
-        centres[j] = x[idx]
-        d2 = np.minimum(d2, ((x - centres[j]) ** 2).sum(1))
-    x_sq = (x**2).sum(1, keepdims=True)
-    labels = np.zeros(n, dtype=np.int64)
-    for _ in range(iters):
-        dist = x_sq - 2.0 * x @ centres.T + (centres**2).sum(1)
-        labels = dist.argmin(1)
-        new = np.zeros_like(centres)
-        np.add.at(new, labels, x)
-        counts = np.bincount(labels, minlength=k)
-        for j in np.flatnonzero(counts == 0):  # re-seed empty clusters
-            far = int(dist[np.arange(n), labels].argmax())
-            new[j], counts[j], labels[far] = x[far], 1, j
-        new /= counts[:, None]
-        shift = float(((new - centres) ** 2).sum())
-        centres = new
-        if shift <= tol:
-            break
-    return centres, labels
+    if n_init < 1 or batch_size < 1 or iters < 1:
+        raise ValueError(f"kmeans: n_init={n_init}, batch_size={batch_size}, iters={iters}: each must be >=1")
+    model = MiniBatchKMeans(
+        n_clusters=k,
+        init="k-means++",
+        n_init=n_init,
+        max_iter=iters,
+        batch_size=min(batch_size, n),
+        random_state=seed,
+        compute_labels=True,
+    )
+    with threadpool_limits(limits=threads):
+        model.fit(x)
+    return np.asarray(model.cluster_centers_, dtype=np.float64), np.asarray(model.labels_, dtype=np.int64)
 
 
 def order_random(n: int, seed: int = 0) -> np.ndarray:

@@ -28,6 +28,25 @@ def test_kmeans_recovers_separated_blobs() -> None:
         bf.kmeans(x[:3], 4)
 
 
+def test_kmeans_in_mini_batches_recovers_blobs_and_is_seeded() -> None:
+    """A gallery larger than one batch is clustered in mini-batches: 5 well-separated 8-d blobs of 2,000
+    points each, batches of 512, come back as the 5 blobs, the same for the same seed."""
+    rng = np.random.default_rng(3)
+    true_centres = 20.0 * np.eye(8)[:5]
+    labels = np.repeat(np.arange(5), 2000)
+    x = true_centres[labels] + rng.normal(size=(10000, 8))
+    centres, found = bf.kmeans(x, 5, seed=7, batch_size=512)
+    pairs = set(zip(labels.tolist(), found.tolist(), strict=True))
+    assert len(pairs) == 5 and len({f for _, f in pairs}) == 5  # a bijection blob <-> cluster
+    for true, cluster in pairs:
+        assert np.linalg.norm(centres[cluster] - true_centres[true]) < 0.5
+    _, again = bf.kmeans(x, 5, seed=7, batch_size=512)
+    _, threaded = bf.kmeans(x, 5, seed=7, batch_size=512, threads=None)
+    assert again.tolist() == found.tolist() == threaded.tolist()
+    with pytest.raises(ValueError, match="n_init=0"):
+        bf.kmeans(x, 5, n_init=0)
+
+
 def test_random_order_is_a_seeded_permutation() -> None:
     a, b, c = bf.order_random(50, 3), bf.order_random(50, 3), bf.order_random(50, 4)
     assert sorted(a.tolist()) == list(range(50))
