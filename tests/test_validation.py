@@ -400,6 +400,51 @@ def test_glob_matching_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_fsspec_urls_validate_like_local_paths(tmp_path):
+    """memory:// and file:// shard URLs (fsspec's real filesystems) expand and validate as a local glob
+    does: same counts, same accepted bytes, messages naming the URL; a rerun over unchanged URLs is reused,
+    a changed shard is validated again, a URL naming nothing is refused."""
+    import fsspec
+
+    inputs = {
+        "shard-00000.tar": good_samples("p", 20) + sample("p-blank", caption=b"   "),
+        "shard-00001.tar": good_samples("q", 20),
+    }
+    policy = ValidationPolicy(max_quarantined_fraction=0.5)
+    local = run(tmp_path, inputs, policy)
+    memory = fsspec.filesystem("memory")
+    root = f"/validation-{tmp_path.name}"
+    try:
+        for name in inputs:
+            memory.pipe(f"{root}/in/{name}", (tmp_path / "in" / name).read_bytes())
+        urls = {
+            "memory": f"memory://{root}/in/shard-*.tar",
+            "memory-braces": f"memory://{root}/in/shard-{{00000..00001}}.tar",
+            "file": f"file://{tmp_path}/in/*.tar",
+        }
+        for label, url in urls.items():
+            summary = validate_phase(url, tmp_path / label, policy)
+            doc = check_invariants(summary, inputs)
+            assert (doc["total"], doc["passed"], doc["by_reason"]) == (41, 40, {"caption_blank": 1}), label
+            accepted = [tar_members(p) for p in summary.accepted_paths]
+            assert accepted == [tar_members(p) for p in local.accepted_paths], label
+            names = [s["name"] for s in doc["shards"]]
+            assert names == sorted(names) and len(names) == 2
+            assert all(n.startswith("memory://" if label.startswith("memory") else "file://") for n in names)
+            assert doc["problems"][0]["message"].startswith(f"{names[0]}: key p-blank: ")
+        assert validate_phase(urls["memory"], tmp_path / "memory", policy).reused
+        longer = write_shard(tmp_path / "longer.tar", good_samples("r", 22))
+        memory.pipe(f"{root}/in/shard-00001.tar", longer.read_bytes())
+        changed = validate_phase(urls["memory"], tmp_path / "memory", policy)
+        assert not changed.reused and changed.total == 43 and changed.quarantined == 1
+        with pytest.raises(ShardSpecError, match=r"shard-00009\.tar.*no such shard file"):
+            validate_phase(f"memory://{root}/in/shard-00009.tar", tmp_path / "missing", policy)
+        with pytest.raises(ShardSpecError, match=r"no shard file matches 'memory://.*/nowhere/\*\.tar'"):
+            validate_phase(f"memory://{root}/nowhere/*.tar", tmp_path / "missing", policy)
+    finally:
+        memory.rm(root, recursive=True)
+
+
 # ---------------------------------------------------------------------------- thresholds, reruns, policy
 def test_threshold_blocks_and_messages_are_logged(tmp_path, caplog):
     bad = [m for i in range(3) for m in sample(f"p-bad{i}", caption=b"   ")]

@@ -55,7 +55,7 @@ def _expand_one(spec: str) -> list[str]:
             path = local_path(item)
             as_file_url = item.startswith("file:")
             if _GLOB_CHARS.search(path):
-                matches = sorted(glob.glob(path))
+                matches = sorted(m for m in glob.glob(path, recursive=True) if os.path.isfile(m))
             elif os.path.isdir(path):
                 matches = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".tar"))
             else:
@@ -79,9 +79,10 @@ def _expand_one(spec: str) -> list[str]:
 def expand_urls(spec: str | Sequence[str]) -> list[str]:
     """Shard URLs from a spec or a list of specs, in order, without duplicates.
 
-    A spec is a local path, a directory (its ``*.tar`` files), a glob (``shards/*.tar``), a brace
-    pattern (``shard-{00000..00009}.tar``) or an fsspec URL (``file://``, ``s3://``, ...; remote
-    globs are listed through fsspec). A local spec that matches nothing raises :class:`LoaderError`.
+    A spec is a local path, a directory (its ``*.tar`` files), a glob (``shards/*.tar``; ``**`` spans
+    folders; files only), a brace pattern (``shard-{00000..00009}.tar``) or an fsspec URL (``file://``,
+    ``s3://``, ``gs://``, ``memory://``, ...; remote globs are listed through fsspec). Training, evaluation
+    and validation all expand shards here. A local spec that matches nothing raises :class:`LoaderError`.
     """
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not specs:

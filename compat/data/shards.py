@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import tarfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -99,6 +100,32 @@ def open_url(url: str) -> BinaryIO:
         return fsspec.open(url, "rb").open()
     except (OSError, ValueError, ImportError) as exc:
         raise ShardError(f"cannot open shard {url}: {exc}") from exc
+
+
+def stat_url(url: str) -> tuple[int, int | str]:
+    """The size in bytes of the shard at ``url`` and a token that changes when the shard does: the
+    modification time in ns for a local path or ``file://`` URL, fsspec's ``ukey`` (an ETag on object stores)
+    for other URLs. Raises :class:`ShardError` when it is missing or not a file."""
+    refuse_pipe(url)
+    try:
+        if is_local(url):
+            st = os.stat(local_path(url))
+            if not stat.S_ISREG(st.st_mode):
+                raise ShardError(f"{url} is not a file (a shard is one tar file)")
+            return st.st_size, st.st_mtime_ns
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(url)
+        info = fs.info(path)
+        if info.get("type") != "file":
+            raise ShardError(f"{url} is a {info.get('type')}, not a file (a shard is one tar file)")
+        return int(info["size"]), str(fs.ukey(path))
+    except ShardError:
+        raise
+    except FileNotFoundError as exc:
+        raise ShardError(f"{url}: no such shard file") from exc
+    except (OSError, ValueError, ImportError) as exc:
+        raise ShardError(f"cannot read shard {url}: {exc}") from exc
 
 
 MAX_MEMBER_BYTES = 256 * 1024 * 1024  # the most one member may declare before it is read

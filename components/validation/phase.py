@@ -9,7 +9,6 @@ written last (atomically), so its presence marks a finished run.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -46,8 +45,10 @@ class ShardSpecError(ValueError):
 @dataclass(frozen=True)
 class Shard:
     index: int
-    name: str  # as matched by the pattern; used in every message
-    path: Path
+    name: str  # as the pattern matched it (a path or an fsspec URL); used in every message
+    url: str  # what is read: an absolute local path or an fsspec URL
+    size: int
+    version: int | str  # changes when the shard does: mtime in ns (local) or fsspec's ukey (remote)
 
 
 @dataclass
@@ -117,36 +118,36 @@ class ValidationSummary:
 
 
 def resolve_shards(shard_spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Shard]:
-    """Expand a glob (or webdataset brace pattern, or a list of either) into sorted, unique shard files."""
+    """Expand shard patterns into sorted, unique shard files, as training expands them
+    (:func:`compat.data.loader.expand_urls`): local paths, globs, brace patterns, folders and fsspec URLs
+    (``file://``, ``s3://``, ``gs://``, ``memory://``, ...). Raises :class:`ShardSpecError` when a pattern
+    matches nothing or names a shard that is not there."""
+    from compat.data.loader import LoaderError, expand_urls
+    from compat.data.shards import ShardError, is_local, local_path, stat_url
+
     specs = [shard_spec] if isinstance(shard_spec, (str, os.PathLike)) else list(shard_spec)
     if not specs:
         raise ShardSpecError("no shard pattern given")
     found: dict[str, str] = {}
     for spec in specs:
         text = os.fspath(spec)
-        matches = sorted(
-            m
-            for pattern in _expand_braces(text)
-            for m in glob.glob(pattern, recursive=True)
-            if Path(m).is_file()
-        )
-        if not matches:
+        try:
+            urls = expand_urls(text)
+        except LoaderError as exc:
             raise ShardSpecError(
-                f"no shard file matches {text!r} (checked relative to {os.getcwd()}); "
-                "pass a glob such as 'data/phase-01/shard-*.tar'"
-            )
-        for match in matches:
-            found.setdefault(os.path.abspath(match), match)
-    ordered = sorted(found.items(), key=lambda item: item[1])
-    return [Shard(index=i, name=name, path=Path(path)) for i, (path, name) in enumerate(ordered)]
-
-
-def _expand_braces(pattern: str) -> list[str]:
-    if "{" not in pattern:
-        return [pattern]
-    import braceexpand
-
-    return list(braceexpand.braceexpand(pattern))
+                f"no shard file matches {text!r} (local paths are read relative to {os.getcwd()}; {exc}); "
+                "pass a glob such as 'data/phase-01/shard-*.tar' or a URL such as 's3://bucket/phase-01/*.tar'"
+            ) from exc
+        for url in urls:
+            found.setdefault(os.path.abspath(local_path(url)) if is_local(url) else url, url)
+    shards = []
+    for index, (url, name) in enumerate(sorted(found.items(), key=lambda item: item[1])):
+        try:
+            size, version = stat_url(url)
+        except ShardError as exc:
+            raise ShardSpecError(f"shard {name!r} cannot be validated: {exc}") from exc
+        shards.append(Shard(index=index, name=name, url=url, size=size, version=version))
+    return shards
 
 
 def validate_phase(
@@ -228,7 +229,7 @@ def _inspect(shards: list[Shard], policy: ValidationPolicy):
 
     def groups() -> Iterator[tuple[Shard, SampleGroup]]:
         for shard in shards:
-            reader = ShardReader(shard.path, shard.name, policy.member_limits())
+            reader = ShardReader(shard.url, shard.name, policy.member_limits())
             for group in reader:
                 yield shard, group
             stats.append({"samples": reader.samples, "members": reader.members, "error": reader.error})
@@ -263,7 +264,7 @@ def _write_outputs(
     for shard, stat in written:
         accepted = AtomicTarWriter(out_dir / accepted_name(shard.index))
         quarantine = AtomicTarWriter(out_dir / quarantine_name(shard.index))
-        reader = ShardReader(shard.path, shard.name, policy.member_limits())
+        reader = ShardReader(shard.url, shard.name, policy.member_limits())
         try:
             for group in reader:
                 row = first_row + group.index
@@ -402,7 +403,7 @@ def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:
     from components.validation.suite import suite_path
 
     digest = hashlib.sha256()
-    inputs = [[s.name, str(s.path), s.path.stat().st_size, s.path.stat().st_mtime_ns] for s in shards]
+    inputs = [[s.name, s.url, s.size, s.version] for s in shards]
     suites = [hashlib.sha256(suite_path(n).read_bytes()).hexdigest() for n in ("samples", "phase")]
     digest.update(json.dumps([STAGE_VERSION, inputs, policy.to_dict(), suites], sort_keys=True).encode())
     return digest.hexdigest()

@@ -25,12 +25,14 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
+import os
 import re
 import tarfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from compat.data.importer import MAX_CAPTION_BYTES
 
@@ -120,12 +122,18 @@ class SampleGroup:
 class ShardReader:
     """Iterate the samples of one tar shard; after iteration ``error`` says what stopped it early.
 
-    ``name`` is how messages refer to the shard (the path as the glob matched it).
+    ``path`` is a local path or an fsspec URL (``file://``, ``s3://``, ``memory://``, ...); ``name`` is how
+    messages refer to the shard (the path as the glob matched it).
     """
 
     def __init__(self, path: Path | str, name: str | None = None, limits: MemberLimits | None = None) -> None:
-        self.path = Path(path)
-        self.name = name or str(path)
+        from compat.data.shards import is_local, local_path
+
+        self.url = os.fspath(path)
+        self.path = (
+            Path(path) if isinstance(path, Path) else Path(local_path(path)) if is_local(path) else None
+        )
+        self.name = name or self.url
         self.limits = limits or MemberLimits()
         self.error: str | None = None
         self.samples = 0
@@ -147,12 +155,11 @@ class ShardReader:
 
     def _members(self) -> Iterator[Member]:
         try:
-            raw = self.path.open("rb")
-        except OSError as exc:
-            self.error = f"cannot open: {exc.strerror or exc}"
+            raw, compressed = self._open()
+        except (OSError, ValueError) as exc:
+            self.error = f"cannot open: {getattr(exc, 'strerror', None) or exc}"
             return
         with raw:
-            compressed = self.path.stat().st_size
             if compressed == 0:
                 self.error = "not a tar archive: the file is empty (0 bytes)"
                 return
@@ -220,6 +227,17 @@ class ShardReader:
                     return
             stream.allow(BLOCK, "the end-of-archive marker")
             self.error = _check_end_marker(stream, tar.offset, self.members)
+
+    def _open(self) -> tuple[BinaryIO, int]:
+        """The shard opened for reading, and its size in bytes."""
+        if self.path is not None:
+            raw = self.path.open("rb")
+            return raw, os.fstat(raw.fileno()).st_size
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(self.url)
+        raw = fs.open(path, "rb")
+        return raw, int(fs.size(path))
 
     def _unread(self, info: tarfile.TarInfo, compressed: int) -> str:
         """Why the member must not be read (its declared size and the limit it breaks), or ``""``."""

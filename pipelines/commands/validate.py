@@ -21,8 +21,9 @@ def validate(
         list[str],
         typer.Option(
             "--shards",
-            help="Glob (or webdataset brace pattern) of the phase's tar shards; repeat for several. "
-            "Quote it so the shell does not expand it.",
+            help="Glob, brace pattern, folder or fsspec URL (s3://, gs://, file://...) of the phase's tar "
+            "shards, expanded as training expands them; repeat for several. Quote it so the shell does not "
+            "expand it.",
         ),
     ],
     out: Annotated[
