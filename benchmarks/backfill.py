@@ -170,14 +170,12 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
     m_new = bf.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
     results = {}
     for policy in bf.POLICIES:
-        paths = ro.RolloutPaths(
-            state=work / policy / "rollout_state.json", serving=work / policy / "serving.json"
-        )
+        paths = ro.RolloutPaths.for_workspace(work / policy)
         with GalleryIndex(uri, alias=f"bench_{policy}") as index:
             u.index_old_gallery(index, paths, opts, space="syn")
             config = ro.RolloutConfig(
                 new_version="v2",
-                policy=policy,
+                order=policy,
                 batch_size=256,
                 query_model={
                     "factory": f"{SYNTH_MODULE}:synthetic_query_encoder",
@@ -391,9 +389,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
     ) -> dict[str, Any]:
         """Index the old vectors under ``alias``, then roll out (SLO throttle ``slo``, backfill stages
         ``fractions``); with ``load_s``, under the query load."""
-        paths = ro.RolloutPaths(
-            state=work / alias / "rollout_state.json", serving=work / alias / "serving.json"
-        )
+        paths = ro.RolloutPaths.for_workspace(work / alias)
         with GalleryIndex(uri, alias=alias) as index:
             ro.index_gallery(
                 index,
@@ -402,7 +398,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
                 vectors,
                 version="v1",
                 space="cf-tiny",
-                query_model={"version": "v1", "factory": "components.rollout.serving:model_query_encoder"},
+                query_model={"version": "v1", "factory": "components.serving.record:model_query_encoder"},
             )
         idle = during = None
         if load_s is not None:
@@ -411,7 +407,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             idle = load.result
         config = ro.RolloutConfig(
             new_version="v2",
-            policy="random",
+            order="random",
             batch_size=batch,
             slo_p99_factor=slo,
             **({"fractions": fractions} if fractions else {}),

@@ -3,7 +3,7 @@
 :func:`synthetic_upgrade` builds clustered old/new galleries and queries whose answers are known;
 :func:`synthetic_encoders` and :func:`synthetic_query_encoder` serve it as rollout encoder factories
 (``--encoders benchmarks.synthetic_upgrade:synthetic_encoders``; the module must be listed in
-``$COMPATFLOW_TRUSTED_MODULES``, see :mod:`components.rollout.serving`).
+``$COMPATFLOW_TRUSTED_MODULES``, see :mod:`components.serving.record`).
 """
 
 from __future__ import annotations

@@ -68,6 +68,16 @@ def read_json(path: Path | str, damaged: Callable[[str], Exception]) -> Any | No
         raise damaged(f"{path}: not valid JSON ({exc})") from exc
 
 
+def read_json_object_or_none(path: Path | str) -> dict[str, Any] | None:
+    """The JSON object at ``path``, or None when it is missing, unreadable or not an object: for files whose
+    absence or damage the caller treats as "not there" (a run's own bookkeeping, a reusable result)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def utc_now() -> str:
     """The current UTC time, ISO 8601 to the second (the timestamp of every state file)."""
     return datetime.now(UTC).isoformat(timespec="seconds")

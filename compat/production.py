@@ -165,13 +165,6 @@ class ProductionModel:
 
         return load_checkpoint(backbone_path(self.path), device=device)
 
-    @property
-    def backbone_config(self) -> str:
-        """The open_clip config name of :meth:`backbone` (read from its sidecar)."""
-        from compat.models import read_sidecar
-
-        return str(read_sidecar(backbone_path(self.path))["config_name"])
-
     def describe(self) -> dict[str, str]:
         return {
             "path": str(self.path),

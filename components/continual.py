@@ -1,4 +1,4 @@
-"""The ``continual`` stage: train the next model on the newest data phase, evaluate it on every domain so far.
+"""The ``continual`` step: train the next model on the newest data phase, evaluate it on every domain so far.
 
 Methods (all in the same trainer, same schedule and data order):
 
@@ -16,7 +16,7 @@ Phase 0 with no production model trains CLIP_0 from random initialisation. Outpu
 the starting model, the training curve), ``spatial_disorder.json`` (RAM/SAM/ImAV, candidate vs production on
 the newest eval set) and ``train/`` (resumable checkpoints and the per-step sample ledger).
 
-Run under ``torchrun`` the stage trains with DDP (every rank), evaluates and writes on rank 0 only.
+Run under ``torchrun`` the step trains with DDP (every rank), evaluates and writes on rank 0 only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,7 @@ CURVE_KEYS = ("step", "loss", "contrastive", "kl", "logit_scale", "lr", "teacher
 
 
 class ContinualError(ValueError):
-    """Bad arguments or inputs to the continual stage; the message says what to change."""
+    """Bad arguments or inputs to the continual step; the message says what to change."""
 
 
 @dataclass
@@ -133,14 +133,14 @@ def _train_urls(
 
 @dataclass(frozen=True)
 class TrainingSettings:
-    """How one phase is trained: the pipeline config's ``training`` section, typed (:meth:`from_config`);
-    the defaults are the local config's. ``selective_correction=False`` drops Mod-X's Eq 3 (an ablation for
-    benchmarks, not the paper's method). ``replay_buffer_size`` > 0 (``modx`` / ``finetune`` after phase 0):
-    the last ``replay_rows`` rows of every batch come from a buffer of that many pairs drawn evenly from the
-    earlier phases' train shards -- the Mod-X paper's "Mod-X + buffer" (Table 2), or experience replay for
-    fine-tuning. ``pretrained`` (a local open_clip checkpoint or a cached open_clip tag) and ``resize_mode``
-    apply to the bootstrap only: CLIP_0 fine-tunes from those weights instead of a random init (None: the
-    model config's)."""
+    """How one phase is trained: the deployment's ``training`` section plus the trainer's own settings
+    (:meth:`from_section`); the defaults are the local config's. ``selective_correction=False`` drops
+    Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method). ``replay_buffer_size`` > 0
+    (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every batch come from a
+    buffer of that many pairs drawn evenly from the earlier phases' train shards -- the Mod-X paper's
+    "Mod-X + buffer" (Table 2), or experience replay for fine-tuning. ``pretrained`` (a local open_clip
+    checkpoint or a cached open_clip tag) and ``resize_mode`` apply to the bootstrap only: CLIP_0
+    fine-tunes from those weights instead of a random init (None: the model config's)."""
 
     config_name: str = "cf-tiny"
     method: str = "modx"
@@ -163,11 +163,11 @@ class TrainingSettings:
     resize_mode: str | None = None
 
     @classmethod
-    def from_config(cls, training: Mapping[str, Any]) -> TrainingSettings:
-        """The settings a pipeline config's ``training`` section names (``model_config`` is the config name;
-        keys it does not set keep their defaults, keys that are not training settings are left out)."""
+    def from_section(cls, training: Any) -> TrainingSettings:
+        """The settings a deployment's ``training`` section (:class:`components.deployment.TrainingSection`)
+        names; the trainer's own settings (precision, weight decay, ...) keep their defaults."""
         names = {f.name for f in dataclasses.fields(cls)}
-        values = {("config_name" if k == "model_config" else k): v for k, v in training.items()}
+        values = {("config_name" if k == "model_config_name" else k): v for k, v in dict(training).items()}
         return cls(**{k: v for k, v in values.items() if k in names})
 
 
@@ -184,9 +184,9 @@ def run_continual(
     resume: bool = True,
     train_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run the stage and return the metrics document (also written to ``out_dir/metrics.json``).
+    """Run the step and return the metrics document (also written to ``out_dir/metrics.json``).
 
-    ``train_urls`` replaces the phase's train shards from the manifest (the validation stage's accepted
+    ``train_urls`` replaces the phase's train shards from the manifest (the validation step's accepted
     shards). ``production`` is the production checkpoint (directory or model.json): the teacher and the
     student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
     (CLIP_0 from scratch). Interrupted runs resume from ``train_dir`` (default ``out_dir/train``: resumable

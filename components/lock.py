@@ -18,10 +18,8 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-LOCK_FILE = ".compatflow.lock"
-STEPS_LOCK_FILE = ".compatflow.steps.lock"  # shared by the running steps (tasks) of the run in progress
+from components.workspace import Workspace
 
 
 class WorkspaceBusy(RuntimeError):
@@ -29,11 +27,14 @@ class WorkspaceBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def workspace_lock(workspace: str | os.PathLike[str], purpose: str) -> Iterator[dict[str, object]]:
-    """Hold ``<workspace>/.compatflow.lock`` for the block; raises :class:`WorkspaceBusy` when it is taken."""
-    root = Path(workspace)
+def workspace_lock(
+    workspace: Workspace | str | os.PathLike[str], purpose: str
+) -> Iterator[dict[str, object]]:
+    """Hold the workspace lock for the block; raises :class:`WorkspaceBusy` when it is taken."""
+    ws = Workspace.coerce(workspace)
+    root = ws.root
     root.mkdir(parents=True, exist_ok=True)
-    path = root / LOCK_FILE
+    path = ws.lock_path
     handle = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # noqa: SIM115 - held for the block
     try:
         try:
@@ -43,7 +44,7 @@ def workspace_lock(workspace: str | os.PathLike[str], purpose: str) -> Iterator[
                 f"workspace {root} is in use by {_describe(handle.read())}; wait for it to finish "
                 "(a holder that dies releases the lock at once; nothing needs deleting)"
             ) from None
-        _refuse_orphaned_steps(root)
+        _refuse_orphaned_steps(ws)
         holder: dict[str, object] = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -74,11 +75,11 @@ def _describe(text: str) -> str:
 
 
 @contextlib.contextmanager
-def step_lock(workspace: str | os.PathLike[str]) -> Iterator[None]:
+def step_lock(workspace: Workspace | str | os.PathLike[str]) -> Iterator[None]:
     """Hold the workspace's shared step lock while a pipeline step runs (see the module docstring)."""
-    root = Path(workspace)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / STEPS_LOCK_FILE, "a") as handle:
+    ws = Workspace.coerce(workspace)
+    ws.root.mkdir(parents=True, exist_ok=True)
+    with open(ws.steps_lock_path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_SH)
         try:
             yield
@@ -86,8 +87,8 @@ def step_lock(workspace: str | os.PathLike[str]) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _refuse_orphaned_steps(root: Path) -> None:
-    path = root / STEPS_LOCK_FILE
+def _refuse_orphaned_steps(ws: Workspace) -> None:
+    path = ws.steps_lock_path
     if not path.exists():
         return
     with open(path, "a") as handle:
@@ -95,7 +96,7 @@ def _refuse_orphaned_steps(root: Path) -> None:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise WorkspaceBusy(
-                f"a step of an earlier run is still running in workspace {root} (its runner was stopped "
+                f"a step of an earlier run is still running in workspace {ws.root} (its runner was stopped "
                 f"alone); wait for it to end or stop it (`fuser {path}` shows its pid)"
             ) from None
         fcntl.flock(handle, fcntl.LOCK_UN)

@@ -14,23 +14,22 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from compat.io import write_json_atomic
+from compat.io import read_json_object_or_none, write_json_atomic
+from components.deployment import Deployment
+from components.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "state.json"
 RUN_FILE = "run.json"
-VALIDATED_DIR = "validated"
 BLOCKED_FILE = "blocked.json"
 FAILURE_FILE = "failure.json"
 OUTCOME_FILE = "outcome.json"
 ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
 RESUMABLE = (None, "failed")  # outcomes of a run that the next run of its phase continues
-REGISTRY_KEYS = ("tracking_uri", "model_name")  # the config's registry section, as Registry takes it
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -42,11 +41,11 @@ class StateError(ValueError):
     """``state.json`` is unreadable, breaks its schema, or is missing or lacks work the workspace holds."""
 
 
-def read_state(workspace: Path) -> dict[str, Any]:
+def read_state(workspace: Workspace | str | Path) -> dict[str, Any]:
     """The workspace's ``state.json`` (an empty state when there is none), schema-checked; errors name it."""
     import schemas
 
-    path = Path(workspace) / STATE_FILE
+    path = Workspace.coerce(workspace).state_path
     if not path.is_file():
         return {"schema_version": 1, "phases": {}}
     try:
@@ -60,18 +59,19 @@ def read_state(workspace: Path) -> dict[str, Any]:
     return state
 
 
-def _refuse_lost_state(config: dict[str, Any], workspace: Path, state: dict[str, Any]) -> None:
+def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
     """``state.json`` must account for the work the workspace holds: a phase with a finished run folder that
     the state does not record (a missing, emptied or stale state.json), or a production model in the registry
     while the state records no phase and no run folder is left, is refused with how to rebuild it. (A run
     killed before it recorded its outcome is not finished: the next run resumes it.)"""
-    path = workspace / STATE_FILE
+    ws = Workspace.of(deployment)
+    path = ws.state_path
     recorded = state["phases"]
     unrecorded = sorted(
         {
             int(plan["phase"])
-            for outcome in (workspace / "runs").glob(f"*/{OUTCOME_FILE}")
-            if (plan := _read_json_or_none(outcome.parent / RUN_FILE)) and "phase" in plan
+            for outcome in ws.runs_dir.glob(f"*/{OUTCOME_FILE}")
+            if (plan := read_json_object_or_none(outcome.parent / RUN_FILE)) and "phase" in plan
         }
         - {int(k) for k in recorded}
     )
@@ -79,32 +79,33 @@ def _refuse_lost_state(config: dict[str, Any], workspace: Path, state: dict[str,
     if unrecorded:
         what = "is missing but" if not path.is_file() else "does not record what"
         raise StateError(
-            f"{path} {what} the workspace holds: finished runs in {workspace / 'runs'} of phase(s) "
+            f"{path} {what} the workspace holds: finished runs in {ws.runs_dir} of phase(s) "
             f"{', '.join(map(str, unrecorded))}; starting over would rewrite the history the registry and "
             f"the gallery already hold; {how}"
         )
-    if recorded or any((workspace / "runs").glob(f"*/{RUN_FILE}")):
+    if recorded or any(ws.runs_dir.glob(f"*/{RUN_FILE}")):
         return
     from components.registry import Registry
 
-    registry = Registry(workspace, **{k: v for k, v in config["registry"].items() if k in REGISTRY_KEYS})
+    registry = Registry(ws, model_name=deployment.registry.model_name)
     production = registry.alias_version("production") if registry.exists() else None
     if production is not None:
         raise StateError(
             f"{path} {'is missing' if not path.is_file() else 'records no phase'} but the registry "
             f"{registry.tracking_uri} serves production version {production}: starting over at phase 0 "
-            f"would rewrite that history; restore the run folders under {workspace / 'runs'} and {how}, or "
+            f"would rewrite that history; restore the run folders under {ws.runs_dir} and {how}, or "
             "run in a new workspace"
         )
 
 
-def rebuild_state(workspace: Path) -> dict[str, Any]:
+def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
     """A ``state.json`` rebuilt from the run folders: each phase's newest finished run (its
     ``outcome.json``), written atomically; returns it."""
+    ws = Workspace.coerce(workspace)
     runs: dict[str, tuple[float, dict[str, Any]]] = {}
-    for outcome_path in (Path(workspace) / "runs").glob(f"*/{OUTCOME_FILE}"):
-        plan = _read_json_or_none(outcome_path.parent / RUN_FILE)
-        outcome = _read_json_or_none(outcome_path)
+    for outcome_path in ws.runs_dir.glob(f"*/{OUTCOME_FILE}"):
+        plan = read_json_object_or_none(outcome_path.parent / RUN_FILE)
+        outcome = read_json_object_or_none(outcome_path)
         if (
             not plan
             or not outcome
@@ -124,19 +125,20 @@ def rebuild_state(workspace: Path) -> dict[str, Any]:
         "schema_version": 1,
         "phases": {k: v for k, (_, v) in sorted(runs.items(), key=lambda kv: int(kv[0]))},
     }
-    write_json_atomic(Path(workspace) / STATE_FILE, state)
+    write_json_atomic(ws.state_path, state)
     return state
 
 
-def record_phase(workspace: Path, phase: int, status: str, run_id: str) -> dict[str, Any]:
+def record_phase(workspace: Workspace | str | Path, phase: int, status: str, run_id: str) -> dict[str, Any]:
     """Record a phase's outcome; returns the new state."""
-    state = read_state(workspace)
+    ws = Workspace.coerce(workspace)
+    state = read_state(ws)
     state["phases"][str(phase)] = {
         "status": status,
         "run_id": run_id,
         "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    write_json_atomic(Path(workspace) / STATE_FILE, state)
+    write_json_atomic(ws.state_path, state)
     return state
 
 
@@ -157,11 +159,12 @@ def next_pending_phase(state: dict[str, Any], n_phases: int) -> int | None:
     return None
 
 
-def run_dir_for(config: dict[str, Any], run_id: str) -> Path:
+def run_dir_for(deployment: Deployment, run_id: str) -> Path:
+    """The run folder of ``run_id`` (characters a folder name cannot hold replaced)."""
     safe = _SAFE_RUN_ID.sub("-", run_id).strip("-")
     if not safe:
         raise PlanError(f"run id {run_id!r} has no usable characters")
-    return Path(config["workspace"]).resolve() / "runs" / safe
+    return Workspace.of(deployment).run_dir(safe)
 
 
 def training_dir(run_dir: Path) -> Path:
@@ -169,9 +172,9 @@ def training_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "continual" / "train"
 
 
-def interrupted_run(config: dict[str, Any], phase: int) -> str | None:
+def interrupted_run(deployment: Deployment, phase: int) -> str | None:
     """The newest run of ``phase`` that never finished (killed) or failed: the next run continues it."""
-    runs = Path(config["workspace"]).resolve() / "runs"
+    runs = Workspace.of(deployment).runs_dir
     found = []
     for plan_path in runs.glob(f"*/{RUN_FILE}"):
         try:
@@ -215,13 +218,8 @@ def _shards(stream_dir: Path, manifest: dict[str, Any], phases: range | list[int
     return [str((stream_dir / rel).resolve()) for p in phases for rel in manifest["phases"][p][split]]
 
 
-def validated_dir(workspace: str | Path, phase: int) -> Path:
-    """Where the accepted training shards of ``phase`` are kept once its validation passed."""
-    return Path(workspace).resolve() / VALIDATED_DIR / f"phase-{phase:03d}"
-
-
 def keep_validated(
-    workspace: str | Path,
+    workspace: Workspace | str | Path,
     phase: int,
     accepted: Sequence[str | Path],
     splits: dict[str, Sequence[str | Path]] | None = None,
@@ -232,7 +230,7 @@ def keep_validated(
     quarantine. ``splits`` (e.g. eval, gallery) are kept in subdirectories of the same name, created even
     when a split accepted nothing (see :func:`validated_shards`). Returns the kept training shard paths.
     """
-    final = validated_dir(workspace, phase)
+    final = Workspace.coerce(workspace).validated_dir(phase)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -250,14 +248,14 @@ def keep_validated(
     return sorted(str(p) for p in final.glob("*.tar"))
 
 
-def validated_shards(config: dict[str, Any], shards: Sequence[str], split: str) -> list[str]:
+def validated_shards(deployment: Deployment, shards: Sequence[str], split: str) -> list[str]:
     """``shards`` (raw stream shards of ``split``, of any phases) with each phase's replaced by what its
     validation accepted and kept (:func:`keep_validated`), so quarantined items are never read; a phase
     validated before its ``split`` was kept keeps its raw shards (with a warning). Shards of no phase of
     the stream pass through unchanged."""
     from compat.data.manifest import load_manifest, phase_urls
 
-    stream_dir = Path(config["stream"]["uri"])
+    ws, stream_dir = Workspace.of(deployment), Path(deployment.stream.uri)
     manifest = load_manifest(stream_dir)
     wanted = [str(s) for s in shards]
     out: list[str] = []
@@ -267,7 +265,7 @@ def validated_shards(config: dict[str, Any], shards: Sequence[str], split: str) 
         if not raw:
             continue
         claimed.update(raw)
-        kept = validated_dir(config["workspace"], phase) / split
+        kept = ws.validated_dir(phase) / split
         if kept.is_dir():
             out += sorted(str(p) for p in kept.glob("*.tar"))
         else:
@@ -278,30 +276,27 @@ def validated_shards(config: dict[str, Any], shards: Sequence[str], split: str) 
     return out + [s for s in wanted if s not in claimed]
 
 
-def train_shards_of(config: dict[str, Any], phase: int, manifest: dict[str, Any] | None = None) -> list[str]:
+def train_shards_of(deployment: Deployment, phase: int, manifest: dict[str, Any] | None = None) -> list[str]:
     """The validated training shards of a finished ``phase``; its raw stream shards (with a warning) when
     the workspace holds no validated copy (a workspace from before copies were kept)."""
-    kept = sorted(str(p) for p in validated_dir(config["workspace"], phase).glob("*.tar"))
+    kept_dir = Workspace.of(deployment).validated_dir(phase)
+    kept = sorted(str(p) for p in kept_dir.glob("*.tar"))
     if kept:
         return kept
     from compat.data.synth import load_manifest
 
-    stream_dir = Path(config["stream"]["uri"])
-    log.warning(
-        "phase %d has no validated shards under %s: using its raw stream shards",
-        phase,
-        validated_dir(config["workspace"], phase),
-    )
+    stream_dir = Path(deployment.stream.uri)
+    log.warning("phase %d has no validated shards under %s: using its raw stream shards", phase, kept_dir)
     return _shards(stream_dir, manifest or load_manifest(stream_dir), [phase], "train")
 
 
-def replay_shards(config: dict[str, Any], phase: int, per_phase: int | None = None) -> list[list[str]]:
+def replay_shards(deployment: Deployment, phase: int, per_phase: int | None = None) -> list[list[str]]:
     """Validated training shards of every phase before ``phase`` (the first ``per_phase`` of each)."""
-    return [train_shards_of(config, q)[:per_phase] for q in range(phase)]
+    return [train_shards_of(deployment, q)[:per_phase] for q in range(phase)]
 
 
 def plan_run(
-    config: dict[str, Any], phase: int = -1, run_id: str = "", job_name: str = ""
+    config: Deployment | Mapping[str, Any], phase: int = -1, run_id: str = "", job_name: str = ""
 ) -> dict[str, Any] | None:
     """The plan of a run: its phase, run directory and every shard list the stages read.
 
@@ -311,12 +306,12 @@ def plan_run(
     """
     from compat.data.synth import load_manifest
 
-    stream_dir = Path(config["stream"]["uri"])
+    deployment = Deployment.coerce(config)
+    stream_dir = Path(deployment.stream.uri)
     manifest = load_manifest(stream_dir)
     n_phases = len(manifest["phases"])
-    workspace = Path(config["workspace"]).resolve()
-    state = read_state(workspace)
-    _refuse_lost_state(config, workspace, state)  # a missing, emptied or stale state.json
+    state = read_state(Workspace.of(deployment))
+    _refuse_lost_state(deployment, state)  # a missing, emptied or stale state.json
     if phase < 0:
         pending = next_pending_phase(state, n_phases)
         if pending is None:
@@ -324,20 +319,20 @@ def plan_run(
         phase = pending
     if phase >= n_phases:
         raise PlanError(f"phase {phase} does not exist: {stream_dir}/stream.json lists {n_phases} phases")
-    reference = 0 if phase == 0 or config["drift"]["reference_phase"] == "first" else phase - 1
-    resumed = not run_id and interrupted_run(config, phase)
+    reference = 0 if phase == 0 or deployment.drift.reference_phase == "first" else phase - 1
+    resumed = not run_id and interrupted_run(deployment, phase)
     run_id = run_id or resumed or job_name or new_run_id(phase)
-    run_dir = run_dir_for(config, run_id)
+    run_dir = run_dir_for(deployment, run_id)
     if resumed:
         attempt = _archive_attempt(run_dir) + 1
         log.info("resuming run %s of phase %d (attempt %d)", run_id, phase, attempt)
     else:  # the pipeline's plan step re-plans the run its runner planned: keep the attempt it recorded
-        earlier = _read_json_or_none(run_dir / RUN_FILE) or {}
+        earlier = read_json_object_or_none(run_dir / RUN_FILE) or {}
         resumed, attempt = bool(earlier.get("resumed")), int(earlier.get("attempt", 1))
     plan = {
         "run_id": run_id,
         "run_dir": str(run_dir),
-        "job_name": job_name or (_read_json_or_none(run_dir / RUN_FILE) or {}).get("job_name", ""),
+        "job_name": job_name or (read_json_object_or_none(run_dir / RUN_FILE) or {}).get("job_name", ""),
         "resumed": bool(resumed),
         "attempt": attempt,
         "phase": phase,
@@ -345,7 +340,7 @@ def plan_run(
         "stream_dir": str(stream_dir.resolve()),
         "train_shards": _shards(stream_dir, manifest, [phase], "train"),
         "reference_shards": (
-            train_shards_of(config, reference, manifest)
+            train_shards_of(deployment, reference, manifest)
             if reference < phase
             else _shards(stream_dir, manifest, [reference], "train")
         ),
@@ -356,24 +351,15 @@ def plan_run(
     return plan
 
 
-def _read_json_or_none(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def run_dir_of_job(config: dict[str, Any], run_id: str, job_name: str) -> Path:
+def run_dir_of_job(deployment: Deployment, run_id: str, job_name: str) -> Path:
     """The run directory of a pipeline job: ``run_id``'s, else the run that recorded ``job_name`` (a resumed
     run keeps its first id), else ``job_name``'s."""
     if run_id:
-        return run_dir_for(config, run_id)
-    runs = Path(config["workspace"]).resolve() / "runs"
-    for plan_path in runs.glob(f"*/{RUN_FILE}"):
-        if (_read_json_or_none(plan_path) or {}).get("job_name") == job_name:
+        return run_dir_for(deployment, run_id)
+    for plan_path in Workspace.of(deployment).runs_dir.glob(f"*/{RUN_FILE}"):
+        if (read_json_object_or_none(plan_path) or {}).get("job_name") == job_name:
             return plan_path.parent
-    return run_dir_for(config, job_name)
+    return run_dir_for(deployment, job_name)
 
 
 def run_outcome(run_dir: Path, pipeline_state: str) -> str:
@@ -396,7 +382,7 @@ def read_blocked(run_dir: Path) -> dict[str, Any] | None:
     return {"step": doc.get("step", doc.get("stage")), "reason": doc.get("reason")}  # "stage": before 0.2
 
 
-def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:
+def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:
     """Record the run's outcome in the workspace state and in ``<run_dir>/outcome.json``."""
     run_dir = Path(run_dir)
     plan_path = run_dir / RUN_FILE
@@ -418,7 +404,7 @@ def finish_run(config: dict[str, Any], run_dir: Path, pipeline_state: str, error
         shutil.rmtree(training_dir(run_dir) / "checkpoints", ignore_errors=True)
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
-        record_phase(Path(config["workspace"]).resolve(), plan["phase"], outcome["status"], plan["run_id"])
+        record_phase(Workspace.of(deployment), plan["phase"], outcome["status"], plan["run_id"])
     return outcome
 
 

@@ -1,4 +1,4 @@
-"""Answering queries as the serving record says (:mod:`components.rollout.serving`): a long-lived
+"""Answering queries as the serving record says (:mod:`components.serving.record`): a long-lived
 :class:`Searcher` that follows rollouts live, and a one-shot :func:`search`. Both run each query on one
 (query model, collection) pair (:mod:`components.serving.pair`); the HTTP service is
 :mod:`components.serving`.
@@ -11,9 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from components.rollout.serving import ServingError
-from components.rollout.types import QueryEncoder
 from components.serving.limits import check_search
+from components.serving.record import QueryEncoder, ServingError
 
 
 class Searcher:

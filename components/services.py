@@ -19,11 +19,6 @@ from pathlib import Path
 from compat.io import utc_now, write_json_atomic
 
 
-def services_dir(workspace_root: Path) -> Path:
-    """The folder of a workspace's service files."""
-    return Path(workspace_root) / "services"
-
-
 @contextlib.contextmanager
 def announced(directory: Path, host: str, port: int) -> Iterator[Path]:
     """Announce the service listening on ``host:port`` for the duration of the block."""

@@ -1,7 +1,7 @@
-"""What ``compatflow status`` shows: registry aliases, the last gate decision, rollout progress.
+"""What ``compatflow status`` shows: registry aliases, the last gate decision, rollout progress, the gallery.
 
-:func:`collect` gathers the document; plugin modules in :mod:`components.plugins` defining
-``status(workspace) -> dict`` add their own keys (e.g. the gallery index's vector counts).
+:func:`collect` gathers the document; the gallery part (:func:`gallery_part`) reads the serving record and
+the index.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from components.workspace import DEFAULT_MODEL_NAME, Workspace
+from components.workspace import DEFAULT_MODEL_NAME, ROLLOUT_STATE_FILE, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +20,8 @@ def collect(
     workspace: Workspace | str | Path | None = None, *, model_name: str = DEFAULT_MODEL_NAME
 ) -> dict[str, Any]:
     """The status document of a workspace (JSON-serialisable; absent parts are ``None``). Files that could
-    not be read are listed under ``unreadable`` and failed plugins under ``plugin_errors``, each message
-    naming its file or plugin."""
+    not be read are listed under ``unreadable`` and a gallery that could not be read under ``part_errors``,
+    each message naming its file or service."""
     ws = Workspace.coerce(workspace)
     doc: dict[str, Any] = {
         "workspace": str(ws.root),
@@ -42,16 +42,30 @@ def collect(
     unreadable += [state_error] if state_error else []
     if unreadable:
         doc["unreadable"] = unreadable  # `compatflow status` exits non-zero over it
-    from components import plugins
+    try:
+        _deep_merge(doc, gallery_part(ws))
+    except Exception as err:  # noqa: BLE001 - status shows what it can, and names what it could not read
+        doc["part_errors"] = [{"part": "gallery", "error": f"{type(err).__name__}: {err}"}]
+    return doc
 
-    errors = []
-    for outcome in plugins.call_all(plugins.hooks("status"), ws):
-        if not outcome["ok"]:
-            errors.append({"hook": outcome["hook"], "error": outcome["error"]})
-        elif isinstance(outcome["result"], Mapping):
-            _deep_merge(doc, outcome["result"])
-    if errors:
-        doc["plugin_errors"] = errors
+
+def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
+    """``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the count) and
+    ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index."""
+    from components.index import gallery_status
+    from components.rollout import RolloutPaths, read_serving
+    from components.rollout import status as rollout_status
+
+    paths = RolloutPaths.for_workspace(workspace)
+    doc: dict[str, Any] = {"rollout": rollout_status(paths.state)}
+    record = read_serving(paths.serving)
+    if record is None:
+        doc["gallery"] = {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
+    else:
+        doc["gallery"] = {
+            **gallery_status(record["uri"], record["alias"]),
+            "query_model_version": record["query_model"]["version"],
+        }
     return doc
 
 
@@ -83,7 +97,7 @@ def production_check(ws: Workspace, model_name: str, registry: Mapping[str, Any]
     if not production:
         return None
     version = str(production["version"])
-    copy = ws.models_dir / f"v{version}"
+    copy = ws.model_dir(version)
     if not copy.is_dir():
         return {"version": version, "ok": None, "message": f"no workspace copy at {copy} (downloaded on use)"}
     try:
@@ -98,7 +112,7 @@ def phase_history(ws: Workspace) -> list[dict[str, Any]]:
     from components.runs import read_blocked, read_failure, read_state
 
     rows = []
-    for phase, entry in sorted(read_state(ws.root)["phases"].items(), key=lambda kv: int(kv[0])):
+    for phase, entry in sorted(read_state(ws)["phases"].items(), key=lambda kv: int(kv[0])):
         run_dir = ws.runs_dir / str(entry.get("run_id", ""))
         row = {"phase": int(phase), **entry, "why": None}
         blocked = read_blocked(run_dir)
@@ -138,7 +152,7 @@ def rollout_state(ws: Workspace) -> dict[str, Any] | None:
     """``<workspace>/rollout_state.json``, else the newest one under ``runs/``; ``None`` when none exists."""
     path = ws.rollout_state_path if ws.rollout_state_path.is_file() else None
     if path is None and ws.runs_dir.is_dir():
-        path = _newest(ws.runs_dir.glob("*/**/rollout_state.json"))
+        path = _newest(ws.runs_dir.glob(f"*/**/{ROLLOUT_STATE_FILE}"))
     if path is None:
         return None
     doc, error = _read_json(path)

@@ -1,29 +1,35 @@
-"""Where a compatflow deployment keeps its state: one directory per workspace.
+"""Where a compatflow deployment keeps its state: one directory per workspace, laid out by :class:`Workspace`.
 
-Layout (the pipeline and every command use it)::
+Layout (the pipeline and every command ask :class:`Workspace` for these; no other module spells them)::
 
+    <root>/state.json         every phase's outcome
     <root>/mlflow.db          MLflow tracking + registry (sqlite) unless a tracking URI is given
     <root>/mlartifacts/       MLflow artifacts (reports, checkpoints)
     <root>/feast/             Feast feature repo: lineage of every gallery item (unless configured)
-    <root>/milvus/            milvus-lite data
-    <root>/models/            local model checkpoints
+    <root>/milvus/            milvus-lite data (unless an index URI is given)
+    <root>/models/v<N>/       verified local copies of registered models
     <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
     <root>/runs/<run_id>/<step>/...    per-run step outputs
     <root>/serving.json       the serving record: which collection and query model answer queries
     <root>/rollout_state.json progress of the rollout in flight (written by the rollout engine)
     <root>/rollout/           the probe set and each rollout's work files (restore rows, archived states)
     <root>/services/          one file per running search service (`compatflow serve`), read by rollouts
+    <root>/tmp/, <root>/kfp/  the local runner's scratch space and KFP pipeline root
+    <root>/.compatflow.lock, <root>/.compatflow.steps.lock   one process at a time (components.lock)
 
-The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``; the tracking URI to
-``$COMPATFLOW_TRACKING_URI`` or the sqlite file above.
+The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 DEFAULT_ROOT = "workspace"
+# The rollout state's file name: the live one at the root, and the copies a rollout archives in its work
+# folder and a run keeps for its report.
+ROLLOUT_STATE_FILE = "rollout_state.json"
 DEFAULT_MODEL_NAME = "compatflow-clip"
 ENV_ROOT = "COMPATFLOW_WORKSPACE"
 # Folders a workspace may never be (a run writes, archives and deletes below its workspace): the root, the
@@ -78,12 +84,19 @@ def check_root(root: str | Path) -> Path:
 
 
 ENV_TRACKING_URI = "COMPATFLOW_TRACKING_URI"
+ENV_INDEX_URI = "COMPATFLOW_MILVUS_URI"
+ENV_LINEAGE_REPO = "COMPATFLOW_FEAST_REPO"
 
 
 class Workspace:
-    """Every path of a workspace and every service URI a deployment uses; creates nothing until asked
-    (:meth:`ensure`). Built from the resolved config (:meth:`from_config`) by the pipeline and by every
-    operator command, so a command run with the cluster config reaches the cluster's services."""
+    """Every path of a workspace and every service URI a deployment uses; creates nothing until asked.
+
+    The one owner of the layout: no other module spells a workspace file name. Built from a deployment
+    (:meth:`of`) by the pipeline and by every operator command, so a command run with the cluster config
+    reaches the cluster's services. A service URI left unset resolves here, once: the configured value, else
+    the environment variable a pod receives (``COMPATFLOW_TRACKING_URI``, ``COMPATFLOW_MILVUS_URI``,
+    ``COMPATFLOW_FEAST_REPO``), else the embedded default inside the workspace.
+    """
 
     def __init__(
         self,
@@ -97,31 +110,43 @@ class Workspace:
         chosen = root if root is not None else os.environ.get(ENV_ROOT) or DEFAULT_ROOT
         self.root = check_root(chosen)
         self._tracking_uri = tracking_uri or os.environ.get(ENV_TRACKING_URI) or None
-        self._lineage_repo = Path(lineage_repo) if lineage_repo else None
-        self._index_uri = index_uri or None
+        self._lineage_repo = Path(lineage_repo or os.environ.get(ENV_LINEAGE_REPO) or self.root / "feast")
+        self._index_uri = index_uri or os.environ.get(ENV_INDEX_URI) or None
         self.index_alias = index_alias
 
     @classmethod
-    def from_config(cls, config: dict) -> Workspace:
-        """The workspace and services of a resolved pipeline config (:func:`pipelines.config.resolve`)."""
+    def of(cls, deployment: Any) -> Workspace:
+        """The workspace and services of a :class:`~components.deployment.Deployment`."""
         return cls(
-            config["workspace"],
-            tracking_uri=config["registry"]["tracking_uri"],
-            lineage_repo=config["lineage"]["repo"],
-            index_uri=config["index"]["uri"],
-            index_alias=config["index"]["alias"],
+            deployment.workspace,
+            tracking_uri=deployment.registry.tracking_uri,
+            lineage_repo=deployment.lineage.repo,
+            index_uri=deployment.index.uri,
+            index_alias=deployment.index.alias,
         )
 
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"
+
+    def with_index_uri(self, uri: str) -> Workspace:
+        """The same workspace with its gallery index at ``uri`` (a command's ``--uri``)."""
+        return Workspace(
+            self.root,
+            tracking_uri=self._tracking_uri,
+            lineage_repo=self._lineage_repo,
+            index_uri=uri,
+            index_alias=self.index_alias,
+        )
 
     @classmethod
     def coerce(cls, value: Workspace | str | Path | None) -> Workspace:
         """A :class:`Workspace` from a workspace, a path, or ``None`` (the default root)."""
         return value if isinstance(value, Workspace) else cls(value)
 
+    # ---------------------------------------------------------------------------------------- services
     @property
     def mlflow_db(self) -> Path:
+        """The embedded MLflow store (tracking and registry, sqlite)."""
         return self.root / "mlflow.db"
 
     @property
@@ -131,12 +156,13 @@ class Workspace:
 
     @property
     def artifacts_dir(self) -> Path:
+        """MLflow artifacts of the embedded store (reports, checkpoints)."""
         return self.root / "mlartifacts"
 
     @property
     def feast_dir(self) -> Path:
         """The Feast lineage repo: the configured one, else ``<root>/feast``."""
-        return self._lineage_repo or self.root / "feast"
+        return self._lineage_repo
 
     @property
     def index_uri(self) -> str:
@@ -145,23 +171,82 @@ class Workspace:
 
     @property
     def milvus_dir(self) -> Path:
+        """milvus-lite's data folder."""
         return self.root / "milvus"
 
+    # ------------------------------------------------------------------------------------------- state
     @property
-    def models_dir(self) -> Path:
-        return self.root / "models"
-
-    @property
-    def runs_dir(self) -> Path:
-        return self.root / "runs"
+    def state_path(self) -> Path:
+        """Every phase's outcome (:mod:`components.runs`)."""
+        return self.root / "state.json"
 
     @property
     def serving_path(self) -> Path:
+        """The serving record: which collection and query model answer queries."""
         return self.root / "serving.json"
 
     @property
     def rollout_state_path(self) -> Path:
-        return self.root / "rollout_state.json"
+        """Progress of the rollout in flight."""
+        return self.root / ROLLOUT_STATE_FILE
+
+    @property
+    def rollout_dir(self) -> Path:
+        """The probe set and each rollout's work files (restore rows, archived states)."""
+        return self.root / "rollout"
+
+    @property
+    def probe_path(self) -> Path:
+        """The probe set the gallery's first indexing writes."""
+        return self.rollout_dir / "probe.json"
+
+    @property
+    def services_dir(self) -> Path:
+        """One file per running search service (``compatflow serve``), read by rollouts."""
+        return self.root / "services"
+
+    @property
+    def lock_path(self) -> Path:
+        """The workspace lock: one process at a time (:mod:`components.lock`)."""
+        return self.root / ".compatflow.lock"
+
+    @property
+    def steps_lock_path(self) -> Path:
+        """Shared by the running steps (tasks) of the run in progress."""
+        return self.root / ".compatflow.steps.lock"
+
+    # ---------------------------------------------------------------------------------------- folders
+    @property
+    def models_dir(self) -> Path:
+        """Verified local copies of registered models, one folder per version."""
+        return self.root / "models"
+
+    def model_dir(self, version: str | int) -> Path:
+        """``<root>/models/v<version>``: the local copy of a registered version."""
+        return self.models_dir / f"v{version}"
+
+    @property
+    def validated_root(self) -> Path:
+        """The accepted shards of every validated phase."""
+        return self.root / "validated"
+
+    def validated_dir(self, phase: int) -> Path:
+        """``<root>/validated/phase-NNN``: the accepted shards of ``phase`` (replay, drift reference)."""
+        return self.validated_root / f"phase-{phase:03d}"
+
+    @property
+    def tmp_dir(self) -> Path:
+        """Scratch space of the local runner (on the workspace's filesystem, so renames are atomic)."""
+        return self.root / "tmp"
+
+    @property
+    def kfp_dir(self) -> Path:
+        """The KFP local runner's pipeline root (task outputs)."""
+        return self.root / "kfp"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.root / "runs"
 
     def run_dir(self, run_id: str) -> Path:
         """``<root>/runs/<run_id>``; refuses ids that would escape the runs directory."""
@@ -175,19 +260,6 @@ class Workspace:
             return []
         runs = [p for p in self.runs_dir.iterdir() if p.is_dir()]
         return [p.name for p in sorted(runs, key=lambda p: (p.stat().st_mtime, p.name))]
-
-    def ensure(self) -> Workspace:
-        """Create the workspace directories that are missing; returns ``self``."""
-        for path in (
-            self.root,
-            self.artifacts_dir,
-            self.feast_dir,
-            self.milvus_dir,
-            self.models_dir,
-            self.runs_dir,
-        ):
-            path.mkdir(parents=True, exist_ok=True)
-        return self
 
 
 # ------------------------------------------------------------------------------------- stored paths

@@ -8,7 +8,6 @@ run that passes no parameters runs with the config it was compiled for.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from kfp.dsl.graph_component import GraphComponent
+
+    from components.deployment import Deployment
 
 COMPILED_DIR = Path(__file__).resolve().parent / "compiled"
 COMPILED_NAME = "continual_upgrade.yaml"
@@ -49,18 +50,19 @@ def _build(settings: dict[str, Any]) -> GraphComponent:
         )
 
 
-def default_run_config(config: Mapping[str, Any]) -> str:
+def default_run_config(config: Deployment | Mapping[str, Any]) -> str:
     """The pipeline's default ``config`` parameter: the resolved config as JSON.
 
     The gate policy stays null when the config leaves it null, so that the task reads the policy
     shipped with the package it runs (the compiling machine's path means nothing in the image).
     """
-    from pipelines.config import resolve
+    from components.deployment import Deployment
 
-    resolved = resolve(dict(config))
-    if config["gate"]["policy"] is None:
-        resolved["gate"]["policy"] = None
-    return json.dumps(resolved, sort_keys=True)
+    deployment = Deployment.coerce(config)
+    resolved = deployment.resolved()
+    if deployment.gate.policy is None:
+        resolved = resolved.model_copy(update={"gate": deployment.gate})
+    return resolved.to_json()
 
 
 def compile_pipeline(out_dir: Path = COMPILED_DIR, config: ConfigRef = None) -> Path:

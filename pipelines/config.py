@@ -1,6 +1,6 @@
-"""Pipeline configuration: YAML files under ``pipelines/configs/``, checked whole when loaded (against
-``schemas/pipeline_config.schema.json``, then by the rules of the code that uses each field). ``local``
-and ``cluster`` share every key and differ only in values."""
+"""Pipeline configuration: YAML files under ``pipelines/configs/``, parsed once into the typed
+:class:`~components.deployment.Deployment` and checked whole when loaded (the model's fields, then the rules
+of the code that uses each field). ``local`` and ``cluster`` share every key and differ only in values."""
 
 from __future__ import annotations
 
@@ -8,11 +8,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from components.deployment import ConfigError, Deployment
+
+__all__ = [
+    "CONFIG_DIR",
+    "ConfigError",
+    "Deployment",
+    "gpu_errors",
+    "load_config",
+    "resolve",
+    "resolve_config_path",
+]
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-
-
-class ConfigError(ValueError):
-    """The configuration file is unreadable or breaks its schema; the message names the file and fields."""
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -27,66 +35,67 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a shipped config ({known})")
 
 
-def load_config(name_or_path: str | Path, *, local_paths: bool = True) -> dict[str, Any]:
-    """Read a pipeline config and check all of it, before any step runs; returns the parsed mapping.
+def load_config(name_or_path: str | Path, *, local_paths: bool = True) -> Deployment:
+    """Read a pipeline config and check all of it, before any step runs.
 
-    First the schema; then, on a config that matches it, the rules each step applies when it starts,
-    asked of the code that owns them (:func:`_problems`), so that a mistake costs seconds, not a run.
-    Raises :class:`ConfigError` with every problem found, one line each naming the file and the field.
-    ``local_paths`` False leaves out the files the config names (``gate.policy``): for a config compiled
-    for a cluster, whose tasks read those paths in their own containers.
+    First the typed model (every field's type and range, unknown keys refused); then the rules each step
+    applies when it starts, asked of the code that owns them (:func:`_problems`), so that a mistake costs
+    seconds, not a run. Raises :class:`ConfigError` with every problem found, one line each naming the file
+    and the field. ``local_paths`` False leaves out the files the config names (``gate.policy``): for a
+    config compiled for a cluster, whose tasks read those paths in their own containers.
     """
     import yaml
-
-    import schemas
 
     path = resolve_config_path(name_or_path)
     try:
         document = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot read the config: {err}") from err
-    errors = schemas.schema_errors(document, "pipeline_config")
-    if errors:
-        raise ConfigError(
-            f"{path} does not match schemas/pipeline_config.schema.json:\n  " + "\n  ".join(errors)
-        )
-    problems = _problems(document, local_paths=local_paths)
+    return check(Deployment.parse(document, source=str(path)), source=str(path), local_paths=local_paths)
+
+
+def check(deployment: Deployment, *, source: str, local_paths: bool = True) -> Deployment:
+    """``deployment`` when the code that uses its fields accepts them; else :class:`ConfigError`, one line
+    per problem, each ``<source>: <field> ...``."""
+    problems = _problems(deployment, local_paths=local_paths)
     if problems:
-        raise ConfigError("\n".join(f"{path}: {problem}" for problem in problems))
-    return document
+        raise ConfigError("\n".join(f"{source}: {problem}" for problem in problems))
+    return deployment
 
 
-def _problems(document: dict[str, Any], *, local_paths: bool) -> list[str]:
-    """What a schema-valid config gets wrong, as ``field: why`` sentences, in the config's order."""
-    problems = _training_problems(document["training"])
-    problems += _model_problems(document, local_paths=local_paths)
-    problems += _compat_problems(document["compat"])
+def _problems(deployment: Deployment, *, local_paths: bool) -> list[str]:
+    """What a well-typed config gets wrong, as ``field: why`` sentences, in the config's order."""
+    problems = _training_problems(deployment.training)
+    problems += _model_problems(deployment, local_paths=local_paths)
+    problems += _compat_problems(deployment.compat)
     if local_paths:
-        problems += _gate_problems(document["gate"])
-    problems += _rollout_problems(document["rollout"])
-    problems += gpu_errors(document["resources"]["gpu"])
+        problems += _gate_problems(deployment.gate)
+    problems += _rollout_problems(deployment.rollout)
+    problems += gpu_errors(deployment.resources.gpu.model_dump())
     return problems
 
 
-def _training_problems(training: dict[str, Any]) -> list[str]:
-    if training["replay_buffer_size"] > 0 and not 1 <= training["replay_rows"] <= training["batch_size"] - 2:
+def _training_problems(training: Any) -> list[str]:
+    rows, batch = training.replay_rows, training.batch_size
+    if training.replay_buffer_size > 0 and not 1 <= rows <= batch - 2:
         return [
-            f"training.replay_rows is {training['replay_rows']}; with a replay buffer it must be in "
-            f"[1, training.batch_size - 2] = [1, {training['batch_size'] - 2}] (or set replay_buffer_size: 0)"
+            f"training.replay_rows is {rows}; with a replay buffer it must be in "
+            f"[1, training.batch_size - 2] = [1, {batch - 2}] (or set replay_buffer_size: 0)"
         ]
     return []
 
 
-def _model_problems(document: dict[str, Any], *, local_paths: bool = True) -> list[str]:
+def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list[str]:
     """Model config names and their settings, as the model factory resolves them; the pretrained start
     weights (when ``local_paths``: they must be on this machine)."""
     from compat.models.factory import config_path, read_config, resize_mode_of
     from compat.models.pretrained import PretrainedError, resolve_pretrained
 
+    training = deployment.training
     problems = []
     for field, name in (
-        ("training.model_config", document["training"]["model_config"]),
-        ("compat.foundation_config", document["compat"]["foundation_config"]),
+        ("training.model_config", training.model_config_name),
+        ("compat.foundation_config", deployment.compat.foundation_config),
     ):
         try:
             config_path(name)
@@ -96,10 +105,9 @@ def _model_problems(document: dict[str, Any], *, local_paths: bool = True) -> li
         except ValueError as err:
             problems.append(f"{field}: {err}")
     if local_paths and not problems:
-        name = document["training"]["model_config"]
-        model_config = read_config(name)
-        pretrained = document["training"].get("pretrained") or model_config.get("pretrained")
-        where = "training.pretrained" if document["training"].get("pretrained") else f"{config_path(name)}"
+        model_config = read_config(training.model_config_name)
+        pretrained = training.pretrained or model_config.get("pretrained")
+        where = "training.pretrained" if training.pretrained else f"{config_path(training.model_config_name)}"
         try:
             if pretrained:
                 resolve_pretrained(pretrained, arch=model_config.get("open_clip_model"), where=where)
@@ -108,38 +116,38 @@ def _model_problems(document: dict[str, Any], *, local_paths: bool = True) -> li
     return problems
 
 
-def _compat_problems(compat: dict[str, Any]) -> list[str]:
+def _compat_problems(compat: Any) -> list[str]:
     """The method's options, by the method's own config class (imports torch, so only when there are any)."""
-    reserved = sorted({"steps", "device", "version", "old_space_id"} & set(compat["options"]))
+    reserved = sorted({"steps", "device", "version", "old_space_id"} & set(compat.options))
     if reserved:
         return [
             f"compat.options may not set {reserved}: steps is compat.steps, device is training.device, "
             "and the pipeline sets version and old_space_id"
         ]
-    if not compat["options"]:
+    if not compat.options:
         return []
     from compat.methods import get_method
     from compat.methods.contract import CompatError
 
     try:
-        get_method(compat["method"]).make_config(compat["options"], source="compat.options")
+        get_method(compat.method).make_config(compat.options, source="compat.options")
     except CompatError as err:
         return [str(err)]
     return []
 
 
-def _gate_problems(gate: dict[str, Any]) -> list[str]:
+def _gate_problems(gate: Any) -> list[str]:
     """The gate policy, read and checked by the gate's own loader (null: the shipped policy)."""
     from components.gate import PolicyError, load_policy
 
     try:
-        load_policy(gate["policy"])
+        load_policy(gate.policy)
     except PolicyError as err:
         return [f"gate.policy: {err}"]
     return []
 
 
-def _rollout_problems(rollout: dict[str, Any]) -> list[str]:
+def _rollout_problems(rollout: Any) -> list[str]:
     """Each rollout setting by the rule :class:`components.rollout.RolloutConfig` applies at rollout time.
 
     One setting at a time (the others left at their defaults), so that every mistake is reported, each
@@ -148,9 +156,9 @@ def _rollout_problems(rollout: dict[str, Any]) -> list[str]:
     from components.rollout import RolloutConfig
 
     problems = []
-    for field, argument in (("fractions", "fractions"), ("order", "policy"), ("batch_size", "batch_size")):
+    for field in ("fractions", "order", "batch_size"):
         try:
-            RolloutConfig(new_version="config-check", **{argument: rollout[field]})
+            RolloutConfig(new_version="config-check", **{field: getattr(rollout, field)})
         except (TypeError, ValueError) as err:
             message = str(err)
             problems.append(
@@ -159,42 +167,13 @@ def _rollout_problems(rollout: dict[str, Any]) -> list[str]:
     return problems
 
 
-def resolve(config: dict[str, Any]) -> dict[str, Any]:
-    """The config with every default made explicit: absolute workspace, service URIs, policy path.
-
-    KFP parameters cannot carry nulls, and an explicit config is what a run records, so the
-    pipeline always receives the resolved form.
-    """
-    import copy
-
-    resolved = copy.deepcopy(config)
-    workspace = Path(resolved["workspace"]).expanduser()
-    if "://" not in str(workspace):
-        from components.workspace import WorkspaceError, check_root
-
-        try:
-            workspace = check_root(workspace)
-        except WorkspaceError as err:
-            raise ConfigError(f"config field 'workspace': {err}") from err
-    resolved["workspace"] = str(workspace)
-    root = resolved["workspace"]
-    defaults = {
-        ("registry", "tracking_uri"): f"sqlite:///{root}/mlflow.db",
-        ("lineage", "repo"): f"{root}/feast",
-        ("index", "uri"): f"{root}/milvus/gallery.db",
-        ("gate", "policy"): str(
-            Path(__file__).resolve().parents[1] / "components" / "policies" / "gate_default.yaml"
-        ),
-    }
-    for (section, key), value in defaults.items():
-        if resolved[section][key] is None:
-            resolved[section][key] = value
-    if resolved["resources"]["gpu"]["accelerator"] is None:
-        resolved["resources"]["gpu"]["accelerator"] = ""
-    stream_uri = resolved["stream"]["uri"]
-    if "://" not in stream_uri:
-        resolved["stream"]["uri"] = str(Path(stream_uri).expanduser().resolve())
-    return resolved
+def resolve(config: Deployment | Mapping[str, Any]) -> Deployment:
+    """The config with every default made explicit (:meth:`Deployment.resolved`); a mapping is parsed and
+    checked first. KFP parameters cannot carry nulls, and an explicit config is what a run records, so the
+    pipeline always receives the resolved form."""
+    if not isinstance(config, Deployment):
+        config = check(Deployment.coerce(config), source="<config>")
+    return config.resolved()
 
 
 TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}

@@ -1,6 +1,6 @@
 """The continual-upgrade pipeline (KFP v2).
 
-One run takes the next data phase through every stage::
+One run takes the next data phase through every step::
 
     plan -> production? -> validate -> drift -> continual (Mod-X)
         first run:  register -> serve (index the gallery, lineage, production)
@@ -26,7 +26,7 @@ PIPELINE_NAME = "compatflow-continual-upgrade"
 
 
 def _task(op: Any, **inputs: Any) -> dsl.PipelineTask:
-    """Call ``op`` and apply its stage's task settings (see :func:`pipelines.resources.configure`)."""
+    """Call ``op`` and apply its step's task settings (see :func:`pipelines.resources.configure`)."""
     from pipelines import resources
 
     return resources.configure(op(**inputs), op.name.replace("-", "_"), resources.compile_settings())

@@ -18,9 +18,12 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from components.deployment import Deployment
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +84,14 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def ensure_stream(config: dict[str, Any]) -> Path:
+def ensure_stream(config: Deployment | Mapping[str, Any]) -> Path:
     """The stream directory, generated with the config's defaults when missing and allowed."""
     from compat.data.synth import generate_stream, load_manifest
 
-    stream = config["stream"]
-    stream_dir = Path(stream["uri"])
+    stream = Deployment.coerce(config).stream
+    stream_dir = Path(stream.uri)
     if not (stream_dir / "stream.json").is_file():
-        if not stream["generate_if_missing"]:
+        if not stream.generate_if_missing:
             raise FileNotFoundError(
                 f"{stream_dir / 'stream.json'} not found and stream.generate_if_missing is false: "
                 "point stream.uri at a stream directory or run `compatflow data generate`"
@@ -96,30 +99,34 @@ def ensure_stream(config: dict[str, Any]) -> Path:
         logger.info("generating the default stream into %s", stream_dir)
         generate_stream(
             stream_dir,
-            phases=stream["phases"],
-            samples_per_phase=stream["samples_per_phase"],
-            seed=stream["seed"],
-            eval_per_domain=stream["eval_per_domain"],
-            gallery_per_domain=stream["gallery_per_domain"],
-            image_size=stream["image_size"],
-            shift=stream["shift"],
-            old_word_share=stream["old_word_share"],
+            phases=stream.phases,
+            samples_per_phase=stream.samples_per_phase,
+            seed=stream.seed,
+            eval_per_domain=stream.eval_per_domain,
+            gallery_per_domain=stream.gallery_per_domain,
+            image_size=stream.image_size,
+            shift=stream.shift,
+            old_word_share=stream.old_word_share,
         )
     load_manifest(stream_dir)
     return stream_dir
 
 
-def run_local(config: dict[str, Any], *, phase: int | None = None, echo: Any = None) -> RunResult:
-    """Run the pipeline on the next pending phase (or ``phase``) with the local runner, holding the
-    workspace lock (:mod:`components.lock`) for the whole run."""
+def run_local(
+    config: Deployment | Mapping[str, Any], *, phase: int | None = None, echo: Any = None
+) -> RunResult:
+    """Run the pipeline of a resolved deployment (or its mapping) on the next pending phase (or ``phase``)
+    with the local runner, holding the workspace lock (:mod:`components.lock`) for the whole run."""
     from components.lock import workspace_lock
+    from components.workspace import Workspace
 
-    workspace = Path(config["workspace"]).resolve()
+    deployment = Deployment.coerce(config)
+    workspace = Workspace.of(deployment)
     with workspace_lock(workspace, f"compatflow run (phase {'next' if phase is None else phase})"):
-        return _run_locked(config, workspace, phase, echo)
+        return _run_locked(deployment, workspace, phase, echo)
 
 
-def _run_locked(config: dict[str, Any], workspace: Path, phase: int | None, echo: Any) -> RunResult:
+def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo: Any) -> RunResult:
     import sys
 
     from kfp import local
@@ -128,12 +135,12 @@ def _run_locked(config: dict[str, Any], workspace: Path, phase: int | None, echo
     from pipelines.compile import build_pipeline
 
     echo = echo or sys.stderr
-    ensure_stream(config)
-    plan = plan_run(config, -1 if phase is None else phase)
+    ensure_stream(deployment)
+    plan = plan_run(deployment, -1 if phase is None else phase)
     if plan is None:
-        return RunResult("", -1, workspace, "nothing-to-do")
+        return RunResult("", -1, workspace.root, "nothing-to-do")
     run_dir = Path(plan["run_dir"])
-    tmp = workspace / "tmp"
+    tmp = workspace.tmp_dir
     tmp.mkdir(exist_ok=True)
     os.environ["TMPDIR"] = str(tmp)  # kfp.local writes its temp folders there
     if _isatty(echo):  # tasks write progress lines (their output is a pipe); a terminal shows them live
@@ -144,10 +151,10 @@ def _run_locked(config: dict[str, Any], workspace: Path, phase: int | None, echo
 
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
-        pipeline_root=str(workspace / "kfp"),
+        pipeline_root=str(workspace.kfp_dir),
         raise_on_error=True,
     )
-    pipeline = build_pipeline(config, runner="local")
+    pipeline = build_pipeline(deployment, runner="local")
     log_path = run_dir / "pipeline.log"
     with open(log_path, "w", buffering=1) as log_file, warnings.catch_warnings():  # line-buffered: the
         # exit handler's report reads the failed task's traceback while this file is still open
@@ -155,7 +162,7 @@ def _run_locked(config: dict[str, Any], workspace: Path, phase: int | None, echo
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
         with contextlib.redirect_stdout(_EchoingLog(log_file, echo)):
             try:
-                pipeline(config=json.dumps(config), phase=plan["phase"], run_id=plan["run_id"])
+                pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
             except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
                 log_file.write(f"\npipeline failed: {err}\n")
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})

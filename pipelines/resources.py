@@ -7,7 +7,7 @@ the two in step). ``kfp.local`` runs the same pipeline: it ignores resources and
 spec (with a warning the local runner filters) but honours retry policies, so a local compile
 (``runner="local"``) has none.
 
-Per stage (``STAGE_KINDS``, ``RETRYABLE``, ``CACHEABLE``):
+Per step (``STEP_KINDS``, ``RETRYABLE``, ``CACHEABLE``):
 
 =====================  =====  =====  =====  ====================================================
 op                     kind   retry  cache  why
@@ -39,8 +39,8 @@ finish_op              cpu    yes    no     exit handler: reads and writes the w
 =====================  =====  =====  =====  ====================================================
 
 KFP's cache key is the component and its inputs. The run directory is an input of every cached
-stage, so a cache hit only happens when a run is submitted again with the same ``run_id``: the
-stages that completed are skipped (their summaries are already in that run directory).
+step, so a cache hit only happens when a run is submitted again with the same ``run_id``: the
+steps that completed are skipped (their summaries are already in that run directory).
 
 Importable with kfp, PyYAML and the standard library only (the pipeline module reads
 :func:`compile_settings` while it is built).
@@ -48,7 +48,6 @@ Importable with kfp, PyYAML and the standard library only (the pipeline module r
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -60,13 +59,14 @@ from kfp import kubernetes
 from kfp.dsl import PipelineTask
 from kfp.dsl.pipeline_task import TaskState
 
+from components.deployment import Deployment, TrainingSection
 from pipelines.config import ConfigError, gpu_errors, load_config
 
 COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
 DEFAULT_COMPILE_CONFIG = "cluster"
 RUNNERS = ("kubernetes", "local")
 
-STAGE_KINDS: dict[str, str] = {
+STEP_KINDS: dict[str, str] = {
     "plan_op": "cpu",
     "resolve_production_op": "cpu",
     "validate_op": "cpu",
@@ -139,15 +139,17 @@ _ACTIVE: ContextVar[dict[str, Any] | None] = ContextVar("compatflow_compile_sett
 
 
 def compile_settings(
-    config: Mapping[str, Any] | str | os.PathLike[str] | None = None, *, runner: str = "kubernetes"
+    config: Deployment | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    runner: str = "kubernetes",
 ) -> dict[str, Any]:
-    """The task settings of the config the pipeline is compiled with.
+    """The task settings of the config the pipeline is compiled with (its deployment under ``config``).
 
-    ``config``: a config mapping, or a shipped name / YAML path (validated against
-    ``schemas/pipeline_config.schema.json``). None: the settings made active by :func:`using`,
-    else ``$COMPATFLOW_COMPILE_CONFIG``, else the shipped ``cluster`` config. ``runner``
-    ``"local"`` drops the retry policy (kfp.local honours it, and a local failure is a bug or bad
-    data that a retry only repeats). Raises ``pipelines.config.ConfigError`` on a bad config.
+    ``config``: a deployment, a config mapping, or a shipped name / YAML path (checked whole). None: the
+    settings made active by :func:`using`, else ``$COMPATFLOW_COMPILE_CONFIG``, else the shipped
+    ``cluster`` config. ``runner`` ``"local"`` drops the retry policy (kfp.local honours it, and a local
+    failure is a bug or bad data that a retry only repeats). Raises ``pipelines.config.ConfigError`` on a
+    bad config.
     """
     if runner not in RUNNERS:
         raise ValueError(f"runner {runner!r} is not one of {RUNNERS}")
@@ -156,22 +158,22 @@ def compile_settings(
         if active is not None:
             return active
         config = os.environ.get(COMPILE_CONFIG_ENV) or DEFAULT_COMPILE_CONFIG
-    document = _validated(config)
-    resources = document["resources"]
-    gpu = dict(resources["gpu"], accelerator=resources["gpu"]["accelerator"] or "")
+    deployment = _validated(config)
+    resources = deployment.resources
+    gpu = {**resources.gpu.model_dump(), "accelerator": resources.gpu.accelerator or ""}
     errors = gpu_errors(gpu)
     if errors:
-        raise _config_error(document, "\n  ".join(errors))
+        raise ConfigError(f"config {deployment.name!r}: " + "\n  ".join(errors))
     return {
-        "name": document["name"],
-        "config": document,
+        "name": deployment.name,
+        "config": deployment,
         "runner": runner,
-        "cpu": dict(resources["cpu"]),
+        "cpu": resources.cpu.model_dump(),
         "gpu": gpu,
-        "image": resources["image"],
+        "image": resources.image,
         "retry": dict(RETRY_POLICY) if runner == "kubernetes" else None,
-        "workspace_mount": _absolute_path(document["workspace"]),
-        "feast_mount": _absolute_path(document["lineage"]["repo"]),
+        "workspace_mount": _absolute_path(deployment.workspace),
+        "feast_mount": _absolute_path(deployment.lineage.repo),
     }
 
 
@@ -186,19 +188,19 @@ def using(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> PipelineTask:
-    """Apply the stage's resources, scheduling, retry, caching and cluster wiring to ``task``.
+    """Apply the step's resources, scheduling, retry, caching and cluster wiring to ``task``.
 
     A task kfp.local has already executed (a component called outside a pipeline) is returned
     as is: there is nothing left to configure.
     """
-    if op_name not in STAGE_KINDS:
+    if op_name not in STEP_KINDS:
         raise ValueError(
-            f"pipeline op {op_name!r} has no entry in pipelines.resources.STAGE_KINDS: "
+            f"pipeline op {op_name!r} has no entry in pipelines.resources.STEP_KINDS: "
             "classify it (cpu/gpu) and decide whether it is RETRYABLE and CACHEABLE"
         )
     if task.state == TaskState.FINAL:
         return task
-    kind = STAGE_KINDS[op_name]
+    kind = STEP_KINDS[op_name]
     res = settings[kind]
     task.set_cpu_request(res["cpu"]).set_cpu_limit(res["cpu"])
     task.set_memory_request(res["memory"]).set_memory_limit(res["memory"])
@@ -254,7 +256,7 @@ def torchrun_command(
     stream: str,
     phase: int,
     out: str,
-    training: Mapping[str, Any],
+    training: TrainingSection | Mapping[str, Any],
     production: str | None = None,
     train_shards: Sequence[str] = (),
     version: str | None = None,
@@ -269,7 +271,8 @@ def torchrun_command(
     """
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
-    batch_size = int(training["batch_size"])
+    training = TrainingSection.model_validate(training)
+    batch_size = training.batch_size
     if batch_size % nproc_per_node:
         raise ValueError(
             f"training.batch_size {batch_size} does not split evenly over {nproc_per_node} processes"
@@ -286,15 +289,15 @@ def torchrun_command(
         f"--stream={stream}",
         f"--phase={int(phase)}",
         f"--out={out}",
-        f"--config={training['model_config']}",
-        f"--method={training['method']}",
-        f"--alpha={float(training['alpha'])}",
-        f"--steps={int(training['steps'])}",
+        f"--config={training.model_config_name}",
+        f"--method={training.method}",
+        f"--alpha={float(training.alpha)}",
+        f"--steps={training.steps}",
         f"--batch-size={batch_size}",
-        f"--lr={float(training['lr'])}",
-        f"--warmup-fraction={float(training['warmup_fraction'])}",
-        f"--seed={int(training['seed'] if seed is None else seed)}",
-        f"--device={training['device']}",
+        f"--lr={float(training.lr)}",
+        f"--warmup-fraction={float(training.warmup_fraction)}",
+        f"--seed={training.seed if seed is None else seed}",
+        f"--device={training.device}",
     ]
     if production:
         command.append(f"--production={production}")
@@ -304,23 +307,10 @@ def torchrun_command(
     return command
 
 
-def _validated(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    if not isinstance(config, Mapping):
-        return load_config(config, local_paths=False)  # the tasks read the config's paths, not this machine
-    import schemas
-
-    document = copy.deepcopy(dict(config))
-    errors = schemas.schema_errors(document, "pipeline_config")
-    if errors:
-        raise ConfigError(
-            f"config {document.get('name', '?')!r} does not match schemas/pipeline_config.schema.json:\n  "
-            + "\n  ".join(errors)
-        )
-    return document
-
-
-def _config_error(document: Mapping[str, Any], message: str) -> Exception:
-    return ConfigError(f"config {document.get('name', '?')!r}: {message}")
+def _validated(config: Deployment | Mapping[str, Any] | str | os.PathLike[str]) -> Deployment:
+    if isinstance(config, Deployment | Mapping):
+        return Deployment.coerce(config)
+    return load_config(config, local_paths=False)  # the tasks read the config's paths, not this machine
 
 
 def _absolute_path(value: str | None) -> str | None:

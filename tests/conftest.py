@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-# the rollout tests name their known-geometry encoders in serving records (components.rollout.serving)
+# the rollout tests name their known-geometry encoders in serving records (components.serving.record)
 os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", "benchmarks.synthetic_upgrade")
 
 

@@ -49,7 +49,7 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
     config["rollout"]["batch_size"] = 16
     config_file = tmp_path / "cluster.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    resolved = resolve(config)
+    resolved = resolve(config).to_dict()
 
     cycle = Cycle(resolved)
     cycle.bootstrap()

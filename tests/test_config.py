@@ -24,18 +24,20 @@ def _key_paths(node, prefix=""):
 @pytest.mark.parametrize("name", ["local", "cluster"])
 def test_shipped_configs_are_valid(name):
     config = load_config(name)
-    assert config["name"] == name
+    assert config.name == name
+    written = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
+    assert set(_key_paths(written)) == set(_key_paths(config.to_dict()))  # every setting written out
 
 
 def test_local_and_cluster_share_every_key():
-    local, cluster = load_config("local"), load_config("cluster")
+    local, cluster = (yaml.safe_load((CONFIG_DIR / f"{n}.yaml").read_text()) for n in ("local", "cluster"))
     assert set(_key_paths(local)) == set(_key_paths(cluster))
 
 
 def test_bad_config_names_file_and_field(tmp_path):
     document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
     document["training"]["steps"] = 0
-    del document["rollout"]["order"]
+    document["rollout"]["order"] = 3  # (a missing setting takes its default)
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(document))
     with pytest.raises(ConfigError) as err:
@@ -55,7 +57,7 @@ def test_replay_rows_must_fit_the_batch(tmp_path):
         load_config(path)
     document["training"]["replay_buffer_size"] = 0  # no buffer: the rows setting is unused
     path.write_text(yaml.safe_dump(document))
-    assert load_config(path)["training"]["replay_rows"] == 16
+    assert load_config(path).training.replay_rows == 16
 
 
 def test_compat_options_are_checked_against_the_method(tmp_path):
@@ -73,7 +75,7 @@ def test_compat_options_are_checked_against_the_method(tmp_path):
         assert str(path) in str(err.value)
     document["compat"].update(method="bct", options={"influence_weight": 2.0})
     path.write_text(yaml.safe_dump(document))
-    assert load_config(path)["compat"]["options"] == {"influence_weight": 2.0}
+    assert load_config(path).compat.options == {"influence_weight": 2.0}
 
 
 def test_unparseable_config(tmp_path):
@@ -121,9 +123,14 @@ LATE_MISTAKES = {
         lambda d, t: d["gate"].update(policy=_policy(t, "- t2i\n")),
         r"gate\.policy: gate policy .*policy\.yaml must be a YAML mapping",
     ),
-    "unknown_rollout_order": (  # the schema's enum catches it
+    "unknown_rollout_order": (  # the model's Literal catches it
         lambda d, _: d["rollout"].update(order="newest_first"),
-        r"rollout\.order: 'newest_first' is not one of",
+        r"rollout\.order: Input should be 'random', 'oldest_first', 'lambda_orth' or 'uncertainty' "
+        r"\(got 'newest_first'\)",
+    ),
+    "misspelt_setting": (
+        lambda d, _: d["training"].update(stpes=5),
+        r"training\.stpes: is not a setting of this section",
     ),
     "gpu_count_without_accelerator": (
         lambda d, _: d["resources"]["gpu"].update(accelerator=None, accelerator_count=1),
@@ -198,8 +205,8 @@ def test_a_cluster_compile_leaves_the_policy_path_to_the_task(tmp_path):
     path = _write(tmp_path / "pod.yaml", lambda d: d["gate"].update(policy=pod_only))
     with pytest.raises(ConfigError, match="gate.policy"):
         load_config(path)
-    assert load_config(path, local_paths=False)["gate"]["policy"] == pod_only
-    assert resources.compile_settings(path)["config"]["gate"]["policy"] == pod_only
+    assert load_config(path, local_paths=False).gate.policy == pod_only
+    assert resources.compile_settings(path)["config"].gate.policy == pod_only
     broken = _write(tmp_path / "gpu.yaml", lambda d: d["resources"]["gpu"].update(accelerator_count=1))
     with pytest.raises(ConfigError, match=r"gpu\.yaml: resources\.gpu\.accelerator_count is 1"):
         resources.compile_settings(broken)

@@ -59,7 +59,7 @@ def test_kill_9_anywhere_then_run_again_finishes_the_phase(tmp_path):
     from components.runs import read_state
     from pipelines.config import resolve
 
-    config = resolve(_local_config(tmp_path, phases=2))
+    config = resolve(_local_config(tmp_path, phases=2)).to_dict()
     policy = tmp_path / "permissive.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     config["gate"]["policy"] = str(policy)

@@ -465,7 +465,7 @@ def test_add_phase_appends_a_schema_valid_phase_and_the_phase_picker_takes_it(tm
     counts = json.loads((drop1 / REPORT).read_text())["counts"]
     assert manifest["phases"][0]["counts"] == counts and manifest["phases"][0]["domain"] == "drop-1"
 
-    config = resolve(load_config("local"))
+    config = resolve(load_config("local")).to_dict()
     config["workspace"] = str(tmp_path / "ws")
     config["stream"].update(uri=str(stream), generate_if_missing=False)
     assert ensure_stream(config) == stream

@@ -35,10 +35,9 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from pipelines.config import load_config, resolve
 
     tmp = tmp_path_factory.mktemp("mlflow-model")
-    raw = load_config("local")
-    raw["workspace"] = str(tmp / "ws")  # before resolve: the tracking URI is the workspace's
-    config = resolve(raw)
-    assert str(tmp) in config["registry"]["tracking_uri"]
+    raw = load_config("local").with_changes(workspace=str(tmp / "ws"))  # before resolve: the tracking URI
+    config = resolve(raw)  # is the workspace's
+    assert str(tmp) in config.registry.tracking_uri
     first = tmp / "v1"
     save_checkpoint(build_model("cf-tiny", seed=0), first, version="v1")
     run1 = tmp / "ws" / "runs" / "run-1"
@@ -55,7 +54,7 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run2 = tmp / "ws" / "runs" / "run-2"
     (run2 / "gate").mkdir(parents=True)
     (run2 / "gate" / "gate.json").write_text(json.dumps({"decision": "pass", "reasons": []}))
-    config["compat"]["method"] = "none"
+    config = config.with_changes(compat={"method": "none", "options": {}})
     v2 = register_step(config, run2, 1, str(compat))["version"]
     return {"config": config, "registry": registry, "versions": (v1, v2)}
 

@@ -127,7 +127,7 @@ def test_weekly_cycle_serves_rejects_ships_twice_halts_and_continues(tmp_path):
     from pipelines.config import resolve
     from pipelines.local_runner import run_local
 
-    config = resolve(_local_config(tmp_path, phases=5))
+    config = resolve(_local_config(tmp_path, phases=5)).to_dict()
     registry = Registry(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
     lineage = LineageStore(config["lineage"]["repo"])
 

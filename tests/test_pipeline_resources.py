@@ -117,7 +117,7 @@ def check_task_settings(path: Path, config: dict[str, Any], *, runner: str = "ku
     gpu_pool = bool(res["gpu"]["accelerator"])
     for t in tasks:
         where = f"{t['task']} ({t['op']})"
-        kind = resources.STAGE_KINDS[t["op"]]
+        kind = resources.STEP_KINDS[t["op"]]
         want = res[kind]
         r = t["resources"]
         for field in ("resourceCpuRequest", "resourceCpuLimit"):
@@ -200,9 +200,9 @@ def compile_stages(tmp_path: Path, settings: dict[str, Any], name: str = "stages
 
 def test_every_component_is_classified_and_the_choices_hold() -> None:
     ops = {n for n, v in vars(kfp_ops).items() if hasattr(v, "component_spec") and n.endswith("_op")}
-    assert set(resources.STAGE_KINDS) == ops, "classify every component of components.kfp_ops"
-    assert set(resources.STAGE_KINDS.values()) <= {"cpu", "gpu"}
-    assert {op for op, kind in resources.STAGE_KINDS.items() if kind == "gpu"} == {
+    assert set(resources.STEP_KINDS) == ops, "classify every component of components.kfp_ops"
+    assert set(resources.STEP_KINDS.values()) <= {"cpu", "gpu"}
+    assert {op for op, kind in resources.STEP_KINDS.items() if kind == "gpu"} == {
         "continual_op",
         "compat_op",
         "evaluate_op",
@@ -230,7 +230,7 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
 def test_gpu_pool_config_sets_gpu_and_pool_only_on_gpu_stages(tmp_path: Path) -> None:
     config = gpu_pool_config()
     path = compile_stages(tmp_path, resources.compile_settings(config))
-    assert check_task_settings(path, config) == set(resources.STAGE_KINDS)
+    assert check_task_settings(path, config) == set(resources.STEP_KINDS)
 
 
 def test_shipped_cluster_config_requests_its_gpu_pool(tmp_path: Path) -> None:
@@ -238,7 +238,7 @@ def test_shipped_cluster_config_requests_its_gpu_pool(tmp_path: Path) -> None:
     path = compile_stages(tmp_path, resources.compile_settings("cluster"))
     check_task_settings(path, config)
     spec, executors = load_compiled(path)
-    gpu_tasks = [t for t in compiled_tasks(spec) if resources.STAGE_KINDS[t["op"]] == "gpu"]
+    gpu_tasks = [t for t in compiled_tasks(spec) if resources.STEP_KINDS[t["op"]] == "gpu"]
     assert len(gpu_tasks) == 6 and all(
         t["resources"]["accelerator"]["resourceType"] == GPU for t in gpu_tasks
     )
@@ -284,7 +284,7 @@ def test_configure_refuses_an_unclassified_op() -> None:
     def reindex_op() -> None:
         pass
 
-    with pytest.raises(ValueError, match="reindex_op.*STAGE_KINDS"):
+    with pytest.raises(ValueError, match="reindex_op.*STEP_KINDS"):
 
         @dsl.pipeline(name="unclassified")
         def pipeline() -> None:
@@ -329,7 +329,7 @@ def test_compile_settings_sources(tmp_path: Path, monkeypatch) -> None:
             r"tolerations\[2\] has unknown fields \['toleration_seconds'\]",
         ),
         (lambda c: c["resources"]["gpu"].update(accelerator_count="1"), "accelerator_count"),
-        (lambda c: c["resources"].pop("image"), "image"),
+        (lambda c: c["resources"].update(image=""), "image"),
     ],
 )
 def test_bad_resource_settings_fail_with_the_field(change, message: str) -> None:
@@ -400,7 +400,7 @@ def test_full_pipeline_carries_the_stage_settings(tmp_path: Path) -> None:
     default = spec["root"]["inputDefinitions"]["parameters"]["config"]["defaultValue"]
     assert default == default_run_config(config)
     ops = check_task_settings(path, config)
-    assert ops == set(resources.STAGE_KINDS), f"stages without settings: {set(resources.STAGE_KINDS) - ops}"
+    assert ops == set(resources.STEP_KINDS), f"stages without settings: {set(resources.STEP_KINDS) - ops}"
 
 
 def test_default_run_config_is_portable() -> None:

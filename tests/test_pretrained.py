@@ -176,7 +176,7 @@ def test_pipeline_config_names_the_start_weights_and_is_checked_at_load(written,
     document["training"]["resize_mode"] = "squash"
     path = tmp_path / "with_pretrained.yaml"
     path.write_text(yaml.safe_dump(document))
-    assert load_config(path)["training"]["pretrained"].endswith("open_clip_tiny.pt")
+    assert load_config(path).training.pretrained.endswith("open_clip_tiny.pt")
     document["training"]["pretrained"] = str(tmp_path / "nowhere.safetensors")
     path.write_text(yaml.safe_dump(document))
     with pytest.raises(ConfigError, match=r"training\.pretrained: pretrained file .*nowhere.safetensors"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,6 @@ from components.registry import (
     RegistryError,
     RollbackHookError,
     metric_key,
-    register_rollback_hook,
-    unregister_rollback_hook,
 )
 from components.workspace import Workspace
 
@@ -89,11 +86,7 @@ def test_aliases_after_pass_block_and_rollback(workspace: Workspace, tmp_path: P
     assert tags["data_phase"] == "2" and tags["method"] == "bct"
 
     events: list[dict] = []
-    register_rollback_hook(events.append)
-    try:
-        result = registry.rollback()
-    finally:
-        unregister_rollback_hook(events.append)
+    result = registry.rollback(undo=[events.append])
     assert (result["from_version"], result["to_version"], result["previous_version"]) == (v2, v1, None)
     assert aliases(registry) == {"production": v1, "candidate": v3, "previous": None}
     assert events and events[0]["to_version"] == v1 and events[0]["workspace"] == str(workspace.root)
@@ -118,9 +111,9 @@ def test_repeated_rollbacks_walk_the_history(workspace: Workspace, tmp_path: Pat
         registry.promote(version, rollout_state=DONE)
         versions.append(version)
     assert registry.status()["history"] == versions
-    registry.rollback(run_hooks=False)
+    registry.rollback()
     assert aliases(registry)["production"] == versions[1] and aliases(registry)["previous"] == versions[0]
-    registry.rollback(run_hooks=False)
+    registry.rollback()
     assert aliases(registry)["production"] == versions[0] and aliases(registry)["previous"] is None
     status = registry.status()
     assert status["production"]["tags"]["data_phase"] == "0" and status["history"] == versions[:1]
@@ -135,13 +128,15 @@ def test_a_failing_hook_moves_nothing_and_a_retry_completes(workspace: Workspace
     def broken(event: dict) -> None:
         raise ConnectionError("index alias unreachable")
 
+    def refuses(event: dict) -> None:
+        raise RuntimeError("the collection that served before is gone")
+
     before = aliases(registry)
-    register_rollback_hook(broken)
-    try:
-        with pytest.raises(RollbackHookError, match="index alias unreachable.*run the rollback again") as err:
-            registry.rollback()
-    finally:
-        unregister_rollback_hook(broken)
+    with pytest.raises(RegistryError, match="refused, nothing changed: .*refuses: .*served before is gone"):
+        registry.rollback(prepare=[refuses], undo=[broken])
+    assert aliases(registry) == before  # refused before any hook undid anything
+    with pytest.raises(RollbackHookError, match="index alias unreachable.*run the rollback again") as err:
+        registry.rollback(undo=[broken])
     assert aliases(registry) == before  # all or nothing
     assert (
         registry.rollback()["to_version"] == err.value.result["to_version"] == aliases(registry)["production"]
@@ -208,7 +203,7 @@ def test_cli_status_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
     doc = json.loads(out.stdout)
     assert doc["registry"]["production"]["version"] == "2" and doc["registry"]["previous"]["version"] == "1"
     assert doc["last_gate"]["decision"] == "pass" and doc["last_gate"]["run_id"] == "cli-1"
-    assert "rollout" in doc  # installed plugins (the gallery index) may add their own keys
+    assert "rollout" in doc and doc["gallery"]["count"] == 0  # no gallery indexed in this workspace
 
     out = cli("rollback")
     assert out.returncode == 0, out.stderr
@@ -220,51 +215,12 @@ def test_cli_status_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
     assert again.returncode == 1 and "no previous version" in again.stderr
 
 
-def test_plugins_extend_status_and_rollback(workspace: Workspace, tmp_path: Path, monkeypatch) -> None:
-    """A module dropped into components.plugins adds status keys and runs on rollback."""
-    from components import plugins
+def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path) -> None:
     from components.status import collect
-
-    plugin_dir = tmp_path / "plugins"
-    plugin_dir.mkdir()
-    (plugin_dir / "cf_probe_plugin.py").write_text(
-        "import json, pathlib\n"
-        "def status(workspace):\n"
-        "    return {'gallery': {'count': 3, 'by_version': {'1': 3}}, 'rollout': {'stage': 9}}\n"
-        "def on_rollback(event):\n"
-        "    pathlib.Path(event['workspace'], 'hook.json').write_text(json.dumps(event))\n"
-    )
-    monkeypatch.setattr(plugins, "__path__", [str(plugin_dir)])  # this plugin alone
-    monkeypatch.delitem(sys.modules, "components.plugins.cf_probe_plugin", raising=False)
-
-    registry = Registry(workspace, model_name="clip-plugin")
-    for i in range(2):
-        version, _ = candidate(registry, tmp_path, f"plugin-{i}", 50 + i, PASS, phase=i)
-        registry.promote(version, rollout_state=DONE)
-    workspace.rollout_state_path.write_text(
-        json.dumps({"state": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
-    )
-    doc = collect(workspace, model_name="clip-plugin")
-    assert doc["gallery"] == {"count": 3, "by_version": {"1": 3}}
-    assert doc["rollout"]["stage"] == 9 and doc["rollout"]["fraction_backfilled"] == 0.25
-    assert doc["registry"]["production"]["version"] == "2"
-
-    workspace.rollout_state_path.unlink()
-    result = registry.rollback()
-    assert [h["hook"] for h in result["hooks"]] == ["components.plugins.cf_probe_plugin.on_rollback"]
-    event = json.loads((workspace.root / "hook.json").read_text())
-    assert (event["from_version"], event["to_version"]) == ("2", "1")
-
-
-def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path, monkeypatch) -> None:
-    from components import plugins
-    from components.status import collect
-
-    monkeypatch.setattr(plugins, "__path__", [])  # the core document alone
 
     doc = collect(tmp_path / "fresh")
     assert doc["registry"]["production"] is None and "no registry yet" in doc["registry"]["note"]
-    assert doc["last_gate"] is None and doc["rollout"] is None
+    assert doc["last_gate"] is None and doc["rollout"]["state"] == "none" and doc["gallery"]["count"] == 0
     assert not (tmp_path / "fresh").exists()
 
 

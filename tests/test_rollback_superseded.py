@@ -10,8 +10,8 @@ from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from components import rollout as ro
 from components.index import GalleryIndex
-from components.plugins import gallery as plugin
 from components.rollout import read_serving
+from components.rollout.production_rollback import on_rollback
 
 N, Q, SEED = 400, 200, 3
 OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
@@ -43,6 +43,7 @@ def _dying_encoders(at_call: int) -> ro.RolloutEncoders:
 
 def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp_path) -> None:
     from components.steps.gallery import _undo_unfinished_rollout
+    from components.workspace import Workspace
 
     ws = tmp_path / "ws"
     paths = ro.RolloutPaths.for_workspace(ws)
@@ -56,7 +57,7 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         died = ro.status(paths.state)
         assert died["state"] == "running" and died["stage"] == 1 and died["new_version"] == "v3"
 
-        plugin.on_rollback({"workspace": ws, "from_version": "v2", "to_version": "v1"})  # production v2 -> v1
+        on_rollback({"workspace": ws, "from_version": "v2", "to_version": "v1"})  # production v2 -> v1
         after = ro.status(paths.state)
         assert after["state"] == "rolled_back" and after["new_version"] == "v3"
         assert "superseded: production rolled back from v2 to v1" in after["halt_reason"]
@@ -68,7 +69,7 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         assert again["state"] == "rolled_back" and again["rollout_id"] == died["rollout_id"]
         assert index.count_by_version() == {"v1": N}
     # ... and a run of another candidate finds nothing unfinished to undo over the restored production.
-    assert _undo_unfinished_rollout(ws, uri, "v4") is None
+    assert _undo_unfinished_rollout(Workspace(ws, index_uri=uri), "v4") is None
     assert read_serving(paths.serving)["query_model"]["version"] == "v1"
     with GalleryIndex(uri) as index:
         assert index.count_by_version() == {"v1": N}

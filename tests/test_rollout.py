@@ -72,7 +72,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     paths, index = setup
     source = index.serving_collection()
     state = ro.run_rollout(
-        index, paths, _config(policy="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
+        index, paths, _config(order="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
     )
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", str(paths.state))
     assert state["state"] == "completed" and state["fraction_backfilled"] == 1.0
@@ -93,7 +93,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     # a rerun of the completed rollout is a no-op
     assert (
         ro.run_rollout(
-            index, paths, _config(policy="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
+            index, paths, _config(order="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
         )["state"]
         == "completed"
     )
@@ -201,7 +201,7 @@ def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
     }
     with pytest.raises(ValueError, match="prefetch"):
         _config(prefetch=0)
-    other = _config(policy="oldest_first")
+    other = _config(order="oldest_first")
     with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
         ro.run_rollout(index, paths, other, good, PROBE)
     assert ro.run_rollout(index, paths, _config(), good, PROBE)["state"] == "completed"
@@ -225,7 +225,7 @@ def test_forward_transform_goes_through_a_new_collection(setup) -> None:
         gallery_transform=pad,
         transform_tag="zero_pad:v2",
     )
-    state = ro.run_rollout(index, paths, _config(policy="uncertainty"), enc, PROBE)
+    state = ro.run_rollout(index, paths, _config(order="uncertainty"), enc, PROBE)
     assert state["state"] == "completed"
     target = index.serving_collection()
     assert target != source and index.collection_dim(target) == 40
@@ -297,15 +297,16 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     refused = CliRunner().invoke(app, ["search", "  ", "--workspace", str(ws)])
     assert refused.exit_code == 2 and "empty query text" in refused.output
 
-    from components.plugins import gallery as plugin
+    from components.rollout.production_rollback import on_rollback
+    from components.status import gallery_part
 
-    doc = plugin.status(ws)
+    doc = gallery_part(ws)
     assert doc["gallery"]["count"] == N == sum(doc["gallery"]["by_version"].values())
     assert doc["rollout"]["fraction_backfilled"] == 1.0 and doc["rollout"]["state"] == "completed"
     with pytest.raises(ro.RolloutError, match="no completed rollout of version 7"):
-        plugin.on_rollback({"workspace": ws, "from_version": "7"})
-    plugin.on_rollback({"workspace": ws, "from_version": "v2"})
-    assert plugin.status(ws)["gallery"]["by_version"] == {"v1": N}
+        on_rollback({"workspace": ws, "from_version": "7"})
+    on_rollback({"workspace": ws, "from_version": "v2"})
+    assert gallery_part(ws)["gallery"]["by_version"] == {"v1": N}
 
 
 def _run_args(ws: Path, *where: str) -> list[str]:
@@ -328,7 +329,7 @@ def _run_args(ws: Path, *where: str) -> list[str]:
 
 def _cli(ws: Path, *extra: str) -> list[str]:
     cli = [sys.executable, "-m", "pipelines.cli"]
-    return [*cli, *_run_args(ws, "--workspace", str(ws)), "--batch-size", "16", "--policy", "random", *extra]
+    return [*cli, *_run_args(ws, "--workspace", str(ws)), "--batch-size", "16", "--order", "random", *extra]
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from compat.data.synth import FORMAT, MANIFEST, VERSION
-from components.runs import keep_validated, replay_shards, train_shards_of, validated_dir
+from components.deployment import Deployment
+from components.runs import keep_validated, replay_shards, train_shards_of
+from components.workspace import Workspace
 
 
 def _shard(path, names):
@@ -45,12 +47,12 @@ def _config(tmp_path):
 
 
 def test_kept_shards_replace_the_raw_ones_and_a_rerun_replaces_the_copy(tmp_path):
-    config = _config(tmp_path)
+    config = Deployment.coerce(_config(tmp_path))
     raw = train_shards_of(config, 0)
     assert [p.rsplit("/", 1)[1] for p in raw] == ["raw-0.tar", "raw-1.tar"]  # nothing kept yet
 
     accepted = [_shard(tmp_path / f"accepted-{i}.tar", ["x.txt"]) for i in range(3)]
-    kept = keep_validated(config["workspace"], 0, accepted)
+    kept = keep_validated(config.workspace, 0, accepted)
     assert [p.rsplit("/", 1)[1] for p in kept] == ["accepted-0.tar", "accepted-1.tar", "accepted-2.tar"]
     assert train_shards_of(config, 0) == kept
     assert replay_shards(config, 2, per_phase=1) == [
@@ -59,9 +61,11 @@ def test_kept_shards_replace_the_raw_ones_and_a_rerun_replaces_the_copy(tmp_path
     ]
     assert replay_shards(config, 0) == []
 
-    keep_validated(config["workspace"], 0, accepted[:1])  # the phase validated again: only its new output
+    keep_validated(config.workspace, 0, accepted[:1])  # the phase validated again: only its new output
     assert [p.rsplit("/", 1)[1] for p in train_shards_of(config, 0)] == ["accepted-0.tar"]
-    assert not any(p.name.startswith(".") for p in validated_dir(config["workspace"], 0).parent.iterdir())
+    assert not any(
+        p.name.startswith(".") for p in Workspace(config.workspace).validated_dir(0).parent.iterdir()
+    )
 
 
 def test_keep_validated_leaves_the_previous_copy_when_a_shard_is_missing(tmp_path):
@@ -69,7 +73,7 @@ def test_keep_validated_leaves_the_previous_copy_when_a_shard_is_missing(tmp_pat
     kept = keep_validated(tmp_path / "ws", 1, good)
     with pytest.raises(FileNotFoundError):
         keep_validated(tmp_path / "ws", 1, [tmp_path / "missing.tar"])
-    assert sorted(str(p) for p in validated_dir(tmp_path / "ws", 1).glob("*.tar")) == kept
+    assert sorted(str(p) for p in Workspace(tmp_path / "ws").validated_dir(1).glob("*.tar")) == kept
 
 
 def _finished_run(ws, run_id, phase, status):
@@ -165,16 +169,17 @@ def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
 
 
 def test_training_budget_by_steps_or_epochs_warns_when_a_small_phase_repeats():
+    from components.deployment import TrainingSection
     from components.report.inputs import RunInputs, Source
     from components.report.sections import build
     from components.steps import training_budget
 
-    fixed = training_budget({"steps": 300, "batch_size": 64, "epochs": None}, 289)
+    fixed = training_budget(TrainingSection(steps=300, batch_size=64, epochs=None), 289)
     assert fixed["steps"] == 300 and fixed["from"] == "steps" and fixed["epochs"] == 66.44
     assert "passes over this phase's 289 samples 66.44 times" in fixed["warning"]
-    sized = training_budget({"steps": 300, "batch_size": 64, "epochs": 5}, 289)
+    sized = training_budget(TrainingSection(steps=300, batch_size=64, epochs=5), 289)
     assert sized["steps"] == 23 and sized["from"] == "epochs" and sized["warning"] is None  # ceil(5*289/64)
-    unknown = training_budget({"steps": 300, "batch_size": 64, "epochs": 5}, None)
+    unknown = training_budget(TrainingSection(steps=300, batch_size=64, epochs=5), None)
     assert unknown["steps"] == 300 and unknown["warning"] is None  # no count: the steps budget
 
     inputs = RunInputs(Path("."), {name: Source(name) for name in ("validation", "drift", "compat_report")})

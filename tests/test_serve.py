@@ -488,7 +488,7 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
 
     from compat.models.integrity import MANIFEST, file_manifest
     from components.registry import Registry
-    from components.rollout.serving import read_serving, write_serving
+    from components.serving.record import read_serving, write_serving
 
     paths, _, uri = gallery
     ws = paths.serving.parent
@@ -540,7 +540,7 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
         client.close()
     finally:
         assert service.stop() == 0, service.output()
-    from components.rollout.serving import ServingError
+    from components.serving.record import ServingError
     from components.serving.verify import RegistryDigestCheck
 
     with pytest.raises(ServingError, match="version 7 is not in the registry"):
@@ -550,8 +550,8 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
 def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:
     """Stage 0 of an in-place rollout moves the query model on the same collection while a query runs: the
     answer comes from the new query model (the old one could meet the backfill's first new vectors)."""
-    from components.rollout.serving import read_serving, write_serving
     from components.serving import PairFollower
+    from components.serving.record import read_serving, write_serving
 
     paths, index, _ = gallery
     record = read_serving(paths.serving)

@@ -7,8 +7,8 @@ import time
 import numpy as np
 
 from components.index import GalleryIndex
-from components.rollout.serving import write_serving
 from components.serving.pair import PairFollower
+from components.serving.record import write_serving
 
 
 def test_in_place_switch_keeps_the_read_point_and_a_new_collection_moves_it(tmp_path) -> None:
@@ -42,3 +42,11 @@ def test_in_place_switch_keeps_the_read_point_and_a_new_collection_moves_it(tmp_
         assert v3.collection == second and v3.complete_at > v2.complete_at
         assert [h.item_id for h in v3.search(["q"], k=1)[0]] == ["a"]
         follower.close()
+
+
+def test_records_written_before_the_serving_record_moved_still_name_a_loadable_factory():
+    from components.serving.record import DEFAULT_FACTORY, import_factory, model_query_encoder
+
+    for older in ("components.rollout.serving:model_query_encoder", "components.search:model_query_encoder"):
+        assert import_factory(older) is model_query_encoder
+    assert import_factory(DEFAULT_FACTORY) is model_query_encoder

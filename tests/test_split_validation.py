@@ -85,10 +85,12 @@ def test_every_split_validated_and_counted(tmp_path):
 
 def test_gallery_defect_is_quarantined_and_not_indexed(tmp_path):
     from compat.models import build_model, save_checkpoint
+    from components.deployment import Deployment
     from components.index import GalleryIndex
     from components.rollout.operations import index_new_items
-    from components.runs import validated_dir, validated_shards
+    from components.runs import validated_shards
     from components.steps import validate_step
+    from components.workspace import Workspace
 
     inputs, stream = tmp_path / "in", tmp_path / "stream"
     gallery = {f"g{i:03d}": _sample(f"g{i:03d}") for i in range(30)}
@@ -102,12 +104,8 @@ def test_gallery_defect_is_quarantined_and_not_indexed(tmp_path):
         },
         "shapes",
     )
-    config = {
-        "workspace": str(tmp_path / "ws"),
-        "stream": {"uri": str(stream)},
-        "validation": {"max_quarantined_fraction": 0.05},
-        "training": {"model_config": "cf-tiny"},
-    }
+    config = Deployment.coerce({"workspace": str(tmp_path / "ws"), "stream": {"uri": str(stream)}})
+    validated_dir = Workspace.of(config).validated_dir
     run_dir = tmp_path / "ws" / "runs" / "r0"
     document = validate_step(
         config, run_dir, 0, phase_urls(stream, 0, "train"), tmp_path / "validated", tmp_path / "summary.json"
@@ -115,14 +113,14 @@ def test_gallery_defect_is_quarantined_and_not_indexed(tmp_path):
     assert not document["blocked"]
     assert document["splits"]["gallery"]["quarantined"] == 1
     assert document["captions"]["context_tokens"] == 32  # cf-tiny's text context
-    assert (validated_dir(config["workspace"], 0) / "gallery").is_dir()
+    assert (validated_dir(0) / "gallery").is_dir()
 
     raw = phase_urls(stream, 0, "gallery")
     kept = validated_shards(config, raw, "gallery")
-    assert kept and all(str(validated_dir(config["workspace"], 0)) in p for p in kept)
+    assert kept and all(str(validated_dir(0)) in p for p in kept)
     model = tmp_path / "model"
     save_checkpoint(build_model("cf-tiny", seed=0), model, version="v1")
-    record = index_new_items(config["workspace"], model, "v1", "v1", kept)
+    record = index_new_items(config.workspace, model, "v1", "v1", kept)
     assert record["n_new"] == 30
     with GalleryIndex(str(tmp_path / "ws" / "milvus" / "gallery.db")) as index:
         ids = {str(r["item_id"]) for batch in index.iter_rows(()) for r in batch}

@@ -38,7 +38,7 @@ def chain_config(tmp_path: Path, stream: Path, method: str, scenario: str = "con
     config["compat"]["foundation_config"] = "cf-tiny"
     config["gate"]["policy"] = str(policy)
     config["rollout"]["batch_size"] = 16
-    return resolve(config)
+    return resolve(config).to_dict()
 
 
 class Cycle:
@@ -133,7 +133,7 @@ class Cycle:
         # Every gallery item relevant to every probe query: the probes cannot halt this rollout. These
         # tests check that each kind of model loads, serves and upgrades; tests/test_rollout.py the probes.
         if not probes_can_halt:
-            probe = RolloutPaths.for_workspace(steps.workspace_of(self.config)).probe
+            probe = RolloutPaths.for_workspace(self.config["workspace"]).probe
             doc = json.loads(probe.read_text())
             everything = sorted({p for positives in doc["positives"] for p in positives})
             probe.write_text(json.dumps({"texts": doc["texts"][:8], "positives": [everything] * 8}))
@@ -154,7 +154,7 @@ def assert_serves(config: dict, version: str, n_items: int) -> None:
     assert registry.alias_version("production") == version
     gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
     assert gallery["by_version"] == {version: n_items}
-    (hits,) = search(["a red circle"], k=3, workspace=steps.workspace_of(config))
+    (hits,) = search(["a red circle"], k=3, workspace=config["workspace"])
     assert len(hits) == 3 and all(hit["model_version"] == version for hit in hits)
 
 

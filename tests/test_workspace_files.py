@@ -37,7 +37,6 @@ def test_the_root_or_a_system_folder_is_refused_as_workspace(root: str) -> None:
 
     result = CliRunner().invoke(app, ["status", "--workspace", root])
     assert result.exit_code == 2 and "must be a folder of its own" in result.output, result.output
-    config = load_config("local")
-    config["workspace"] = root
+    config = load_config("local").with_changes(workspace=root)
     with pytest.raises(ConfigError, match="config field 'workspace': workspace .* is refused"):
         resolve(config)

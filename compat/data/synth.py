@@ -52,6 +52,7 @@ from compat.data.manifest import (  # noqa: F401 -- the manifest's owner; re-exp
 )
 from compat.data.render import render_scene, shade
 from compat.data.shards import write_shard
+from compat.io import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -453,18 +454,12 @@ def generate_stream(
     if not todo and manifest_path.exists() and load_manifest(out) == manifest:
         return manifest  # complete: nothing is written
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write_json(pending_path, settings)
+    write_json_atomic(pending_path, settings)
     for stale in out.glob("phase-*/*/.shard-*.tar.tmp-*"):
         stale.unlink()
     if todo:
         log.info("writing %d of %d shards into %s", len(todo), n_shards, out)
         _run_jobs(out, todo, seed, image_size, workers, shift, old_word_share)
-    _atomic_write_json(manifest_path, manifest)
+    write_json_atomic(manifest_path, manifest)
     pending_path.unlink()
     return manifest
-
-
-def _atomic_write_json(path: Path, doc: Any) -> None:
-    from compat.io import write_json_atomic
-
-    write_json_atomic(path, doc)

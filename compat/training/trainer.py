@@ -119,12 +119,6 @@ class TrainResult:
     resumed_from: int | None
     step_times: list[float] = field(default_factory=list)
 
-    @property
-    def mean_step_time(self) -> float:
-        """Mean wall time of the steps this process ran, the first (warm-up) step left out when possible."""
-        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
-        return sum(times) / len(times) if times else float("nan")
-
 
 # --------------------------------------------------------------------------------------------- set-up
 def resolve_precision(precision: str, device: torch.device) -> str:

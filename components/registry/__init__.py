@@ -32,8 +32,6 @@ from components.registry.versions import (
     PromotionError,
     Registry,
     RollbackHookError,
-    register_rollback_hook,
-    unregister_rollback_hook,
 )
 
 __all__ = [
@@ -45,6 +43,4 @@ __all__ = [
     "RollbackHookError",
     "Tracking",
     "metric_key",
-    "register_rollback_hook",
-    "unregister_rollback_hook",
 ]

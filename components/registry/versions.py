@@ -7,7 +7,7 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,6 @@ HISTORY_TAG = "compatflow.production_history"
 ALIASES = ("production", "candidate", "previous")
 ROLLOUT_DONE = "completed"
 _TAG_LIMIT = 4000
-_ROLLBACK_HOOKS: list[Callable[[dict[str, Any]], None]] = []
 
 
 class PromotionError(RegistryError):
@@ -38,13 +37,21 @@ class RollbackHookError(RegistryError):
         self.result = result
 
 
-def register_rollback_hook(hook: Callable[[dict[str, Any]], None]) -> None:
-    """Call ``hook(event)`` after every rollback in this process (plugins in ``components.plugins`` too)."""
-    _ROLLBACK_HOOKS.append(hook)
+RollbackHook = Callable[[dict[str, Any]], Any]
 
 
-def unregister_rollback_hook(hook: Callable[[dict[str, Any]], None]) -> None:
-    _ROLLBACK_HOOKS.remove(hook)
+def _call_all(hooks: Sequence[RollbackHook], event: dict[str, Any]) -> list[dict[str, Any]]:
+    """Call each hook with a copy of ``event``; ``{"hook", "ok", "result" | "error"}`` for every one, failures
+    included (a failing hook never hides the others)."""
+    outcomes: list[dict[str, Any]] = []
+    for hook in hooks:
+        name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
+        try:
+            outcomes.append({"hook": name, "ok": True, "result": hook(dict(event))})
+        except Exception as err:  # noqa: BLE001 - reported to the caller, never swallowed
+            log.error("rollback hook %s failed: %s", name, err)
+            outcomes.append({"hook": name, "ok": False, "error": f"{type(err).__name__}: {err}"})
+    return outcomes
 
 
 class Registry(Tracking):
@@ -117,7 +124,7 @@ class Registry(Tracking):
         that version's (a folder of another model's version of the same number is left alone)."""
         from compat.models.integrity import MANIFEST
 
-        copy = self.workspace.models_dir / f"v{version}"
+        copy = self.workspace.model_dir(version)
         try:
             ours = digest is not None and manifest_digest(json.loads((copy / MANIFEST).read_text())) == digest
         except (OSError, ValueError):
@@ -193,12 +200,15 @@ class Registry(Tracking):
         log.info("%s production: %s -> %s", self.model_name, current, version)
         return self.status()
 
-    def rollback(self, *, run_hooks: bool = True) -> dict[str, Any]:
+    def rollback(
+        self, *, prepare: Sequence[RollbackHook] = (), undo: Sequence[RollbackHook] = ()
+    ) -> dict[str, Any]:
         """Move ``production`` back to ``previous``, all or nothing; returns what happened.
 
-        Every plugin's ``prepare_rollback`` hook first checks that its part can be done (the gallery: the
-        rollout that put production there is found and readable, the index reachable); any refusal raises
-        :class:`RegistryError` with nothing changed. Then the rollback hooks undo the serving side
+        The caller hands in the serving side's part (:func:`components.steps.rollback_production`: the
+        gallery's). Every ``prepare`` hook first checks that its part can be done (the gallery: the rollout
+        that put production there is found and readable, the index reachable); any refusal raises
+        :class:`RegistryError` with nothing changed. Then the ``undo`` hooks undo the serving side
         (idempotent) and only then do the aliases move, so a hook that fails leaves the registry where it was
         (:class:`RollbackHookError`) and running the rollback again completes it. Raises
         :class:`RegistryError` when there is nothing to roll back to.
@@ -230,19 +240,14 @@ class Registry(Tracking):
             "rolled_back_at": at,
         }
         result = {**event, "hooks": []}
-        if run_hooks:
-            from components import plugins
-
-            refused = [
-                h for h in plugins.call_all(plugins.hooks("prepare_rollback"), dict(event)) if not h["ok"]
-            ]
+        if prepare or undo:
+            refused = [h for h in _call_all(prepare, event) if not h["ok"]]
             if refused:
                 raise RegistryError(
                     f"rollback of {self.model_name} from version {current} to {previous} refused, nothing "
                     "changed: " + "; ".join(f"{h['hook']}: {h['error']}" for h in refused)
                 )
-            functions = [(getattr(h, "__qualname__", repr(h)), h) for h in _ROLLBACK_HOOKS]
-            result["hooks"] = plugins.call_all(functions + plugins.hooks("on_rollback"), dict(event))
+            result["hooks"] = _call_all(undo, event)
             failed = [h for h in result["hooks"] if not h["ok"]]
             if failed:
                 raise RollbackHookError(

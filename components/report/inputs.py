@@ -1,4 +1,4 @@
-"""Locate and read the stage outputs of a run for the on-call report; a missing stage is "not run"."""
+"""Locate and read the step outputs of a run for the on-call report; a missing step is "not run"."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# file name -> stage directory names preferred when several files share the name
+from components.workspace import ROLLOUT_STATE_FILE
+
+# file name -> step directory names preferred when several files share the name
 SOURCES = {
     "validation": ("validation.json", ("validate", "validation")),
     "drift": ("drift.json", ("drift",)),
     "metrics": ("metrics.json", ("continual", "train", "training")),
     "compat_report": ("compat_report.json", ("evaluate", "compat")),
     "gate": ("gate.json", ("gate",)),
-    "rollout": ("rollout_state.json", ("rollout",)),
+    "rollout": (ROLLOUT_STATE_FILE, ("rollout",)),
     "blocked": ("blocked.json", ()),  # written when a step stopped the run
     "failure": ("failure.json", ()),  # written when a step raised (components.runs.record_failure)
 }
@@ -51,7 +53,7 @@ class RunInputs:
 
 
 def find(run_dir: Path, filename: str, prefer: tuple[str, ...] = ()) -> Path | None:
-    """The best ``filename`` under ``run_dir``: in a preferred stage directory, then shallowest, newest."""
+    """The best ``filename`` under ``run_dir``: in a preferred step directory, then shallowest, newest."""
     if not run_dir.is_dir():
         return None
     found = [p for p in run_dir.rglob(filename) if p.is_file()]

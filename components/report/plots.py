@@ -1,6 +1,6 @@
 """Plots of the on-call report, rendered with matplotlib (Agg) to PNG bytes.
 
-Each function takes the parsed stage documents and returns PNG bytes, or ``None`` when the
+Each function takes the parsed step documents and returns PNG bytes, or ``None`` when the
 document holds nothing to plot.
 """
 

@@ -77,7 +77,7 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     if stopped_by:
         for section in sections:
             if section.status == "not run":
-                section.items = [Note(f"The stage did not run: {stopped_by}.", "muted")]
+                section.items = [Note(f"The step did not run: {stopped_by}.", "muted")]
     if blocked:
         stop = Note(
             f"The run stopped at step {blocked.get('step', blocked.get('stage', '?'))}: "
@@ -139,7 +139,7 @@ def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
         return Section(key, title, "unreadable", "bad", [Note(source.error, "bad")])
     if not source.present:
         return Section(
-            key, title, "not run", "muted", [Note(f"No {what} for this run: the stage did not run.", "muted")]
+            key, title, "not run", "muted", [Note(f"No {what} for this run: the step did not run.", "muted")]
         )
     return None
 

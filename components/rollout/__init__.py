@@ -32,7 +32,7 @@ brute-force scan in Milvus), and, with ``slo_p99_factor``, paced to hold users' 
 Modules: :mod:`~components.rollout.types` (configuration, encoders, probe set, paths, errors),
 :mod:`~components.rollout.state` (the state file, its lock, restore files), :mod:`~components.rollout.pacing`,
 :mod:`~components.rollout.probes`,
-:mod:`~components.rollout.engine`, :mod:`~components.rollout.rollback`, :mod:`~components.rollout.serving`
+:mod:`~components.rollout.engine`, :mod:`~components.rollout.rollback`, :mod:`~components.serving.record`
 (the serving record) and :mod:`~components.rollout.encoders` (encoders of real models).
 """
 
@@ -40,8 +40,7 @@ from components.rollout.engine import Rollout, run_rollout
 from components.rollout.operations import index_gallery
 from components.rollout.probes import probe_metrics, recall_from_hits
 from components.rollout.rollback import rollback, rollout_of
-from components.rollout.serving import ServingError, read_serving, write_serving
-from components.rollout.state import STATE_FILE, load_state, save_state, status
+from components.rollout.state import load_state, save_state, status
 from components.rollout.types import (
     DEFAULT_FRACTIONS,
     DEFAULT_KS,
@@ -57,12 +56,12 @@ from components.rollout.types import (
     VectorTransform,
     item_ref,
 )
+from components.serving.record import ServingError, read_serving, write_serving
 
 __all__ = [
     "DEFAULT_FRACTIONS",
     "DEFAULT_KS",
     "STATES",
-    "STATE_FILE",
     "GalleryEncoder",
     "ItemRef",
     "ProbeSet",

@@ -75,7 +75,7 @@ def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:
 def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     """Encoders of real models: ``old_model`` (the serving query model) and ``new_model`` (a compatible-model
     directory, whose serving contract sets the space and the old-vector rule, or a plain checkpoint)."""
-    from components.rollout.serving import load_model
+    from components.serving.record import load_model
 
     for key in ("old_model", "new_model"):
         if not config.get(key):

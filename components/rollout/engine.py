@@ -23,9 +23,7 @@ from components.rollout.ahead import Batch, BatchesAhead
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.probes import broken_floors, probe_metrics
 from components.rollout.rollback import replay_rows
-from components.rollout.serving import read_serving, write_serving
 from components.rollout.state import (
-    STATE_FILE,
     exclusive,
     load_rows,
     load_state,
@@ -43,6 +41,7 @@ from components.rollout.types import (
 )
 from components.rollout.writes import GalleryWriter
 from components.services import live_services
+from components.serving.record import read_serving, write_serving
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class Rollout:
             "new_version": c.new_version,
             "query_model": c.query_model.get("version"),
             "space": self.space,
-            "policy": c.policy,
+            "policy": c.order,  # the stored name (rollout ids and state files keep it)
             "seed": c.seed,
             "fractions": list(c.fractions),
             "batch_size": c.batch_size,
@@ -149,8 +148,8 @@ class Rollout:
                 f"{self.paths.state}: run it to the end with its own configuration, or roll it back"
             )
 
-        archived = self.paths.work(old["rollout_id"]) / STATE_FILE
-        save_state(archived, old, root=self.paths.state.parent)  # archived, then replaced
+        archived = self.paths.archived_state(old["rollout_id"])
+        save_state(archived, old, root=self.paths.root)  # archived, then replaced
 
     # ---- planning
     def _plan(self) -> dict[str, Any]:
@@ -171,7 +170,7 @@ class Rollout:
         space = self.space or source_space
         mode = "staged" if (self.adapt or space == source_space) else "blue_green"
         in_place = mode == "staged" and not self.adapt  # the batches overwrite the rows this plan reads
-        need_vectors = c.policy in ("lambda_orth", "uncertainty")
+        need_vectors = c.order in ("lambda_orth", "uncertainty")
         fields = ROW_FIELDS if in_place else ("embedded_at", *(("vector",) if need_vectors else ()))
         rows = sorted(
             (r for batch in idx.iter_rows(fields, source) for r in batch), key=lambda r: r["item_id"]
@@ -201,7 +200,7 @@ class Rollout:
                     self.encoders.gallery_transform(vectors), len(ids), None, "gallery_transform"
                 )
         order = compute_order(
-            c.policy,
+            c.order,
             len(ids),
             seed=c.seed,
             vectors=vectors,
@@ -215,7 +214,7 @@ class Rollout:
             order_path,
             {
                 "rollout_id": rid,
-                "policy": c.policy,
+                "policy": c.order,  # the stored name (rollout ids and state files keep it)
                 "seed": c.seed,
                 "digest": order_digest(ordered),
                 "item_ids": ordered,
@@ -273,7 +272,7 @@ class Rollout:
             "fraction_backfilled": 0.0,
             "batch_size": c.batch_size,
             "order": {
-                "policy": c.policy,
+                "policy": c.order,  # the stored name (rollout ids and state files keep it)
                 "seed": c.seed,
                 "digest": order_digest(ordered),
                 "path": str(order_path),
@@ -305,7 +304,7 @@ class Rollout:
             "pace": self.pace.to_dict(),  # the idle p99 measured before this plan read anything
         }
         self._save(state)
-        log.info("rollout %s planned: %s, %d items, policy %s, floors %s", rid, mode, n, c.policy, floors)
+        log.info("rollout %s planned: %s, %d items, order %s, floors %s", rid, mode, n, c.order, floors)
         return state
 
     def _save_restore_rows(

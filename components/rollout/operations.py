@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from components.deployment import RolloutSection
 from components.index import DEFAULT_ALIAS, GalleryIndex
 from components.rollout.engine import run_rollout
-from components.rollout.serving import DEFAULT_FACTORY, import_factory, read_serving, write_serving
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutPaths
+from components.serving.record import DEFAULT_FACTORY, import_factory, read_serving, write_serving
 
 DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
 
@@ -64,14 +65,14 @@ def index_gallery(
     )
 
 
-def open_index(workspace: Any = None, uri: str | None = None) -> GalleryIndex:
-    """A workspace's gallery index: ``uri``, the serving record's, or ``<workspace>/milvus/gallery.db``."""
+def open_index(workspace: Any = None) -> GalleryIndex:
+    """A workspace's gallery index, where its serving record says it is (the collection being served), else
+    at the workspace's index URI (:attr:`components.workspace.Workspace.index_uri`)."""
     from components.workspace import Workspace
 
-    paths = RolloutPaths.for_workspace(workspace)
-    record = read_serving(paths.serving)
     ws = Workspace.coerce(workspace)
-    uri = uri or (record["uri"] if record else ws.index_uri)
+    record = read_serving(ws.serving_path)
+    uri = record["uri"] if record else ws.index_uri
     return GalleryIndex(uri, alias=record["alias"] if record else ws.index_alias or DEFAULT_ALIAS)
 
 
@@ -84,7 +85,6 @@ def index_new_items(
     *,
     probe_size: int = 500,
     seed: int = 0,
-    uri: str | None = None,
 ) -> dict[str, Any]:
     """Index the gallery items of ``gallery`` that the serving collection does not hold yet.
 
@@ -99,10 +99,10 @@ def index_new_items(
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
     from compat.methods.run import decode_size
-    from components.rollout.serving import load_model
+    from components.serving.record import load_model
 
     paths = RolloutPaths.for_workspace(workspace)
-    with open_index(workspace, uri) as index:
+    with open_index(workspace) as index:
         collection = index.serving_collection()
         present: set[str] = set()
         if collection is not None:
@@ -177,7 +177,7 @@ def index_new_items(
 def roll_out(
     workspace: Any,
     new_version: str,
-    settings: Mapping[str, Any],
+    settings: RolloutSection,
     *,
     new_model: str = "",
     old_model: str = "",
@@ -187,11 +187,10 @@ def roll_out(
     encoders: str = DEFAULT_ENCODERS,
     query_factory: str = DEFAULT_FACTORY,
     options: Mapping[str, Any] | None = None,
-    uri: str | None = None,
 ) -> dict[str, Any]:
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state.
 
-    ``settings`` is the pipeline config's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
+    ``settings`` is the deployment's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
     ``floors``, ``slo``): the one place a deployment sets them. ``old_model`` defaults to the serving
     record's query model; ``probe`` to the probe set written by :func:`index_new_items`; ``options`` go to
     the encoder factory and into the recorded query model.
@@ -203,16 +202,16 @@ def roll_out(
     built = import_factory(encoders)({"old_model": old, "new_model": new_model, "options": options})
     config = RolloutConfig(
         new_version=new_version,
-        policy=settings["order"],
-        fractions=tuple(settings["fractions"]),
+        order=settings.order,
+        fractions=tuple(settings.fractions),
         seed=seed,
-        batch_size=settings["batch_size"],
+        batch_size=settings.batch_size,
         space=space,
-        floors=dict(settings.get("floors") or {}),
-        slo_p99_factor=settings["slo"]["p99_factor"],
-        max_items_per_s=settings["slo"]["max_items_per_s"],
+        floors=dict(settings.floors),
+        slo_p99_factor=settings.slo.p99_factor,
+        max_items_per_s=settings.slo.max_items_per_s,
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )
     probe_set = ProbeSet.from_file(probe or paths.probe)
-    with open_index(workspace, uri) as index:
+    with open_index(workspace) as index:
         return run_rollout(index, paths, config, built, probe_set)

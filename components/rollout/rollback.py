@@ -12,11 +12,11 @@ import numpy as np
 from compat.io import utc_now
 from components.index import GalleryIndex
 from components.rollout.pacing import Pace, latency_sources
-from components.rollout.serving import write_serving
-from components.rollout.state import STATE_FILE, exclusive, load_rows, load_state, save_state, saved_batches
+from components.rollout.state import exclusive, load_rows, load_state, save_state, saved_batches
 from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
 from components.rollout.writes import GalleryWriter
 from components.services import live_services
+from components.serving.record import write_serving
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def rollback(
     """
     state_path = Path(state_path or paths.state)
     with exclusive(paths.state):
-        root = paths.state.parent
+        root = paths.root
         state = load_state(state_path, root)
         if state is None:
             raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
@@ -119,9 +119,9 @@ def rollout_of(paths: RolloutPaths, version: str) -> Path:
     """The state file of the completed rollout that made ``version`` the served model: the current one, or
     one archived in its work directory when a later rollout started. Raises :class:`RolloutError` naming
     the files when none is found or one cannot be read."""
-    candidates = [paths.state, *sorted(paths.state.parent.glob(f"rollout/*/{STATE_FILE}"))]
+    candidates = [paths.state, *paths.archived_states()]
     for path in candidates:
-        state = load_state(path, paths.state.parent)
+        state = load_state(path, paths.root)
         if (
             state is not None
             and str(state["model_version"]) == str(version)
@@ -130,6 +130,6 @@ def rollout_of(paths: RolloutPaths, version: str) -> Path:
             return path
     raise RolloutError(
         f"no completed rollout of version {version} in {paths.state} or its archive "
-        f"({paths.state.parent / 'rollout'}/*/{STATE_FILE}): the gallery cannot be put back to what it "
+        f"({paths.work_root}/*/{paths.state.name}): the gallery cannot be put back to what it "
         "served before; restore the workspace from a backup or roll the gallery forward with a new upgrade"
     )

@@ -16,9 +16,6 @@ from components.index import ROW_FIELDS
 from components.rollout.types import RolloutError
 from components.workspace import map_paths, resolved_path, stored_path
 
-STATE_FILE = "rollout_state.json"
-
-
 # Paths a rollout state names, stored relative to the workspace root (see components.workspace).
 STATE_PATHS = (
     "gallery.uri",

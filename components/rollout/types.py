@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from components.serving.record import QueryEncoder
+
 DEFAULT_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
 DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
 # Rows upserted between flushes. Milvus answers a search over unflushed (growing) rows by brute force: with
@@ -35,7 +37,6 @@ class ItemRef:
     model_version: str = ""
 
 
-QueryEncoder = Callable[[list[str]], np.ndarray]
 GalleryEncoder = Callable[[Sequence[ItemRef]], np.ndarray]
 VectorTransform = Callable[[np.ndarray], np.ndarray]
 
@@ -107,7 +108,7 @@ class RolloutConfig:
     new_version: str
     query_model: dict[str, Any] = field(default_factory=dict)
     space: str | None = None
-    policy: str = "random"
+    order: str = "random"  # the backfill order (config rollout.order), one of compat.backfill.POLICIES
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     seed: int = 0
     batch_size: int = 256
@@ -137,8 +138,8 @@ class RolloutConfig:
                 f"fractions must increase strictly within (0, 1] and end at 1.0 (every item gets "
                 f"its new vector), got {list(f)}"
             )
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown backfill policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.order not in POLICIES:
+            raise ValueError(f"unknown backfill order {self.order!r}; choose one of {', '.join(POLICIES)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.flush_rows < 0:
@@ -157,32 +158,44 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RolloutPaths:
-    """Where a rollout keeps its state: the state JSON, the serving record, and per-rollout work files."""
+    """Where a rollout keeps its state: the state JSON, the serving record, its work files and the running
+    services' announcements; a workspace's (:meth:`for_workspace`), or a folder's for benchmarks."""
 
     state: Path
     serving: Path
+    work_root: Path
+    services: Path
+    probe: Path
 
     @classmethod
     def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
+        """The paths :class:`components.workspace.Workspace` gives a workspace (or a folder used as one)."""
         from components.workspace import Workspace
 
         ws = Workspace.coerce(workspace)
-        return cls(state=ws.rollout_state_path, serving=ws.serving_path)
+        return cls(
+            state=ws.rollout_state_path,
+            serving=ws.serving_path,
+            work_root=ws.rollout_dir,
+            services=ws.services_dir,
+            probe=ws.probe_path,
+        )
 
     @property
-    def probe(self) -> Path:
-        """The probe set the gallery's first indexing writes (held-out queries and their relevant items)."""
-        return self.state.parent / "rollout" / "probe.json"
+    def root(self) -> Path:
+        """The folder that paths stored in the state files are relative to (the workspace)."""
+        return self.state.parent
 
-    @property
-    def services(self) -> Path:
-        """Where running search services announce themselves (:mod:`components.services`)."""
-        from components.services import services_dir
+    def archived_states(self) -> list[Path]:
+        """The state files of earlier rollouts, archived in their work folders, oldest name first."""
+        return sorted(self.work_root.glob(f"*/{self.state.name}"))
 
-        return services_dir(self.state.parent)
+    def archived_state(self, rollout_id: str) -> Path:
+        return self.work(rollout_id) / self.state.name
 
     def work(self, rollout_id: str) -> Path:
-        return self.state.parent / "rollout" / rollout_id
+        """One rollout's work files (its order, archived state, restore rows)."""
+        return self.work_root / rollout_id
 
     def restore_dir(self, rollout_id: str) -> Path:
         return self.work(rollout_id) / "restore"

@@ -155,9 +155,9 @@ def create_app(
     )
     from pydantic import BaseModel, Field, field_validator
 
-    from components.rollout.serving import ServingError
     from components.serving.captions import ShardCaptions
     from components.serving.pair import PairFollower, ServingPair
+    from components.serving.record import ServingError
     from components.serving.thumbnails import ShardThumbnails
 
     registry = CollectorRegistry()

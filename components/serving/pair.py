@@ -1,5 +1,5 @@
 """The serving pair: one immutable (query model, collection) pair, and the follower that swaps it as the
-serving record (:mod:`components.rollout.serving`) changes.
+serving record (:mod:`components.serving.record`) changes.
 
 A query takes one reference, :meth:`PairFollower.current`, and runs entirely on that pair: the query model
 embeds the texts and the search goes to the collection the same record names (never through the alias,
@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from components.rollout.serving import ServingError, load_query_encoder, read_serving
-from components.rollout.types import QueryEncoder
+from components.serving.record import QueryEncoder, ServingError, load_query_encoder, read_serving
 
 log = logging.getLogger(__name__)
 

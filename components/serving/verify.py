@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from components.rollout.serving import ServingError
+from components.serving.record import ServingError
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,11 @@ directly. "Stage" is kept for the stages of a backfill (:mod:`components.rollout
 
 Modules: :mod:`~components.steps.base` (the ``step`` decorator, config, workspace), ``data`` (plan,
 validate, drift), ``training`` (continual, compat), ``release`` (production, evaluate, gate, register),
-``gallery`` (first index, ingest, rollout) and ``outcome`` (blocked, finish, report).
+``gallery`` (first index, ingest, rollout), ``rollback`` (production and the gallery back together) and
+``outcome`` (blocked, finish, report).
 """
 
-from components.steps.base import as_config, registry_of, step, workspace_of
+from components.steps.base import registry_of, step
 from components.steps.data import accepted_shards, drift_step, plan_step, validate_step
 from components.steps.gallery import ingest_step, rollout_step, serve_first_model_step
 from components.steps.outcome import finish_step, note_blocked, report_step
@@ -22,11 +23,11 @@ from components.steps.release import (
     register_step,
     resolve_production,
 )
+from components.steps.rollback import rollback_production
 from components.steps.training import compat_step, continual_step, training_budget
 
 __all__ = [
     "accepted_shards",
-    "as_config",
     "bootstrap_gate",
     "compat_step",
     "continual_step",
@@ -42,10 +43,10 @@ __all__ = [
     "registry_of",
     "report_step",
     "resolve_production",
+    "rollback_production",
     "rollout_step",
     "serve_first_model_step",
     "step",
     "training_budget",
     "validate_step",
-    "workspace_of",
 ]

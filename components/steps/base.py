@@ -1,23 +1,26 @@
-"""What every step function shares: the ``step`` decorator (lock, failure record), the config and its
-workspace and registry, and the files a step copies into its run directory."""
+"""What every step function shares: the ``step`` decorator (the typed deployment, lock, failure record), the
+registry of a deployment, and the files a step copies into its run directory."""
 
 from __future__ import annotations
 
 import functools
-import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-Config = dict[str, Any] | str
+from components.deployment import Deployment
+
+# What a step accepts as its config: the deployment, its mapping, or the JSON string a KFP op receives.
+Config = Deployment | Mapping[str, Any] | str
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def step(name: str) -> Callable[[F], F]:
-    """Name a step function ``f(config, run_dir, ...)``: it runs under the workspace's shared step lock
+    """Name a step function ``f(deployment, run_dir, ...)``: it receives the typed deployment (from whatever
+    form the caller has, :meth:`Deployment.coerce`) and runs under the workspace's shared step lock
     (:func:`components.lock.step_lock`); when it raises, ``<run_dir>/failure.json`` records the step, the
     exception and what to do next (:func:`components.runs.record_failure`), for the report, ``outcome.json``
     and the CLI."""
@@ -26,10 +29,12 @@ def step(name: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def run(config: Config, run_dir: Path | None = None, *args: Any, **kwargs: Any) -> Any:
             from components.lock import step_lock
+            from components.workspace import Workspace
 
             try:
-                with step_lock(as_config(config)["workspace"]):
-                    return fn(config, run_dir, *args, **kwargs)
+                deployment = Deployment.coerce(config)
+                with step_lock(Workspace.of(deployment)):
+                    return fn(deployment, run_dir, *args, **kwargs)
             except Exception as error:
                 from components.runs import record_failure
 
@@ -42,29 +47,13 @@ def step(name: str) -> Callable[[F], F]:
     return decorate
 
 
-def as_config(config: Config) -> dict[str, Any]:
-    """The resolved config, from a mapping or the JSON string the KFP components receive."""
-    return json.loads(config) if isinstance(config, str) else config
-
-
-def workspace_of(config: dict[str, Any]) -> Any:
+def registry_of(config: Config) -> Any:
+    """The deployment's model registry (:class:`components.registry.Registry`)."""
+    from components.registry import Registry
     from components.workspace import Workspace
 
-    return Workspace.from_config(config)
-
-
-def registry_of(config: dict[str, Any]) -> Any:
-    from components.registry import Registry
-
-    return Registry(workspace_of(config), model_name=config["registry"]["model_name"])
-
-
-def read_json_or_none(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return doc if isinstance(doc, dict) else None
+    deployment = Deployment.coerce(config)
+    return Registry(Workspace.of(deployment), model_name=deployment.registry.model_name)
 
 
 def checkpoint_dir_of(path: str) -> str:
@@ -74,7 +63,7 @@ def checkpoint_dir_of(path: str) -> str:
 
 
 def model_dir_in(path: str) -> str:
-    """The model directory inside a stage's model artifact (``<artifact>/model`` or the artifact itself)."""
+    """The model directory inside a step's model artifact (``<artifact>/model`` or the artifact itself)."""
     nested = Path(path) / "model"
     return str(nested if nested.is_dir() else checkpoint_dir_of(path))
 

@@ -6,27 +6,29 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from components.steps.base import Config, as_config, copy_summaries, step
+from components.deployment import Deployment
+from components.steps.base import Config, copy_summaries, step
+from components.workspace import Workspace
 
 
 def plan_step(config: Config, phase: int, run_id: str, job_name: str = "") -> dict[str, Any]:
     """The run's plan (see :func:`components.runs.plan_run`); fails when every phase has succeeded."""
     from components.runs import PlanError, plan_run, record_failure, run_dir_for
 
-    config = as_config(config)
+    deployment = Deployment.coerce(config)
     try:
-        plan = plan_run(config, phase, run_id, job_name)
+        plan = plan_run(deployment, phase, run_id, job_name)
         if plan is None:
             raise PlanError("every phase of the stream has succeeded: nothing to run")
     except Exception as error:
-        record_failure(run_dir_for(config, run_id or job_name), "plan", error)
+        record_failure(run_dir_for(deployment, run_id or job_name), "plan", error)
         raise
     return plan
 
 
 @step("validate")
 def validate_step(
-    config: Config, run_dir: Path, phase: int, shards: list[str], out_dir: Path, summary_path: Path
+    deployment: Deployment, run_dir: Path, phase: int, shards: list[str], out_dir: Path, summary_path: Path
 ) -> dict:
     """Validation of the phase's train shards (``shards``) and its eval and gallery shards (from the stream)
     into ``out_dir``; the summary is also copied to the run dir. Captions are measured against the training
@@ -41,18 +43,17 @@ def validate_step(
     from components.runs import keep_validated
     from components.validation import ValidationPolicy, split_accepted_paths, validate_splits
 
-    config = as_config(config)
-    text_cfg = read_config(config["training"]["model_config"]).get("text_cfg", {})
+    text_cfg = read_config(deployment.training.model_config_name).get("text_cfg", {})
     policy = ValidationPolicy(
-        max_quarantined_fraction=config["validation"]["max_quarantined_fraction"],
+        max_quarantined_fraction=deployment.validation.max_quarantined_fraction,
         max_caption_tokens=int(text_cfg.get("context_length", 77)),
     )
-    others = {split: phase_urls(config["stream"]["uri"], phase, split) for split in ("eval", "gallery")}
+    others = {split: phase_urls(deployment.stream.uri, phase, split) for split in ("eval", "gallery")}
     result = validate_splits({"train": shards, **others}, out_dir, policy)
     document = result.to_dict()
     if not document["blocked"]:
         kept = {split: split_accepted_paths(result, split) for split in others}
-        keep_validated(config["workspace"], phase, result.accepted_paths, kept)
+        keep_validated(Workspace.of(deployment), phase, result.accepted_paths, kept)
     summary_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(out_dir / "validation.json", summary_path)
     copy_summaries(out_dir, run_dir / "validate", ("validation.json",))
@@ -60,13 +61,13 @@ def validate_step(
 
 
 def accepted_shards(validated_dir: str | Path) -> list[str]:
-    """The accepted shards the validation stage wrote into ``validated_dir``."""
+    """The accepted shards the validation step wrote into ``validated_dir``."""
     return sorted(str(p) for p in Path(validated_dir, "accepted").glob("*.tar"))
 
 
 @step("drift")
 def drift_step(
-    config: Config,
+    deployment: Deployment,
     run_dir: Path,
     reference_shards: list[str],
     validated_dir: str,
@@ -77,14 +78,14 @@ def drift_step(
     """Drift of the validated phase against the reference; returns the overall severity."""
     from components.drift import run_drift
 
-    settings = as_config(config)["drift"]
+    settings = deployment.drift
     stage_dir = run_dir / "drift"
     result = run_drift(
         reference_shards,
         accepted_shards(validated_dir),
         stage_dir,
-        production_checkpoint=Path(production) if production and settings["embeddings"] else None,
-        sample_size=settings["sample_size"],
+        production_checkpoint=Path(production) if production and settings.embeddings else None,
+        sample_size=settings.sample_size,
     )
     for path, name in ((html_path, "drift_report.html"), (summary_path, "drift.json")):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,16 +7,18 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
-from components.steps.base import Config, as_config, registry_of, step, workspace_of
+from components.deployment import Deployment
+from components.steps.base import registry_of, step
 from components.steps.outcome import note_blocked
 from components.steps.release import model_dir_of
+from components.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
 
 @step("serve-first-model")
 def serve_first_model_step(
-    config: Config, run_dir: Path, version: str, gallery_shards: list[str]
+    deployment: Deployment, run_dir: Path, version: str, gallery_shards: list[str]
 ) -> dict[str, Any]:
     """First run: index the gallery with the first model, record lineage, make it ``production``.
 
@@ -27,42 +29,40 @@ def serve_first_model_step(
     from components.rollout.operations import index_new_items
     from components.runs import validated_shards
 
-    config = as_config(config)
-    gallery_shards = validated_shards(config, gallery_shards, "gallery")  # quarantined items are not indexed
-    model = model_dir_of(config, version)
+    gallery_shards = validated_shards(deployment, gallery_shards, "gallery")  # quarantined: not indexed
+    model = model_dir_of(deployment, version)
+    workspace = Workspace.of(deployment)
     record = index_new_items(
-        workspace_of(config),
+        workspace,
         model,
         version,
         str(read_sidecar(Path(model))["version"]),
         gallery_shards,
-        seed=config["training"]["seed"],
-        uri=config["index"]["uri"],
+        seed=deployment.training.seed,
     )
-    _record_lineage(config, record.pop("new_items"))
+    _record_lineage(workspace, record.pop("new_items"))
     state = {"state": "completed", "model_version": version, "kind": "initial_index"}
-    registry_of(config).promote(version, rollout_state=state)
+    registry_of(deployment).promote(version, rollout_state=state)
     summary = {**record, "version": version, "promoted": True}
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
     return summary
 
 
 @step("ingest")
-def ingest_step(config: Config, run_dir: Path, gallery_shards: list[str]) -> dict[str, Any]:
+def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]) -> dict[str, Any]:
     """Index the phase's new gallery items with the serving model, whatever the gate will decide.
 
     Items already in the index are skipped (idempotent), so the items of every phase are searchable from
     the run that brings them; an upgrade that ships later re-embeds them with the rest of the gallery.
     Lineage records them. Writes ``ingest/ingest.json``.
     """
-    from components.rollout import RolloutPaths, read_serving
+    from components.rollout import read_serving
     from components.rollout.operations import index_new_items
     from components.runs import validated_shards
 
-    config = as_config(config)
-    gallery_shards = validated_shards(config, gallery_shards, "gallery")  # quarantined items are not indexed
-    workspace = workspace_of(config)
-    serving = read_serving(RolloutPaths.for_workspace(workspace).serving)
+    gallery_shards = validated_shards(deployment, gallery_shards, "gallery")  # quarantined: not indexed
+    workspace = Workspace.of(deployment)
+    serving = read_serving(workspace.serving_path)
     if serving is None:
         raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
     served = serving["query_model"]
@@ -72,21 +72,20 @@ def ingest_step(config: Config, run_dir: Path, gallery_shards: list[str]) -> dic
         served["version"],
         "",
         gallery_shards,
-        seed=config["training"]["seed"],
-        uri=config["index"]["uri"],
+        seed=deployment.training.seed,
     )
     summary = {
         "model_version": served["version"],
         "n_items": added["n_items"],
         "n_new": added["n_new"],
-        "lineage_recorded": _record_lineage(config, added.pop("new_items")),
+        "lineage_recorded": _record_lineage(workspace, added.pop("new_items")),
     }
     write_json_atomic(run_dir / "ingest" / "ingest.json", summary)
     return summary
 
 
 @step("rollout")
-def rollout_step(config: Config, run_dir: Path, version: str) -> dict[str, Any]:
+def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[str, Any]:
     """After a gate pass: roll ``version`` out and make it ``production``.
 
     The phase's new gallery items are already indexed with the serving model (:func:`ingest_step` runs
@@ -96,46 +95,45 @@ def rollout_step(config: Config, run_dir: Path, version: str) -> dict[str, Any]:
     ``rejected`` and leaves ``production`` where it was.
     """
     from components.lineage import sync_from_index
+    from components.report.inputs import SOURCES
     from components.rollout import RolloutPaths, rollback
     from components.rollout.operations import open_index, roll_out
 
-    config = as_config(config)
-    settings, uri, seed = config["rollout"], config["index"]["uri"], config["training"]["seed"]
-    workspace = workspace_of(config)
-    undone = _undo_unfinished_rollout(workspace, uri, version)
+    workspace = Workspace.of(deployment)
+    undone = _undo_unfinished_rollout(workspace, version)
     state = roll_out(
         workspace,
         version,
-        settings,
-        new_model=model_dir_of(config, version),
-        seed=seed,
-        uri=uri,
+        deployment.rollout,
+        new_model=model_dir_of(deployment, version),
+        seed=deployment.training.seed,
     )
     if state["state"] == "halted":
         # Halt means roll back: the stages accepted before the halted one are undone too and queries go back
         # to the production model, so the gallery holds production's vectors only and production, the
         # serving record and the index agree on what is served (the next upgrade is compatible with it).
-        with open_index(workspace, uri) as index:
+        with open_index(workspace) as index:
             state = rollback(RolloutPaths.for_workspace(workspace), index)
     gallery = state["gallery"]
     summary: dict[str, Any] = {
         "version": version,
         "undone_first": undone,
         "rollout": state,
-        "lineage_updated": sync_from_index(config["lineage"]["repo"], gallery["uri"], gallery["alias"]),
+        "lineage_updated": sync_from_index(workspace.feast_dir, gallery["uri"], gallery["alias"]),
         "promoted": state["state"] == "completed",
     }
     if summary["promoted"]:
-        registry_of(config).promote(version, rollout_state=state)
+        registry_of(deployment).promote(version, rollout_state=state)
     else:
         reason = state.get("halt_reason") or "see rollout/rollout.json"
         note_blocked(run_dir, "rollout", f"rollout halted and rolled back: {reason}")
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
-    write_json_atomic(run_dir / "rollout" / "rollout_state.json", state)  # for the on-call report
+    report_name, _ = SOURCES["rollout"]
+    write_json_atomic(run_dir / "rollout" / report_name, state)  # where the on-call report reads it
     return summary
 
 
-def _undo_unfinished_rollout(workspace: Any, uri: str, version: str) -> dict[str, Any] | None:
+def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, Any] | None:
     """Roll back a rollout of another version left unfinished (its run was killed or failed and will not
     resume it, or it halted under `compatflow rollout run`: never promoted); a rollout of ``version`` itself
     is resumed by the caller. Returns what was undone (for the report), or None."""
@@ -152,7 +150,7 @@ def _undo_unfinished_rollout(workspace: Any, uri: str, version: str) -> dict[str
     logger.warning(
         "rolling back unfinished rollout %s of version %s first", state["rollout_id"], state["model_version"]
     )
-    with open_index(workspace, uri) as index:
+    with open_index(workspace) as index:
         rollback(paths, index)
     return {
         "rollout_id": state["rollout_id"],
@@ -161,12 +159,12 @@ def _undo_unfinished_rollout(workspace: Any, uri: str, version: str) -> dict[str
     }
 
 
-def _record_lineage(config: dict[str, Any], items: list[dict[str, Any]]) -> int:
+def _record_lineage(workspace: Workspace, items: list[dict[str, Any]]) -> int:
     """Record freshly indexed items in Feast (who embedded them, in which space, from which image)."""
     from components.lineage import LineageStore
 
     if not items:
         return 0
-    store = LineageStore(config["lineage"]["repo"])
+    store = LineageStore(workspace.feast_dir)
     store.apply()
     return store.write_items(items)

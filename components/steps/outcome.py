@@ -6,11 +6,12 @@ import shutil
 from pathlib import Path
 
 from compat.io import write_json_atomic
-from components.steps.base import Config, as_config
+from components.deployment import Deployment
+from components.steps.base import Config
 
 
 def note_blocked(run_dir: Path, step: str, reason: str) -> None:
-    """Record that a stage stopped the run (read by the report, the outcome and ``compatflow status``)."""
+    """Record that a step stopped the run (read by the report, the outcome and ``compatflow status``)."""
     from components.runs import BLOCKED_FILE
 
     write_json_atomic(run_dir / BLOCKED_FILE, {"step": step, "reason": reason})
@@ -22,10 +23,10 @@ def finish_step(
     """Exit handler: the run's outcome into the workspace state, then the on-call report."""
     from components.runs import finish_run, run_dir_of_job
 
-    resolved = as_config(config)
-    run_dir = run_dir_of_job(resolved, run_id, job_name)
+    deployment = Deployment.coerce(config)
+    run_dir = run_dir_of_job(deployment, run_id, job_name)
     run_dir.mkdir(parents=True, exist_ok=True)
-    outcome = finish_run(resolved, run_dir, pipeline_state, error)
+    outcome = finish_run(deployment, run_dir, pipeline_state, error)
     paths = report_step(run_dir)
     html_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(paths["html"], html_path)

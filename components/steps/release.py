@@ -7,15 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import utc_now, write_json_atomic
-from components.steps.base import (
-    Config,
-    as_config,
-    copy_summaries,
-    model_dir_in,
-    registry_of,
-    step,
-    workspace_of,
-)
+from components.deployment import Deployment
+from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, step
+from components.workspace import Workspace
 
 BOOTSTRAP_REASON = {
     "code": "bootstrap",
@@ -24,15 +18,14 @@ BOOTSTRAP_REASON = {
 
 
 @step("resolve-production")
-def resolve_production(config: Config, run_dir: Path | None = None) -> str:
+def resolve_production(deployment: Deployment, run_dir: Path | None = None) -> str:
     """Path of the production model (downloaded and verified once per version), or "" if none.
 
     The model may be a plain checkpoint or a compatible model of any method (:mod:`compat.production`).
     ``run_dir`` is where a failure is recorded."""
-    config = as_config(config)
-    registry = registry_of(config)
+    registry = registry_of(deployment)
     version = registry.alias_version("production") if registry.exists() else None
-    return "" if version is None else model_dir_of(config, version)
+    return "" if version is None else model_dir_of(deployment, version)
 
 
 def model_dir_of(config: Config, version: str) -> str:
@@ -41,17 +34,17 @@ def model_dir_of(config: Config, version: str) -> str:
     Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
     on a cluster).
     """
-    config = as_config(config)
-    target = workspace_of(config).models_dir / f"v{version}"
+    deployment = Deployment.coerce(config)
+    target = Workspace.of(deployment).model_dir(version)
     if (target / "model.json").is_file() or (target / "compat.json").is_file():
-        registry_of(config).verify_copy(version, target)
+        registry_of(deployment).verify_copy(version, target)
         return str(target)
-    return str(registry_of(config).download(version, target))
+    return str(registry_of(deployment).download(version, target))
 
 
 @step("evaluate")
 def evaluate_step(
-    config: Config,
+    deployment: Deployment,
     run_dir: Path,
     production: str,
     compat_model: str,
@@ -64,27 +57,28 @@ def evaluate_step(
     from components.evaluate import evaluate
     from components.runs import validated_shards
 
-    config = as_config(config)
     report = evaluate(
         production,
         compat_model,
-        validated_shards(config, eval_shards, "eval"),
+        validated_shards(deployment, eval_shards, "eval"),
         out_dir,
-        scenario=config["compat"]["scenario"],
+        scenario=deployment.compat.scenario,
         data_phase=phase,
-        seed=config["training"]["seed"],
+        seed=deployment.training.seed,
     )
     copy_summaries(out_dir, run_dir / "evaluate", ("compat_report.json",))
     return report
 
 
 @step("gate")
-def gate_step(config: Config, run_dir: Path, report: str, validation: str, drift: str, out_dir: Path) -> str:
+def gate_step(
+    deployment: Deployment, run_dir: Path, report: str, validation: str, drift: str, out_dir: Path
+) -> str:
     """Pass or block (fail-closed); returns the decision."""
     from components.gate import run_gate
 
-    config = as_config(config)
-    decision = run_gate(report, out_dir, policy=config["gate"]["policy"], validation=validation, drift=drift)
+    policy = deployment.gate.policy
+    decision = run_gate(report, out_dir, policy=policy, validation=validation, drift=drift)
     copy_summaries(out_dir, run_dir / "gate", ("gate.json",))
     return decision.decision
 
@@ -104,11 +98,10 @@ def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
 
 @step("register")
 def register_step(
-    config: Config, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
+    deployment: Deployment, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
 ) -> dict:
     """Log the run to MLflow and register the model as the ``candidate`` version."""
-    config = as_config(config)
-    method = "bootstrap" if bootstrap else config["compat"]["method"]
+    method = "bootstrap" if bootstrap else deployment.compat.method
     gate_path = run_dir / "gate" / "gate.json"
     gate = json.loads(gate_path.read_text()) if gate_path.is_file() else bootstrap_gate(run_dir)
     reports = [
@@ -122,7 +115,7 @@ def register_step(
     ]
     metrics = run_dir / "continual" / "metrics.json"
     report = run_dir / "evaluate" / "compat_report.json"
-    info = registry_of(config).register_run(
+    info = registry_of(deployment).register_run(
         run_dir.name,
         model_dir_in(model_dir),
         data_phase=phase,
@@ -134,7 +127,7 @@ def register_step(
         params={
             "phase": phase,
             "method": method,
-            "model_config": config["training"]["model_config"],
+            "model_config": deployment.training.model_config_name,
             "bootstrap": bootstrap,
         },
     )

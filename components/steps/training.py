@@ -9,15 +9,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from compat.io import write_json_atomic
-from components.steps.base import (
-    Config,
-    as_config,
-    checkpoint_dir_of,
-    copy_summaries,
-    read_json_or_none,
-    step,
-)
+from compat.io import read_json_object_or_none, write_json_atomic
+from components.deployment import Deployment, TrainingSection
+from components.steps.base import checkpoint_dir_of, copy_summaries, step
 from components.steps.data import accepted_shards
 
 logger = logging.getLogger(__name__)
@@ -25,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 @step("continual")
 def continual_step(
-    config: Config,
+    deployment: Deployment,
     run_dir: Path,
     phase: int,
     stream_dir: str,
@@ -37,23 +31,22 @@ def continual_step(
 
     Scenario ``continual``: the production model trained on the phase's validated shards with
     ``training.method`` (Mod-X by default). Scenario ``foundation``: ``compat.foundation_config`` trained
-    from its own initialisation on every phase so far (the new architecture that the compat stage then
+    from its own initialisation on every phase so far (the new architecture that the compat step then
     makes compatible with production).
     """
     from components.continual import TrainingSettings, run_continual
     from components.runs import replay_shards, training_dir
 
-    config = as_config(config)
-    training = config["training"]
-    foundation = bool(production) and config["compat"]["scenario"] == "foundation"
+    training = deployment.training
+    foundation = bool(production) and deployment.compat.scenario == "foundation"
     accepted = accepted_shards(validated_dir)
     budget = training_budget(training, _validated_count(validated_dir))
     settings = dataclasses.replace(
-        TrainingSettings.from_config(training),
+        TrainingSettings.from_section(training),
         steps=budget["steps"],
-        seed=training["seed"] + phase,
+        seed=training.seed + phase,
         **(
-            {"config_name": config["compat"]["foundation_config"], "method": "foundation", "alpha": None}
+            {"config_name": deployment.compat.foundation_config, "method": "foundation", "alpha": None}
             if foundation
             else {}
         ),
@@ -64,7 +57,7 @@ def continual_step(
         out_dir,
         settings,
         production=production or None,
-        replay_urls=replay_shards(config, phase) if training["replay_buffer_size"] else None,
+        replay_urls=replay_shards(deployment, phase) if training.replay_buffer_size else None,
         train_urls=accepted or None,
         version=f"{run_dir.name}",
         # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
@@ -81,17 +74,17 @@ def continual_step(
 MAX_EPOCHS_WITHOUT_WARNING = 20.0
 
 
-def training_budget(training: dict[str, Any], samples: int | None) -> dict[str, Any]:
+def training_budget(training: TrainingSection, samples: int | None) -> dict[str, Any]:
     """Optimizer steps of the phase: ``training.steps``, or ``ceil(epochs x samples / batch_size)`` when
     ``training.epochs`` is set; with the epochs the budget amounts to and a warning when it repeats a small
     phase many times (shown in the report)."""
     import math
 
-    batch, epochs = training["batch_size"], training.get("epochs")
+    batch, epochs = training.batch_size, training.epochs
     if epochs is not None and samples:
         steps = max(1, math.ceil(float(epochs) * samples / batch))
     else:
-        steps = int(training["steps"])
+        steps = int(training.steps)
     passes = None if not samples else round(steps * batch / samples, 2)
     warning = None
     if passes is not None and passes > MAX_EPOCHS_WITHOUT_WARNING:
@@ -111,7 +104,7 @@ def training_budget(training: dict[str, Any], samples: int | None) -> dict[str, 
 
 
 def _validated_count(validated_dir: str | Path) -> int | None:
-    """Samples the validation stage accepted (its ``validation.json``), or None when unknown."""
+    """Samples the validation step accepted (its ``validation.json``), or None when unknown."""
     path = Path(validated_dir) / "validation.json"
     try:
         return int(json.loads(path.read_text())["passed"])
@@ -121,7 +114,7 @@ def _validated_count(validated_dir: str | Path) -> int | None:
 
 @step("compat")
 def compat_step(
-    config: Config,
+    deployment: Deployment,
     run_dir: Path,
     phase: int,
     candidate: str,
@@ -141,43 +134,40 @@ def compat_step(
     from compat.production import identity
     from components.runs import replay_shards
 
-    config = as_config(config)
-    settings = config["compat"]
-    per_phase = settings["replay_shards_per_phase"]
-    replay = [s for shards in replay_shards(config, phase, per_phase) for s in shards] if per_phase else []
+    settings = deployment.compat
+    per_phase = settings.replay_shards_per_phase
+    replay = (
+        [s for shards in replay_shards(deployment, phase, per_phase) for s in shards] if per_phase else []
+    )
     candidate = checkpoint_dir_of(candidate)
     # Trained once per run: a resumed run reuses the model its earlier attempt finished (same inputs), so
     # it registers the same version and a rollout it had started resumes from its cursor.
     key = {
-        "method": settings["method"],
-        "options": settings["options"],
-        "steps": settings["steps"],
-        "batch_size": settings["batch_size"],
+        "method": settings.method,
+        "options": settings.options,
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
         "production": identity(production)["sha256"],
         "candidate": tensors_digest(Path(candidate)),  # the weights, not the file (see tensors_digest)
         "replay_shards": replay,
     }
     model_dir, record_path = run_dir / "compat" / "model", run_dir / "compat" / "compat_model.json"
-    record = read_json_or_none(record_path)
+    record = read_json_object_or_none(record_path)
     if record and record.get("key") == key and (model_dir / COMPAT_FILE).is_file():
         logger.info("compat: reusing %s (trained by an earlier attempt of this run)", model_dir)
     else:
         shutil.rmtree(model_dir, ignore_errors=True)
         model = train_compat(
-            settings["method"],
+            settings.method,
             production,
             candidate,
             accepted_shards(validated_dir) + replay,
             model_dir,
-            settings={
-                **settings["options"],
-                "steps": settings["steps"],
-                "device": config["training"]["device"],
-            },
-            batch_size=settings["batch_size"],
+            settings={**settings.options, "steps": settings.steps, "device": deployment.training.device},
+            batch_size=settings.batch_size,
         )
         record = {
-            "method": settings["method"],
+            "method": settings.method,
             "path": str(model_dir),
             "replay_shards": replay,
             "contract": model.contract.to_dict(),

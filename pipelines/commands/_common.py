@@ -18,13 +18,6 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def write_json(path: Path, document: Any) -> None:
-    """Write ``document`` as indented JSON, atomically (temp file + rename)."""
-    from compat.io import write_json_atomic
-
-    write_json_atomic(path, document)
-
-
 def echo_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
 
@@ -36,7 +29,7 @@ def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
     from components.workspace import Workspace
 
     try:
-        with workspace_lock(Workspace.coerce(workspace).root, purpose):
+        with workspace_lock(Workspace.coerce(workspace), purpose):
             yield
     except WorkspaceBusy as err:
         fail(str(err), code=1)
@@ -57,7 +50,7 @@ ConfigOpt = Annotated[
 ]
 
 
-def config_of(config: str | None) -> dict[str, Any]:
+def config_of(config: str | None) -> Any:
     """The resolved config an operator command reads its defaults from (``local`` when none is given)."""
     from pipelines.config import ConfigError, load_config, resolve
 
@@ -79,14 +72,17 @@ def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, 
     if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
         ws = workspace_of(config, workspace)
         return ws, RegistryDigestCheck(ws)
-    resolved = config_of(config)
-    ws = workspace_of(config, workspace, resolved)
-    return ws, RegistryDigestCheck(ws, resolved["registry"]["model_name"])
+    deployment = config_of(config)
+    ws = workspace_of(config, workspace, deployment)
+    return ws, RegistryDigestCheck(ws, deployment.registry.model_name)
 
 
-def workspace_of(config: str | None, workspace: Path | None, resolved: dict[str, Any] | None = None) -> Any:
+def workspace_of(
+    config: str | None, workspace: Path | None, deployment: Any = None, *, index_uri: str | None = None
+) -> Any:
     """The :class:`~components.workspace.Workspace` an operator command works on: the config's workspace and
-    service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services."""
+    service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services;
+    ``index_uri`` (a command's ``--uri``) replaces the index URI."""
     import os
 
     from components.workspace import ENV_ROOT, Workspace
@@ -97,7 +93,8 @@ def workspace_of(config: str | None, workspace: Path | None, resolved: dict[str,
 
     try:
         if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
-            return Workspace(workspace)
-        return Workspace.from_config(resolved if resolved is not None else config_of(config))
+            return Workspace(workspace, index_uri=index_uri)
+        chosen = Workspace.of(deployment if deployment is not None else config_of(config))
+        return chosen.with_index_uri(index_uri) if index_uri else chosen
     except WorkspaceError as err:
         fail(str(err))

@@ -34,7 +34,7 @@ def status(
         typer.echo(_format_status(doc))
     problems = [
         *doc.get("unreadable", []),
-        *(f"{e['hook']}: {e['error']}" for e in doc.get("plugin_errors", [])),
+        *(f"{e['part']}: {e['error']}" for e in doc.get("part_errors", [])),
     ]
     if problems:
         from pipelines.commands._common import fail
@@ -54,14 +54,15 @@ def rollback(
 
     workspace = workspace_of(config, workspace)
     from components.registry import Registry, RegistryError, RollbackHookError
+    from components.steps import rollback_production
     from pipelines.commands._common import echo_json, fail, holding_workspace
 
     registry = Registry(workspace, model_name=model_name)
     if not registry.exists():
         fail(f"no registry at {registry.tracking_uri}: nothing to roll back", code=1)
     try:
-        with holding_workspace(registry.workspace.root, "compatflow rollback"):
-            result = registry.rollback()
+        with holding_workspace(registry.workspace, "compatflow rollback"):
+            result = rollback_production(registry)
     except RollbackHookError as err:
         if as_json:
             echo_json(err.result)

@@ -63,16 +63,14 @@ def index_cmd(
     """Embed a gallery with MODEL and index it behind the serving alias (first run); writes the probe set."""
     from pipelines.commands._common import workspace_of
 
-    workspace = workspace_of(config, workspace)
+    workspace = workspace_of(config, workspace, index_uri=uri)
     from components.index import GalleryIndexError
     from components.rollout import ServingError
     from components.rollout.operations import index_new_items
     from pipelines.commands._common import fail
 
     try:
-        record = index_new_items(
-            workspace, model, version, space, gallery, probe_size=probe_size, seed=seed, uri=uri
-        )
+        record = index_new_items(workspace, model, version, space, gallery, probe_size=probe_size, seed=seed)
     except (ServingError, GalleryIndexError, ValueError, OSError) as err:
         fail(str(err))
     typer.echo(
@@ -94,10 +92,10 @@ def run_cmd(
     probe: Annotated[
         Path | None, typer.Option("--probe", help="Probe set JSON (default: <workspace>/rollout/probe.json).")
     ] = None,
-    policy: Annotated[
+    order: Annotated[
         str | None,
         typer.Option(
-            "--policy",
+            "--order",
             help="random | oldest_first | lambda_orth | uncertainty (default: the config's rollout.order).",
         ),
     ] = None,
@@ -138,7 +136,7 @@ def run_cmd(
     ] = "components.rollout.encoders:model_encoders",
     query_factory: Annotated[
         str, typer.Option("--query-factory", help="Factory of the serving query encoder recorded for search.")
-    ] = "components.rollout.serving:model_query_encoder",
+    ] = "components.serving.record:model_query_encoder",
     option: Annotated[list[str], typer.Option("--option", help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
@@ -151,27 +149,34 @@ def run_cmd(
     """
     from pipelines.commands._common import config_of, workspace_of
 
-    resolved = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
-    workspace = workspace_of(config, workspace, resolved)
+    deployment = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
+    workspace = workspace_of(config, workspace, deployment, index_uri=uri)
+    from pydantic import ValidationError
+
+    from components.deployment import RolloutSection, error_lines
     from components.index import GalleryIndexError
     from components.rollout import RolloutError, ServingError
     from components.rollout.operations import roll_out
     from pipelines.commands._common import echo_json, fail
 
-    settings = dict(resolved["rollout"])
-    if policy is not None:
-        settings["order"] = policy
-    if fractions is not None:
-        settings["fractions"] = [float(f) for f in fractions.split(",") if f.strip()]
-    if batch_size is not None:
-        settings["batch_size"] = batch_size
-    settings["floors"] = {**settings.get("floors", {}), **{k: float(v) for k, v in _options(floor).items()}}
-    settings["slo"] = dict(settings["slo"])
-    if p99_factor is not None:
-        settings["slo"]["p99_factor"] = p99_factor or None
-    if max_items_per_s is not None:
-        settings["slo"]["max_items_per_s"] = max_items_per_s
+    given = deployment.rollout
+    slo = given.slo.model_copy(
+        update={
+            **({} if p99_factor is None else {"p99_factor": p99_factor or None}),
+            **({} if max_items_per_s is None else {"max_items_per_s": max_items_per_s}),
+        }
+    )
     try:
+        settings = RolloutSection.model_validate(
+            {
+                **given.model_dump(),
+                **({} if order is None else {"order": order}),
+                **({} if fractions is None else {"fractions": [float(f) for f in fractions.split(",") if f]}),
+                **({} if batch_size is None else {"batch_size": batch_size}),
+                "floors": {**given.floors, **{k: float(v) for k, v in _options(floor).items()}},
+                "slo": slo.model_dump(),
+            }
+        )
         state = roll_out(
             workspace,
             new_version,
@@ -179,13 +184,14 @@ def run_cmd(
             new_model=new_model,
             old_model=old_model,
             probe=probe,
-            seed=resolved["training"]["seed"] if seed is None else seed,
+            seed=deployment.training.seed if seed is None else seed,
             space=space,
             encoders=encoders,
             query_factory=query_factory,
             options=_options(option),
-            uri=uri,
         )
+    except ValidationError as err:
+        fail("; ".join(error_lines(err)))
     except (RolloutError, ServingError, GalleryIndexError, ValueError, OSError) as err:
         fail(str(err))
     if as_json:

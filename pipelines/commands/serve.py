@@ -88,14 +88,14 @@ def serve(
     record: Path = ws.serving_path
     if not record.is_file():
         typer.echo(f"no serving record at {record} yet: /readyz answers 503 until one is written", err=True)
-    from components.services import announced, services_dir
+    from components.services import announced
 
     app = create_app(
         record, state_path=ws.rollout_state_path, uri=uri, watch_interval_s=watch_interval, verify=verify
     )
     server = _server(app, host, port, log_level)
     try:
-        with announced(services_dir(ws.root), host, port):  # a rollout paces itself on these queries
+        with announced(ws.services_dir, host, port):  # a rollout paces itself on these queries
             server.run()
     except OSError as err:
         fail(f"cannot listen on {host}:{port}: {err}", code=1)

@@ -17,18 +17,19 @@ def rebuild(
 ) -> None:
     """Rebuild state.json from the run folders (each phase's newest finished run)."""
     from components.runs import rebuild_state
+    from components.workspace import Workspace
     from pipelines.commands._common import fail, holding_workspace
     from pipelines.config import ConfigError, load_config, resolve
 
     try:
-        workspace = resolve(load_config(config))["workspace"]
+        workspace = Workspace.of(resolve(load_config(config)))
     except ConfigError as err:
         fail(str(err))
     with holding_workspace(workspace, "compatflow state rebuild"):
         state = rebuild_state(workspace)
     for phase, entry in state["phases"].items():
         typer.echo(f"phase {phase:>3}  {entry['status']:<9}  run {entry['run_id']}")
-    typer.echo(f"rebuilt {workspace}/state.json: {len(state['phases'])} phase(s)")
+    typer.echo(f"rebuilt {workspace.state_path}: {len(state['phases'])} phase(s)")
 
 
 def register(app: typer.Typer) -> None:

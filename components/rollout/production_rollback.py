@@ -1,11 +1,10 @@
-"""Gallery plugin: ``compatflow status`` shows the index and rollout; a registry rollback restores the index.
+"""The gallery's part of a production rollback: the registry moves its aliases, these put the index back.
 
-``status`` adds ``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the
-count) and ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled``. ``prepare_rollback``
-refuses a registry rollback whose gallery part cannot be done, before anything changes; ``on_rollback``
-first rolls back a rollout of a candidate left unfinished in the rollout state (a run killed or failed
-mid-backfill: that candidate was made for the production that is leaving, so no later run may resume it),
-then the rollout of the version that leaves production (previous collection or vectors, previous query
+:func:`components.steps.rollback_production` passes them to :meth:`components.registry.Registry.rollback`.
+``prepare_rollback`` refuses a registry rollback whose gallery part cannot be done, before anything changes;
+``on_rollback`` first rolls back a rollout of a candidate left unfinished in the rollout state (a run killed
+or failed mid-backfill: that candidate was made for the production that is leaving, so no later run may resume
+it), then the rollout of the version that leaves production (previous collection or vectors, previous query
 model; found even when later rollouts were archived), re-embeds with the returning model the items written
 since, and records the restored versions in the item lineage.
 """
@@ -16,24 +15,6 @@ import logging
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-
-def status(workspace: Any) -> dict[str, Any]:
-    from components.index import gallery_status
-    from components.rollout import RolloutPaths, read_serving
-    from components.rollout import status as rollout_status
-
-    paths = RolloutPaths.for_workspace(workspace)
-    doc: dict[str, Any] = {"rollout": rollout_status(paths.state)}
-    record = read_serving(paths.serving)
-    if record is None:
-        doc["gallery"] = {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
-    else:
-        doc["gallery"] = {
-            **gallery_status(record["uri"], record["alias"]),
-            "query_model_version": record["query_model"]["version"],
-        }
-    return doc
 
 
 def prepare_rollback(event: dict[str, Any]) -> None:
@@ -47,13 +28,13 @@ def prepare_rollback(event: dict[str, Any]) -> None:
     paths = RolloutPaths.for_workspace(event["workspace"])
     if read_serving(paths.serving) is None:
         return  # nothing indexed: nothing to restore
-    repo = Path(event.get("lineage_repo") or Path(event["workspace"]) / "feast")
+    repo = _lineage_repo(event)
     if not (repo / "feature_store.yaml").is_file():
         raise RolloutError(
             f"the lineage repo {repo} has no feature_store.yaml, so the rollback could not record which "
             "model embeds each item: run it with the config that names the deployment's repo (--config)"
         )
-    state = load_state(rollout_of(paths, event["from_version"]), paths.state.parent)
+    state = load_state(rollout_of(paths, event["from_version"]), paths.root)
     model = Path(str(state["previous_query_model"].get("uri", "")))
     if not model.is_dir():
         raise RolloutError(f"the model version {event['to_version']} served from is gone ({model})")
@@ -67,7 +48,6 @@ def on_rollback(event: dict[str, Any]) -> None:
     """Put the gallery back to the version production returns to: undo the rollout that made the leaving
     version served, then give every item written by another model since (items ingested after that
     rollout) the returning model's vector, so queries meet only vectors of the model that answers them."""
-    from pathlib import Path
 
     from components.index import GalleryIndex
     from components.rollout import RolloutPaths, read_serving, rollback, rollout_of
@@ -85,11 +65,20 @@ def on_rollback(event: dict[str, Any]) -> None:
     log.info("rollback: %d item(s) re-embedded by %s", written, state["previous_query_model"]["version"])
     from components.lineage import sync_from_index
 
-    repo = Path(event.get("lineage_repo") or Path(event["workspace"]) / "feast")
+    repo = _lineage_repo(event)
     if (repo / "feature_store.yaml").is_file():  # prepare_rollback refuses a served gallery without one
         sync_from_index(repo, state["gallery"]["uri"], state["gallery"]["alias"])
     else:
         log.warning("no lineage repo at %s: item lineage not updated", repo)
+
+
+def _lineage_repo(event: dict[str, Any]) -> Any:
+    """The lineage repo the rollback event names, else its workspace's."""
+    from pathlib import Path
+
+    from components.workspace import Workspace
+
+    return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).feast_dir)
 
 
 UNFINISHED = ("pending", "running", "halted")

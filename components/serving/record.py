@@ -27,12 +27,15 @@ from typing import Any
 import numpy as np
 
 from compat.io import read_json, utc_now, write_json_atomic
-from components.rollout.types import QueryEncoder
 from components.workspace import map_paths, resolved_path, stored_path
 
 SERVING_PATHS = ("uri", "query_model.uri", "previous.query_model.uri")  # stored relative to the workspace
-DEFAULT_FACTORY = "components.rollout.serving:model_query_encoder"
-RENAMED_FACTORIES = {"components.search:model_query_encoder": DEFAULT_FACTORY}  # named by older records
+DEFAULT_FACTORY = "components.serving.record:model_query_encoder"
+RENAMED_FACTORIES = {  # named by older records
+    "components.search:model_query_encoder": DEFAULT_FACTORY,
+    "components.rollout.serving:model_query_encoder": DEFAULT_FACTORY,
+}
+QueryEncoder = Callable[[list[str]], np.ndarray]  # texts -> (n, dim) query vectors
 TRUSTED_ENV = "COMPATFLOW_TRUSTED_MODULES"
 TRUSTED_PREFIXES = ("compat.", "components.")
 

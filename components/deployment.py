@@ -1,0 +1,292 @@
+"""The typed deployment: every setting of a pipeline config, one pydantic model per section.
+
+A YAML config (``pipelines/configs/*.yaml``) is parsed once into a :class:`Deployment` (by
+:func:`pipelines.config.load_config`, which adds the checks that need the model factory, the methods and the
+gate); every step, op and command then reads typed attributes, and a KFP op rebuilds the same object from
+the JSON string it receives (:meth:`Deployment.coerce`). Each default lives in its field definition (the
+local config's values); ``schemas/pipeline_config.schema.json`` is generated from this model
+(:func:`json_schema`, checked by a test), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "pipeline_config.schema.json"
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are refused, values keep their YAML type (no "1" for 1) and are
+    immutable once loaded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
+
+
+class StreamSection(Section):
+    """Where the phases of training data come from; the rest synthesises the default stream when missing."""
+
+    uri: str = Field("workspace/stream", min_length=1, description="a directory (or URL) with stream.json")
+    generate_if_missing: bool = Field(True, description="synthesise the default stream on the first run")
+    phases: int = Field(5, ge=1)
+    samples_per_phase: int = Field(2000, ge=1)
+    eval_per_domain: int = Field(200, ge=1)
+    gallery_per_domain: int = Field(500, ge=1)
+    image_size: int = Field(64, ge=16)
+    seed: int = 0
+    shift: Literal["realistic", "disjoint"] = "realistic"
+    old_word_share: float = Field(0.6, ge=0, le=1)
+
+
+class ValidationSection(Section):
+    """Data validation of each new phase."""
+
+    max_quarantined_fraction: float = Field(0.05, ge=0, le=1)
+
+
+class DriftSection(Section):
+    """The drift report against a reference phase."""
+
+    reference_phase: Literal["previous", "first"] = "previous"
+    sample_size: int = Field(500, ge=10, description="samples per side fed to Evidently")
+    embeddings: bool = Field(True, description="embedding drift under the production model when one exists")
+
+
+class TrainingSection(Section):
+    """Continual training of the next model (Mod-X and its baselines)."""
+
+    model_config_name: str = Field("cf-tiny", alias="model_config", description="a model config name")
+    pretrained: str | None = Field(None, description="the first model's start weights (file or cached tag)")
+    resize_mode: Literal["shortest", "longest", "squash"] | None = None
+    method: Literal["modx", "finetune", "joint"] = "modx"
+    alpha: float = Field(1.0, ge=0, description="Mod-X KL weight")
+    replay_buffer_size: int = Field(1000, ge=0)
+    replay_rows: int = Field(16, ge=0)
+    steps: int = Field(300, ge=1)
+    epochs: float | None = Field(None, gt=0, description="passes over the phase instead of steps")
+    checkpoint_every: int = Field(50, ge=0)
+    batch_size: int = Field(64, ge=2)
+    lr: float = Field(5.0e-4, gt=0)
+    warmup_fraction: float = Field(0.2, ge=0, le=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+
+class CompatSection(Section):
+    """Compatibility training against the production model."""
+
+    scenario: Literal["continual", "foundation"] = "continual"
+    foundation_config: str = "cf-foundation-minilm"
+    method: Literal["bct", "lambda_orth", "bt2", "xbt", "taca", "none"] = "bct"
+    steps: int = Field(900, ge=1)
+    batch_size: int = Field(64, ge=2)
+    replay_shards_per_phase: int = Field(1, ge=0)
+    options: dict[str, Any] = Field(default_factory=lambda: {"synthesize_unmatched": True})
+
+
+class GateSection(Section):
+    """The release gate."""
+
+    policy: str | None = Field(None, description="a gate policy YAML (null: the shipped policy)")
+
+
+class RegistrySection(Section):
+    """The MLflow model registry."""
+
+    tracking_uri: str | None = Field(None, description="null: the workspace's embedded MLflow store (sqlite)")
+    model_name: str = Field("compatflow-clip", min_length=1)
+
+
+class LineageSection(Section):
+    """The Feast repo holding the lineage of every gallery item."""
+
+    repo: str | None = Field(None, description="null: a Feast repo inside the workspace")
+
+
+class IndexSection(Section):
+    """The Milvus gallery index."""
+
+    uri: str | None = Field(None, description="null: milvus-lite inside the workspace")
+    alias: str = Field("gallery", min_length=1)
+
+
+class SloSection(Section):
+    """The query latency the backfill may cost (unset: unpaced)."""
+
+    p99_factor: float | None = Field(None, gt=1, description="query p99 <= this x idle during the backfill")
+    max_items_per_s: float | None = Field(None, gt=0)
+
+
+Recall = Literal["R@1", "R@5", "R@10"]
+
+
+class RolloutSection(Section):
+    """The staged rollout of a released model into the index."""
+
+    fractions: list[float] = Field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0], min_length=1)
+    order: Literal["random", "oldest_first", "lambda_orth", "uncertainty"] = "lambda_orth"
+    batch_size: int = Field(256, ge=1)
+    floors: dict[Recall, float] = Field(default_factory=dict, description="probe R@K floors above old/old")
+    slo: SloSection = Field(default_factory=SloSection)
+
+
+class TaskResources(Section):
+    """What a CPU task requests on a cluster."""
+
+    cpu: str = "2"
+    memory: str = "8Gi"
+
+
+class GpuResources(TaskResources):
+    """What a GPU task requests, and the node pool it is scheduled on."""
+
+    cpu: str = "8"
+    memory: str = "32Gi"
+    accelerator: str | None = None
+    accelerator_count: int = Field(0, ge=0)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ResourceSection(Section):
+    """Per-task requests on a cluster; the local runner ignores them."""
+
+    cpu: TaskResources = Field(default_factory=TaskResources)
+    gpu: GpuResources = Field(default_factory=GpuResources)
+    image: str = Field("compatflow-cpu:0.1.0", min_length=1)
+
+
+class Deployment(Section):
+    """A whole pipeline config. :meth:`resolved` makes the workspace absolute and every service URI
+    explicit (the form a run records and a KFP op receives)."""
+
+    name: str = "local"
+    workspace: str = Field("workspace", min_length=1, description="state, models, registry, index, runs")
+    stream: StreamSection = Field(default_factory=StreamSection)
+    validation: ValidationSection = Field(default_factory=ValidationSection)
+    drift: DriftSection = Field(default_factory=DriftSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    compat: CompatSection = Field(default_factory=CompatSection)
+    gate: GateSection = Field(default_factory=GateSection)
+    registry: RegistrySection = Field(default_factory=RegistrySection)
+    lineage: LineageSection = Field(default_factory=LineageSection)
+    index: IndexSection = Field(default_factory=IndexSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    resources: ResourceSection = Field(default_factory=ResourceSection)
+
+    @classmethod
+    def parse(cls, document: Any, *, source: str) -> Deployment:
+        """``document`` (a parsed YAML mapping) checked whole; raises :class:`ConfigError` listing every
+        field that breaks the model, one line each, ``<source>: <field>: <why>``."""
+        if not isinstance(document, Mapping):
+            raise ConfigError(
+                f"{source}: a config is a YAML mapping of sections, got {type(document).__name__}"
+            )
+        try:
+            return cls.model_validate(dict(document))
+        except ValidationError as err:
+            raise ConfigError("\n".join(f"{source}: {line}" for line in error_lines(err))) from None
+
+    @classmethod
+    def coerce(cls, value: Deployment | Mapping[str, Any] | str) -> Deployment:
+        """A deployment from itself, a mapping, or the JSON string a KFP op receives."""
+        if isinstance(value, Deployment):
+            return value
+        document = json.loads(value) if isinstance(value, str) else value
+        return cls.parse(document, source="<config>")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain mapping with the YAML's key names (``training.model_config``)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_json(self) -> str:
+        """The form a KFP op receives (keys sorted, so a compiled pipeline is reproducible)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def with_changes(self, **sections: Mapping[str, Any] | str) -> Deployment:
+        """A copy with some fields changed: ``workspace="..."`` or ``training={"steps": 5}`` (a section's
+        mapping is merged into it); checked like a loaded config."""
+        document = self.to_dict()
+        for key, value in sections.items():
+            if isinstance(value, Mapping):
+                document[key] = {**document[key], **value}
+            else:
+                document[key] = value
+        return Deployment.parse(document, source="<changed config>")
+
+    def resolved(self) -> Deployment:
+        """The config with every default made explicit: absolute workspace and stream, the service URIs the
+        :class:`~components.workspace.Workspace` resolves, the gate policy path, an empty accelerator.
+
+        KFP parameters cannot carry nulls, and an explicit config is what a run records. Raises
+        :class:`ConfigError` for a workspace that must not be written under.
+        """
+        from components.gate import DEFAULT_POLICY_PATH
+        from components.workspace import Workspace, WorkspaceError
+
+        try:
+            ws = Workspace.of(self)
+        except WorkspaceError as err:
+            raise ConfigError(f"config field 'workspace': {err}") from err
+        stream = (
+            self.stream.uri if "://" in self.stream.uri else str(Path(self.stream.uri).expanduser().resolve())
+        )
+        gpu = self.resources.gpu
+        return self.model_copy(
+            update={
+                "workspace": str(ws.root),
+                "stream": self.stream.model_copy(update={"uri": stream}),
+                "registry": self.registry.model_copy(update={"tracking_uri": ws.mlflow_uri}),
+                "lineage": self.lineage.model_copy(update={"repo": str(ws.feast_dir)}),
+                "index": self.index.model_copy(update={"uri": ws.index_uri}),
+                "gate": self.gate.model_copy(update={"policy": self.gate.policy or str(DEFAULT_POLICY_PATH)}),
+                "resources": self.resources.model_copy(
+                    update={"gpu": gpu.model_copy(update={"accelerator": gpu.accelerator or ""})}
+                ),
+            }
+        )
+
+
+class ConfigError(ValueError):
+    """The configuration is unreadable or breaks its model or a rule; the message names the file and every
+    field, one per line."""
+
+
+def error_lines(err: ValidationError) -> list[str]:
+    """One ``field: why (got value)`` sentence per pydantic error, the field dotted as in the YAML."""
+    lines = []
+    for problem in err.errors():
+        field = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] == "missing":
+            lines.append(f"{field}: is required")
+        elif problem["type"] == "extra_forbidden":
+            lines.append(f"{field}: is not a setting of this section (remove it, or check its spelling)")
+        else:
+            lines.append(f"{field}: {problem['msg']} (got {problem['input']!r})")
+    return lines
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of a config file, generated from :class:`Deployment` (by alias: the YAML's names);
+    ``schemas/pipeline_config.schema.json`` holds it for editors and other tools."""
+    schema = Deployment.model_json_schema(by_alias=True, mode="validation")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "pipeline_config.schema.json",
+        "title": "compatflow pipeline config (generated from components/deployment.py)",
+        **{k: v for k, v in schema.items() if k != "title"},
+    }
+
+
+def write_json_schema(path: Path = SCHEMA_FILE) -> Path:
+    """Write :func:`json_schema` to ``path`` (``python -m components.deployment`` after changing a model)."""
+    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    print(write_json_schema())
