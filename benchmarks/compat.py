@@ -242,9 +242,9 @@ def fit_row(
     ``frozen`` keeps the raw old and new embeddings of ``data`` between rows of one scenario (both models
     are frozen for lambda-orth / FCT, so every such row reads the same vectors).
     """
+    from compat.compat_training import ShardBatches
     from compat.evaluation import compat_report
     from compat.methods import get_method
-    from compat.methods.run import ShardBatches
     from compat.models import load_checkpoint, read_sidecar
 
     name, settings = ROWS[label]

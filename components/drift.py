@@ -353,7 +353,7 @@ def run_drift(
         bundle = load_encoder(production_checkpoint)  # its serving encoder, whatever method produced it
     image_size = STATISTICS_IMAGE_SIZE
     if bundle is not None:
-        from compat.methods.run import decode_size
+        from compat.compat_training import decode_size
 
         model_size = decode_size(bundle)
         image_size = None if model_size is None else max(model_size, image_size)

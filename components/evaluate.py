@@ -69,13 +69,13 @@ def evaluate(
     ``new`` is a compatible-model directory or a plain checkpoint (served as is, method ``none``).
     ``max_items`` keeps the first N evaluation images (all by default).
     """
+    from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.device import resolve_device
     from compat.evaluation import REPORT_SCHEMA, compat_report
     from compat.io import write_json_atomic
     from compat.methods.model import CompatModel
     from compat.methods.none import independent_model
-    from compat.methods.run import decode_size
     from compat.models import load_checkpoint
     from compat.production import load_encoder, space_id_of
     from schemas import validate

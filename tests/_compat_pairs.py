@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from compat.compat_training import PairBatch
 from compat.data.shards import write_shard
 from compat.data.synth import make_sample
-from compat.methods.run import PairBatch
 
 
 def pairs(n: int, split: str = "train", phase: int = 0, seed: int = 0) -> tuple[list[Image.Image], list[str]]:

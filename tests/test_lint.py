@@ -39,8 +39,17 @@ def test_import_contracts_hold() -> None:
         ("compat/io.py", "import mlflow  # planted\n"),
         ("components/index.py", "import components.rollout.engine  # planted\n"),
         ("components/workspace.py", "import components.steps.base  # planted\n"),
+        ("compat/methods/model.py", "import compat.production  # planted\n"),
+        ("components/registry/versions.py", "import components.rollout.production_rollback  # planted\n"),
     ],
-    ids=["library-imports-components", "library-imports-a-service", "adapter-imports-engine", "step-import"],
+    ids=[
+        "library-imports-components",
+        "library-imports-a-service",
+        "adapter-imports-engine",
+        "step-import",
+        "method-imports-the-production-contract",
+        "registry-reaches-the-rollout",
+    ],
 )
 def test_a_planted_upward_import_is_refused(tmp_path, module: str, planted: str) -> None:
     import shutil

@@ -61,8 +61,8 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def compatflow_embeddings(config: dict, version: str) -> tuple[np.ndarray, np.ndarray]:
     """Texts and images embedded through compatflow's own production loader (its verified workspace copy)."""
+    from compat.compat_training import decode_size
     from compat.data.images import decode_rgb
-    from compat.methods.run import decode_size
     from compat.production import load_production
     from components.steps.release import model_dir_of
 

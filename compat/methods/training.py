@@ -77,7 +77,7 @@ def texts_of(batch: Batch) -> list[str]:
     if isinstance(texts, torch.Tensor) or not all(isinstance(t, str) for t in texts):
         raise CompatError(
             "compatibility training needs raw caption strings in batch.texts (the old and new models "
-            "may use different tokenizers); use compat.methods.run.ShardBatches"
+            "may use different tokenizers); use compat.compat_training.ShardBatches"
         )
     return list(texts)
 

@@ -35,7 +35,7 @@ class EmbeddingModel:
     """What ``mlflow.pyfunc.load_model`` wraps: texts and images in, serving-space embeddings out."""
 
     def __init__(self, path: str | Path) -> None:
-        from compat.methods.run import decode_size
+        from compat.compat_training import decode_size
         from compat.production import load_production
 
         self.production = load_production(path)

@@ -80,7 +80,7 @@ def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     for key in ("old_model", "new_model"):
         if not config.get(key):
             raise RolloutError(f"model_encoders needs {key!r} (a model or checkpoint directory)")
-    from compat.methods.run import decode_size
+    from compat.compat_training import decode_size
 
     old, new = load_model(str(config["old_model"])), load_model(str(config["new_model"]))
     images = ShardImages(image_size=decode_size(new))

@@ -96,9 +96,9 @@ def index_new_items(
     Returns the serving record plus ``n_items`` (gallery size), ``n_new`` and ``new_items`` (lineage rows
     of what was written: item id, caption, image URI, phase, domain).
     """
+    from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
-    from compat.methods.run import decode_size
     from components.serving.record import load_model
 
     paths = RolloutPaths.for_workspace(workspace)

@@ -132,7 +132,7 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
         stale += [r for b in index.iter_rows(ROW_FIELDS, leaving) for r in b if r["item_id"] not in have]
     if not stale:
         return 0
-    from compat.methods.run import decode_size
+    from compat.compat_training import decode_size
 
     encoder = load_encoder(model["uri"])
     images = ShardImages(image_size=decode_size(encoder))

@@ -23,7 +23,7 @@ def serve_first_model_step(
     """First run: index the gallery with the first model, record lineage, make it ``production``.
 
     The first model is a plain checkpoint: its space is its checkpoint version (as
-    :func:`compat.methods.run.space_id_of` names it), read from the sidecar without loading the weights twice.
+    :func:`compat.production.space_id_of` names it), read from the sidecar without loading the weights twice.
     """
     from compat.models import read_sidecar
     from components.rollout.operations import index_new_items

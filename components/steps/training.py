@@ -128,8 +128,8 @@ def compat_step(
     shards of every earlier phase: the old gallery holds those domains too, and the cross-model losses
     need them among the in-batch negatives.
     """
+    from compat.compat_training import train_compat
     from compat.methods.model import COMPAT_FILE
-    from compat.methods.run import train_compat
     from compat.models.checkpoint import tensors_digest
     from compat.production import identity
     from components.runs import replay_shards

@@ -67,7 +67,7 @@ def train(
         values["steps"] = steps
     if device is not None:
         values["device"] = device
-    from compat.methods.run import train_compat
+    from compat.compat_training import train_compat
 
     try:
         model = train_compat(

@@ -1,6 +1,7 @@
 """Compatibility training from files: load the models, stream the shards, fit a method, save the result.
 
-This is what the ``compat`` pipeline stage and ``compatflow compat train`` call.
+This is what the ``compat`` pipeline step and ``compatflow compat train`` call. It sits above the methods
+and the production-model contract (:mod:`compat.production`), which it loads the old model through.
 """
 
 from __future__ import annotations
