@@ -22,6 +22,11 @@ no-drift score plus ``max(0, score - floor)``, banded by the fixed :data:`SEVERI
 against a fresh sample of itself reads "none" on any data and a verdict means the same from run to run.
 Outputs: ``drift.json`` (schema ``schemas/drift_summary.schema.json``) and a self-contained
 ``drift_report.html``.
+
+Evidently is used through its public 0.7 API only (``Report``, ``Dataset``, ``DataDefinition``,
+``ValueDrift``, ``EmbeddingsDrift`` and the ``ModelDriftMethod`` it exports), in one adapter
+(:func:`evidently_scores`, :func:`embedding_drift_method`); :func:`check_evidently_version` refuses another
+release series with a sentence, and a test pins the series.
 """
 
 from __future__ import annotations
@@ -29,8 +34,7 @@ from __future__ import annotations
 import colorsys
 import logging
 import random
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,34 +76,90 @@ class SampleStats:
     features: dict[str, Any]
 
 
-EMBEDDING_PLOT_POINTS = 250  # per side, in the t-SNE picture of the HTML report
-EMBEDDING_PLOT_ITERATIONS = 250  # scikit-learn's minimum
 STATISTICS_IMAGE_SIZE = 128  # short side the image statistics are computed at (larger pictures scaled down)
 
+# ------------------------------------------------------------------------------------ Evidently adapter
+EVIDENTLY_SERIES = "0.7"  # the release series written for: before 1.0 a minor release may break the API
 
-@contextmanager
-def bounded_embedding_plot(
-    points_per_side: int = EMBEDDING_PLOT_POINTS, iterations: int = EMBEDDING_PLOT_ITERATIONS
-) -> Iterator[None]:
-    """Bound the cost of the t-SNE picture Evidently draws for each embedding drift.
 
-    Evidently (0.7) projects up to 2,500 points per side with a full 1,000-iteration t-SNE only to draw
-    the density plot of its HTML report: about 70 s per embedding for 500 + 500 points on a 2-core
-    machine. The drift score is computed before, on every sample, and is not affected; only the plot
-    is drawn from ``points_per_side`` random points per side with ``iterations`` t-SNE iterations.
+def evidently_version_problem(installed: str) -> str | None:
+    """Why this adapter cannot run on Evidently ``installed`` (another release series), or None."""
+    series = ".".join(installed.split(".")[:2])
+    if series == EVIDENTLY_SERIES:
+        return None
+    return (
+        f"components/drift.py is written for Evidently {EVIDENTLY_SERIES}.x (its Report, Dataset, "
+        f"DataDefinition, ValueDrift, EmbeddingsDrift and ModelDriftMethod, and the scores they return), but "
+        f"Evidently {installed} is installed: install the version pinned in requirements/base.txt, or port "
+        f"the adapter to {series} and set EVIDENTLY_SERIES"
+    )
+
+
+def check_evidently_version() -> None:
+    """Raise ``RuntimeError`` naming both versions when the installed Evidently is another release series."""
+    from importlib.metadata import version
+
+    problem = evidently_version_problem(version("evidently"))
+    if problem:
+        raise RuntimeError(problem)
+
+
+def embedding_drift_method() -> Any:
+    """Evidently's domain-classifier embedding drift (ROC AUC of a classifier separating the two sides), one
+    configuration for the report's score and the noise floors alike (bootstrap only moves Evidently's own
+    drift flag, which this stage does not read)."""
+    from evidently.metrics.embeddings import ModelDriftMethod
+
+    return ModelDriftMethod(threshold=SEVERITY_BANDS["model"][0], bootstrap=False)
+
+
+def evidently_scores(
+    reference_df: Any,
+    current_df: Any,
+    numeric: Sequence[str],
+    embeddings: dict[str, list[str]],
+    html_path: Path | None = None,
+) -> dict[str, float]:
+    """One Evidently report of ``current_df`` against ``reference_df``: ``{column or embedding name: score}``.
+
+    Numeric columns score the normalised Wasserstein distance, :data:`CATEGORICAL_COLUMNS` the Jensen-Shannon
+    distance, each ``embeddings`` group (name -> its columns) :func:`embedding_drift_method`'s ROC AUC. With
+    ``html_path`` the report is saved there as self-contained HTML.
     """
-    from functools import partial
+    from evidently import DataDefinition, Dataset, Report
+    from evidently.metrics import EmbeddingsDrift, ValueDrift
 
-    from evidently.legacy.metrics.data_drift import embeddings_drift as plot
+    check_evidently_version()
+    definition = DataDefinition(
+        id_column="key",
+        numerical_columns=list(numeric),
+        categorical_columns=list(CATEGORICAL_COLUMNS),
+        embeddings=embeddings or None,
+    )
+    metrics: list[Any] = [ValueDrift(column=c, method="wasserstein") for c in numeric]
+    metrics += [ValueDrift(column=c, method="jensenshannon") for c in CATEGORICAL_COLUMNS]
+    metrics += [EmbeddingsDrift(embeddings_name=n, drift_method=embedding_drift_method()) for n in embeddings]
+    snapshot = Report(metrics).run(
+        Dataset.from_pandas(current_df, data_definition=definition),
+        Dataset.from_pandas(reference_df, data_definition=definition),
+    )
+    if html_path is not None:
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        snapshot.save_html(str(html_path))
+    scores: dict[str, float] = {}
+    for result in snapshot.dict()["metrics"]:
+        config = result["config"]
+        scores[config.get("embeddings_name") or config["column"]] = float(result["value"])
+    expected = [*numeric, *CATEGORICAL_COLUMNS, *embeddings]
+    if sorted(scores) != sorted(expected):
+        raise RuntimeError(
+            f"the Evidently report returned scores for {sorted(scores)}, expected {sorted(expected)}: the "
+            f"installed Evidently does not behave like {EVIDENTLY_SERIES}.x; see check_evidently_version"
+        )
+    return scores
 
-    saved = plot.SAMPLE_CONSTANT, plot.TSNE
-    plot.SAMPLE_CONSTANT, plot.TSNE = points_per_side, partial(saved[1], max_iter=iterations)
-    try:
-        yield
-    finally:
-        plot.SAMPLE_CONSTANT, plot.TSNE = saved
 
-
+# ------------------------------------------------------------------------------------------ the stage
 def severity_for(score: float, method: str) -> str:
     """Map a drift score to a severity band of :data:`SEVERITY_BANDS`."""
     bands = SEVERITY_BANDS[method]
@@ -233,15 +293,12 @@ def noise_floors(
     seed: int = 0,
 ) -> dict[str, float]:
     """The largest score of each signal between two random halves of the reference, over ``splits`` splits:
-    what sampling alone produces. Scored by the same Evidently functions as the comparison itself."""
-    from evidently.legacy.calculations.stattests.jensenshannon import _jensenshannon
-    from evidently.legacy.calculations.stattests.wasserstein_distance_norm import _wasserstein_distance_norm
-    from evidently.legacy.core import ColumnType
-    from evidently.legacy.metrics.data_drift.embedding_drift_methods import ModelDriftMethod
-
+    what sampling alone produces. Scored as the comparison itself is: an Evidently report per split for the
+    columns, :func:`embedding_drift_method` for the embeddings."""
     n = len(reference)
     if n < 4:
         return {}
+    method = embedding_drift_method() if embeddings else None
     rng = np.random.default_rng(seed)
     scores: dict[str, list[float]] = {}
     for _ in range(splits):
@@ -249,14 +306,9 @@ def noise_floors(
         a, b = order[: n // 2], order[n // 2 :]
         half_a, half_b = ref_df.iloc[a].reset_index(drop=True), ref_df.iloc[b].reset_index(drop=True)
         found = {"caption_vocabulary": _unseen_words([reference[i] for i in a], [reference[i] for i in b])[0]}
-        for column in numeric:
-            found[column] = _wasserstein_distance_norm(
-                half_a[column], half_b[column], ColumnType.Numerical, 0.1
-            )[0]
-        for column in CATEGORICAL_COLUMNS:
-            found[column] = _jensenshannon(half_a[column], half_b[column], ColumnType.Categorical, 0.1)[0]
+        found.update(evidently_scores(half_a, half_b, numeric, {}))
         for name, columns in embeddings.items():
-            found[name] = ModelDriftMethod()(half_b[columns].copy(), half_a[columns].copy())[0]
+            found[name] = method(half_b[columns].copy(), half_a[columns].copy())[0]
         for name, score in found.items():
             scores.setdefault(name, []).append(float(score))
     return {name: max(values) for name, values in scores.items()}
@@ -267,15 +319,15 @@ def compute_drift(
     current: Sequence[Any],
     production_model: Any | None = None,
     html_path: Path | None = None,
+    threads: int | None = 1,
 ) -> dict[str, Any]:
     """Compare two sample lists with Evidently; return per-column verdicts and an overall severity.
 
     ``production_model`` is a :class:`compat.models.ClipBundle`; when given, embedding drift of both
-    towers is measured too. When ``html_path`` is given the Evidently report is saved there.
+    towers is measured too. When ``html_path`` is given the Evidently report is saved there. ``threads``
+    caps the BLAS/OpenMP threads of the scoring (Evidently's classifier and t-SNE; ``None``: the libraries'
+    default); one by default, as benchmarks/results/drift.md measures on a shared CPU.
     """
-    from evidently import DataDefinition, Dataset, Report
-    from evidently.metrics import EmbeddingsDrift, ValueDrift
-
     ref_df, cur_df = _frame(reference), _frame(current)
     embeddings: dict[str, list[str]] = {}
     if production_model is not None:
@@ -289,35 +341,19 @@ def compute_drift(
             embeddings[f"{tower}_embedding"] = [c for c in ref_df.columns if c.startswith(f"emb_{tower}_")]
 
     numeric = [c for c in NUMERIC_COLUMNS if ref_df[c].nunique() > 1 or cur_df[c].nunique() > 1]
-    definition = DataDefinition(
-        id_column="key",
-        numerical_columns=numeric,
-        categorical_columns=list(CATEGORICAL_COLUMNS),
-        embeddings=embeddings or None,
-    )
-    metrics: list[Any] = [ValueDrift(column=c, method="wasserstein") for c in numeric]
-    metrics += [ValueDrift(column=c, method="jensenshannon") for c in CATEGORICAL_COLUMNS]
-    metrics += [EmbeddingsDrift(embeddings_name=name) for name in embeddings]
-    with bounded_embedding_plot():
-        snapshot = Report(metrics).run(
-            Dataset.from_pandas(cur_df, data_definition=definition),
-            Dataset.from_pandas(ref_df, data_definition=definition),
-        )
-    if html_path is not None:
-        html_path.parent.mkdir(parents=True, exist_ok=True)
-        snapshot.save_html(str(html_path))
+    from threadpoolctl import threadpool_limits
 
-    floors = noise_floors(reference, ref_df, numeric, embeddings)
+    with threadpool_limits(limits=threads):
+        scores = evidently_scores(ref_df, cur_df, numeric, embeddings, html_path)
+        floors = noise_floors(reference, ref_df, numeric, embeddings)
     verdicts: dict[str, Any] = {"caption_vocabulary": vocabulary_verdict(reference, current)}
-    for result in snapshot.dict()["metrics"]:
-        config = result["config"]
-        if config["type"].endswith("EmbeddingsDrift"):
-            name, method, kind = config["embeddings_name"], "model", "embedding"
+    for name, score in scores.items():
+        if name in embeddings:
+            verdicts[name] = {"kind": "embedding", "method": "model", "score": score}
+        elif name in CATEGORICAL_COLUMNS:
+            verdicts[name] = {"kind": CATEGORICAL_COLUMNS[name], "method": "jensenshannon", "score": score}
         else:
-            name, method = config["column"], config.get("method") or "wasserstein"
-            method = "jensenshannon" if "jensen" in method.lower() else "wasserstein"
-            kind = NUMERIC_COLUMNS.get(name) or CATEGORICAL_COLUMNS[name]
-        verdicts[name] = {"kind": kind, "method": method, "score": float(result["value"])}
+            verdicts[name] = {"kind": NUMERIC_COLUMNS[name], "method": "wasserstein", "score": score}
     for name, verdict in verdicts.items():
         verdict.update(calibrated_verdict(verdict["method"], verdict["score"], floors.get(name)))
     worst = max((v["severity"] for v in verdicts.values()), key=SEVERITIES.index, default="none")

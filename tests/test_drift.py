@@ -125,3 +125,95 @@ def test_long_tail_captions_are_noise_not_drift(tmp_path):
     vocabulary = summary["verdicts"]["caption_vocabulary"]
     assert vocabulary["score"] > 0.05 and vocabulary["noise_floor"] >= vocabulary["score"] * 0.8
     assert summary["severity"] == "none", {k: v for k, v in summary["verdicts"].items() if v["drift"]}
+
+
+# ------------------------------------------------------------------------------------ the Evidently adapter
+def test_the_adapter_is_written_for_the_installed_evidently_series():
+    """components/drift.py uses Evidently's public 0.7 API: an Evidently of another release series (before 1.0
+    a minor release may break it) fails here, and in the drift step, with a sentence naming both versions."""
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from components.drift import EVIDENTLY_SERIES, check_evidently_version, evidently_version_problem
+
+    installed = version("evidently")
+    assert evidently_version_problem(installed) is None, evidently_version_problem(installed)
+    check_evidently_version()
+    base = Path(__file__).resolve().parents[1] / "requirements" / "base.txt"
+    pins = [line for line in base.read_text().splitlines() if line.startswith("evidently==")]
+    assert len(pins) == 1 and pins[0].startswith(f"evidently=={EVIDENTLY_SERIES}."), (
+        f"{base} pins {pins}, but components/drift.py is written for Evidently {EVIDENTLY_SERIES}.x"
+    )
+    problem = evidently_version_problem("0.8.0")
+    assert f"{EVIDENTLY_SERIES}.x" in problem and "0.8.0 is installed" in problem
+    assert "requirements/base.txt" in problem and "EVIDENTLY_SERIES" in problem
+    assert evidently_version_problem(f"{EVIDENTLY_SERIES}.99") is None
+
+
+def _table(rng, n: int, shift: float = 0.0, hues=("red", "blue")):
+    import pandas as pd
+
+    frame = pd.DataFrame({"key": [f"k{i}" for i in range(n)], "image_brightness": rng.normal(0.5, 0.1, n)})
+    frame["image_dominant_hue"] = [hues[i % len(hues)] for i in range(n)]
+    for j in range(8):
+        frame[f"e{j}"] = rng.normal(size=n)
+    return frame
+
+
+def test_evidently_scores_known_answers():
+    """Identical sides score the no-drift value of each method; a shift by exactly 1 scores 1 / std(reference)
+    (normalised Wasserstein), disjoint categories sqrt(ln 2) (Jensen-Shannon distance), separated embeddings a
+    ROC AUC of 1."""
+    from threadpoolctl import threadpool_limits
+
+    from components.drift import evidently_scores
+
+    rng = np.random.default_rng(0)
+    reference = _table(rng, 150)
+    embeddings = {"image_embedding": [f"e{j}" for j in range(8)]}
+    with threadpool_limits(limits=1):  # as compute_drift runs it
+        same = evidently_scores(reference, reference.copy(), ["image_brightness"], embeddings)
+    assert same["image_brightness"] == 0.0 and same["image_dominant_hue"] == 0.0
+    assert abs(same["image_embedding"] - 0.5) < 0.1
+
+    shifted = reference.copy()
+    shifted["image_brightness"] += 1.0
+    shifted["image_dominant_hue"] = "green"
+    shifted[embeddings["image_embedding"]] += 10.0
+    with threadpool_limits(limits=1):
+        moved = evidently_scores(reference, shifted, ["image_brightness"], embeddings)
+    assert moved["image_brightness"] == pytest.approx(1.0 / np.std(reference["image_brightness"]))
+    assert moved["image_dominant_hue"] == pytest.approx(np.sqrt(np.log(2.0)))
+    assert moved["image_embedding"] == 1.0
+
+
+def test_identical_sides_read_no_drift_and_a_shift_reads_drift(tmp_path):
+    """The drift step end to end on pictures with a known answer: the same samples on both sides score no
+    drift on every signal; the same pictures made brighter drift in brightness; the HTML report is written."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    words = ["a", "red", "blue", "square", "circle", "small", "large", "photo"]
+
+    def samples(lift: int) -> list:
+        out = []
+        for i in range(40):
+            pixels = np.clip(rng.normal(80, 25, (32, 32, 3)) + lift, 0, 255).astype(np.uint8)
+            caption = " ".join(rng.choice(words, 6))
+            out.append(SimpleNamespace(key=f"k{i:03d}", caption=caption, image=Image.fromarray(pixels)))
+        return out
+
+    reference = samples(0)
+    same = compute_drift(reference, list(reference))
+    assert same["severity"] == "none" and same["drifted"] == []
+    assert all(v["score"] == 0.0 for v in same["verdicts"].values()), same["verdicts"]
+
+    rng = np.random.default_rng(1)  # the same pictures and captions, brighter
+    brighter = samples(120)
+    shifted = compute_drift(reference, brighter, html_path=tmp_path / "drift_report.html")
+    assert "image_brightness" in shifted["drifted"]
+    assert shifted["verdicts"]["image_brightness"]["severity"] == "high"
+    assert shifted["verdicts"]["caption_vocabulary"]["score"] == 0.0
+    assert (tmp_path / "drift_report.html").stat().st_size > 100_000
