@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,6 +183,7 @@ def run_continual(
     version: str | None = None,
     resume: bool = True,
     train_dir: str | Path | None = None,
+    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the step and return the metrics document (also written to ``out_dir/metrics.json``).
 
@@ -191,7 +192,8 @@ def run_continual(
     student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
     (CLIP_0 from scratch). Interrupted runs resume from ``train_dir`` (default ``out_dir/train``: resumable
     checkpoints and the sample ledger) unless ``resume=False``. ``replay_urls`` (one shard list per earlier
-    phase; the pipeline passes the validated ones) replaces the manifest's for the replay buffer.
+    phase; the pipeline passes the validated ones) replaces the manifest's for the replay buffer. ``on_step``
+    receives each training step's record as it is made (:func:`compat.training.train`).
     """
     from compat.data.loader import load_captioned_set
     from compat.data.synth import load_manifest, phase_urls
@@ -322,7 +324,9 @@ def run_continual(
     )
     t0 = time.perf_counter()
     workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
-    result = train(student, source, config, workdir, teacher=teacher, dist=dist, resume=resume)
+    result = train(
+        student, source, config, workdir, teacher=teacher, dist=dist, resume=resume, on_step=on_step
+    )
     train_wall = time.perf_counter() - t0
     if not dist.is_main:
         shutdown_distributed()

@@ -260,6 +260,36 @@ def test_register_run_logs_reports_metrics_and_weights(workspace: Workspace, tmp
     assert info["aliases"] == ["candidate"]
 
 
+def test_training_logged_as_it_runs_is_not_logged_again_at_registration(
+    workspace: Workspace, tmp_path: Path
+) -> None:
+    registry = Registry(workspace, model_name="clip-live")
+    run_id = registry.start_run("live-run")
+    live = registry.step_logger(run_id, "train.", every=2)
+    for step, loss in ((1, 4.0), (2, 3.5), (3, 3.1)):
+        live({"step": step, "loss": loss, "lr": 1e-3, "kept": True})  # a bool is not a metric
+    client = registry.client
+    assert [m.step for m in client.get_metric_history(run_id, "train.loss")] == [1, 2]  # one batch of two
+    live.flush()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train.loss")] == [
+        (1, 4.0),
+        (2, 3.5),
+        (3, 3.1),
+    ]
+    assert not client.get_metric_history(run_id, "train.kept")
+    (tmp_path / "metrics.json").write_text(json.dumps({"curve": [{"step": 3, "loss": 3.1}]}))
+    make_checkpoint(tmp_path / "ckpt", 61)
+    info = registry.register_run(
+        "live-run",
+        tmp_path / "ckpt",
+        data_phase=0,
+        method="bootstrap",
+        training_metrics=tmp_path / "metrics.json",
+    )
+    assert info["mlflow_run_id"] == run_id
+    assert len(client.get_metric_history(run_id, "train.loss")) == 3  # the curve was not logged twice
+
+
 def test_a_resumed_run_registers_once(workspace: Workspace, tmp_path: Path) -> None:
     """Same pipeline run, same weights: the same version. Other weights: the unserved earlier version is
     deleted first, so an interrupted run leaves no orphan."""

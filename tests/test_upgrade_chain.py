@@ -70,6 +70,9 @@ class Cycle:
             self.config, run_dir, 0, plan["stream_dir"], str(validated), "", run_dir / "_candidate"
         )
         version = steps.register_step(self.config, run_dir, 0, str(run_dir / "_candidate"), bootstrap=True)
+        registry = steps.registry_of(self.config)  # the training curve was logged as training ran, once
+        history = registry.client.get_metric_history(version["mlflow_run_id"], "train.loss")
+        assert [m.step for m in history] == list(range(1, self.config["training"]["steps"] + 1))
         steps.serve_first_model_step(self.config, run_dir, version["version"], plan["gallery_shards"])
         record_phase(Path(self.config["workspace"]), 0, "succeeded", run_dir.name)  # the exit handler's part
 

@@ -20,6 +20,7 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -322,13 +323,16 @@ def train(
     teacher: ClipBundle | None = None,
     dist: DistInfo = SINGLE,
     resume: bool = True,
+    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> TrainResult:
     """Train ``student`` for ``config.steps`` optimizer steps on ``source``, resuming from ``workdir``.
 
     ``workdir/checkpoints/step-*`` hold resumable checkpoints (every ``checkpoint_every`` steps and at the
     end); ``workdir/samples.jsonl`` lists the sample keys of every step. With ``alpha > 0`` the loss is Mod-X
     against ``teacher`` (frozen, eval mode); ``alpha = 0`` is plain fine-tuning. Under torchrun (``dist``),
-    every rank reads the same global batches and trains on its equal share of rows.
+    every rank reads the same global batches and trains on its equal share of rows. ``on_step`` (main rank)
+    receives each step's record as it is made (step, loss, its terms, lr, step time): a tracker logs
+    training as it runs.
     """
     import torch
 
@@ -450,6 +454,8 @@ def train(
             if terms.kept is not None:
                 state.history[-1]["teacher_rows_kept"] = float(terms.kept)
             ledger.append(state.step, batch.keys)
+            if on_step is not None and dist.is_main:
+                on_step(state.history[-1])
             bar.advance(1, loss=loss_value)
             if config.log_every and state.step % config.log_every == 0:
                 log.info(

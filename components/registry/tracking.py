@@ -134,6 +134,15 @@ class Tracking:
         for start in range(0, len(batch), 500):
             self.client.log_batch(run_id, metrics=batch[start : start + 500])
 
+    def step_logger(self, run_id: str, prefix: str, *, every: int = 20) -> StepMetrics:
+        """A callable that logs step records (``{"step": n, name: value, ...}``) as ``<prefix><name>`` at step
+        ``n`` of ``run_id``, ``every`` records in one batch (call ``flush()`` at the end)."""
+        return StepMetrics(self, run_id, prefix, every)
+
+    def has_metric(self, run_id: str, key: str) -> bool:
+        """Whether ``run_id`` has logged ``key`` at least once."""
+        return bool(self.client.get_metric_history(run_id, metric_key(key)))
+
     def log_compat_report(
         self, run_id: str, report: Mapping[str, Any] | str | Path, step: int | None = None
     ) -> None:
@@ -218,6 +227,34 @@ class Tracking:
             model = pyfunc.save(Path(tmp) / MODEL_PATH, files, facts, manifest_digest(manifest))
             self._log(run_id, model, MODEL_PATH)
         return MODEL_PATH, manifest
+
+
+class StepMetrics:
+    """Training records logged to an MLflow run while training runs (:meth:`Tracking.step_logger`)."""
+
+    def __init__(self, tracking: Tracking, run_id: str, prefix: str, every: int) -> None:
+        self.tracking, self.run_id, self.prefix, self.every = tracking, run_id, prefix, max(1, every)
+        self._pending: list[dict[str, Any]] = []
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        self._pending.append(dict(record))
+        if len(self._pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Log the records not logged yet, one batch."""
+        from mlflow.entities import Metric
+
+        now = int(datetime.now(UTC).timestamp() * 1000)
+        batch = [
+            Metric(metric_key(f"{self.prefix}{name}"), float(value), now, int(record["step"]))
+            for record in self._pending
+            for name, value in record.items()
+            if name != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+        ]
+        self._pending.clear()
+        for start in range(0, len(batch), 500):
+            self.tracking.client.log_batch(self.run_id, metrics=batch[start : start + 500])
 
 
 def _link_or_copy(src: str, dst: str) -> None:

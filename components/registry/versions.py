@@ -361,10 +361,11 @@ class Registry(Tracking):
     ) -> dict[str, Any]:
         """Resume the pipeline run's MLflow run, log what the run produced, register the candidate.
 
-        Logs ``params``, the compatibility report (metrics at step ``data_phase`` + the file), the
-        training metrics (per-domain recalls at step ``data_phase``, the loss curve by training step,
-        + the file), any other ``reports`` (e.g. gate.json, drift.json, the Evidently HTML), and registers
-        ``checkpoint_dir`` as a candidate version tagged with the phase, method and gate decision.
+        Logs ``params``, the compatibility report (metrics at step ``data_phase`` + the file), the training
+        metrics (per-domain recalls at step ``data_phase``, the loss curve by training step unless the
+        training step logged it as it ran, + the file), any other ``reports`` (e.g. gate.json, drift.json, the
+        Evidently HTML), and registers ``checkpoint_dir`` as a candidate version tagged with the phase, method
+        and gate decision.
         """
         run_id = self.start_run(pipeline_run_id, params=params)
         if compat_report is not None:
@@ -372,7 +373,8 @@ class Registry(Tracking):
         if training_metrics is not None:
             self.log_artifact(run_id, training_metrics)
             doc = json.loads(Path(training_metrics).read_text())
-            for point in doc.get("curve") or []:
+            logged_live = self.has_metric(run_id, "train.loss")  # by the training step, as it ran
+            for point in [] if logged_live else doc.get("curve") or []:
                 step = point.get("step")
                 if isinstance(step, int):
                     self.log_metrics(

@@ -11,7 +11,7 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment, TrainingSection
-from components.steps.base import checkpoint_dir_of, copy_summaries, step
+from components.steps.base import checkpoint_dir_of, copy_summaries, registry_of, step
 from components.steps.data import accepted_shards
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ def continual_step(
     Scenario ``continual``: the production model trained on the phase's validated shards with
     ``training.method`` (Mod-X by default). Scenario ``foundation``: ``compat.foundation_config`` trained
     from its own initialisation on every phase so far (the new architecture that the compat step then
-    makes compatible with production).
+    makes compatible with production). The training curve is logged to the run's MLflow run as training
+    goes (``train.loss``, ``train.contrastive``, ``train.kl``, ``train.lr``, ... by step).
     """
     from components.continual import TrainingSettings, run_continual
     from components.runs import replay_shards, training_dir
@@ -51,18 +52,24 @@ def continual_step(
             else {}
         ),
     )
-    metrics = run_continual(
-        stream_dir,
-        phase,
-        out_dir,
-        settings,
-        production=production or None,
-        replay_urls=replay_shards(deployment, phase) if training.replay_buffer_size else None,
-        train_urls=accepted or None,
-        version=f"{run_dir.name}",
-        # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
-        train_dir=training_dir(run_dir),
-    )
+    registry = registry_of(deployment)
+    live = registry.step_logger(registry.start_run(run_dir.name), "train.")
+    try:
+        metrics = run_continual(
+            stream_dir,
+            phase,
+            out_dir,
+            settings,
+            production=production or None,
+            replay_urls=replay_shards(deployment, phase) if training.replay_buffer_size else None,
+            train_urls=accepted or None,
+            version=f"{run_dir.name}",
+            # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
+            train_dir=training_dir(run_dir),
+            on_step=live,
+        )
+    finally:
+        live.flush()
     if metrics:
         metrics["budget"] = budget
         write_json_atomic(Path(out_dir) / "metrics.json", metrics)
