@@ -133,7 +133,7 @@ def part_a(n_items: int, n_queries: int) -> dict[str, Any]:
     fractions = bf.DEFAULT_CURVE_FRACTIONS
     orders = {
         p: bf.compute_order(p, n_items, seed=0, embedded_at=u.embedded_at, vectors=u.old_gallery)
-        for p in bf.POLICIES
+        for p in bf.ORDERS
     }
     orders["lambda_orth (class labels)"] = bf.order_lambda_orth(u.old_gallery, u.labels)
     curves, out = {}, {}
@@ -169,7 +169,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
     probe = ro.ProbeSet(u.query_texts, [[u.item_ids[p[0]]] for p in u.positives])
     m_new = bf.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
     results = {}
-    for policy in bf.POLICIES:
+    for policy in bf.ORDERS:
         paths = ro.RolloutPaths.for_workspace(work / policy)
         with GalleryIndex(uri, alias=f"bench_{policy}") as index:
             u.index_old_gallery(index, paths, opts, space="syn")

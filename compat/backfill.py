@@ -1,4 +1,4 @@
-"""Partial backfill: ordering policies, mixed galleries and the backfill curve.
+"""Partial backfill: backfill orders, mixed galleries and the backfill curve.
 
 A partial backfill replaces the gallery vectors of the old model by new-model vectors item by item,
 in an order pi. After a fraction beta of the gallery is done, the first floor(beta * N) items of pi
@@ -9,7 +9,7 @@ and FastFill). The figure of merit is the backfilling metric
 
 i.e. the area under the backfill curve beta -> M, computed here by the trapezoid rule over [0, 1].
 
-Ordering policies (all return item indices, the first to backfill first):
+Backfill orders (all return item indices, the first to backfill first):
 
 * ``random``: a seeded permutation (the FCT baseline).
 * ``oldest_first``: ascending ``embedded_at`` (ties broken by index), the items written longest ago first.
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-POLICIES: tuple[str, ...] = ("random", "oldest_first", "lambda_orth", "uncertainty")
+ORDERS: tuple[str, ...] = ("random", "oldest_first", "lambda_orth", "uncertainty")
 DEFAULT_CURVE_FRACTIONS: tuple[float, ...] = tuple(float(x) for x in np.linspace(0.0, 1.0, 21))
 
 
@@ -53,7 +53,7 @@ def unit_rows(x: np.ndarray) -> np.ndarray:
 
 
 def default_n_clusters(n: int) -> int:
-    """Clusters used when a policy needs classes and none are given: round(sqrt(N / 2)), at least 2."""
+    """Clusters used when an order needs classes and none are given: round(sqrt(N / 2)), at least 2."""
     return max(2, min(n, int(round(math.sqrt(n / 2.0)))))
 
 
@@ -200,7 +200,7 @@ def order_uncertainty(
 
 
 def compute_order(
-    policy: str,
+    order: str,
     n: int,
     *,
     seed: int = 0,
@@ -209,26 +209,26 @@ def compute_order(
     labels: np.ndarray | None = None,
     n_clusters: int | None = None,
 ) -> np.ndarray:
-    """The backfill order of ``n`` items under ``policy`` (one of :data:`POLICIES`)."""
-    if policy == "random":
-        order = order_random(n, seed)
-    elif policy == "oldest_first":
+    """The positions of ``n`` items in backfill order ``order`` (one of :data:`ORDERS`)."""
+    if order == "random":
+        ranking = order_random(n, seed)
+    elif order == "oldest_first":
         if embedded_at is None:
-            raise ValueError("policy 'oldest_first' needs embedded_at (one timestamp per item)")
-        order = order_oldest_first(embedded_at)
-    elif policy in ("lambda_orth", "uncertainty"):
+            raise ValueError("order 'oldest_first' needs embedded_at (one timestamp per item)")
+        ranking = order_oldest_first(embedded_at)
+    elif order in ("lambda_orth", "uncertainty"):
         if vectors is None:
-            raise ValueError(f"policy {policy!r} needs the (forward-adapted) old gallery vectors")
-        order = (
+            raise ValueError(f"order {order!r} needs the (forward-adapted) old gallery vectors")
+        ranking = (
             order_lambda_orth(vectors, labels, n_clusters=n_clusters, seed=seed)
-            if policy == "lambda_orth"
+            if order == "lambda_orth"
             else order_uncertainty(vectors, n_clusters=n_clusters, seed=seed)
         )
     else:
-        raise ValueError(f"unknown backfill policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    if len(order) != n:
-        raise ValueError(f"policy {policy!r} ordered {len(order)} items, expected {n}")
-    return np.asarray(order, dtype=np.int64)
+        raise ValueError(f"unknown backfill order {order!r}; choose one of {', '.join(ORDERS)}")
+    if len(ranking) != n:
+        raise ValueError(f"order {order!r} ranked {len(ranking)} items, expected {n}")
+    return np.asarray(ranking, dtype=np.int64)
 
 
 def order_digest(item_ids: Sequence[str]) -> str:

@@ -1,6 +1,7 @@
 """Run planning and bookkeeping: which phase a run takes, where its outputs go, how it ended.
 
-The workspace's ``state.json`` records every phase's outcome. A run plans itself from it
+The workspace's phase record (:attr:`Workspace.state_path <components.workspace.Workspace.state_path>`) holds
+every phase's outcome. A run plans itself from it
 (:func:`plan_run`: the lowest phase not yet succeeded, or an explicit one) and records its end
 (:func:`finish_run`, the pipeline's exit handler), so a scheduled run on a cluster needs no
 parameter but the config, and a local run continues where the last one stopped.
@@ -38,11 +39,11 @@ class PlanError(ValueError):
 
 
 class StateError(ValueError):
-    """``state.json`` is unreadable, breaks its schema, or is missing or lacks work the workspace holds."""
+    """The phase record is unreadable, breaks its schema, or is missing or lacks work the workspace holds."""
 
 
 def read_state(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """The workspace's ``state.json`` (an empty state when there is none), schema-checked; errors name it."""
+    """The workspace's phase record (an empty one when there is none), schema-checked; errors name it."""
     import schemas
 
     path = Workspace.coerce(workspace).state_path
@@ -60,10 +61,10 @@ def read_state(workspace: Workspace | str | Path) -> dict[str, Any]:
 
 
 def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
-    """``state.json`` must account for the work the workspace holds: a phase with a finished run folder that
-    the state does not record (a missing, emptied or stale state.json), or a production model in the registry
-    while the state records no phase and no run folder is left, is refused with how to rebuild it. (A run
-    killed before it recorded its outcome is not finished: the next run resumes it.)"""
+    """The phase record must account for the work the workspace holds: a phase with a finished run folder that
+    the state does not record (a missing, emptied or stale phase record), or a production model in the
+    registry while the state records no phase and no run folder is left, is refused with how to rebuild it. (A
+    run killed before it recorded its outcome is not finished: the next run resumes it.)"""
     ws = Workspace.of(deployment)
     path = ws.state_path
     recorded = state["phases"]
@@ -99,7 +100,7 @@ def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
 
 
 def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """A ``state.json`` rebuilt from the run folders: each phase's newest finished run (its
+    """The phase record rebuilt from the run folders: each phase's newest finished run (its
     ``outcome.json``), written atomically; returns it."""
     ws = Workspace.coerce(workspace)
     runs: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -311,7 +312,7 @@ def plan_run(
     manifest = load_manifest(stream_dir)
     n_phases = len(manifest["phases"])
     state = read_state(Workspace.of(deployment))
-    _refuse_lost_state(deployment, state)  # a missing, emptied or stale state.json
+    _refuse_lost_state(deployment, state)  # a missing, emptied or stale phase record
     if phase < 0:
         pending = next_pending_phase(state, n_phases)
         if pending is None:

@@ -86,7 +86,7 @@ def search(
     """Hits (``item_id``, ``score``, ``model_version``; ``caption`` when ``captions``) per text, served as
     the serving record says.
 
-    ``record_path`` defaults to the workspace's ``serving.json``; ``uri`` overrides the record's index URI
+    ``record_path`` defaults to the workspace's serving record; ``uri`` overrides the record's index URI
     (e.g. a server URI while another process holds the embedded directory); ``encoder`` and ``index``
     replace the record's query model and a freshly opened index. Captions come from the gallery shards each
     hit's row names (:mod:`components.serving.captions`); ``verify`` checks the query model before it is

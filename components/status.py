@@ -33,7 +33,7 @@ def collect(
 
     try:
         doc["phases"] = phase_history(ws)
-    except (StateError, OSError, ValueError) as err:  # a damaged state.json or run file: named below
+    except (StateError, OSError, ValueError) as err:  # a damaged phase record or run file: named below
         doc["phases"], state_error = [], str(err)
     else:
         state_error = None
@@ -81,7 +81,7 @@ def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict
         "history": [],
     }
     if not registry.exists():
-        return {**empty, "note": f"no registry yet ({ws.mlflow_db} does not exist)"}
+        return {**empty, "note": f"no registry yet ({ws.mlflow_store} does not exist)"}
     try:
         return registry.status()
     except Exception as err:  # noqa: BLE001 - status must show what it can
@@ -108,7 +108,7 @@ def production_check(ws: Workspace, model_name: str, registry: Mapping[str, Any]
 
 
 def phase_history(ws: Workspace) -> list[dict[str, Any]]:
-    """Every phase's outcome from ``state.json``, oldest first, with why a run did not ship."""
+    """Every phase's outcome from the phase record, oldest first, with why a run did not ship."""
     from components.runs import read_blocked, read_failure, read_state
 
     rows = []
@@ -149,7 +149,7 @@ def last_gate(ws: Workspace) -> dict[str, Any] | None:
 
 
 def rollout_state(ws: Workspace) -> dict[str, Any] | None:
-    """``<workspace>/rollout_state.json``, else the newest one under ``runs/``; ``None`` when none exists."""
+    """The workspace's rollout state, else the newest one a run kept; ``None`` when none exists."""
     path = ws.rollout_state_path if ws.rollout_state_path.is_file() else None
     if path is None and ws.runs_dir.is_dir():
         path = _newest(ws.runs_dir.glob(f"*/**/{ROLLOUT_STATE_FILE}"))

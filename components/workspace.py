@@ -145,14 +145,14 @@ class Workspace:
 
     # ---------------------------------------------------------------------------------------- services
     @property
-    def mlflow_db(self) -> Path:
+    def mlflow_store(self) -> Path:
         """The embedded MLflow store (tracking and registry, sqlite)."""
         return self.root / "mlflow.db"
 
     @property
     def mlflow_uri(self) -> str:
         """The tracking (and registry) URI: the explicit one, else ``sqlite:///<root>/mlflow.db``."""
-        return self._tracking_uri or f"sqlite:///{self.mlflow_db}"
+        return self._tracking_uri or f"sqlite:///{self.mlflow_store}"
 
     @property
     def artifacts_dir(self) -> Path:

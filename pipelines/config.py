@@ -138,10 +138,10 @@ def _compat_problems(compat: Any) -> list[str]:
 
 def _gate_problems(gate: Any) -> list[str]:
     """The gate policy, read and checked by the gate's own loader (null: the shipped policy)."""
-    from components.gate import PolicyError, load_policy
+    from components.gate import PolicyError, load_gate_policy
 
     try:
-        load_policy(gate.policy)
+        load_gate_policy(gate.policy)
     except PolicyError as err:
         return [f"gate.policy: {err}"]
     return []

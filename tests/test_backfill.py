@@ -1,4 +1,4 @@
-"""Backfill ordering policies, mixed galleries and the backfill curve (compat.backfill), on known answers."""
+"""Backfill orders, mixed galleries and the backfill curve (compat.backfill), on known answers."""
 
 from __future__ import annotations
 
@@ -100,10 +100,10 @@ def test_compute_order_dispatch_and_errors() -> None:
     x, _ = _blobs()
     t = np.arange(90)[::-1]
     assert bf.compute_order("oldest_first", 90, embedded_at=t).tolist() == list(range(89, -1, -1))
-    for policy in bf.POLICIES:
+    for policy in bf.ORDERS:
         order = bf.compute_order(policy, 90, embedded_at=t, vectors=x, n_clusters=3)
         assert sorted(order.tolist()) == list(range(90)), policy
-    with pytest.raises(ValueError, match="unknown backfill policy"):
+    with pytest.raises(ValueError, match="unknown backfill order"):
         bf.compute_order("fifo", 3)
     with pytest.raises(ValueError, match="embedded_at"):
         bf.compute_order("oldest_first", 3)

@@ -38,7 +38,7 @@ def test_resolved_makes_every_service_explicit_through_the_workspace(tmp_path, m
     resolved = Deployment(workspace=str(tmp_path / "ws")).resolved()
     ws = Workspace.of(resolved)
     assert resolved.workspace == str(tmp_path / "ws")
-    assert resolved.registry.tracking_uri == f"sqlite:///{ws.mlflow_db}"
+    assert resolved.registry.tracking_uri == f"sqlite:///{ws.mlflow_store}"
     assert resolved.index.uri == str(ws.milvus_dir / "gallery.db")
     assert resolved.lineage.repo == str(tmp_path / "ws" / "feast")
     assert Path(resolved.gate.policy).name == "gate_default.yaml"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import schemas
-from components.gate import GatePolicy, PolicyError, decide, load_policy, run_gate
+from components.gate import GatePolicy, PolicyError, decide, load_gate_policy, run_gate
 
 VALIDATION_OK = {
     "total": 1000,
@@ -228,7 +228,7 @@ def test_invalid_policy_blocks(tmp_path: Path) -> None:
 def test_partial_policy_merges_over_default(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text("min_margin: 5.0\nretention: {floor: 0.5}\n")
-    policy = load_policy(path)
+    policy = load_gate_policy(path)
     assert policy.min_margin == 5.0 and policy.retention_floor == 0.5
     assert policy.retention_reference == "auto" and policy.directions == ("t2i",)  # the served direction
     decision = _decide(make_report(), policy=path)  # margins are +4 and +3: below 5

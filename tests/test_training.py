@@ -176,9 +176,9 @@ def test_resume_from_checkpoint_matches_uninterrupted(base, tmp_path):
         "model.json",
         "optimizer.safetensors",
         "rng.safetensors",
-        "state.json",
+        "progress.json",
     }
-    state = json.loads((result.checkpoint / "state.json").read_text())
+    state = json.loads((result.checkpoint / "progress.json").read_text())
     assert state["state"]["position"] == {"next": 48} and state["schedule"]["warmup_steps"] == 1
 
 

@@ -20,7 +20,7 @@ from components.validation import (
     ShardReader,
     ShardSpecError,
     ValidationPolicy,
-    load_policy,
+    load_validation_policy,
     split_member_name,
     validate_phase,
 )
@@ -489,13 +489,13 @@ def test_rerun_is_idempotent_and_removes_stale_outputs(tmp_path):
 
 def test_policy_files(tmp_path):
     (tmp_path / "p.yaml").write_text("max_quarantined_fraction: 0.2\nmax_caption_chars: 50\n")
-    policy = load_policy(tmp_path / "p.yaml")
+    policy = load_validation_policy(tmp_path / "p.yaml")
     assert (
         policy.max_quarantined_fraction == 0.2 and policy.max_caption_chars == 50 and policy.min_width == 16
     )
     (tmp_path / "bad.json").write_text(json.dumps({"max_caption_char": 50}))
     with pytest.raises(SchemaError, match=r"(?s)bad\.json.*max_caption_char"):
-        load_policy(tmp_path / "bad.json")
+        load_validation_policy(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="min_width=64 exceeds max_width=32"):
         ValidationPolicy(min_width=64, max_width=32)
 

@@ -5,7 +5,7 @@ A checkpoint is a directory ``step-NNNNNNNN/`` holding
 - ``model.safetensors`` + ``model.json``: the student's weights (``compat.models.save_checkpoint``),
 - ``optimizer.safetensors``: the optimizer's per-parameter tensors (AdamW moments and step counts),
 - ``rng.safetensors``: torch CPU (and CUDA) generator states,
-- ``state.json``: step, samples seen, data position, loss history, the training config, the schedule, the
+- ``progress.json``: step, samples seen, data position, loss history, the training config, the schedule, the
   optimizer's param groups, the GradScaler state and the Python / NumPy RNG states.
 
 It is assembled in a hidden temporary directory and renamed into place in one ``os.replace``, so a
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STATE_FORMAT = "compatflow-train-state"
 STATE_VERSION = 1
-STATE_FILE = "state.json"
+PROGRESS_FILE = "progress.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 _PREFIX = "step-"
@@ -186,7 +186,7 @@ def save_training_checkpoint(
         "scaler": scaler_state,
         "rng": rng_doc,
     }
-    (tmp / STATE_FILE).write_text(json.dumps(doc) + "\n")
+    (tmp / PROGRESS_FILE).write_text(json.dumps(doc) + "\n")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -208,17 +208,17 @@ class LoadedCheckpoint:
 
 
 def read_state_document(path: Path) -> dict[str, Any]:
-    """``state.json`` of a checkpoint, checked for format and version (nothing else is read)."""
+    """``progress.json`` of a checkpoint, checked for format and version (nothing else is read)."""
     path = Path(path)
     try:
-        doc = json.loads((path / STATE_FILE).read_text())
+        doc = json.loads((path / PROGRESS_FILE).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ResumeError(
-            f"{path / STATE_FILE}: unreadable training state ({exc}); delete {path} to "
+            f"{path / PROGRESS_FILE}: unreadable training state ({exc}); delete {path} to "
             "resume from the previous checkpoint"
         ) from exc
     if doc.get("format") != STATE_FORMAT or doc.get("version") != STATE_VERSION:
-        raise ResumeError(f"{path / STATE_FILE}: not a {STATE_FORMAT} v{STATE_VERSION} file")
+        raise ResumeError(f"{path / PROGRESS_FILE}: not a {STATE_FORMAT} v{STATE_VERSION} file")
     return doc
 
 

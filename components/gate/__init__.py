@@ -19,7 +19,7 @@ Modules: :mod:`~components.gate.policy`, :mod:`~components.gate.checks`, :mod:`~
 """
 
 from components.gate.decision import GateDecision, block_decision, decide, run_gate
-from components.gate.policy import DEFAULT_POLICY_PATH, SEVERITIES, GatePolicy, PolicyError, load_policy
+from components.gate.policy import DEFAULT_POLICY_PATH, SEVERITIES, GatePolicy, PolicyError, load_gate_policy
 
 __all__ = [
     "DEFAULT_POLICY_PATH",
@@ -29,6 +29,6 @@ __all__ = [
     "PolicyError",
     "block_decision",
     "decide",
-    "load_policy",
+    "load_gate_policy",
     "run_gate",
 ]

@@ -16,7 +16,7 @@ from components.gate.checks import (
     describe,
     load_report,
 )
-from components.gate.policy import GatePolicy, PolicyError, load_policy
+from components.gate.policy import GatePolicy, PolicyError, load_gate_policy
 
 
 @dataclass
@@ -85,7 +85,7 @@ def decide(
         elif isinstance(policy, Mapping):
             resolved = GatePolicy.from_mapping(policy, source="<policy mapping>")
         else:
-            resolved = load_policy(policy)
+            resolved = load_gate_policy(policy)
         checks.ok("policy", f"policy loaded from {resolved.source}")
     except PolicyError as err:
         code = "policy_unreadable" if isinstance(err.__cause__, OSError) else "policy_invalid"

@@ -85,7 +85,7 @@ class GatePolicy:
         )
 
 
-def load_policy(path: str | Path | None = None) -> GatePolicy:
+def load_gate_policy(path: str | Path | None = None) -> GatePolicy:
     """The shipped default (``path`` None) or a YAML policy merged over it; raises :class:`PolicyError`."""
     if path is None:
         return GatePolicy.from_mapping(None, source=str(DEFAULT_POLICY_PATH))

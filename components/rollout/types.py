@@ -108,7 +108,7 @@ class RolloutConfig:
     new_version: str
     query_model: dict[str, Any] = field(default_factory=dict)
     space: str | None = None
-    order: str = "random"  # the backfill order (config rollout.order), one of compat.backfill.POLICIES
+    order: str = "random"  # the backfill order (config rollout.order), one of compat.backfill.ORDERS
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     seed: int = 0
     batch_size: int = 256
@@ -121,7 +121,7 @@ class RolloutConfig:
     max_items_per_s: float | None = None  # a cap on the backfill rate
 
     def __post_init__(self) -> None:
-        from compat.backfill import POLICIES
+        from compat.backfill import ORDERS
 
         if not self.new_version:
             raise ValueError("new_version is required (the model version that writes the new vectors)")
@@ -138,8 +138,8 @@ class RolloutConfig:
                 f"fractions must increase strictly within (0, 1] and end at 1.0 (every item gets "
                 f"its new vector), got {list(f)}"
             )
-        if self.order not in POLICIES:
-            raise ValueError(f"unknown backfill order {self.order!r}; choose one of {', '.join(POLICIES)}")
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown backfill order {self.order!r}; choose one of {', '.join(ORDERS)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.flush_rows < 0:

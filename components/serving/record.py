@@ -1,6 +1,7 @@
 """The serving record: which collection and query model answer queries, and the code it names.
 
-The serving record (``<workspace>/serving.json``, written atomically by indexing and rollout) says::
+The serving record (:attr:`components.workspace.Workspace.serving_path`, written atomically by indexing and
+rollout) says::
 
     {"uri": ..., "alias": "gallery", "collection": "gallery_<space>_<n>", "space": ..., "dim": ...,
      "query_model": {"version": ..., "uri": ..., "factory": "module:function"},

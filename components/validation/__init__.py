@@ -9,7 +9,7 @@ phase when too many samples are rejected, a shard is damaged, or a phase expecta
 
 from components.validation.checks import REASONS, Reason
 from components.validation.phase import ShardSpecError, ValidationSummary, resolve_shards, validate_phase
-from components.validation.policy import ValidationPolicy, load_policy
+from components.validation.policy import ValidationPolicy, load_validation_policy
 from components.validation.shard_reader import ShardReader, split_member_name
 from components.validation.splits import split_accepted_paths, validate_splits
 
@@ -20,7 +20,7 @@ __all__ = [
     "ShardSpecError",
     "ValidationPolicy",
     "ValidationSummary",
-    "load_policy",
+    "load_validation_policy",
     "resolve_shards",
     "split_accepted_paths",
     "split_member_name",

@@ -118,7 +118,7 @@ class ValidationPolicy:
         return cls(**{k: v for k, v in document.items() if k in known})
 
 
-def load_policy(path: Path | str) -> ValidationPolicy:
+def load_validation_policy(path: Path | str) -> ValidationPolicy:
     """Read a policy file (JSON, or YAML for ``.yaml``/``.yml``); fields left out keep their defaults."""
     path = Path(path)
     try:

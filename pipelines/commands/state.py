@@ -1,4 +1,4 @@
-"""``compatflow state``: the workspace's record of every phase's outcome (``state.json``)."""
+"""``compatflow state``: the workspace's record of every phase's outcome (the phase record)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-state_app = typer.Typer(help="The workspace's phase record (state.json): rebuild it from the run folders.")
+state_app = typer.Typer(help="The workspace's phase record: rebuild it from the run folders.")
 
 
 @state_app.command("rebuild")
@@ -15,7 +15,7 @@ def rebuild(
         str, typer.Option("--config", "-c", help="Config file, or a shipped name (local, cluster).")
     ] = "local",
 ) -> None:
-    """Rebuild state.json from the run folders (each phase's newest finished run)."""
+    """Rebuild the phase record from the run folders (each phase's newest finished run)."""
     from components.runs import rebuild_state
     from components.workspace import Workspace
     from pipelines.commands._common import fail, holding_workspace

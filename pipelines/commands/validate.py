@@ -53,11 +53,11 @@ def validate(
     ] = False,
 ) -> None:
     """Validate shards into OUT; exit 0 when the phase passes, 3 when it is blocked, 2 on bad arguments."""
-    from components.validation import ShardSpecError, ValidationPolicy, load_policy, validate_phase
+    from components.validation import ShardSpecError, ValidationPolicy, load_validation_policy, validate_phase
     from schemas import SchemaError
 
     try:
-        policy = load_policy(policy_file) if policy_file else ValidationPolicy()
+        policy = load_validation_policy(policy_file) if policy_file else ValidationPolicy()
         if max_quarantined_fraction is not None:
             policy = policy.replace(max_quarantined_fraction=max_quarantined_fraction)
     except (OSError, ValueError, SchemaError) as exc:
