@@ -31,9 +31,11 @@ brute-force scan in Milvus), and, with ``slo_p99_factor``, paced to hold users' 
 
 Modules: :mod:`~components.rollout.types` (configuration, encoders, probe set, paths, errors),
 :mod:`~components.rollout.state` (the state file, its lock, restore files), :mod:`~components.rollout.pacing`,
-:mod:`~components.rollout.probes`,
-:mod:`~components.rollout.engine`, :mod:`~components.rollout.rollback`, :mod:`~components.serving.record`
-(the serving record) and :mod:`~components.rollout.encoders` (encoders of real models).
+:mod:`~components.rollout.probes`, :mod:`~components.rollout.plan` (what a plan reads and decides),
+:mod:`~components.rollout.engine`, :mod:`~components.rollout.rollback`,
+:mod:`~components.rollout.production_rollback` (the gallery's part of a production rollback) and
+:mod:`~components.rollout.encoders` (encoders of real models); the serving record they write is
+:mod:`components.serving.record`'s.
 """
 
 from components.rollout.engine import Rollout, run_rollout

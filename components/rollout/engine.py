@@ -1,7 +1,7 @@
 """The rollout engine: plans a rollout, runs stage 0, the backfill stages or a blue-green fill, resumes.
 
 One class, the rollout's state machine, kept in one module so that every transition of the state file
-reads in one place (hence its length).
+reads in one place; what a plan reads and decides before any write is :mod:`components.rollout.plan`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +20,17 @@ from compat.io import utc_now
 from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
 from components.rollout.ahead import Batch, BatchesAhead
 from components.rollout.pacing import Pace, latency_sources
+from components.rollout.plan import (
+    ORDERS_NEEDING_VECTORS,
+    Source,
+    backfill_order,
+    check_probe_covers,
+    check_vectors,
+    probe_floors,
+    serving_source,
+    source_rows,
+    stage_plan,
+)
 from components.rollout.probes import broken_floors, probe_metrics
 from components.rollout.rollback import replay_rows
 from components.rollout.state import (
@@ -44,15 +54,6 @@ from components.services import live_services
 from components.serving.record import read_serving, write_serving
 
 log = logging.getLogger(__name__)
-
-
-def _check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarray:
-    v = np.asarray(vectors, dtype=np.float32)
-    if v.ndim != 2 or v.shape[0] != n or (dim is not None and v.shape[1] != dim):
-        raise RolloutError(f"{what} returned shape {v.shape}, expected [{n}, {dim or 'D'}]")
-    if not np.isfinite(v).all():
-        raise RolloutError(f"{what} returned NaN or infinite values")
-    return v
 
 
 class Rollout:
@@ -131,7 +132,7 @@ class Rollout:
         serving = self.index.serving_collection()
         if self.config.slo_p99_factor is None or serving is None or not self.probe.texts:
             return
-        query = _check_vectors(
+        query = check_vectors(
             self.encoders.old_query(self.probe.texts[:1]), 1, self.index.collection_dim(serving), "old_query"
         )
         self.pace.watch(latency_sources(self.index, serving, query, live_services(self.paths.services)))
@@ -153,108 +154,31 @@ class Rollout:
 
     # ---- planning
     def _plan(self) -> dict[str, Any]:
-        from compat.backfill import backfilled_count, compute_order, order_digest
+        """Read the serving collection, decide the mode, order, floors and stages, write the new state."""
+        from compat.backfill import order_digest
         from compat.io import write_json_atomic
 
         c, idx = self.config, self.index
-        record = read_serving(self.paths.serving)
-        if record is None:
-            raise RolloutError(
-                f"no serving record at {self.paths.serving}: index the gallery first "
-                "(components.rollout.index_gallery / `compatflow rollout index`)"
-            )
-        source = idx.serving_collection()
-        if source is None:
-            raise RolloutError(f"alias {idx.alias!r} does not exist at {idx.uri}: index the gallery first")
-        source_space, source_dim = idx.collection_space(source), idx.collection_dim(source)
-        space = self.space or source_space
-        mode = "staged" if (self.adapt or space == source_space) else "blue_green"
+        source = serving_source(idx, read_serving(self.paths.serving), self.paths.serving)
+        space = self.space or source.space
+        mode = "staged" if (self.adapt or space == source.space) else "blue_green"
         in_place = mode == "staged" and not self.adapt  # the batches overwrite the rows this plan reads
-        need_vectors = c.order in ("lambda_orth", "uncertainty")
+        need_vectors = c.order in ORDERS_NEEDING_VECTORS
         fields = ROW_FIELDS if in_place else ("embedded_at", *(("vector",) if need_vectors else ()))
-        rows = sorted(
-            (r for batch in idx.iter_rows(fields, source) for r in batch), key=lambda r: r["item_id"]
-        )
-        if not rows:
-            raise RolloutError(f"collection {source!r} is empty: nothing to roll out")
+        rows = source_rows(idx, source.collection, fields)
         ids = [str(r["item_id"]) for r in rows]
-        present = set(ids)
-        answerable = sum(any(p in present for p in pos) for pos in self.probe.positives)
-        if answerable == 0:
-            raise RolloutError(
-                f"no probe query has a relevant item in collection {source!r}: the probe set belongs to "
-                "another gallery (item ids must match the indexed item_id values)"
-            )
-        if answerable < len(self.probe.positives):
-            log.warning(
-                "%d of %d probe queries have no relevant item in %s",
-                len(self.probe.positives) - answerable,
-                len(self.probe.positives),
-                source,
-            )
-        vectors = None
-        if need_vectors:
-            vectors = np.asarray([r["vector"] for r in rows], dtype=np.float32)
-            if self.adapt:  # lambda-orth orders by F(h^k), the vectors as the new queries read them
-                vectors = _check_vectors(
-                    self.encoders.gallery_transform(vectors), len(ids), None, "gallery_transform"
-                )
-        order = compute_order(
-            c.order,
-            len(ids),
-            seed=c.seed,
-            vectors=vectors,
-            n_clusters=c.n_clusters,
-            embedded_at=np.asarray([int(r["embedded_at"]) for r in rows]),
-        )
-        ordered = [ids[i] for i in order]
+        check_probe_covers(self.probe, ids, source.collection)
+        ordered = backfill_order(c, rows, self._order_vectors(rows) if need_vectors else None)
         rid = self.rollout_id
         order_path = self.paths.work(rid) / "order.json"
-        write_json_atomic(
-            order_path,
-            {
-                "rollout_id": rid,
-                "policy": c.order,  # the stored name (rollout ids and state files keep it)
-                "seed": c.seed,
-                "digest": order_digest(ordered),
-                "item_ids": ordered,
-            },
+        # "policy" is the order's stored name: rollout ids and state files written before keep it
+        order = {"policy": c.order, "seed": c.seed, "digest": order_digest(ordered)}
+        write_json_atomic(order_path, {"rollout_id": rid, **order, "item_ids": ordered})
+        old_queries = check_vectors(
+            self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
-        baseline = probe_metrics(
-            idx,
-            source,
-            _check_vectors(
-                self.encoders.old_query(self.probe.texts), len(self.probe.texts), source_dim, "old_query"
-            ),
-            self.probe,
-            c.ks,
-        )
-        floors = {m: max(v, float(c.floors.get(m, -math.inf))) for m, v in baseline.items()}
-        target = source if mode == "staged" and not self.adapt else idx.next_collection_name(space)
-        dim = source_dim
-        if self.adapt:
-            probe_vec = np.asarray(
-                rows[0]["vector"] if need_vectors else idx.fetch([ids[0]], source)[0]["vector"],
-                dtype=np.float32,
-            )[None]
-            dim = int(np.asarray(self.encoders.gallery_transform(probe_vec)).shape[1])
-        n = len(ordered)
-        stages = [
-            {"stage": 0, "fraction": 0.0, "target_position": 0, "state": "pending", "kind": "query_switch"}
-        ]
-        if mode == "blue_green":
-            stages = [{"stage": 1, "fraction": 1.0, "target_position": n, "state": "pending", "kind": "fill"}]
-        else:
-            stages += [
-                {
-                    "stage": j + 1,
-                    "fraction": f,
-                    "target_position": backfilled_count(n, f),
-                    "state": "pending",
-                    "kind": "backfill",
-                }
-                for j, f in enumerate(c.fractions)
-            ]
+        baseline, floors = probe_floors(idx, source, old_queries, self.probe, c)
+        stages = stage_plan(mode, len(ordered), c.fractions)
         if in_place:
             self._save_restore_rows(rid, rows, ordered, stages)
         state = {
@@ -268,30 +192,24 @@ class Rollout:
             "model_version": c.new_version,
             "stage": 1 if mode == "blue_green" else 0,
             "fractions": list(c.fractions),
-            "n_items": n,
+            "n_items": len(ordered),
             "fraction_backfilled": 0.0,
             "batch_size": c.batch_size,
-            "order": {
-                "policy": c.order,  # the stored name (rollout ids and state files keep it)
-                "seed": c.seed,
-                "digest": order_digest(ordered),
-                "path": str(order_path),
-                "n_clusters": c.n_clusters,
-            },
+            "order": {**order, "path": str(order_path), "n_clusters": c.n_clusters},
             "cursor": {"position": 0, "batches": 0, "adapt_position": 0},
-            "query_model": record["query_model"],
-            "previous_query_model": record["query_model"],
+            "query_model": source.record["query_model"],
+            "previous_query_model": source.record["query_model"],
             "new_query_model": c.query_model,
             "gallery": {
                 "uri": idx.uri,
                 "alias": idx.alias,
-                "source_collection": source,
-                "source_space": source_space,
-                "collection": target,
+                "source_collection": source.collection,
+                "source_space": source.space,
+                "collection": source.collection if in_place else idx.next_collection_name(space),
                 "space": space,
-                "dim": dim,
+                "dim": self._target_dim(source, rows, need_vectors),
                 "transform": self.encoders.transform_tag,
-                "versions_before": idx.count_by_version(source),
+                "versions_before": idx.count_by_version(source.collection),
             },
             "ks": list(c.ks),
             "baseline": baseline,
@@ -304,8 +222,33 @@ class Rollout:
             "pace": self.pace.to_dict(),  # the idle p99 measured before this plan read anything
         }
         self._save(state)
-        log.info("rollout %s planned: %s, %d items, order %s, floors %s", rid, mode, n, c.order, floors)
+        log.info(
+            "rollout %s planned: %s, %d items, order %s, floors %s", rid, mode, len(ordered), c.order, floors
+        )
         return state
+
+    def _order_vectors(self, rows: Sequence[Mapping[str, Any]]) -> np.ndarray:
+        """The gallery vectors the order is computed on: as stored, or, with a gallery transform, F(h^k) as
+        the new queries read them (lambda-orth orders by those)."""
+        vectors = np.asarray([r["vector"] for r in rows], dtype=np.float32)
+        if self.adapt:
+            vectors = check_vectors(
+                self.encoders.gallery_transform(vectors), len(rows), None, "gallery_transform"
+            )
+        return vectors
+
+    def _target_dim(self, source: Source, rows: Sequence[Mapping[str, Any]], have_vectors: bool) -> int:
+        """The vector size the rollout writes: the source's, or what the gallery transform makes of it."""
+        if not self.adapt:
+            return source.dim
+        first = (
+            rows[0]["vector"]
+            if have_vectors
+            else self.index.fetch([rows[0]["item_id"]], source.collection)[0]["vector"]
+        )
+        return int(
+            np.asarray(self.encoders.gallery_transform(np.asarray(first, dtype=np.float32)[None])).shape[1]
+        )
 
     def _save_restore_rows(
         self,
@@ -338,7 +281,7 @@ class Rollout:
 
     def _serving_queries(self, dim: int) -> np.ndarray:
         if self._queries is None:
-            self._queries = _check_vectors(
+            self._queries = check_vectors(
                 self.encoders.serving_queries(self.probe.texts),
                 len(self.probe.texts),
                 dim,
@@ -361,7 +304,7 @@ class Rollout:
         state["curve"].sort(key=lambda p: p["fraction"])
 
     def _new_rows(self, state: dict[str, Any], previous: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        vectors = _check_vectors(
+        vectors = check_vectors(
             self.encoders.new_gallery([item_ref(r) for r in previous]),
             len(previous),
             state["gallery"]["dim"],
@@ -523,7 +466,7 @@ class Rollout:
         transform = self.encoders.gallery_transform
         for start, end in self._batches(state["cursor"]["adapt_position"], len(ids)):
             rows = self.index.fetch(ids[start:end], g["source_collection"])
-            vectors = _check_vectors(
+            vectors = check_vectors(
                 transform(np.asarray([r["vector"] for r in rows], dtype=np.float32)),
                 len(rows),
                 g["dim"],
@@ -684,7 +627,7 @@ class Rollout:
         start = state["cursor"]["position"]
         if not self.index.has_collection(g["collection"]):
             first = self.index.fetch(ids[:1], g["source_collection"])
-            dim = _check_vectors(
+            dim = check_vectors(
                 self.encoders.new_gallery([item_ref(r) for r in first]), 1, None, "gallery encoder"
             ).shape[1]
             self.index.create_collection(g["space"], dim, name=g["collection"])

@@ -1,0 +1,137 @@
+"""Planning a rollout: what it reads from the serving collection and what it decides before any write.
+
+The pieces :meth:`components.rollout.engine.Rollout._plan` assembles into a new rollout state: the source
+collection behind the alias, its rows, the probe set's coverage of them, the backfill order (written to its
+own file, named by digest in the state), the probe floors and the stage list.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from components.index import GalleryIndex
+from components.rollout.probes import probe_metrics
+from components.rollout.types import ProbeSet, RolloutConfig, RolloutError
+
+log = logging.getLogger(__name__)
+
+ORDERS_NEEDING_VECTORS = ("lambda_orth", "uncertainty")
+
+
+def check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarray:
+    """``vectors`` as float32 ``[n, dim]``; a wrong shape or a non-finite value raises :class:`RolloutError`
+    naming the encoder (``what``) that returned them."""
+    v = np.asarray(vectors, dtype=np.float32)
+    if v.ndim != 2 or v.shape[0] != n or (dim is not None and v.shape[1] != dim):
+        raise RolloutError(f"{what} returned shape {v.shape}, expected [{n}, {dim or 'D'}]")
+    if not np.isfinite(v).all():
+        raise RolloutError(f"{what} returned NaN or infinite values")
+    return v
+
+
+@dataclass(frozen=True)
+class Source:
+    """The serving collection a rollout starts from."""
+
+    record: Mapping[str, Any]
+    collection: str
+    space: str
+    dim: int
+
+
+def serving_source(index: GalleryIndex, serving: Mapping[str, Any] | None, serving_path: Path) -> Source:
+    """The collection behind the alias, with the serving record; refuses a gallery not indexed yet."""
+    if serving is None:
+        raise RolloutError(
+            f"no serving record at {serving_path}: index the gallery first "
+            "(components.rollout.index_gallery / `compatflow rollout index`)"
+        )
+    collection = index.serving_collection()
+    if collection is None:
+        raise RolloutError(f"alias {index.alias!r} does not exist at {index.uri}: index the gallery first")
+    return Source(serving, collection, index.collection_space(collection), index.collection_dim(collection))
+
+
+def source_rows(index: GalleryIndex, collection: str, fields: Sequence[str]) -> list[dict[str, Any]]:
+    """Every row of ``collection`` (``fields`` of each), by item id; refuses an empty collection."""
+    rows = sorted(
+        (r for batch in index.iter_rows(fields, collection) for r in batch), key=lambda r: r["item_id"]
+    )
+    if not rows:
+        raise RolloutError(f"collection {collection!r} is empty: nothing to roll out")
+    return rows
+
+
+def check_probe_covers(probe: ProbeSet, ids: Sequence[str], collection: str) -> None:
+    """At least one probe query must have a relevant item among ``ids`` (a warning for those without)."""
+    present = set(ids)
+    answerable = sum(any(p in present for p in pos) for pos in probe.positives)
+    if answerable == 0:
+        raise RolloutError(
+            f"no probe query has a relevant item in collection {collection!r}: the probe set belongs to "
+            "another gallery (item ids must match the indexed item_id values)"
+        )
+    if answerable < len(probe.positives):
+        log.warning(
+            "%d of %d probe queries have no relevant item in %s",
+            len(probe.positives) - answerable,
+            len(probe.positives),
+            collection,
+        )
+
+
+def backfill_order(
+    config: RolloutConfig, rows: Sequence[Mapping[str, Any]], vectors: np.ndarray | None
+) -> list[str]:
+    """The item ids of ``rows`` in the configured backfill order (:func:`compat.backfill.compute_order`);
+    ``vectors`` are the gallery vectors as the new queries read them, for the orders that need them."""
+    from compat.backfill import compute_order
+
+    ids = [str(r["item_id"]) for r in rows]
+    order = compute_order(
+        config.order,
+        len(ids),
+        seed=config.seed,
+        vectors=vectors,
+        n_clusters=config.n_clusters,
+        embedded_at=np.asarray([int(r["embedded_at"]) for r in rows]),
+    )
+    return [ids[i] for i in order]
+
+
+def probe_floors(
+    index: GalleryIndex, source: Source, old_queries: np.ndarray, probe: ProbeSet, config: RolloutConfig
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The probe's metrics on the source collection with the old queries (the baseline) and the floors every
+    stage must hold: the baseline, raised to a configured floor where one is higher."""
+    baseline = probe_metrics(index, source.collection, old_queries, probe, config.ks)
+    floors = {m: max(v, float(config.floors.get(m, -math.inf))) for m, v in baseline.items()}
+    return baseline, floors
+
+
+def stage_plan(mode: str, n: int, fractions: Sequence[float]) -> list[dict[str, Any]]:
+    """The stages of a rollout of ``n`` items: one fill for blue-green; else the query switch (stage 0) and
+    one backfill stage per fraction."""
+    from compat.backfill import backfilled_count
+
+    if mode == "blue_green":
+        return [{"stage": 1, "fraction": 1.0, "target_position": n, "state": "pending", "kind": "fill"}]
+    return [
+        {"stage": 0, "fraction": 0.0, "target_position": 0, "state": "pending", "kind": "query_switch"}
+    ] + [
+        {
+            "stage": j + 1,
+            "fraction": f,
+            "target_position": backfilled_count(n, f),
+            "state": "pending",
+            "kind": "backfill",
+        }
+        for j, f in enumerate(fractions)
+    ]
