@@ -156,3 +156,27 @@ def test_a_rollback_on_a_milvus_server_syncs_lineage_from_the_gallery(tmp_path, 
     assert [r["model_version"] for r in online] == ["0"] * 6
     assert all(isinstance(r["embedded_at"], datetime) for r in online)
     assert sync_from_index(lineage.repo_dir, uri, alias) == 0
+
+
+def test_the_lineage_command_reads_feast_and_checks_it_against_the_index(tmp_path):
+    """On-call's read of the lineage: an item's model version from the online store, and --check failing
+    when Feast holds versions the (here empty) index does not."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipelines.cli import app
+
+    ws = tmp_path / "ws"
+    store = repo_on(ws / "feast", "sqlite", None)
+    store.write_items(gallery("7", ["a", "b"]))
+    runner = CliRunner()
+    shown = runner.invoke(app, ["lineage", "a", "zz", "--workspace", str(ws), "--json"])
+    assert shown.exit_code == 0, shown.output
+    items = {row["item_id"]: row for row in json.loads(shown.stdout)["items"]}
+    assert items["a"]["model_version"] == "7" and items["a"]["caption"] == "caption of a"
+    assert items["zz"]["model_version"] is None
+    checked = runner.invoke(app, ["lineage", "--check", "--workspace", str(ws)])
+    assert checked.exit_code == 1 and "lineage {'7': 2} / index {}: they DISAGREE" in checked.stdout
+    missing = runner.invoke(app, ["lineage", "a", "--workspace", str(tmp_path / "empty")])
+    assert missing.exit_code == 1 and "no lineage repo" in missing.output

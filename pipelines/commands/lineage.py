@@ -1,0 +1,81 @@
+"""``compatflow lineage``: which model embedded a gallery item, read from Feast, and whether Feast agrees with
+the index.
+
+Feast's online store is the lineage's source of truth (:mod:`components.lineage`): the pipeline writes it
+after every indexing, rollout and rollback; on-call reads it here. Searches do not read it (a query would pay
+a feature lookup for what the hit's own row already says: README, "The search service").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+def lineage(
+    item_ids: Annotated[list[str], typer.Argument(help="Gallery item ids.", show_default=False)] = None,  # noqa: B006
+    check: Annotated[
+        bool, typer.Option("--check", help="Compare Feast's items per model version with the index's.")
+    ] = False,
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show the lineage of ITEM_IDS (model version, space, when embedded, image, caption) from Feast's
+    online store; with --check, whether Feast and the index hold the same versions (exit 1 when not)."""
+    import warnings
+
+    from components.lineage import LineageError, LineageStore
+    from pipelines.commands._common import echo_json, fail, workspace_of
+
+    warnings.filterwarnings("ignore", message='Field name "vector_enabled"')  # feast's own model, on import
+
+    ws = workspace_of(config, workspace)
+    if not (ws.feast_dir / "feature_store.yaml").is_file():
+        fail(f"no lineage repo at {ws.feast_dir} (no gallery indexed yet, or give --config)", code=1)
+    if not item_ids and not check:
+        fail("name item ids, or --check")
+    store = LineageStore(ws.feast_dir)
+    try:
+        rows = store.get_items(item_ids or [])
+        agreement = _agreement(ws, store) if check else None
+    except LineageError as err:
+        fail(str(err), code=1)
+    if as_json:
+        items = [{**r, "embedded_at": r["embedded_at"] and r["embedded_at"].isoformat()} for r in rows]
+        echo_json({"items": items, **({"check": agreement} if agreement else {})})
+    else:
+        for row in rows:
+            if row["model_version"] is None:
+                typer.echo(f"{row['item_id']}: not in the lineage")
+                continue
+            typer.echo(
+                f"{row['item_id']}: v{row['model_version']} space {row['space_id']} embedded "
+                f"{row['embedded_at']:%Y-%m-%d %H:%M:%S} phase {row['phase']} ({row['domain']})  "
+                f"{row['image_uri']}  {row['caption']!r}"
+            )
+        if agreement:
+            typer.echo(
+                f"lineage {agreement['lineage']} / index {agreement['index']}: "
+                + ("they agree" if agreement["agree"] else "they DISAGREE (a sync was missed)")
+            )
+    if agreement and not agreement["agree"]:
+        raise typer.Exit(1)
+
+
+def _agreement(ws: Any, store: Any) -> dict[str, Any]:
+    """Items per model version in Feast (offline rows, newest per item) and in the serving collection."""
+    from components.status import gallery_part
+
+    index = gallery_part(ws)["gallery"]["by_version"]
+    counted = {str(k): int(v) for k, v in store.version_counts().items()}
+    return {"lineage": counted, "index": index, "agree": counted == index}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("lineage")(lineage)
