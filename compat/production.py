@@ -72,7 +72,7 @@ class ProductionModelError(ValueError):
 
 def model_kind(path: str | Path) -> str:
     """``"checkpoint"`` or ``"compat"`` for a model directory; raises :class:`ProductionModelError`."""
-    from compat.methods.model import COMPAT_FILE
+    from compat.methods.contract import COMPAT_FILE
     from compat.models.checkpoint import SIDECAR_FILE
 
     path = Path(path)
@@ -104,7 +104,7 @@ def identity(path: str | Path) -> dict[str, str]:
     of the file that pins every byte of it (sidecar weights hash, or ``compat.json``), its method."""
     import json
 
-    from compat.methods.model import COMPAT_FILE
+    from compat.methods.contract import COMPAT_FILE
     from compat.models import read_sidecar
     from compat.models.checkpoint import sha256_file
 
@@ -135,14 +135,15 @@ def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatMo
 
 def space_id_of(path: str | Path, encoder: ClipBundle | CompatModel | None = None) -> str:
     """The space of the gallery vectors a model writes: a compatible model's own, else its version."""
-    from compat.methods.model import CompatModel
+    if encoder is not None:  # loaded, so torch is imported already; reading a directory needs no torch
+        from compat.methods.model import CompatModel
 
-    if isinstance(encoder, CompatModel):
-        return encoder.contract.space_id
+        if isinstance(encoder, CompatModel):
+            return encoder.contract.space_id
     if model_kind(path) == "compat":
         import json
 
-        from compat.methods.model import COMPAT_FILE
+        from compat.methods.contract import COMPAT_FILE
 
         return str(json.loads((model_root(path) / COMPAT_FILE).read_text())["contract"]["space_id"])
     return identity(path)["version"]

@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 OLD_VECTOR_RULES = ("as_is", "forward_adapter", "zero_pad", "truncate")
+COMPAT_FILE = "compat.json"  # the file naming a compatible model directory: method, contract, parts
 
 
 class CompatError(ValueError):

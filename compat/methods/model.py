@@ -13,13 +13,12 @@ import torch.nn.functional as F
 
 from compat.io import utc_now
 from compat.methods.config import MethodConfig, config_from_mapping
-from compat.methods.contract import CompatError, ServingContract
+from compat.methods.contract import COMPAT_FILE, CompatError, ServingContract
 from compat.methods.layers import truncate, zero_pad
 from compat.models import ClipBundle, load_checkpoint, read_sidecar, save_checkpoint
 from compat.models.checkpoint import sha256_file
 
 COMPAT_FORMAT = "compatflow-compat-model"
-COMPAT_FILE = "compat.json"
 ADAPTERS_FILE = "adapters.safetensors"
 
 

@@ -138,7 +138,7 @@ def describe(model_dir: Path) -> dict[str, Any] | None:
     space, serving contract), read from its files without loading it; None when it is not one."""
     import json
 
-    from compat.methods.model import COMPAT_FILE
+    from compat.methods.contract import COMPAT_FILE
     from compat.production import ProductionModelError, identity, model_kind, space_id_of
 
     try:
