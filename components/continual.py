@@ -161,6 +161,7 @@ class TrainingSettings:
     replay_rows: int = 0
     pretrained: str | None = None
     resize_mode: str | None = None
+    loader_workers: int = 0  # processes decoding (and transforming) training images; 0: this process
 
     @classmethod
     def from_section(cls, training: Any) -> TrainingSettings:
@@ -288,6 +289,7 @@ def run_continual(
             student.tokenizer,
             seed=seed,
             image_size=student.image_size,
+            workers=settings.loader_workers,
         )
     else:
         source = ShardBatchSource(
@@ -297,6 +299,7 @@ def run_continual(
             student.tokenizer,
             seed=seed,
             image_size=student.image_size,
+            workers=settings.loader_workers,
         )
     config = TrainConfig(
         steps=steps,

@@ -74,6 +74,9 @@ class TrainingSection(Section):
     warmup_fraction: float = Field(0.2, ge=0, le=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    loader_workers: int = Field(
+        0, ge=0, description="processes decoding training images per training process (0: that process)"
+    )
 
 
 class CompatSection(Section):

@@ -48,6 +48,24 @@ def test_bad_config_names_file_and_field(tmp_path):
     assert "rollout" in message and "order" in message
 
 
+def test_loader_workers_reach_the_training_step(tmp_path):
+    """training.loader_workers is the training step's decoding processes; 0 (decode in the training process)
+    is allowed, a negative count is refused naming the field."""
+    from components.continual import TrainingSettings
+
+    assert TrainingSettings.from_section(load_config("cluster").training).loader_workers == 8
+    document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
+    path = tmp_path / "workers.yaml"
+    for workers in (0, -1):
+        document["training"]["loader_workers"] = workers
+        path.write_text(yaml.safe_dump(document))
+        if workers >= 0:
+            assert TrainingSettings.from_section(load_config(path).training).loader_workers == 0
+            continue
+        with pytest.raises(ConfigError, match=r"training.loader_workers"):
+            load_config(path)
+
+
 def test_replay_rows_must_fit_the_batch(tmp_path):
     document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
     document["training"].update(batch_size=16, replay_buffer_size=100, replay_rows=16)

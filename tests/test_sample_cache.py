@@ -59,6 +59,22 @@ def test_later_epochs_decode_nothing_and_batches_are_unchanged(shards: str) -> N
     assert resumed.keys == next(a).keys
 
 
+def test_decoding_workers_fill_the_cache_and_change_no_batch(shards: str) -> None:
+    """Decoding in 2 worker processes: the same batches and positions as in this process, the shards read in
+    the first epoch are kept decoded in this process's cache, and later epochs decode nothing."""
+    parallel = ShardBatchSource(shards, 6, _transform, _tokens, seed=3, image_size=48, workers=2)
+    serial = ShardBatchSource(shards, 6, _transform, _tokens, seed=3, image_size=48)
+    a, b = parallel.batches(None), serial.batches(None)
+    for _ in range(15):  # three epochs of 30 samples
+        x, y = next(a), next(b)
+        assert x.keys == y.keys and x.position == y.position and torch.equal(x.images, y.images)
+        assert torch.equal(x.texts, y.texts)
+    a.close()
+    assert parallel.cache.misses == 3 and parallel.cache.hits >= 6 and len(parallel.cache) == 3
+    with pytest.raises(ValueError, match="loader workers must be >= 0"):
+        ShardBatchSource(shards, 6, _transform, _tokens, workers=-1)
+
+
 def test_the_cache_is_bounded_and_keyed_by_the_shard_bytes(tmp_path: Path) -> None:
     shard = _shard(tmp_path / "00000.tar", 0, 10)
     first = list(ShardStream(str(shard), shuffle_shards=False, image_size=48))

@@ -147,3 +147,20 @@ def test_cli_reports_errors_with_exit_code_2(stream, tmp_path):
         ["train", "continual", "--stream", str(tmp_path / "nope"), "--phase", "0", "--out", str(tmp_path)],
     )
     assert result.exit_code == 2 and "stream.json" in result.output
+
+
+def test_decoding_workers_change_nothing_in_training(stream, clip0, tmp_path):
+    """training.loader_workers decodes in worker processes: the step trains on the same samples, in the same
+    order, with the same random crops as with none, so it writes the same ledger and the same weights."""
+    p0, _ = clip0
+    for workers in (0, 2):
+        run_continual(
+            stream, 1, tmp_path / f"w{workers}", _settings(loader_workers=workers), production=p0 / "model"
+        )
+    ledgers = [(tmp_path / f"w{w}" / "train" / "samples.jsonl").read_text() for w in (0, 2)]
+    assert ledgers[0] == ledgers[1] and len(ledgers[0].splitlines()) == 4
+    from safetensors.torch import load_file
+
+    weights = [load_file(tmp_path / f"w{w}" / "model" / "model.safetensors") for w in (0, 2)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][name].equal(weights[1][name]) for name in weights[0])

@@ -6,9 +6,12 @@ tarfile and webdataset's key grouper (:func:`compat.data.shards.iter_raw_samples
 samples with webdataset's decoder (images to 8-bit RGB by :func:`compat.data.images.decode_rgb`, with
 transparency on a white background unless told otherwise, at most :data:`compat.data.images.MAX_PIXELS`
 and no larger than the ``image_size`` the reader asks for; ``.txt`` and ``.json`` only; nothing is ever
-unpickled). Its :attr:`ShardStream.position` is the position after the last
+unpickled), in this process or in ``workers`` processes that hand the samples back in stream order.
+Its :attr:`ShardStream.position` is the position after the last
 sample yielded; a stream built with that position continues with exactly the next sample,
 passing over the already-consumed members of the current shard without decoding them.
+:func:`iter_batches` applies the image transform where the samples are decoded, its random draws seeded
+per (seed, epoch, key), so batches do not depend on the number of workers.
 
 The loader expects validated shards: a sample without an image or a caption, or an undecodable
 member, raises :class:`LoaderError` naming the shard and the key.
@@ -202,6 +205,89 @@ def decode_sample(
     return Sample(key, image, caption, list(captions), meta, shard, tuple(size) if size else image.size)
 
 
+DEFAULT_CHUNK = 16  # samples per task sent to a decoding worker
+CHUNKS_AHEAD = 2  # per worker: tasks queued or done but not yet consumed (memory stays bounded)
+
+
+@dataclass
+class _Item:
+    """One step of a stream walk, in stream order: a sample to decode (``raw``) or already decoded
+    (``sample``, from the cache), or a marker: the end of a cacheable shard (``end_of``) or of an epoch,
+    or a barrier (every item before it must be consumed first: the next shard is still being cached)."""
+
+    url: str | None
+    position: StreamPosition | None
+    raw: dict[str, Any] | None = None
+    sample: Sample | None = None
+    cache_key: Any = None  # the shard's cache key when it is read from its start into the cache
+    end_of: Any = None
+    barrier: bool = False
+
+    @property
+    def work(self) -> bool:
+        return self.raw is not None or self.sample is not None
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_start(decode_settings: tuple[Any, ...], prepare: Callable[[Sample, int], Any] | None) -> None:
+    """A decoding worker's set-up: one torch thread (the pool is the parallelism), its decoder and step, and
+    a watch that ends the worker when the process that started it is gone (killed, it cannot say so)."""
+    import threading
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="loader-parent-watch", daemon=True).start()
+    image_size, background, max_pixels = decode_settings
+    _WORKER["decoder"] = _decoder(background, image_size, max_pixels)
+    _WORKER["prepare"] = prepare
+
+
+def _work(
+    item: _Item, decoder: Callable[[dict[str, Any]], dict[str, Any]], prepare: Any
+) -> tuple[Sample, Any]:
+    sample = item.sample if item.sample is not None else decode_sample(item.raw, item.url, decoder)
+    return sample, (prepare(sample, item.position.epoch) if prepare is not None else None)
+
+
+class _TensorData:
+    """A tensor crossing to another process as plain bytes: pickled as is, torch would move each tensor into
+    a shared-memory segment of its own, which costs far more per small tensor than copying its bytes."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.array = tensor.numpy()
+
+    def tensor(self) -> Any:
+        import torch
+
+        return torch.from_numpy(self.array)
+
+
+def _work_chunk(items: list[_Item]) -> tuple[list[tuple[Sample, Any]], LoaderError | None]:
+    """A worker's task: the chunk's samples decoded and prepared, up to the first that cannot be (its error
+    comes back beside the samples before it, which the stream still yields, as in one process)."""
+    import torch
+
+    done: list[tuple[Sample, Any]] = []
+    try:
+        for item in items:
+            sample, extra = _work(item, _WORKER["decoder"], _WORKER["prepare"])
+            done.append((sample, _TensorData(extra) if isinstance(extra, torch.Tensor) else extra))
+    except LoaderError as exc:
+        return done, exc
+    return done, None
+
+
 class ShardStream:
     """Iterable of :class:`Sample` over shards, with a deterministic shard order and a resumable position.
 
@@ -213,6 +299,11 @@ class ShardStream:
     :func:`shard_order` per (seed, epoch); samples keep their order inside a shard. Iterating again (a
     second ``iter()``) continues from :attr:`position`; build a new stream with ``position=`` to resume
     in another process.
+
+    ``workers`` > 0 decodes in that many processes: this process reads the shards (undecoded bytes, in
+    order) and hands them out ``chunk`` samples at a time, at most :data:`CHUNKS_AHEAD` chunks per worker
+    ahead; results come back in stream order, so the samples, their order and every :attr:`position` are
+    those of ``workers=0``.
     """
 
     def __init__(
@@ -227,6 +318,8 @@ class ShardStream:
         image_size: int | None = None,
         max_pixels: int | None = MAX_PIXELS,
         cache: SampleCache | None = None,
+        workers: int = 0,
+        chunk: int = DEFAULT_CHUNK,
     ) -> None:
         self.urls = expand_urls(urls)
         self.cache = cache
@@ -235,7 +328,12 @@ class ShardStream:
         self.seed = seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
+        if workers < 0 or chunk < 1:
+            raise ValueError(
+                f"loader workers must be >= 0 and chunk >= 1, got workers={workers}, chunk={chunk}"
+            )
         self.epochs = epochs
+        self.workers, self.chunk = workers, chunk
         if isinstance(position, dict):
             position = StreamPosition.from_dict(position)
         self.position = position or StreamPosition()
@@ -250,6 +348,48 @@ class ShardStream:
         return [self.urls[i] for i in shard_order(len(self.urls), self.seed, epoch, self.shuffle_shards)]
 
     def __iter__(self) -> Iterator[Sample]:
+        for sample, _ in self.prepared():
+            yield sample
+
+    def prepared(self, prepare: Callable[[Sample, int], Any] | None = None) -> Iterator[tuple[Sample, Any]]:
+        """``(sample, prepare(sample, epoch))`` for each sample in stream order (``None`` without
+        ``prepare``), decoded and prepared in the :attr:`workers` processes when there are any. ``prepare``
+        must be picklable for workers (a module-level function or an object of a module-level class)."""
+        self._filling: set[Any] = set()  # cache keys of shards read to their end, not yet put in the cache
+        items = self._walk()
+        if self.workers == 0:
+            done: Iterator[tuple[_Item, Sample | None, Any]] = (
+                (item, *(_work(item, self._decoder, prepare) if item.work else (None, None)))
+                for item in items
+            )
+        else:
+            done = self._in_workers(items, prepare)
+        kept: list[Sample] | None = None
+        kept_bytes = 0
+        for item, sample, extra in done:
+            if item.barrier:
+                continue
+            if item.end_of is not None:
+                if kept is not None and self.cache is not None:
+                    self.cache.put(item.end_of, kept)
+                self._filling.discard(item.end_of)
+                kept = None
+                continue
+            self.position = item.position
+            if sample is None:  # the end of an epoch
+                continue
+            if item.cache_key is not None and self.cache is not None:
+                if item.position.sample_offset == 1:
+                    kept, kept_bytes = [], 0
+                if kept is not None:
+                    kept_bytes += sample_bytes(sample)
+                    kept = kept if kept_bytes <= self.cache.max_bytes else None  # never fits: stop
+                    if kept is not None:
+                        kept.append(sample)
+            yield sample, extra
+
+    def _walk(self) -> Iterator[_Item]:
+        """The stream from :attr:`position` as undecoded (or cached) samples and markers, in order."""
         pos = self.position
         epoch, shard_index, offset, seen = pos.epoch, pos.shard_index, pos.sample_offset, pos.samples_seen
         while self.epochs is None or epoch < self.epochs:
@@ -257,36 +397,101 @@ class ShardStream:
             while shard_index < len(order):
                 url = order[shard_index]
                 key = self.cache.key(url, self._decode_settings) if self.cache is not None else None
+                if key is not None and key in self._filling:  # read ahead of the consumer: wait for its put
+                    yield _Item(None, None, barrier=True)
                 cached = self.cache.get(key) if self.cache is not None else None
                 if cached is not None:
                     for sample in cached[offset:]:
                         offset += 1
                         seen += 1
-                        self.position = StreamPosition(epoch, shard_index, offset, seen)
-                        yield sample
+                        yield _Item(url, StreamPosition(epoch, shard_index, offset, seen), sample=sample)
                     shard_index, offset = shard_index + 1, 0
                     continue
-                kept: list[Sample] | None = [] if key is not None and offset == 0 else None
-                kept_bytes = 0
+                cache_key = key if key is not None and offset == 0 else None
                 try:
                     for raw in iter_raw_samples(url, skip=offset):
-                        sample = decode_sample({"__key__": raw.key, **raw.members}, url, self._decoder)
-                        if kept is not None and self.cache is not None:
-                            kept_bytes += sample_bytes(sample)
-                            kept = kept if kept_bytes <= self.cache.max_bytes else None  # never fits: stop
-                            if kept is not None:
-                                kept.append(sample)
                         offset += 1
                         seen += 1
-                        self.position = StreamPosition(epoch, shard_index, offset, seen)
-                        yield sample
+                        position = StreamPosition(epoch, shard_index, offset, seen)
+                        members = {"__key__": raw.key, **raw.members}
+                        yield _Item(url, position, raw=members, cache_key=cache_key)
                 except ShardError as exc:
                     raise LoaderError(str(exc)) from exc
-                if kept is not None and self.cache is not None:
-                    self.cache.put(key, kept)
+                if cache_key is not None:
+                    self._filling.add(cache_key)
+                    yield _Item(url, StreamPosition(epoch, shard_index, offset, seen), end_of=cache_key)
                 shard_index, offset = shard_index + 1, 0
             epoch, shard_index = epoch + 1, 0
-            self.position = StreamPosition(epoch, 0, 0, seen)
+            yield _Item(None, StreamPosition(epoch, 0, 0, seen))
+
+    def _in_workers(
+        self, items: Iterator[_Item], prepare: Callable[[Sample, int], Any] | None
+    ) -> Iterator[tuple[_Item, Sample | None, Any]]:
+        """``items`` decoded (and prepared) by a pool of :attr:`workers` processes, in order, at most
+        ``CHUNKS_AHEAD * workers`` chunks ahead of the consumer, and not past a barrier until everything
+        before it is consumed. A read error ends the stream after the samples before it."""
+        import multiprocessing
+        from collections import deque
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(
+            self.workers,
+            mp_context=multiprocessing.get_context(),
+            initializer=_worker_start,
+            initargs=(self._decode_settings, prepare),
+        )
+        pending: deque[tuple[list[_Item], Any]] = deque()  # (items, future of their results or None)
+        chunk: list[_Item] = []
+        error: BaseException | None = None
+        draining = False  # a barrier was reached: hand out nothing more until the consumer catches up
+
+        def submit() -> None:
+            nonlocal chunk
+            if chunk:
+                pending.append((chunk, pool.submit(_work_chunk, chunk)))
+                chunk = []
+
+        try:
+            while True:
+                while error is None and not draining and len(pending) < CHUNKS_AHEAD * self.workers:
+                    try:
+                        item = next(items)
+                    except StopIteration:
+                        error = StopIteration()
+                        break
+                    except LoaderError as exc:
+                        error = exc
+                        break
+                    if item.barrier:
+                        draining = True
+                        break
+                    if item.raw is not None or (item.sample is not None and prepare is not None):
+                        chunk.append(item)
+                        if len(chunk) == self.chunk:
+                            submit()
+                    else:  # a marker or a cached sample with nothing to do keeps its place in order
+                        submit()
+                        pending.append(([item], None))
+                if error is not None or draining or not pending:
+                    submit()
+                if not pending:
+                    if draining:  # everything before the barrier is consumed: the walk goes on
+                        draining = False
+                        continue
+                    break
+                batch, future = pending.popleft()
+                if future is None:
+                    yield batch[0], batch[0].sample, None
+                    continue
+                done, failed = future.result()
+                for item, (sample, extra) in zip(batch, done, strict=False):
+                    yield item, sample, extra.tensor() if isinstance(extra, _TensorData) else extra
+                if failed is not None:
+                    raise failed
+            if error is not None and not isinstance(error, StopIteration):
+                raise error
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # at most one running chunk per worker to wait for
 
 
 @dataclass
@@ -313,6 +518,27 @@ def pick_caption(sample: Sample, choice: Literal["first", "random"], seed: int, 
     return sample.captions[int.from_bytes(digest, "little") % len(sample.captions)]
 
 
+class SeededTransform:
+    """``transform(sample.image)`` with torch's random generator seeded by (seed, epoch, key): a random
+    augmentation draws the same for a sample whichever process prepares it, and whether or not the run was
+    resumed. The caller's generator state is left as it was."""
+
+    def __init__(self, transform: Callable[[Any], Any], seed: int) -> None:
+        self.transform, self.seed = transform, seed
+
+    def __call__(self, sample: Sample, epoch: int) -> Any:
+        import torch
+
+        digest = hashlib.blake2b(f"augment/{self.seed}/{epoch}/{sample.key}".encode(), digest_size=8).digest()
+        generator = torch.default_generator  # what torchvision's random transforms draw from
+        state = generator.get_state()
+        generator.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+        try:
+            return self.transform(sample.image)
+        finally:
+            generator.set_state(state)
+
+
 def iter_batches(
     stream: ShardStream,
     batch_size: int,
@@ -324,11 +550,12 @@ def iter_batches(
 ) -> Iterator[Batch]:
     """Collate ``stream`` into :class:`Batch` es of ``batch_size``.
 
-    ``image_transform`` maps a PIL image to a ``[C, H, W]`` tensor; ``tokenizer`` maps a list of
-    captions to a ``[B, L]`` tensor (an open_clip tokenizer does). The last, smaller batch is
-    yielded unless ``drop_last``; a dropped tail counts as not consumed: each batch's ``position``
-    is the stream position right after its last sample, so resuming from the last batch trained on
-    replays the dropped samples.
+    ``image_transform`` maps a PIL image to a ``[C, H, W]`` tensor, under torch's generator seeded per sample
+    (:class:`SeededTransform`), in the stream's decoding workers when it has any (then it must be picklable);
+    ``tokenizer`` maps a list of captions to a ``[B, L]`` tensor (an open_clip tokenizer does). The last,
+    smaller batch is yielded unless ``drop_last``; a dropped tail counts as not consumed: each batch's
+    ``position`` is the stream position right after its last sample, so resuming from the last batch
+    trained on replays the dropped samples.
     """
     import torch
 
@@ -348,8 +575,8 @@ def iter_batches(
             position,
         )
 
-    for sample in stream:
-        images.append(image_transform(sample.image))
+    for sample, image in stream.prepared(SeededTransform(image_transform, seed)):
+        images.append(image)
         texts.append(pick_caption(sample, caption_choice, seed, stream.position.epoch))
         keys.append(sample.key)
         position = stream.position

@@ -37,7 +37,9 @@ class ShardBatchSource:
     (seed, epoch, key), so a resumed run sees exactly the samples, captions and order of an uninterrupted one.
     Images are decoded to ``image_size`` on the short side when larger (give the model input), and kept
     decoded in a :class:`compat.data.cache.SampleCache` of ``cache_bytes`` (0: none), so that epochs after
-    the first decode nothing.
+    the first decode nothing. ``workers`` > 0 decodes and transforms in that many processes
+    (:class:`compat.data.loader.ShardStream`): the batches and positions are those of ``workers=0``, and a
+    random training transform draws per (seed, epoch, key) either way.
     """
 
     def __init__(
@@ -52,12 +54,15 @@ class ShardBatchSource:
         shuffle_shards: bool = True,
         image_size: int | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        workers: int = 0,
     ) -> None:
         from compat.data.cache import SampleCache
         from compat.data.loader import expand_urls
 
         if batch_size < 2:
             raise ValueError(f"batch_size must be >= 2 for a contrastive loss, got {batch_size}")
+        if workers < 0:
+            raise ValueError(f"loader workers must be >= 0 (0: decode in this process), got {workers}")
         self.urls = expand_urls(urls)
         self.batch_size = batch_size
         self.image_transform = image_transform
@@ -67,6 +72,7 @@ class ShardBatchSource:
         self.shuffle_shards = shuffle_shards
         self.image_size = image_size
         self.cache = SampleCache(cache_bytes)
+        self.workers = workers
 
     def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]:
         from compat.data.loader import ShardStream, iter_batches
@@ -79,6 +85,7 @@ class ShardBatchSource:
             position=position,
             image_size=self.image_size,
             cache=self.cache,
+            workers=self.workers,
         )
         for b in iter_batches(
             stream,
@@ -192,6 +199,7 @@ class ReplayBatchSource:
         *,
         seed: int = 0,
         image_size: int | None = None,
+        workers: int = 0,
     ) -> None:
         if not 1 <= replay <= batch_size - 2:
             raise ValueError(f"replay must be in [1, batch_size - 2] = [1, {batch_size - 2}], got {replay}")
@@ -205,6 +213,7 @@ class ReplayBatchSource:
             seed=seed,
             caption_choice="random",
             image_size=image_size,
+            workers=workers,
         )
         self.buffer, self.batch_size, self.replay = buffer, batch_size, replay
         self.image_transform, self.tokenizer, self.seed = image_transform, tokenizer, seed

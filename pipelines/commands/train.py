@@ -50,6 +50,14 @@ def continual(
         typer.Option("--checkpoint-every", min=0, help="Resumable checkpoint every N steps (0: end only)."),
     ] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
+    loader_workers: Annotated[
+        int | None,
+        typer.Option(
+            "--loader-workers",
+            min=0,
+            help="Processes decoding training images, in order (default 0: this process).",
+        ),
+    ] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda.")] = None,
     train_shard: Annotated[
         list[str] | None,
@@ -87,6 +95,7 @@ def continual(
             "checkpoint_every": checkpoint_every,
             "seed": seed,
             "device": device,
+            "loader_workers": loader_workers,
         }
         settings = TrainingSettings(**{k: v for k, v in given.items() if v is not None})
         doc = run_continual(
