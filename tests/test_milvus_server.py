@@ -122,6 +122,7 @@ def test_serve_milvus_command_prints_the_uri_and_stops_on_sigterm(tmp_path) -> N
         from pymilvus import MilvusClient
         argv = [sys.executable, "-m", "pipelines.cli", "index", "serve-milvus"]
         argv += ["--data", {str(tmp_path / "m")!r}, "--binaries", {str(milvus_binaries_cache())!r}]
+        argv += ["--graceful-stop", "3"]  # "kept" is loaded: a stop waits this long (10 s by default)
         for round_ in range(2):
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             uri = None
