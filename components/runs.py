@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from compat.io import read_json_object_or_none, write_json_atomic
+from compat.io import read_json_object_or_none, utc_now, write_json_atomic
 from components.deployment import Deployment
 from components.workspace import Workspace
 
@@ -29,6 +29,7 @@ RUN_FILE = "run.json"
 BLOCKED_FILE = "blocked.json"
 FAILURE_FILE = "failure.json"
 OUTCOME_FILE = "outcome.json"
+USAGE_DIR = "usage"  # step-<name>.json per step: what it cost (record_usage); no other file's name
 ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
 RESUMABLE = (None, "failed")  # outcomes of a run that the next run of its phase continues
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -488,3 +489,22 @@ def locate_in_log(log_path: Path, failure: dict[str, Any]) -> int | None:
             if needle in line and first_line in line:
                 found = found or number
     return found
+
+
+def record_usage(run_dir: Path, step: str, usage: dict[str, Any]) -> Path | None:
+    """Write one step's usage (with its outcome: ``ok`` or the exception's type) to the run's usage folder;
+    a step run again by a resumed attempt replaces its figures. Best effort: a write that fails is logged."""
+    document = {"step": step, "at": utc_now(), "pid": os.getpid(), **usage}
+    path = Path(run_dir) / USAGE_DIR / f"step-{step}.json"
+    try:
+        return write_json_atomic(path, document)
+    except (OSError, ValueError) as exc:  # a full disk must not turn a finished step into a failed one
+        log.warning("could not record %s's resource usage in %s: %s", step, path, exc)
+        return None
+
+
+def read_usage(run_dir: Path) -> list[dict[str, Any]]:
+    """Every recorded step's usage in the run, in the order the steps ended (unreadable files skipped)."""
+    folder = Path(run_dir) / USAGE_DIR
+    files = sorted(folder.glob("step-*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    return [d for d in map(read_json_object_or_none, files) if d]

@@ -87,6 +87,9 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         sections[0].items.insert(0, stop)
     if failure:
         sections.insert(0, _failure_section(failure, inputs.run_dir))
+    usage = _usage_section(inputs.run_dir)
+    if usage is not None:
+        sections.append(usage)
     return sections
 
 
@@ -489,6 +492,40 @@ def _rollout_section(source: Source) -> Section:
         )
     if source.path is not None and source.path.parent.name != "rollout":
         section.items.append(Note(f"from {source.path}", "muted"))
+    return section
+
+
+def _usage_section(run_dir: Path) -> Section | None:
+    """What each step cost (:func:`components.runs.read_usage`): the figures to size a pod's CPU and memory
+    by, and the first place to look when a step was killed for memory. None for a run that recorded none."""
+    from components.runs import read_usage
+
+    steps = read_usage(run_dir)
+    if not steps:
+        return None
+    rows = [
+        [
+            u.get("step"),
+            u.get("outcome"),
+            _fmt(u.get("wall_s")),
+            _fmt(u.get("cpu_s")),
+            _fmt(u.get("peak_rss_mib")),
+            _fmt(u.get("workers_cpu_s")) if u.get("workers_cpu_s") else "-",
+            _fmt(u.get("workers_peak_rss_mib")) if u.get("workers_cpu_s") else "-",
+        ]
+        for u in steps
+    ]
+    peaks = [p for p in (_num(u.get("peak_rss_mib")) for u in steps) if math.isfinite(p)]
+    headers = ["step", "outcome", "wall s", "CPU s", "peak RSS MiB", "workers CPU s", "workers peak MiB"]
+    section = Section("usage", "Resources per step", f"peak {max(peaks):.0f} MiB" if peaks else "recorded")
+    section.items.append(Table(headers, rows))
+    section.items.append(
+        Note(
+            "Peak RSS is each step's own process (VmHWM); workers are the processes a step waited for "
+            "(the training loader's), each up to this peak: a pod's memory limit holds their sum.",
+            "muted",
+        )
+    )
     return section
 
 

@@ -21,26 +21,34 @@ F = TypeVar("F", bound=Callable[..., Any])
 def step(name: str) -> Callable[[F], F]:
     """Name a step function ``f(deployment, run_dir, ...)``: it receives the typed deployment (from whatever
     form the caller has, :meth:`Deployment.coerce`) and runs under the workspace's shared step lock
-    (:func:`components.lock.step_lock`); when it raises, ``<run_dir>/failure.json`` records the step, the
-    exception and what to do next (:func:`components.runs.record_failure`), for the report, ``outcome.json``
-    and the CLI."""
+    (:func:`components.lock.step_lock`). What it cost is kept in ``<run_dir>/usage/step-<name>.json``
+    (:func:`components.steps.usage.measured`, :func:`components.runs.record_usage`). When it raises,
+    ``<run_dir>/failure.json`` records the step, the exception and what to do next
+    (:func:`components.runs.record_failure`), for the report, ``outcome.json`` and the CLI."""
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def run(config: Config, run_dir: Path | None = None, *args: Any, **kwargs: Any) -> Any:
             from components.lock import step_lock
+            from components.runs import record_usage
+            from components.steps.usage import measured
             from components.workspace import Workspace
 
+            usage: dict[str, Any] = {"outcome": "ok"}
             try:
                 deployment = Deployment.coerce(config)
-                with step_lock(Workspace.of(deployment)):
+                with step_lock(Workspace.of(deployment)), measured(usage):
                     return fn(deployment, run_dir, *args, **kwargs)
             except Exception as error:
                 from components.runs import record_failure
 
+                usage["outcome"] = type(error).__name__
                 if run_dir is not None:
                     record_failure(Path(run_dir), name, error)
                 raise
+            finally:
+                if run_dir is not None and "wall_s" in usage:
+                    record_usage(Path(run_dir), name, usage)  # best effort: never the step's outcome
 
         return run  # type: ignore[return-value]
 

@@ -1,0 +1,78 @@
+"""What a step cost: wall and CPU seconds and peak resident memory (kept by the ``step`` decorator in
+``<run_dir>/usage/step-<step>.json``, :func:`components.runs.record_usage`).
+
+A pod's memory limit is what ends a step that reads one picture too large, so each step says how much it
+took: the report's "Resources" table and the benchmarks read these files. On a cluster (and under
+``kfp.local``) every step is its own process, whose peak (``VmHWM``) covers its imports and its work; a step
+called inside a longer-lived process (a test, ``compatflow`` commands) resets the peak first where Linux
+allows it (``/proc/self/clear_refs``), so the figure is the step's own. Worker processes a step started
+and waited for (the training loader's) are counted apart: the largest one's peak and all of their CPU time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_mib(field: str) -> float | None:
+    """A ``/proc/self/status`` memory field (``VmHWM``, ``VmRSS``) in MiB; None where there is no /proc."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    """Start the process's ``VmHWM`` again from its current resident size (Linux 4.0+); False when not."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Fill ``usage`` with what the ``with`` body cost: ``wall_s``, ``cpu_s`` (this process, every thread),
+    ``peak_rss_mib`` (this process), ``workers_cpu_s`` (child processes waited for meanwhile) and
+    ``workers_peak_rss_mib`` (the largest child this process ever waited for: in a step's own process, its
+    workers'), ``peak_is_step_only`` (False where the peak could not be reset: it may be an earlier step's).
+    Filled also when the body raises."""
+    own_peak = _reset_peak()
+    start_wall, start_cpu = time.monotonic(), time.process_time()
+    start_children = os.times()
+    try:
+        yield usage
+    finally:
+        children = os.times()
+        workers_peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        usage.update(
+            wall_s=round(time.monotonic() - start_wall, 3),
+            cpu_s=round(time.process_time() - start_cpu, 3),
+            peak_rss_mib=_rounded(_status_mib("VmHWM")),
+            peak_is_step_only=own_peak,
+            workers_cpu_s=round(
+                children.children_user
+                + children.children_system
+                - start_children.children_user
+                - start_children.children_system,
+                3,
+            ),
+            workers_peak_rss_mib=round(workers_peak_kib / 1024, 1) if workers_peak_kib else None,
+        )
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
