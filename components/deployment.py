@@ -13,11 +13,21 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "pipeline_config.schema.json"
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA_FILE = ROOT / "schemas" / "pipeline_config.schema.json"
+DEFAULTS_FILE = ROOT / "pipelines" / "configs" / "local.yaml"
+COMMENT_COLUMN = 37
+DEFAULTS_HEADER = """\
+# Embedded defaults: every service runs in-process on this machine (milvus-lite, MLflow on
+# sqlite, Feast's local registry), CPU, tiny models. `make run` uses this file.
+# Generated from components/deployment.py (`python -m components.deployment`): every setting, its
+# default and what it means; a key left out of a config takes this value. cluster.yaml sets what
+# production changes."""
 
 
 class Section(BaseModel):
@@ -30,28 +40,38 @@ class Section(BaseModel):
 class StreamSection(Section):
     """Where the phases of training data come from; the rest synthesises the default stream when missing."""
 
-    uri: str = Field("workspace/stream", min_length=1, description="a directory (or URL) with stream.json")
+    uri: str = Field(
+        "workspace/stream",
+        min_length=1,
+        description="a directory with stream.json (img2dataset-style shards)",
+    )
     generate_if_missing: bool = Field(True, description="synthesise the default stream on the first run")
-    phases: int = Field(5, ge=1)
-    samples_per_phase: int = Field(2000, ge=1)
-    eval_per_domain: int = Field(200, ge=1)
-    gallery_per_domain: int = Field(500, ge=1)
-    image_size: int = Field(64, ge=16)
+    phases: int = Field(5, ge=1, description="synthetic stream: phases generated")
+    samples_per_phase: int = Field(2000, ge=1, description="synthetic stream: training pairs per phase")
+    eval_per_domain: int = Field(200, ge=1, description="synthetic stream: evaluation pairs per domain")
+    gallery_per_domain: int = Field(500, ge=1, description="synthetic stream: gallery items per domain")
+    image_size: int = Field(64, ge=16, description="synthetic stream: rendered picture side, px")
     seed: int = 0
-    shift: Literal["realistic", "disjoint"] = "realistic"
-    old_word_share: float = Field(0.6, ge=0, le=1)
+    shift: Literal["realistic", "disjoint"] = Field(
+        "realistic", description="realistic (shared core words, new items per phase) | disjoint (hard)"
+    )
+    old_word_share: float = Field(
+        0.6, ge=0, le=1, description="realistic: share of a later phase's captions in earlier words only"
+    )
 
 
 class ValidationSection(Section):
     """Data validation of each new phase."""
 
-    max_quarantined_fraction: float = Field(0.05, ge=0, le=1)
+    max_quarantined_fraction: float = Field(
+        0.05, ge=0, le=1, description="a phase with more of its samples quarantined is blocked"
+    )
 
 
 class DriftSection(Section):
     """The drift report against a reference phase."""
 
-    reference_phase: Literal["previous", "first"] = "previous"
+    reference_phase: Literal["previous", "first"] = Field("previous", description='"previous" or "first" (0)')
     sample_size: int = Field(500, ge=10, description="samples per side fed to Evidently")
     embeddings: bool = Field(True, description="embedding drift under the production model when one exists")
 
@@ -59,23 +79,41 @@ class DriftSection(Section):
 class TrainingSection(Section):
     """Continual training of the next model (Mod-X and its baselines)."""
 
-    model_config_name: str = Field("cf-tiny", alias="model_config", description="a model config name")
-    pretrained: str | None = Field(None, description="the first model's start weights (file or cached tag)")
-    resize_mode: Literal["shortest", "longest", "squash"] | None = None
+    model_config_name: str = Field(
+        "cf-tiny", alias="model_config", description="a model config name (`compatflow models`)"
+    )
+    pretrained: str | None = Field(
+        None, description="first model's start weights: a local open_clip .pt/.safetensors or a cached tag"
+    )
+    resize_mode: Literal["shortest", "longest", "squash"] | None = Field(
+        None, description="null: the model config's; kept in checkpoints"
+    )
     method: Literal["modx", "finetune", "joint"] = "modx"
-    alpha: float = Field(1.0, ge=0, description="Mod-X KL weight")
-    replay_buffer_size: int = Field(1000, ge=0)
-    replay_rows: int = Field(16, ge=0)
+    alpha: float = Field(
+        1.0,
+        ge=0,
+        description="Mod-X KL weight (paper: 20; with a buffer, 1 learns the newest phase as fast as "
+        "fine-tuning and keeps earlier ones best: continual.md run H)",
+    )
+    replay_buffer_size: int = Field(
+        1000, ge=0, description="earlier-phase pairs kept (Mod-X + buffer, paper Table 2); 0: none"
+    )
+    replay_rows: int = Field(16, ge=0, description="rows of every batch drawn from the buffer")
     steps: int = Field(300, ge=1)
-    epochs: float | None = Field(None, gt=0, description="passes over the phase instead of steps")
-    checkpoint_every: int = Field(50, ge=0)
+    epochs: float | None = Field(
+        None, gt=0, description="passes over the phase instead of `steps` (null: steps)"
+    )
+    checkpoint_every: int = Field(50, ge=0, description="steps between resumable checkpoints (0: none)")
     batch_size: int = Field(64, ge=2)
     lr: float = Field(5.0e-4, gt=0)
     warmup_fraction: float = Field(0.2, ge=0, le=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     loader_workers: int = Field(
-        0, ge=0, description="processes decoding training images per training process (0: that process)"
+        0,
+        ge=0,
+        description="processes decoding training images, order kept (0: the training process; a "
+        "CPU-trained model on 2 shared cores gains nothing from more: loader.md)",
     )
 
 
@@ -83,12 +121,21 @@ class CompatSection(Section):
     """Compatibility training against the production model."""
 
     scenario: Literal["continual", "foundation"] = "continual"
-    foundation_config: str = "cf-foundation-minilm"
-    method: Literal["bct", "lambda_orth", "bt2", "xbt", "taca", "none"] = "bct"
-    steps: int = Field(900, ge=1)
+    foundation_config: str = Field(
+        "cf-foundation-minilm", description="scenario foundation: the new model's config (a wider one)"
+    )
+    method: Literal["bct", "lambda_orth", "bt2", "xbt", "taca", "none"] = Field(
+        "bct", description="`compatflow compat methods` (bct + rule: results/compat.md)"
+    )
+    steps: int = Field(900, ge=1, description="BCT + rule meets the ECC goal both ways at 900, not 300")
     batch_size: int = Field(64, ge=2)
-    replay_shards_per_phase: int = Field(1, ge=0)
-    options: dict[str, Any] = Field(default_factory=lambda: {"synthesize_unmatched": True})
+    replay_shards_per_phase: int = Field(
+        1, ge=0, description="+ this many validated shards of every earlier phase (0: none)"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=lambda: {"synthesize_unmatched": True},
+        description="the method's own settings (`compatflow compat methods`)",
+    )
 
 
 class GateSection(Section):
@@ -130,11 +177,20 @@ Recall = Literal["R@1", "R@5", "R@10"]
 class RolloutSection(Section):
     """The staged rollout of a released model into the index."""
 
-    fractions: list[float] = Field(default_factory=lambda: [0.1, 0.25, 0.5, 1.0], min_length=1)
-    order: Literal["random", "oldest_first", "lambda_orth", "uncertainty"] = "lambda_orth"
+    fractions: list[float] = Field(
+        default_factory=lambda: [0.1, 0.25, 0.5, 1.0], min_length=1, description="backfilled after each stage"
+    )
+    order: Literal["random", "oldest_first", "lambda_orth", "uncertainty"] = Field(
+        "lambda_orth", description="which items are re-embedded first"
+    )
     batch_size: int = Field(256, ge=1)
-    floors: dict[Recall, float] = Field(default_factory=dict, description="probe R@K floors above old/old")
-    slo: SloSection = Field(default_factory=SloSection)
+    floors: dict[Recall, float] = Field(
+        default_factory=dict, description="probe R@K floors above old/old, e.g. {R@1: 20}"
+    )
+    slo: SloSection = Field(
+        default_factory=SloSection,
+        description="unpaced: e.g. {p99_factor: 1.5} holds query p99 <= 1.5 x idle",
+    )
 
 
 class TaskResources(Section):
@@ -160,7 +216,7 @@ class ResourceSection(Section):
 
     cpu: TaskResources = Field(default_factory=TaskResources)
     gpu: GpuResources = Field(default_factory=GpuResources)
-    image: str = Field("compatflow-cpu:0.1.0", min_length=1)
+    image: str = Field("compatflow-cpu:0.1.0", min_length=1, description="the tasks' container image")
 
 
 class Deployment(Section):
@@ -168,7 +224,11 @@ class Deployment(Section):
     explicit (the form a run records and a KFP op receives)."""
 
     name: str = "local"
-    workspace: str = Field("workspace", min_length=1, description="state, models, registry, index, runs")
+    workspace: str = Field(
+        "workspace",
+        min_length=1,
+        description="state, models, registry, index, run outputs (relative: the cwd)",
+    )
     stream: StreamSection = Field(default_factory=StreamSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
     drift: DriftSection = Field(default_factory=DriftSection)
@@ -291,5 +351,74 @@ def write_json_schema(path: Path = SCHEMA_FILE) -> Path:
     return path
 
 
+def defaults_yaml() -> str:
+    """Every setting with its default and its description as a comment: ``pipelines/configs/local.yaml``
+    (a section's line carries the first sentence of its class's docstring, a choice its choices)."""
+    lines = [DEFAULTS_HEADER]
+    defaults = Deployment()
+    for name, field in Deployment.model_fields.items():
+        value = getattr(defaults, name)
+        if isinstance(value, Section):
+            lines.append("")
+            lines += _commented(f"{name}:", _first_sentence(type(value).__doc__))
+            for key, inner in type(value).model_fields.items():
+                line = f"  {inner.alias or key}: {_flow(getattr(value, key))}"
+                lines += _commented(line, _described(inner))
+        else:
+            lines += _commented(f"{name}: {_flow(value)}", _described(field))
+    return "\n".join(lines) + "\n"
+
+
+def _described(field: Any) -> str | None:
+    """A field's description, led by its choices when it is one of a few names."""
+    choices = [c for c in _literal_choices(field.annotation) if c is not None]
+    said = field.description or ""
+    if choices and not all(str(c) in said for c in choices):
+        said = " | ".join(map(str, choices)) + (f"; {said}" if said else "")
+    return said or None
+
+
+def _literal_choices(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (Union, UnionType):  # an optional choice
+        return tuple(c for arg in get_args(annotation) for c in _literal_choices(arg))
+    return ()
+
+
+def _flow(value: Any) -> str:
+    """A value as one line of YAML (a nested section or list in flow style)."""
+    import yaml
+
+    plain = value.model_dump(mode="json", by_alias=True) if isinstance(value, BaseModel) else value
+    text = yaml.safe_dump(plain, default_flow_style=True, sort_keys=False, width=1_000).strip()
+    return text.removesuffix("...").strip()
+
+
+def _commented(line: str, comment: str | None, width: int = 110) -> list[str]:
+    """``line`` with ``comment`` from the comment column on, wrapped below it within ``width``."""
+    if not comment:
+        return [line]
+    import textwrap
+
+    column = max(COMMENT_COLUMN, len(line) + 2)
+    wrapped = textwrap.wrap(comment, width - column - 2, break_on_hyphens=False) or [comment]
+    return [f"{line.ljust(column - 1)} # {wrapped[0]}"] + [
+        f"{'':{column - 1}} # {rest}" for rest in wrapped[1:]
+    ]
+
+
+def _first_sentence(doc: str | None) -> str | None:
+    text = " ".join((doc or "").split())
+    return text.split(". ")[0].rstrip(".") or None
+
+
+def write_defaults(path: Path = DEFAULTS_FILE) -> Path:
+    """Write :func:`defaults_yaml` to ``path``."""
+    path.write_text(defaults_yaml())
+    return path
+
+
 if __name__ == "__main__":
     print(write_json_schema())
+    print(write_defaults())

@@ -1,6 +1,7 @@
 """Pipeline configuration: YAML files under ``pipelines/configs/``, parsed once into the typed
 :class:`~components.deployment.Deployment` and checked whole when loaded (the model's fields, then the rules
-of the code that uses each field). ``local`` and ``cluster`` share every key and differ only in values."""
+of the code that uses each field). ``local`` is generated from the model (every setting, its default and
+its description); ``cluster`` writes only what production changes."""
 
 from __future__ import annotations
 

@@ -30,9 +30,9 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
     from components.lineage import LineageStore
     from components.registry import Registry
     from pipelines.cli import app
-    from pipelines.config import CONFIG_DIR, resolve
+    from pipelines.config import load_config, resolve
 
-    config = yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text())
+    config = load_config("cluster", local_paths=False).to_dict()  # every setting: the file's and the defaults
     policy = tmp_path / "permissive.yaml"
     policy.write_text(PERMISSIVE_POLICY)
     config["workspace"] = str(tmp_path / "ws")

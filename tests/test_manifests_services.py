@@ -30,6 +30,13 @@ from _manifests import (
 )
 
 
+def _cluster_config() -> dict:
+    """cluster.yaml with every setting it leaves out at its default, as a run reads it."""
+    from pipelines.config import load_config
+
+    return load_config("cluster", local_paths=False).to_dict()
+
+
 def test_training_job_replicas_share_one_pod_template_and_gpu_count(rendered) -> None:
     for overlay, docs in rendered.items():
         job = the(docs, "PyTorchJob", "compatflow-train")
@@ -95,7 +102,7 @@ def test_training_command_parses_as_the_compatflow_command(rendered, overlay: st
 
 def test_cluster_overlay_matches_the_cluster_pipeline_config(rendered) -> None:
     path = ROOT / "pipelines" / "configs" / "cluster.yaml"
-    config = yaml.safe_load(path.read_text())
+    config = _cluster_config()
     docs = rendered["cluster"]
     data = the(docs, "ConfigMap", "compatflow-pipeline-config")["data"]
     assert Path(data["COMPATFLOW_CONFIG"]).name == path.name
@@ -248,7 +255,7 @@ def cluster_task_executors(tmp_path_factory) -> list[tuple[str, dict[str, Any], 
 def test_compiled_task_settings_reference_the_manifests(
     rendered, cluster_task_executors, overlay: str
 ) -> None:
-    config = yaml.safe_load((ROOT / "pipelines" / "configs" / "cluster.yaml").read_text())
+    config = _cluster_config()
     gpu = [
         name
         for name, container, _ in cluster_task_executors
@@ -263,7 +270,7 @@ def test_compiled_task_settings_reference_the_manifests(
 
 
 def test_task_setting_check_catches_a_broken_copy(rendered, cluster_task_executors) -> None:
-    config = yaml.safe_load((ROOT / "pipelines" / "configs" / "cluster.yaml").read_text())
+    config = _cluster_config()
     docs = mutated(
         rendered["cluster"],
         "ConfigMap",
@@ -290,7 +297,7 @@ def test_committed_pipeline_task_settings_reference_the_manifests(rendered) -> N
     assert package.is_file(), f"{run['pipeline_package_path']} is missing: run `compatflow compile`"
     executors = compiled_executors(package)
     assert any(k8s for _, _, k8s in executors), "the committed pipeline carries no task settings"
-    config = yaml.safe_load((ROOT / "pipelines" / "configs" / "cluster.yaml").read_text())
+    config = _cluster_config()
     violations = task_setting_violations(executors, rendered["cluster"], config)
     assert not violations, "\n".join(violations)
 

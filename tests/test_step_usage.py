@@ -1,4 +1,4 @@
-"""What a step cost: every step records wall and CPU seconds and its own peak memory, and the report shows it."""
+"""What a step cost: every step records wall and CPU seconds and its own peak memory; the report shows it."""
 
 import sys
 
