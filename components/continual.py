@@ -196,27 +196,14 @@ def run_continual(
     phase; the pipeline passes the validated ones) replaces the manifest's for the replay buffer. ``on_step``
     receives each training step's record as it is made (:func:`compat.training.train`).
     """
-    from compat.data.loader import load_captioned_set
-    from compat.data.synth import load_manifest, phase_urls
+    from compat.data.synth import load_manifest
     from compat.io import write_json_atomic
-    from compat.metrics import spatial_disorder
-    from compat.models import build_model, save_checkpoint
+    from compat.models import save_checkpoint
     from compat.production import load_production
-    from compat.training import (
-        ReplayBatchSource,
-        ReplayBuffer,
-        ShardBatchSource,
-        TrainConfig,
-        init_distributed,
-        shutdown_distributed,
-        train,
-    )
+    from compat.training import init_distributed, shutdown_distributed, train
 
-    method, alpha, seed, config_name = settings.method, settings.alpha, settings.seed, settings.config_name
-    steps, batch_size = settings.steps, settings.batch_size
-    replay_buffer_size, replay_rows = settings.replay_buffer_size, settings.replay_rows
-    if method not in METHODS:
-        raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if settings.method not in METHODS:
+        raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {settings.method!r}")
     stream, out_dir = Path(stream), Path(out_dir)
     manifest = load_manifest(stream)
     entry = _phase_entry(manifest, stream, phase)
@@ -225,105 +212,24 @@ def run_continual(
             f"phase {phase} needs the production model (--production CKPT); only phase 0 "
             "trains CLIP_0 from scratch"
         )
-    bootstrap = production is None
-    if bootstrap:
-        method_used, alpha_used = "clip0", 0.0
-    else:
-        method_used = method
-        alpha_used = (DEFAULT_ALPHA if alpha is None else float(alpha)) if method == "modx" else 0.0
-        if method != "modx" and alpha not in (None, 0, 0.0):
-            raise ContinualError(f"--alpha {alpha} applies to modx only; {method} trains with alpha = 0")
+    method_used, alpha_used = _method_and_alpha(settings, bootstrap=production is None)
     dist = init_distributed()
-    from compat.device import resolve_device
-
-    try:
-        dev = str(resolve_device(settings.device))
-    except ValueError as exc:
-        raise ContinualError(str(exc)) from exc
-    if dev == "cuda" and dist.distributed:
-        dev = f"cuda:{dist.local_rank}"
-
+    dev = _device(settings.device, dist)
     # Whatever method produced production (a plain checkpoint or a compatible model), the student and the
     # Mod-X teacher are its backbone network; the serving encoder is the start model evaluated below.
-    parent = None if bootstrap else load_production(production, device=dev)
-    if bootstrap:
-        student = build_model(
-            config_name,
-            device=dev,
-            seed=seed,
-            pretrained=settings.pretrained,
-            resize_mode=settings.resize_mode,
-        )
-    elif method_used == "foundation":
-        student = build_model(config_name, device=dev, seed=seed)
-    else:
-        student = parent.backbone(device=dev)
-        if student.config_name != config_name:
-            log.info(
-                "production model is %s; training that config (not %s)", student.config_name, config_name
-            )
-    teacher = parent.backbone(device=dev) if method_used == "modx" else None
-    stream_size = manifest.get("image_size")  # synthetic streams record the size they rendered
-    if stream_size is not None and int(stream_size) != student.image_size:
-        log.warning(
-            "the stream's images are %spx but %s takes %dpx: they are resized (%s) to the model's size",
-            stream_size,
-            student.config_name,
-            student.image_size,
-            student.resize_mode,
-        )
-
+    parent = None if production is None else load_production(production, device=dev)
+    student, teacher = _student_and_teacher(settings, parent, method_used, dev)
+    _say_when_resized(manifest, student)
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
-    replay = replay_buffer_size > 0 and method_used in ("modx", "finetune")
-    if replay:
-        earlier = replay_urls or [phase_urls(stream, q, "train", manifest) for q in range(phase)]
-        buffer = ReplayBuffer.from_phases(
-            earlier, replay_buffer_size, seed=seed, image_size=student.image_size
-        )
-        source = ReplayBatchSource(
-            urls,
-            buffer,
-            batch_size,
-            replay_rows,
-            student.preprocess_train,
-            student.tokenizer,
-            seed=seed,
-            image_size=student.image_size,
-            workers=settings.loader_workers,
-        )
-    else:
-        source = ShardBatchSource(
-            urls,
-            batch_size,
-            student.preprocess_train,
-            student.tokenizer,
-            seed=seed,
-            image_size=student.image_size,
-            workers=settings.loader_workers,
-        )
-    config = TrainConfig(
-        steps=steps,
-        batch_size=batch_size,
-        accum_steps=settings.accum_steps,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        warmup_fraction=settings.warmup_fraction,
-        alpha=alpha_used,
-        selective_correction=settings.selective_correction,
-        precision=settings.precision,
-        checkpoint_every=settings.checkpoint_every,
-        seed=seed,
-    )
+    replay = settings.replay_buffer_size > 0 and method_used in ("modx", "finetune")
+    earlier = (replay_urls or _earlier_train_urls(stream, manifest, phase)) if replay else None
+    source = _batch_source(settings, student, urls, earlier)
+    config = _train_config(settings, alpha_used)
     log.info(
-        "phase %d (%s): %s, alpha %g, %d steps x %d pairs on %d shards%s",
+        "phase %d (%s): %s",
         phase,
         entry["domain"],
-        method_used,
-        alpha_used,
-        steps,
-        batch_size,
-        len(urls),
-        f" ({replay_rows} rows per batch replayed from {replay_buffer_size} earlier pairs)" if replay else "",
+        _plan_line(settings, method_used, alpha_used, urls, replay),
     )
     t0 = time.perf_counter()
     workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
@@ -336,79 +242,230 @@ def run_continual(
         return {}
 
     version = version or f"phase-{phase:02d}-{method_used}"
+    replay_doc = (
+        {"buffer_size": settings.replay_buffer_size, "rows": settings.replay_rows} if replay else None
+    )
+    run = {"phase": phase, "domain": entry["domain"], "method": method_used, "alpha": alpha_used}
     extra = {
-        "phase": phase,
-        "domain": entry["domain"],
-        "method": method_used,
-        "alpha": alpha_used,
-        "steps": steps,
-        "batch_size": batch_size,
-        "replay": {"buffer_size": replay_buffer_size, "rows": replay_rows} if replay else None,
-        "seed": seed,
+        **run,
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "replay": replay_doc,
+        "seed": settings.seed,
         "stream_seed": manifest.get("seed"),  # synthetic streams only
         "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
     }
     sidecar = save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
-
-    sets = []
-    for q in range(phase + 1):
-        urls_q = phase_urls(stream, q, "eval", manifest)
-        data = load_captioned_set(urls_q, image_size=student.image_size)
-        if len(data) < 2:
-            raise ContinualError(
-                f"phase {q}'s eval split ({urls_q}) holds {len(data)} samples; retrieval "
-                "metrics need at least 2 (generate the stream with eval samples)"
-            )
-        sets.append(EvalSet(q, manifest["phases"][q]["domain"], data))
+    sets = _eval_sets(stream, manifest, phase, student.image_size)
     candidate, cand_emb = evaluate_domains(student, sets, dev, settings.eval_batch_size)
     start_metrics, sd_doc = None, None
-    if not bootstrap:
+    if parent is not None:
         start_metrics, start_emb = evaluate_domains(parent.encoder, sets, dev, settings.eval_batch_size)
-        newest = entry["domain"]
-        old, new = start_emb[newest], cand_emb[newest]
-        if old.images.shape[1] == new.images.shape[1]:  # rotation angles need one embedding dimension
-            sd_doc = {
-                "phase": phase,
-                "domain": newest,
-                "old_model": parent.version,
-                "new_model": version,
-                **spatial_disorder(old.images, old.first_captions(), new.images, new.first_captions()),
-            }
+        sd_doc = _spatial_disorder(start_emb, cand_emb, entry["domain"], phase, parent.version, version)
+        if sd_doc is not None:
             write_json_atomic(out_dir / SD_FILE, sd_doc)
 
-    times = result.step_times[1:] or result.step_times
     doc = {
         "stage": "continual",
-        "phase": phase,
-        "domain": entry["domain"],
-        "method": method_used,
-        "alpha": alpha_used,
+        **run,
         "model_config": student.config_name,
         "candidate": {"path": str(sidecar.parent), "version": version},
         "production": None if parent is None else parent.describe(),
         "training": {
             **config.to_dict(),
             "train_shards": len(urls),
-            "replay": {"buffer_size": replay_buffer_size, "rows": replay_rows} if replay else None,
-            "samples_seen": result.state.samples_seen,
-            "resumed_from_step": result.resumed_from,
+            "replay": replay_doc,
             "world_size": dist.world_size,
             "device": dev,
             "wall_s": round(train_wall, 3),
-            "median_step_s": round(sorted(times)[len(times) // 2], 5) if times else None,
-            "teacher_rows_kept_mean": _mean_of(result.state.history, "teacher_rows_kept"),
+            **_trained(result),
         },
         "domains": candidate,
         "start_domains": start_metrics,
-        "forgetting_r1": None
-        if start_metrics is None
-        else {
-            d: {k: round(candidate[d][k]["R@1"] - start_metrics[d][k]["R@1"], 3) for k in ("t2i", "i2t")}
-            for d in candidate
-        },
+        "forgetting_r1": None if start_metrics is None else _forgetting(candidate, start_metrics),
         "spatial_disorder": SD_FILE if sd_doc is not None else None,
         "curve": [{k: h[k] for k in CURVE_KEYS if k in h} for h in result.state.history],
     }
     write_json_atomic(out_dir / METRICS_FILE, doc)
     shutdown_distributed()
     return doc
+
+
+def _plan_line(settings: TrainingSettings, method: str, alpha: float, urls: list[str], replay: bool) -> str:
+    replayed = (
+        f" ({settings.replay_rows} rows per batch replayed from {settings.replay_buffer_size} earlier pairs)"
+    )
+    steps = f"{settings.steps} steps x {settings.batch_size} pairs on {len(urls)} shards"
+    return f"{method}, alpha {alpha:g}, {steps}" + (replayed if replay else "")
+
+
+def _method_and_alpha(settings: TrainingSettings, *, bootstrap: bool) -> tuple[str, float]:
+    """The method a run trains with and its Mod-X weight: phase 0 trains CLIP_0 (``clip0``, alpha 0);
+    ``modx`` takes its alpha (default :data:`DEFAULT_ALPHA`), every other method trains with alpha 0."""
+    if bootstrap:
+        return "clip0", 0.0
+    method, alpha = settings.method, settings.alpha
+    if method != "modx":
+        if alpha not in (None, 0, 0.0):
+            raise ContinualError(f"--alpha {alpha} applies to modx only; {method} trains with alpha = 0")
+        return method, 0.0
+    return method, DEFAULT_ALPHA if alpha is None else float(alpha)
+
+
+def _device(device: str, dist: Any) -> str:
+    """The torch device this rank trains on (``cuda:<local rank>`` under DDP)."""
+    from compat.device import resolve_device
+
+    try:
+        dev = str(resolve_device(device))
+    except ValueError as exc:
+        raise ContinualError(str(exc)) from exc
+    return f"cuda:{dist.local_rank}" if dev == "cuda" and dist.distributed else dev
+
+
+def _student_and_teacher(
+    settings: TrainingSettings, parent: Any, method: str, device: str
+) -> tuple[ClipBundle, ClipBundle | None]:
+    """The model to train and Mod-X's frozen teacher (None for every other method): CLIP_0 from its config
+    (and its pretrained start); a foundation swap from the new config; else production's backbone."""
+    from compat.models import build_model
+
+    if parent is None:
+        student = build_model(
+            settings.config_name,
+            device=device,
+            seed=settings.seed,
+            pretrained=settings.pretrained,
+            resize_mode=settings.resize_mode,
+        )
+    elif method == "foundation":
+        student = build_model(settings.config_name, device=device, seed=settings.seed)
+    else:
+        student = parent.backbone(device=device)
+        if student.config_name != settings.config_name:
+            log.info(
+                "production model is %s; training that config (not %s)",
+                student.config_name,
+                settings.config_name,
+            )
+    teacher = parent.backbone(device=device) if method == "modx" else None
+    return student, teacher
+
+
+def _say_when_resized(manifest: dict[str, Any], student: ClipBundle) -> None:
+    stream_size = manifest.get("image_size")  # synthetic streams record the size they rendered
+    if stream_size is not None and int(stream_size) != student.image_size:
+        log.warning(
+            "the stream's images are %spx but %s takes %dpx: they are resized (%s) to the model's size",
+            stream_size,
+            student.config_name,
+            student.image_size,
+            student.resize_mode,
+        )
+
+
+def _earlier_train_urls(stream: Path, manifest: dict[str, Any], phase: int) -> list[list[str]]:
+    from compat.data.synth import phase_urls
+
+    return [phase_urls(stream, q, "train", manifest) for q in range(phase)]
+
+
+def _batch_source(
+    settings: TrainingSettings, student: ClipBundle, urls: list[str], earlier: Sequence[Sequence[str]] | None
+) -> Any:
+    """The training batches: the phase's shards, with the last ``replay_rows`` rows of each batch from a
+    buffer of earlier phases' pairs when ``earlier`` is given (Mod-X + buffer, paper Table 2)."""
+    from compat.training import ReplayBatchSource, ReplayBuffer, ShardBatchSource
+
+    common = {"seed": settings.seed, "image_size": student.image_size, "workers": settings.loader_workers}
+    if earlier is None:
+        return ShardBatchSource(
+            urls, settings.batch_size, student.preprocess_train, student.tokenizer, **common
+        )
+    buffer = ReplayBuffer.from_phases(
+        earlier, settings.replay_buffer_size, seed=settings.seed, image_size=student.image_size
+    )
+    return ReplayBatchSource(
+        urls,
+        buffer,
+        settings.batch_size,
+        settings.replay_rows,
+        student.preprocess_train,
+        student.tokenizer,
+        **common,
+    )
+
+
+def _train_config(settings: TrainingSettings, alpha: float) -> Any:
+    from compat.training import TrainConfig
+
+    return TrainConfig(
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        accum_steps=settings.accum_steps,
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        warmup_fraction=settings.warmup_fraction,
+        alpha=alpha,
+        selective_correction=settings.selective_correction,
+        precision=settings.precision,
+        checkpoint_every=settings.checkpoint_every,
+        seed=settings.seed,
+    )
+
+
+def _eval_sets(stream: Path, manifest: dict[str, Any], phase: int, image_size: int) -> list[EvalSet]:
+    """Every domain's evaluation set so far (phases 0..``phase``), decoded at the model's input size."""
+    from compat.data.loader import load_captioned_set
+    from compat.data.synth import phase_urls
+
+    sets = []
+    for q in range(phase + 1):
+        urls = phase_urls(stream, q, "eval", manifest)
+        data = load_captioned_set(urls, image_size=image_size)
+        if len(data) < 2:
+            raise ContinualError(
+                f"phase {q}'s eval split ({urls}) holds {len(data)} samples; retrieval "
+                "metrics need at least 2 (generate the stream with eval samples)"
+            )
+        sets.append(EvalSet(q, manifest["phases"][q]["domain"], data))
+    return sets
+
+
+def _spatial_disorder(
+    start: dict[str, Embedded], candidate: dict[str, Embedded], domain: str, phase: int, old: str, new: str
+) -> dict[str, Any] | None:
+    """RAM/SAM/ImAV of the newest domain, production against the candidate (Mod-X Sec 3.2, App B.2); None when
+    the two embed in different dimensions (rotation angles need one)."""
+    from compat.metrics import spatial_disorder
+
+    before, after = start[domain], candidate[domain]
+    if before.images.shape[1] != after.images.shape[1]:
+        return None
+    return {
+        "phase": phase,
+        "domain": domain,
+        "old_model": old,
+        "new_model": new,
+        **spatial_disorder(before.images, before.first_captions(), after.images, after.first_captions()),
+    }
+
+
+def _trained(result: Any) -> dict[str, Any]:
+    """What training did: samples seen, the step it resumed from, the steady-state step time (the median,
+    first step left out: it builds the caches) and how many teacher rows Mod-X kept on average."""
+    times = result.step_times[1:] or result.step_times
+    return {
+        "samples_seen": result.state.samples_seen,
+        "resumed_from_step": result.resumed_from,
+        "median_step_s": round(sorted(times)[len(times) // 2], 5) if times else None,
+        "teacher_rows_kept_mean": _mean_of(result.state.history, "teacher_rows_kept"),
+    }
+
+
+def _forgetting(candidate: dict[str, Any], start: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """R@1 change per domain and direction from the start model to the candidate (negative: forgotten)."""
+    return {
+        d: {k: round(candidate[d][k]["R@1"] - start[d][k]["R@1"], 3) for k in ("t2i", "i2t")}
+        for d in candidate
+    }
