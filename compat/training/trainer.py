@@ -333,23 +333,16 @@ def train(
     every rank reads the same global batches and trains on its equal share of rows. ``on_step`` (main rank)
     receives each step's record as it is made (step, loss, its terms, lr, step time): a tracker logs
     training as it runs.
+
+    The step loop stays in one piece: the order of a step's effects (state, ledger, record, checkpoint) is
+    what makes a resumed run continue exactly where the killed one stopped.
     """
     import torch
 
     from compat.losses import ModXLoss
 
-    if source.batch_size != config.batch_size:
-        raise ValueError(
-            f"the batch source yields {source.batch_size} pairs, config.batch_size is {config.batch_size}"
-        )
-    if config.batch_size % (config.accum_steps * dist.world_size):
-        raise ValueError(
-            f"batch_size {config.batch_size} must split evenly over {dist.world_size} ranks x "
-            f"{config.accum_steps} accumulation steps"
-        )
     loss_fn = ModXLoss(config.alpha, config.selective_correction)
-    if loss_fn.needs_teacher and teacher is None:
-        raise ValueError(f"alpha={config.alpha} (Mod-X) needs a teacher model; use alpha=0 to fine-tune")
+    _check_inputs(student, source, config, dist, teacher, needs_teacher=loss_fn.needs_teacher)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / CHECKPOINT_DIR
@@ -360,32 +353,15 @@ def train(
     schedule = CosineWarmup.from_fraction(config.lr, config.steps, config.warmup_fraction, config.min_lr)
 
     model = student.model
-    if teacher is not None and teacher.model is model:
-        raise ValueError("the teacher must be a separate copy of the model, not the student itself")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the student has no trainable parameters (requires_grad is off everywhere)")
     model.train()
     optimizer = build_optimizer(model, config)
     teacher_model = None
     if loss_fn.needs_teacher:
         teacher_model = teacher.model.eval().requires_grad_(False)
 
-    state, resumed_from = TrainState(), None
-    if dist.is_main:
-        if not resume and ckpt_root.exists():
-            shutil.rmtree(ckpt_root)  # a fresh start must not leave older checkpoints to resume from
-        remove_stale_temporaries(ckpt_root)
-    barrier(dist)
-    found = latest_checkpoint(ckpt_root) if resume else None
-    if found is not None:
-        _check_resumable(read_state_document(found)["config"], config, found)  # before touching the model
-        loaded = load_training_checkpoint(found, model, optimizer)
-        if scaler is not None and loaded.scaler:
-            scaler.load_state_dict(loaded.scaler)
-        state, resumed_from = loaded.state, loaded.state.step
-        log.info("resuming from %s (step %d of %d)", found, state.step, config.steps)
-    else:
-        seed_everything(config.seed)
+    resumed = _start_or_resume(ckpt_root, model, optimizer, scaler, config, dist, resume=resume)
+    found, state = resumed or (None, TrainState())
+    resumed_from = state.step if resumed else None
     if dist.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -426,46 +402,20 @@ def train(
                     f"loss is {loss_value} at step {state.step + 1}; lower the learning "
                     f"rate (now {lr:g}) or use fp32"
                 )
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if config.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            clamp_logit_scale(model)
+            _optimizer_step(model, optimizer, scaler, config.max_grad_norm)
             state.step += 1
             state.samples_seen += len(batch.keys)
             state.position = batch.position
             step_times.append(time.perf_counter() - t0)
-            state.history.append(
-                {
-                    "step": state.step,
-                    "loss": loss_value,
-                    "contrastive": float(terms.contrastive),
-                    "kl": float(terms.kl),
-                    "lr": lr,
-                    "logit_scale": float(getattr(model, "module", model).logit_scale.detach().exp()),
-                    "step_time_s": step_times[-1],
-                }
-            )
-            if terms.kept is not None:
-                state.history[-1]["teacher_rows_kept"] = float(terms.kept)
+            record = _step_record(state.step, terms, lr, model, step_times[-1])
+            state.history.append(record)
             ledger.append(state.step, batch.keys)
             if on_step is not None and dist.is_main:
-                on_step(state.history[-1])
+                on_step(record)
             bar.advance(1, loss=loss_value)
             if config.log_every and state.step % config.log_every == 0:
                 log.info(
-                    "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e",
-                    state.step,
-                    config.steps,
-                    loss_value,
-                    float(terms.contrastive),
-                    float(terms.kl),
-                    lr,
+                    "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e", *_log_terms(record, config)
                 )
             due = config.checkpoint_every and state.step % config.checkpoint_every == 0
             if due or state.step == config.steps:
@@ -489,3 +439,101 @@ def train(
     return TrainResult(
         state=state, checkpoint=Path(last_ckpt), resumed_from=resumed_from, step_times=step_times
     )
+
+
+def _check_inputs(
+    student: ClipBundle,
+    source: BatchSource,
+    config: TrainConfig,
+    dist: DistInfo,
+    teacher: ClipBundle | None,
+    *,
+    needs_teacher: bool,
+) -> None:
+    """Refuse what cannot train, before anything is read or written; each message says what to change."""
+    if source.batch_size != config.batch_size:
+        raise ValueError(
+            f"the batch source yields {source.batch_size} pairs, config.batch_size is {config.batch_size}"
+        )
+    if config.batch_size % (config.accum_steps * dist.world_size):
+        raise ValueError(
+            f"batch_size {config.batch_size} must split evenly over {dist.world_size} ranks x "
+            f"{config.accum_steps} accumulation steps"
+        )
+    if needs_teacher and teacher is None:
+        raise ValueError(f"alpha={config.alpha} (Mod-X) needs a teacher model; use alpha=0 to fine-tune")
+    if teacher is not None and teacher.model is student.model:
+        raise ValueError("the teacher must be a separate copy of the model, not the student itself")
+    if not any(p.requires_grad for p in student.model.parameters()):
+        raise ValueError("the student has no trainable parameters (requires_grad is off everywhere)")
+
+
+def _start_or_resume(
+    ckpt_root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    config: TrainConfig,
+    dist: DistInfo,
+    *,
+    resume: bool,
+) -> tuple[Path, TrainState] | None:
+    """The newest resumable checkpoint loaded into ``model``, ``optimizer`` and ``scaler`` (its path and
+    state), after checking that it was written with this training's settings; None for a fresh start
+    (seeded; ``resume=False`` deletes older checkpoints first)."""
+    if dist.is_main:
+        if not resume and ckpt_root.exists():
+            shutil.rmtree(ckpt_root)  # a fresh start must not leave older checkpoints to resume from
+        remove_stale_temporaries(ckpt_root)
+    barrier(dist)
+    found = latest_checkpoint(ckpt_root) if resume else None
+    if found is None:
+        seed_everything(config.seed)
+        return None
+    _check_resumable(read_state_document(found)["config"], config, found)  # before touching the model
+    loaded = load_training_checkpoint(found, model, optimizer)
+    if scaler is not None and loaded.scaler:
+        scaler.load_state_dict(loaded.scaler)
+    log.info("resuming from %s (step %d of %d)", found, loaded.state.step, config.steps)
+    return found, loaded.state
+
+
+def _optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, max_grad_norm: float | None
+) -> None:
+    """Apply the accumulated gradients (unscaled first under fp16, clipped when asked), then keep CLIP's
+    logit scale within its bound."""
+    import torch
+
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    clamp_logit_scale(model)
+
+
+def _log_terms(record: dict[str, float], config: TrainConfig) -> tuple[Any, ...]:
+    return record["step"], config.steps, record["loss"], record["contrastive"], record["kl"], record["lr"]
+
+
+def _step_record(
+    step: int, terms: Any, lr: float, model: torch.nn.Module, seconds: float
+) -> dict[str, float]:
+    """One step's line of the training history (what ``on_step`` receives and the curve plots)."""
+    record = {
+        "step": step,
+        "loss": float(terms.total),
+        "contrastive": float(terms.contrastive),
+        "kl": float(terms.kl),
+        "lr": lr,
+        "logit_scale": float(getattr(model, "module", model).logit_scale.detach().exp()),
+        "step_time_s": seconds,
+    }
+    if terms.kept is not None:
+        record["teacher_rows_kept"] = float(terms.kept)
+    return record
