@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from _compat_pairs import write_shards
 
 from compat.compat_training import ShardBatches
-from compat.methods import available_methods, get_method, load_compat_model, register_method
+from compat.methods import available_methods, get_method, register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import CompatError, ServingContract
+from compat.methods.model import load_compat_model
 from compat.methods.none import PlainModel
 from compat.methods.training import cycle_batches
 from compat.models import build_model

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from _compat_pairs import one_thread, pair_batches, pairs
 
-from compat.methods import get_method, load_compat_model
+from compat.methods import get_method
 from compat.methods.bct import (
     bct_loss,
     cross_model_loss,
@@ -16,6 +16,7 @@ from compat.methods.bct import (
     old_vector_rule,
     unmatched_to_old_image,
 )
+from compat.methods.model import load_compat_model
 from compat.models import build_model
 
 

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from _compat_pairs import one_thread, pair_batches, pairs
 
-from compat.methods import get_method, load_compat_model
+from compat.methods import get_method
 from compat.methods.bt2 import BT2Head, split_widened, widen_projections
 from compat.methods.contract import CompatError
 from compat.methods.layers import truncate
+from compat.methods.model import load_compat_model
 from compat.models import build_model
 
 

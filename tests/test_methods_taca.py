@@ -13,8 +13,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from compat.losses import clip_loss
-from compat.methods import get_method, load_compat_model
+from compat.methods import get_method
 from compat.methods.contract import CompatError
+from compat.methods.model import load_compat_model
 from compat.methods.none import independent_model
 from compat.methods.taca import TaCAModel, contrastive_loss, distillation_loss, taca_loss
 from compat.models import build_model

@@ -13,9 +13,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from compat.losses import clip_loss
-from compat.methods import available_methods, get_method, load_compat_model
+from compat.methods import available_methods, get_method
 from compat.methods import xbt as xbt_module
 from compat.methods.contract import CompatError
+from compat.methods.model import load_compat_model
 from compat.methods.xbt import XBTModel, direct_loss, stage1_loss, xbt_loss
 from compat.models import build_model
 from compat.modules.lora import attach_lora, lora_targets

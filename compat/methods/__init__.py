@@ -14,12 +14,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     from compat.methods.base import CompatMethod
-    from compat.methods.model import CompatModel
 
 _NOT_METHODS = {"base", "config", "contract", "layers", "model", "run", "training"}  # the shared parts
 _REGISTRY: dict[str, type[CompatMethod]] = {}
@@ -69,11 +67,4 @@ def available_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_compat_model(path: str | Path, device: Any = "cpu") -> CompatModel:
-    """Load a model saved by ``CompatModel.save`` (see :func:`compat.methods.model.load_compat_model`)."""
-    from compat.methods.model import load_compat_model as _load
-
-    return _load(path, device=device)
-
-
-__all__ = ["available_methods", "get_method", "load_compat_model", "register_method"]
+__all__ = ["available_methods", "get_method", "register_method"]

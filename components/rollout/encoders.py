@@ -75,14 +75,14 @@ def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:
 def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     """Encoders of real models: ``old_model`` (the serving query model) and ``new_model`` (a compatible-model
     directory, whose serving contract sets the space and the old-vector rule, or a plain checkpoint)."""
-    from components.serving.record import load_model
+    from compat.production import load_encoder
 
     for key in ("old_model", "new_model"):
         if not config.get(key):
             raise RolloutError(f"model_encoders needs {key!r} (a model or checkpoint directory)")
     from compat.compat_training import decode_size
 
-    old, new = load_model(str(config["old_model"])), load_model(str(config["new_model"]))
+    old, new = load_encoder(str(config["old_model"])), load_encoder(str(config["new_model"]))
     images = ShardImages(image_size=decode_size(new))
     transform, tag = _old_vector_transform(new)
     contract = getattr(new, "contract", None)

@@ -99,7 +99,7 @@ def index_new_items(
     from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
-    from components.serving.record import load_model
+    from compat.production import load_encoder
 
     paths = RolloutPaths.for_workspace(workspace)
     with open_index(workspace) as index:
@@ -111,7 +111,7 @@ def index_new_items(
         new_items: list[dict[str, Any]] = []
         vectors = []
         for url in expand_urls(gallery):
-            encoder = encoder or load_model(str(model))  # its input size bounds the decoded images
+            encoder = encoder or load_encoder(model)  # its input size bounds the decoded images
             items = load_captioned_set(url, image_size=decode_size(encoder))
             keep = [i for i, key in enumerate(items.keys) if key not in present]
             if not keep:

@@ -115,18 +115,13 @@ def load_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
     return import_factory(str(query_model.get("factory") or DEFAULT_FACTORY))(query_model)
 
 
-def load_model(uri: str, device: str = "cpu") -> Any:
-    """The serving encoder of the model directory at ``uri`` (see :func:`compat.production.load_encoder`)."""
-    from compat.production import load_encoder
-
-    if not uri:
-        raise ServingError("the query model has no 'uri' (a model or checkpoint directory) to load")
-    return load_encoder(uri, device=device)
-
-
 def model_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
     """Text encoder of the model at ``query_model["uri"]``, in its serving space (numpy float32)."""
-    model = load_model(str(query_model.get("uri", "")))
+    from compat.production import load_encoder
+
+    if not query_model.get("uri"):
+        raise ServingError("the query model has no 'uri' (a model or checkpoint directory) to load")
+    model = load_encoder(str(query_model["uri"]))
 
     def encode(texts: list[str]) -> np.ndarray:
         return model.encode_texts(list(texts)).numpy().astype(np.float32)
