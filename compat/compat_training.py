@@ -14,6 +14,7 @@ from typing import Any
 
 from compat.methods import get_method
 from compat.methods.model import CompatModel
+from compat.methods.training import StepListener, step_records
 from compat.models import load_checkpoint, read_sidecar
 from compat.production import load_encoder, space_id_of
 
@@ -134,11 +135,13 @@ def train_compat(
     settings: Mapping[str, Any] | None = None,
     batch_size: int = 64,
     max_samples: int | None = None,
+    on_step: StepListener | None = None,
 ) -> CompatModel:
     """Fit ``method`` with the model at ``old`` frozen, starting from ``new``; save to ``out_dir``.
 
     ``settings`` are the method's config values (see ``compatflow compat methods``). ``old_space_id``
-    defaults to the old model's space, ``version`` to the new checkpoint's version.
+    defaults to the old model's space, ``version`` to the new checkpoint's version. ``on_step`` receives each
+    training step's record as it is made (:func:`compat.methods.training.step_records`).
     """
     runner = get_method(method)
     old_encoder = load_encoder(old)
@@ -157,7 +160,8 @@ def train_compat(
     log.info(
         "compat %s: %d shard(s), batch %d, old %s, new %s", method, len(batches.urls), batch_size, old, new
     )
-    model = runner.fit(new_bundle, old_encoder, batches, config)
+    with step_records(on_step):
+        model = runner.fit(new_bundle, old_encoder, batches, config)
     model.training_info.setdefault(
         "data", {"shards": len(batches.urls), "batch_size": batch_size, "epochs_started": batches.epoch}
     )

@@ -199,6 +199,15 @@ def test_two_shipped_upgrades_then_a_third_trains(tmp_path, stream_dir, method, 
         assert metrics["training"]["steps"] == 3 and metrics["start_domains"]
     sources = json.loads((Path(compat) / "compat.json").read_text())["training"]["sources"]
     assert sources["old"].endswith("v3")
+    # Compatibility training was logged to the run's MLflow run step by step as it trained.
+    from components import steps
+
+    registry = steps.registry_of(config)
+    history = registry.client.get_metric_history(registry.start_run(run_dir.name), "compat.loss")
+    assert [m.step for m in history] == ([] if method == "none" else [1, 2, 3])
+    if method == "xbt":
+        stage1 = registry.client.get_metric_history(registry.start_run(run_dir.name), "compat.stage1.loss")
+        assert [m.step for m in stage1] == [1, 2, 3, 4, 5]
     shutil.rmtree(run_dir)
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,13 +140,32 @@ def adamw_cosine(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+StepListener = Callable[[dict[str, float]], None]
+_listener: ContextVar[StepListener | None] = ContextVar("compat_step_listener", default=None)
+
+
+@contextlib.contextmanager
+def step_records(listener: StepListener | None) -> Iterator[None]:
+    """Within the block, every :class:`TrainingLog` a method's ``fit`` keeps also hands each step's record
+    (``{"step": n, "loss": ..., <terms>}``, ``n`` from 1) to ``listener`` as it is made: a tracker logs a
+    compatibility fit as it runs, whichever method, with no change to the methods' ``fit`` contract."""
+    token = _listener.set(listener)
+    try:
+        yield
+    finally:
+        _listener.reset(token)
+
+
 @dataclass
 class TrainingLog:
-    """Loss history and wall time of a fit, stored in ``compat.json`` under ``training``."""
+    """Loss history and wall time of a fit, stored in ``compat.json`` under ``training``; each step's record
+    also goes to the listener of :func:`step_records`, when one is set."""
 
     started: float = field(default_factory=time.monotonic)
     steps: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    listener: StepListener | None = field(default_factory=_listener.get)
+    part: str = ""  # names a fit's earlier part in the listener's records (XBT's "stage1."), kept apart
 
     def record(self, step: int, every: int, **terms: torch.Tensor | float) -> None:
         self.steps = step + 1
@@ -154,6 +175,9 @@ class TrainingLog:
                 k: round(float(v.detach() if isinstance(v, torch.Tensor) else v), 6) for k, v in terms.items()
             },
         }
+        if self.listener is not None:
+            terms = {f"{self.part}{k}": v for k, v in self._last.items() if k != "step"}
+            self.listener({"step": step + 1, **terms})
         if step == 0 or (every > 0 and step % every == 0):
             self.history.append(self._last)
             log.info(

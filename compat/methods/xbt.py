@@ -371,7 +371,7 @@ def pretrain_projection(
     phi.train()
     optimizer = torch.optim.AdamW(phi.parameters(), lr=config.stage1_lr, weight_decay=config.weight_decay)
     batch_size = min(config.stage1_batch_size, len(texts))
-    history = TrainingLog()
+    history = TrainingLog(part="stage1.")
     order = torch.randperm(len(texts), device=device)
     cursor = 0
     steps = track(range(config.stage1_steps), "xbt stage 1 (text-only phi)", unit="steps")

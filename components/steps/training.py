@@ -164,15 +164,21 @@ def compat_step(
         logger.info("compat: reusing %s (trained by an earlier attempt of this run)", model_dir)
     else:
         shutil.rmtree(model_dir, ignore_errors=True)
-        model = train_compat(
-            settings.method,
-            production,
-            candidate,
-            accepted_shards(validated_dir) + replay,
-            model_dir,
-            settings={**settings.options, "steps": settings.steps, "device": deployment.training.device},
-            batch_size=settings.batch_size,
-        )
+        registry = registry_of(deployment)
+        live = registry.step_logger(registry.start_run(run_dir.name), "compat.")
+        try:
+            model = train_compat(
+                settings.method,
+                production,
+                candidate,
+                accepted_shards(validated_dir) + replay,
+                model_dir,
+                settings={**settings.options, "steps": settings.steps, "device": deployment.training.device},
+                batch_size=settings.batch_size,
+                on_step=live,
+            )
+        finally:
+            live.flush()
         record = {
             "method": settings.method,
             "path": str(model_dir),
