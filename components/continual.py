@@ -266,7 +266,7 @@ def run_continual(
             write_json_atomic(out_dir / SD_FILE, sd_doc)
 
     doc = {
-        "stage": "continual",
+        "step": "continual",
         **run,
         "model_config": student.config_name,
         "candidate": {"path": str(sidecar.parent), "version": version},
