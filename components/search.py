@@ -33,11 +33,19 @@ class Searcher:
         self.record_path = Path(record_path)
         self._follower = PairFollower(record_path, uri=uri, index=index, encoder=encoder, verify=verify)
         self._captions: Any = None
+        self._thumbnails: Any = None
 
     def search(
-        self, texts: Sequence[str], k: int = 10, *, filter: str | None = None, captions: bool = False
+        self,
+        texts: Sequence[str],
+        k: int = 10,
+        *,
+        filter: str | None = None,
+        captions: bool = False,
+        thumbnails: bool = False,
     ) -> list[list[dict[str, Any]]]:
-        """Hits (``item_id``, ``score``, ``model_version``, and ``caption`` when asked) per text."""
+        """Hits (``item_id``, ``score``, ``model_version``; ``caption`` and ``thumbnail``, a JPEG data URI,
+        when asked) per text."""
         if isinstance(texts, str):
             raise TypeError("search expects a list of texts, got a single string")
         empty = [i for i, text in enumerate(texts) if not str(text).strip()]
@@ -46,18 +54,21 @@ class Searcher:
                 f"empty query text (position {empty[:5] or 'none given'}): give words to search for"
             )
         check_search(texts, k)  # k, number and length of queries: the service's bounds
-        fields = ("source_uri",) if captions else ()
+        fields = ("source_uri",) if captions or thumbnails else ()
         texts = list(texts)
         hits, _ = self._follower.answer(lambda p: p.search(texts, k, filter=filter, output_fields=fields))
         rows = [[h.to_dict() for h in row] for row in hits]
+        uris = [h.fields.get("source_uri") for row in hits for h in row]
         if captions:
             from components.serving.captions import ShardCaptions
 
             self._captions = self._captions or ShardCaptions()
-            found = iter(self._captions.lookup([h.fields.get("source_uri") for row in hits for h in row]))
-            for row in rows:
-                for hit in row:
-                    hit["caption"] = next(found)
+            _fill(rows, "caption", self._captions.lookup(uris))
+        if thumbnails:
+            from components.serving.thumbnails import ShardThumbnails
+
+            self._thumbnails = self._thumbnails or ShardThumbnails()
+            _fill(rows, "thumbnail", self._thumbnails.lookup(uris))
         return rows
 
     @property
@@ -68,6 +79,13 @@ class Searcher:
 
     def close(self) -> None:
         self._follower.close()
+
+
+def _fill(rows: list[list[dict[str, Any]]], key: str, values: Sequence[Any]) -> None:
+    found = iter(values)
+    for row in rows:
+        for hit in row:
+            hit[key] = next(found)
 
 
 def search(
@@ -81,6 +99,7 @@ def search(
     encoder: QueryEncoder | None = None,
     index: Any = None,
     captions: bool = False,
+    thumbnails: bool = False,
     verify: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Hits (``item_id``, ``score``, ``model_version``; ``caption`` when ``captions``) per text, served as
@@ -98,6 +117,6 @@ def search(
     path = Path(record_path) if record_path is not None else Workspace.coerce(workspace).serving_path
     searcher = Searcher(path, uri=uri, index=index, encoder=encoder, verify=verify)
     try:
-        return searcher.search(texts, k, filter=filter, captions=captions)
+        return searcher.search(texts, k, filter=filter, captions=captions, thumbnails=thumbnails)
     finally:
         searcher.close()

@@ -290,3 +290,34 @@ def test_cli_report_prints_path_and_summary(tmp_path: Path) -> None:
     assert "compatflow run run-42" in out.stdout and "Release gate: block" in out.stdout
     assert "Rollout and backfill: completed" in out.stdout
     assert (run / "report" / "report.md").is_file()
+
+
+def test_retrieval_examples_show_their_pictures(tmp_path: Path) -> None:
+    """examples.json (written by the steps that change what is served) becomes a section: each query with
+    its hits' thumbnails in HTML, their captions in Markdown; a hit without a picture says so."""
+    from components.serving.thumbnails import thumbnail_uri
+
+    picture = io.BytesIO()
+    Image.new("RGB", (640, 480), (200, 30, 30)).save(picture, "PNG")
+    hit = {"item_id": "a1", "score": 0.91, "model_version": "2", "caption": "a red circle"}
+    examples = {
+        "queries": [
+            {"text": "a red circle", "hits": [{**hit, "thumbnail": thumbnail_uri(picture.getvalue())}]},
+            {"text": "a blue square", "hits": [{**hit, "item_id": "b2", "thumbnail": None}]},
+        ]
+    }
+    run = tmp_path / "run-7"
+    (run / "rollout").mkdir(parents=True)
+    (run / "rollout" / "examples.json").write_text(json.dumps(examples))
+
+    html = render(run, "html")
+    sources = [str(image.get("src", "")) for image in parse(html).images]
+    thumbnails = [src for src in sources if src.startswith("data:image/jpeg;base64,")]
+    assert len(thumbnails) == 1
+    assert Image.open(io.BytesIO(base64.b64decode(thumbnails[0].split(",")[1]))).size == (96, 72)
+    assert "Retrieval examples" in html and "1/2 first hits captioned alike" in html and "no picture" in html
+    md = render(run, "md")
+    assert "| a blue square | a red circle (0.910) |" in md
+
+    (run / "rollout" / "examples.json").write_text(json.dumps({"error": "ServingError: no serving record"}))
+    assert "unavailable" in render(run, "md") and "no serving record" in render(run, "md")

@@ -77,6 +77,10 @@ class Cycle:
         history = registry.client.get_metric_history(version["mlflow_run_id"], "train.loss")
         assert [m.step for m in history] == list(range(1, self.config["training"]["steps"] + 1))
         steps.serve_first_model_step(self.config, run_dir, version["version"], plan["gallery_shards"])
+        # Retrieval examples for the report: the newest gallery captions searched as served, with pictures.
+        examples = json.loads((run_dir / "rollout" / "examples.json").read_text())["queries"]
+        assert len(examples) == 3 and all(len(q["hits"]) == 3 for q in examples)
+        assert all(h["thumbnail"].startswith("data:image/jpeg;base64,") for q in examples for h in q["hits"])
         record_phase(Path(self.config["workspace"]), 0, "succeeded", run_dir.name)  # the exit handler's part
 
     def train(self, phase: int) -> tuple[dict, Path, str]:
@@ -144,6 +148,11 @@ class Cycle:
             everything = sorted({p for positives in doc["positives"] for p in positives})
             probe.write_text(json.dumps({"texts": doc["texts"][:8], "positives": [everything] * 8}))
         summary = steps.rollout_step(self.config, run_dir, version)
+        examples = json.loads((run_dir / "rollout" / "examples.json").read_text())["queries"]
+        served = summary["version"] if summary["promoted"] else None
+        assert examples and all(
+            h["model_version"] == (served or h["model_version"]) for q in examples for h in q["hits"]
+        )
         status = "succeeded" if summary["promoted"] else "rejected"
         record_phase(Path(self.config["workspace"]), phase, status, run_dir.name)
         return summary

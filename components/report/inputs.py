@@ -17,6 +17,7 @@ SOURCES = {
     "compat_report": ("compat_report.json", ("evaluate", "compat")),
     "gate": ("gate.json", ("gate",)),
     "rollout": (ROLLOUT_STATE_FILE, ("rollout",)),
+    "examples": ("examples.json", ("rollout",)),  # retrieval examples (components.steps.examples)
     "blocked": ("blocked.json", ()),  # written when a step stopped the run
     "failure": ("failure.json", ()),  # written when a step raised (components.runs.record_failure)
 }

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
-from components.report.sections import Figure, Link, Note, Section, Table
+from components.report.sections import Figure, Hits, Link, Note, Section, Table
 
 CSS = """
 body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;
@@ -32,6 +32,8 @@ caption{text-align:left;color:#57606a;font-size:12px;padding-bottom:2px}
 p.good{color:#1a7f37}p.bad{color:#cf222e}p.warn{color:#9a6700}p.muted{color:#57606a;font-size:12px}
 figure{margin:12px 0}figure img{max-width:100%;border:1px solid #eaeef2}
 figcaption{color:#57606a;font-size:12px}
+.hits{display:flex;gap:10px;flex-wrap:wrap;margin:4px 0 12px}.hits figure{margin:0;width:120px}
+.hits img{width:96px;height:96px;object-fit:contain;background:#f6f8fa}
 details summary{cursor:pointer;color:#0969da;margin-top:8px}
 """
 
@@ -63,7 +65,9 @@ def html(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> s
     return "\n".join(parts) + "\n"
 
 
-def _html_item(item: Note | Table | Figure | Link) -> str:
+def _html_item(item: Note | Table | Figure | Link | Hits) -> str:
+    if isinstance(item, Hits):
+        return "".join(_html_hits(text, hits) for text, hits in item.queries)
     if isinstance(item, Note):
         return f'<p class="{escape(item.tone)}">{escape(item.text)}</p>'
     if isinstance(item, Link):
@@ -87,6 +91,25 @@ def _html_item(item: Note | Table | Figure | Link) -> str:
     return table
 
 
+def _html_hits(text: str, hits: list[Any]) -> str:
+    figures = []
+    for rank, hit in enumerate(hits, start=1):
+        thumbnail = str(hit.get("thumbnail") or "")
+        picture = (
+            f'<img alt="hit {rank}" src="{escape(thumbnail, quote=True)}">'
+            if thumbnail.startswith("data:image/")
+            else '<span class="badge warn">no picture</span>'
+        )
+        where = f"{_score(hit.get('score'))}, v{_cell(hit.get('model_version'))}"
+        label = f"{rank}. {_cell(hit.get('caption'))} ({where})"
+        figures.append(f"<figure>{picture}<figcaption>{escape(label)}</figcaption></figure>")
+    return f'<p><b>{escape(text)}</b></p><div class="hits">{"".join(figures) or "no hits"}</div>'
+
+
+def _score(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "-"
+
+
 def markdown(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> str:
     """The same report as Markdown text (plots are named; they live in the HTML report)."""
     lines = [f"# {title}", "", *(f"- **{k}**: {v}" for k, v in facts), ""]
@@ -98,7 +121,20 @@ def markdown(title: str, facts: list[tuple[str, str]], sections: list[Section]) 
     return "\n".join(lines) + "\n"
 
 
-def _md_item(item: Note | Table | Figure | Link) -> list[str]:
+def _md_item(item: Note | Table | Figure | Link | Hits) -> list[str]:
+    if isinstance(item, Hits):
+        width = max((len(hits) for _, hits in item.queries), default=0)
+        head = [
+            "| query | " + " | ".join(f"hit {i}" for i in range(1, width + 1)) + " |",
+            "|---|" + "---|" * width,
+        ]
+        rows = [
+            f"| {_md(text)} | "
+            + " | ".join(_md(f"{_cell(h.get('caption'))} ({_score(h.get('score'))})") for h in hits)
+            + " |"
+            for text, hits in item.queries
+        ]
+        return [*head, *rows, "", "*Thumbnails in the HTML report.*"]
     if isinstance(item, Note):
         return [f"_{_md(item.text)}_" if item.tone == "muted" else _md(item.text)]
     if isinstance(item, Link):

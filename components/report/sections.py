@@ -37,6 +37,14 @@ class Figure:
 
 
 @dataclass
+class Hits:
+    """Retrieval examples: each query with its hits (``caption``, ``score``, ``model_version`` and a
+    ``thumbnail`` data URI or None), shown as pictures in HTML and as captions in Markdown."""
+
+    queries: list[tuple[str, list[Mapping[str, Any]]]]
+
+
+@dataclass
 class Link:
     text: str
     href: str
@@ -49,7 +57,7 @@ class Section:
     title: str
     status: str  # a short word shown as a badge: pass, block, ok, not run, unreadable, ...
     tone: str = "plain"
-    items: list[Note | Table | Figure | Link] = field(default_factory=list)
+    items: list[Note | Table | Figure | Link | Hits] = field(default_factory=list)
 
 
 def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
@@ -66,6 +74,9 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         _margins_section(inputs["compat_report"], gate),
         _rollout_section(inputs["rollout"]),
     ]
+    examples = _examples_section(inputs["examples"])
+    if examples is not None:
+        sections.append(examples)
     failure = inputs.data("failure")
     stopped_by = (
         f"step {failure.get('step', '?')} failed before it"
@@ -492,6 +503,33 @@ def _rollout_section(source: Source) -> Section:
         )
     if source.path is not None and source.path.parent.name != "rollout":
         section.items.append(Note(f"from {source.path}", "muted"))
+    return section
+
+
+def _examples_section(source: Source) -> Section | None:
+    """A few captions of the newest gallery items searched as served after the run, with what came back:
+    a person sees at a glance whether the served model finds the right pictures. None when not recorded."""
+    if source.path is None:
+        return None
+    doc = source.data or {}
+    problem = source.error or doc.get("error")
+    if problem:
+        return Section("examples", "Retrieval examples", "unavailable", "warn", [Note(str(problem))])
+    queries = [
+        (str(q.get("text", "")), [h for h in q.get("hits") or [] if isinstance(h, Mapping)])
+        for q in doc.get("queries") or []
+        if isinstance(q, Mapping)
+    ]
+    found = sum(1 for text, hits in queries if hits and hits[0].get("caption") == text)
+    section = Section("examples", "Retrieval examples", f"{found}/{len(queries)} first hits captioned alike")
+    section.items.append(
+        Note(
+            "Captions of the newest gallery items, searched as the gallery is served after this run; the "
+            "first hit should carry the query's caption.",
+            "muted",
+        )
+    )
+    section.items.append(Hits(queries))
     return section
 
 

@@ -6,9 +6,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from compat.io import write_json_atomic
+from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment
+from components.runs import RUN_FILE
 from components.steps.base import registry_of, step
+from components.steps.examples import record_examples
 from components.steps.outcome import note_blocked
 from components.steps.release import model_dir_of
 from components.workspace import Workspace
@@ -45,6 +47,7 @@ def serve_first_model_step(
     registry_of(deployment).promote(version, rollout_state=state)
     summary = {**record, "version": version, "promoted": True}
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    record_examples(workspace, run_dir, gallery_shards)
     return summary
 
 
@@ -130,6 +133,8 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
     report_name, _ = SOURCES["rollout"]
     write_json_atomic(run_dir / "rollout" / report_name, state)  # where the on-call report reads it
+    plan = read_json_object_or_none(run_dir / RUN_FILE) or {}
+    record_examples(workspace, run_dir, list(plan.get("gallery_shards") or []))  # what is served now
     return summary
 
 
