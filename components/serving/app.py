@@ -136,9 +136,12 @@ def create_app(
     watch_interval_s: float = 0.25,
     follower: Any = None,
     verify: Any = None,
+    lineage_repo: str | os.PathLike[str] | None = None,
 ) -> Any:
     """The FastAPI app serving the record at ``record_path`` (``uri`` overrides its index URI; ``verify``
-    checks each query model before it is loaded, see :class:`components.serving.pair.PairFollower`)."""
+    checks each query model before it is loaded, see :class:`components.serving.pair.PairFollower`; a hit
+    whose gallery shard is not cached yet takes its caption from the Feast repo ``lineage_repo`` when given,
+    :mod:`components.serving.captions`)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -155,7 +158,7 @@ def create_app(
     )
     from pydantic import BaseModel, Field, field_validator
 
-    from components.serving.captions import ShardCaptions
+    from components.serving.captions import ShardCaptions, lineage_captions
     from components.serving.pair import PairFollower, ServingPair
     from components.serving.record import ServingError
     from components.serving.thumbnails import ShardThumbnails
@@ -196,7 +199,7 @@ def create_app(
         serving.labels(new.version, new.collection).set(1)
 
     follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap, verify=verify)
-    captions = ShardCaptions()
+    captions = ShardCaptions(fallback=lineage_captions(str(lineage_repo)) if lineage_repo else None)
     thumbnails = ShardThumbnails()
 
     @contextlib.asynccontextmanager

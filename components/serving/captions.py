@@ -2,11 +2,15 @@
 
 Every gallery row carries ``source_uri = "<shard url>#<key>"`` (written by indexing and kept by every
 backfill), so a hit's caption is the ``<key>.txt`` member of that shard (or the ``caption`` of its
-``.json``), exactly what the item was indexed from. This is the cheapest reliable source: it needs no
-extra service (the Feast online store holds captions only where the lineage step ran, and costs a feature
-lookup per query) and no schema change to the index. A shard is read once, captions only (images are not
-decoded), and kept in a bounded LRU cache; a shard that cannot be read gives ``None`` captions, never a
-failed query.
+``.json``), exactly what the item was indexed from. Once cached it is the cheapest source (no other
+service, no schema change to the index). A shard is read once, captions only (images are not decoded), and
+kept in a bounded LRU cache; a shard that cannot be read gives ``None`` captions, never a failed query.
+
+A shard not cached yet costs a read of the whole shard (~110 ms for 1,000 small pictures,
+``benchmarks/results/lineage.md``): after a start, or for a gallery of more shards than the cache holds, a
+request of 10 random hits would wait about a second. With a ``fallback`` (the service passes the lineage
+store's online read, :func:`lineage_captions`, ~5 ms for the request's misses together) the misses are
+answered from it and their shards are read in the background, so the next requests find them cached.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +44,28 @@ def shard_captions(url: str) -> dict[str, str]:
     return out
 
 
-class ShardCaptions:
-    """Captions by ``source_uri``, with the captions of up to ``max_shards`` shards cached (thread-safe)."""
+# Captions of item keys from elsewhere than their shard: {key: caption or None}.
+Fallback = Callable[[Sequence[str]], Mapping[str, str | None]]
 
-    def __init__(self, max_shards: int = 64) -> None:
+
+class ShardCaptions:
+    """Captions by ``source_uri``, with the captions of up to ``max_shards`` shards cached (thread-safe);
+    with a ``fallback``, a hit whose shard is not cached is answered by it while the shard loads in the
+    background (see the module docstring)."""
+
+    def __init__(self, max_shards: int = 64, fallback: Fallback | None = None) -> None:
         if max_shards < 1:
             raise ValueError(f"max_shards must be >= 1, got {max_shards}")
         self.max_shards = max_shards
+        self.fallback = fallback
         self._cache: OrderedDict[str, dict[str, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
+        self._idle = threading.Condition(threading.Lock())  # guards the background loader and its queue
+        self._queued: set[str] = set()
+        self._loader: threading.Thread | None = None
         self.failures = 0
+        self.from_fallback = 0  # captions the fallback answered (a shard was not cached yet)
 
     def _shard(self, url: str) -> dict[str, str]:
         with self._lock:
@@ -78,8 +93,73 @@ class ShardCaptions:
 
     def lookup(self, source_uris: Sequence[str | None]) -> list[str | None]:
         """The caption of each ``<shard url>#<key>`` (None: the row names no shard, or the key is absent)."""
-        out: list[str | None] = []
-        for uri in source_uris:
-            url, sep, key = str(uri or "").rpartition("#")
-            out.append(self._shard(url).get(key) if sep and url else None)
+        parts = [str(uri or "").rpartition("#") for uri in source_uris]
+        named = [(url, key) for url, sep, key in parts if sep and url]
+        answered = self._from_fallback([(u, k) for u, k in named if not self._cached(u)])
+        out = [
+            (answered[(url, key)] if (url, key) in answered else self._shard(url).get(key))
+            if sep and url
+            else None
+            for url, sep, key in parts
+        ]
+        self._load_in_background({url for url, _ in answered})  # after the answer: the request waits for none
         return out
+
+    def _cached(self, url: str) -> bool:
+        with self._lock:
+            return url in self._cache
+
+    def _from_fallback(self, missing: list[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
+        """The fallback's captions of ``missing`` (url, key) pairs; {} without a fallback or when it fails
+        (the shards are then read in the request, as without one)."""
+        if not missing or self.fallback is None:
+            return {}
+        try:
+            found = self.fallback(sorted({key for _, key in missing}))
+        except Exception as exc:  # noqa: BLE001 - the shards answer instead
+            log.warning("caption fallback failed, reading the shards: %s", exc)
+            return {}
+        with self._lock:
+            self.from_fallback += len(missing)
+        return {(url, key): found.get(key) for url, key in missing}
+
+    def _load_in_background(self, urls: set[str]) -> None:
+        """Read ``urls`` into the cache in one background thread (one, so a request in flight competes with a
+        single reader for the interpreter, not one per shard)."""
+        if not urls:
+            return
+        with self._idle:
+            self._queued |= urls
+            if self._loader is not None:
+                return
+            self._loader = threading.Thread(target=self._load_queued, name="caption-loader", daemon=True)
+            self._loader.start()
+
+    def _load_queued(self) -> None:
+        while True:
+            with self._idle:
+                if not self._queued:
+                    self._loader = None
+                    self._idle.notify_all()
+                    return
+                url = self._queued.pop()
+            self._shard(url)
+
+    def wait_for_loads(self, timeout: float | None = None) -> bool:
+        """Wait until the shards queued for a background read are cached; False when ``timeout`` ran out."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._loader is None, timeout)
+
+
+def lineage_captions(repo_dir: str) -> Fallback:
+    """A :class:`ShardCaptions` fallback reading captions from the lineage store's online features (one
+    ``get_online_features`` per request's misses; calls serialised, the online store being one connection)."""
+    from components.lineage import LineageStore
+
+    store, lock = LineageStore(repo_dir), threading.Lock()
+
+    def captions(keys: Sequence[str]) -> dict[str, str | None]:
+        with lock:
+            return {row["item_id"]: row.get("caption") for row in store.get_items(keys)}
+
+    return captions

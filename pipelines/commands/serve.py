@@ -90,8 +90,16 @@ def serve(
         typer.echo(f"no serving record at {record} yet: /readyz answers 503 until one is written", err=True)
     from components.services import announced
 
+    lineage = (
+        ws.feast_dir if (ws.feast_dir / "feature_store.yaml").is_file() else None
+    )  # captions of cold shards
     app = create_app(
-        record, state_path=ws.rollout_state_path, uri=uri, watch_interval_s=watch_interval, verify=verify
+        record,
+        state_path=ws.rollout_state_path,
+        uri=uri,
+        watch_interval_s=watch_interval,
+        verify=verify,
+        lineage_repo=lineage,
     )
     server = _server(app, host, port, log_level)
     try:
