@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from _compat_pairs import one_thread, pair_batches, pairs
 
-from compat.methods import get_method, load_compat_model
+from compat.methods import get_method
 from compat.methods.contract import CompatError
 from compat.methods.lambda_orth import (
     Adapters,
@@ -24,6 +24,7 @@ from compat.methods.lambda_orth import (
     lambda_orth_penalty,
 )
 from compat.methods.layers import OrthogonalMatrix
+from compat.methods.model import load_compat_model
 from compat.models import build_model
 
 
