@@ -47,10 +47,11 @@ class RunInputs:
         return self.run_dir.name
 
     def __getitem__(self, name: str) -> Source:
-        return self.sources[name]
+        """The input ``name`` (one not loaded is simply not there: "not run")."""
+        return self.sources.get(name) or Source(name)
 
     def data(self, name: str) -> dict[str, Any] | None:
-        return self.sources[name].data
+        return self[name].data
 
 
 def find(run_dir: Path, filename: str, prefer: tuple[str, ...] = ()) -> Path | None:
