@@ -18,7 +18,7 @@ from kfp import compiler, dsl
 
 from components import kfp_ops
 from pipelines import resources
-from pipelines.config import CONFIG_DIR, ConfigError
+from pipelines.config import ConfigError
 
 GPU = "nvidia.com/gpu"
 POOL = {"example.com/accelerator": "a100"}
@@ -27,7 +27,10 @@ IMAGE = "registry.example.com/compatflow-cuda:9.9.9"
 
 
 def shipped(name: str) -> dict[str, Any]:
-    return yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
+    """A shipped config with every setting it leaves out at its default, as a run reads it."""
+    from pipelines.config import load_config
+
+    return load_config(name, local_paths=False).to_dict()
 
 
 def gpu_pool_config() -> dict[str, Any]:
