@@ -54,11 +54,12 @@ def make_source(out: Path, n: int) -> None:
 
 
 def timed(command: list[str]) -> tuple[float, int, str]:
-    """Wall seconds, peak RSS (bytes) and stdout of ``command`` run under ``/usr/bin/time -f %M``."""
+    """Wall seconds, peak RSS (bytes) and stdout of ``command`` run under ``/usr/bin/time -f %M``; a command
+    that fails ends the benchmark with its output's tail."""
     start = time.perf_counter()
-    proc = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *command], capture_output=True, text=True, check=True, cwd=ROOT
-    )
+    proc = subprocess.run(["/usr/bin/time", "-f", "%M", *command], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     peak_kb = int(re.findall(r"^(\d+)$", proc.stderr, re.M)[-1])
     return time.perf_counter() - start, peak_kb * 1024, proc.stdout
 

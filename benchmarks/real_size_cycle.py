@@ -22,9 +22,7 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.fashion_mnist import DEFAULT_DIR, LABELS, load_split  # noqa: E402
+from benchmarks.large_images import timed  # noqa: E402
+from components.runs import read_usage  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "data_import.md"
 CLI = str(Path(sys.executable).with_name("compatflow"))
@@ -87,19 +87,6 @@ def make_sources(cache: Path, n: int, huge: int) -> tuple[Path, Path]:
     return real, small
 
 
-def timed(command: list[str], log: Path) -> tuple[float, float]:
-    """Run ``command`` to its end (its output in ``log``): wall seconds and peak RSS in MiB."""
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.run(
-            ["/usr/bin/time", "-f", "%M", *command], stdout=out, stderr=subprocess.PIPE, text=True
-        )
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed ({proc.returncode}): see {log}\n{proc.stderr[-2000:]}")
-    return wall, int(re.findall(r"^(\d+)$", proc.stderr, re.M)[-1]) / 1024
-
-
 def cycle(name: str, work: Path, source: Path | None, steps: int | None) -> dict:
     """Import ``source`` (None: the synthetic stream), add it as phase 0 and run the cycle once."""
     ws, stream = work / name / "ws", work / name / "stream"
@@ -112,21 +99,17 @@ def cycle(name: str, work: Path, source: Path | None, steps: int | None) -> dict
     row: dict = {"name": name}
     if source is not None:
         shards = work / name / "shards"
-        row["import_s"], row["import_rss"] = timed(
-            [CLI, "data", "import", str(source), "--out", str(shards)], work / f"{name}-import.log"
-        )
+        row["import_s"], peak, _ = timed([CLI, "data", "import", str(source), "--out", str(shards)])
+        row["import_rss"] = peak / 2**20
         row["import"] = json.loads((shards / "import.json").read_text())
-        timed(
-            [CLI, "stream", "add-phase", str(stream), "--shards", str(shards), "--domain", name],
-            work / "add.log",
-        )
+        timed([CLI, "stream", "add-phase", str(stream), "--shards", str(shards), "--domain", name])
         config["stream"]["generate_if_missing"] = False
     config_file = work / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    row["run_s"], row["run_rss"] = timed([CLI, "run", "--config", str(config_file)], work / f"{name}-run.log")
+    row["run_s"], peak, _ = timed([CLI, "run", "--config", str(config_file)])
+    row["run_rss"] = peak / 2**20
     (run_dir,) = (p for p in (ws / "runs").iterdir() if (p / "usage").is_dir())
-    usage = (json.loads(p.read_text()) for p in (run_dir / "usage").glob("step-*.json"))
-    row["steps"] = {u["step"]: u for u in sorted(usage, key=lambda u: u["at"])}
+    row["steps"] = {u["step"]: u for u in read_usage(run_dir)}  # in the order the steps ended
     metrics = next(run_dir.rglob("metrics.json"))
     row["median_step_s"] = json.loads(metrics.read_text())["training"]["median_step_s"]
     return row

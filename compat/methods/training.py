@@ -147,8 +147,9 @@ _listener: ContextVar[StepListener | None] = ContextVar("compat_step_listener", 
 @contextlib.contextmanager
 def step_records(listener: StepListener | None) -> Iterator[None]:
     """Within the block, every :class:`TrainingLog` a method's ``fit`` keeps also hands each step's record
-    (``{"step": n, "loss": ..., <terms>}``, ``n`` from 1) to ``listener`` as it is made: a tracker logs a
-    compatibility fit as it runs, whichever method, with no change to the methods' ``fit`` contract."""
+    (``{"step": n, <term>: value, ...}``, ``n`` from 1, the terms the method records) to ``listener`` as it
+    is made: a tracker logs a compatibility fit as it runs, whichever method, with no change to the methods'
+    ``fit`` contract."""
     token = _listener.set(listener)
     try:
         yield

@@ -415,7 +415,13 @@ def train(
             bar.advance(1, loss=loss_value)
             if config.log_every and state.step % config.log_every == 0:
                 log.info(
-                    "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e", *_log_terms(record, config)
+                    "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e",
+                    state.step,
+                    config.steps,
+                    loss_value,
+                    record["contrastive"],
+                    record["kl"],
+                    lr,
                 )
             due = config.checkpoint_every and state.step % config.checkpoint_every == 0
             if due or state.step == config.steps:
@@ -515,10 +521,6 @@ def _optimizer_step(
     else:
         optimizer.step()
     clamp_logit_scale(model)
-
-
-def _log_terms(record: dict[str, float], config: TrainConfig) -> tuple[Any, ...]:
-    return record["step"], config.steps, record["loss"], record["contrastive"], record["kl"], record["lr"]
 
 
 def _step_record(

@@ -3,9 +3,10 @@ registry of a deployment, and the files a step copies into its run directory."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +63,18 @@ def registry_of(config: Config) -> Any:
 
     deployment = Deployment.coerce(config)
     return Registry(Workspace.of(deployment), model_name=deployment.registry.model_name)
+
+
+@contextlib.contextmanager
+def live_metrics(deployment: Deployment, run_dir: Path, prefix: str) -> Iterator[Any]:
+    """A step-record logger into the run's MLflow run (``<prefix><name>`` at step n, see
+    :meth:`components.registry.Tracking.step_logger`), flushed when the block ends, raising or not."""
+    registry = registry_of(deployment)
+    live = registry.step_logger(registry.start_run(Path(run_dir).name), prefix)
+    try:
+        yield live
+    finally:
+        live.flush()
 
 
 def checkpoint_dir_of(path: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment, TrainingSection
-from components.steps.base import checkpoint_dir_of, copy_summaries, registry_of, step
+from components.steps.base import checkpoint_dir_of, copy_summaries, live_metrics, step
 from components.steps.data import accepted_shards
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,7 @@ def continual_step(
             else {}
         ),
     )
-    registry = registry_of(deployment)
-    live = registry.step_logger(registry.start_run(run_dir.name), "train.")
-    try:
+    with live_metrics(deployment, run_dir, "train.") as live:
         metrics = run_continual(
             stream_dir,
             phase,
@@ -68,8 +66,6 @@ def continual_step(
             train_dir=training_dir(run_dir),
             on_step=live,
         )
-    finally:
-        live.flush()
     if metrics:
         metrics["budget"] = budget
         write_json_atomic(Path(out_dir) / "metrics.json", metrics)
@@ -164,9 +160,7 @@ def compat_step(
         logger.info("compat: reusing %s (trained by an earlier attempt of this run)", model_dir)
     else:
         shutil.rmtree(model_dir, ignore_errors=True)
-        registry = registry_of(deployment)
-        live = registry.step_logger(registry.start_run(run_dir.name), "compat.")
-        try:
+        with live_metrics(deployment, run_dir, "compat.") as live:
             model = train_compat(
                 settings.method,
                 production,
@@ -177,8 +171,6 @@ def compat_step(
                 batch_size=settings.batch_size,
                 on_step=live,
             )
-        finally:
-            live.flush()
         record = {
             "method": settings.method,
             "path": str(model_dir),
