@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from compat.data.images import decode_rgb
 from compat.data.importer import PENDING, REPORT, DataImportError, ImportSettings, import_images, split_of
 from compat.data.manifest import StreamError, add_phase, load_manifest, phase_urls
 from compat.data.shards import write_shard
@@ -123,6 +124,8 @@ def test_sidecar_folder_every_mode_kept_or_stored_losslessly(folder: Path, impor
     assert report["imported"] == 30 and sum(report["counts"].values()) == 30
     assert all(report["counts"][s] > 0 for s in ("train", "eval", "gallery"))
     assert report["converted_to_png_or_jpeg"] == 9  # the BMP, GIF and TIFF files
+    assert report["matted_on_white"] == 6  # the RGBA and LA files
+    assert report["captions"] == 31 and sum(report["caption_counts"].values()) == 31
     samples = all_samples(imported)
     assert len(samples) == 30
     for key, members in samples.items():
@@ -136,15 +139,23 @@ def test_sidecar_folder_every_mode_kept_or_stored_losslessly(folder: Path, impor
         assert (meta["mode"], meta["format"]) == (mode, fmt)
         assert (meta["original_width"], meta["original_height"]) == SIZES[i % len(SIZES)]
         source = folder / meta["source"]
-        if fmt in ("JPEG", "PNG", "WEBP"):
+        if mode in ("RGBA", "LA"):  # matted on white, as img2dataset stores transparent pictures
+            with Image.open(io.BytesIO(members[member])) as stored:
+                assert stored.mode == "RGB" and "transparency" not in stored.info
+                expected = decode_rgb(source.read_bytes())
+                assert np.array_equal(np.asarray(stored), np.asarray(expected))
+        elif fmt in ("JPEG", "PNG", "WEBP"):
             assert members[member] == source.read_bytes()  # the original bytes, not re-encoded
         else:
             with Image.open(io.BytesIO(members[member])) as stored, Image.open(source) as original:
                 assert stored.size == original.size and stored.mode == original.mode
                 if member == "png":
                     assert np.array_equal(np.asarray(stored), np.asarray(original))  # lossless
-        caption = "another caption of the same picture" if copy else f"a {LABELS[i % 4]} thing number {i}"
-        assert members["txt"].decode() == meta["caption"] == caption
+        caption = f"a {LABELS[i % 4]} thing number {i}"
+        # the two files of one picture make one sample with both captions, the first file's first
+        captions = ["another caption of the same picture", caption] if copy else [caption]
+        assert meta["captions"] == captions
+        assert members["txt"].decode() == meta["caption"] == captions[0]
         assert meta["split"] == split_of(key, 0, (0.8, 0.1, 0.1))
         assert meta.get("source_meta") == ({"url": "https://example.com/4.png"} if i == 4 else None)
     tars = sorted(p.relative_to(imported).as_posix() for p in imported.rglob("*.tar"))
@@ -154,8 +165,8 @@ def test_sidecar_folder_every_mode_kept_or_stored_losslessly(folder: Path, impor
 
 def test_duplicates_and_every_refused_file_reported_with_its_reason(imported: Path) -> None:
     report = json.loads((imported / REPORT).read_text())
-    assert report["duplicates"] == 1
-    assert report["duplicate_files"] == [{"source": "a/img0002.png", "duplicate_of": "a/copy.png"}]
+    # a/img0002.png holds a/copy.png's bytes under another caption: grouped with it, not a duplicate
+    assert report["grouped"] == 1 and report["duplicates"] == 0 and report["duplicate_files"] == []
     reasons = {r["source"]: r["reason"] for r in report["refused_files"]}
     assert reasons == {
         "a/nocaption.jpg": "caption_missing",
@@ -278,6 +289,7 @@ def write_table_images(root: Path) -> list[dict[str, object]]:
         )
     rows.append({"path": "img/missing.jpg", "caption": "gone", "url": "", "score": 0.0})
     rows.append({"path": "img/0.jpg", "caption": "the first one again", "url": "", "score": 1.0})
+    rows.append({"path": "img/1.jpg", "caption": "caption 1", "url": "", "score": 2.0})  # an exact repeat
     picture(50, (30, 30), "RGB").save(root / "img" / "nocap.jpg")
     rows.append({"path": "img/nocap.jpg", "caption": "", "url": "", "score": 0.0})
     return rows
@@ -286,15 +298,20 @@ def write_table_images(root: Path) -> list[dict[str, object]]:
 def check_table_import(out: Path, result_output: str, exit_code: int) -> None:
     assert exit_code == 0, result_output
     report = json.loads((out / REPORT).read_text())
-    assert report["imported"] == 8 and report["duplicates"] == 1
+    # picture 0's second row adds its caption; picture 1's second row repeats its caption: dropped
+    assert report["imported"] == 8 and report["captions"] == 9 and report["grouped"] == 1
+    assert report["duplicates"] == len(report["duplicate_files"]) == 1
+    assert report["duplicate_files"][0]["caption"] == "caption 1"
+    assert report["duplicate_files"][0]["source"].endswith("row 11: img/1.jpg")
+    assert report["duplicate_files"][0]["duplicate_of"].endswith("row 2: img/1.jpg")
     assert sorted(r["reason"] for r in report["refused_files"]) == ["caption_empty", "image_missing"]
     for members in all_samples(out).values():
         meta = json.loads(members["json"])
         i = int(meta["source"].rsplit("/", 1)[1].split(".")[0])
         assert meta["source"] == f"img/{i}.jpg" and meta["source_row"] == i + 1
-        assert (
-            meta["url"] == f"https://x/{i}" and meta["score"] == i / 2 and meta["caption"] == f"caption {i}"
-        )
+        captions = [f"caption {i}", "the first one again"] if i == 0 else [f"caption {i}"]
+        assert meta["url"] == f"https://x/{i}" and meta["score"] == i / 2
+        assert meta["caption"] == f"caption {i}" and meta["captions"] == captions
         assert (meta["original_width"], meta["original_height"]) == (30, 20 + i)
 
 
@@ -430,7 +447,8 @@ def test_table_paths_outside_its_folder_need_allow_outside(tmp_path: Path) -> No
     )
     assert allowed.exit_code == 0, allowed.output
     report = json.loads((tmp_path / "o2" / REPORT).read_text())
-    assert report["imported"] == 3 and report["duplicates"] == 1  # linked/out.jpg is out.jpg's bytes
+    # linked/out.jpg is out.jpg's bytes under another caption: one picture, two captions
+    assert report["imported"] == 3 and report["captions"] == 4 and report["grouped"] == 1
     assert [r["reason"] for r in report["refused_files"]] == ["caption_too_large"]
     missing = runner.invoke(
         app, ["data", "import", str(table), "--out", str(tmp_path / "o3"), "--allow-outside", "/no/such"]

@@ -71,6 +71,7 @@ class ImageHeader:
     mode: str
     width: int
     height: int
+    transparent: bool = False  # an alpha channel or a transparent colour (:func:`has_transparency`)
 
     @property
     def pixels(self) -> int:
@@ -103,7 +104,16 @@ def read_header(
     """The header of ``data`` without decoding a pixel; :class:`ImageTooLargeError` above ``max_pixels``
     (None: PIL's own limit), :class:`ImageDecodeError` when it is not an image."""
     with _open(data, formats, max_pixels) as image:
-        return ImageHeader(str(image.format), image.mode, image.width, image.height)
+        return ImageHeader(str(image.format), image.mode, image.width, image.height, has_transparency(image))
+
+
+def has_transparency(image: Image.Image) -> bool:
+    """Whether ``image`` (opened, not necessarily loaded) carries transparency: an alpha channel (RGBA, LA,
+    PA, ...) or a transparent colour (``tRNS`` of a palette, greyscale or RGB picture). A reader that converts
+    it to RGB without a background (PIL's ``convert("RGB")``) shows what lies under it, often black."""
+    return image.mode in _TRANSPARENT_MODES or (
+        image.mode in ("P", "L", "RGB", "1") and "transparency" in image.info
+    )
 
 
 def check_resize_mode(value: object, where: str) -> str:
@@ -202,10 +212,7 @@ def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image
         return image
     if mode in _SIXTEEN_BIT or mode in ("I", "F"):
         return _deep_to_l(image).convert("RGB")
-    transparent = mode in _TRANSPARENT_MODES or (
-        mode in ("P", "L", "RGB", "1") and "transparency" in image.info
-    )
-    if not transparent:
+    if not has_transparency(image):
         if mode == "CMYK" and image.info.get("icc_profile"):
             converted = _cmyk_with_profile(image)
             if converted is not None:

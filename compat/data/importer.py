@@ -5,20 +5,31 @@ Sources (:func:`import_images`):
 * ``sidecar`` -- a folder (searched recursively) of images with a caption file beside each
   (``x.jpg`` + ``x.txt``; an ``x.json`` object beside them is kept as ``source_meta``);
 * ``class-folders`` -- one sub-folder per label, captioned by a template (``"a photo of a {label}"``);
-* ``table`` -- a ``.csv`` or ``.parquet`` file of ``path,caption[,extra columns]``, paths relative to it.
+* ``table`` -- a ``.csv`` or ``.parquet`` file of ``path,caption[,extra columns]``, paths relative to it;
+* ``karpathy`` -- a Karpathy split file (``dataset_coco.json``, ``dataset_flickr30k.json``: ``{"images":
+  [{"filename", "filepath"?, "sentences": [{"raw"}], "split"}]}``), paths (``filepath/filename``) relative to
+  it; every sentence is a caption, the entry without its sentences is kept as ``source_meta``, and the file's
+  split is kept (:data:`KARPATHY_SPLITS`: ``train`` and ``restval`` train, ``test`` -- the split the
+  retrieval literature reports recall on -- eval, ``val`` gallery) instead of the hash split.
+
+Several captions per picture: the files or rows of one picture (the same bytes) make one sample with every
+distinct caption, in source order (``captions`` in its ``{key}.json``, the first also its ``caption`` and its
+``.txt``); only an exact repeat (same picture, same caption) is dropped, listed in ``duplicate_files``. A
+repeated picture is not decoded again: its bytes are hashed and its captions join the planned sample.
 
 Output::
 
     DIR/{train,eval,gallery}/NNNNN.tar   members {key}.{jpg|png|webp} / {key}.txt / {key}.json
-    DIR/import.json                      counts per split, duplicates, refused files with reasons
+    DIR/import.json                      pictures and captions per split, duplicates, refused files
 
 JPEG, PNG and WebP files keep their bytes; other images PIL reads (BMP, GIF, TIFF, ...) are stored
 losslessly as PNG (CMYK as JPEG). A sample's key is a prefix and the first 20 hex digits of the SHA-256
 of its image bytes, so items keep their key from import to import and two phases never reuse a key for
-different images; identical bytes are imported once (the first by source order) and counted as
-duplicates; with ``exclude`` (``--exclude-stream``) a picture whose key a stream already holds is left out
-and listed (``in_stream_files``). The split is a seeded, stable hash of the key. Every file that is not
-imported is listed with its reason (:data:`REFUSALS`).
+different images; identical bytes are imported once (the first by source order) with the captions of
+every copy; with ``exclude`` (``--exclude-stream``) a picture whose key a stream already holds is left out
+and listed (``in_stream_files``). The split is a seeded, stable hash of the key (a Karpathy file's own
+split), decided once per picture: no caption of an eval or gallery picture is trained on. Every file that is
+not imported is listed with its reason (:data:`REFUSALS`).
 
 Every file read is a regular file with one name inside SRC (a table's folder for a table): a symbolic
 link, a hard link, a device or FIFO, and a table path (``../``, absolute) or link target outside SRC are
@@ -31,11 +42,16 @@ with img2dataset's names and meanings -- ``keep_ratio``: the shorter side become
 ``center_crop``: that, then the centre square ``max_side`` x ``max_side``; ``border``: the longer side
 becomes ``max_side``, padded with black to a square; ``no``: stored as they are. A picture already that
 small is stored untouched (never enlarged); one that is resized is stored upright (EXIF orientation applied,
-transparency on white) as JPEG quality 95 when it was a JPEG, else as PNG. ``{key}.json`` records the stored
-and original width and height, the original mode and format, and the resize applied. With
-``keep_originals`` the untouched bytes are kept too, in a shard set of the same keys under ``originals/``.
+transparency on white) as JPEG quality 95 when it was a JPEG, else as PNG. A picture with transparency
+(alpha, or a transparent palette colour) is always stored flat, matted on white as img2dataset stores it
+(PNG, upright): every reader sees it as compatflow's readers do, PIL's ``convert("RGB")`` included.
+``{key}.json`` records the stored and original width and height, the original mode and format, and the
+resize applied. With ``keep_originals`` the untouched bytes are kept too, in a shard set of the same keys
+under ``originals/``.
 A picture with more pixels than any reader decodes (:data:`compat.data.images.MAX_PIXELS`) is refused when
-it would be stored as it is (``too_many_pixels``).
+it would be stored as it is (``too_many_pixels``); one whose header declares more than ``max_pixels``
+(default :data:`MAX_DECODE_PIXELS`, Pillow's decompression-bomb limit) is refused before decoding
+(``image_pixels``, the reason validation gives, with its size and the limit).
 
 Every picture is decoded once, while the source is scanned: a picture that is resized (or converted) is
 decoded at the size it is stored at (a JPEG by libjpeg at 1/2, 1/4 or 1/8 scale, the rest of the way by area
@@ -63,7 +79,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,13 +93,19 @@ VERSION = 1
 REPORT = "import.json"
 PENDING = ".import-pending.json"
 SPLITS = ("train", "eval", "gallery")
-SOURCE_FORMATS = ("sidecar", "class-folders", "table")
+SOURCE_FORMATS = ("sidecar", "class-folders", "table", "karpathy")
+# A Karpathy split file's splits: restval (COCO's 30k validation pictures outside val and test) trains;
+# test is the split the retrieval literature reports recall on, so it is evaluated on here.
+KARPATHY_SPLITS = {"train": "train", "restval": "train", "test": "eval", "val": "gallery"}
 DEFAULT_TEMPLATE = "a photo of a {label}"
 DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 KEY_HEX = 20
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
 MAX_SIDECAR_BYTES = 1024 * 1024  # a metadata file (the validation policy's max_metadata_bytes)
 MAX_CAPTION_BYTES = 64 * 1024  # one caption, UTF-8; also the validation policy's max_caption_bytes
+# The most pixels a picture's header may declare for the import to decode it (to resize it): Pillow's
+# decompression-bomb limit (2 x PIL.Image.MAX_IMAGE_PIXELS), above which PIL refuses to open it at all.
+MAX_DECODE_PIXELS = 178_956_970
 CAPTION_EXT, METADATA_EXT = ".txt", ".json"
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # what the pipeline decodes
 RESIZE_MODES = ("keep_ratio", "center_crop", "border", "no")  # img2dataset's --resize_mode names
@@ -98,6 +120,7 @@ _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
 RESERVED_FIELDS = (
     "key",
     "caption",
+    "captions",
     "source",
     "width",
     "height",
@@ -120,7 +143,8 @@ REFUSALS: dict[str, str] = {
     "caption_empty": "the caption is empty or whitespace only",
     "caption_not_utf8": "the caption file is not UTF-8 text",
     "caption_too_large": f"the caption is over {MAX_CAPTION_BYTES} bytes (validation would refuse it)",
-    "image_missing": "a caption file with no image beside it, or a table row whose path is not a file",
+    "image_missing": "a caption file with no image beside it, or a table row or Karpathy entry whose path is "
+    "not a file",
     "not_an_image": "the file is not an image PIL can identify",
     "image_unreadable": "the image cannot be decoded (truncated or corrupt)",
     "image_too_large": "the file is larger than the import's max_image_bytes",
@@ -131,6 +155,9 @@ REFUSALS: dict[str, str] = {
     "not_a_regular_file": "a symbolic link, a hard link (a file with several names), a device or a FIFO",
     "outside_source": "the path lies outside SRC (a table's ../ or absolute path); see --allow-outside",
     "too_many_pixels": "stored as it is, the image would have more pixels than the pipeline's readers decode",
+    "image_pixels": "the image header declares more pixels (width x height) than the import's max_pixels "
+    "(--max-pixels; Pillow's decompression-bomb limit by default): not decoded",
+    "entry_invalid": "a Karpathy entry without a filename, a list of sentences or a known split",
 }
 
 
@@ -160,6 +187,7 @@ class ImportSettings:
     max_side: int = DEFAULT_MAX_SIDE
     resize_mode: str = DEFAULT_RESIZE_MODE
     keep_originals: bool = False
+    max_pixels: int = MAX_DECODE_PIXELS
 
     def check(self) -> None:
         """Raise :class:`DataImportError` naming the setting that is wrong."""
@@ -204,6 +232,11 @@ class ImportSettings:
             )
         if self.max_image_bytes < 1:
             raise DataImportError(f"--max-image-bytes must be positive, got {self.max_image_bytes}")
+        if not 1 <= self.max_pixels <= MAX_DECODE_PIXELS:
+            raise DataImportError(
+                f"--max-pixels must be between 1 and {MAX_DECODE_PIXELS:,} (Pillow's decompression-bomb "
+                f"limit, above which no picture is decoded), got {self.max_pixels:,}"
+            )
 
 
 @dataclass
@@ -211,6 +244,7 @@ class _Candidate:
     source: str  # what the report names: the path relative to SRC, or "table row N: path"
     path: Path | None  # the image file
     caption: str | None = None  # class folders and tables: the caption itself
+    captions: tuple[str, ...] | None = None  # Karpathy files: the entry's sentences
     caption_file: Path | None = None  # sidecar: the file to read it from
     metadata_file: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -218,6 +252,8 @@ class _Candidate:
     listed: str | None = None  # tables: the path cell as written (the sample's "source"), and its row
     row: int | None = None
     refused: tuple[str, str] | None = None  # known before reading anything
+    split: str | None = None  # Karpathy files: the entry's split (else the hash split of the key)
+    meta: dict[str, Any] | None = None  # Karpathy files: the entry without its sentences (source_meta)
 
 
 @dataclass
@@ -361,15 +397,135 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
     return out
 
 
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _json_array_items(text: str, key: str, where: Path) -> Iterator[Any]:
+    """The elements of the top-level object's ``key`` array in the JSON ``text``, decoded one at a time: the
+    decoded tree of the whole file is never held (COCO's Karpathy file is 140 MB of text, several GB as one
+    decoded tree), only the text and one element."""
+    decoder = json.JSONDecoder()
+
+    def skip(i: int) -> int:
+        match = _JSON_SPACE.match(text, i)
+        return match.end() if match else i
+
+    def expect(i: int, chars: str, what: str) -> tuple[str, int]:
+        i = skip(i)
+        if i >= len(text) or text[i] not in chars:
+            found = repr(text[i]) if i < len(text) else "the end of the file"
+            raise DataImportError(
+                f"{where} is not a Karpathy split file: {what} expected at character {i}, found {found}"
+            )
+        return text[i], skip(i + 1)
+
+    _, i = expect(0, "{", "a JSON object")
+    found = False
+    if text[skip(i) : skip(i) + 1] == "}":
+        i = skip(i) + 1
+    else:
+        while True:
+            name, i = decoder.raw_decode(text, skip(i))
+            _, i = expect(i, ":", "':'")
+            if name == key and not found:
+                found = True
+                _, i = expect(i, "[", f"the {key!r} array")
+                if text[i : i + 1] == "]":
+                    i += 1
+                else:
+                    while True:
+                        element, i = decoder.raw_decode(text, i)
+                        yield element
+                        mark, i = expect(i, ",]", "',' or ']'")
+                        if mark == "]":
+                            break
+            else:
+                _, i = decoder.raw_decode(text, i)
+            mark, i = expect(i, ",}", "',' or '}'")
+            if mark == "}":
+                break
+    if not found:
+        raise DataImportError(
+            f"{where} has no {key!r} list: not a Karpathy split file (dataset_coco.json, "
+            "dataset_flickr30k.json)"
+        )
+
+
+def _sentence_text(sentence: Any) -> str | None:
+    if isinstance(sentence, dict):
+        if isinstance(sentence.get("raw"), str):
+            return sentence["raw"]
+        tokens = sentence.get("tokens")
+        if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
+            return " ".join(tokens)
+    return sentence if isinstance(sentence, str) else None
+
+
+def _karpathy_candidates(file: Path) -> list[_Candidate]:
+    """One candidate per image entry of a Karpathy split file, read entry by entry (the file's text and one
+    candidate per entry are held, as a table's rows are)."""
+    try:
+        text = file.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataImportError(f"{file} cannot be read as a UTF-8 JSON file: {exc}") from exc
+    base, out = file.parent, []
+    try:
+        for n, entry in enumerate(_json_array_items(text, "images", file), start=1):
+            where = f"{file.name} image {n}"
+            filename = entry.get("filename") if isinstance(entry, dict) else None
+            if not isinstance(filename, str) or not filename.strip():
+                out.append(_Candidate(where, None, refused=("entry_invalid", f"{where}: no filename")))
+                continue
+            folder = entry.get("filepath")
+            rel = (
+                f"{folder.strip().rstrip('/')}/{filename.strip()}"
+                if isinstance(folder, str) and folder.strip()
+                else filename.strip()
+            )
+            source = f"{where}: {rel}"
+            split, sentences = entry.get("split"), entry.get("sentences")
+            if split not in KARPATHY_SPLITS:
+                known = ", ".join(KARPATHY_SPLITS)
+                problem = f"{source}: split {split!r} is not one of {known}"
+                out.append(_Candidate(source, None, refused=("entry_invalid", problem)))
+                continue
+            texts = [_sentence_text(x) for x in sentences] if isinstance(sentences, list) else None
+            if not texts or any(t is None for t in texts):
+                problem = f"{source}: 'sentences' must be a non-empty list of {{\"raw\": caption}} objects"
+                out.append(_Candidate(source, None, refused=("entry_invalid", problem)))
+                continue
+            path = Path(rel) if Path(rel).is_absolute() else base / rel
+            if not path.is_file():
+                out.append(
+                    _Candidate(source, path, refused=("image_missing", f"{source}: no such file {path}"))
+                )
+                continue
+            meta = _json_safe({k: v for k, v in entry.items() if k != "sentences"})
+            out.append(
+                _Candidate(
+                    source, path, captions=tuple(texts), listed=rel, split=KARPATHY_SPLITS[split], meta=meta
+                )
+            )
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise DataImportError(f"{file} is not valid JSON: {exc}") from exc
+    return out
+
+
 def detect_format(src: Path) -> str:
-    """``table`` for a .csv/.parquet file, ``sidecar`` for a folder."""
+    """``table`` for a .csv/.parquet file, ``karpathy`` for a .json file, ``sidecar`` for a folder."""
     if src.is_file():
         if src.suffix.lower() in (".csv", ".parquet"):
             return "table"
-        raise DataImportError(f"{src} is a file but not a .csv or .parquet table; give a folder or a table")
+        if src.suffix.lower() == ".json":
+            return "karpathy"
+        raise DataImportError(
+            f"{src} is a file but not a .csv or .parquet table nor a Karpathy .json; give a folder or a table"
+        )
     if src.is_dir():
         return "sidecar"
-    raise DataImportError(f"{src} does not exist; give a folder of images or a .csv/.parquet table")
+    raise DataImportError(
+        f"{src} does not exist; give a folder of images, a .csv/.parquet table or a Karpathy .json"
+    )
 
 
 def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candidate]:
@@ -378,6 +534,10 @@ def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candida
         if not src.is_file():
             raise DataImportError(f"--format table needs a .csv or .parquet file; {src} is not a file")
         return _table_candidates(src, settings)
+    if fmt == "karpathy":
+        if not src.is_file():
+            raise DataImportError(f"--format karpathy needs the split .json file; {src} is not a file")
+        return _karpathy_candidates(src)
     if not src.is_dir():
         raise DataImportError(f"--format {fmt} needs a folder; {src} is not a folder")
     skip = out if out.is_relative_to(src) else None
@@ -389,20 +549,48 @@ def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candida
 # ------------------------------------------------------------------------------------------------ scan
 
 
-def probe_image(data: bytes, *, decode: bool = True) -> dict[str, Any]:
-    """Format, mode and size of an encoded image after decoding it fully (JPEG at 1/8 scale, which reads
-    every byte all the same; ``decode=False``: its header only); raises ``_Refused`` when it is not an
-    image or does not decode."""
+def _too_many_pixels(pixels: int | None, limit: int, size: tuple[int, int] | None = None) -> _Refused:
+    what = f"{size[0]}x{size[1]} " if size else ""
+    amount = f"{pixels:,} pixels ({pixels / 1e6:.1f} megapixels)" if pixels else "over Pillow's limit"
+    return _Refused(
+        "image_pixels",
+        f"the image is {what}{amount}, above max_pixels {limit:,} ({limit / 1e6:g} megapixels; --max-pixels, "
+        "at most Pillow's decompression-bomb limit): not decoded",
+    )
+
+
+def probe_image(data: bytes, *, decode: bool = True, max_pixels: int = MAX_DECODE_PIXELS) -> dict[str, Any]:
+    """Format, mode, size and transparency of an encoded image after decoding it fully (JPEG at 1/8 scale,
+    which reads every byte all the same; ``decode=False``: its header only); raises ``_Refused`` when it is
+    not an image, its header declares more than ``max_pixels`` (``image_pixels``, nothing decoded) or it does
+    not decode."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
+    from compat.data.images import has_transparency
+
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # max_pixels is the bound here
+            image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
         raise _Refused("not_an_image", "not an image PIL can identify") from exc
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # "Image size (N pixels) exceeds limit of M pixels ..."
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        raise _too_many_pixels(int(found.group(1)) if found else None, max_pixels) from exc
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise _Refused("image_unreadable", f"cannot open the image: {exc}") from exc
     with image:
-        info = {"format": image.format, "mode": image.mode, "width": image.width, "height": image.height}
+        if image.width * image.height > max_pixels:
+            raise _too_many_pixels(image.width * image.height, max_pixels, image.size)
+        info = {
+            "format": image.format,
+            "mode": image.mode,
+            "width": image.width,
+            "height": image.height,
+            "transparent": has_transparency(image),
+        }
         if not decode:
             return info
         try:
@@ -495,6 +683,19 @@ def resize_image(
     return ("jpg" if as_jpeg else "png"), buffer.getvalue(), facts
 
 
+def flatten_image(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
+    """A picture with transparency as img2dataset stores it: composited on white, upright (EXIF orientation
+    applied), as lossless PNG; with the facts :func:`resize_image` gives. Raises
+    :class:`compat.data.images.ImageDecodeError` when it does not decode."""
+    from compat.data.images import decode_rgb
+
+    image = decode_rgb(data, formats=None, max_pixels=None)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    facts = {"width": image.width, "height": image.height, "original_size": image.info["original_size"]}
+    return "png", buffer.getvalue(), facts
+
+
 @dataclass(frozen=True)
 class _Place:
     """Where the files an import reads may lie: ``root`` (SRC, or a table's folder) and ``allowed``."""
@@ -560,6 +761,27 @@ def _read_sidecar(path: Path, what: str, limit: int, place: _Place) -> bytes:
     return data
 
 
+def _read_captions(candidate: _Candidate, place: _Place) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """The candidate's captions, and the ones left out, each as (which, reason, message): a Karpathy entry's
+    empty or oversized sentence is left out alone; raises ``_Refused`` when no caption remains."""
+    if candidate.captions is None:
+        return [_read_caption(candidate, place)], []
+    kept, skipped = [], []
+    for n, raw in enumerate(candidate.captions, start=1):
+        text = raw.strip()
+        if not text:
+            skipped.append((f"sentence {n}", "caption_empty", "the caption is empty"))
+        elif len(text.encode("utf-8")) > MAX_CAPTION_BYTES:
+            skipped.append(
+                (f"sentence {n}", "caption_too_large", f"the caption is over {MAX_CAPTION_BYTES} bytes")
+            )
+        else:
+            kept.append(text)
+    if not kept:
+        raise _Refused(skipped[0][1], f"no usable sentence ({'; '.join(m for _, _, m in skipped)})")
+    return kept, skipped
+
+
 def _read_caption(candidate: _Candidate, place: _Place) -> str:
     if candidate.caption_file is None and candidate.caption is None:
         assert candidate.path is not None
@@ -581,6 +803,8 @@ def _read_caption(candidate: _Candidate, place: _Place) -> str:
 
 
 def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | None:
+    if candidate.meta is not None:
+        return candidate.meta
     if candidate.metadata_file is None:
         return None
     data = _read_sidecar(candidate.metadata_file, "metadata", MAX_SIDECAR_BYTES, place)
@@ -591,6 +815,11 @@ def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | Non
     if not isinstance(doc, dict):
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not a JSON object")
     return _json_safe(doc)
+
+
+def _key(sha: str, settings: ImportSettings) -> str:
+    """The sample key of a picture whose bytes have SHA-256 ``sha``."""
+    return settings.key_prefix + sha[:KEY_HEX]
 
 
 def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
@@ -606,11 +835,16 @@ def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
 
 
 def _inspect(
-    candidate: _Candidate, settings: ImportSettings, place: _Place, spool: Path | None = None
+    candidate: _Candidate,
+    settings: ImportSettings,
+    place: _Place,
+    spool: Path | None = None,
+    planned: Container[str] = (),
 ) -> dict[str, Any]:
     """The plan item of one candidate (raises ``_Refused``). The picture is decoded once: a picture stored
-    resized or converted is made here, its bytes written into ``spool`` (:data:`SPOOL`) and its facts
-    kept in the item's ``stored``."""
+    resized, converted or flattened is made here, its bytes written into ``spool`` (:data:`SPOOL`) and its
+    facts kept in the item's ``stored``. A picture whose SHA-256 is in ``planned`` is not decoded again: the
+    item then holds only ``sha256``, ``captions`` and ``skipped_captions`` (it joins the planned sample)."""
     if candidate.refused:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
@@ -623,7 +857,11 @@ def _inspect(
         raise _Refused("image_too_large", f"over max_image_bytes {settings.max_image_bytes}")
     if not data:
         raise _Refused("not_an_image", "the file is empty (0 bytes)")
-    info = probe_image(data, decode=False)
+    sha = hashlib.sha256(data).hexdigest()
+    if sha in planned:
+        captions, skipped = _read_captions(candidate, place)
+        return {"sha256": sha, "captions": captions, "skipped_captions": skipped}
+    info = probe_image(data, decode=False, max_pixels=settings.max_pixels)
     size = (info["width"], info["height"])
     target = resized_size(*size, settings.max_side, settings.resize_mode)
     if target is None and size[0] * size[1] > MAX_PIXELS:
@@ -638,14 +876,18 @@ def _inspect(
             made = resize_image(data, info["format"], settings.max_side, settings.resize_mode, size)
         except ValueError as exc:  # compat.data.images.ImageDecodeError
             raise _Refused("image_unreadable", str(exc)) from exc
+    elif info["transparent"]:  # matted on white, as img2dataset stores it
+        try:
+            made = flatten_image(data)
+        except ValueError as exc:  # compat.data.images.ImageDecodeError
+            raise _Refused("image_unreadable", str(exc)) from exc
     elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
         ext, converted = stored_image(data, info["format"])
         made = ext, converted, {"width": size[0], "height": size[1], "original_size": size}
     else:
         probe_image(data)  # the one decode: the bytes are stored as they are
-    caption = _read_caption(candidate, place)
+    captions, skipped = _read_captions(candidate, place)
     metadata = _read_metadata(candidate, place)
-    sha = hashlib.sha256(data).hexdigest()
     stored = None
     if made is not None:
         ext, made_bytes, facts = made
@@ -663,12 +905,13 @@ def _inspect(
             "original_height": facts["original_size"][1],
         }
     return {
-        "key": settings.key_prefix + sha[:KEY_HEX],
-        "split": split_of(sha[:KEY_HEX], settings.seed, settings.split),
+        "key": _key(sha, settings),
+        "split": candidate.split or split_of(sha[:KEY_HEX], settings.seed, settings.split),
         "path": str(real),
         "source": candidate.listed or candidate.source,
         "row": candidate.row,
-        "caption": caption,
+        "captions": captions,
+        "skipped_captions": skipped,
         "sha256": sha,
         "size": len(data),
         **info,
@@ -689,16 +932,23 @@ def _plan(
     exclude: Mapping[str, str] | None = None,
     spool: Path | None = None,
 ) -> dict[str, Any]:
+    """Which picture goes to which shard with which captions. The files or rows of one picture (same bytes)
+    are grouped into the first one's item as they come, in source order: besides the item the plan holds
+    anyway (one per picture), grouping keeps each planned picture's captions in a set until the scan ends,
+    so the memory of the scan grows with pictures + distinct captions, never with their bytes."""
     candidates = _candidates(src, out, settings)
-    place = _Place(src.parent if settings.source_format == "table" else src, allowed)
+    place = _Place(src.parent if settings.source_format in ("table", "karpathy") else src, allowed)
     items: list[dict[str, Any]] = []
     refused: list[dict[str, str]] = []
     duplicates: list[dict[str, str]] = []
     in_stream: list[dict[str, str]] = []  # keys the stream given as ``exclude`` already holds
-    first_of: dict[str, str] = {}
+    # per planned picture (SHA-256 of its bytes): the source that brought it, its item (None when the stream
+    # given as ``exclude`` holds it) and the set of its captions
+    first_of: dict[str, tuple[str, dict[str, Any] | None, set[str]]] = {}
+    grouped = 0  # files or rows whose picture an earlier one brought, and that added a caption to it
     for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
         try:
-            item = _inspect(candidate, settings, place, spool)
+            item = _inspect(candidate, settings, place, spool, first_of)
         except _Refused as refusal:
             message = (
                 refusal.message
@@ -707,14 +957,37 @@ def _plan(
             )
             refused.append({"source": candidate.source, "reason": refusal.reason, "message": message})
             continue
-        if item["sha256"] in first_of:
-            duplicates.append({"source": candidate.source, "duplicate_of": first_of[item["sha256"]]})
-            continue
-        first_of[item["sha256"]] = candidate.source
-        if exclude and item["key"] in exclude:
-            in_stream.append({"source": candidate.source, "key": item["key"], "shard": exclude[item["key"]]})
-            continue
-        items.append(item)
+        for which, reason, message in item.pop("skipped_captions"):
+            source = f"{candidate.source} {which}"
+            refused.append({"source": source, "reason": reason, "message": f"{source}: {message}"})
+        sha, captions = item["sha256"], item["captions"]
+        if sha in first_of:  # a picture planned already (or held by the stream): its captions join it
+            first, planned, known = first_of[sha]
+            if planned is None:
+                key = _key(sha, settings)
+                in_stream.append({"source": candidate.source, "key": key, "shard": (exclude or {})[key]})
+                continue
+        else:
+            first, planned, known = candidate.source, item, set()
+            if exclude and item["key"] in exclude:
+                first_of[sha] = (first, None, known)
+                in_stream.append(
+                    {"source": candidate.source, "key": item["key"], "shard": exclude[item["key"]]}
+                )
+                continue
+            first_of[sha] = (first, item, known)
+            item["captions"] = []
+            items.append(item)
+        added = 0
+        for caption in captions:
+            if caption in known:
+                duplicates.append({"source": candidate.source, "duplicate_of": first, "caption": caption})
+            else:
+                known.add(caption)
+                planned["captions"].append(caption)
+                added += 1
+        if planned is not item and added:
+            grouped += 1
     shards: dict[str, list[dict[str, Any]]] = {}
     per = settings.samples_per_shard
     for split in SPLITS:
@@ -723,7 +996,13 @@ def _plan(
             {"path": f"{split}/{n:05d}.tar", "items": of_split[start : start + per]}
             for n, start in enumerate(range(0, len(of_split), per))
         ]
-    plan = {"settings": asdict(settings), "shards": shards, "refused": refused, "duplicates": duplicates}
+    plan = {
+        "settings": asdict(settings),
+        "shards": shards,
+        "refused": refused,
+        "duplicates": duplicates,
+        "grouped": grouped,
+    }
     if exclude is not None:
         plan["in_stream"] = in_stream
     content = json.dumps(
@@ -791,7 +1070,8 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
         width, height = original = item["width"], item["height"]
     meta: dict[str, Any] = {
         "key": item["key"],
-        "caption": item["caption"],
+        "caption": item["captions"][0],
+        "captions": item["captions"],
         "source": item["source"],
         **({"source_row": item["row"]} if item["row"] is not None else {}),
         "width": width,
@@ -815,7 +1095,7 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
     meta.update(item["extra"])
     members = {
         ext: stored,
-        "txt": item["caption"].encode("utf-8"),
+        "txt": item["captions"][0].encode("utf-8"),
         "json": json.dumps(meta, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode("utf-8"),
     }
     return item["key"], members
@@ -823,6 +1103,9 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
 
 def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
     counts = {s: sum(len(sh["items"]) for sh in plan["shards"][s]) for s in SPLITS}
+    caption_counts = {
+        s: sum(len(i["captions"]) for sh in plan["shards"][s] for i in sh["items"]) for s in SPLITS
+    }
     by_reason: dict[str, int] = {}
     for r in plan["refused"]:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
@@ -836,9 +1119,13 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
         "settings": {**plan["settings"], "split": list(plan["settings"]["split"])},
         "imported": sum(counts.values()),
         "counts": counts,
+        "captions": sum(caption_counts.values()),
+        "caption_counts": caption_counts,
+        "grouped": plan["grouped"],
         "shards": {s: [sh["path"] for sh in plan["shards"][s]] for s in SPLITS},
         "converted_to_png_or_jpeg": converted,
         "resized": sum(1 for i in items if i.get("resize")),
+        "matted_on_white": sum(1 for i in items if i["transparent"]),
         **(
             {"originals": {s: [f"{ORIGINALS}/{sh['path']}" for sh in plan["shards"][s]] for s in SPLITS}}
             if originals

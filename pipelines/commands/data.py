@@ -71,7 +71,8 @@ def import_(
     src: Annotated[
         Path,
         typer.Argument(
-            help="A folder of images (x.jpg + x.txt captions, or class folders) or a .csv/.parquet table."
+            help="A folder of images (x.jpg + x.txt captions, or class folders), a .csv/.parquet table or a "
+            "Karpathy split .json (dataset_coco.json, dataset_flickr30k.json)."
         ),
     ],
     out: Annotated[
@@ -81,14 +82,19 @@ def import_(
         str,
         typer.Option(
             "--format",
-            help="auto (a folder: sidecar, a .csv/.parquet file: table) | sidecar | class-folders | table.",
+            help="auto (a folder: sidecar, a .csv/.parquet file: table, a .json file: karpathy) | sidecar | "
+            "class-folders | table | karpathy (keeps the file's splits: train+restval, test as eval, val as "
+            "gallery).",
         ),
     ] = "auto",
     template: Annotated[
         str, typer.Option(help="class-folders: the caption of each image, {label} being its folder's name.")
     ] = "a photo of a {label}",
     split: Annotated[
-        str, typer.Option(help="train,eval,gallery fractions of the items (a seeded hash of each key).")
+        str,
+        typer.Option(
+            help="train,eval,gallery fractions of the pictures (a seeded hash of each key; not for karpathy)."
+        ),
     ] = "0.8,0.1,0.1",
     seed: Annotated[int, typer.Option(help="Seed of the split hash.")] = 0,
     samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
@@ -118,9 +124,18 @@ def import_(
         bool,
         typer.Option(
             "--keep-originals",
-            help="Also keep the untouched files, in shards of the same keys under OUT/originals/.",
+            help="Also keep the untouched files (transparent ones unmatted), in shards of the same keys "
+            "under OUT/originals/.",
         ),
     ] = False,
+    max_pixels: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Pictures whose header declares more pixels are refused undecoded (image_pixels); at most "
+            "Pillow's decompression-bomb limit, the default.",
+        ),
+    ] = 178_956_970,
     allow_outside: Annotated[
         list[Path] | None,
         typer.Option(
@@ -141,8 +156,10 @@ def import_(
     """Turn images with captions into webdataset shards split train/eval/gallery; print import.json's counts.
 
     Deterministic (same input, same bytes) and resumable (a killed import, run again, writes only the
-    shards still missing). Duplicate images are imported once, pictures --exclude-stream already holds not at
-    all; every refused file is listed with its reason in OUT/import.json. Exit 0 when something was
+    shards still missing). The files or rows of one picture (same bytes) make one sample with every distinct
+    caption; only exact repeats (same picture, same caption) are dropped and counted as duplicates; pictures
+    --exclude-stream already holds are left out; every refused file is listed with its reason in
+    OUT/import.json. Exit 0 when something was
     imported, 1 when nothing was.
     """
     import time
@@ -176,6 +193,7 @@ def import_(
             max_side=max_side,
             resize_mode=resize_mode,
             keep_originals=keep_originals,
+            max_pixels=max_pixels,
         )
         result = import_images(src, out, settings, allow_outside=allow_outside or (), exclude=exclude)
     except DataImportError as exc:
@@ -187,6 +205,9 @@ def import_(
             "seconds": round(time.perf_counter() - start, 2),
             "imported": report["imported"],
             "counts": report["counts"],
+            "captions": report["captions"],
+            "caption_counts": report["caption_counts"],
+            "grouped": report["grouped"],
             "duplicates": report["duplicates"],
             **({"in_stream": report["in_stream"]} if "in_stream" in report else {}),
             "refused": report["refused"],
