@@ -4,6 +4,11 @@ The indexing and backfill stages call :meth:`LineageStore.write_items` after eac
 and the backfill planner call :meth:`LineageStore.get_items` / :meth:`LineageStore.versions_by_item`.
 Offline rows are append-only parquet parts (one file per write, renamed into place, so a crash
 never leaves a half-written file); the online store (sqlite by default) holds the newest row per item.
+
+The repo written to is the workspace's (:attr:`components.workspace.Workspace.lineage_dir`); a repo
+definition configured elsewhere (``lineage.repo``: on a cluster a ConfigMap volume, read-only) is only read:
+its ``feature_store.yaml`` (and ``items.py`` when it has one) is copied into the written repo, again whenever
+it changes, so the offline parts and any path relative to the repo land on the workspace volume.
 """
 
 from __future__ import annotations
@@ -38,11 +43,21 @@ class LineageError(ValueError):
 
 
 class LineageStore:
-    """The Feast feature repo at ``repo_dir`` (a workspace's ``feast/`` directory by default)."""
+    """The Feast feature repo at ``repo_dir`` (a workspace's ``feast/`` directory), made from the repo
+    ``definition`` (a folder with ``feature_store.yaml``, read and never written) when one is given, else
+    from the shipped template (:mod:`components.feature_repo`)."""
 
-    def __init__(self, repo_dir: str | Path) -> None:
+    def __init__(self, repo_dir: str | Path, *, definition: str | Path | None = None) -> None:
         self.repo_dir = Path(repo_dir).resolve()
+        self.definition = Path(definition).resolve() if definition is not None else None
+        if self.definition == self.repo_dir:
+            self.definition = None
         self._store: Any = None
+
+    @classmethod
+    def of(cls, workspace: Any) -> LineageStore:
+        """The lineage of a :class:`~components.workspace.Workspace`: its repo, made from its definition."""
+        return cls(workspace.lineage_dir, definition=workspace.lineage_definition)
 
     @property
     def items_dir(self) -> Path:
@@ -64,14 +79,28 @@ class LineageStore:
         return self._store
 
     def scaffold(self) -> None:
-        """Copy ``feature_store.yaml`` and ``items.py`` into the repo when missing (never overwrites)."""
+        """Make the repo: without a definition, copy the template's ``feature_store.yaml`` and ``items.py``
+        when missing (never overwrites); with one, copy its files (``items.py``: the template's when it has
+        none) whenever they differ, reading the definition only."""
         from components.feature_repo import REPO_FILES, REPO_TEMPLATE_DIR
 
         self.repo_dir.mkdir(parents=True, exist_ok=True)
-        for name in REPO_FILES:
-            target = self.repo_dir / name
-            if not target.exists():
-                shutil.copyfile(REPO_TEMPLATE_DIR / name, target)
+        if self.definition is None:
+            for name in REPO_FILES:
+                target = self.repo_dir / name
+                if not target.exists():
+                    shutil.copyfile(REPO_TEMPLATE_DIR / name, target)
+        else:
+            if not (self.definition / "feature_store.yaml").is_file():
+                raise LineageError(
+                    f"the lineage repo definition {self.definition} has no feature_store.yaml (config field "
+                    "lineage.repo: the folder the Feast ConfigMap is mounted at)"
+                )
+            for name in REPO_FILES:
+                source = self.definition / name
+                _copy_if_changed(
+                    source if source.is_file() else REPO_TEMPLATE_DIR / name, self.repo_dir / name
+                )
         (self.repo_dir / "data").mkdir(exist_ok=True)
         self.items_dir.mkdir(parents=True, exist_ok=True)
 
@@ -183,15 +212,18 @@ class LineageStore:
         return frame.drop_duplicates("item_id", keep="last").reset_index(drop=True)
 
 
-def sync_from_index(repo_dir: str | Path, uri: str, alias: str) -> int:
-    """Bring the lineage in ``repo_dir`` in line with the collection serving ``alias`` at the Milvus ``uri``
-    (after a backfill, a blue-green switch or a rollback); returns the rows written."""
+def sync_from_index(
+    repo_dir: str | Path, uri: str, alias: str, *, definition: str | Path | None = None
+) -> int:
+    """Bring the lineage in ``repo_dir`` (made from ``definition``, see :class:`LineageStore`) in line with
+    the collection serving ``alias`` at the Milvus ``uri`` (after a backfill, a blue-green switch or a
+    rollback); returns the rows written."""
     from components.index import GalleryIndex
 
     with GalleryIndex(uri, alias) as index:
         fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
         rows = [row for batch in index.iter_rows(fields) for row in batch]
-    store = LineageStore(repo_dir)
+    store = LineageStore(repo_dir, definition=definition)
     store.apply()
     return store.sync_with_index(rows)
 
@@ -288,3 +320,13 @@ def _write_part(frame: Any, directory: Path) -> Path:
         os.fsync(handle.fileno())
     tmp.replace(final)
     return final
+
+
+def _copy_if_changed(source: Path, target: Path) -> None:
+    """``target`` made equal to ``source`` (temp file + rename) unless it already is."""
+    data = source.read_bytes()
+    if target.is_file() and target.read_bytes() == data:
+        return
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(target)

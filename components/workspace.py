@@ -5,7 +5,9 @@ Layout (the pipeline and every command ask :class:`Workspace` for these; no othe
     <root>/state.json         every phase's outcome
     <root>/mlflow.db          MLflow tracking + registry (sqlite) unless a tracking URI is given
     <root>/mlartifacts/       MLflow artifacts (reports, checkpoints)
-    <root>/feast/             Feast feature repo: lineage of every gallery item (unless configured)
+    <root>/feast/             Feast feature repo the lineage of every gallery item is written to (a copy of
+                              the configured repo definition, which is only read: it may be read-only)
+    <root>/weights/           open_clip start weights laid out <ARCH>/<TAG>/ (`compatflow models fetch`)
     <root>/milvus/            milvus-lite data (unless an index URI is given)
     <root>/models/v<N>/       verified local copies of registered models
     <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
@@ -161,8 +163,28 @@ class Workspace:
 
     @property
     def feast_dir(self) -> Path:
-        """The Feast lineage repo: the configured one, else ``<root>/feast``."""
+        """The Feast repo definition (``feature_store.yaml``, optionally ``items.py``): the configured one,
+        else ``<root>/feast``. Read, never written: on a cluster it is a read-only ConfigMap volume."""
         return self._lineage_repo
+
+    @property
+    def lineage_dir(self) -> Path:
+        """The Feast repo lineage is written to and read from: ``<root>/feast``, made from :attr:`feast_dir`
+        (its ``feature_store.yaml`` copied there) when that is configured elsewhere; its relative paths
+        (the offline parts ``data/items/``, a file registry, a local online store) are inside it."""
+        return self.root / "feast"
+
+    @property
+    def lineage_definition(self) -> Path | None:
+        """:attr:`feast_dir` when it is a repo definition apart from :attr:`lineage_dir`, else None."""
+        definition = self._lineage_repo.expanduser().resolve()
+        return None if definition == self.lineage_dir else definition
+
+    @property
+    def weights_dir(self) -> Path:
+        """open_clip start weights a training may name by tag, laid out ``<ARCH>/<TAG>/<file>``
+        (:mod:`compat.models.pretrained`; written by ``compatflow models fetch --to``)."""
+        return self.root / "weights"
 
     @property
     def index_uri(self) -> str:

@@ -1,20 +1,21 @@
 """Operator commands on the cluster config, against cluster-style services started here.
 
-An MLflow tracking server on 127.0.0.1, a milvus-lite server and a Feast repo outside the workspace stand
-in for the cluster's. A model is served and an upgrade shipped through the pipeline's steps; then
-``status``, ``search``, ``report`` and ``rollback`` run with ``--config`` and reach those services, never a
-local fallback, and a rollback that cannot update the lineage changes nothing.
+An MLflow tracking server on 127.0.0.1, a milvus-lite server and a Feast repo definition outside the
+workspace (read, never written, as the cluster's ConfigMap volume) stand in for the cluster's. A model is
+served and an upgrade shipped through the pipeline's steps; then ``status``, ``search``, ``report`` and
+``rollback`` run with ``--config`` and reach those services, never a local fallback, and a rollback that
+cannot update the lineage changes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
+from components.feature_repo import REPO_TEMPLATE_DIR
 from tests.test_pipeline import PERMISSIVE_POLICY
 from tests.test_upgrade_chain import Cycle
 
@@ -44,7 +45,10 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
     config["compat"].update(method="bct", scenario="continual", steps=3, batch_size=16, options={})
     config["gate"]["policy"] = str(policy)
     config["registry"]["tracking_uri"] = mlflow_server
-    config["lineage"]["repo"] = str(tmp_path / "feature-repo")  # outside the workspace
+    definition = tmp_path / "feature-repo"  # outside the workspace, as the mounted ConfigMap
+    definition.mkdir()
+    shutil.copyfile(REPO_TEMPLATE_DIR / "feature_store.yaml", definition / "feature_store.yaml")
+    config["lineage"]["repo"] = str(definition)
     config["index"].update(uri=milvus_server, alias="cluster_services_gallery")
     config["rollout"]["batch_size"] = 16
     config_file = tmp_path / "cluster.yaml"
@@ -65,10 +69,11 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
     hits = cli("search", "a red circle", "-k", "3", "--json")
     assert hits.exit_code == 0 and len(json.loads(hits.output)) == 3
     assert cli("report").exit_code == 0
-    assert not (tmp_path / "ws" / "mlflow.db").exists() and not (tmp_path / "ws" / "feast").exists()
+    assert not (tmp_path / "ws" / "mlflow.db").exists()
+    assert sorted(p.name for p in definition.iterdir()) == ["feature_store.yaml"]  # only read
 
     # The lineage repo cannot be updated: the rollback is refused and nothing changes.
-    repo = Path(resolved["lineage"]["repo"])
+    repo = tmp_path / "ws" / "feast"  # where lineage is written: the workspace's copy of the definition
     (repo / "feature_store.yaml").rename(repo / "feature_store.yaml.away")
     refused = cli("rollback")
     assert refused.exit_code == 1 and "refused, nothing changed" in refused.output

@@ -180,3 +180,125 @@ def test_the_lineage_command_reads_feast_and_checks_it_against_the_index(tmp_pat
     assert checked.exit_code == 1 and "lineage {'7': 2} / index {}: they DISAGREE" in checked.stdout
     missing = runner.invoke(app, ["lineage", "a", "--workspace", str(tmp_path / "empty")])
     assert missing.exit_code == 1 and "no lineage repo" in missing.output
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every path under ``folder`` with its mtime and content: what a write would change."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+        for p in sorted([folder, *folder.rglob("*")])
+    }
+
+
+def test_a_read_only_repo_definition_is_read_never_written(tmp_path):
+    """The cluster's layout: ``lineage.repo`` is a ConfigMap volume (read-only). Indexing's lineage write, a
+    sync from the index (rollout, rollback) and on-call's reads work from the workspace's copy of the repo;
+    nothing under the definition is created, changed or touched, and a changed definition reaches the copy."""
+    import os
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from components.index import GalleryIndex
+    from components.workspace import Workspace
+    from pipelines.cli import app
+
+    definition = tmp_path / "etc" / "feast"
+    definition.mkdir(parents=True)
+    shutil.copyfile(REPO_TEMPLATE_DIR / "feature_store.yaml", definition / "feature_store.yaml")
+    for path in (definition / "feature_store.yaml", definition):
+        path.chmod(0o555)  # as a mounted ConfigMap (a root test process could still write: compared below)
+    before = _tree(definition)
+    ws = Workspace(tmp_path / "ws", lineage_repo=definition, index_uri=str(tmp_path / "milvus" / "g.db"))
+    assert ws.feast_dir == definition and ws.lineage_definition == definition
+    assert ws.lineage_dir == ws.root / "feast"
+
+    store = LineageStore.of(ws)  # what indexing records its items through
+    store.apply()
+    assert store.write_items(gallery("1", ["item-a", "item-b"])) == 2
+    ids = ["item-a", "item-b"]
+    with GalleryIndex(ws.index_uri, "gallery") as index:
+        collection = index.create_collection("space-v1", 8)
+        index.index_items(ids, np.eye(2, 8, dtype=np.float32) + 0.1, "2", "space-v1", collection=collection)
+        index.switch_alias(collection)
+    assert sync_from_index(ws.lineage_dir, ws.index_uri, "gallery", definition=ws.lineage_definition) == 2
+    assert LineageStore(ws.lineage_dir).versions_by_item(ids) == {"item-a": "2", "item-b": "2"}
+    assert list((ws.lineage_dir / "data" / "items").glob("*.parquet"))
+    shown = CliRunner().invoke(app, ["lineage", "item-a", "--workspace", str(ws.root), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert _tree(definition) == before
+
+    # A new ConfigMap version reaches the copy at the next write; a definition without the file is refused.
+    os.chmod(definition, 0o755)
+    os.chmod(definition / "feature_store.yaml", 0o644)
+    changed = (
+        (definition / "feature_store.yaml")
+        .read_text()
+        .replace("cache_ttl_seconds: 0", "cache_ttl_seconds: 5")
+    )
+    (definition / "feature_store.yaml").write_text(changed)
+    LineageStore.of(ws).apply()
+    assert (ws.lineage_dir / "feature_store.yaml").read_text() == changed
+    (definition / "feature_store.yaml").unlink()
+    with pytest.raises(LineageError, match=r"has no feature_store\.yaml .*lineage\.repo"):
+        LineageStore.of(ws).apply()
+
+
+READ_ONLY_SCRIPT = """
+import sys
+from pathlib import Path
+import numpy as np
+from components.index import GalleryIndex
+from components.lineage import LineageStore, sync_from_index
+from components.workspace import Workspace
+
+definition, root = Path(sys.argv[1]), Path(sys.argv[2])
+try:
+    (definition / "probe").write_text("x")
+    sys.exit("the definition is writable: not a read-only mount")
+except OSError:
+    pass
+ws = Workspace(root, lineage_repo=definition, index_uri=str(root.parent / "milvus" / "g.db"))
+store = LineageStore.of(ws)
+store.apply()
+store.write_items([{"item_id": i, "model_version": "1", "space_id": "s1"} for i in ("a", "b")])
+with GalleryIndex(ws.index_uri, "gallery") as index:
+    collection = index.create_collection("s2", 8)
+    index.index_items(["a", "b"], np.eye(2, 8, dtype=np.float32) + 0.1, "2", "s2", collection=collection)
+    index.switch_alias(collection)
+assert sync_from_index(ws.lineage_dir, ws.index_uri, "gallery", definition=ws.lineage_definition) == 2
+assert LineageStore(ws.lineage_dir).versions_by_item(["a", "b"]) == {"a": "2", "b": "2"}
+print("lineage ok")
+"""
+
+
+def test_lineage_works_with_the_definition_on_a_read_only_mount(tmp_path):
+    """The same on a real read-only bind mount (a private mount namespace: root and util-linux's unshare)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a read-only bind mount needs root and unshare")
+    definition = tmp_path / "feast-definition"
+    definition.mkdir()
+    shutil.copyfile(REPO_TEMPLATE_DIR / "feature_store.yaml", definition / "feature_store.yaml")
+    (tmp_path / "check.py").write_text(READ_ONLY_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    mount = f"mount --bind {definition} {definition} && mount -o remount,bind,ro {definition}"
+    command = f'{mount} && exec "$0" "$@"'
+    args = [sys.executable, str(tmp_path / "check.py"), str(definition), str(tmp_path / "ws")]
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command, *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0 and "mount" in done.stderr and "lineage ok" not in done.stdout:
+        if "permission denied" in done.stderr.lower() or "operation not permitted" in done.stderr.lower():
+            pytest.skip(f"no bind mount here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0 and "lineage ok" in done.stdout, done.stderr[-3000:]
+    assert sorted(p.name for p in definition.iterdir()) == ["feature_store.yaml"]

@@ -231,7 +231,7 @@ class Registry(Tracking):
         at = utc_now()
         event = {
             "workspace": str(self.workspace.root),
-            "lineage_repo": str(self.workspace.feast_dir),
+            "lineage_repo": str(self.workspace.lineage_dir),
             "model_name": self.model_name,
             "tracking_uri": self.tracking_uri,
             "from_version": current,

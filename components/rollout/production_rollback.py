@@ -78,7 +78,7 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
 
     from components.workspace import Workspace
 
-    return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).feast_dir)
+    return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).lineage_dir)
 
 
 UNFINISHED = ("pending", "running", "halted")

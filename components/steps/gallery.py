@@ -122,7 +122,9 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         "version": version,
         "undone_first": undone,
         "rollout": state,
-        "lineage_updated": sync_from_index(workspace.feast_dir, gallery["uri"], gallery["alias"]),
+        "lineage_updated": sync_from_index(
+            workspace.lineage_dir, gallery["uri"], gallery["alias"], definition=workspace.lineage_definition
+        ),
         "promoted": state["state"] == "completed",
     }
     if summary["promoted"]:
@@ -170,6 +172,6 @@ def _record_lineage(workspace: Workspace, items: list[dict[str, Any]]) -> int:
 
     if not items:
         return 0
-    store = LineageStore(workspace.feast_dir)
+    store = LineageStore.of(workspace)
     store.apply()
     return store.write_items(items)

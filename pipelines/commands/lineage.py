@@ -36,11 +36,11 @@ def lineage(
     warnings.filterwarnings("ignore", message='Field name "vector_enabled"')  # feast's own model, on import
 
     ws = workspace_of(config, workspace)
-    if not (ws.feast_dir / "feature_store.yaml").is_file():
-        fail(f"no lineage repo at {ws.feast_dir} (no gallery indexed yet, or give --config)", code=1)
+    if not (ws.lineage_dir / "feature_store.yaml").is_file():
+        fail(f"no lineage repo at {ws.lineage_dir} (no gallery indexed yet, or give --config)", code=1)
     if not item_ids and not check:
         fail("name item ids, or --check")
-    store = LineageStore(ws.feast_dir)
+    store = LineageStore(ws.lineage_dir)
     try:
         rows = store.get_items(item_ids or [])
         agreement = _agreement(ws, store) if check else None

@@ -91,7 +91,7 @@ def serve(
     from components.services import announced
 
     lineage = (
-        ws.feast_dir if (ws.feast_dir / "feature_store.yaml").is_file() else None
+        ws.lineage_dir if (ws.lineage_dir / "feature_store.yaml").is_file() else None
     )  # captions of cold shards
     app = create_app(
         record,
