@@ -240,7 +240,7 @@ def test_a_picture_over_the_pixel_limit_is_refused_as_image_pixels_with_its_size
         "big.jpg": "image_pixels",
     }
     assert (
-        "300x200 60,000 pixels" in refused["big.jpg"]["message"] and "50,000" in refused["big.jpg"]["message"]
+        "300x200 (60,000 pixels" in refused["big.jpg"]["message"] and "50,000" in refused["big.jpg"]["message"]
     )
     assert "231,200,000 pixels" in refused["huge.png"]["message"]
     default = tmp_path / "default"

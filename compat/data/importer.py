@@ -550,11 +550,11 @@ def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candida
 
 
 def _too_many_pixels(pixels: int | None, limit: int, size: tuple[int, int] | None = None) -> _Refused:
-    what = f"{size[0]}x{size[1]} " if size else ""
-    amount = f"{pixels:,} pixels ({pixels / 1e6:.1f} megapixels)" if pixels else "over Pillow's limit"
+    amount = f"{pixels:,} pixels, {pixels / 1e6:.1f} megapixels" if pixels else "over Pillow's limit"
+    what = f"{size[0]}x{size[1]} ({amount})" if size else amount
     return _Refused(
         "image_pixels",
-        f"the image is {what}{amount}, above max_pixels {limit:,} ({limit / 1e6:g} megapixels; --max-pixels, "
+        f"the image is {what}, above max_pixels {limit:,} ({limit / 1e6:g} megapixels; --max-pixels, "
         "at most Pillow's decompression-bomb limit): not decoded",
     )
 
