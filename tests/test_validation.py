@@ -564,3 +564,25 @@ def test_reason_codes_agree_with_schema_and_suites():
     assert set(load_schema("validation")["$defs"]["reason_code"]["enum"]) == set(REASONS)
     suite = json.loads((EXPECTATIONS_DIR / "samples.json").read_text())
     assert {e["meta"]["reason"] for e in suite["expectations"]} <= set(REASONS)
+
+
+def test_a_stored_picture_with_transparency_is_flagged_not_quarantined(tmp_path, caplog):
+    from PIL import Image
+
+    def png(mode: str, **save) -> bytes:
+        buffer = io.BytesIO()
+        Image.new(mode, (32, 32), 0).save(buffer, "PNG", **save)
+        return buffer.getvalue()
+
+    inputs = {
+        "shard-00000.tar": good_samples("p01", 10)
+        + sample("alpha-000001", image=png("RGBA"), ext="png")
+        + sample("trns-000001", image=png("P", transparency=0), ext="png")
+        + sample("flat-000001", image=png("RGB"), ext="png")
+    }
+    with caplog.at_level(logging.WARNING):
+        summary = run(tmp_path, inputs)
+    doc = check_invariants(summary, inputs)
+    assert (doc["passed"], doc["quarantined"]) == (13, 0)
+    assert doc["images"] == {"transparent": 2, "transparent_keys": ["alpha-000001", "trns-000001"]}
+    assert "2 of 13 accepted pictures are stored with transparency" in caplog.text

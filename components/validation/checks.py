@@ -122,6 +122,7 @@ def inspect_sample(
         "image_bytes": None,
         "width": None,
         "height": None,
+        "image_transparent": None,
         "caption_member": None,
         "caption": None,
         "caption_chars": None,
@@ -160,7 +161,7 @@ def inspect_sample(
         image = images[0]
         facts["image_member"], facts["image_bytes"] = image.name, len(image.data)
         if not image.truncated:
-            facts["width"], facts["height"], problem = _check_image(image, policy)
+            facts["width"], facts["height"], problem, facts["image_transparent"] = _check_image(image, policy)
             if problem:
                 reasons.append(problem)
         timings.decode_s += time.perf_counter() - start
@@ -205,21 +206,25 @@ def unsafe_member_problem(member: Member) -> str | None:
     return None
 
 
-def _check_image(member: Member, policy: ValidationPolicy) -> tuple[int | None, int | None, Reason | None]:
+def _check_image(
+    member: Member, policy: ValidationPolicy
+) -> tuple[int | None, int | None, Reason | None, bool | None]:
     """Read the image size from its header and, when within bounds, decode it to RGB as every reader does
-    (:func:`compat.data.images.decode_rgb`: orientation applied, so the size is the upright one).
+    (:func:`compat.data.images.decode_rgb`: orientation applied, so the size is the upright one); also
+    whether the stored picture carries transparency (None when its header cannot be read).
 
     An image over ``policy.max_pixels`` is quarantined here (``image_pixels``) and one beyond the width and
     height bounds by the suite (``image_size``); neither is decoded. Within bounds it is decoded at a small
     size: JPEGs at 1/8 scale (libjpeg still reads every byte, so a cut-off file fails), others once.
     """
     if not member.data:
-        return None, None, Reason("image_empty", f"image {member.name!r} is empty (0 bytes)")
+        return None, None, Reason("image_empty", f"image {member.name!r} is empty (0 bytes)"), None
     from compat.data.images import ImageDecodeError, ImageTooLargeError, decode_rgb, read_header
 
+    transparent = None
     try:
         header = read_header(member.data, _PIL_FORMATS, max_pixels=policy.max_pixels)
-        width, height = header.width, header.height
+        width, height, transparent = header.width, header.height, header.transparent
         if width <= policy.max_width and height <= policy.max_height:
             decoded = decode_rgb(
                 member.data, formats=_PIL_FORMATS, size=_CHECK_SIZE, max_pixels=policy.max_pixels
@@ -227,13 +232,15 @@ def _check_image(member: Member, policy: ValidationPolicy) -> tuple[int | None, 
             width, height = decoded.info["original_size"]
     except ImageTooLargeError as exc:
         width, height = exc.size or (None, None)
-        return width, height, Reason("image_pixels", f"image {member.name!r}: {exc}")
+        return width, height, Reason("image_pixels", f"image {member.name!r}: {exc}"), transparent
     except ImageDecodeError as exc:
-        return None, None, Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {exc}")
+        reason = Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {exc}")
+        return None, None, reason, transparent
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return None, None, Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {detail}")
-    return width, height, None
+        reason = Reason("image_undecodable", f"image {member.name!r} cannot be decoded: {detail}")
+        return None, None, reason, transparent
+    return width, height, None, transparent
 
 
 @lru_cache(maxsize=1)

@@ -35,7 +35,8 @@ from components.validation.shard_reader import SampleGroup, ShardReader
 logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "validation.json"
-STAGE_VERSION = 3  # bump when a check changes meaning: earlier summaries are then recomputed
+STAGE_VERSION = 4  # bump when a check changes meaning: earlier summaries are then recomputed
+TRANSPARENT_KEYS_LISTED = 20  # keys of accepted pictures stored with transparency named in the summary
 
 
 class ShardSpecError(ValueError):
@@ -362,6 +363,19 @@ def _summary_document(
             len(accepted_tokens),
             policy.max_caption_tokens,
         )
+    transparent = [
+        f["key"] for row, f in enumerate(facts) if row not in reasons and f.get("image_transparent")
+    ]
+    images = {"transparent": len(transparent), "transparent_keys": transparent[:TRANSPARENT_KEYS_LISTED]}
+    if transparent:  # readers here matte it on white; a reader converting to RGB shows what lies beneath
+        logger.warning(
+            "%d of %d accepted pictures are stored with transparency (e.g. key %s): readers that convert "
+            "them to RGB without a background see black; import them with `compatflow data import`, which "
+            "stores them matted on white",
+            len(transparent),
+            total - quarantined,
+            transparent[0],
+        )
     return {
         "schema_version": 1,
         "shard_spec": [
@@ -373,6 +387,7 @@ def _summary_document(
         "quarantined_fraction": fraction,
         "by_reason": dict(sorted(by_reason.items())),
         "captions": captions,
+        "images": images,
         "blocked": bool(blocked_reasons),
         "blocked_reasons": blocked_reasons,
         "shards": [
