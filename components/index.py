@@ -602,11 +602,72 @@ class GalleryIndex:
     def count_by_version(
         self, collection: str | None = None, consistency: str | None = None
     ) -> dict[str, int]:
-        """Rows per model version (sums to :meth:`count`)."""
-        counts: Counter[str] = Counter()
-        for batch in self.iter_rows(("model_version",), collection, consistency=consistency):
-            counts.update(str(r["model_version"]) for r in batch)
-        return dict(sorted(counts.items()))
+        """Rows per model version (sums to :meth:`count`), by count queries: no row is read into this
+        process. The versions present are found one query each (a row of a version not counted yet, until
+        none is left), so the cost grows with the number of versions, not of rows."""
+        name = self.resolve(collection)
+        level = self._level(name, consistency)
+        counts: dict[str, int] = {}
+        while True:
+            others = "model_version not in [" + ", ".join(quote(v) for v in counts) + "]" if counts else ""
+            found = self.client.query(
+                name,
+                filter=others or 'item_id != ""',
+                output_fields=["model_version"],
+                limit=1,
+                consistency_level=level,
+                timeout=self.timeout,
+            )
+            if not found:
+                return dict(sorted(counts.items()))
+            version = str(found[0]["model_version"])
+            counts[version] = self.count(name, f"model_version == {quote(version)}", consistency=level)
+
+    def rows_where(
+        self,
+        filter: str,
+        fields: Sequence[str] = ROW_FIELDS,
+        collection: str | None = None,
+        limit: int = 1000,
+        consistency: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Up to ``limit`` rows matching ``filter`` (the caller rewrites them so that they stop matching, and
+        asks again until none is left: a bounded read of a set that shrinks)."""
+        name = self.resolve(collection)
+        rows = self.client.query(
+            name,
+            filter=filter,
+            output_fields=list(dict.fromkeys(["item_id", *fields])),
+            limit=int(limit),
+            consistency_level=self._level(name, consistency),
+            timeout=self.timeout,
+        )
+        return [dict(r) for r in rows]
+
+    def existing_ids(
+        self,
+        ids: Sequence[str],
+        collection: str | None = None,
+        chunk: int = 1000,
+        consistency: str | None = None,
+    ) -> set[str]:
+        """Those of ``ids`` the collection holds (a get by primary key per ``chunk``; bounded by ``ids``)."""
+        name = self.resolve(collection)
+        level = self._level(name, consistency)
+        ids = [str(i) for i in ids]
+        found: set[str] = set()
+        for start in range(0, len(ids), chunk):
+            found.update(
+                str(r["item_id"])
+                for r in self.client.get(
+                    name,
+                    ids=ids[start : start + chunk],
+                    output_fields=["item_id"],
+                    consistency_level=level,
+                    timeout=self.timeout,
+                )
+            )
+        return found
 
     def fetch(
         self,

@@ -21,7 +21,7 @@ from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from components import rollout as ro
 from components.index import GalleryIndex
 from components.rollout import engine, read_serving
-from components.rollout.state import load_rows, saved_batches
+from components.rollout.state import load_rows, saved_batches, stage_batches
 from components.rollout.types import DEFAULT_FLUSH_ROWS
 from components.search import Searcher
 
@@ -632,9 +632,10 @@ class _Recorder:
         return most
 
 
-def test_in_place_plan_is_the_restore_capture_and_flushes_bound_unflushed_rows(setup, monkeypatch) -> None:
-    """An in-place rollout fetches no row after its plan (the plan saved every batch's rows) and never
-    leaves more than ``flush_rows`` (+ one batch) unflushed; its rollback restores the old gallery."""
+def test_in_place_batches_save_what_they_replace_and_flushes_bound_unflushed_rows(setup, monkeypatch) -> None:
+    """An in-place rollout reads each row once, by its batch, just before overwriting it (saved for restore
+    first: the plan reads no vector), and never leaves more than ``flush_rows`` (+ one batch) unflushed; its
+    rollback restores the old gallery."""
     paths, index = setup
     calls = _Recorder(index, monkeypatch)
     state = ro.run_rollout(
@@ -645,9 +646,9 @@ def test_in_place_plan_is_the_restore_capture_and_flushes_bound_unflushed_rows(s
         PROBE,
     )
     assert state["state"] == "completed"
-    assert calls.rows("fetch") == 0 and calls.rows("upsert") == N
+    assert calls.rows("fetch") == N and calls.rows("upsert") == N
     assert 64 <= calls.most_unflushed() < 64 + 32
-    files = saved_batches(paths.restore_dir(state["rollout_id"]))
+    files = list(saved_batches(paths.restore_dir(state["rollout_id"]), stage_batches(state)))
     assert len(files) == 2 * 7  # two stages of 200 items in batches of 32
     saved = [r["item_id"] for f in files for r in load_rows(f)]
     assert sorted(saved) == sorted(UPGRADE.item_ids)

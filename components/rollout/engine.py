@@ -11,32 +11,31 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from compat.io import utc_now
-from components.index import ROW_FIELDS, GalleryIndex, now_ms, quote
+from components.index import ROW_FIELDS, GalleryIndex, quote
 from components.rollout.ahead import Batch, BatchesAhead
+from components.rollout.order import RankedOrder
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.plan import (
-    ORDERS_NEEDING_VECTORS,
     Source,
-    backfill_order,
     check_probe_covers,
     check_vectors,
     probe_floors,
+    rank_gallery,
     serving_source,
-    source_rows,
     stage_plan,
 )
 from components.rollout.probes import broken_floors, probe_metrics
 from components.rollout.rollback import replay_rows
 from components.rollout.state import (
+    batch_grid,
     exclusive,
-    load_rows,
     load_state,
+    restore_path,
     save_rows,
     save_state,
     saved_batches,
@@ -49,7 +48,7 @@ from components.rollout.types import (
     RolloutPaths,
     item_ref,
 )
-from components.rollout.writes import GalleryWriter
+from components.rollout.writes import GalleryWriter, previous_rows, reembedded_rows
 from components.services import live_services
 from components.serving.record import read_serving, write_serving
 
@@ -154,33 +153,32 @@ class Rollout:
 
     # ---- planning
     def _plan(self) -> dict[str, Any]:
-        """Read the serving collection, decide the mode, order, floors and stages, write the new state."""
-        from compat.backfill import order_digest
-        from compat.io import write_json_atomic
+        """Read the serving collection, decide the mode, order, floors and stages, write the new state.
 
+        The collection is streamed once into the ranked order on disk (:func:`rank_gallery`): the plan holds
+        a batch of rows and a bounded sort run, never the gallery. An in-place rollout saves each batch's
+        previous rows just before it overwrites them (:meth:`_previous_rows`)."""
         c, idx = self.config, self.index
+        t0 = time.perf_counter()
         source = serving_source(idx, read_serving(self.paths.serving), self.paths.serving)
         space = self.space or source.space
         mode = "staged" if (self.adapt or space == source.space) else "blue_green"
         in_place = mode == "staged" and not self.adapt  # the batches overwrite the rows this plan reads
-        need_vectors = c.order in ORDERS_NEEDING_VECTORS
-        fields = ROW_FIELDS if in_place else ("embedded_at", *(("vector",) if need_vectors else ()))
-        rows = source_rows(idx, source.collection, fields)
-        ids = [str(r["item_id"]) for r in rows]
-        check_probe_covers(self.probe, ids, source.collection)
-        ordered = backfill_order(c, rows, self._order_vectors(rows) if need_vectors else None)
+        check_probe_covers(self.probe, idx, source.collection)
         rid = self.rollout_id
-        order_path = self.paths.work(rid) / "order.json"
-        # "policy" is the order's stored name: rollout ids and state files written before keep it
-        order = {"policy": c.order, "seed": c.seed, "digest": order_digest(ordered)}
-        write_json_atomic(order_path, {"rollout_id": rid, **order, "item_ids": ordered})
+        ordered = rank_gallery(
+            idx,
+            source.collection,
+            c,
+            self.paths.work(rid),
+            transform=self.encoders.gallery_transform if self.adapt else None,
+        )
+        order = {"policy": c.order, "seed": c.seed, "digest": ordered.digest}
         old_queries = check_vectors(
             self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
         baseline, floors = probe_floors(idx, source, old_queries, self.probe, c)
         stages = stage_plan(mode, len(ordered), c.fractions)
-        if in_place:
-            self._save_restore_rows(rid, rows, ordered, stages)
         state = {
             "schema_version": 1,
             "rollout_id": rid,
@@ -195,7 +193,8 @@ class Rollout:
             "n_items": len(ordered),
             "fraction_backfilled": 0.0,
             "batch_size": c.batch_size,
-            "order": {**order, "path": str(order_path), "n_clusters": c.n_clusters},
+            "workers": c.workers,
+            "order": {**order, "path": str(ordered.directory), "n_clusters": c.n_clusters},
             "cursor": {"position": 0, "batches": 0, "adapt_position": 0},
             "query_model": source.record["query_model"],
             "previous_query_model": source.record["query_model"],
@@ -207,7 +206,7 @@ class Rollout:
                 "source_space": source.space,
                 "collection": source.collection if in_place else idx.next_collection_name(space),
                 "space": space,
-                "dim": self._target_dim(source, rows, need_vectors),
+                "dim": self._target_dim(source, ordered[0]),
                 "transform": self.encoders.transform_tag,
                 "versions_before": idx.count_by_version(source.collection),
             },
@@ -219,65 +218,41 @@ class Rollout:
             "restored": True,
             "halt_reason": None,
             "rollback": None,
+            "plan_seconds": round(time.perf_counter() - t0, 3),
             "pace": self.pace.to_dict(),  # the idle p99 measured before this plan read anything
         }
         self._save(state)
         log.info(
-            "rollout %s planned: %s, %d items, order %s, floors %s", rid, mode, len(ordered), c.order, floors
+            "rollout %s planned in %.1f s: %s, %d items, order %s, floors %s",
+            rid,
+            state["plan_seconds"],
+            mode,
+            len(ordered),
+            c.order,
+            floors,
         )
         return state
 
-    def _order_vectors(self, rows: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        """The gallery vectors the order is computed on: as stored, or, with a gallery transform, F(h^k) as
-        the new queries read them (lambda-orth orders by those)."""
-        vectors = np.asarray([r["vector"] for r in rows], dtype=np.float32)
-        if self.adapt:
-            vectors = check_vectors(
-                self.encoders.gallery_transform(vectors), len(rows), None, "gallery_transform"
-            )
-        return vectors
-
-    def _target_dim(self, source: Source, rows: Sequence[Mapping[str, Any]], have_vectors: bool) -> int:
+    def _target_dim(self, source: Source, first_id: str) -> int:
         """The vector size the rollout writes: the source's, or what the gallery transform makes of it."""
         if not self.adapt:
             return source.dim
-        first = (
-            rows[0]["vector"]
-            if have_vectors
-            else self.index.fetch([rows[0]["item_id"]], source.collection)[0]["vector"]
-        )
+        (first,) = self.index.fetch([first_id], source.collection)
         return int(
-            np.asarray(self.encoders.gallery_transform(np.asarray(first, dtype=np.float32)[None])).shape[1]
+            np.asarray(
+                self.encoders.gallery_transform(np.asarray(first["vector"], dtype=np.float32)[None])
+            ).shape[1]
         )
-
-    def _save_restore_rows(
-        self,
-        rollout_id: str,
-        rows: Sequence[Mapping[str, Any]],
-        ordered: Sequence[str],
-        stages: Sequence[Mapping[str, Any]],
-    ) -> None:
-        """The plan's read is the restore capture of an in-place rollout: the complete rows of every batch
-        of every stage, saved before anything overwrites them (no batch fetches its rows again; nothing
-        but the rollout rewrites an item the plan read: new items are added, never replaced)."""
-        by_id = {str(r["item_id"]): r for r in rows}
-        lo = 0
-        for rec in stages[1:]:
-            for start, end in self._batches(lo, rec["target_position"]):
-                save_rows(self._restore_path(rollout_id, start, end), [by_id[i] for i in ordered[start:end]])
-            lo = rec["target_position"]
 
     # ---- shared pieces
-    def _order(self, state: dict[str, Any]) -> list[str]:
-        from compat.backfill import order_digest
+    def _order(self, state: dict[str, Any]) -> RankedOrder:
+        """The rollout's ranked order on disk (each chunk checked against the manifest as it is read)."""
+        from components.rollout.order import OrderError
 
-        doc = json.loads(Path(state["order"]["path"]).read_text())
-        if order_digest(doc["item_ids"]) != state["order"]["digest"]:
-            raise RolloutError(
-                f"{state['order']['path']} does not match the digest in {self.paths.state}: the "
-                "order file was modified; roll back and start again"
-            )
-        return doc["item_ids"]
+        try:
+            return RankedOrder(state["order"]["path"], expected_digest=state["order"]["digest"])
+        except OrderError as exc:
+            raise RolloutError(f"{exc} (rollout state {self.paths.state})") from exc
 
     def _serving_queries(self, dim: int) -> np.ndarray:
         if self._queries is None:
@@ -304,41 +279,22 @@ class Rollout:
         state["curve"].sort(key=lambda p: p["fraction"])
 
     def _new_rows(self, state: dict[str, Any], previous: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        vectors = check_vectors(
-            self.encoders.new_gallery([item_ref(r) for r in previous]),
-            len(previous),
-            state["gallery"]["dim"],
-            "gallery encoder",
+        g = state["gallery"]
+        return reembedded_rows(
+            self.encoders,
+            previous,
+            version=state["new_version"],
+            space=g["space"],
+            dim=g["dim"],
+            rollout_id=state["rollout_id"],
         )
-        stamp = now_ms()
-        return [
-            {
-                **r,
-                "vector": vectors[j].tolist(),
-                "model_version": state["new_version"],
-                "space_id": state["gallery"]["space"],
-                "embedded_at": stamp,
-                "transform": "",
-                "rollout_id": state["rollout_id"],
-            }
-            for j, r in enumerate(previous)
-        ]
-
-    def _restore_path(self, rollout_id: str, start: int, end: int) -> Path:
-        return self.paths.restore_dir(rollout_id) / f"{start:09d}-{end:09d}.npz"
 
     def _previous_rows(
         self, state: dict[str, Any], ids: Sequence[str], start: int, end: int, collection: str, keep: bool
     ) -> list[dict[str, Any]]:
-        """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback (an
-        in-place rollout's plan saved them all already)."""
-        path = self._restore_path(state["rollout_id"], start, end)
-        if keep and path.is_file():
-            return load_rows(path)
-        rows = self.index.fetch(ids, collection)
-        if keep:
-            save_rows(path, rows)
-        return rows
+        """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback."""
+        restore = restore_path(self.paths.restore_dir(state["rollout_id"]), start, end) if keep else None
+        return previous_rows(self.index, ids, collection, restore)
 
     def _run_batches(
         self,
@@ -384,6 +340,87 @@ class Rollout:
             log.info(
                 "rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], writer.written, rate
             )
+
+    def _fan_out(
+        self,
+        state: dict[str, Any],
+        rec: dict[str, Any],
+        order: RankedOrder,
+        start: int,
+        end: int,
+        source: str,
+        target: str,
+        keep: bool,
+    ) -> None:
+        """Ranks ``[start, end)`` re-embedded by ``config.workers`` processes, one rank range each
+        (:mod:`components.rollout.workers`); returns once every range is written. The ranges go into the
+        state before any worker starts (a rollback then replays every batch they may have written)."""
+        from components.index import is_remote
+        from components.rollout import workers
+
+        if end <= start:
+            return
+        if not is_remote(self.index.uri):
+            raise RolloutError(
+                f"rollout.workers={self.config.workers} needs the gallery on a server, not the embedded "
+                f"milvus-lite directory {self.index.uri} (one process only): set index.uri to a Milvus "
+                "server (or `milvus-lite server`), or rollout.workers to 1"
+            )
+        if self.encoders.recipe is None:
+            raise RolloutError(
+                "backfill workers need the encoders' recipe (factory and arguments) to build them"
+            )
+        ranges = workers.split_ranges(start, end, self.config.batch_size, self.config.workers)
+        state["cursor"]["ranges"] = [list(r) for r in ranges]
+        self._save(state)
+        g = state["gallery"]
+        self._watch_latency(state, self._batches(start, min(end, start + 1)), order, source)
+        spec = workers.write_spec(
+            self.paths.work(state["rollout_id"]),
+            {
+                "uri": self.index.uri,
+                "alias": self.index.alias,
+                "source": source,
+                "target": target,
+                "serving": self.index.serving_collection() or source,
+                "keep": keep,
+                "restore_dir": str(self.paths.restore_dir(state["rollout_id"])),
+                "order": {"path": state["order"]["path"], "digest": state["order"]["digest"]},
+                "batch_size": self.config.batch_size,
+                "flush_rows": self.config.flush_rows,
+                "new_version": state["new_version"],
+                "space": g["space"],
+                "dim": g["dim"],
+                "rollout_id": state["rollout_id"],
+                "encoders": self.encoders.recipe,
+                "pace": self.pace.to_dict(),
+                "workers": len(ranges),
+                "services": str(self.paths.services),
+            },
+        )
+        t0 = time.perf_counter()
+        done = workers.run_ranges(spec, ranges)
+        rec["workers"] = [
+            {
+                "ranks": list(r),
+                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "peak_rss_mib")},
+                "pace": d.get("pace"),
+            }
+            for r, d in zip(ranges, done, strict=True)
+        ]
+        state["cursor"].update(
+            position=end, batches=state["cursor"]["batches"] + len(self._batches(start, end)), ranges=None
+        )
+        state["fraction_backfilled"] = end / state["n_items"]
+        self._save(state)
+        log.info(
+            "rollout %s: ranks %d-%d re-embedded by %d workers (%.0f items/s)",
+            state["rollout_id"],
+            start,
+            end,
+            len(ranges),
+            (end - start) / max(time.perf_counter() - t0, 1e-9),
+        )
 
     def _ahead_for(
         self, state: dict[str, Any], ids: Sequence[str], source: str, keep: bool
@@ -432,8 +469,8 @@ class Rollout:
             )
 
     def _batches(self, start: int, end: int) -> list[Batch]:
-        step = self.config.batch_size
-        return [(s, min(s + step, end)) for s in range(start, end, step)]
+        """The batches of ranks ``[start, end)`` (one pair per batch: a stage's worth, N / batch_size)."""
+        return list(batch_grid(start, end, self.config.batch_size))
 
     # ---- stage 0: the query switch (through a transformed copy when the contract needs one)
     def _stage0(self, state: dict[str, Any]) -> None:
@@ -538,9 +575,12 @@ class Rollout:
             for lo, rec_k in zip(state["stages"][j:], state["stages"][j + 1 :], strict=False)
             for batch in self._batches(lo["target_position"], rec_k["target_position"])
         ]
-        self._run_batches(
-            state, ids, self._batches(start, hi), g["collection"], g["collection"], keep=True, later=later
-        )
+        if self.config.workers > 1:
+            self._fan_out(state, rec, ids, start, hi, g["collection"], g["collection"], keep=True)
+        else:
+            self._run_batches(
+                state, ids, self._batches(start, hi), g["collection"], g["collection"], keep=True, later=later
+            )
         last = j == len(state["stages"]) - 1
         if last:
             self._sweep(state)
@@ -572,23 +612,28 @@ class Rollout:
         )
 
     def _sweep(self, state: dict[str, Any]) -> None:
-        """Re-embed items added since the plan (outside the order) so that no old vector is left."""
+        """Re-embed items added since the plan (outside the order) so that no old vector is left: a batch of
+        them at a time, until none is left (each write takes its rows out of the filter)."""
         g = state["gallery"]
         self.index.flush(g["collection"])
         flt = f"model_version != {quote(state['new_version'])}"
-        while True:
-            rows = [r for b in self.index.iter_rows(ROW_FIELDS, g["collection"], filter=flt) for r in b]
-            if not rows:
-                return
-            writer = self._writer(g["collection"])
-            for start in range(0, len(rows), self.config.batch_size):
-                batch = [{f: r[f] for f in ROW_FIELDS} for r in rows[start : start + self.config.batch_size]]
-                digest = hashlib.sha256("\n".join(r["item_id"] for r in batch).encode()).hexdigest()[:16]
-                path = self.paths.restore_dir(state["rollout_id"]) / f"sweep-{digest}.npz"
-                if not path.is_file():
-                    save_rows(path, batch)
-                writer.write(self._new_rows(state, batch))
-            log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], len(rows))
+        writer, swept, previous = self._writer(g["collection"]), 0, None
+        while rows := self.index.rows_where(flt, ROW_FIELDS, g["collection"], limit=self.config.batch_size):
+            batch = [{f: r[f] for f in ROW_FIELDS} for r in rows]
+            keys = [r["item_id"] for r in batch]
+            if keys == previous:
+                raise RolloutError(
+                    f"the sweep's write of {len(keys)} items to {g['collection']} is not visible to its next "
+                    "read; check the index's consistency and run the rollout again (it resumes)"
+                )
+            digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
+            path = self.paths.restore_dir(state["rollout_id"]) / f"sweep-{digest}.npz"
+            if not path.is_file():
+                save_rows(path, batch)
+            writer.write(self._new_rows(state, batch))
+            swept, previous = swept + len(batch), keys
+        if swept:
+            log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], swept)
             writer.flush()
 
     def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
@@ -604,7 +649,11 @@ class Rollout:
         if j > 0 and state["mode"] == "staged":
             lo, hi = state["stages"][j - 1]["target_position"], state["stages"][j]["target_position"]
             last = j == len(state["stages"]) - 1
-            files = saved_batches(self.paths.restore_dir(state["rollout_id"]), lo, hi, sweep=last)
+            files = saved_batches(
+                self.paths.restore_dir(state["rollout_id"]),
+                batch_grid(lo, hi, state["batch_size"]),
+                sweep=last,
+            )
             replay_rows(
                 self.index,
                 files,
@@ -633,9 +682,19 @@ class Rollout:
             self.index.create_collection(g["space"], dim, name=g["collection"])
         g["dim"] = self.index.collection_dim(g["collection"])
         t0 = time.perf_counter()
-        self._run_batches(
-            state, ids, self._batches(start, len(ids)), g["source_collection"], g["collection"], keep=False
-        )
+        if self.config.workers > 1:
+            self._fan_out(
+                state, rec, ids, start, len(ids), g["source_collection"], g["collection"], keep=False
+            )
+        else:
+            self._run_batches(
+                state,
+                ids,
+                self._batches(start, len(ids)),
+                g["source_collection"],
+                g["collection"],
+                keep=False,
+            )
         self.index.flush(g["collection"], wait_indexed=True)  # served whole once probed
         if len(ids) > start:
             rec["items_per_s"] = round((len(ids) - start) / max(time.perf_counter() - t0, 1e-9), 1)

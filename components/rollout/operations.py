@@ -104,15 +104,14 @@ def index_new_items(
     paths = RolloutPaths.for_workspace(workspace)
     with open_index(workspace) as index:
         collection = index.serving_collection()
-        present: set[str] = set()
-        if collection is not None:
-            present = {str(r["item_id"]) for batch in index.iter_rows((), collection) for r in batch}
         encoder = None
         new_items: list[dict[str, Any]] = []
         vectors = []
         for url in expand_urls(gallery):
             encoder = encoder or load_encoder(model)  # its input size bounds the decoded images
             items = load_captioned_set(url, image_size=decode_size(encoder))
+            # which of this shard's items the gallery holds: a read by id, bounded by the shard
+            present = index.existing_ids(items.keys, collection) if collection is not None else set()
             keep = [i for i, key in enumerate(items.keys) if key not in present]
             if not keep:
                 continue
@@ -199,7 +198,9 @@ def roll_out(
     options = dict(options or {})
     record = read_serving(paths.serving)
     old = old_model or (record["query_model"].get("uri", "") if record else "")
-    built = import_factory(encoders)({"old_model": old, "new_model": new_model, "options": options})
+    args = {"old_model": old, "new_model": new_model, "options": options}
+    built = import_factory(encoders)(args)
+    built.recipe = {"factory": encoders, "args": args}
     config = RolloutConfig(
         new_version=new_version,
         order=settings.order,
@@ -210,6 +211,7 @@ def roll_out(
         floors=dict(settings.floors),
         slo_p99_factor=settings.slo.p99_factor,
         max_items_per_s=settings.slo.max_items_per_s,
+        workers=settings.workers,
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )
     probe_set = ProbeSet.from_file(probe or paths.probe)

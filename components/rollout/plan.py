@@ -1,15 +1,15 @@
 """Planning a rollout: what it reads from the serving collection and what it decides before any write.
 
 The pieces :meth:`components.rollout.engine.Rollout._plan` assembles into a new rollout state: the source
-collection behind the alias, its rows, the probe set's coverage of them, the backfill order (written to its
-own file, named by digest in the state), the probe floors and the stage list.
+collection behind the alias, the probe set's coverage of it, the backfill order (streamed into ranked chunks
+on disk, named by digest in the state), the probe floors and the stage list.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 
 from components.index import GalleryIndex
+from components.rollout.order import ORDERS_NEEDING_VECTORS, RankedOrder, Spill, build_order
 from components.rollout.probes import probe_metrics
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutError
 
 log = logging.getLogger(__name__)
 
-ORDERS_NEEDING_VECTORS = ("lambda_orth", "uncertainty")
+READ_ROWS = 2000  # rows per read of the collection while a plan streams it
 
 
 def check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarray:
@@ -59,19 +60,10 @@ def serving_source(index: GalleryIndex, serving: Mapping[str, Any] | None, servi
     return Source(serving, collection, index.collection_space(collection), index.collection_dim(collection))
 
 
-def source_rows(index: GalleryIndex, collection: str, fields: Sequence[str]) -> list[dict[str, Any]]:
-    """Every row of ``collection`` (``fields`` of each), by item id; refuses an empty collection."""
-    rows = sorted(
-        (r for batch in index.iter_rows(fields, collection) for r in batch), key=lambda r: r["item_id"]
-    )
-    if not rows:
-        raise RolloutError(f"collection {collection!r} is empty: nothing to roll out")
-    return rows
-
-
-def check_probe_covers(probe: ProbeSet, ids: Sequence[str], collection: str) -> None:
-    """At least one probe query must have a relevant item among ``ids`` (a warning for those without)."""
-    present = set(ids)
+def check_probe_covers(probe: ProbeSet, index: GalleryIndex, collection: str) -> None:
+    """At least one probe query must have a relevant item in ``collection`` (a warning for those without);
+    reads the probe's positives by id (bounded by the probe set, not the gallery)."""
+    present = index.existing_ids(sorted({p for pos in probe.positives for p in pos}), collection)
     answerable = sum(any(p in present for p in pos) for pos in probe.positives)
     if answerable == 0:
         raise RolloutError(
@@ -87,23 +79,32 @@ def check_probe_covers(probe: ProbeSet, ids: Sequence[str], collection: str) -> 
         )
 
 
-def backfill_order(
-    config: RolloutConfig, rows: Sequence[Mapping[str, Any]], vectors: np.ndarray | None
-) -> list[str]:
-    """The item ids of ``rows`` in the configured backfill order (:func:`compat.backfill.compute_order`);
-    ``vectors`` are the gallery vectors as the new queries read them, for the orders that need them."""
-    from compat.backfill import compute_order
-
-    ids = [str(r["item_id"]) for r in rows]
-    order = compute_order(
-        config.order,
-        len(ids),
-        seed=config.seed,
-        vectors=vectors,
-        n_clusters=config.n_clusters,
-        embedded_at=np.asarray([int(r["embedded_at"]) for r in rows]),
+def rank_gallery(
+    index: GalleryIndex,
+    collection: str,
+    config: RolloutConfig,
+    work: Path,
+    transform: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> RankedOrder:
+    """The items of ``collection`` in the configured backfill order, as ranked chunks in ``work/order``
+    (:mod:`components.rollout.order`): the collection is streamed once into a spill on disk (its vectors as
+    the new queries read them, through ``transform``, for the orders that need them), ranked, and the spill
+    removed. Refuses an empty collection."""
+    need_vectors = config.order in ORDERS_NEEDING_VECTORS
+    fields = ("embedded_at", *(("vector",) if need_vectors else ()))
+    spill = Spill(work / "spill").write(
+        index.iter_rows(fields, collection, batch_size=READ_ROWS),
+        with_vectors=need_vectors,
+        transform=transform,
     )
-    return [ids[i] for i in order]
+    try:
+        if spill.n_items == 0:
+            raise RolloutError(f"collection {collection!r} is empty: nothing to roll out")
+        return build_order(
+            spill, work / "order", config.order, seed=config.seed, n_clusters=config.n_clusters
+        )
+    finally:
+        spill.remove()
 
 
 def probe_floors(

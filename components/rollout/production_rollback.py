@@ -11,7 +11,9 @@ since, and records the restored versions in the item lineage.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -118,30 +120,25 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
     import numpy as np
 
     from compat.production import load_encoder
-    from components.index import ROW_FIELDS, quote
     from components.rollout import item_ref
     from components.rollout.encoders import ShardImages
 
     g, model = state["gallery"], state["previous_query_model"]
     target, version = g["source_collection"], str(model["version"])
-    stale = [
-        r for b in index.iter_rows(ROW_FIELDS, target, filter=f"model_version != {quote(version)}") for r in b
-    ]
-    if leaving != target and index.has_collection(leaving):
-        have = {r["item_id"] for b in index.iter_rows((), target) for r in b}
-        stale += [r for b in index.iter_rows(ROW_FIELDS, leaving) for r in b if r["item_id"] not in have]
-    if not stale:
+    batches = _stale_batches(index, target, leaving, version)
+    first = next(batches, None)
+    if first is None:
         return 0
     from compat.compat_training import decode_size
 
     encoder = load_encoder(model["uri"])
     images = ShardImages(image_size=decode_size(encoder))
     space = index.collection_space(target)
-    for start in range(0, len(stale), 256):
-        rows = stale[start : start + 256]
+    written = 0
+    for rows in itertools.chain([first], batches):
         refs = [item_ref(r) for r in rows]
         vectors = np.asarray(encoder.encode_images(images.load(refs)).numpy(), dtype=np.float32)
-        index.index_items(
+        written += index.index_items(
             [r["item_id"] for r in rows],
             vectors,
             version,
@@ -151,4 +148,30 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
             collection=target,
         )
     index.flush(target)
-    return len(stale)
+    return written
+
+
+def _stale_batches(
+    index: Any, target: str, leaving: str, version: str, size: int = 256
+) -> Iterator[list[Any]]:
+    """Batches of rows to re-embed with ``version`` into ``target``: its rows of another version (read a batch
+    at a time until none is left: each write takes its rows out of the filter), then the rows of the
+    ``leaving`` collection that ``target`` lacks (paged, each page checked by id). Bounded by ``size``."""
+    from components.index import ROW_FIELDS, quote
+
+    flt = f"model_version != {quote(version)}"
+    previous = None
+    while rows := index.rows_where(flt, ROW_FIELDS, target, limit=size):
+        keys = [r["item_id"] for r in rows]
+        if keys == previous:
+            raise RuntimeError(
+                f"the re-embedded rows of {target} are not visible to the next read; run again"
+            )
+        previous = keys
+        yield rows
+    if leaving != target and index.has_collection(leaving):
+        for page in index.iter_rows(ROW_FIELDS, leaving, batch_size=size):
+            have = index.existing_ids([r["item_id"] for r in page], target)
+            missing = [r for r in page if r["item_id"] not in have]
+            if missing:
+                yield missing

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,15 @@ import numpy as np
 from compat.io import utc_now
 from components.index import GalleryIndex
 from components.rollout.pacing import Pace, latency_sources
-from components.rollout.state import exclusive, load_rows, load_state, save_state, saved_batches
+from components.rollout.state import (
+    Batch,
+    exclusive,
+    load_rows,
+    load_state,
+    save_state,
+    saved_batches,
+    stage_batches,
+)
 from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
 from components.rollout.writes import GalleryWriter
 from components.services import live_services
@@ -25,6 +34,15 @@ def recorded_pace(state: Mapping[str, Any]) -> Pace:
     """The pace a rollout ran at (its SLO factor, cap and idle p99), for replaying its saved rows."""
     recorded = state.get("pace") or {}
     return Pace.resumed(recorded, recorded.get("p99_factor"), recorded.get("max_items_per_s"))
+
+
+def ran_batches(state: Mapping[str, Any]) -> Iterator[Batch]:
+    """The batches of ``state`` that may have written: those up to its cursor (the one in flight at a crash
+    included), and, while a stage runs fanned out over workers, every batch of that stage's ranges."""
+    limit = state["cursor"]["position"] + 1
+    for _, hi in state["cursor"].get("ranges") or ():
+        limit = max(limit, hi)
+    return itertools.takewhile(lambda batch: batch[0] < limit, stage_batches(state))
 
 
 def replay_rows(
@@ -85,7 +103,7 @@ def rollback(
             source = g["source_collection"]
             if g["collection"] == source:  # in place: replay the saved rows of every batch that may have run
                 restore = paths.restore_dir(state["rollout_id"])
-                files = saved_batches(restore, hi=state["cursor"]["position"] + 1)
+                files = saved_batches(restore, ran_batches(state))
                 pace = recorded_pace(state)
                 replay_rows(index, files, source, pace, service_urls=live_services(paths.services))
                 state["rollback"]["pace"] = pace.to_dict()

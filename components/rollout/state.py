@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +99,39 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     ]
 
 
-def saved_batches(restore_dir: Path, lo: int = 0, hi: int | None = None, sweep: bool = True) -> list[Path]:
-    """Restore files in ``restore_dir`` of the batches that start in ``[lo, hi)`` of the order (every batch
-    when ``hi`` is None), then, with ``sweep``, those of items the last stage swept up (``sweep-*``)."""
-    batches, swept = [], []
-    for path in sorted(Path(restore_dir).glob("*.npz")):
-        if path.stem.startswith("sweep-"):
-            swept.append(path)
-        elif lo <= int(path.stem.split("-")[0]) and (hi is None or int(path.stem.split("-")[0]) < hi):
-            batches.append(path)
-    return batches + (swept if sweep else [])
+Batch = tuple[int, int]  # (start, end) ranks in a rollout's order
+
+
+def batch_grid(start: int, end: int, size: int) -> Iterator[Batch]:
+    """The batches of ranks ``[start, end)``, ``size`` at a time (the last one shorter)."""
+    for s in range(start, end, size):
+        yield s, min(s + size, end)
+
+
+def stage_batches(state: Mapping[str, Any]) -> Iterator[Batch]:
+    """Every batch of every backfill stage of ``state``, in rank order (the grid its restore files follow)."""
+    lo = 0
+    for rec in state["stages"]:
+        if rec["kind"] == "backfill":
+            yield from batch_grid(lo, rec["target_position"], state["batch_size"])
+            lo = rec["target_position"]
+
+
+def restore_path(restore_dir: Path, start: int, end: int) -> Path:
+    """The restore file of the batch of ranks ``[start, end)``."""
+    return Path(restore_dir) / f"{start:09d}-{end:09d}.npz"
+
+
+def saved_batches(restore_dir: Path, batches: Iterable[Batch], sweep: bool = True) -> Iterator[Path]:
+    """Restore files in ``restore_dir`` of ``batches`` that were saved (a batch saves its file before its
+    upsert), in order, then, with ``sweep``, those of items the last stage swept up (``sweep-*``). A
+    generator over the grid: nothing is listed or held per batch."""
+    for start, end in batches:
+        path = restore_path(restore_dir, start, end)
+        if path.is_file():
+            yield path
+    if sweep:
+        yield from sorted(Path(restore_dir).glob("sweep-*.npz"))
 
 
 def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:

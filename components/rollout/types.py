@@ -84,7 +84,8 @@ class RolloutEncoders:
     ``query_transform`` (e.g. a backward adapter or a truncation) when one is given. ``gallery_transform``
     maps stored old vectors into the serving space (forward adapter, zero-padding); it is applied to a
     copy of the gallery in stage 0. ``space`` and ``transform_tag`` describe the contract (the target
-    space id and a name for the transform, recorded in each row's lineage).
+    space id and a name for the transform, recorded in each row's lineage). ``recipe`` names the factory
+    and arguments they were built from, so that backfill workers in other processes build the same ones.
     """
 
     old_query: QueryEncoder
@@ -94,6 +95,9 @@ class RolloutEncoders:
     gallery_transform: VectorTransform | None = None
     space: str | None = None
     transform_tag: str = ""
+    recipe: dict[str, Any] | None = (
+        None  # {"factory": "module:function", "args": {...}}: built again by workers
+    )
 
     def serving_queries(self, texts: Sequence[str]) -> np.ndarray:
         q = np.asarray(self.new_query(list(texts)), dtype=np.float32)
@@ -118,7 +122,8 @@ class RolloutConfig:
     flush_rows: int = DEFAULT_FLUSH_ROWS  # rows written between flushes (0: at stage ends only)
     prefetch: int = 2  # batches read and encoded ahead of the upserts (past a stage's end too)
     slo_p99_factor: float | None = None  # query p99 the backfill may cause, x idle (None: unpaced)
-    max_items_per_s: float | None = None  # a cap on the backfill rate
+    max_items_per_s: float | None = None  # a cap on the backfill rate (all workers together)
+    workers: int = 1  # processes a backfill stage's rank ranges are re-embedded by (1: this process)
 
     def __post_init__(self) -> None:
         from compat.backfill import ORDERS
@@ -144,6 +149,8 @@ class RolloutConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.flush_rows < 0:
             raise ValueError(f"flush_rows must be >= 0 (0: flush at stage ends only), got {self.flush_rows}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1 (processes per backfill stage), got {self.workers}")
         if self.prefetch < 1:
             raise ValueError(
                 f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"

@@ -13,10 +13,12 @@ for milvus-lite only (:attr:`components.index.GalleryIndex.needs_periodic_flush`
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from components.rollout.pacing import Pace
+    from components.rollout.types import RolloutEncoders
 
 PACED_UPSERT_ROWS = 32
 PACED_FLUSH_ROWS = 256
@@ -62,3 +64,52 @@ class GalleryWriter:
         """Seal what was written since the last flush."""
         self.index.flush(self.collection)
         self._unflushed = 0
+
+
+def previous_rows(
+    index: Any, ids: Sequence[str], collection: str, restore_file: Path | None
+) -> list[dict[str, Any]]:
+    """The rows a batch replaces. With a ``restore_file`` they are saved there first, once: a batch run again
+    (a crash, a resumed range) reads the rows it first replaced from the file, never the index it already
+    overwrote."""
+    from components.rollout.state import load_rows, save_rows
+
+    if restore_file is not None and restore_file.is_file():
+        return load_rows(restore_file)
+    rows = index.fetch(ids, collection)
+    if restore_file is not None:
+        save_rows(restore_file, rows)
+    return rows
+
+
+def reembedded_rows(
+    encoders: RolloutEncoders,
+    previous: Sequence[Mapping[str, Any]],
+    *,
+    version: str,
+    space: str,
+    dim: int,
+    rollout_id: str,
+) -> list[dict[str, Any]]:
+    """``previous`` rows with their vectors re-embedded by the new gallery encoder, stamped with the new
+    version, space and rollout."""
+    from components.index import now_ms
+    from components.rollout.plan import check_vectors
+    from components.rollout.types import item_ref
+
+    vectors = check_vectors(
+        encoders.new_gallery([item_ref(r) for r in previous]), len(previous), dim, "gallery encoder"
+    )
+    stamp = now_ms()
+    return [
+        {
+            **r,
+            "vector": vectors[j].tolist(),
+            "model_version": version,
+            "space_id": space,
+            "embedded_at": stamp,
+            "transform": "",
+            "rollout_id": rollout_id,
+        }
+        for j, r in enumerate(previous)
+    ]
