@@ -2,8 +2,9 @@
 
 Three families of signals, each compared per column between reference and current:
 
-* caption statistics — characters and words per caption, and the share of words the
-  reference captions never use (new vocabulary is the first sign of a domain shift);
+* caption statistics — characters and words of each sample's first caption, and the share of words the
+  reference captions never use, over every caption of every sampled picture (new vocabulary is the first
+  sign of a domain shift; ``captions`` counts them per side);
 * image statistics — size, brightness, contrast, saturation, edge density, dominant hue;
 * embeddings under the production model, when one exists — image and text towers,
   Evidently's domain-classifier embedding drift (ROC AUC of a classifier told to separate
@@ -214,9 +215,14 @@ def vocabulary_verdict(reference: Sequence[Any], current: Sequence[Any]) -> dict
     return {"kind": "caption", "method": "oov_rate", "score": rate, "examples": sorted(set(unseen))[:20]}
 
 
+def _captions(sample: Any) -> list[str]:
+    """Every caption of a sample (a picture may carry several), its first one when it lists none."""
+    return list(getattr(sample, "captions", None) or [sample.caption])
+
+
 def _unseen_words(reference: Sequence[Any], current: Sequence[Any]) -> tuple[float, list[str]]:
-    vocabulary = {w for s in reference for w in _words(s.caption)}
-    words = [w for s in current for w in _words(s.caption)]
+    vocabulary = {w for s in reference for c in _captions(s) for w in _words(c)}
+    words = [w for s in current for c in _captions(s) for w in _words(c)]
     unseen = [w for w in words if w not in vocabulary]
     return (len(unseen) / len(words) if words else 0.0), unseen
 
@@ -329,6 +335,7 @@ def compute_drift(
     default); one by default, as benchmarks/results/drift.md measures on a shared CPU.
     """
     ref_df, cur_df = _frame(reference), _frame(current)
+    sides = (("reference", reference), ("current", current))
     embeddings: dict[str, list[str]] = {}
     if production_model is not None:
         import pandas as pd
@@ -363,6 +370,7 @@ def compute_drift(
         "verdicts": verdicts,
         "embeddings_measured": bool(embeddings),
         "sizes": {"reference": len(reference), "current": len(current)},
+        "captions": {side: sum(len(_captions(s)) for s in samples) for side, samples in sides},
     }
 
 

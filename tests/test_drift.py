@@ -217,3 +217,15 @@ def test_identical_sides_read_no_drift_and_a_shift_reads_drift(tmp_path):
     assert shifted["verdicts"]["image_brightness"]["severity"] == "high"
     assert shifted["verdicts"]["caption_vocabulary"]["score"] == 0.0
     assert (tmp_path / "drift_report.html").stat().st_size > 100_000
+
+
+def test_every_caption_of_a_picture_counts_in_the_caption_vocabulary(stream):
+    """A picture with several captions: each is counted, and a word only its second caption uses is new."""
+    import dataclasses
+
+    samples = sample_phase(str(stream / "phase-00/train/*.tar"), 40, seed=0)
+    reference = [dataclasses.replace(s, captions=[s.caption]) for s in samples[:20]]
+    current = [dataclasses.replace(s, captions=[s.caption, "a zebra beside a giraffe"]) for s in samples[20:]]
+    summary = compute_drift(reference, current)
+    assert summary["captions"] == {"reference": 20, "current": 40}
+    assert {"zebra", "giraffe"} <= set(summary["verdicts"]["caption_vocabulary"]["examples"])
