@@ -154,6 +154,15 @@ def test_a_karpathy_file_keeps_its_splits_and_every_sentence(tmp_path: Path) -> 
         == 0
     )
     assert json.loads((again / REPORT).read_text())["counts"] == report["counts"]
+    # the phase carries its captions: data info counts them per split beside the pictures
+    stream = tmp_path / "stream"
+    added = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(out), "--domain", "coco"])
+    assert added.exit_code == 0, added.output
+    info = runner.invoke(app, ["data", "info", str(stream)])
+    assert info.exit_code == 0, info.output
+    doc = json.loads(info.output)
+    assert doc["phases"][0]["counts"] == {"train": 6, "eval": 3, "gallery": 3}
+    assert doc["captions"] == [{"phase": 0, "train": 30, "eval": 15, "gallery": 15}]
 
 
 def test_a_malformed_karpathy_file_is_refused_naming_it(tmp_path: Path) -> None:
@@ -240,7 +249,8 @@ def test_a_picture_over_the_pixel_limit_is_refused_as_image_pixels_with_its_size
         "big.jpg": "image_pixels",
     }
     assert (
-        "300x200 (60,000 pixels" in refused["big.jpg"]["message"] and "50,000" in refused["big.jpg"]["message"]
+        "300x200 (60,000 pixels" in refused["big.jpg"]["message"]
+        and "50,000" in refused["big.jpg"]["message"]
     )
     assert "231,200,000 pixels" in refused["huge.png"]["message"]
     default = tmp_path / "default"

@@ -228,30 +228,44 @@ def import_(
 
 @data_app.command("info")
 def info(stream_dir: Annotated[Path, typer.Argument(help="Directory holding stream.json.")]) -> None:
-    """Print phases, domains, shard and sample counts of a stream as JSON, with its vocabulary shift (per
-    phase: new words, share of train captions in earlier words only); exit 1 if shards are missing."""
+    """Print phases, domains, shard and sample (picture) counts of a stream as JSON, with its captions per
+    phase and split (a picture may carry several) and its vocabulary shift (per phase: new words, share of
+    train captions in earlier words only); exit 1 if shards are missing."""
     from pipelines.commands.stream import show_stream
 
     show_stream(stream_dir, extra=_vocabulary(stream_dir))
 
 
 def _vocabulary(stream_dir: Path) -> dict[str, Any]:
-    """The stream's shift setting and measured vocabulary shift; empty when its shards cannot be read."""
+    """The stream's captions per phase and split, shift setting and measured vocabulary shift; empty when its
+    shards cannot be read. Captions are counted shard by shard (nothing kept per sample)."""
     from compat.data.manifest import StreamError, load_manifest, missing_shards
     from compat.data.shards import ShardError
-    from compat.data.shift import earlier_word_shares
+    from compat.data.shift import earlier_word_shares, iter_phase_captions
 
     try:
         manifest = load_manifest(stream_dir)
         if missing_shards(stream_dir, manifest):
             return {}
         rows = earlier_word_shares(stream_dir, manifest=manifest)
+        captions = [
+            {
+                "phase": row["phase"],
+                "train": row["captions"],
+                **{
+                    split: sum(1 for _ in iter_phase_captions(stream_dir, row["phase"], split, manifest))
+                    for split in ("eval", "gallery")
+                },
+            }
+            for row in rows
+        ]
     except (StreamError, ShardError):
         return {}
     generator = manifest.get("generator", {})
     return {
         **({"shift": generator.get("shift", "disjoint")} if generator else {}),
         **({"old_word_share": generator["old_word_share"]} if "old_word_share" in generator else {}),
+        "captions": captions,
         "vocabulary": rows,
     }
 
