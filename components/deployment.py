@@ -16,7 +16,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_FILE = ROOT / "schemas" / "pipeline_config.schema.json"
@@ -221,13 +221,20 @@ class ResourceSection(Section):
 
 class Deployment(Section):
     """A whole pipeline config. :meth:`resolved` makes the workspace absolute and every service URI
-    explicit (the form a run records and a KFP op receives)."""
+    explicit (the form a run records and a KFP op receives), and records the workspace it derived them from
+    (``resolved_for``): a resolved config whose ``workspace`` is changed afterwards has each URI that is still
+    the old workspace's derived one derived again from the new workspace, so no copy goes stale."""
 
     name: str = "local"
     workspace: str = Field(
         "workspace",
         min_length=1,
         description="state, models, registry, index, run outputs (relative: the cwd)",
+    )
+    resolved_for: str | None = Field(
+        None,
+        description="written by resolve: the workspace the service URIs were derived from (a changed "
+        "workspace derives them again)",
     )
     stream: StreamSection = Field(default_factory=StreamSection)
     validation: ValidationSection = Field(default_factory=ValidationSection)
@@ -240,6 +247,38 @@ class Deployment(Section):
     index: IndexSection = Field(default_factory=IndexSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     resources: ResourceSection = Field(default_factory=ResourceSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_services_follow_the_workspace(cls, data: Any) -> Any:
+        """A config resolved for one workspace whose ``workspace`` now names another: each service URI that
+        is still the value :meth:`resolved` derived for the old workspace becomes the new workspace's; a URI
+        set apart from the workspace (a server, an environment variable's) is kept."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("resolved_for"), str):
+            return data
+        from components.workspace import Workspace, WorkspaceError
+
+        workspace = data.get("workspace", cls.model_fields["workspace"].default)
+        if not isinstance(workspace, str):
+            return data  # the field's own check names it
+        try:
+            old, new = Workspace(data["resolved_for"]), Workspace(workspace)
+        except WorkspaceError:
+            return data  # resolved() and Workspace.of refuse this workspace, naming the field
+        if old.root == new.root:
+            return data
+        document, was, now = dict(data), _derived_services(old), _derived_services(new)
+        for (section, key), derived in was.items():
+            given = document.get(section)
+            value = given.get(key) if isinstance(given, Mapping) else getattr(given, key, None)
+            if value == derived:
+                document[section] = (
+                    {**given, key: now[section, key]}
+                    if isinstance(given, Mapping)
+                    else given.model_copy(update={key: now[section, key]})
+                )
+        document["resolved_for"] = str(new.root)
+        return document
 
     @classmethod
     def parse(cls, document: Any, *, source: str) -> Deployment:
@@ -299,19 +338,33 @@ class Deployment(Section):
             self.stream.uri if "://" in self.stream.uri else str(Path(self.stream.uri).expanduser().resolve())
         )
         gpu = self.resources.gpu
+        services = {
+            section: getattr(self, section).model_copy(update={key: value})
+            for (section, key), value in _derived_services(ws).items()
+        }
         return self.model_copy(
             update={
                 "workspace": str(ws.root),
+                "resolved_for": str(ws.root),
                 "stream": self.stream.model_copy(update={"uri": stream}),
-                "registry": self.registry.model_copy(update={"tracking_uri": ws.mlflow_uri}),
-                "lineage": self.lineage.model_copy(update={"repo": str(ws.feast_dir)}),
-                "index": self.index.model_copy(update={"uri": ws.index_uri}),
+                **services,
                 "gate": self.gate.model_copy(update={"policy": self.gate.policy or str(DEFAULT_POLICY_PATH)}),
                 "resources": self.resources.model_copy(
                     update={"gpu": gpu.model_copy(update={"accelerator": gpu.accelerator or ""})}
                 ),
             }
         )
+
+
+def _derived_services(ws: Any) -> dict[tuple[str, str], str]:
+    """The service URIs :meth:`Deployment.resolved` writes, by (section, field), as ``ws`` (a
+    :class:`~components.workspace.Workspace`) resolves them: the configured value, else the environment's,
+    else the workspace's embedded service."""
+    return {
+        ("registry", "tracking_uri"): ws.mlflow_uri,
+        ("lineage", "repo"): str(ws.feast_dir),
+        ("index", "uri"): ws.index_uri,
+    }
 
 
 class ConfigError(ValueError):

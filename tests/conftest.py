@@ -1,8 +1,10 @@
-"""Shared test set-up: offline, telemetry-free environment and a per-test TMPDIR."""
+"""Shared test set-up: offline, telemetry-free environment, a per-test TMPDIR, and a session that runs
+outside the checkout and fails when a test reads or changes the checkout's own workspace."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,140 @@ def _tmpdir_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     yield
+
+
+def _checkout_workspace() -> Path:
+    """The default workspace of this checkout, where `make run` keeps its state (another folder when
+    ``COMPATFLOW_TESTS_GUARDED_WORKSPACE`` names one: the test of this guard runs a session on its own)."""
+    from components.workspace import DEFAULT_ROOT
+
+    guarded = os.environ.get("COMPATFLOW_TESTS_GUARDED_WORKSPACE")
+    return Path(guarded).resolve() if guarded else Path(__file__).resolve().parents[1] / DEFAULT_ROOT
+
+
+class _WorkspaceGuard:
+    """An audit hook (:func:`sys.addaudithook`) that records every open, sqlite connection, listing,
+    removal or rename of a path inside ``root`` by this process while it is on, with the test running then.
+
+    Subprocesses are outside its sight; the session's before/after comparison of the folder covers what they
+    write."""
+
+    EVENTS = frozenset(
+        {
+            "open",
+            "sqlite3.connect",
+            "os.listdir",
+            "os.scandir",
+            "os.remove",
+            "os.rename",
+            "os.mkdir",
+            "shutil.rmtree",
+            "shutil.copyfile",
+            "shutil.copytree",
+            "shutil.move",
+        }
+    )
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        self.on = False
+        self.test = "(no test: session set-up)"
+        self.touched: list[tuple[str, str, str]] = []  # (test, event, path)
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if not self.on or event not in self.EVENTS:
+            return
+        try:  # an exception here would break the operation audited
+            for arg in args:
+                path = self._inside(arg)
+                if path is not None:
+                    self.touched.append((self.test, event, path))
+        except Exception:
+            pass
+
+    def _inside(self, arg: object) -> str | None:
+        if not isinstance(arg, str | bytes | os.PathLike):
+            return None
+        text = os.fsdecode(os.fspath(arg))
+        if text.startswith("file:"):  # an sqlite URI
+            text = text.removeprefix("file:").split("?", 1)[0]
+        path = os.path.abspath(text)
+        return path if path == self.root or path.startswith(self.root + os.sep) else None
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int]] | None:
+    """Every file and folder under ``root`` with its size and mtime (ns); None when ``root`` is absent."""
+    if not root.exists():
+        return None
+    listing = {".": (0, root.stat().st_mtime_ns)}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            st = path.lstat()
+            listing[path.relative_to(root).as_posix()] = (st.st_size, st.st_mtime_ns)
+    return listing
+
+
+def _changes(before: dict | None, after: dict | None) -> list[str]:
+    if before is None or after is None:
+        return [] if before == after else ["the folder " + ("appeared" if before is None else "disappeared")]
+    added, gone = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
+    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
+    return [
+        f"{what}: {name}"
+        for what, names in (("added", added), ("removed", gone), ("changed", changed))
+        for name in names
+    ]
+
+
+_GUARD: _WorkspaceGuard | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_outside_the_checkout(tmp_path_factory):
+    """The session runs in a temporary current folder (a config's relative workspace, ``workspace``, lands
+    there), and ends in an error when any test read or changed the checkout's workspace (`make run`'s):
+    in this process, seen by an audit hook; by any process, by comparing the folder's files, sizes and
+    modification times before and after.
+
+    ``HOME`` stays the user's: the offline caches the tests read (Milvus binaries, ``~/.cache/clip``, Hugging
+    Face's) live there."""
+    global _GUARD
+    root = _checkout_workspace()
+    before = _listing(root)
+    _GUARD = _GUARD or _WorkspaceGuard(root)
+    _GUARD.touched.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        _GUARD.on = True
+        yield _GUARD
+        _GUARD.on = False
+    problems = [f"{test} ({event}): {path}" for test, event, path in _GUARD.touched]
+    problems += _changes(before, _listing(root))
+    if problems:
+        pytest.fail(
+            f"the tests read or changed the checkout's workspace {root} (a test keeps to the folders it "
+            "makes; a `compatflow run` of this checkout during the tests changes it too):\n  "
+            + "\n  ".join(problems[:20]),
+            pytrace=False,
+        )
+
+
+@pytest.fixture(autouse=True)
+def _test_keeps_out_of_the_checkouts_workspace(request, _session_outside_the_checkout):
+    """Fails the test that read or changed the checkout's workspace (in this process), naming the path."""
+    guard = _session_outside_the_checkout
+    guard.test, seen = request.node.nodeid, len(guard.touched)
+    yield
+    mine = guard.touched[seen:]
+    guard.test = "(no test: session tear-down)"
+    if mine:
+        pytest.fail(
+            f"{request.node.nodeid} touched the checkout's workspace {guard.root}: "
+            + "; ".join(f"{event} {path}" for _, event, path in mine[:10]),
+            pytrace=False,
+        )
 
 
 def _free_loopback_port() -> int:

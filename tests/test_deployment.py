@@ -49,6 +49,33 @@ def test_resolved_makes_every_service_explicit_through_the_workspace(tmp_path, m
     assert explicit.resolved().index.uri == "http://milvus:1"
 
 
+def test_a_resolved_configs_derived_services_follow_a_changed_workspace(tmp_path, monkeypatch):
+    """Resolve the shipped local config (its workspace relative to the current folder), then change only its
+    workspace, as a dict or through with_changes: every URI derived from the workspace follows it; a
+    service set apart from the workspace stays where it was."""
+    from pipelines.config import load_config, resolve
+
+    for name in ("COMPATFLOW_TRACKING_URI", "COMPATFLOW_MILVUS_URI", "COMPATFLOW_FEAST_REPO"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    resolved = resolve(load_config("local"))
+    assert resolved.resolved_for == resolved.workspace == str(tmp_path / "workspace")
+    moved = Workspace(tmp_path / "ws")
+    document = resolved.to_dict()
+    document["workspace"] = str(tmp_path / "ws")
+    for changed in (Deployment.coerce(document), resolved.with_changes(workspace=str(tmp_path / "ws"))):
+        assert changed.registry.tracking_uri == moved.mlflow_uri == f"sqlite:///{moved.mlflow_store}"
+        assert changed.index.uri == moved.index_uri and changed.lineage.repo == str(moved.feast_dir)
+        assert changed.resolved_for == str(moved.root) and changed.resolved() == changed
+        assert Workspace.of(changed).mlflow_uri == moved.mlflow_uri
+    served = resolved.with_changes(index={"uri": "http://milvus:1"}).with_changes(workspace=str(moved.root))
+    assert served.index.uri == "http://milvus:1" and served.registry.tracking_uri == moved.mlflow_uri
+    # A URI the environment gave at resolve time is not the workspace's: it stays.
+    monkeypatch.setenv("COMPATFLOW_TRACKING_URI", "http://mlflow:5000")
+    from_env = resolve(load_config("local")).with_changes(workspace=str(moved.root))
+    assert from_env.registry.tracking_uri == "http://mlflow:5000" and from_env.index.uri == moved.index_uri
+
+
 def test_changes_are_checked_like_a_loaded_config():
     changed = Deployment().with_changes(training={"steps": 7})
     assert changed.training.steps == 7 and changed.training.batch_size == Deployment().training.batch_size
