@@ -6,10 +6,11 @@ list per query, best first (with ``"thumbnails": true`` each hit also has ``"thu
 URI read from its gallery shard, :mod:`components.serving.thumbnails`), every query of a request answered by
 the same serving pair (:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field;
 the bounds (:mod:`components.serving.limits`) are 422s too, and a body over ``MAX_BODY_BYTES`` is a 413
-answered before the body is read (a ``Content-Length`` over it) or as soon as the bytes received pass it (a
-chunked body). ``/metrics`` is Prometheus text: query latency histogram, queries and errors, the serving model
-version and collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1 (read from
-the rollout state when scraped).
+(a ``Content-Length`` over it, or the bytes received passing it), answered once the rest of the body is read
+and discarded within bounds (``MAX_DRAIN_BYTES``, ``DRAIN_SECONDS``), so that a client that sends its whole
+body before reading the answer reads it. ``/metrics`` is Prometheus text: query latency histogram, queries
+and errors, the serving model version and collection, pair swaps, and the rollout's stage, fraction
+backfilled and last probe R@1 (read from the rollout state when scraped).
 
 (No ``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's
 annotations, and the model is defined inside :func:`create_app` so that pydantic loads with the service.)
@@ -24,11 +25,19 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from components.serving.limits import MAX_BODY_BYTES, MAX_K, MAX_QUERIES, MAX_QUERY_CHARS
+from components.serving.limits import (
+    DRAIN_IDLE_SECONDS,
+    DRAIN_SECONDS,
+    MAX_BODY_BYTES,
+    MAX_DRAIN_BYTES,
+    MAX_K,
+    MAX_QUERIES,
+    MAX_QUERY_CHARS,
+)
 
 log = logging.getLogger(__name__)
 
-CLOSE = {"Connection": "close"}  # an unread body is not drained: the connection ends with the answer
+CLOSE = {"Connection": "close"}  # the connection ends with a 413, its body drained (BodyLimit) or not
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -77,12 +86,46 @@ class _RolloutCollector:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is answered 413 without being read (declared by
-    ``Content-Length``) or as soon as the bytes received pass the limit (a chunked body); the connection is
-    closed after the answer."""
+    """ASGI middleware: a request body over ``limit`` bytes (declared by ``Content-Length``, or passing it
+    as it is received) is answered 413 and the connection closed.
 
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+    Before answering, the rest of the body is read and discarded (nothing kept): a client that sends its whole
+    body before it reads (Python's urllib and http.client) would otherwise meet a connection reset, the
+    unread bytes making the server's close a reset, and never read the 413. The drain is bounded: at most
+    ``drain_bytes`` in all, ``drain_seconds`` long, and only while bytes keep coming (a pause of
+    ``idle_seconds`` ends it); a ``Content-Length`` over ``drain_bytes``, or an ``Expect: 100-continue``
+    (the client waits for the answer before sending), is answered at once."""
+
+    def __init__(
+        self,
+        app: Any,
+        limit: int = MAX_BODY_BYTES,
+        drain_bytes: int = MAX_DRAIN_BYTES,
+        drain_seconds: float = DRAIN_SECONDS,
+        idle_seconds: float = DRAIN_IDLE_SECONDS,
+    ) -> None:
         self.app, self.limit = app, limit
+        self.drain_bytes, self.drain_seconds, self.idle_seconds = drain_bytes, drain_seconds, idle_seconds
+
+    async def _drain(self, receive: Any, received: int) -> int:
+        """Read and discard the body up to its end or a bound; the bytes received by then."""
+        import asyncio
+
+        deadline = time.monotonic() + self.drain_seconds
+        while received <= self.drain_bytes:
+            left = min(self.idle_seconds, deadline - time.monotonic())
+            if left <= 0:
+                break
+            try:
+                message = await asyncio.wait_for(receive(), left)
+            except TimeoutError:
+                break
+            if message["type"] != "http.request":  # the client went away
+                break
+            received += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        return received
 
     def _detail(self, what: str) -> str:
         return f"request body {what}, over the limit of {self.limit} bytes: send fewer or shorter queries"
@@ -100,8 +143,12 @@ class BodyLimit:
             return
         from starlette.exceptions import HTTPException
 
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            waits = headers.get(b"expect", b"").lower() == b"100-continue"
+            if declared.isdigit() and int(declared) <= self.drain_bytes and not waits:
+                await self._drain(receive, 0)
             await self._refuse(send, f"of {declared.decode(errors='replace')} bytes")
             return
         received, started = 0, False
@@ -112,7 +159,9 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:  # an HTTPException passes FastAPI's body parsing as it is
-                    raise HTTPException(413, self._detail(f"of more than {received} bytes"), CLOSE)
+                    if message.get("more_body", False):
+                        await self._drain(receive, received)
+                    raise HTTPException(413, self._detail(f"of more than {self.limit} bytes"), CLOSE)
             return message
 
         async def watched_send(message: dict[str, Any]) -> None:
@@ -125,7 +174,7 @@ class BodyLimit:
         except HTTPException as exc:  # raised outside a route (no handler answered it)
             if exc.status_code != 413 or started:
                 raise
-            await self._refuse(send, f"of more than {received} bytes")
+            await self._refuse(send, f"of more than {self.limit} bytes")
 
 
 def create_app(

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 MAX_K = 1000  # hits per query
 MAX_QUERIES = 256  # query texts per request
 MAX_QUERY_CHARS = 2048  # characters per query text
-MAX_BODY_BYTES = 1 << 20  # bytes of a POST /search body (413 beyond, before the body is read)
+MAX_BODY_BYTES = 1 << 20  # bytes of a POST /search body (413 beyond)
+# A body over MAX_BODY_BYTES is read and discarded before the 413 is sent, so that a client that sends the
+# whole body before reading (urllib, http.client) reads the answer instead of a connection reset; at most
+# this many bytes, this long in all, and while bytes keep coming (a pause this long ends it). Beyond the
+# bounds the 413 is sent at once and the connection closed.
+MAX_DRAIN_BYTES = 256 << 20
+DRAIN_SECONDS = 10.0
+DRAIN_IDLE_SECONDS = 1.0
 
 
 class QueryBoundError(ValueError):
