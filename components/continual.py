@@ -160,6 +160,7 @@ class TrainingSettings:
     replay_buffer_size: int = 0
     replay_rows: int = 0
     pretrained: str | None = None
+    weights_dir: str | None = None  # where a pretrained tag is looked up first (``<dir>/<ARCH>/<TAG>/``)
     resize_mode: str | None = None
     loader_workers: int = 0  # processes decoding (and transforming) training images; 0: this process
 
@@ -337,6 +338,7 @@ def _student_and_teacher(
             seed=settings.seed,
             pretrained=settings.pretrained,
             resize_mode=settings.resize_mode,
+            weights_dirs=[settings.weights_dir] if settings.weights_dir else (),
         )
     elif method == "foundation":
         student = build_model(settings.config_name, device=device, seed=settings.seed)

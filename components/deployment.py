@@ -16,7 +16,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_FILE = ROOT / "schemas" / "pipeline_config.schema.json"
@@ -80,10 +80,19 @@ class TrainingSection(Section):
     """Continual training of the next model (Mod-X and its baselines)."""
 
     model_config_name: str = Field(
-        "cf-tiny", alias="model_config", description="a model config name (`compatflow models`)"
+        "cf-tiny",
+        alias="model_config",
+        description="a model config: cf-* or an open_clip architecture, e.g. ViT-B-32 (`compatflow models`)",
     )
     pretrained: str | None = Field(
-        None, description="first model's start weights: a local open_clip .pt/.safetensors or a cached tag"
+        None,
+        description="first model's start weights: an open_clip tag of the architecture (weights_dir, then "
+        "the Hugging Face cache; never downloaded at run time) or a local .pt/.safetensors file or folder",
+    )
+    weights_dir: str | None = Field(
+        None,
+        description="start weights by tag, laid out <ARCH>/<TAG>/ (`compatflow models fetch --to`); "
+        "null: <workspace>/weights",
     )
     resize_mode: Literal["shortest", "longest", "squash"] | None = Field(
         None, description="null: the model config's; kept in checkpoints"
@@ -184,6 +193,12 @@ class RolloutSection(Section):
         "lambda_orth", description="which items are re-embedded first"
     )
     batch_size: int = Field(256, ge=1)
+    workers: int = Field(
+        1,
+        ge=1,
+        description="processes (cluster: parallel tasks) re-embedding a backfill stage's rank ranges; "
+        "more than 1 needs index.uri on a Milvus server",
+    )
     floors: dict[Recall, float] = Field(
         default_factory=dict, description="probe R@K floors above old/old, e.g. {R@1: 20}"
     )
@@ -193,18 +208,30 @@ class RolloutSection(Section):
     )
 
 
+CPU_IMAGE = "ghcr.io/compatflow/compatflow-cpu:0.1.0"
+GPU_IMAGE = "ghcr.io/compatflow/compatflow-cuda:0.1.0"
+IMAGE_HELP = "registry-qualified: REGISTRY/NAME:TAG, optionally @sha256:DIGEST"
+
+
 class TaskResources(Section):
-    """What a CPU task requests on a cluster."""
+    """What a CPU task requests on a cluster, and the image it runs."""
 
     cpu: str = "2"
     memory: str = "8Gi"
+    image: str = Field(CPU_IMAGE, description=f"the CPU tasks' container image ({IMAGE_HELP})")
+
+    @field_validator("image")
+    @classmethod
+    def _qualified(cls, value: str) -> str:
+        return qualified_image(value)
 
 
 class GpuResources(TaskResources):
-    """What a GPU task requests, and the node pool it is scheduled on."""
+    """What a GPU task requests, the node pool it is scheduled on, and the image it runs."""
 
     cpu: str = "8"
     memory: str = "32Gi"
+    image: str = Field(GPU_IMAGE, description=f"the GPU tasks' container image ({IMAGE_HELP})")
     accelerator: str | None = None
     accelerator_count: int = Field(0, ge=0)
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -216,7 +243,29 @@ class ResourceSection(Section):
 
     cpu: TaskResources = Field(default_factory=TaskResources)
     gpu: GpuResources = Field(default_factory=GpuResources)
-    image: str = Field("compatflow-cpu:0.1.0", min_length=1, description="the tasks' container image")
+
+
+def qualified_image(value: str) -> str:
+    """``value`` when it is a registry-qualified image reference with a tag or a digest, else ValueError: a
+    cluster pulls exactly what the config names, never ``docker.io/library/...:latest`` by accident."""
+    import re
+
+    name, _, digest = value.partition("@")
+    registry, slash, rest = name.partition("/")
+    tag = rest.rpartition(":")[2] if ":" in rest else ""
+    if (
+        not slash
+        or not ("." in registry or ":" in registry or registry == "localhost")
+        or not re.fullmatch(r"[a-z0-9]+(?:[._/-][a-z0-9]+)*", rest.rpartition(":")[0] if tag else rest)
+        or not (tag or digest)
+        or (tag and not re.fullmatch(r"[\w][\w.-]{0,127}", tag))
+        or (digest and not re.fullmatch(r"sha256:[0-9a-f]{64}", digest))
+    ):
+        raise ValueError(
+            f"image {value!r} must be {IMAGE_HELP} (e.g. {CPU_IMAGE}; for kind: "
+            "docker.io/library/compatflow-cpu:0.1.0)"
+        )
+    return value
 
 
 class Deployment(Section):

@@ -5,20 +5,21 @@ imports it inside its body (KFP ships the function's source to the task), runs i
 artifacts and fills its typed output artifacts. Step summaries also land in the run directory
 (``<workspace>/runs/<run_id>/<step>/``) where the exit-handler report and ``compatflow status``
 read them. Locally the tasks run through ``kfp.local.SubprocessRunner``; on a cluster in the
-compatflow image (``IMAGE``), which already holds the package and kfp, so nothing is installed
-at task start.
+compatflow images the config names (``resources.cpu.image``, ``resources.gpu.image``: set on every task by
+:func:`pipelines.resources.configure`; ``IMAGE`` is only the components' default), which already hold the
+package and kfp, so nothing is installed at task start.
 
 The resolved config travels as a JSON string: KFP's struct parameters turn every number into a
 float. No ``from __future__ import annotations`` here: KFP reads the annotations at runtime.
 """
 
-import os
 from typing import List, NamedTuple
 
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output, PipelineTaskFinalStatus
 
-IMAGE = os.environ.get("COMPATFLOW_IMAGE", "compatflow-cpu:0.1.0")
+from components.deployment import CPU_IMAGE as IMAGE
+
 COMPONENT = {"base_image": IMAGE, "install_kfp_package": False}
 
 

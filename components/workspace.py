@@ -108,6 +108,7 @@ class Workspace:
         lineage_repo: str | Path | None = None,
         index_uri: str | None = None,
         index_alias: str = "gallery",
+        weights_dir: str | Path | None = None,
     ) -> None:
         chosen = root if root is not None else os.environ.get(ENV_ROOT) or DEFAULT_ROOT
         self.root = check_root(chosen)
@@ -115,6 +116,7 @@ class Workspace:
         self._lineage_repo = Path(lineage_repo or os.environ.get(ENV_LINEAGE_REPO) or self.root / "feast")
         self._index_uri = index_uri or os.environ.get(ENV_INDEX_URI) or None
         self.index_alias = index_alias
+        self._weights_dir = Path(weights_dir).expanduser() if weights_dir else None
 
     @classmethod
     def of(cls, deployment: Any) -> Workspace:
@@ -125,6 +127,7 @@ class Workspace:
             lineage_repo=deployment.lineage.repo,
             index_uri=deployment.index.uri,
             index_alias=deployment.index.alias,
+            weights_dir=deployment.training.weights_dir,
         )
 
     def __repr__(self) -> str:
@@ -138,6 +141,7 @@ class Workspace:
             lineage_repo=self._lineage_repo,
             index_uri=uri,
             index_alias=self.index_alias,
+            weights_dir=self._weights_dir,
         )
 
     @classmethod
@@ -183,8 +187,9 @@ class Workspace:
     @property
     def weights_dir(self) -> Path:
         """open_clip start weights a training may name by tag, laid out ``<ARCH>/<TAG>/<file>``
-        (:mod:`compat.models.pretrained`; written by ``compatflow models fetch --to``)."""
-        return self.root / "weights"
+        (:mod:`compat.models.pretrained`; written by ``compatflow models fetch --to``): the configured
+        folder (``training.weights_dir``, e.g. a mounted volume), else ``<root>/weights``."""
+        return self._weights_dir or self.root / "weights"
 
     @property
     def index_uri(self) -> str:

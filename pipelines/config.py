@@ -109,9 +109,17 @@ def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list
         model_config = read_config(training.model_config_name)
         pretrained = training.pretrained or model_config.get("pretrained")
         where = "training.pretrained" if training.pretrained else f"{config_path(training.model_config_name)}"
+        from components.workspace import Workspace, WorkspaceError
+
+        try:
+            weights = [Workspace.of(deployment).weights_dir]
+        except WorkspaceError:
+            weights = []  # the workspace field's own check names it
         try:
             if pretrained:
-                resolve_pretrained(pretrained, arch=model_config.get("open_clip_model"), where=where)
+                resolve_pretrained(
+                    pretrained, arch=model_config.get("open_clip_model"), where=where, weights_dirs=weights
+                )
         except PretrainedError as err:
             problems.append(str(err))
     return problems

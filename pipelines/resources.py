@@ -170,7 +170,6 @@ def compile_settings(
         "runner": runner,
         "cpu": resources.cpu.model_dump(),
         "gpu": gpu,
-        "image": resources.image,
         "retry": dict(RETRY_POLICY) if runner == "kubernetes" else None,
         "workspace_mount": _absolute_path(deployment.workspace),
         "feast_mount": _absolute_path(deployment.lineage.repo),
@@ -204,6 +203,7 @@ def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> Pip
     res = settings[kind]
     task.set_cpu_request(res["cpu"]).set_cpu_limit(res["cpu"])
     task.set_memory_request(res["memory"]).set_memory_limit(res["memory"])
+    task.set_container_image(res["image"])  # every task: its kind's image (resources.cpu/gpu.image)
     task.set_caching_options(enable_caching=op_name in CACHEABLE)
     if op_name in RETRYABLE and settings["retry"]:
         task.set_retry(**settings["retry"])
@@ -217,7 +217,6 @@ def _configure_gpu(task: PipelineTask, settings: dict[str, Any]) -> None:
     gpu = settings["gpu"]
     if gpu["accelerator"]:
         task.set_accelerator_type(gpu["accelerator"]).set_accelerator_limit(gpu["accelerator_count"])
-        task.set_container_image(settings["image"])
     for key, value in sorted(gpu["node_selector"].items()):
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for toleration in gpu["tolerations"]:

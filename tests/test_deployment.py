@@ -29,7 +29,7 @@ def test_a_kfp_op_rebuilds_the_same_object_from_its_json():
 
     resolved = resolve(load_config("cluster", local_paths=False))
     assert Deployment.coerce(resolved.to_json()) == resolved
-    assert json.loads(resolved.to_json())["training"]["model_config"] == "cf-vit-b-32"  # the YAML's name
+    assert json.loads(resolved.to_json())["training"]["model_config"] == "ViT-B-32"  # the YAML's name
 
 
 def test_resolved_makes_every_service_explicit_through_the_workspace(tmp_path, monkeypatch):

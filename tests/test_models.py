@@ -22,6 +22,7 @@ from compat.models import (
     read_sidecar,
     save_checkpoint,
 )
+from compat.models.factory import list_architectures
 
 CPU_CONFIGS = {"cf-tiny": 64, "cf-small": 128, "cf-foundation-minilm": 128}
 CAPTIONS = ["a red car on a street", "two dogs playing in the snow", "a bowl of soup", "a mountain lake"]
@@ -47,8 +48,13 @@ def test_list_and_paths():
     assert set(CPU_CONFIGS) | {"cf-vit-b-32", "cf-vit-b-16", "cf-vit-l-14"} <= set(names)
     assert all(n.startswith("cf-") for n in names)
     assert config_path("cf-tiny").name == "cf-tiny.json"
-    with pytest.raises(KeyError, match="cf-tiny"):
-        config_path("ViT-B-32")  # open_clip built-in, not one of ours: the error lists ours
+    with pytest.raises(KeyError, match="cf-tiny.*open_clip architecture"):
+        config_path(
+            "ViT-B-33"
+        )  # neither ours nor open_clip's: the error lists ours and says where theirs are
+    assert config_path("ViT-B-32").parent.name == "model_configs"  # open_clip's own, by architecture name
+    assert read_config("ViT-B-32")["open_clip_model"] == "ViT-B-32"
+    assert "ViT-S-32-alt" in list_architectures() and "cf-tiny" not in list_architectures()
 
 
 @pytest.mark.parametrize("name", sorted(CPU_CONFIGS))

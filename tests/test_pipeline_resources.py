@@ -24,6 +24,7 @@ GPU = "nvidia.com/gpu"
 POOL = {"example.com/accelerator": "a100"}
 TAINT = {"key": GPU, "operator": "Exists", "effect": "NoSchedule"}
 IMAGE = "registry.example.com/compatflow-cuda:9.9.9"
+CPU_IMAGE = "registry.example.com:5000/team/compatflow-cpu:9.9.9@sha256:" + "0" * 64
 
 
 def shipped(name: str) -> dict[str, Any]:
@@ -40,10 +41,11 @@ def gpu_pool_config() -> dict[str, Any]:
     config["workspace"] = "/mnt/ws"
     config["lineage"]["repo"] = "/etc/feast-repo"
     config["resources"] = {
-        "cpu": {"cpu": "3", "memory": "5Gi"},
+        "cpu": {"cpu": "3", "memory": "5Gi", "image": CPU_IMAGE},
         "gpu": {
             "cpu": "7",
             "memory": "30Gi",
+            "image": IMAGE,
             "accelerator": GPU,
             "accelerator_count": 2,
             "node_selector": dict(POOL),
@@ -58,7 +60,6 @@ def gpu_pool_config() -> dict[str, Any]:
                 },
             ],
         },
-        "image": IMAGE,
     }
     return config
 
@@ -128,10 +129,10 @@ def check_task_settings(path: Path, config: dict[str, Any], *, runner: str = "ku
         for field in ("resourceMemoryRequest", "resourceMemoryLimit"):
             assert r.get(field) == want["memory"], f"{where}: {field}"
         k8s = executors.get(t["executor"], {})
+        assert t["container"]["image"] == want["image"], f"{where}: image is not resources.{kind}.image"
         if kind == "gpu" and gpu_pool:
             assert r["accelerator"]["resourceType"] == GPU, where
             assert r["accelerator"]["resourceCount"] == str(res["gpu"]["accelerator_count"]), where
-            assert t["container"]["image"] == res["image"], where
             assert k8s.get("nodeSelector", {}).get("labels") == res["gpu"]["node_selector"], where
             # protobuf's JSON form writes int64 tolerationSeconds as a string
             tolerations = [
@@ -143,7 +144,6 @@ def check_task_settings(path: Path, config: dict[str, Any], *, runner: str = "ku
             assert "accelerator" not in r, (
                 f"{where}: a CPU stage (or a config without a GPU pool) asks for GPUs"
             )
-            assert t["container"]["image"] == kfp_ops.IMAGE, where
             assert not k8s.get("nodeSelector") and not k8s.get("tolerations"), where
         shm = [m for m in k8s.get("emptyDirMounts", []) if m["mountPath"] == "/dev/shm"]
         assert (shm == [{"medium": "Memory", "mountPath": "/dev/shm", "volumeName": "dshm"}]) == (
@@ -247,6 +247,26 @@ def test_shipped_cluster_config_requests_its_gpu_pool(tmp_path: Path) -> None:
     )
 
 
+def test_every_executor_of_the_committed_pipeline_runs_an_image_of_the_config() -> None:
+    """The compiled YAML a cluster runs: each executor's image is the config's image of its op's kind
+    (``resources.cpu.image`` / ``resources.gpu.image``), registry-qualified; no other image appears."""
+    import yaml
+
+    from components.deployment import qualified_image
+    from pipelines.compile import COMPILED_DIR, COMPILED_NAME
+
+    config = shipped("cluster")
+    spec = next(yaml.safe_load_all((COMPILED_DIR / COMPILED_NAME).read_text()))
+    executors = spec["deploymentSpec"]["executors"]
+    images = {label: e["container"]["image"] for label, e in executors.items()}
+    for task in compiled_tasks(spec):
+        kind = resources.STEP_KINDS[task["op"]]
+        assert images[task["executor"]] == config["resources"][kind]["image"], task["task"]
+    assert set(images.values()) <= {config["resources"]["cpu"]["image"], config["resources"]["gpu"]["image"]}
+    assert all(qualified_image(image) for image in images.values())
+    assert len(images) == len({t["executor"] for t in compiled_tasks(spec)})  # every executor is a task's
+
+
 def test_local_config_compiles_without_gpu_or_volume_settings(tmp_path: Path) -> None:
     config = shipped("local")
     path = compile_stages(tmp_path, resources.compile_settings("local", runner="local"))
@@ -332,7 +352,9 @@ def test_compile_settings_sources(tmp_path: Path, monkeypatch) -> None:
             r"tolerations\[2\] has unknown fields \['toleration_seconds'\]",
         ),
         (lambda c: c["resources"]["gpu"].update(accelerator_count="1"), "accelerator_count"),
-        (lambda c: c["resources"].update(image=""), "image"),
+        (lambda c: c["resources"]["cpu"].update(image=""), r"resources\.cpu\.image"),
+        (lambda c: c["resources"]["gpu"].update(image="compatflow-cuda:0.1.0"), "registry-qualified"),
+        (lambda c: c["resources"]["cpu"].update(image="ghcr.io/compatflow/compatflow-cpu"), "TAG"),
     ],
 )
 def test_bad_resource_settings_fail_with_the_field(change, message: str) -> None:

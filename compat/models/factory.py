@@ -1,4 +1,6 @@
-"""Model factory: open_clip CLIP models built from the JSON configs shipped in ``configs/``.
+"""Model factory: open_clip CLIP models built from the JSON configs shipped in ``configs/`` (``cf-*``) or
+from an open_clip architecture by name (every name ``open_clip.list_models()`` knows: ``ViT-B-32``, ...,
+read from open_clip's own ``model_configs/``; its pretrained tags are that name's).
 
 A config is an open_clip model config plus compatflow's own keys (:data:`OWN_KEYS`, removed before open_clip
 sees it): ``preprocess_cfg.resize_mode`` (open_clip's resize modes, :data:`compat.data.images.RESIZE_MODES`;
@@ -45,19 +47,60 @@ def list_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob(f"{CONFIG_PREFIX}*.json"))
 
 
+@cache
+def _open_clip_config_dir() -> Path:
+    """open_clip's built-in model configs (found without importing open_clip, which takes seconds)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("open_clip is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "model_configs"
+
+
+def list_architectures() -> list[str]:
+    """The open_clip architectures a model config may name (open_clip's built-in configs)."""
+    return sorted(p.stem for p in _open_clip_config_dir().glob("*.json"))
+
+
+def is_architecture(config_name: str) -> bool:
+    """Whether ``config_name`` is an open_clip architecture (not one of the project's ``cf-*`` configs)."""
+    return (
+        not config_name.startswith(CONFIG_PREFIX)
+        and "/" not in config_name
+        and (_open_clip_config_dir() / f"{config_name}.json").is_file()
+    )
+
+
 def config_path(config_name: str) -> Path:
-    """Path of the JSON file defining ``config_name``; raises KeyError naming the known configs."""
+    """Path of the JSON file defining ``config_name`` (ours or open_clip's); raises KeyError naming ours."""
+    if is_architecture(config_name):
+        return _open_clip_config_dir() / f"{config_name}.json"
     path = CONFIG_DIR / f"{config_name}.json"
     if not config_name.startswith(CONFIG_PREFIX) or not path.is_file():
-        raise KeyError(f"unknown model config {config_name!r}; known configs: {', '.join(list_configs())}")
+        raise KeyError(
+            f"unknown model config {config_name!r}; known configs: {', '.join(list_configs())}, or an "
+            "open_clip architecture such as ViT-B-32 (`compatflow models` lists them)"
+        )
     return path
 
 
 def read_config(config_name: str) -> dict[str, Any]:
-    """The raw JSON config (placeholders unresolved), checked against ``schemas/model_config.schema.json``."""
+    """The raw JSON config (placeholders unresolved), checked against ``schemas/model_config.schema.json``;
+    an open_clip architecture's as open_clip ships it, with ``open_clip_model`` naming it (its tags) and
+    ``preprocess_cfg`` reduced to the one key compatflow reads (open_clip keeps the rest)."""
     from schemas import validate
 
     path = config_path(config_name)
+    if is_architecture(config_name):
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        preprocess = config.pop("preprocess_cfg", None) or {}
+        if "resize_mode" in preprocess:
+            config["preprocess_cfg"] = {"resize_mode": preprocess["resize_mode"]}
+        return {**config, "open_clip_model": config_name}
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -93,6 +136,8 @@ def _resolve_registered(config_name: str) -> None:
     from open_clip import factory as oc_factory
 
     _register()
+    if is_architecture(config_name):
+        return  # open_clip's own config, used as it ships
     registered = oc_factory._MODEL_CONFIGS.get(config_name)
     if registered is None:
         raise KeyError(f"model config {config_name!r} is not registered with open_clip")
@@ -265,12 +310,14 @@ def build_model(
     seed: int | None = None,
     pretrained: str | None = None,
     resize_mode: str | None = None,
+    weights_dirs: Sequence[str | os.PathLike[str]] = (),
 ) -> ClipBundle:
     """Build ``config_name``: random init (packaged HF text towers keep their pretrained weights), or the
-    weights of ``pretrained`` (a local ``.pt``/``.safetensors`` file written by open_clip, or an open_clip
-    pretrained tag found in the local cache; :mod:`compat.models.pretrained`). ``pretrained`` None takes the
-    config's own ``pretrained`` key, ``""`` none. ``resize_mode`` (None: the config's ``preprocess_cfg``)
-    picks the eval resize (:data:`compat.data.images.RESIZE_MODES`); checkpoints record it.
+    weights of ``pretrained`` (a local ``.pt``/``.safetensors`` file or folder written by open_clip, or an
+    open_clip pretrained tag found in ``weights_dirs`` or the local cache; :mod:`compat.models.pretrained`).
+    ``pretrained`` None takes the config's own ``pretrained`` key, ``""`` none. ``resize_mode`` (None: the
+    config's ``preprocess_cfg``) picks the eval resize (:data:`compat.data.images.RESIZE_MODES`);
+    checkpoints record it.
 
     ``seed`` makes the initialisation deterministic without touching the global RNG state.
     """
@@ -288,7 +335,7 @@ def build_model(
     if spec:
         where = f"{config_path(config_name)}: pretrained" if pretrained is None else "pretrained"
         bundle.pretrained = load_pretrained(
-            bundle.model, spec, arch=config.get("open_clip_model"), where=where
+            bundle.model, spec, arch=config.get("open_clip_model"), where=where, weights_dirs=weights_dirs
         )
         bundle.model.to(device)
     return bundle

@@ -37,6 +37,7 @@ def continual_step(
     """
     from components.continual import TrainingSettings, run_continual
     from components.runs import replay_shards, training_dir
+    from components.workspace import Workspace
 
     training = deployment.training
     foundation = bool(production) and deployment.compat.scenario == "foundation"
@@ -46,6 +47,7 @@ def continual_step(
         TrainingSettings.from_section(training),
         steps=budget["steps"],
         seed=training.seed + phase,
+        weights_dir=str(Workspace.of(deployment).weights_dir),
         **(
             {"config_name": deployment.compat.foundation_config, "method": "foundation", "alpha": None}
             if foundation
