@@ -23,6 +23,7 @@ EXPERIMENT = "compatflow"
 RUN_TAG = "compatflow.run_id"
 CHECKPOINT_PATH = "checkpoint"  # the weights as plain files (versions that are not a compatflow model)
 MODEL_PATH = "model"  # the MLflow model (components.registry.pyfunc)
+RUN_END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
 class RegistryError(RuntimeError):
@@ -109,6 +110,26 @@ class Tracking:
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
+
+    def find_run(self, pipeline_run_id: str) -> str | None:
+        """The MLflow run id of pipeline run ``pipeline_run_id``, or None when it never logged anything."""
+        if not self.exists() or self.client.get_experiment_by_name(self.experiment) is None:
+            return None
+        quoted = pipeline_run_id.replace("'", "\\'")
+        found = self.client.search_runs(
+            [self.experiment_id()], filter_string=f"tags.`{RUN_TAG}` = '{quoted}'", max_results=1
+        )
+        return found[0].info.run_id if found else None
+
+    def end_pipeline_run(self, pipeline_run_id: str, status: str) -> str | None:
+        """End the MLflow run of ``pipeline_run_id`` with ``status`` (``FINISHED``, ``FAILED``, ``KILLED``),
+        as its phase ended; returns its id, None when the pipeline run has no MLflow run (nothing logged)."""
+        if status not in RUN_END_STATUSES:
+            raise ValueError(f"an MLflow run ends {' / '.join(RUN_END_STATUSES)}, not {status!r}")
+        run_id = self.find_run(pipeline_run_id)
+        if run_id is not None:
+            self.end_run(run_id, status)
+        return run_id
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log (nested) parameters as ``a.b`` keys; a value differing from an earlier one is an error."""

@@ -65,12 +65,43 @@ def registry_of(config: Config) -> Any:
     return Registry(Workspace.of(deployment), model_name=deployment.registry.model_name)
 
 
+def run_params(deployment: Deployment) -> dict[str, Any]:
+    """The settings a phase's MLflow run records as parameters (``training.lr``, ``compat.options.<key>``,
+    ...): what trained the candidate and how it was made compatible. The same for every step of a run, so
+    each step may log them (MLflow refuses only a changed value)."""
+    training, compat = deployment.training, deployment.compat
+    return {
+        "training": {
+            "model_config": training.model_config_name,
+            "pretrained": training.pretrained or "",
+            "method": training.method,
+            "alpha": training.alpha,
+            "lr": training.lr,
+            "steps": training.steps,
+            "epochs": training.epochs if training.epochs is not None else "",
+            "batch_size": training.batch_size,
+            "warmup_fraction": training.warmup_fraction,
+            "replay_buffer_size": training.replay_buffer_size,
+            "replay_rows": training.replay_rows,
+            "seed": training.seed,
+        },
+        "compat": {
+            "scenario": compat.scenario,
+            "method": compat.method,
+            "steps": compat.steps,
+            "batch_size": compat.batch_size,
+            "foundation_config": compat.foundation_config,
+            "options": dict(compat.options),
+        },
+    }
+
+
 @contextlib.contextmanager
 def live_metrics(deployment: Deployment, run_dir: Path, prefix: str) -> Iterator[Any]:
     """A step-record logger into the run's MLflow run (``<prefix><name>`` at step n, see
     :meth:`components.registry.Tracking.step_logger`), flushed when the block ends, raising or not."""
     registry = registry_of(deployment)
-    live = registry.step_logger(registry.start_run(Path(run_dir).name), prefix)
+    live = registry.step_logger(registry.start_run(Path(run_dir).name, params=run_params(deployment)), prefix)
     try:
         yield live
     finally:

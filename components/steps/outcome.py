@@ -27,10 +27,32 @@ def finish_step(
     run_dir = run_dir_of_job(deployment, run_id, job_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = finish_run(deployment, run_dir, pipeline_state, error)
+    end_mlflow_run(deployment, run_dir.name, outcome["status"], pipeline_state)
     paths = report_step(run_dir)
     html_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(paths["html"], html_path)
     return outcome
+
+
+def end_mlflow_run(deployment: Deployment, pipeline_run_id: str, status: str, pipeline_state: str) -> None:
+    """End the phase's MLflow run as the phase ended: FAILED when it failed, KILLED when the pipeline was
+    cancelled, else FINISHED (a blocked or rejected phase ran to its end). Best effort: the outcome is
+    already recorded, and a registry that cannot be reached is logged, not raised."""
+    import logging
+
+    from components.steps.base import registry_of
+
+    mlflow_status = (
+        "KILLED"
+        if pipeline_state.upper() in ("CANCELED", "CANCELLED", "CANCELING")
+        else "FAILED"
+        if status == "failed"
+        else "FINISHED"
+    )
+    try:
+        registry_of(deployment).end_pipeline_run(pipeline_run_id, mlflow_status)
+    except Exception as err:  # the report must still be written
+        logging.getLogger(__name__).warning("MLflow run of %s not ended: %s", pipeline_run_id, err)
 
 
 def report_step(run_dir: Path) -> dict[str, str]:

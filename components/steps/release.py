@@ -8,7 +8,7 @@ from typing import Any
 
 from compat.io import utc_now, write_json_atomic
 from components.deployment import Deployment
-from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, step
+from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, run_params, step
 from components.workspace import Workspace
 
 BOOTSTRAP_REASON = {
@@ -129,6 +129,7 @@ def register_step(
             "method": method,
             "model_config": deployment.training.model_config_name,
             "bootstrap": bootstrap,
+            **run_params(deployment),
         },
     )
     write_json_atomic(run_dir / "register" / "registered.json", info)
