@@ -266,3 +266,17 @@ def test_max_pixels_above_pillows_limit_is_refused_before_reading(tmp_path: Path
         app, ["data", "import", str(tmp_path), "--out", str(tmp_path / "o"), "--max-pixels", str(limit)]
     )
     assert result.exit_code == 2 and "--max-pixels must be between 1 and 178,956,970" in result.output
+
+
+def test_a_device_listed_in_a_table_is_not_a_regular_file(tmp_path: Path) -> None:
+    picture(1).save(tmp_path / "a.jpg")
+    table = tmp_path / "pairs.csv"
+    table.write_text("path,caption\na.jpg,a picture\n/dev/zero,endless zeros\nnone.jpg,nothing here\n")
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["data", "import", str(table), "--out", str(out), "--allow-outside", "/dev"])
+    assert result.exit_code == 0, result.output
+    reasons = {r["source"]: r["reason"] for r in json.loads((out / REPORT).read_text())["refused_files"]}
+    assert reasons == {
+        "pairs.csv row 2: /dev/zero": "not_a_regular_file",
+        "pairs.csv row 3: none.jpg": "image_missing",
+    }

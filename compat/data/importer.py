@@ -359,6 +359,19 @@ def _read_table(table: Path) -> tuple[list[str], list[dict[str, Any]]]:
     return columns, rows
 
 
+def _not_a_file(source: str, path: Path) -> tuple[str, str]:
+    """Why a listed path that is not a regular file is refused: missing, or something else (a device such as
+    /dev/zero, a FIFO, a folder, a dangling link), which is never opened."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        return (
+            "not_a_regular_file",
+            f"{source}: {path} is not a regular file (a device, a FIFO or a broken link)",
+        )
+    if path.is_dir():
+        return "image_missing", f"{source}: {path} is a folder, not an image file"
+    return "image_missing", f"{source}: no such file {path}"
+
+
 def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]:
     columns, rows = _read_table(table)
     missing = [c for c in (settings.path_column, settings.caption_column) if c not in columns]
@@ -391,7 +404,7 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
         path = Path(rel) if Path(rel).is_absolute() else base / rel
         source = f"{where}: {rel}"
         if not path.is_file():
-            out.append(_Candidate(source, path, refused=("image_missing", f"{source}: no such file {path}")))
+            out.append(_Candidate(source, path, refused=_not_a_file(source, path)))
             continue
         out.append(_Candidate(source, path, caption=caption, extra=extra, listed=rel, row=n))
     return out
@@ -496,9 +509,7 @@ def _karpathy_candidates(file: Path) -> list[_Candidate]:
                 continue
             path = Path(rel) if Path(rel).is_absolute() else base / rel
             if not path.is_file():
-                out.append(
-                    _Candidate(source, path, refused=("image_missing", f"{source}: no such file {path}"))
-                )
+                out.append(_Candidate(source, path, refused=_not_a_file(source, path)))
                 continue
             meta = _json_safe({k: v for k, v in entry.items() if k != "sentences"})
             out.append(
