@@ -280,3 +280,25 @@ def test_a_device_listed_in_a_table_is_not_a_regular_file(tmp_path: Path) -> Non
         "pairs.csv row 2: /dev/zero": "not_a_regular_file",
         "pairs.csv row 3: none.jpg": "image_missing",
     }
+
+
+def test_a_second_import_into_the_same_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
+    import fcntl
+    import os
+
+    src = tmp_path / "src"
+    src.mkdir()
+    picture(1).save(src / "a.jpg")
+    (src / "a.txt").write_text("a picture")
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".import.lock", "w") as held:  # the first import, still writing
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242")
+        held.flush()
+        result = runner.invoke(app, ["data", "import", str(src), "--out", str(out)])
+        assert result.exit_code == 2 and "another import (process 4242) is writing into" in result.output
+        assert sorted(os.listdir(out)) == [".import.lock"]  # nothing written beside it
+    result = runner.invoke(app, ["data", "import", str(src), "--out", str(out)])  # the first one ended
+    assert result.exit_code == 0, result.output
+    assert not (out / ".import.lock").exists() and (out / REPORT).is_file()

@@ -62,11 +62,13 @@ at 1/8 scale, which reads every byte all the same) and copied from the source wh
 The same input and settings give byte-identical shards and ``import.json``. The digest of the plan (which
 item goes to which shard) is stored before the first shard; shards are written atomically one by one, so a
 killed import started again rescans the source and, the plan being the same, writes only the shards still
-missing; ``import.json`` is written last.
+missing; ``import.json`` is written last. One import at a time writes into a folder: it holds
+``DIR/.import.lock`` (:data:`LOCK`) while it runs, and a second is refused naming the first one's process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import hashlib
@@ -92,6 +94,7 @@ FORMAT = "compatflow-import"
 VERSION = 1
 REPORT = "import.json"
 PENDING = ".import-pending.json"
+LOCK = ".import.lock"  # held by the import writing into the folder (released by the OS when it dies)
 SPLITS = ("train", "eval", "gallery")
 SOURCE_FORMATS = ("sidecar", "class-folders", "table", "karpathy")
 # A Karpathy split file's splits: restval (COCO's 30k validation pictures outside val and test) trains;
@@ -1170,7 +1173,8 @@ def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | N
     if out.exists() and not out.is_dir():
         raise DataImportError(f"--out {out} is a file; give a new or empty folder")
     report, pending = read(out / REPORT), read(out / PENDING)
-    if report is None and pending is None and out.is_dir() and any(p.name != SPOOL for p in out.iterdir()):
+    ours = (SPOOL, LOCK)
+    if report is None and pending is None and out.is_dir() and any(p.name not in ours for p in out.iterdir()):
         raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
     return report, pending
 
@@ -1199,7 +1203,6 @@ def import_images(
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     if src_path == out_path:
         raise DataImportError("--out must be another folder than the source")
-    report, pending = _check_out_dir(out_path)
     allowed = []
     for folder in allow_outside:
         if not Path(folder).is_dir():
@@ -1212,13 +1215,54 @@ def import_images(
     show = (
         (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
     )
+    if out_path.exists() and not out_path.is_dir():
+        raise DataImportError(f"--out {out_path} is a file; give a new or empty folder")
     created = not out_path.exists()
     try:
-        return _import(src_path, out_path, settings, show, tuple(allowed), exclude, report, pending)
-    finally:  # the spool is gone whatever happened (a killed import's is overwritten by the next scan)
-        shutil.rmtree(out_path / SPOOL, ignore_errors=True)
+        out_path.mkdir(parents=True, exist_ok=True)
+        with _out_lock(out_path):
+            try:
+                report, pending = _check_out_dir(out_path)
+                return _import(src_path, out_path, settings, show, tuple(allowed), exclude, report, pending)
+            finally:  # the spool goes whatever happened (a killed import's is overwritten by the next scan)
+                shutil.rmtree(out_path / SPOOL, ignore_errors=True)
+    finally:
         if created and out_path.is_dir() and not any(out_path.iterdir()):
             out_path.rmdir()
+
+
+@contextlib.contextmanager
+def _out_lock(out: Path) -> Iterator[None]:
+    """Hold ``out/.import.lock`` (:data:`LOCK`, released by the OS when the holder dies, removed when it
+    ends): a second import into the same folder is refused at once, naming the first one's process."""
+    import fcntl
+
+    path = out / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataImportError(
+                f"another import (process {holder}) is writing into {out} (it holds {path}): wait for it to "
+                "end, or give another --out folder"
+            ) from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not a file its last holder removed meanwhile
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(fd)
 
 
 def _import(
