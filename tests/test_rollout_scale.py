@@ -233,7 +233,7 @@ def test_a_worker_killed_mid_range_resumes_with_nothing_lost_or_doubled(on_serve
             "encoders": rollout.encoders.recipe,
             "pace": {},
             "workers": 1,
-            "services": str(paths.services),
+            "services_dir": str(paths.services),
         },
     )
     start, end = 0, N

@@ -395,7 +395,7 @@ class Rollout:
                 "encoders": self.encoders.recipe,
                 "pace": self.pace.to_dict(),
                 "workers": len(ranges),
-                "services": str(self.paths.services),
+                "services_dir": str(self.paths.services),
             },
         )
         t0 = time.perf_counter()

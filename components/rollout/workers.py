@@ -121,7 +121,7 @@ def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
                     index,
                     spec["serving"],
                     np.asarray(first["vector"]),
-                    live_services(Path(spec["services"])),
+                    live_services(Path(spec["services_dir"])),
                 )
             )
         writer = GalleryWriter.for_pace(index, spec["target"], pace, int(spec["flush_rows"]))
@@ -157,12 +157,22 @@ def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
     return cursor
 
 
+PARENT_ENV = "COMPATFLOW_ROLLOUT_PID"
+
+
 def _die_with_parent() -> None:
     """In a worker: SIGKILL it when the rollout that started it dies, so a resumed rollout never meets a
-    worker of the one before it writing the same range."""
+    worker of the one before it writing the same range. Set by the worker itself (the rollout holds gRPC
+    threads: code run between its fork and exec could abort), then checked against a parent already gone."""
     import ctypes
+    import os
 
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None:
+        return  # run by hand or by a pipeline task: no rollout process to follow
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os._exit(1)
 
 
 def run_ranges(spec_path: Path, ranges: Sequence[Batch], poll_s: float = 0.2) -> list[dict[str, Any]]:
@@ -172,10 +182,12 @@ def run_ranges(spec_path: Path, ranges: Sequence[Batch], poll_s: float = 0.2) ->
     import os
 
     work = Path(spec_path).parent
-    root = str(
-        Path(__file__).resolve().parents[2]
-    )  # the project, for modules a recipe names outside the package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    root = str(Path(__file__).resolve().parents[2])  # the project: modules a recipe names outside the package
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        PARENT_ENV: str(os.getpid()),
+    }
     procs: dict[Batch, subprocess.Popen[bytes]] = {}
     logs: dict[Batch, Path] = {}
     try:
@@ -195,7 +207,6 @@ def run_ranges(spec_path: Path, ranges: Sequence[Batch], poll_s: float = 0.2) ->
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    preexec_fn=_die_with_parent,
                 )
         while procs:
             for key, proc in list(procs.items()):
@@ -224,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("start", type=int)
     parser.add_argument("end", type=int)
     args = parser.parse_args(argv)
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cursor = run_range(args.spec, args.start, args.end)
     print(json.dumps(cursor))
