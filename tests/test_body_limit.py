@@ -22,6 +22,8 @@ from starlette.requests import Request  # at module level: the route's annotatio
 from components.serving.app import BodyLimit
 from components.serving.limits import MAX_BODY_BYTES, MAX_DRAIN_BYTES
 
+BODY_SECONDS = 2.0  # the service's body-read timeout here (30 s by default)
+
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
@@ -38,7 +40,7 @@ def port() -> Iterator[int]:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    inner.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    inner.add_middleware(BodyLimit, limit=MAX_BODY_BYTES, body_seconds=BODY_SECONDS)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
@@ -116,3 +118,17 @@ def test_a_declared_body_that_never_comes_and_one_beyond_the_drain_bound_are_ans
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert time.monotonic() - t0 < within
     assert healthy(port)
+
+
+def test_a_declared_body_that_stops_coming_is_a_408_after_the_body_read_timeout(port: int) -> None:
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /search HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"queries": ')
+        answer = b""
+        with contextlib.suppress(OSError):
+            while data := sock.recv(65536):
+                answer += data
+    seconds = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request body not received within 2 s (12 bytes arrived)" in answer
+    assert BODY_SECONDS <= seconds < BODY_SECONDS + 3 and healthy(port)

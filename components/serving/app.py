@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from components.serving.limits import (
+    BODY_READ_SECONDS,
     DRAIN_IDLE_SECONDS,
     DRAIN_SECONDS,
     MAX_BODY_BYTES,
@@ -94,7 +95,8 @@ class BodyLimit:
     unread bytes making the server's close a reset, and never read the 413. The drain is bounded: at most
     ``drain_bytes`` in all, ``drain_seconds`` long, and only while bytes keep coming (a pause of
     ``idle_seconds`` ends it); a ``Content-Length`` over ``drain_bytes``, or an ``Expect: 100-continue``
-    (the client waits for the answer before sending), is answered at once."""
+    (the client waits for the answer before sending), is answered at once. A body within the limit that has
+    not arrived ``body_seconds`` after the request began is a 408 (the connection closed)."""
 
     def __init__(
         self,
@@ -103,8 +105,9 @@ class BodyLimit:
         drain_bytes: int = MAX_DRAIN_BYTES,
         drain_seconds: float = DRAIN_SECONDS,
         idle_seconds: float = DRAIN_IDLE_SECONDS,
+        body_seconds: float = BODY_READ_SECONDS,
     ) -> None:
-        self.app, self.limit = app, limit
+        self.app, self.limit, self.body_seconds = app, limit, body_seconds
         self.drain_bytes, self.drain_seconds, self.idle_seconds = drain_bytes, drain_seconds, idle_seconds
 
     async def _drain(self, receive: Any, received: int) -> int:
@@ -131,10 +134,13 @@ class BodyLimit:
         return f"request body {what}, over the limit of {self.limit} bytes: send fewer or shorter queries"
 
     async def _refuse(self, send: Any, what: str) -> None:
-        body = json.dumps({"detail": self._detail(what)}).encode()
+        await self._answer(send, 413, self._detail(what))
+
+    async def _answer(self, send: Any, status: int, detail: str) -> None:
+        body = json.dumps({"detail": detail}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -151,11 +157,24 @@ class BodyLimit:
                 await self._drain(receive, 0)
             await self._refuse(send, f"of {declared.decode(errors='replace')} bytes")
             return
-        received, started = 0, False
+        received, started, body_done = 0, False, False
+        deadline = time.monotonic() + self.body_seconds
 
         async def limited_receive() -> dict[str, Any]:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body: a wait for the client's disconnect, unbounded
+                return await receive()
+            import asyncio
+
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                detail = (
+                    f"request body not received within {self.body_seconds:g} s ({received} bytes arrived): "
+                    "send the whole body at once"
+                )
+                raise HTTPException(408, detail, CLOSE) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:  # an HTTPException passes FastAPI's body parsing as it is
@@ -172,9 +191,12 @@ class BodyLimit:
         try:
             await self.app(scope, limited_receive, watched_send)
         except HTTPException as exc:  # raised outside a route (no handler answered it)
-            if exc.status_code != 413 or started:
+            if exc.status_code not in (408, 413) or started:
                 raise
-            await self._refuse(send, f"of more than {self.limit} bytes")
+            if exc.status_code == 408:
+                await self._answer(send, 408, exc.detail)
+            else:
+                await self._refuse(send, f"of more than {self.limit} bytes")
 
 
 def create_app(

@@ -20,6 +20,9 @@ MAX_BODY_BYTES = 1 << 20  # bytes of a POST /search body (413 beyond)
 MAX_DRAIN_BYTES = 256 << 20
 DRAIN_SECONDS = 10.0
 DRAIN_IDLE_SECONDS = 1.0
+# A request body (within the limit) must arrive within this long of the request's start: a client that
+# declares a body and never sends it gets a 408 instead of holding the request open.
+BODY_READ_SECONDS = 30.0
 
 
 class QueryBoundError(ValueError):
