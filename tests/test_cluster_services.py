@@ -40,7 +40,13 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
     config["stream"].update(uri=str(stream_dir), generate_if_missing=False)
     config["drift"]["sample_size"] = 24
     config["training"].update(
-        model_config="cf-tiny", steps=3, batch_size=16, replay_buffer_size=16, replay_rows=4, device="cpu"
+        model_config="cf-tiny",
+        pretrained=None,
+        steps=3,
+        batch_size=16,
+        replay_buffer_size=16,
+        replay_rows=4,
+        device="cpu",
     )
     config["compat"].update(method="bct", scenario="continual", steps=3, batch_size=16, options={})
     config["gate"]["policy"] = str(policy)

@@ -15,7 +15,14 @@ from pipelines.config import CONFIG_DIR, ConfigError, load_config
 
 @pytest.mark.parametrize("name", ["local", "cluster"])
 def test_shipped_configs_are_valid(name):
-    assert load_config(name).name == name
+    assert load_config(name, local_paths=name == "local").name == name
+
+
+def test_a_run_of_the_cluster_config_needs_its_start_weights_here():
+    """cluster.yaml starts from open_clip's ViT-B-32 / laion2b_s34b_b79k: a run refuses to start where those
+    weights are not (nothing is downloaded at run time), naming the command that puts them there."""
+    with pytest.raises(ConfigError, match=r"compatflow models fetch ViT-B-32 laion2b_s34b_b79k --to"):
+        load_config("cluster")
 
 
 def test_the_local_config_is_the_one_the_model_generates():
@@ -60,7 +67,8 @@ def test_loader_workers_reach_the_training_step(tmp_path):
     is allowed, a negative count is refused naming the field."""
     from components.continual import TrainingSettings
 
-    assert TrainingSettings.from_section(load_config("cluster").training).loader_workers == 8
+    cluster = load_config("cluster", local_paths=False)  # its start weights are the cluster's, not here
+    assert TrainingSettings.from_section(cluster.training).loader_workers == 8
     document = yaml.safe_load((CONFIG_DIR / "local.yaml").read_text())
     path = tmp_path / "workers.yaml"
     for workers in (0, -1):

@@ -51,11 +51,13 @@ ConfigOpt = Annotated[
 
 
 def config_of(config: str | None) -> Any:
-    """The resolved config an operator command reads its defaults from (``local`` when none is given)."""
+    """The resolved config an operator command reads its defaults from (``local`` when none is given). An
+    operator command trains and gates nothing, so the files only a run reads (start weights, gate policy)
+    need not be on this machine (``compatflow run`` checks them)."""
     from pipelines.config import ConfigError, load_config, resolve
 
     try:
-        return resolve(load_config(config or "local"))
+        return resolve(load_config(config or "local", local_paths=False))
     except ConfigError as err:
         fail(str(err))
 
