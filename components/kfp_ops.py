@@ -253,6 +253,29 @@ def rollout_op(config: str, run_dir: str, version: str) -> str:
 
 
 @dsl.component(**COMPONENT)
+def rollout_ranges_op(config: str, run_dir: str, version: str, written: list = []) -> list:  # noqa: B006
+    """With ``rollout.workers`` > 1: the rollout up to the next backfill stage's rank ranges, returned as
+    ``"start-end"`` for parallel :func:`rollout_range_op` tasks ([] when none waits); ``written`` collects
+    the previous stage's ranges (the fan-in)."""
+    from pathlib import Path
+
+    from components.steps import rollout_ranges_step
+
+    return rollout_ranges_step(config, Path(run_dir), version)
+
+
+@dsl.component(**COMPONENT)
+def rollout_range_op(config: str, run_dir: str, rank_range: str) -> str:
+    """One backfill worker: re-embeds and writes one rank range of the running rollout (resumable)."""
+    from pathlib import Path
+
+    from components.steps import rollout_range_step
+
+    rollout_range_step(config, Path(run_dir), rank_range)
+    return rank_range
+
+
+@dsl.component(**COMPONENT)
 def note_blocked_op(run_dir: str, step: str, reason: str) -> None:
     """Record that a step stopped the run, for the report and ``compatflow status``."""
     from pathlib import Path

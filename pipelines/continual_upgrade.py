@@ -32,6 +32,36 @@ def _task(op: Any, **inputs: Any) -> dsl.PipelineTask:
     return resources.configure(op(**inputs), op.name.replace("-", "_"), resources.compile_settings())
 
 
+def _rollout(config: Any, run_dir: Any, version: Any, ingest: dsl.PipelineTask) -> None:
+    """The rollout after a gate pass. With ``rollout.workers`` > 1 in the config compiled for, every backfill
+    stage's rank ranges run as parallel GPU tasks (``dsl.ParallelFor``, parallelism = workers) between
+    ``rollout_ranges_op`` calls (each probes the stage before, then returns the next stage's ranges);
+    ``rollout_op`` then finishes the step (and runs, in local processes, any stage a run-time config adds)."""
+    from pipelines import resources
+
+    settings = resources.compile_settings().get("config")
+    rollout = getattr(settings, "rollout", None)
+    after = ingest
+    if rollout is not None and rollout.workers > 1:
+        ranges = _task(kfp_ops.rollout_ranges_op, config=config, run_dir=run_dir, version=version).after(
+            ingest
+        )
+        for stage in range(1, len(rollout.fractions) + 1):
+            with dsl.ParallelFor(
+                ranges.output, parallelism=rollout.workers, name=f"backfill-stage-{stage}"
+            ) as rank:
+                written = _task(kfp_ops.rollout_range_op, config=config, run_dir=run_dir, rank_range=rank)
+            ranges = _task(
+                kfp_ops.rollout_ranges_op,
+                config=config,
+                run_dir=run_dir,
+                version=version,
+                written=dsl.Collected(written.output),
+            )
+        after = ranges
+    _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=version).after(after)
+
+
 @dsl.pipeline(
     name=PIPELINE_NAME,
     description="Validate, train, make compatible, gate, register and roll out the next data phase.",
@@ -134,9 +164,7 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                     bootstrap=False,
                 ).after(gate)
                 with dsl.If(gate.outputs["Output"] == "pass", name="gate-passed"):
-                    _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=candidate.output).after(
-                        ingest
-                    )
+                    _rollout(config, run_dir, candidate.output, ingest)
                 with dsl.Else(name="gate-blocked"):  # anything but a pass is a block (fail-closed)
                     _task(
                         kfp_ops.note_blocked_op,

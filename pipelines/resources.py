@@ -33,6 +33,10 @@ ingest_op              gpu    yes    no     embeds the phase's new gallery items
                                             items already indexed (lineage records only new ones)
 rollout_op             gpu    yes    no     re-embeds the gallery; the rollout resumes from its
                                             durable state after any crash; writes live services
+rollout_ranges_op      cpu    yes    no     (rollout.workers > 1) the rollout up to a stage's rank
+                                            ranges, then its probe gate; resumes like rollout_op
+rollout_range_op       gpu    yes    no     one rank range of a stage (ParallelFor, parallelism
+                                            rollout.workers); resumes from its cursor, idempotent
 note_blocked_op        cpu    yes    no     an atomic write; caching would skip the write itself
 finish_op              cpu    yes    no     exit handler: reads and writes the workspace state;
                                             rewrites the same outcome and report on a retry
@@ -79,6 +83,8 @@ STEP_KINDS: dict[str, str] = {
     "serve_first_model_op": "gpu",
     "ingest_op": "gpu",
     "rollout_op": "gpu",
+    "rollout_ranges_op": "cpu",
+    "rollout_range_op": "gpu",
     "note_blocked_op": "cpu",
     "finish_op": "cpu",
 }
@@ -94,6 +100,8 @@ RETRYABLE: set[str] = {
     "serve_first_model_op",
     "ingest_op",
     "rollout_op",
+    "rollout_ranges_op",
+    "rollout_range_op",
     "note_blocked_op",
     "finish_op",
 }

@@ -43,7 +43,9 @@ def test_compiled_pipeline_gates_downstream_stages():
     assert {"drift-op", "continual-op", "first-model", "upgrade"} <= guarded(
         "phase-valid", "validate-op-Output", otherwise=True
     )
-    assert guarded("gate-passed", "gate-op-Output") == {"rollout-op"}
+    stages = {f"backfill-stage-{j}" for j in (1, 2, 3, 4)}  # the cluster config's four fractions
+    ranges = {"rollout-ranges-op", *(f"rollout-ranges-op-{j}" for j in (2, 3, 4, 5))}
+    assert guarded("gate-passed", "gate-op-Output") == {"rollout-op", *stages, *ranges}
     assert "ingest-op" in guarded("upgrade", "resolve-production-op-Output", otherwise=True)
     assert guarded("gate-blocked", "gate-op-Output", otherwise=True) == {"note-blocked-op-2"}
     assert guarded("first-model", "resolve-production-op-Output") == {"register-op", "serve-first-model-op"}

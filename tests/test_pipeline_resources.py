@@ -61,6 +61,7 @@ def gpu_pool_config() -> dict[str, Any]:
             ],
         },
     }
+    config["rollout"]["workers"] = 2  # backfill stages fanned out: every op of the pipeline is compiled
     return config
 
 
@@ -212,6 +213,7 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
         "serve_first_model_op",  # embeds the whole gallery
         "ingest_op",  # embeds a phase's new items
         "rollout_op",  # re-embeds it
+        "rollout_range_op",  # re-embeds one rank range of it
     }
     assert resources.RETRYABLE <= set(ops) and resources.CACHEABLE <= set(ops)
     assert "register_op" not in resources.RETRYABLE  # each call creates a model version
@@ -223,6 +225,8 @@ def test_every_component_is_classified_and_the_choices_hold() -> None:
         "serve_first_model_op",
         "ingest_op",
         "rollout_op",
+        "rollout_ranges_op",
+        "rollout_range_op",
         "note_blocked_op",
         "finish_op",
     }
@@ -242,7 +246,8 @@ def test_shipped_cluster_config_requests_its_gpu_pool(tmp_path: Path) -> None:
     check_task_settings(path, config)
     spec, executors = load_compiled(path)
     gpu_tasks = [t for t in compiled_tasks(spec) if resources.STEP_KINDS[t["op"]] == "gpu"]
-    assert len(gpu_tasks) == 6 and all(
+    stages = len(resources.compile_settings("cluster")["config"].rollout.fractions)
+    assert len(gpu_tasks) == 6 + stages and all(  # the six GPU steps and one rank-range task per stage
         t["resources"]["accelerator"]["resourceType"] == GPU for t in gpu_tasks
     )
 
@@ -287,7 +292,7 @@ def test_the_checks_catch_a_misconfigured_task(tmp_path: Path) -> None:
     config = gpu_pool_config()
     wrong = resources.compile_settings(config)
     wrong["gpu"] = dict(wrong["gpu"], node_selector={})  # the GPU pool's selector lost
-    with pytest.raises(AssertionError, match=r"\((continual|compat|evaluate)_op\)"):
+    with pytest.raises(AssertionError, match=r"\((continual|compat|evaluate|rollout|rollout_range)_op\)"):
         check_task_settings(compile_stages(tmp_path, wrong, "a.yaml"), config)
     saved = set(resources.CACHEABLE)
     try:
@@ -528,3 +533,29 @@ def test_torchrun_command_rejects_uneven_or_empty_worlds(nproc, message: str) ->
     training = dict(shipped("local")["training"], batch_size=64)
     with pytest.raises(ValueError, match=message):
         resources.torchrun_command(nproc, stream="s", phase=0, out="o", training=training)
+
+
+def test_the_committed_pipeline_fans_each_backfill_stage_out_over_gpu_tasks() -> None:
+    """rollout.workers 8 in the cluster config: one ParallelFor per backfill stage, parallelism 8, over
+    rollout-range tasks with the GPU pool's accelerator, each loop's ranges from a rollout-ranges task that
+    collects the previous loop's (the fan-in), and rollout-op after the last."""
+    from pipelines.compile import COMPILED_DIR, COMPILED_NAME
+
+    config = shipped("cluster")
+    spec = next(yaml.safe_load_all((COMPILED_DIR / COMPILED_NAME).read_text()))
+    loops = {
+        name: task
+        for comp in spec["components"].values()
+        for name, task in comp.get("dag", {}).get("tasks", {}).items()
+        if name.startswith("for-loop") and task["taskInfo"]["name"].startswith("backfill-stage-")
+    }
+    stages = sorted(task["taskInfo"]["name"] for task in loops.values())
+    assert stages == [
+        f"backfill-stage-{j}" for j in range(1, len(config["rollout"].get("fractions", [1] * 4)) + 1)
+    ]
+    assert {t["iteratorPolicy"]["parallelismLimit"] for t in loops.values()} == {config["rollout"]["workers"]}
+    ranged = [t for t in compiled_tasks(spec) if t["op"] == "rollout_range_op"]
+    assert len(ranged) == len(stages)
+    assert all(t["resources"]["accelerator"]["resourceType"] == GPU for t in ranged)
+    collecting = [t for t in compiled_tasks(spec) if t["op"] == "rollout_ranges_op"]
+    assert len(collecting) == len(stages) + 1

@@ -274,3 +274,24 @@ def test_the_rate_cap_is_one_budget_over_two_workers(on_server) -> None:
     stage = state["stages"][1]
     assert [w["pace"]["items_per_s_allowed"] for w in stage["workers"]] == [200.0, 200.0]
     assert all(w["written"] == 200 and w["seconds"] >= 0.9 for w in stage["workers"])
+
+
+def test_ranges_run_by_pipeline_tasks_one_stage_at_a_time(on_server) -> None:
+    """``range_tasks`` (the cluster pipeline's ParallelFor): each call returns once a stage's ranges wait,
+    the ranges run on their own (``run_range``, as each parallel task does), and the next call probes that
+    stage and hands out the next one's, until the rollout completes."""
+    paths, index = on_server("ws")
+    config = _config(workers=2, fractions=(0.5, 1.0), range_tasks=True)
+    handed_out = []
+    for _ in range(4):
+        state = ro.run_rollout(index, paths, config, _encoders(), PROBE)
+        work = paths.work(state["rollout_id"])
+        pending = workers.pending_ranges(state, work)
+        if not pending:
+            break
+        handed_out.append(pending)
+        for start, end in pending:
+            workers.run_range(work / workers.SPEC_FILE, start, end)
+    assert handed_out == [[(0, 128), (128, 200)], [(200, 328), (328, 400)]]  # 7 batches of 32 each
+    assert state["state"] == "completed" and [s["state"] for s in state["stages"]] == ["accepted"] * 3
+    assert index.count() == N and index.count_by_version() == {"v2": N}

@@ -42,6 +42,7 @@ from components.rollout.state import (
 )
 from components.rollout.types import (
     ProbeSet,
+    RangesPending,
     RolloutConfig,
     RolloutEncoders,
     RolloutError,
@@ -94,7 +95,9 @@ class Rollout:
 
     # ---- entry point
     def run(self) -> dict[str, Any]:
-        """Plan or resume, then run to ``completed`` or ``halted``; returns the final state."""
+        """Plan or resume, then run to ``completed`` or ``halted``; returns the final state. With
+        ``config.range_tasks`` it returns earlier, state ``running``, when a stage's rank ranges wait for
+        their pipeline tasks (``cursor.ranges``; :func:`components.rollout.workers.pending_ranges`)."""
         with exclusive(self.paths.state):
             state = load_state(self.paths.state)
             if state is None or state["rollout_id"] != self.rollout_id:
@@ -121,6 +124,9 @@ class Rollout:
                         self._stage0(state)
                     else:
                         self._stage(state, state["stage"])
+            except RangesPending as pending:
+                log.info("rollout %s: %s", state["rollout_id"], pending)
+                return state
             finally:
                 self._close_ahead()
 
@@ -398,12 +404,16 @@ class Rollout:
                 "services_dir": str(self.paths.services),
             },
         )
+        pending = [r for r in ranges if not workers.range_done(spec, *r)]
+        if pending and self.config.range_tasks:
+            raise RangesPending(pending)
         t0 = time.perf_counter()
-        done = workers.run_ranges(spec, ranges)
+        workers.run_ranges(spec, pending)
+        done = [workers.read_cursor(workers.range_cursor(spec.parent, *r), r[0]) for r in ranges]
         rec["workers"] = [
             {
                 "ranks": list(r),
-                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "peak_rss_mib")},
+                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib")},
                 "pace": d.get("pace"),
             }
             for r, d in zip(ranges, done, strict=True)

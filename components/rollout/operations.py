@@ -186,8 +186,10 @@ def roll_out(
     encoders: str = DEFAULT_ENCODERS,
     query_factory: str = DEFAULT_FACTORY,
     options: Mapping[str, Any] | None = None,
+    range_tasks: bool = False,
 ) -> dict[str, Any]:
-    """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state.
+    """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state (with
+    ``range_tasks``, the state as it waits for a stage's rank ranges run by pipeline tasks).
 
     ``settings`` is the deployment's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
     ``floors``, ``slo``): the one place a deployment sets them. ``old_model`` defaults to the serving
@@ -212,6 +214,7 @@ def roll_out(
         slo_p99_factor=settings.slo.p99_factor,
         max_items_per_s=settings.slo.max_items_per_s,
         workers=settings.workers,
+        range_tasks=range_tasks,
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )
     probe_set = ProbeSet.from_file(probe or paths.probe)

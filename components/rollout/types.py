@@ -26,6 +26,14 @@ class RolloutError(RuntimeError):
     """The rollout cannot start or continue; the message says why and what to do."""
 
 
+class RangesPending(Exception):
+    """A backfill stage's rank ranges wait for workers that run elsewhere (``RolloutConfig.range_tasks``)."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        super().__init__(f"{len(ranges)} rank range(s) wait for their workers")
+        self.ranges = ranges
+
+
 @dataclass(frozen=True)
 class ItemRef:
     """What a gallery encoder needs to re-embed one item."""
@@ -124,6 +132,7 @@ class RolloutConfig:
     slo_p99_factor: float | None = None  # query p99 the backfill may cause, x idle (None: unpaced)
     max_items_per_s: float | None = None  # a cap on the backfill rate (all workers together)
     workers: int = 1  # processes a backfill stage's rank ranges are re-embedded by (1: this process)
+    range_tasks: bool = False  # the ranges are run by pipeline tasks: run() returns while any is pending
 
     def __post_init__(self) -> None:
         from compat.backfill import ORDERS

@@ -70,6 +70,20 @@ def read_cursor(path: Path, start: int) -> dict[str, Any]:
     return doc if doc is not None else {"position": start, "written": 0, "seconds": 0.0}
 
 
+def range_done(spec_path: Path, start: int, end: int) -> bool:
+    """True when the range's cursor reached its end."""
+    return read_cursor(range_cursor(Path(spec_path).parent, start, end), start)["position"] >= end
+
+
+def pending_ranges(state: Mapping[str, Any], work: Path) -> list[Batch]:
+    """The rank ranges of ``state``'s running stage whose workers have not finished (none outside a stage
+    fanned out to pipeline tasks)."""
+    if state["state"] != "running":
+        return []
+    spec = Path(work) / SPEC_FILE
+    return [(s, e) for s, e in state["cursor"].get("ranges") or () if not range_done(spec, s, e)]
+
+
 def write_spec(work: Path, spec: Mapping[str, Any]) -> Path:
     """The rollout-wide settings every worker reads (index, collections, order, encoders, pace)."""
     path = Path(work) / SPEC_FILE
@@ -150,6 +164,7 @@ def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
     cursor.update(
         seconds=round(seconds, 3),
         items_per_s=round((int(cursor["written"]) - written0) / max(seconds, 1e-9), 1),
+        cpu_seconds=round(time.process_time(), 2),
         peak_rss_mib=_peak_rss_mib(),
         pace=pace.to_dict(),
     )

@@ -13,7 +13,13 @@ validate, drift), ``training`` (continual, compat), ``release`` (production, eva
 
 from components.steps.base import registry_of, step
 from components.steps.data import accepted_shards, drift_step, plan_step, validate_step
-from components.steps.gallery import ingest_step, rollout_step, serve_first_model_step
+from components.steps.gallery import (
+    ingest_step,
+    rollout_range_step,
+    rollout_ranges_step,
+    rollout_step,
+    serve_first_model_step,
+)
 from components.steps.outcome import finish_step, note_blocked, report_step
 from components.steps.release import (
     bootstrap_gate,
@@ -44,6 +50,8 @@ __all__ = [
     "report_step",
     "resolve_production",
     "rollback_production",
+    "rollout_range_step",
+    "rollout_ranges_step",
     "rollout_step",
     "serve_first_model_step",
     "step",

@@ -140,6 +140,45 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     return summary
 
 
+@step("rollout")
+def rollout_ranges_step(deployment: Deployment, run_dir: Path, version: str) -> list[str]:
+    """On a cluster, with ``rollout.workers`` > 1: run the rollout of ``version`` until a backfill stage's
+    ranges wait for their workers (the pipeline's parallel ``rollout_range_op`` tasks) and return them
+    as ``"start-end"``; [] once no stage waits (the rollout completed or halted: :func:`rollout_step`
+    finishes the step). Called again after the ranges are written, it probes that stage and goes on."""
+    from components.rollout import RolloutPaths
+    from components.rollout.operations import roll_out
+    from components.rollout.workers import pending_ranges
+
+    workspace = Workspace.of(deployment)
+    _undo_unfinished_rollout(workspace, version)
+    state = roll_out(
+        workspace,
+        version,
+        deployment.rollout,
+        new_model=model_dir_of(deployment, version),
+        seed=deployment.training.seed,
+        range_tasks=True,
+    )
+    work = RolloutPaths.for_workspace(workspace).work(state["rollout_id"])
+    return [f"{start}-{end}" for start, end in pending_ranges(state, work)]
+
+
+@step("rollout-range")
+def rollout_range_step(deployment: Deployment, run_dir: Path | None, rank_range: str) -> dict[str, Any]:
+    """One backfill worker: re-embed and write the ranks ``"start-end"`` of the rollout in progress
+    (:func:`components.rollout.workers.run_range`; resumable, idempotent)."""
+    from components.rollout import RolloutError, RolloutPaths, load_state
+    from components.rollout.workers import SPEC_FILE, run_range
+
+    paths = RolloutPaths.for_workspace(Workspace.of(deployment))
+    state = load_state(paths.state)
+    if state is None or state["state"] != "running":
+        raise RolloutError(f"no rollout is running in {paths.state}: nothing for rank range {rank_range}")
+    start, _, end = rank_range.partition("-")
+    return run_range(paths.work(state["rollout_id"]) / SPEC_FILE, int(start), int(end))
+
+
 def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, Any] | None:
     """Roll back a rollout of another version left unfinished (its run was killed or failed and will not
     resume it, or it halted under `compatflow rollout run`: never promoted); a rollout of ``version`` itself
