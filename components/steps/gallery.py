@@ -100,17 +100,10 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     from components.lineage import sync_from_index
     from components.report.inputs import SOURCES
     from components.rollout import RolloutPaths, rollback
-    from components.rollout.operations import open_index, roll_out
+    from components.rollout.operations import open_index
 
     workspace = Workspace.of(deployment)
-    undone = _undo_unfinished_rollout(workspace, version)
-    state = roll_out(
-        workspace,
-        version,
-        deployment.rollout,
-        new_model=model_dir_of(deployment, version),
-        seed=deployment.training.seed,
-    )
+    undone, state = _roll_out(deployment, workspace, version)
     if state["state"] == "halted":
         # Halt means roll back: the stages accepted before the halted one are undone too and queries go back
         # to the production model, so the gallery holds production's vectors only and production, the
@@ -147,19 +140,10 @@ def rollout_ranges_step(deployment: Deployment, run_dir: Path, version: str) -> 
     as ``"start-end"``; [] once no stage waits (the rollout completed or halted: :func:`rollout_step`
     finishes the step). Called again after the ranges are written, it probes that stage and goes on."""
     from components.rollout import RolloutPaths
-    from components.rollout.operations import roll_out
     from components.rollout.workers import pending_ranges
 
     workspace = Workspace.of(deployment)
-    _undo_unfinished_rollout(workspace, version)
-    state = roll_out(
-        workspace,
-        version,
-        deployment.rollout,
-        new_model=model_dir_of(deployment, version),
-        seed=deployment.training.seed,
-        range_tasks=True,
-    )
+    _, state = _roll_out(deployment, workspace, version, range_tasks=True)
     work = RolloutPaths.for_workspace(workspace).work(state["rollout_id"])
     return [f"{start}-{end}" for start, end in pending_ranges(state, work)]
 
@@ -177,6 +161,25 @@ def rollout_range_step(deployment: Deployment, run_dir: Path | None, rank_range:
         raise RolloutError(f"no rollout is running in {paths.state}: nothing for rank range {rank_range}")
     start, _, end = rank_range.partition("-")
     return run_range(paths.work(state["rollout_id"]) / SPEC_FILE, int(start), int(end))
+
+
+def _roll_out(
+    deployment: Deployment, workspace: Workspace, version: str, range_tasks: bool = False
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """Undo an unfinished rollout of another version, then plan or resume the rollout of ``version``;
+    returns (what was undone, the rollout state)."""
+    from components.rollout.operations import roll_out
+
+    undone = _undo_unfinished_rollout(workspace, version)
+    state = roll_out(
+        workspace,
+        version,
+        deployment.rollout,
+        new_model=model_dir_of(deployment, version),
+        seed=deployment.training.seed,
+        range_tasks=range_tasks,
+    )
+    return undone, state
 
 
 def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, Any] | None:
