@@ -273,7 +273,8 @@ def measure_size(
                 "rollout_cpu_seconds": round(rollout.get("cpu_seconds") or 0, 1),
                 "workers_cpu_seconds": round(
                     sum(s.get("workers_cpu_seconds") or 0 for s in rollout["stages"]), 1
-                ),
+                )
+                or None,  # K = 1: no worker process
                 "server_cpu_seconds": round(_cpu_seconds(server_pid) - server_cpu0, 1)
                 if server_pid
                 else None,
