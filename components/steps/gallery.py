@@ -133,7 +133,7 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     return summary
 
 
-@step("rollout")
+@step("rollout-ranges")
 def rollout_ranges_step(deployment: Deployment, run_dir: Path, version: str) -> list[str]:
     """On a cluster, with ``rollout.workers`` > 1: run the rollout of ``version`` until a backfill stage's
     ranges wait for their workers (the pipeline's parallel ``rollout_range_op`` tasks) and return them
