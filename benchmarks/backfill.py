@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -50,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE  # noqa: E402
 from benchmarks.synthetic_upgrade import synthetic_upgrade  # noqa: E402
 from compat import backfill as bf  # noqa: E402
+from components.rollout.order import RankedOrder  # noqa: E402
 
 SLO_FACTOR = 1.5
 RESULTS = ROOT / "benchmarks" / "results" / "backfill.md"
@@ -190,9 +190,8 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
         fr = [p["fraction"] for p in state["curve"]]
         engine = [p["t2i_R@1"] for p in state["curve"]]
         position = {item: j for j, item in enumerate(u.item_ids)}
-        order = np.array(
-            [position[i] for i in json.loads(Path(state["order"]["path"]).read_text())["item_ids"]]
-        )
+        ranked = RankedOrder(state["order"]["path"], expected_digest=state["order"]["digest"])
+        order = np.array([position[i] for i in ranked[0 : len(ranked)]])
         numpy_curve = [p["R@1"] for p in bf.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fr)]
         results[policy] = {
             "state": state["state"],
