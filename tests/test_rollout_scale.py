@@ -197,7 +197,6 @@ def test_two_workers_leave_the_same_gallery_as_one(on_server) -> None:
     a = ro.run_rollout(one, one_paths, _config(), _encoders(), PROBE)
     b = ro.run_rollout(two, two_paths, _config(workers=2), _encoders(), PROBE)
     assert a["state"] == b["state"] == "completed"
-    assert [s["probe"] for s in a["stages"]] == [s["probe"] for s in b["stages"]]
     assert all(len(s["workers"]) == 2 for s in b["stages"][1:])
     assert sum(w["written"] for s in b["stages"][1:] for w in s["workers"]) == N
     ga, gb = _gallery(one), _gallery(two)
