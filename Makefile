@@ -14,7 +14,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: run test test-fast env lock lint bench clean-env
+.PHONY: run test test-fast durations env lock lint bench clean-env
 
 env: $(STAMP)
 
@@ -34,11 +34,16 @@ $(STAMP): requirements/torch.txt requirements/constraints.txt requirements/lock.
 run: $(STAMP)
 	$(VENV)/bin/compatflow run --config $(CONFIG)
 
+# Tiers by folder (tests/README.md): test-fast is tests/unit alone, in-process with nothing started.
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# Rewrite the committed durations baseline (tests/durations.json) from a full, quiet run.
+durations: $(STAMP)
+	$(PY) -m pytest --durations-file tests/durations.json $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check compat components pipelines schemas tests benchmarks

@@ -282,3 +282,93 @@ def the_container(doc: dict[str, Any]) -> dict[str, Any]:
 def rendered_overlays() -> dict[str, list[dict[str, Any]]]:
     """Every overlay rendered once per test session (the `rendered` fixture hands each test its own copy)."""
     return {name: render(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+def _cluster_config() -> dict:
+    """cluster.yaml with every setting it leaves out at its default, as a run reads it."""
+    from pipelines.config import load_config
+
+    return load_config("cluster", local_paths=False).to_dict()
+
+
+def configmap_data(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {d["metadata"]["name"]: d.get("data", {}) for d in find(docs, "ConfigMap")}
+
+
+def compiled_executors(path: Path) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(executor, container, Kubernetes platform settings) of every task of a compiled pipeline."""
+    docs = load_docs(path)
+    platform = docs[1].get("platforms", {}).get("kubernetes", {}) if len(docs) > 1 else {}
+    k8s = platform.get("deploymentSpec", {}).get("executors", {})
+    return [
+        (name, executor["container"], k8s.get(name, {}))
+        for name, executor in docs[0]["deploymentSpec"]["executors"].items()
+    ]
+
+
+def task_setting_violations(
+    executors: list[tuple[str, dict[str, Any], dict[str, Any]]],
+    docs: list[dict[str, Any]],
+    config: dict[str, Any],
+) -> list[str]:
+    out: list[str] = []
+    configmaps = configmap_data(docs)
+    secrets = secret_example_keys()
+    claims = {d["metadata"]["name"] for d in find(docs, "PersistentVolumeClaim")}
+    pipeline_config = configmaps["compatflow-pipeline-config"]
+    job = the(docs, "PyTorchJob", "compatflow-train")["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
+        "spec"
+    ]
+    for name, container, k8s in executors:
+        for source in k8s.get("configMapAsEnv", []):
+            data = configmaps.get(source["configMapName"])
+            for pair in source["keyToEnv"]:
+                if not source["optional"] and (data is None or pair["configMapKey"] not in data):
+                    out.append(
+                        f"{name}: reads {source['configMapName']}/{pair['configMapKey']}, which is missing"
+                    )
+        for source in k8s.get("secretAsEnv", []):
+            for pair in source["keyToEnv"]:
+                if pair["secretKey"] not in secrets.get(source["secretName"], set()):
+                    out.append(
+                        f"{name}: reads Secret {source['secretName']}/{pair['secretKey']}, "
+                        "which secrets.example.yaml does not document"
+                    )
+        for mount in k8s.get("pvcMount", []):
+            if mount["constant"] not in claims:
+                out.append(f"{name}: PVC {mount['constant']} missing")
+            if (
+                mount["mountPath"] != pipeline_config["COMPATFLOW_WORKSPACE"]
+                or mount["mountPath"] != config["workspace"]
+            ):
+                out.append(f"{name}: workspace mounted at {mount['mountPath']}, not COMPATFLOW_WORKSPACE")
+        for volume in k8s.get("configMapAsVolume", []):
+            if volume["configMapName"] not in configmaps:
+                out.append(f"{name}: volume ConfigMap {volume['configMapName']} missing")
+            if volume["mountPath"] != pipeline_config["COMPATFLOW_FEAST_REPO"]:
+                out.append(f"{name}: Feast repo mounted at {volume['mountPath']}, not COMPATFLOW_FEAST_REPO")
+        for env in container.get("env", []):
+            if SECRET_WORDS.search(env["name"]):
+                out.append(f"{name}: {env['name']} inlined in the compiled pipeline")
+        accelerator = container.get("resources", {}).get("accelerator")
+        if not accelerator:
+            if container["image"] != config["resources"]["cpu"]["image"]:
+                out.append(f"{name}: CPU task image {container['image']} is not resources.cpu.image")
+            continue
+        if accelerator.get("resourceType") != GPU:
+            out.append(f"{name}: accelerator {accelerator.get('resourceType')} is not {GPU}")
+        if not job["nodeSelector"].items() <= k8s.get("nodeSelector", {}).get("labels", {}).items():
+            out.append(f"{name}: GPU task not pinned to the training job's GPU pool {job['nodeSelector']}")
+        tolerations = [
+            {k: v for k, v in t.items() if k != "tolerationSeconds"} for t in k8s.get("tolerations", [])
+        ]
+        if not all(t in tolerations for t in job["tolerations"]):
+            out.append(f"{name}: GPU task does not tolerate the GPU pool's taints {job['tolerations']}")
+        if not any(
+            m["mountPath"] == "/dev/shm" and m.get("medium") == "Memory"
+            for m in k8s.get("emptyDirMounts", [])
+        ):
+            out.append(f"{name}: GPU task without a memory-backed /dev/shm")
+        if container["image"] != config["resources"]["gpu"]["image"]:
+            out.append(f"{name}: GPU task image {container['image']} is not resources.gpu.image")
+    return out

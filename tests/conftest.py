@@ -7,8 +7,12 @@ import os
 import sys
 from pathlib import Path
 
+import _tiers
 import pytest
 from _milvus import SERVER_BACKENDS, milvus_binaries_cache, server_uri
+
+# Fixtures shared by the tiers' files live in helper modules (never in a test file).
+pytest_plugins = ["_shards"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -21,12 +25,122 @@ os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", "benchmarks.synthetic_upgrad
 _NETNS_NOTE = "not tried"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--durations-file",
+        default=None,
+        help="write each test's wall time (set-up, call, tear-down) and each tier's total to this JSON file",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier, the folder it lives in (tests/unit, tests/integration, tests/e2e)."""
+    for item in items:
+        tier = _tiers.tier_of(item.path)
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid} is outside the tiers: move it under tests/<tier>/")
+        item.add_marker(tier)
+
+
+_DURATIONS: dict[str, float] = {}
+_IMPORTED_AT_COLLECTION: dict[str, list[str]] = {}  # unit test file -> service libraries its import loaded
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Note the service libraries a unit test file's own import loads (before any test's guard is on)."""
+    if not isinstance(collector, pytest.Module) or _tiers.tier_of(collector.path) != "unit":
+        return (yield)
+    before = {m for m in _tiers.UnitGuard.IMPORTS if m in sys.modules}
+    report = yield
+    loaded = [m for m in _tiers.UnitGuard.IMPORTS if m in sys.modules and m not in before]
+    if loaded:
+        _IMPORTED_AT_COLLECTION[str(collector.path)] = loaded
+    return report
+
+
+_UNIT_GUARD: _tiers.UnitGuard | None = None
+
+
+def pytest_runtest_logreport(report):
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--durations-file")
+    if path:
+        _tiers.write_durations(Path(path), _DURATIONS)
+    if _tiers.over_limit(_DURATIONS) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each tier's time beside the committed baseline's, and the tests over the five-minute limit."""
+    totals, baseline = _tiers.tier_totals(_DURATIONS), _tiers.read_baseline()
+    ran = [
+        f"{tier} {seconds:.0f} s" + (f" (baseline {baseline[tier]:.0f} s)" if tier in baseline else "")
+        for tier, seconds in totals.items()
+        if seconds
+    ]
+    if ran:
+        terminalreporter.write_line("tiers: " + ", ".join(ran))
+    for node, seconds in _tiers.over_limit(_DURATIONS).items():
+        terminalreporter.write_line(
+            f"OVER {_tiers.LIMIT_S:.0f} s: {node} took {seconds:.0f} s (split it or use smaller settings)",
+            red=True,
+        )
+
+
+@pytest.fixture
+def unit_guard(request) -> _tiers.UnitGuard | None:
+    """The guard watching this test (None outside tests/unit)."""
+    return _UNIT_GUARD if request.node.get_closest_marker("unit") is not None else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A unit test runs in this process only, its fixtures of every scope included: no subprocess, fork,
+    server socket, kfp or service library (:class:`_tiers.UnitGuard`), from its first fixture on."""
+    global _UNIT_GUARD
+    if item.get_closest_marker("unit") is None:
+        return
+    loaded = _IMPORTED_AT_COLLECTION.get(str(item.path))
+    if loaded:
+        pytest.fail(
+            f"{item.path.name} imports {', '.join(loaded)} when collected: a unit test file imports "
+            "no service library (import it inside the code that needs it, or move it to tests/integration)",
+            False,
+        )
+    _UNIT_GUARD = _UNIT_GUARD or _tiers.UnitGuard()
+    _UNIT_GUARD.start(item.nodeid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Fails the unit test (in its tear-down) that did what :class:`_tiers.UnitGuard` refuses."""
+    result = yield
+    if _UNIT_GUARD is not None and _UNIT_GUARD.test == item.nodeid:
+        found = _UNIT_GUARD.stop()
+        if found:
+            pytest.fail(f"{item.nodeid} {'; '.join(found)} (a unit test runs in this process only)", False)
+    return result
+
+
+def _probe_cpus_before_the_guard() -> None:
+    """joblib (under scikit-learn's k-means) counts physical cores once per process with ``lscpu``: done here,
+    before any unit test's guard is on, the count is cached and no unit test starts that process."""
+    from joblib.externals.loky.backend.context import _count_physical_cores
+
+    _count_physical_cores()
+
+
 def pytest_configure(config):
     """Run the whole session in a private network namespace with only loopback (root only): Milvus 2.3
     listens on every interface, and nothing a test starts may be reachable from beyond this machine."""
     global _NETNS_NOTE
     from components import milvus_server
 
+    _probe_cpus_before_the_guard()
     if milvus_server.loopback_only():
         _NETNS_NOTE = "the session's network namespace has loopback only"
         return

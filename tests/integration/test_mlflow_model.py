@@ -1,0 +1,168 @@
+"""Each registered version is a real MLflow model: a pyfunc flavour around the serving encoder, loaded by
+``mlflow.pyfunc.load_model("models:/<name>@production")``, with the embeddings compatflow's loader gives."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+TEXTS = ["a red circle on a striped background", "a small blue square", "a green star at the top"]
+
+
+def png(seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A workspace whose production is a plain checkpoint and whose candidate a compatible model (``none``),
+    both registered by the pipeline's register step."""
+    from compat.methods.config import MethodConfig
+    from compat.methods.none import independent_model
+    from compat.models import build_model, save_checkpoint
+    from components.steps.base import registry_of
+    from components.steps.release import register_step
+    from pipelines.config import load_config, resolve
+
+    tmp = tmp_path_factory.mktemp("mlflow-model")
+    raw = load_config("local").with_changes(workspace=str(tmp / "ws"))  # before resolve: the tracking URI
+    config = resolve(raw)  # is the workspace's
+    assert str(tmp) in config.registry.tracking_uri
+    first = tmp / "v1"
+    save_checkpoint(build_model("cf-tiny", seed=0), first, version="v1")
+    run1 = tmp / "ws" / "runs" / "run-1"
+    run1.mkdir(parents=True)
+    v1 = register_step(config, run1, 0, str(first), bootstrap=True)["version"]
+    registry = registry_of(config)
+    registry.promote(v1, rollout_state={"state": "completed"})
+
+    compat = tmp / "v2"
+    wrapped = independent_model(
+        build_model("cf-tiny", seed=1), 64, MethodConfig(version="v2", old_space_id="v1")
+    )
+    wrapped.save(compat)
+    run2 = tmp / "ws" / "runs" / "run-2"
+    (run2 / "gate").mkdir(parents=True)
+    (run2 / "gate" / "gate.json").write_text(json.dumps({"decision": "pass", "reasons": []}))
+    config = config.with_changes(compat={"method": "none", "options": {}})
+    v2 = register_step(config, run2, 1, str(compat))["version"]
+    return {"config": config, "registry": registry, "versions": (v1, v2)}
+
+
+def compatflow_embeddings(config: dict, version: str) -> tuple[np.ndarray, np.ndarray]:
+    """Texts and images embedded through compatflow's own production loader (its verified workspace copy)."""
+    from compat.compat_training import decode_size
+    from compat.data.images import decode_rgb
+    from compat.production import load_production
+    from components.steps.release import model_dir_of
+
+    encoder = load_production(model_dir_of(config, version)).encoder
+    pictures = [decode_rgb(png(i), size=decode_size(encoder)) for i in range(2)]
+    return encoder.encode_texts(TEXTS).numpy(), encoder.encode_images(pictures).numpy()
+
+
+def test_production_loads_as_an_mlflow_pyfunc_with_compatflows_embeddings(
+    released: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.pyfunc
+    from mlflow.models import get_model_info
+
+    registry, config = released["registry"], released["config"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    uri = f"models:/{registry.model_name}@production"
+    model = mlflow.pyfunc.load_model(uri)
+    texts = model.predict(pd.DataFrame({"text": TEXTS}))
+    images = model.predict(pd.DataFrame({"image": [png(0), png(1)]}))
+    want_texts, want_images = compatflow_embeddings(config, released["versions"][0])
+    assert texts.dtype == np.float32 and texts.shape == want_texts.shape == (3, 64)
+    # The same inputs in the same batches through the same weights: bit for bit.
+    np.testing.assert_array_equal(texts, want_texts)
+    np.testing.assert_array_equal(images, want_images)
+    mixed = model.predict(pd.DataFrame({"text": [TEXTS[0], None], "image": [None, png(1)]}))
+    # A mixed frame embeds each row in a batch of one, and BLAS kernels sum in an order that depends on the
+    # batch shape: rows of these unit vectors move by a few float32 ulps (6e-8 seen, eps is 1.2e-7). 1e-5
+    # is ~100 ulps and far below what a wrong weight or preprocessing would change (1e-2 and up).
+    np.testing.assert_allclose(mixed, np.stack([want_texts[0], want_images[1]]), rtol=0, atol=1e-5)
+
+    info = get_model_info(uri)
+    assert [c.name for c in info.signature.inputs.inputs] == ["text", "image"]
+    assert info.signature.outputs.inputs[0].shape == (-1, 64)
+    assert info.flavors["python_function"]["loader_module"] == "components.registry.pyfunc"
+    facts = info.metadata["compatflow"]
+    assert facts["method"] == "checkpoint" and facts["contract"] is None and facts["embed_dim"] == 64
+    assert (
+        facts["checkpoint_sha256"]
+        == registry.version_info(released["versions"][0])["tags"]["checkpoint.sha256"]
+    )
+    assert info.saved_input_example_info["artifact_path"] == "input_example.json"
+
+
+def test_a_compatible_model_carries_its_contract_and_serves_its_own_space(
+    released: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.pyfunc
+    from mlflow.models import get_model_info
+
+    registry, config = released["registry"], released["config"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    uri = f"models:/{registry.model_name}@candidate"
+    facts = get_model_info(uri).metadata["compatflow"]
+    assert facts["method"] == "none" and facts["contract"]["space_id"] == "v2"
+    assert facts["contract"]["old_space_id"] == "v1" and facts["space_id"] == "v2"
+    want_texts, _ = compatflow_embeddings(config, released["versions"][1])
+    model = mlflow.pyfunc.load_model(uri)
+    np.testing.assert_array_equal(model.predict({"text": TEXTS}), want_texts)
+    with pytest.raises(Exception, match="no 'text' or 'image' column"):
+        model.predict(pd.DataFrame({"caption": TEXTS}))
+
+
+def test_tampered_weights_are_refused_by_the_pyfunc_loader(
+    released: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.pyfunc
+
+    from compat.models.integrity import CheckpointIntegrityError
+
+    registry = released["registry"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    source = registry.local_artifacts(registry.version_info(released["versions"][1])["source"])
+    weights = next((source / "data" / "checkpoint").rglob("*.safetensors"))
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    try:
+        with pytest.raises(CheckpointIntegrityError, match="differs from its manifest"):
+            mlflow.pyfunc.load_model(f"models:/{registry.model_name}@candidate")
+    finally:
+        weights.write_bytes(original)
+
+
+def test_a_tracking_server_serves_the_model_and_its_verified_files(
+    tmp_path: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.pyfunc
+
+    from compat.models import build_model, save_checkpoint
+    from compat.production import load_production
+    from components.registry import Registry
+
+    save_checkpoint(build_model("cf-tiny", seed=2), tmp_path / "model", version="v1")
+    registry = Registry(tmp_path / "ws", tracking_uri=mlflow_server, model_name="served-clip")
+    run_id = registry.start_run("run-1")
+    registry.register_candidate(run_id, tmp_path / "model", data_phase=0, method="bootstrap")
+    files = registry.download("candidate", tmp_path / "copy")  # through the server's artifact store
+    assert (
+        files == tmp_path / "copy" and (files / "model.json").is_file() and not (files / "MLmodel").exists()
+    )
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    served = mlflow.pyfunc.load_model("models:/served-clip@candidate").predict(pd.DataFrame({"text": TEXTS}))
+    np.testing.assert_array_equal(served, load_production(files).encoder.encode_texts(TEXTS).numpy())
