@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from compat.proc import cpu_seconds, peak_rss_mib
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -84,22 +86,6 @@ def stand_in_encoders(config: Mapping[str, Any]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- measuring
-def _peak_mib(pid: int | str = "self") -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
-
-
 def _reset_peak(pid: int) -> None:
     try:
         Path(f"/proc/{pid}/clear_refs").write_text("5")
@@ -124,7 +110,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.child == "status":
         doc = gallery_status(args.uri, args.alias)
-        return {"seconds": time.perf_counter() - t0, "peak_rss_mib": _peak_mib(), **doc}
+        return {"seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib(), **doc}
     with GalleryIndex(args.uri, args.alias) as index:
         if args.child == "rollback":
             state = ro.rollback(paths, index)
@@ -144,7 +130,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time(),
-        "peak_rss_mib": _peak_mib(),
+        "peak_rss_mib": peak_rss_mib(),
         "state": state["state"],
         "plan_seconds": state.get("plan_seconds"),
         "stages": [
@@ -251,13 +237,13 @@ def measure_size(
             continue
         if server_pid:
             _reset_peak(server_pid)
-        server_cpu0 = _cpu_seconds(server_pid) if server_pid else 0.0
+        server_cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
         rollout = _run_child(args, "rollout", version=f"v2k{k}", k=k)
         rollout_dir = args.workspace / "rollout"
         disk = _disk_mib(rollout_dir)
         rollback = _run_child(args, "rollback")
         after = _run_child(args, "status")
-        server_peak = _peak_mib(server_pid) if server_pid else None
+        server_peak = peak_rss_mib(server_pid) if server_pid else None
         records.append(
             {
                 "backend": backend,
@@ -275,9 +261,7 @@ def measure_size(
                     sum(s.get("workers_cpu_seconds") or 0 for s in rollout["stages"]), 1
                 )
                 or None,  # K = 1: no worker process
-                "server_cpu_seconds": round(_cpu_seconds(server_pid) - server_cpu0, 1)
-                if server_pid
-                else None,
+                "server_cpu_seconds": round(cpu_seconds(server_pid) - server_cpu0, 1) if server_pid else None,
                 "workers_peak_rss_mb": max(
                     (s["workers_peak_rss_mib"] or 0 for s in rollout["stages"]), default=0
                 )

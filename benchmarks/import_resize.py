@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from compat.proc import peak_rss_mib
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -76,15 +78,6 @@ def floor_cpu(src: Path) -> float:
             image.draft(None, (1, 1))
             image.load()
     return time.process_time() - start
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory since it started (``VmHWM``; ``ru_maxrss`` would carry the
-    parent's across the fork)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def worker(tree: str, src: str, out: str) -> None:

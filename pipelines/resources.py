@@ -2,7 +2,7 @@
 
 The pipeline calls :func:`configure` on every task with the settings of the config it is compiled
 with (:func:`compile_settings`): the ``resources`` section of ``pipelines/configs/<name>.yaml`` plus
-the names of the cluster objects under ``manifests/k8s/`` (``tests/test_manifests_services.py`` keeps
+the names of the cluster objects under ``manifests/k8s/`` (``tests/unit/test_manifests_services.py`` keeps
 the two in step). ``kfp.local`` runs the same pipeline: it ignores resources and the Kubernetes platform
 spec (with a warning the local runner filters) but honours retry policies, so a local compile
 (``runner="local"``) has none.

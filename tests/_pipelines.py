@@ -39,7 +39,8 @@ def local_config(tmp_path, phases=2):
     return config
 
 
-# Clears any candidate: for checking what runs after a pass, not the gate's judgement (tests/test_gate.py).
+# Clears any candidate: for checking what runs after a pass, not the gate's judgement
+# (tests/unit/test_gate.py).
 PERMISSIVE_POLICY = """
 min_margin: -100.0
 require_ci_lower_above_zero: false
@@ -169,7 +170,8 @@ class Cycle:
         assert decision == "pass"
         version = steps.register_step(self.config, run_dir, phase, compat)["version"]
         # Every gallery item relevant to every probe query: the probes cannot halt this rollout. These
-        # tests check that each kind of model loads, serves and upgrades; tests/test_rollout.py the probes.
+        # tests check that each kind of model loads, serves and upgrades; tests/integration/test_rollout.py
+        # the probes.
         if not probes_can_halt:
             probe = RolloutPaths.for_workspace(self.config["workspace"]).probe
             doc = json.loads(probe.read_text())

@@ -321,7 +321,7 @@ class Rollout:
         encoder never waits on the index.
         """
         t0 = time.perf_counter()
-        self._watch_latency(state, batches, ids, source)
+        self._watch_latency(state, ids[batches[0][0]] if batches else None, source)
         writer = self._writer(target)
         self.pace.begin()
         ahead = self._ahead_for(state, ids, source, keep)
@@ -380,7 +380,7 @@ class Rollout:
         state["cursor"]["ranges"] = [list(r) for r in ranges]
         self._save(state)
         g = state["gallery"]
-        self._watch_latency(state, self._batches(start, min(end, start + 1)), order, source)
+        self._watch_latency(state, order[start] if start < end else None, source)
         spec = workers.write_spec(
             self.paths.work(state["rollout_id"]),
             {
@@ -454,16 +454,15 @@ class Rollout:
     def _writer(self, collection: str) -> GalleryWriter:
         return GalleryWriter.for_pace(self.index, collection, self.pace, self.config.flush_rows)
 
-    def _watch_latency(
-        self, state: dict[str, Any], batches: Sequence[tuple[int, int]], ids: Sequence[str], source: str
-    ) -> None:
+    def _watch_latency(self, state: dict[str, Any], first_id: str | None, source: str) -> None:
         """Give the pace its query-latency source (the running services' users' queries, else searches it
-        times itself) and the idle p99, measured once per rollout before any write. Nothing without an SLO
-        throttle, or in a blue-green fill (users' queries read another space than the rows it writes)."""
-        if not batches or self.config.slo_p99_factor is None or self.pace.latency is not None:
+        times itself, with the vector of ``first_id``, the stage's first item) and the idle p99, measured
+        once per rollout before any write. Nothing without an SLO throttle, or in a blue-green fill (users'
+        queries read another space than the rows it writes)."""
+        if first_id is None or self.config.slo_p99_factor is None or self.pace.latency is not None:
             return  # (the source chosen at the first stage keeps its window of samples)
         serving = self.index.serving_collection() or source
-        (row,) = self.index.fetch([ids[batches[0][0]]], source)
+        (row,) = self.index.fetch([first_id], source)
         if len(row["vector"]) != self.index.collection_dim(serving):
             return
         sources = latency_sources(

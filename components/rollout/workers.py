@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import read_json, write_json_atomic
+from compat.proc import peak_rss_mib
 from components.rollout.state import Batch, batch_grid, restore_path
 from components.rollout.types import RolloutError
 
@@ -89,16 +90,6 @@ def write_spec(work: Path, spec: Mapping[str, Any]) -> Path:
     path = Path(work) / SPEC_FILE
     write_json_atomic(path, dict(spec))
     return path
-
-
-def _peak_rss_mib() -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None
 
 
 def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
@@ -165,7 +156,7 @@ def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
         seconds=round(seconds, 3),
         items_per_s=round((int(cursor["written"]) - written0) / max(seconds, 1e-9), 1),
         cpu_seconds=round(time.process_time(), 2),
-        peak_rss_mib=_peak_rss_mib(),
+        peak_rss_mib=peak_rss_mib(),
         pace=pace.to_dict(),
     )
     write_json_atomic(cursor_path, cursor)

@@ -16,31 +16,9 @@ import os
 import resource
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-
-
-def _status_mib(field: str) -> float | None:
-    """A ``/proc/self/status`` memory field (``VmHWM``, ``VmRSS``) in MiB; None where there is no /proc."""
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    """Start the process's ``VmHWM`` again from its current resident size (Linux 4.0+); False when not."""
-    try:
-        _CLEAR_REFS.write_text("5")
-        return True
-    except OSError:
-        return False
+from compat.proc import peak_rss_mib, reset_peak
 
 
 @contextlib.contextmanager
@@ -50,7 +28,7 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
     ``workers_peak_rss_mib`` (the largest child this process ever waited for: in a step's own process, its
     workers'), ``peak_is_step_only`` (False where the peak could not be reset: it may be an earlier step's).
     Filled also when the body raises."""
-    own_peak = _reset_peak()
+    own_peak = reset_peak()
     start_wall, start_cpu = time.monotonic(), time.process_time()
     start_children = os.times()
     try:
@@ -61,7 +39,7 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
         usage.update(
             wall_s=round(time.monotonic() - start_wall, 3),
             cpu_s=round(time.process_time() - start_cpu, 3),
-            peak_rss_mib=_rounded(_status_mib("VmHWM")),
+            peak_rss_mib=peak_rss_mib(),
             peak_is_step_only=own_peak,
             workers_cpu_s=round(
                 children.children_user
@@ -72,7 +50,3 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
             ),
             workers_peak_rss_mib=round(workers_peak_kib / 1024, 1) if workers_peak_kib else None,
         )
-
-
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)

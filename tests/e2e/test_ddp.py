@@ -1,7 +1,7 @@
 """DDP on 2 CPU processes (gloo, loopback): loss, gradients and trained weights equal one process on the
 same global batch, for the CLIP loss and the Mod-X KL whose B x B matrices span both ranks.
 
-Run as a script (``python tests/test_ddp.py OUT``) this file is the per-rank worker.
+Run as a script (``python tests/e2e/test_ddp.py OUT``) this file is the per-rank worker.
 """
 
 from __future__ import annotations
