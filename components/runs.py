@@ -61,6 +61,45 @@ def read_state(workspace: Workspace | str | Path) -> dict[str, Any]:
     return state
 
 
+def _refuse_another_index(ws: Workspace) -> None:
+    """A configured index other than the one the workspace's gallery is served from is refused before any
+    step runs, naming both (:func:`components.serving.record.check_index_agrees`)."""
+    from components.serving.record import ServingError, check_index_agrees, read_serving
+
+    try:
+        check_index_agrees(ws.configured_index_uri, read_serving(ws.serving_path), ws.serving_path)
+    except ServingError as error:
+        raise PlanError(str(error)) from None
+
+
+SERVICE_CONNECT_S = 5.0  # a server that accepts no connection within this is refused before any step runs
+_DEFAULT_PORTS = {"http": 80, "https": 443, "tcp": 19530, "grpc": 19530}
+
+
+def _refuse_unreachable_services(deployment: Deployment) -> None:
+    """Each configured server (``index.uri``, ``registry.tracking_uri``) must accept a connection within
+    :data:`SERVICE_CONNECT_S`: found in seconds at the start of the run, naming the field and the URI, not
+    after minutes of validation and training (embedded stores, files and paths are not servers)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    for field, uri in (
+        ("index.uri", deployment.index.uri),
+        ("registry.tracking_uri", deployment.registry.tracking_uri),
+    ):
+        parts = urlsplit(uri or "")
+        if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+            continue
+        address = (parts.hostname, parts.port or _DEFAULT_PORTS[parts.scheme])
+        try:
+            socket.create_connection(address, timeout=SERVICE_CONNECT_S).close()
+        except OSError as error:
+            raise PlanError(
+                f"{field} {uri} is unreachable ({error}): start that service or correct {field} in the "
+                "config; no step has run"
+            ) from None
+
+
 def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
     """The phase record must account for the work the workspace holds: a phase with a finished run folder that
     the state does not record (a missing, emptied or stale phase record), or a production model in the
@@ -314,6 +353,8 @@ def plan_run(
     n_phases = len(manifest["phases"])
     state = read_state(Workspace.of(deployment))
     _refuse_lost_state(deployment, state)  # a missing, emptied or stale phase record
+    _refuse_another_index(Workspace.of(deployment))
+    _refuse_unreachable_services(deployment)
     if phase < 0:
         pending = next_pending_phase(state, n_phases)
         if pending is None:

@@ -192,6 +192,11 @@ class Workspace:
         return self._weights_dir or self.root / "weights"
 
     @property
+    def configured_index_uri(self) -> str | None:
+        """The index URI the config or ``$COMPATFLOW_MILVUS_URI`` names; None when neither does."""
+        return self._index_uri
+
+    @property
     def index_uri(self) -> str:
         """The Milvus URI: the configured one, else milvus-lite at ``<root>/milvus/gallery.db``."""
         return self._index_uri or str(self.milvus_dir / "gallery.db")

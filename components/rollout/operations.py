@@ -18,7 +18,13 @@ from components.deployment import RolloutSection
 from components.index import DEFAULT_ALIAS, GalleryIndex
 from components.rollout.engine import run_rollout
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutPaths
-from components.serving.record import DEFAULT_FACTORY, import_factory, read_serving, write_serving
+from components.serving.record import (
+    DEFAULT_FACTORY,
+    check_index_agrees,
+    import_factory,
+    read_serving,
+    write_serving,
+)
 
 DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
 
@@ -67,11 +73,13 @@ def index_gallery(
 
 def open_index(workspace: Any = None) -> GalleryIndex:
     """A workspace's gallery index, where its serving record says it is (the collection being served), else
-    at the workspace's index URI (:attr:`components.workspace.Workspace.index_uri`)."""
+    at the workspace's index URI (:attr:`components.workspace.Workspace.index_uri`). A configured URI other
+    than the record's is refused (:func:`components.serving.record.check_index_agrees`)."""
     from components.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
     record = read_serving(ws.serving_path)
+    check_index_agrees(ws.configured_index_uri, record, ws.serving_path)
     uri = record["uri"] if record else ws.index_uri
     return GalleryIndex(uri, alias=record["alias"] if record else ws.index_alias or DEFAULT_ALIAS)
 

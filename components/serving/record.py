@@ -60,6 +60,27 @@ def read_serving(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return map_paths(doc, SERVING_PATHS, lambda value: resolved_path(root, value))
 
 
+def same_index(a: str, b: str) -> bool:
+    """Whether two index URIs name one index: local paths (milvus-lite files) by their real path, server
+    URIs as written, without a trailing slash."""
+    if "://" not in a and "://" not in b:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def check_index_agrees(configured: str | None, record: Mapping[str, Any] | None, record_path: Any) -> None:
+    """Refuse a configured index URI (``index.uri``, ``$COMPATFLOW_MILVUS_URI``) other than the one the
+    serving record says the gallery is served from: reading or writing the configured one would serve, roll
+    out and record lineage against another gallery than the served one."""
+    if configured is None or record is None or same_index(configured, record["uri"]):
+        return
+    raise ServingError(
+        f"index.uri is {configured} but this workspace's gallery is served from {record['uri']} (serving "
+        f"record {record_path}): set index.uri to {record['uri']} (or leave it unset) to go on serving this "
+        "gallery; editing the config does not move a gallery to another index"
+    )
+
+
 def write_serving(
     path: str | os.PathLike[str],
     *,
