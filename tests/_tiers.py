@@ -87,6 +87,11 @@ def _short(args: tuple) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def inside_tests(path: Path) -> bool:
+    """Whether ``path`` lies under this ``tests/`` folder (planted tests run elsewhere have no tier)."""
+    return Path(path).resolve().is_relative_to(_TESTS)
+
+
 def over_limit(durations: dict[str, float], limit_s: float = LIMIT_S) -> dict[str, float]:
     """The tests whose wall time passed ``limit_s``, slowest first."""
     slow = {node: s for node, s in durations.items() if s > limit_s}

@@ -37,9 +37,10 @@ def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier, the folder it lives in (tests/unit, tests/integration, tests/e2e)."""
     for item in items:
         tier = _tiers.tier_of(item.path)
-        if tier is None:
+        if tier is not None:
+            item.add_marker(tier)
+        elif _tiers.inside_tests(item.path):
             raise pytest.UsageError(f"{item.nodeid} is outside the tiers: move it under tests/<tier>/")
-        item.add_marker(tier)
 
 
 _DURATIONS: dict[str, float] = {}
