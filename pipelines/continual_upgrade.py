@@ -21,9 +21,6 @@ from typing import Any
 from kfp import dsl
 
 from components import kfp_ops
-from pipelines.kfp_stack import name_callers_without_source
-
-name_callers_without_source()  # before the pipeline below is built (at import)
 
 PIPELINE_NAME = "compatflow-continual-upgrade"
 
