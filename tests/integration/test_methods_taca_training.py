@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from _toy_models import batches, rotated_copy
@@ -12,19 +11,10 @@ from compat.models import build_model
 from compat.modules.projection import TwoLayerProjector
 
 
-@pytest.fixture(scope="module")
-def old():
-    return build_model("cf-tiny", seed=1)
-
-
-@pytest.fixture(scope="module")
-def new():
-    return build_model("cf-small", seed=2)
-
-
 # ------------------------------------------------------------------------------------- known answer
-def test_taca_learns_the_hidden_rotation_of_the_image_space(old):
+def test_taca_learns_the_hidden_rotation_of_the_image_space():
     """new = old embedded isometrically in 128-d + noise: held-out new images must find their old vector."""
+    old = build_model("cf-tiny", seed=1)
     new = rotated_copy(old, 128, noise=0.05)
     held = torch.randn(48, 3, 64, 64)
     old_img = old.encode_images(held)
