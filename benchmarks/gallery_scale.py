@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from compat.proc import cpu_seconds, peak_rss_mib
+from compat.proc import cpu_seconds, peak_rss_mib, reset_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -86,13 +86,6 @@ def stand_in_encoders(config: Mapping[str, Any]) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- measuring
-def _reset_peak(pid: int) -> None:
-    try:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def _disk_mib(path: Path) -> float:
     return (
         round(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20, 1)
@@ -236,7 +229,7 @@ def measure_size(
         if backend == "lite" and k > 1:
             continue
         if server_pid:
-            _reset_peak(server_pid)
+            reset_peak(server_pid)
         server_cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
         rollout = _run_child(args, "rollout", version=f"v2k{k}", k=k)
         rollout_dir = args.workspace / "rollout"

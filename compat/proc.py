@@ -26,10 +26,10 @@ def peak_rss_mib(pid: int | str = "self") -> float | None:
     return None if peak is None else round(peak, 1)
 
 
-def reset_peak() -> bool:
-    """Start this process's ``VmHWM`` again from its current resident size (Linux 4.0+); False when not."""
+def reset_peak(pid: int | str = "self") -> bool:
+    """Start the process's ``VmHWM`` again from its current resident size (Linux 4.0+); False when not."""
     try:
-        Path("/proc/self/clear_refs").write_text("5")
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
         return True
     except OSError:
         return False

@@ -60,13 +60,18 @@ class UnitGuard:
         self._modules_before: set[str] = set()
         sys.addaudithook(self._hook)
 
+    @classmethod
+    def loaded(cls) -> set[str]:
+        """The libraries of :data:`IMPORTS` this process has imported."""
+        return {m for m in cls.IMPORTS if m in sys.modules}
+
     def start(self, test: str) -> None:
         self.test, self.refused = test, []
-        self._modules_before = {m for m in self.IMPORTS if m in sys.modules}
+        self._modules_before = self.loaded()
 
     def stop(self) -> list[str]:
         """Switch off; returns what the test did that a unit test may not."""
-        imported = [m for m in self.IMPORTS if m in sys.modules and m not in self._modules_before]
+        imported = sorted(self.loaded() - self._modules_before, key=self.IMPORTS.index)
         found = self.refused + [f"imports {m}" for m in imported]
         self.test = None
         return found

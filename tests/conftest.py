@@ -52,9 +52,9 @@ def pytest_make_collect_report(collector):
     """Note the service libraries a unit test file's own import loads (before any test's guard is on)."""
     if not isinstance(collector, pytest.Module) or _tiers.tier_of(collector.path) != "unit":
         return (yield)
-    before = {m for m in _tiers.UnitGuard.IMPORTS if m in sys.modules}
+    before = _tiers.UnitGuard.loaded()
     report = yield
-    loaded = [m for m in _tiers.UnitGuard.IMPORTS if m in sys.modules and m not in before]
+    loaded = sorted(_tiers.UnitGuard.loaded() - before, key=_tiers.UnitGuard.IMPORTS.index)
     if loaded:
         _IMPORTED_AT_COLLECTION[str(collector.path)] = loaded
     return report

@@ -31,7 +31,7 @@ def test_a_kfp_or_service_library_import_is_found_when_the_test_ends() -> None:
     guard = _tiers.UnitGuard.__new__(_tiers.UnitGuard)  # not hooked: only its bookkeeping is tested
     guard.test, guard.refused = "t", []
     saved = sys.modules.pop("kfp", None)
-    guard._modules_before = {m for m in guard.IMPORTS if m in sys.modules}
+    guard._modules_before = guard.loaded()
     try:
         sys.modules["kfp"] = type(sys)("kfp")
         assert guard.stop() == ["imports kfp"]
