@@ -1,21 +1,35 @@
 """The ``compatflow`` command line.
 
-Each module in :mod:`pipelines.commands` defines ``register(app)`` and adds its own
-subcommands; this file only discovers them. Command modules import nothing heavy
-at module level, so ``compatflow --help`` stays fast.
+:data:`COMMANDS` lists the command modules of :mod:`pipelines.commands`; each defines
+``register(app)`` and adds its own subcommands, in the order listed. Command modules
+import nothing heavy at module level, so ``compatflow --help`` stays fast.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import pkgutil
 import sys
 
 import typer
 
-from pipelines import commands
+import pipelines.commands.compat
+import pipelines.commands.data
+import pipelines.commands.drift
+import pipelines.commands.evaluate
+import pipelines.commands.gate
+import pipelines.commands.index
+import pipelines.commands.lineage
+import pipelines.commands.models
+import pipelines.commands.registry
+import pipelines.commands.report
+import pipelines.commands.rollout
+import pipelines.commands.run
+import pipelines.commands.serve
+import pipelines.commands.state
+import pipelines.commands.stream
+import pipelines.commands.train
+import pipelines.commands.validate
 
 app = typer.Typer(
     name="compatflow",
@@ -96,11 +110,29 @@ def _root(
             logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
+COMMANDS = (  # the command modules, each with ``register(app)``, registered in this order
+    pipelines.commands.compat,
+    pipelines.commands.data,
+    pipelines.commands.drift,
+    pipelines.commands.evaluate,
+    pipelines.commands.gate,
+    pipelines.commands.index,
+    pipelines.commands.lineage,
+    pipelines.commands.models,
+    pipelines.commands.registry,
+    pipelines.commands.report,
+    pipelines.commands.rollout,
+    pipelines.commands.run,
+    pipelines.commands.serve,
+    pipelines.commands.state,
+    pipelines.commands.stream,
+    pipelines.commands.train,
+    pipelines.commands.validate,
+)
+
+
 def _register_commands() -> None:
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+    for module in COMMANDS:
         module.register(app)
 
 

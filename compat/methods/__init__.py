@@ -1,8 +1,10 @@
 """Compatibility methods behind one contract (:mod:`compat.methods.base`), registered by name.
 
-Each method lives in ``compat/methods/<name>.py`` and registers itself with :func:`register_method`; the
-pipeline config picks one by name (``compat.method``). Importing this package is cheap: a method module
-(and torch) is imported when the method is first asked for.
+:data:`METHODS` lists every method: its name (what ``compat.method`` in the pipeline config names) and the
+module that defines it, one file per method. That module's class is decorated with
+:func:`register_method`, which refuses a name :data:`METHODS` does not list under that module, so the list
+and the classes cannot drift apart. Importing this package is cheap: a method's module (and torch) is
+imported when the method is first asked for.
 
     method = get_method("lambda_orth")
     model = method.fit(new_bundle, old_bundle, batches, method.make_config({"steps": 500}))
@@ -12,14 +14,24 @@ pipeline config picks one by name (``compat.method``). Importing this package is
 from __future__ import annotations
 
 import importlib
-import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     from compat.methods.base import CompatMethod
 
-_NOT_METHODS = {"base", "config", "contract", "layers", "model", "run", "training"}  # the shared parts
+METHODS: Mapping[str, str] = MappingProxyType(
+    {  # method name -> the module whose class registers it (imported on first use)
+        "bct": "compat.methods.bct",
+        "bt2": "compat.methods.bt2",
+        "lambda_orth": "compat.methods.lambda_orth",
+        "none": "compat.methods.none",
+        "taca": "compat.methods.taca",
+        "xbt": "compat.methods.xbt",
+        "xbt_base": "compat.methods.xbt_base",
+    }
+)
 _REGISTRY: dict[str, type[CompatMethod]] = {}
 M = TypeVar("M", bound="type[CompatMethod]")
 
@@ -27,13 +39,26 @@ M = TypeVar("M", bound="type[CompatMethod]")
 def register_method(name: str) -> Callable[[M], M]:
     """Class decorator registering a :class:`~compat.methods.base.CompatMethod` subclass under ``name``.
 
-    The name must equal the module's name (``compat/methods/<name>.py``) so that it can be found lazily.
+    ``name`` must be listed in :data:`METHODS` with the module the class is defined in.
     """
 
     def decorate(cls: M) -> M:
+        module = METHODS.get(name)
+        if module is None:
+            raise ValueError(
+                f"compatibility method {name!r} is not listed in compat.methods.METHODS: "
+                f"add {name!r}: {cls.__module__!r} there"
+            )
+        if cls.__module__ != module:
+            raise ValueError(
+                f"compatibility method {name!r} is defined in {module} (compat.methods.METHODS), "
+                f"not in {cls.__module__}"
+            )
         existing = _REGISTRY.get(name)
         if existing is not None and existing is not cls:
-            raise ValueError(f"compatibility method {name!r} is already registered by {existing.__module__}")
+            raise ValueError(
+                f"compatibility method {name!r} is already registered by {module}.{existing.__qualname__}"
+            )
         cls.name = name
         cls.model_class.method = name
         _REGISTRY[name] = cls
@@ -42,29 +67,21 @@ def register_method(name: str) -> Callable[[M], M]:
     return decorate
 
 
-def _module_names() -> list[str]:
-    return sorted(
-        m.name
-        for m in pkgutil.iter_modules(__path__)
-        if not m.name.startswith("_") and m.name not in _NOT_METHODS
-    )
-
-
 def get_method(name: str) -> CompatMethod:
-    """An instance of the method registered as ``name`` (its module is imported on first use)."""
-    if name not in _REGISTRY and name in _module_names():
-        importlib.import_module(f"{__name__}.{name}")
-    if name not in _REGISTRY:
+    """An instance of the method ``name`` (its module is imported on first use)."""
+    module = METHODS.get(name)
+    if module is None:
         raise KeyError(f"unknown compatibility method {name!r}; available: {', '.join(available_methods())}")
+    if name not in _REGISTRY:
+        importlib.import_module(module)
+    if name not in _REGISTRY:
+        raise LookupError(f"{module} registers no method {name!r}: decorate its class with @register_method")
     return _REGISTRY[name]()
 
 
 def available_methods() -> list[str]:
-    """Names of every method shipped in ``compat/methods`` (plus any registered from elsewhere)."""
-    for module in _module_names():
-        if module not in _REGISTRY:
-            importlib.import_module(f"{__name__}.{module}")
-    return sorted(_REGISTRY)
+    """Names of every method (the keys of :data:`METHODS`); no method's module is imported."""
+    return sorted(METHODS)
 
 
-__all__ = ["available_methods", "get_method", "register_method"]
+__all__ = ["METHODS", "available_methods", "get_method", "register_method"]

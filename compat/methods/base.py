@@ -29,7 +29,8 @@ from compat.models import ClipBundle
 
 
 class CompatMethod(ABC):
-    """A compatibility-training method, registered by name with :func:`compat.methods.register_method`."""
+    """A compatibility-training method, listed by name in :data:`compat.methods.METHODS` and registered with
+    :func:`compat.methods.register_method`."""
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig

@@ -3,7 +3,10 @@ baseline, persistence errors, and the shard batches the methods train on."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import pkgutil
 import shutil
 
 import pytest
@@ -11,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from _compat_pairs import write_shards
 
+import compat.methods
 from compat.compat_training import ShardBatches
-from compat.methods import available_methods, get_method, register_method
+from compat.methods import METHODS, available_methods, get_method, register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import CompatError, ServingContract
@@ -37,8 +41,41 @@ def test_registry_lists_and_finds_methods():
         def fit(self, new, old, batches, config=None):  # pragma: no cover - never called
             raise AssertionError
 
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="'bct' is defined in compat.methods.bct .*not in .*test_methods"):
         register_method("bct")(Other)
+    with pytest.raises(ValueError, match="'fct' is not listed in compat.methods.METHODS"):
+        register_method("fct")(Other)
+    assert "fct" not in available_methods()
+
+
+def _defined_methods() -> dict[str, list[type[CompatMethod]]]:
+    """Module name -> the concrete method classes it defines, for every module under compat/methods
+    (walked here on purpose: the registry itself never walks the folder)."""
+    defined = {}
+    for info in pkgutil.iter_modules(compat.methods.__path__, f"{compat.methods.__name__}."):
+        module = importlib.import_module(info.name)
+        defined[info.name] = [
+            cls
+            for cls in vars(module).values()
+            if inspect.isclass(cls)
+            and issubclass(cls, CompatMethod)
+            and cls.__module__ == info.name
+            and not inspect.isabstract(cls)
+        ]
+    return defined
+
+
+def test_every_method_module_is_listed_and_every_listed_method_is_registered_by_its_module():
+    defined = _defined_methods()
+    for module, classes in defined.items():
+        for cls in classes:
+            assert cls.name, f"{module}.{cls.__qualname__} is a method but not @register_method'ed"
+            assert METHODS.get(cls.name) == module, f"METHODS does not list {cls.name!r}: {module!r}"
+    assert {m for m, classes in defined.items() if classes} == set(METHODS.values())
+    for name, module in METHODS.items():
+        method = get_method(name)
+        assert type(method).__module__ == module and type(method) in defined[module]
+        assert method.name == name and method.model_class.method == name
 
 
 def test_configs_are_typed_and_refuse_unknown_keys():
