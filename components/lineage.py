@@ -1,7 +1,8 @@
 """Gallery-item lineage in Feast: which model version and embedding space wrote each item's vector.
 
-The indexing and backfill stages call :meth:`LineageStore.write_items` after each upsert; on-call
-and the backfill planner call :meth:`LineageStore.get_items` / :meth:`LineageStore.versions_by_item`.
+The indexing and backfill stages call :meth:`LineageStore.write_items` after each upsert, and
+:func:`sync_from_index` after a rollout or a rollback (streamed, bounded by a batch); on-call calls
+:meth:`LineageStore.get_items` and :meth:`LineageStore.check_against_index` (``compatflow lineage``).
 Offline rows are append-only parquet parts (one file per write, renamed into place, so a crash
 never leaves a half-written file); the online store (sqlite by default) holds the newest row per item.
 
@@ -18,8 +19,8 @@ import os
 import shutil
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from datetime import UTC, datetime
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ ITEM_COLUMNS = (
     "domain",
 )
 REQUIRED = ("item_id", "model_version", "space_id")
+_CARRIED = ("caption", "image_uri", "domain")  # what a sync keeps from an item's lineage
+_SYNC_FEATURES = ("model_version", "space_id", *_CARRIED)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class LineageError(ValueError):
@@ -132,36 +136,85 @@ class LineageStore:
         )
         return len(frame)
 
-    def sync_with_index(self, index_rows: Iterable[Mapping[str, Any]]) -> int:
+    def sync_with_index(self, index_rows: Iterable[Mapping[str, Any]], *, batch_size: int = 2000) -> int:
         """Record indexed items whose model version or space differs from their lineage; returns the count.
 
         ``index_rows`` are gallery rows (``item_id``, ``model_version``, ``space_id``, ``embedded_at`` in
-        epoch ms, ``phase``, ``source_uri``), e.g. after a backfill or a rollback. Caption, image URI and
-        domain carry over from the item's newest lineage row.
+        epoch ms, ``phase``, ``source_uri``), e.g. after a backfill or a rollback, streamed: each
+        ``batch_size`` rows are compared with the online store (one keyed read) and the changed ones written,
+        so memory is bounded by the batch and not by the gallery. Caption, image URI and domain carry over
+        from the item's lineage. :meth:`write_items` writes the offline part before the online rows, so a
+        sync killed between the two leaves the online store behind and the next sync writes those items again.
         """
-        import pandas as pd
+        written = 0
+        for rows in _chunks(index_rows, batch_size):
+            written += self.write_items(self._changed(rows))
+        return written
 
-        latest = self.latest_offline().set_index("item_id")
+    def _changed(self, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The lineage rows to write for one batch of index rows: those the online store disagrees with."""
+        known = self._online([str(row["item_id"]) for row in rows], _SYNC_FEATURES)
         changed = []
-        for row in index_rows:
-            item = str(row["item_id"])
-            known = latest.loc[item] if item in latest.index else None
+        for position, row in enumerate(rows):
             version, space = str(row["model_version"]), str(row["space_id"])
-            if known is not None and (known["model_version"], known["space_id"]) == (version, space):
+            had = known["model_version"][position]
+            if (had, known["space_id"][position]) == (version, space):
                 continue
+            carried = {name: known[name][position] for name in _CARRIED}
+            if had is None:  # not in the lineage yet: the index's own source
+                carried["image_uri"] = row.get("source_uri")
             changed.append(
                 {
-                    "item_id": item,
+                    "item_id": str(row["item_id"]),
                     "model_version": version,
                     "space_id": space,
-                    "embedded_at": pd.to_datetime(int(row["embedded_at"]), unit="ms", utc=True),
+                    "embedded_at": _from_millis(int(row["embedded_at"])),
                     "phase": row.get("phase"),
-                    "caption": None if known is None else known["caption"],
-                    "image_uri": row.get("source_uri") if known is None else known["image_uri"],
-                    "domain": None if known is None else known["domain"],
+                    **carried,
                 }
             )
-        return self.write_items(changed)
+        return changed
+
+    def _online(self, item_ids: list[str], names: Iterable[str]) -> dict[str, list[Any]]:
+        """``{feature: [value per id]}`` from the online store (``None`` where an item has none)."""
+        from components.feature_repo import items as defs
+
+        if not item_ids:
+            return {name: [] for name in names}
+        response = self.store.get_online_features(
+            features=[f"{defs.ITEMS_VIEW}:{name}" for name in names],
+            entity_rows=[{"item_id": i} for i in item_ids],
+        ).to_dict()
+        return {name: response[name] for name in names}
+
+    def check_against_index(self, index_rows: Iterable[Mapping[str, Any]], *, batch_size: int = 2000) -> dict:
+        """Whether the online lineage of every indexed item names the model version and space its index row
+        does, streamed in batches of ``batch_size`` (memory bounded by the batch).
+
+        Returns items per model version in the index and in the lineage of those items (``"none"`` for an item
+        the lineage lacks), the count that disagree and up to five of their ids, and ``agree``.
+        """
+        index: Counter[str] = Counter()
+        lineage: Counter[str] = Counter()
+        disagreeing, examples = 0, []
+        for rows in _chunks(index_rows, batch_size):
+            known = self._online([str(row["item_id"]) for row in rows], ("model_version", "space_id"))
+            for position, row in enumerate(rows):
+                version, space = str(row["model_version"]), str(row["space_id"])
+                had = known["model_version"][position]
+                index[version] += 1
+                lineage["none" if had is None else had] += 1
+                if (had, known["space_id"][position]) != (version, space):
+                    disagreeing += 1
+                    if len(examples) < 5:
+                        examples.append(str(row["item_id"]))
+        return {
+            "index": dict(sorted(index.items())),
+            "lineage": dict(sorted(lineage.items())),
+            "disagreeing": disagreeing,
+            "examples": examples,
+            "agree": disagreeing == 0,
+        }
 
     def get_items(self, item_ids: Iterable[str]) -> list[dict[str, Any]]:
         """Online lineage of ``item_ids`` in order; unknown items come back with ``None`` features."""
@@ -179,37 +232,44 @@ class LineageStore:
             for name in defs.FEATURE_NAMES:
                 row[name] = response[name][index]
             if isinstance(row["embedded_at"], int):  # (online rows from before it was an int: datetimes)
-                row["embedded_at"] = _from_micros(row["embedded_at"]).to_pydatetime()
+                row["embedded_at"] = _EPOCH + timedelta(microseconds=row["embedded_at"])
             rows.append(row)
         return rows
 
-    def versions_by_item(self, item_ids: Iterable[str] | None = None) -> dict[str, str | None]:
-        """``{item_id: model_version}``: online for the given ids, else every item from the offline rows."""
-        if item_ids is not None:
-            return {row["item_id"]: row["model_version"] for row in self.get_items(item_ids)}
-        latest = self.latest_offline()
-        return dict(zip(latest["item_id"], latest["model_version"], strict=True))
+    def versions_by_item(self, item_ids: Iterable[str]) -> dict[str, str | None]:
+        """``{item_id: model_version}`` of the given ids, from the online store (``None``: not recorded)."""
+        return {row["item_id"]: row["model_version"] for row in self.get_items(item_ids)}
+
+    def has_items(self) -> bool:
+        """Whether any offline lineage row was written."""
+        return self.items_dir.is_dir() and any(self.items_dir.glob("*.parquet"))
 
     def version_counts(self) -> dict[str, int]:
-        """Items per model version (from the offline rows' newest entry per item)."""
-        return dict(Counter(self.versions_by_item().values()))
+        """Items per model version, from the offline rows' newest entry per item.
 
-    def latest_offline(self) -> Any:
-        """The newest offline row per item as a DataFrame (empty when nothing was written)."""
-        import pandas as pd
+        Reads the offline parts whole, as Arrow columns (item id, version and two timestamps: tens of bytes
+        an item, no Python object per item): a repo-wide tally for tests and small galleries. On a large
+        gallery ask :meth:`check_against_index`, which streams.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
         import pyarrow.dataset as ds
 
-        parts = sorted(self.items_dir.glob("*.parquet")) if self.items_dir.is_dir() else []
-        if not parts:
-            return pd.DataFrame(columns=[*ITEM_COLUMNS, "written_at"])
-        frame = (
-            ds.dataset([str(p) for p in parts], format="parquet", schema=_arrow_schema())
-            .to_table()
-            .to_pandas()
+        if not self.has_items():
+            return {}
+        parts = sorted(self.items_dir.glob("*.parquet"))
+        table = ds.dataset([str(p) for p in parts], format="parquet", schema=_arrow_schema()).to_table(
+            columns=["item_id", "model_version", "written_at", "embedded_at"]
         )
-        frame = frame.sort_values(["written_at", "embedded_at"], kind="stable")
-        frame["embedded_at"] = _from_micros(frame["embedded_at"])
-        return frame.drop_duplicates("item_id", keep="last").reset_index(drop=True)
+        order = pc.sort_indices(
+            table, [("item_id", "ascending"), ("written_at", "ascending"), ("embedded_at", "ascending")]
+        )
+        ids, versions = table["item_id"].take(order), table["model_version"].take(order)
+        # The newest row of an item is the last of its run in this order.
+        last = pc.not_equal(ids[:-1], ids[1:]) if len(ids) > 1 else pa.array([], pa.bool_())
+        newest = pc.filter(versions, pa.concat_arrays([last.combine_chunks(), pa.array([True])]))
+        counts = pc.value_counts(newest)
+        return {str(c["values"]): int(c["counts"]) for c in counts.to_pylist()}
 
 
 def sync_from_index(
@@ -220,12 +280,33 @@ def sync_from_index(
     rollback); returns the rows written."""
     from components.index import GalleryIndex
 
-    with GalleryIndex(uri, alias) as index:
-        fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
-        rows = [row for batch in index.iter_rows(fields) for row in batch]
     store = LineageStore(repo_dir, definition=definition)
     store.apply()
-    return store.sync_with_index(rows)
+    with GalleryIndex(uri, alias) as index:
+        return store.sync_with_index(index_rows(index))
+
+
+def index_rows(index: Any, batch_size: int = 2000) -> Iterator[dict[str, Any]]:
+    """Every row of the collection ``index`` serves, with the fields lineage compares, read in batches."""
+    fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
+    for batch in index.iter_rows(fields, batch_size=batch_size):
+        yield from batch
+
+
+def _chunks(rows: Iterable[Mapping[str, Any]], size: int) -> Iterator[list[Mapping[str, Any]]]:
+    """``rows`` as lists of at most ``size``."""
+    chunk: list[Mapping[str, Any]] = []
+    for row in _rows(rows):
+        chunk.append(row)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _from_millis(millis: int) -> datetime:
+    return _EPOCH + timedelta(milliseconds=millis)
 
 
 def _normalise(items: Any) -> Any:
@@ -272,12 +353,6 @@ def _to_micros(times: Any) -> Any:
     import pandas as pd
 
     return ((times - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(microseconds=1)).astype("int64")
-
-
-def _from_micros(values: Any) -> Any:
-    import pandas as pd
-
-    return pd.to_datetime(values, unit="us", utc=True)
 
 
 def _rows(items: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:

@@ -20,7 +20,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 def lineage(
     item_ids: Annotated[list[str], typer.Argument(help="Gallery item ids.", show_default=False)] = None,  # noqa: B006
     check: Annotated[
-        bool, typer.Option("--check", help="Compare Feast's items per model version with the index's.")
+        bool,
+        typer.Option("--check", help="Check every indexed item's model version against its Feast lineage."),
     ] = False,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
@@ -60,21 +61,31 @@ def lineage(
                 f"{row['image_uri']}  {row['caption']!r}"
             )
         if agreement:
-            typer.echo(
-                f"lineage {agreement['lineage']} / index {agreement['index']}: "
-                + ("they agree" if agreement["agree"] else "they DISAGREE (a sync was missed)")
-            )
+            verdict = "they agree" if agreement["agree"] else "they DISAGREE (a sync was missed)"
+            typer.echo(f"lineage {agreement['lineage']} / index {agreement['index']}: {verdict}")
+            if agreement["disagreeing"]:
+                typer.echo(f"{agreement['disagreeing']} item(s) differ, e.g. {agreement['examples']}")
+            if agreement.get("note"):
+                typer.echo(agreement["note"])
     if agreement and not agreement["agree"]:
         raise typer.Exit(1)
 
 
 def _agreement(ws: Any, store: Any) -> dict[str, Any]:
-    """Items per model version in Feast (offline rows, newest per item) and in the serving collection."""
-    from components.status import gallery_part
+    """Every item of the serving collection against its online lineage, streamed in batches
+    (:meth:`~components.lineage.LineageStore.check_against_index`). With no gallery served, the lineage
+    must be empty."""
+    from components.lineage import index_rows
+    from components.rollout import read_serving
+    from components.rollout.operations import open_index
 
-    index = gallery_part(ws)["gallery"]["by_version"]
-    counted = {str(k): int(v) for k, v in store.version_counts().items()}
-    return {"lineage": counted, "index": index, "agree": counted == index}
+    if read_serving(ws.serving_path) is None:
+        agreement = store.check_against_index([])
+        if store.has_items():
+            agreement.update(agree=False, note="no gallery is served, but the lineage records items")
+        return agreement
+    with open_index(ws) as index:
+        return store.check_against_index(index_rows(index))
 
 
 def register(app: typer.Typer) -> None:

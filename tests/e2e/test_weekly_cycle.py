@@ -68,7 +68,10 @@ class WeeklyCycle:
 
     def run(self, expected: str, phase: int) -> dict:
         """One run with the checks every run must pass; what it left."""
+        from typer.testing import CliRunner
+
         from components.search import search
+        from pipelines.cli import app
         from pipelines.local_runner import run_local
 
         result = run_local(self.config, echo=io.StringIO())
@@ -78,6 +81,11 @@ class WeeklyCycle:
         served = gallery["by_version"]
         assert sum(served.values()) == 40 * (phase + 1) == gallery["count"]  # one vector per item
         assert self.lineage.version_counts() == served
+        checked = CliRunner().invoke(
+            app, ["lineage", "--check", "--json", "--workspace", self.config["workspace"]]
+        )
+        assert checked.exit_code == 0, checked.output  # every item's online lineage names its index version
+        assert json.loads(checked.stdout)["check"]["lineage"] == served
         (hits,) = search(["a small red circle"], k=5, workspace=self.config["workspace"])
         assert len(hits) == 5 and {h["model_version"] for h in hits} <= set(served)
         return {"result": result, "gallery": gallery, "aliases": self.aliases()}

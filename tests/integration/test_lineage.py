@@ -76,7 +76,11 @@ def test_write_read_and_backfill_update(lineage: LineageStore) -> None:
     updated = lineage.get_items(["item-a"])[0]
     assert updated["model_version"] == "2" and updated["embedded_at"] == embedded
     assert lineage.versions_by_item(["item-a", "item-b"]) == {"item-a": "2", "item-b": "1"}
-    assert lineage.versions_by_item() == {"item-a": "2", "item-b": "1", "item-c": "1"}
+    assert lineage.versions_by_item(["item-a", "item-b", "item-c"]) == {
+        "item-a": "2",
+        "item-b": "1",
+        "item-c": "1",
+    }
     assert lineage.version_counts() == {"1": 2, "2": 1}
 
     # offline history keeps both writes, and Feast's point-in-time join sees the newest
@@ -124,12 +128,41 @@ def test_sync_with_index_records_only_changed_items(tmp_path, online, request) -
         }
         for i, v in (("item-a", "2"), ("item-b", "2"), ("item-c", "1"))
     ]
-    assert lineage.sync_with_index(served) == 2
+    before = lineage.check_against_index(served, batch_size=2)
+    assert before["index"] == {"1": 1, "2": 2} and before["lineage"] == {"1": 3}
+    assert before["disagreeing"] == 2 and before["examples"] == ["item-a", "item-b"] and not before["agree"]
+    assert lineage.sync_with_index(served, batch_size=2) == 2  # two batches, each compared and written
     rows = {r["item_id"]: r for r in lineage.get_items(["item-a", "item-c"])}
     assert rows["item-a"]["model_version"] == "2" and rows["item-c"]["model_version"] == "1"
     assert rows["item-a"]["caption"] == gallery("1", ["item-a"])[0]["caption"]  # carried over
     assert lineage.version_counts() == {"2": 2, "1": 1}
     assert lineage.sync_with_index(served) == 0
+    assert lineage.check_against_index(served)["agree"]
+
+
+def test_a_sync_killed_before_its_online_write_is_completed_by_the_next(tmp_path, monkeypatch) -> None:
+    """The offline part lands before the online rows: a sync that dies between them leaves the online
+    store behind, and the next sync writes those items again (the offline store keeps the newest row)."""
+    lineage = repo_on(tmp_path / "feast", "sqlite", None)
+    lineage.write_items(gallery("1", ["a", "b", "c"]))
+    served = [
+        {"item_id": i, "model_version": "2", "space_id": "space-v1", "embedded_at": 1_700_000_000_000}
+        for i in ("a", "b", "c")
+    ]
+    real = lineage.store.write_to_online_store
+
+    def killed(*args: object, **kwargs: object) -> None:
+        raise OSError("killed")
+
+    monkeypatch.setattr(lineage.store, "write_to_online_store", killed)
+    with pytest.raises(OSError, match="killed"):
+        lineage.sync_with_index(served)
+    assert lineage.version_counts() == {"2": 3}  # offline: written
+    assert set(lineage.versions_by_item(["a", "b", "c"]).values()) == {"1"}  # online: not yet
+    monkeypatch.setattr(lineage.store, "write_to_online_store", real)
+    assert lineage.sync_with_index(served) == 3
+    assert set(lineage.versions_by_item(["a", "b", "c"]).values()) == {"2"}
+    assert lineage.version_counts() == {"2": 3} and lineage.check_against_index(served)["agree"]
 
 
 def test_a_rollback_on_a_milvus_server_syncs_lineage_from_the_gallery(tmp_path, request) -> None:
@@ -177,7 +210,8 @@ def test_the_lineage_command_reads_feast_and_checks_it_against_the_index(tmp_pat
     assert items["a"]["model_version"] == "7" and items["a"]["caption"] == "caption of a"
     assert items["zz"]["model_version"] is None
     checked = runner.invoke(app, ["lineage", "--check", "--workspace", str(ws)])
-    assert checked.exit_code == 1 and "lineage {'7': 2} / index {}: they DISAGREE" in checked.stdout
+    assert checked.exit_code == 1 and "they DISAGREE" in checked.stdout
+    assert "no gallery is served, but the lineage records items" in checked.stdout
     missing = runner.invoke(app, ["lineage", "a", "--workspace", str(tmp_path / "empty")])
     assert missing.exit_code == 1 and "no lineage repo" in missing.output
 

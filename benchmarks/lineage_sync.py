@@ -1,0 +1,186 @@
+"""Lineage sync after a rollout, against the gallery's size: the streamed sync beside the whole-gallery read
+it replaced.
+
+For each size N: a gallery of N items indexed by v1 and then by v2 (the alias on v2's collection, as after a
+rollout), the lineage recording v1 for every item. Each sync runs in a process of its own on its own copy of
+the lineage repo; "peak" is that process's VmHWM.
+
+- ``streamed``: :func:`components.lineage.sync_from_index` (2,000 index rows a batch, each compared with
+  Feast's online store by key, the changed ones written);
+- ``whole read`` (the baseline, as the sync was built before): every index row into a list of dicts, the
+  newest offline lineage row per item into pandas, one comparison loop, one write.
+
+Then each syncs again with nothing changed (what a rollback that restored nothing leaves to do).
+
+    .venv/bin/python benchmarks/lineage_sync.py --sizes 10000,100000 --json /tmp/lineage_sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compat.proc import peak_rss_mib
+
+MODES = ("streamed", "whole read")
+CHUNK = 20_000
+
+
+def build(workspace: Path, size: int) -> str:
+    """A milvus-lite gallery of ``size`` items whose alias serves v2's collection, and a lineage repo that
+    records v1 for each; returns the index URI."""
+    from components.index import GalleryIndex
+    from components.lineage import LineageStore
+
+    uri = str(workspace / "milvus.db")
+    lineage = LineageStore(workspace / "feast")
+    lineage.apply()
+    with GalleryIndex(uri, "gallery") as index:
+        for version in ("1", "2"):
+            collection = index.create_collection("space", 8)
+            for start in range(0, size, CHUNK):
+                ids = [f"item-{i:010d}" for i in range(start, min(size, start + CHUNK))]
+                vectors = np.random.default_rng(start).standard_normal((len(ids), 8)).astype(np.float32)
+                index.index_items(ids, vectors, version, "space", collection=collection)
+                if version == "1":
+                    lineage.write_items(
+                        {"item_id": i, "model_version": "1", "space_id": "space", "caption": f"c {i}"}
+                        for i in ids
+                    )
+        index.switch_alias(collection)
+    return uri
+
+
+def whole_read_sync(repo: Path, uri: str) -> int:
+    """The baseline: the sync as built before it streamed (every row of the gallery and of the lineage held
+    at once)."""
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    from components.index import GalleryIndex
+    from components.lineage import LineageStore, _arrow_schema
+
+    with GalleryIndex(uri, "gallery") as index:
+        fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
+        rows = [row for batch in index.iter_rows(fields) for row in batch]
+    store = LineageStore(repo)
+    store.apply()
+    parts = [str(p) for p in sorted(store.items_dir.glob("*.parquet"))]
+    frame = ds.dataset(parts, format="parquet", schema=_arrow_schema()).to_table().to_pandas()
+    frame = frame.sort_values(["written_at", "embedded_at"], kind="stable")
+    latest = frame.drop_duplicates("item_id", keep="last").set_index("item_id")
+    changed = []
+    for row in rows:
+        item = str(row["item_id"])
+        known = latest.loc[item] if item in latest.index else None
+        version, space = str(row["model_version"]), str(row["space_id"])
+        if known is not None and (known["model_version"], known["space_id"]) == (version, space):
+            continue
+        changed.append(
+            {
+                "item_id": item,
+                "model_version": version,
+                "space_id": space,
+                "embedded_at": pd.to_datetime(int(row["embedded_at"]), unit="ms", utc=True),
+                "phase": row.get("phase"),
+                "caption": None if known is None else known["caption"],
+                "image_uri": row.get("source_uri") if known is None else known["image_uri"],
+                "domain": None if known is None else known["domain"],
+            }
+        )
+    return store.write_items(changed)
+
+
+def child(mode: str, repo: Path, uri: str) -> dict[str, Any]:
+    """Two syncs in this process (the first writes every item, the second nothing); seconds and peak."""
+    from components.lineage import sync_from_index
+
+    sync = (
+        (lambda: sync_from_index(repo, uri, "gallery"))
+        if mode == "streamed"
+        else (lambda: whole_read_sync(repo, uri))
+    )
+    t0 = time.perf_counter()
+    written = sync()
+    first = time.perf_counter() - t0
+    peak = peak_rss_mib()
+    t0 = time.perf_counter()
+    again = sync()
+    return {
+        "seconds": round(first, 2),
+        "written": written,
+        "peak_rss_mib": peak,
+        "again_seconds": round(time.perf_counter() - t0, 2),
+        "again_written": again,
+        "again_peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def measure(size: int, root: Path) -> list[dict[str, Any]]:
+    workspace = root / f"n{size}"
+    t0 = time.perf_counter()
+    uri = build(workspace, size)
+    built = time.perf_counter() - t0
+    records = []
+    for mode in MODES:
+        repo = workspace / f"feast-{mode.replace(' ', '-')}"
+        shutil.copytree(workspace / "feast", repo)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", mode, "--repo", str(repo), "--uri", uri],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{mode} at {size} failed:\n{done.stderr[-3000:]}")
+        doc = json.loads(done.stdout.strip().splitlines()[-1])
+        records.append({"size": size, "mode": mode, "build_seconds": round(built, 1), **doc})
+        print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+def table(records: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| items | sync | s | us per item | peak RSS MB | rows written | again: s | again: peak MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['size']:,} | {r['mode']} | {r['seconds']} | {1e6 * r['seconds'] / r['size']:.0f} | "
+            f"{r['peak_rss_mib']} | {r['written']:,} | {r['again_seconds']} | {r['again_peak_rss_mib']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000")
+    parser.add_argument("--json", type=Path, help="Write the records here.")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--uri", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.repo, args.uri)))
+        return 0
+    records = []
+    with tempfile.TemporaryDirectory(prefix="lineage-sync-") as root:
+        for size in (int(s) for s in args.sizes.split(",")):
+            records += measure(size, Path(root))
+    print(table(records))
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
