@@ -20,6 +20,7 @@ standalone needs root (a private loopback-only network namespace, :mod:`componen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,20 @@ def measure_size(
     return records
 
 
+@contextlib.contextmanager
+def milvus_standalone(data_dir: Path) -> Iterator[Any]:
+    """A Milvus standalone server on loopback (a private network namespace where the machine has other
+    interfaces), its binaries cached under ``~/.cache/compatflow``; stopped on exit."""
+    from components import milvus_server
+
+    if not milvus_server.loopback_only():
+        milvus_server.enter_private_network()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    bins = cache / "compatflow" / f"milvus-{milvus_server.server_version()}"
+    with milvus_server.running(data_dir, bin_dir=bins, graceful_stop_s=3) as server:
+        yield server
+
+
 def exponent(sizes: Sequence[float], values: Sequence[float]) -> float | None:
     """Least-squares slope of log(value) over log(size) (None with fewer than two positive points)."""
     pts = [(math.log(s), math.log(v)) for s, v in zip(sizes, values, strict=True) if s > 0 and v and v > 0]
@@ -375,13 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for size in sizes:
                 records += measure_size(args, "lite", size, None)
         if "standalone" in backends:
-            from components import milvus_server
-
-            if not milvus_server.loopback_only():
-                milvus_server.enter_private_network()
-            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-            bins = cache / "compatflow" / f"milvus-{milvus_server.server_version()}"
-            with milvus_server.running(Path(tmp) / "milvus", bin_dir=bins, graceful_stop_s=3) as server:
+            with milvus_standalone(Path(tmp) / "milvus") as server:
                 args.uri = server.uri
                 for size in sizes:
                     records += measure_size(args, "standalone", size, server.process.pid)

@@ -1,9 +1,9 @@
 """Lineage sync after a rollout, against the gallery's size: the streamed sync beside the whole-gallery read
 it replaced.
 
-For each size N: a gallery of N items indexed by v1 and then by v2 (the alias on v2's collection, as after a
-rollout), the lineage recording v1 for every item. Each sync runs in a process of its own on its own copy of
-the lineage repo; "peak" is that process's VmHWM.
+For each size N: a gallery of N items (Milvus standalone on loopback, or milvus-lite) indexed by v1 and
+then by v2 (the alias on v2's collection, as after a rollout), the lineage recording v1 for every item.
+Each sync runs in a process of its own on its own copy of the lineage repo; "peak" is that process's VmHWM.
 
 - ``streamed``: :func:`components.lineage.sync_from_index` (2,000 index rows a batch, each compared with
   Feast's online store by key, the changed ones written);
@@ -12,12 +12,13 @@ the lineage repo; "peak" is that process's VmHWM.
 
 Then each syncs again with nothing changed (what a rollback that restored nothing leaves to do).
 
-    .venv/bin/python benchmarks/lineage_sync.py --sizes 10000,100000 --json /tmp/lineage_sync.json
+    .venv/bin/python benchmarks/lineage_sync.py --sizes 10000,100000,300000 --json /tmp/lineage_sync.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
@@ -32,20 +33,22 @@ import numpy as np
 
 from compat.proc import peak_rss_mib
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the repo's benchmarks package is importable
+    sys.path.insert(0, str(ROOT))
 MODES = ("streamed", "whole read")
 CHUNK = 20_000
 
 
-def build(workspace: Path, size: int) -> str:
-    """A milvus-lite gallery of ``size`` items whose alias serves v2's collection, and a lineage repo that
-    records v1 for each; returns the index URI."""
+def build(workspace: Path, size: int, uri: str, alias: str) -> None:
+    """A gallery of ``size`` items at ``uri`` whose ``alias`` serves v2's collection, and a lineage repo
+    that records v1 for each."""
     from components.index import GalleryIndex
     from components.lineage import LineageStore
 
-    uri = str(workspace / "milvus.db")
     lineage = LineageStore(workspace / "feast")
     lineage.apply()
-    with GalleryIndex(uri, "gallery") as index:
+    with GalleryIndex(uri, alias) as index:
         for version in ("1", "2"):
             collection = index.create_collection("space", 8)
             for start in range(0, size, CHUNK):
@@ -58,10 +61,9 @@ def build(workspace: Path, size: int) -> str:
                         for i in ids
                     )
         index.switch_alias(collection)
-    return uri
 
 
-def whole_read_sync(repo: Path, uri: str) -> int:
+def whole_read_sync(repo: Path, uri: str, alias: str) -> int:
     """The baseline: the sync as built before it streamed (every row of the gallery and of the lineage held
     at once)."""
     import pandas as pd
@@ -70,7 +72,7 @@ def whole_read_sync(repo: Path, uri: str) -> int:
     from components.index import GalleryIndex
     from components.lineage import LineageStore, _arrow_schema
 
-    with GalleryIndex(uri, "gallery") as index:
+    with GalleryIndex(uri, alias) as index:
         fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
         rows = [row for batch in index.iter_rows(fields) for row in batch]
     store = LineageStore(repo)
@@ -101,15 +103,15 @@ def whole_read_sync(repo: Path, uri: str) -> int:
     return store.write_items(changed)
 
 
-def child(mode: str, repo: Path, uri: str) -> dict[str, Any]:
+def child(mode: str, repo: Path, uri: str, alias: str) -> dict[str, Any]:
     """Two syncs in this process (the first writes every item, the second nothing); seconds and peak."""
     from components.lineage import sync_from_index
 
-    sync = (
-        (lambda: sync_from_index(repo, uri, "gallery"))
-        if mode == "streamed"
-        else (lambda: whole_read_sync(repo, uri))
-    )
+    def sync() -> int:
+        if mode == "streamed":
+            return sync_from_index(repo, uri, alias)
+        return whole_read_sync(repo, uri, alias)
+
     t0 = time.perf_counter()
     written = sync()
     first = time.perf_counter() - t0
@@ -126,36 +128,40 @@ def child(mode: str, repo: Path, uri: str) -> dict[str, Any]:
     }
 
 
-def measure(size: int, root: Path) -> list[dict[str, Any]]:
+def measure(size: int, root: Path, backend: str, server_uri: str | None) -> list[dict[str, Any]]:
     workspace = root / f"n{size}"
+    uri, alias = server_uri or str(workspace / "milvus.db"), f"gallery_n{size}"
     t0 = time.perf_counter()
-    uri = build(workspace, size)
+    build(workspace, size, uri, alias)
     built = time.perf_counter() - t0
     records = []
     for mode in MODES:
         repo = workspace / f"feast-{mode.replace(' ', '-')}"
         shutil.copytree(workspace / "feast", repo)
         done = subprocess.run(
-            [sys.executable, __file__, "--child", mode, "--repo", str(repo), "--uri", uri],
+            [sys.executable, __file__, "--child", mode, "--repo", str(repo), "--uri", uri, "--alias", alias],
             capture_output=True,
             text=True,
         )
         if done.returncode != 0:
             raise RuntimeError(f"{mode} at {size} failed:\n{done.stderr[-3000:]}")
         doc = json.loads(done.stdout.strip().splitlines()[-1])
-        records.append({"size": size, "mode": mode, "build_seconds": round(built, 1), **doc})
+        records.append(
+            {"size": size, "backend": backend, "mode": mode, "build_seconds": round(built, 1), **doc}
+        )
         print(json.dumps(records[-1]), flush=True)
     return records
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| items | sync | s | us per item | peak RSS MB | rows written | again: s | again: peak MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| backend | items | sync | s | us/item | peak RSS MB | rows written | again: s | again: peak MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
-            f"| {r['size']:,} | {r['mode']} | {r['seconds']} | {1e6 * r['seconds'] / r['size']:.0f} | "
+            f"| {r['backend']} | {r['size']:,} | {r['mode']} | {r['seconds']} | "
+            f"{1e6 * r['seconds'] / r['size']:.0f} | "
             f"{r['peak_rss_mib']} | {r['written']:,} | {r['again_seconds']} | {r['again_peak_rss_mib']} |"
         )
     return "\n".join(lines)
@@ -164,18 +170,25 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000,100000")
+    parser.add_argument("--backend", choices=("lite", "standalone"), default="standalone")
     parser.add_argument("--json", type=Path, help="Write the records here.")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
+    parser.add_argument("--alias", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.repo, args.uri)))
+        print(json.dumps(child(args.child, args.repo, args.uri, args.alias)))
         return 0
     records = []
-    with tempfile.TemporaryDirectory(prefix="lineage-sync-") as root:
+    with tempfile.TemporaryDirectory(prefix="lineage-sync-") as root, contextlib.ExitStack() as stack:
+        server_uri = None
+        if args.backend == "standalone":
+            from benchmarks.gallery_scale import milvus_standalone
+
+            server_uri = stack.enter_context(milvus_standalone(Path(root) / "milvus")).uri
         for size in (int(s) for s in args.sizes.split(",")):
-            records += measure(size, Path(root))
+            records += measure(size, Path(root), args.backend, server_uri)
     print(table(records))
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
