@@ -1,7 +1,8 @@
 """The running search services of a workspace: one small file per service process, found by the rollout.
 
-``compatflow serve`` writes ``<workspace>/services/<port>.json`` (``url``, ``pid``, ``hostname``,
-``started_at``) once it listens and removes it when it stops; a rollout's pace reads the query-latency
+``compatflow serve`` writes ``<workspace>/services/<hostname>-<port>.json`` (``url``, ``pid``, ``hostname``,
+``started_at``) once it listens and removes it when it stops (named by host too: the replicas of a
+Deployment, one pod each, share the workspace volume and the port); a rollout's pace reads the query-latency
 histogram of every live one (:class:`components.rollout.pacing.ServiceLatency`). A file left by a process
 that no longer runs on this host (kill -9) is ignored; one from another host is kept, and a service that
 does not answer its ``/metrics`` is skipped by the reader.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,8 @@ from compat.io import utc_now, write_json_atomic
 @contextlib.contextmanager
 def announced(directory: Path, host: str, port: int) -> Iterator[Path]:
     """Announce the service listening on ``host:port`` for the duration of the block."""
-    path = Path(directory) / f"{port}.json"
+    host_name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+    path = Path(directory) / f"{host_name}-{port}.json"
     write_json_atomic(
         path,
         {

@@ -21,6 +21,7 @@ import pipelines.commands.gate
 import pipelines.commands.index
 import pipelines.commands.lineage
 import pipelines.commands.models
+import pipelines.commands.pipeline
 import pipelines.commands.registry
 import pipelines.commands.report
 import pipelines.commands.rollout
@@ -119,6 +120,7 @@ COMMANDS = (  # the command modules, each with ``register(app)``, registered in 
     pipelines.commands.index,
     pipelines.commands.lineage,
     pipelines.commands.models,
+    pipelines.commands.pipeline,
     pipelines.commands.registry,
     pipelines.commands.report,
     pipelines.commands.rollout,

@@ -46,11 +46,14 @@ PIPELINE_RUNNER = "compatflow-pipeline-runner"
 PIPELINE_POD_LABEL = ("pipelines.kubeflow.org/v2_component", "true")
 
 
+SEARCH_CLIENT_LABEL = ("compatflow.dev/search-client", "true")  # the pods the search service admits
+
+
 GPU = "nvidia.com/gpu"
 
 
 # Reviewed files under manifests/k8s that no kustomization may apply.
-NOT_APPLIED = {"base/secrets.example.yaml", "kfp/recurring-run.yaml"}
+NOT_APPLIED = {"base/secrets.example.yaml"}
 
 
 HELM_VALUES = {"milvus/values-standalone.yaml", "milvus/values-cluster.yaml"}
@@ -61,8 +64,6 @@ KUSTOMIZE_CONFIGS = {"training/kustomizeconfig.yaml"}
 
 CUSTOM_SCHEMAS = {
     ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob.schema.json",
-    ("kubeflow.org/v1beta1", "ScheduledWorkflow"): "scheduledworkflow.schema.json",
-    ("compatflow.dev/v1alpha1", "RecurringRun"): "recurring-run.schema.json",
 }
 
 

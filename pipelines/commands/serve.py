@@ -76,8 +76,8 @@ def serve(
 
     Queries are answered by the serving record's query model against the collection it names; when a
     rollout or a rollback rewrites the record, both are swapped together. While it runs, the service is
-    announced in the workspace (services/<port>.json): a rollout with an SLO throttle paces its backfill on
-    the latency of these users' queries.
+    announced in the workspace (services/<hostname>-<port>.json): a rollout with an SLO throttle paces its
+    backfill on the latency of these users' queries.
     """
     from pipelines.commands._common import fail, serving_workspace
 

@@ -547,6 +547,60 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
         RegistryDigestCheck(ws)({"version": "7", "uri": str(copy)})
 
 
+def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> None:
+    """What status says is true: a search whose query model's ``models/vN`` is missing downloads the
+    registered files (verified) and answers; a copy that differs is refused, and deleting it downloads it
+    again."""
+    import re
+    import shutil
+
+    from compat.models.integrity import verify_checkpoint
+    from components.registry import Registry
+    from components.search import search
+    from components.serving.record import ServingError, read_serving, write_serving
+    from components.serving.verify import RegistryDigestCheck
+    from components.status import production_check
+    from components.workspace import Workspace
+
+    paths, _, uri = gallery
+    ws = Workspace(paths.serving.parent)
+    registry = Registry(ws)
+    run_id = registry.start_run("run-1")
+    gate = {"decision": "pass", "reasons": []}
+    registry.register_candidate(
+        run_id, _checkpoint(tmp_path / "m1", 1), data_phase=0, method="bct", gate=gate
+    )
+    registry.promote("1", rollout_state={"state": "completed"})
+    digest = registry.version_info("1")["tags"]["checkpoint.sha256"]
+    copy = ws.model_dir("1")
+    record = read_serving(paths.serving)
+    fields = ("uri", "alias", "collection", "space", "dim", "previous", "rollout_id")
+    query_model = {**record["query_model"], "version": "1", "uri": str(copy)}
+    write_serving(paths.serving, query_model=query_model, **{f: record[f] for f in fields})
+
+    def status() -> dict:
+        return production_check(ws, registry.model_name, registry.status())
+
+    def query() -> list:
+        verify = RegistryDigestCheck(ws)
+        return search(UPGRADE.query_texts[:1], 3, record_path=paths.serving, uri=uri, verify=verify)[0]
+
+    assert not copy.exists() and status()["ok"] is None and "downloaded" in status()["message"]
+    assert len(query()) == 3  # downloaded on use
+    verify_checkpoint(copy, digest)
+    assert status()["ok"] is True
+
+    (copy / "config.json").write_text(json.dumps({"embed_dim": 4, "seed": 9}))
+    with pytest.raises(
+        ServingError, match=re.escape(f"delete {copy} to download the registered files again")
+    ):
+        query()
+    assert status()["ok"] is False and f"delete {copy} to download it again" in status()["message"]
+    shutil.rmtree(copy)  # as both messages say
+    assert len(query()) == 3
+    verify_checkpoint(copy, digest)
+
+
 def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:
     """Stage 0 of an in-place rollout moves the query model on the same collection while a query runs: the
     answer comes from the new query model (the old one could meet the backfill's first new vectors)."""

@@ -267,7 +267,7 @@ def test_readme_commands_name_existing_paths() -> None:
         "kubectl apply -k manifests/k8s/overlays/",
         "helm upgrade --install milvus",
         "kubectl -n compatflow create secret",
-        "create_recurring_run",
+        "compatflow pipeline schedule",
     ):
         assert needle in text, f"manifests/README.md does not show `{needle}`"
     for mentioned in set(re.findall(r"manifests/[\w./-]+", text)):

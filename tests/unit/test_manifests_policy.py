@@ -16,6 +16,7 @@ from _manifests import (
     OVERLAYS,
     PIPELINE_POD_LABEL,
     PIPELINE_RUNNER,
+    SEARCH_CLIENT_LABEL,
     SECRET_WORDS,
     UID,
     _split_image,
@@ -213,6 +214,58 @@ def allowed_ports(policies: list[dict[str, Any]], labels: dict[str, str], direct
     return ports
 
 
+def _peers_select(peers: list[dict[str, Any]] | None, labels: dict[str, str]) -> bool:
+    """Whether a rule's ``from``/``to`` takes a pod of this namespace with ``labels`` (no peers: any)."""
+    if not peers:
+        return True
+    return any(set(peer) == {"podSelector"} and selects(peer["podSelector"], labels) for peer in peers)
+
+
+def _opens(
+    policies: list[dict[str, Any]], pod: dict[str, str], peer: dict[str, str], port: int, way: str
+) -> bool:
+    field = "to" if way == "egress" else "from"
+    return any(
+        selects(policy["spec"]["podSelector"], pod)
+        and _peers_select(rule.get(field), peer)
+        and (not rule.get("ports") or any(p["port"] == port for p in rule["ports"]))
+        for policy in policies
+        for rule in policy["spec"].get(way, [])
+    )
+
+
+def reachable(
+    policies: list[dict[str, Any]], source: dict[str, str], target: dict[str, str], port: int
+) -> bool:
+    """Whether pods labelled ``source`` may connect to pods labelled ``target`` on ``port``, both in this
+    namespace: the source's egress and the target's ingress allow it."""
+    return _opens(policies, source, target, port, "egress") and _opens(
+        policies, target, source, port, "ingress"
+    )
+
+
+def search_violations(docs: list[dict[str, Any]], policies: list[dict[str, Any]]) -> list[str]:
+    """The search service: its clients, the pipeline's pods (a rollout's pace reads its /metrics) and no one
+    else reach it; it reaches Milvus and MLflow."""
+    out: list[str] = []
+    search = the(docs, "Deployment", "search")["spec"]["template"]["metadata"]["labels"]
+    port = the_container(the(docs, "Deployment", "search"))["ports"][0]["containerPort"]
+    for who, labels in (
+        ("labelled clients", dict([SEARCH_CLIENT_LABEL])),
+        ("pipeline pods", dict([PIPELINE_POD_LABEL])),
+    ):
+        if not reachable(policies, labels, search, port):
+            out.append(f"{who} cannot reach the search service on {port}")
+    if _opens(policies, search, {"app.kubernetes.io/name": "someone-else"}, port, "ingress"):
+        out.append("the search service admits pods that are not its clients")
+    mlflow = the(docs, "Deployment", "mlflow")["spec"]["template"]["metadata"]["labels"]
+    if not reachable(policies, search, mlflow, 5000):
+        out.append("the search service cannot reach MLflow (each query model's registered digest)")
+    if 19530 not in allowed_ports(policies, search, "egress"):
+        out.append("the search service cannot reach Milvus (19530)")
+    return out
+
+
 def network_violations(docs: list[dict[str, Any]]) -> list[str]:
     out: list[str] = []
     policies = find(docs, "NetworkPolicy")
@@ -262,6 +315,7 @@ def network_violations(docs: list[dict[str, Any]]) -> list[str]:
                     )
                 elif numbers[0] not in allowed_ports(policies, template["metadata"]["labels"], "ingress"):
                     out.append(f"Service/{service['metadata']['name']}: port {numbers[0]} closed by policy")
+    out += search_violations(docs, policies)
     mlflow_egress = allowed_ports(policies, {"app.kubernetes.io/name": "mlflow"}, "egress")
     for port, what in ((5432, "Postgres"), (443, "the object store")):
         if port not in mlflow_egress:
@@ -325,6 +379,24 @@ BROKEN = {
         "NetworkPolicy",
         "default-deny-all",
         lambda d: d["spec"].update(policyTypes=["Ingress"]),
+    ),
+    "search-open-to-all": (
+        "network",
+        "NetworkPolicy",
+        "search",
+        lambda d: d["spec"]["ingress"][0].pop("from"),
+    ),
+    "search-clients-cut-off": (
+        "network",
+        "NetworkPolicy",
+        "search-clients",
+        lambda d: d["spec"]["egress"][0]["ports"][0].update(port=80),
+    ),
+    "search-as-root": (
+        "workloads",
+        "Deployment",
+        "search",
+        lambda d: d["spec"]["template"]["spec"]["securityContext"].update(runAsUser=0),
     ),
     "load-balancer": ("network", "Service", "mlflow", lambda d: d["spec"].update(type="LoadBalancer")),
     "gpu-without-toleration": (

@@ -26,7 +26,10 @@ from _manifests import (
     rel,
     task_setting_violations,
     the,
+    the_container,
 )
+
+from pipelines.compile import COMPILED_DIR, COMPILED_NAME
 
 
 def test_training_job_replicas_share_one_pod_template_and_gpu_count(rendered) -> None:
@@ -125,9 +128,8 @@ def test_cluster_overlay_matches_the_cluster_pipeline_config(rendered) -> None:
 
 
 def test_committed_pipeline_task_settings_reference_the_manifests(rendered) -> None:
-    run = load_docs(K8S / "kfp" / "recurring-run.yaml")[0]["spec"]
-    package = ROOT / run["pipeline_package_path"]
-    assert package.is_file(), f"{run['pipeline_package_path']} is missing: run `compatflow compile`"
+    package = COMPILED_DIR / COMPILED_NAME
+    assert package.is_file(), f"{package} is missing: run `compatflow compile`"
     executors = compiled_executors(package)
     assert any(k8s for _, _, k8s in executors), "the committed pipeline carries no task settings"
     config = _cluster_config()
@@ -135,35 +137,19 @@ def test_committed_pipeline_task_settings_reference_the_manifests(rendered) -> N
     assert not violations, "\n".join(violations)
 
 
-def test_recurring_run_and_scheduled_workflow_agree() -> None:
-    run = load_docs(K8S / "kfp" / "recurring-run.yaml")[0]
-    swf = load_docs(K8S / "kfp" / "scheduledworkflow.yaml")[0]
-    spec, sspec = run["spec"], swf["spec"]
-    assert spec["cron"] == "0 3 * * 1"
-    assert spec["max_concurrency"] == 1 and spec["no_catchup"] is True
-    assert spec["pipeline_package_path"] == "pipelines/compiled/continual_upgrade.yaml"
-    assert sspec["trigger"]["cronSchedule"]["cron"] == "0 " + spec["cron"]
-    assert sspec["maxConcurrency"] == spec["max_concurrency"]
-    assert sspec["noCatchup"] == spec["no_catchup"]
-    assert sspec["serviceAccount"] == spec["service_account"] == PIPELINE_RUNNER
-    assert swf["metadata"]["name"] == run["metadata"]["name"] == spec["job_name"]
-    assert swf["metadata"]["namespace"] == run["metadata"]["namespace"] == NAMESPACE
-    # Fail closed: a schedule is enabled only together with the pipeline it runs.
-    assert sspec.get("enabled") is False or sspec.get("pipelineId")
+def test_schedule_runs_as_the_manifests_runner_weekly_one_at_a_time(rendered) -> None:
+    """What ``compatflow pipeline schedule`` sends by default names the manifests' objects and takes the
+    committed package's parameters."""
+    from pipelines import submit
 
-
-def test_recurring_run_parameters_match_the_compiled_pipeline() -> None:
-    run = load_docs(K8S / "kfp" / "recurring-run.yaml")[0]["spec"]
-    package = ROOT / run["pipeline_package_path"]
-    assert package.is_file(), f"{run['pipeline_package_path']} is missing: run `compatflow compile`"
-    spec = load_docs(package)[0]
-    inputs = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
-    unknown = set(run["params"]) - set(inputs)
-    assert not unknown, f"recurring run passes parameters the pipeline does not take: {unknown}"
-    required = {n for n, p in inputs.items() if "defaultValue" not in p and not p.get("isOptional")}
-    assert required <= set(run["params"]), (
-        f"required pipeline parameters not set: {required - set(run['params'])}"
-    )
+    assert submit.SERVICE_ACCOUNT == PIPELINE_RUNNER and submit.NAMESPACE == NAMESPACE
+    for docs in rendered.values():
+        assert the(docs, "RoleBinding", PIPELINE_RUNNER)["subjects"][0]["name"] == submit.SERVICE_ACCOUNT
+    package = submit.load_package(COMPILED_DIR / COMPILED_NAME)
+    body = submit.schedule_plan("http://kfp:8888", package)["requests"][-1]["body"]
+    assert body["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * 1"  # Mondays 03:00, KFP's seconds first
+    assert (body["max_concurrency"], body["no_catchup"]) == (1, True)
+    assert body["runtime_config"]["parameters"].keys() <= package.parameters.keys()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -243,3 +229,65 @@ def test_milvus_variants_run_the_same_version() -> None:
     }
     assert len(set(tags.values())) == 1, tags
     assert credential_values({"externalS3": {"secretKey": "abc"}})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_search_service_runs_compatflow_serve_on_the_pod_address(
+    rendered, overlay: str, tmp_path: Path
+) -> None:
+    import typer.main
+
+    from components.serving.app import create_app
+    from pipelines.cli import app
+
+    docs = rendered[overlay]
+    deployment = the(docs, "Deployment", "search")
+    pod = deployment["spec"]["template"]["spec"]
+    container = the_container(deployment)
+    configmaps = configmap_data(docs)
+    args = [expand(a, container_env(container, configmaps)) for a in container["args"]]
+    assert container["command"] == ["compatflow"] and args[0] == "serve"
+    params = typer.main.get_command(app).commands["serve"].make_context("serve", args[1:]).params
+    assert params["config"] == configmaps["compatflow-pipeline-config"]["COMPATFLOW_CONFIG"]
+    # `serve` binds loopback unless --host names one interface (0.0.0.0 is refused): the pod's own address,
+    # which the Service, the kubelet's probes and a rollout's pace reach
+    assert params["host"] == "$(POD_IP)"
+    pod_ip = next(v for v in container["env"] if v["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    port = params["port"]
+    assert {"name": "http", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    routes = {route.path for route in create_app(tmp_path / "serving.json").routes}
+    probes = {
+        kind: container[kind]["httpGet"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    assert probes["readinessProbe"]["path"] == "/readyz"
+    assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/healthz"
+    for kind, probe in probes.items():
+        assert probe["path"] in routes and probe["port"] in ("http", port), kind
+    config = _cluster_config()
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    workspace = mounts[config["workspace"]]
+    assert volumes[workspace["name"]]["persistentVolumeClaim"]["claimName"] == "compatflow-workspace"
+    assert not workspace.get("readOnly"), "the service announces itself in <workspace>/services/"
+    feast = volumes[mounts[config["lineage"]["repo"]]["name"]]
+    assert feast["configMap"]["name"] == "compatflow-feast-repo"
+    service = the(docs, "Service", "search")
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_search_service_runs_the_pipelines_cpu_image_and_survives_drains(rendered) -> None:
+    image = the_container(the(rendered["cluster"], "Deployment", "search"))["image"]
+    assert image == _cluster_config()["resources"]["cpu"]["image"]
+    for overlay, docs in rendered.items():
+        deployment = the(docs, "Deployment", "search")
+        replicas = deployment["spec"]["replicas"]
+        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, overlay
+        budget = the(docs, "PodDisruptionBudget", "search")["spec"]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert budget["selector"]["matchLabels"].items() <= labels.items()
+        allowed = budget["maxUnavailable"]
+        assert isinstance(allowed, int) and allowed >= 1, f"{overlay}: a drain must be able to proceed"
+        assert replicas == 1 or replicas - allowed >= 1, f"{overlay}: a drain would stop every replica"
+    assert the(rendered["cluster"], "Deployment", "search")["spec"]["replicas"] >= 2
