@@ -50,9 +50,11 @@ def verify_checkpoint(directory: str | Path, expected_digest: str | None = None)
     if not manifest_path.is_file():
         raise CheckpointIntegrityError(f"{directory} has no {MANIFEST}: cannot verify the checkpoint")
     manifest = json.loads(manifest_path.read_text())
-    if expected_digest is not None and manifest_digest(manifest) != expected_digest:
+    found = manifest_digest(manifest)
+    if expected_digest is not None and found != expected_digest:
         raise CheckpointIntegrityError(
-            f"{manifest_path} does not match the digest registered with the model version"
+            f"{manifest_path} does not match the digest registered with the model version: expected sha256 "
+            f"{expected_digest}, found sha256 {found}"
         )
     actual = file_manifest(directory)
     if actual != manifest:

@@ -9,7 +9,8 @@ Each version's source is an MLflow model directory::
                                   or compat.json) and its MANIFEST.sha256.json (the integrity check's input)
 
 ``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`, which
-checks the files against the manifest and loads them with :func:`compat.production.load_production`
+checks the files against the manifest and the manifest against the digest in MLmodel (so files rewritten
+together with their manifest are refused), and loads them with :func:`compat.production.load_production`
 (the loader every compatflow step uses), so its embeddings are compatflow's own. ``predict`` takes a
 DataFrame (or dict) with a ``text`` column (captions, queries) and/or an ``image`` column (encoded image
 bytes: JPEG, PNG, WebP): each row gives one; a row with an image is embedded as an image, else as a text.
@@ -126,11 +127,46 @@ def _as_frame(model_input: Any) -> Any:
 
 
 def _load_pyfunc(data_path: str) -> EmbeddingModel:
-    """MLflow's entry point: check ``data_path`` (``data/checkpoint``) against its manifest, then load it."""
-    from compat.models.integrity import verify_checkpoint
+    """MLflow's entry point: check ``data_path`` (``data/checkpoint``) against its manifest and the manifest
+    against the digest in the model's MLmodel (the registry's ``checkpoint.sha256``), then load it."""
+    from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
 
-    verify_checkpoint(data_path)
+    digest = recorded_digest(data_path)
+    try:
+        verify_checkpoint(data_path, digest)
+    except CheckpointIntegrityError as exc:
+        raise CheckpointIntegrityError(
+            f"{exc} (checked against compatflow.checkpoint_sha256 {digest} in the model's MLmodel, the "
+            "version's registered checkpoint.sha256): the model's files were changed after registration; "
+            "refusing to load them: load another version, or register the intended files again"
+        ) from exc
     return EmbeddingModel(data_path)
+
+
+def recorded_digest(data_path: str | Path) -> str:
+    """The manifest digest the MLflow model around ``data_path`` (its ``data/checkpoint``) records in its
+    MLmodel metadata (``compatflow.checkpoint_sha256``, the version's ``checkpoint.sha256`` tag);
+    :class:`~compat.models.integrity.CheckpointIntegrityError` when there is none to check against."""
+    import yaml
+
+    from compat.models.integrity import CheckpointIntegrityError
+
+    mlmodel = Path(data_path).parents[1] / MLMODEL
+    try:
+        doc = yaml.safe_load(mlmodel.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointIntegrityError(
+            f"cannot read {mlmodel} ({exc}): no digest to verify {data_path} against; refusing to load it"
+        ) from exc
+    metadata = doc.get("metadata") if isinstance(doc, dict) else None
+    facts = metadata.get("compatflow") if isinstance(metadata, dict) else None
+    digest = facts.get("checkpoint_sha256") if isinstance(facts, dict) else None
+    if not isinstance(digest, str) or not digest:
+        raise CheckpointIntegrityError(
+            f"{mlmodel} records no compatflow.checkpoint_sha256: no digest to verify {data_path} against; "
+            "refusing to load it (register the model again with compatflow)"
+        )
+    return digest
 
 
 def describe(model_dir: Path) -> dict[str, Any] | None:

@@ -281,6 +281,37 @@ class Registry(Tracking):
         manifest is refused); raises :class:`CheckpointIntegrityError`."""
         return verify_checkpoint(directory, self.version_info(version)["tags"].get("checkpoint.sha256"))
 
+    def local_copy(self, version: str) -> Path:
+        """The workspace copy of ``version`` (``models/v<version>``), checked against the registered digest.
+
+        A copy that is not there (or holds no manifest: an interrupted download) is downloaded first, into a
+        folder beside it, verified, then renamed into place, so no reader sees half a copy; a copy that is
+        there and differs raises :class:`CheckpointIntegrityError` (delete it to download it again)."""
+        from compat.models.integrity import MANIFEST
+
+        target = self.workspace.model_dir(version)
+        if (target / MANIFEST).is_file():
+            self.verify_copy(version, target)
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            self.download(version, staging)  # verified against the registered digest
+            if target.is_dir() and not (target / MANIFEST).is_file():
+                log.warning("%s holds no %s (an interrupted download): replacing it", target, MANIFEST)
+                shutil.rmtree(target, ignore_errors=True)
+            try:
+                staging.rename(target)
+            except OSError:  # another process put a copy there first: use it if it is the registered one
+                if not (target / MANIFEST).is_file():
+                    raise
+                self.verify_copy(version, target)
+            else:
+                log.info("downloaded %s version %s to %s", self.model_name, version, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
     def download(
         self, ref: str = "production", dst: str | Path | None = None, *, verify: bool = True
     ) -> Path:

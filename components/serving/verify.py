@@ -4,6 +4,8 @@ model, :meth:`components.registry.Registry.verify_copy`). A folder whose weights
 sidecars and manifest were re-hashed to match passes a check against itself, never this one. Where the
 workspace has a registry, a version it does not hold (or holds without a digest) is refused too; a workspace
 with no registry at all (a gallery indexed by ``compatflow rollout run`` alone) has nothing to check against.
+The workspace's own copy of a version (``models/v<version>``) is downloaded from the registry, verified, when
+it is missing (:meth:`components.registry.Registry.local_copy`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RegistryDigestCheck:
         from mlflow.exceptions import MlflowException
 
         from compat.models.integrity import CheckpointIntegrityError
+        from components.registry import RegistryError
 
         try:
             digest = registry.version_info(version)["tags"].get("checkpoint.sha256")
@@ -61,12 +64,20 @@ class RegistryDigestCheck:
                 f"{where}: the registry records no checkpoint.sha256 for version {version}; "
                 "refusing to serve it"
             )
+        copy = self.workspace.model_dir(version)
+        ours = folder.resolve() == copy.resolve()  # the workspace copy: downloaded on use when missing
         try:
-            registry.verify_copy(version, folder)
-        except (CheckpointIntegrityError, OSError, ValueError) as exc:
+            if ours:
+                registry.local_copy(version)
+            else:
+                registry.verify_copy(version, folder)
+        except (CheckpointIntegrityError, RegistryError, MlflowException, OSError, ValueError) as exc:
+            fix = (
+                f"delete {folder} to download the registered files again on the next query"
+                if ours
+                else "restore the folder"
+            )
             raise ServingError(
-                f"{where} refused: {exc} (registered digest sha256 {digest}); restore the folder "
-                f"(delete it and run `compatflow run`, which downloads the registered files) or "
-                "`compatflow rollback`"
+                f"{where} refused: {exc} (registered digest sha256 {digest}); {fix}, or `compatflow rollback`"
             ) from exc
         log.info("%s matches the registered digest %s", where, digest)

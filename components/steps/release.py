@@ -9,7 +9,6 @@ from typing import Any
 from compat.io import utc_now, write_json_atomic
 from components.deployment import Deployment
 from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, run_params, step
-from components.workspace import Workspace
 
 BOOTSTRAP_REASON = {
     "code": "bootstrap",
@@ -34,12 +33,7 @@ def model_dir_of(config: Config, version: str) -> str:
     Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
     on a cluster).
     """
-    deployment = Deployment.coerce(config)
-    target = Workspace.of(deployment).model_dir(version)
-    if (target / "model.json").is_file() or (target / "compat.json").is_file():
-        registry_of(deployment).verify_copy(version, target)
-        return str(target)
-    return str(registry_of(deployment).download(version, target))
+    return str(registry_of(Deployment.coerce(config)).local_copy(version))
 
 
 @step("evaluate")

@@ -146,6 +146,42 @@ def test_tampered_weights_are_refused_by_the_pyfunc_loader(
         weights.write_bytes(original)
 
 
+def test_consistently_rewritten_files_are_refused_against_the_models_digest(
+    released: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Other weights with their compat.json and a recomputed manifest pass a check against the manifest:
+    the loader refuses them against the digest the model carries in MLmodel (the registry's)."""
+    import shutil
+
+    import mlflow.pyfunc
+
+    from compat.methods.config import MethodConfig
+    from compat.methods.none import independent_model
+    from compat.models import build_model
+    from compat.models.integrity import MANIFEST, CheckpointIntegrityError, file_manifest, verify_checkpoint
+
+    registry, version = released["registry"], released["versions"][1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    digest = registry.version_info(version)["tags"]["checkpoint.sha256"]
+    files = registry.local_artifacts(registry.version_info(version)["source"]) / "data" / "checkpoint"
+    saved = shutil.copytree(files, tmp_path / "saved")
+    other = tmp_path / "other"  # another compatible model of the same version and contract
+    independent_model(build_model("cf-tiny", seed=5), 64, MethodConfig(version="v2", old_space_id="v1")).save(
+        other
+    )
+    try:
+        shutil.rmtree(files)
+        shutil.copytree(other, files)
+        (files / MANIFEST).write_text(json.dumps(file_manifest(files), indent=2, sort_keys=True) + "\n")
+        verify_checkpoint(files)  # consistent: the manifest alone passes it
+        with pytest.raises(CheckpointIntegrityError, match=f"expected sha256 {digest}") as refused:
+            mlflow.pyfunc.load_model(f"models:/{registry.model_name}@candidate")
+        assert MANIFEST in str(refused.value) and "MLmodel" in str(refused.value)
+    finally:
+        shutil.rmtree(files, ignore_errors=True)
+        shutil.copytree(saved, files)
+
+
 def test_a_tracking_server_serves_the_model_and_its_verified_files(
     tmp_path: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
