@@ -148,32 +148,40 @@ class LineageStore:
         """
         written = 0
         for rows in _chunks(index_rows, batch_size):
-            written += self.write_items(self._changed(rows))
+            changed = []
+            for row, known, agrees in self._compared(rows, _SYNC_FEATURES):
+                if agrees:
+                    continue
+                carried = {name: known[name] for name in _CARRIED}
+                if known["model_version"] is None:  # not in the lineage yet: the index's own source
+                    carried["image_uri"] = row.get("source_uri")
+                changed.append(
+                    {
+                        "item_id": str(row["item_id"]),
+                        "model_version": str(row["model_version"]),
+                        "space_id": str(row["space_id"]),
+                        "embedded_at": _from_millis(int(row["embedded_at"])),
+                        "phase": row.get("phase"),
+                        **carried,
+                    }
+                )
+            written += self.write_items(changed)
         return written
 
-    def _changed(self, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """The lineage rows to write for one batch of index rows: those the online store disagrees with."""
-        known = self._online([str(row["item_id"]) for row in rows], _SYNC_FEATURES)
-        changed = []
+    def _compared(
+        self, rows: list[Mapping[str, Any]], names: Iterable[str]
+    ) -> Iterator[tuple[Mapping[str, Any], dict[str, Any], bool]]:
+        """Each index row of a batch with its online lineage (``names``, one keyed read for the batch) and
+        whether the two name the same model version and space."""
+        names = tuple(names)
+        known = self._online([str(row["item_id"]) for row in rows], names)
         for position, row in enumerate(rows):
-            version, space = str(row["model_version"]), str(row["space_id"])
-            had = known["model_version"][position]
-            if (had, known["space_id"][position]) == (version, space):
-                continue
-            carried = {name: known[name][position] for name in _CARRIED}
-            if had is None:  # not in the lineage yet: the index's own source
-                carried["image_uri"] = row.get("source_uri")
-            changed.append(
-                {
-                    "item_id": str(row["item_id"]),
-                    "model_version": version,
-                    "space_id": space,
-                    "embedded_at": _from_millis(int(row["embedded_at"])),
-                    "phase": row.get("phase"),
-                    **carried,
-                }
+            had = {name: known[name][position] for name in names}
+            agrees = (had["model_version"], had["space_id"]) == (
+                str(row["model_version"]),
+                str(row["space_id"]),
             )
-        return changed
+            yield row, had, agrees
 
     def _online(self, item_ids: list[str], names: Iterable[str]) -> dict[str, list[Any]]:
         """``{feature: [value per id]}`` from the online store (``None`` where an item has none)."""
@@ -198,13 +206,10 @@ class LineageStore:
         lineage: Counter[str] = Counter()
         disagreeing, examples = 0, []
         for rows in _chunks(index_rows, batch_size):
-            known = self._online([str(row["item_id"]) for row in rows], ("model_version", "space_id"))
-            for position, row in enumerate(rows):
-                version, space = str(row["model_version"]), str(row["space_id"])
-                had = known["model_version"][position]
-                index[version] += 1
-                lineage["none" if had is None else had] += 1
-                if (had, known["space_id"][position]) != (version, space):
+            for row, known, agrees in self._compared(rows, ("model_version", "space_id")):
+                index[str(row["model_version"])] += 1
+                lineage[known["model_version"] or "none"] += 1
+                if not agrees:
                     disagreeing += 1
                     if len(examples) < 5:
                         examples.append(str(row["item_id"]))
@@ -221,16 +226,10 @@ class LineageStore:
         from components.feature_repo import items as defs
 
         ids = [str(i) for i in item_ids]
-        if not ids:
-            return []
-        response = self.store.get_online_features(
-            features=defs.FEATURES, entity_rows=[{"item_id": i} for i in ids]
-        ).to_dict()
+        known = self._online(ids, defs.FEATURE_NAMES)
         rows = []
-        for index, item_id in enumerate(ids):
-            row = {"item_id": item_id}
-            for name in defs.FEATURE_NAMES:
-                row[name] = response[name][index]
+        for position, item_id in enumerate(ids):
+            row = {"item_id": item_id, **{name: known[name][position] for name in defs.FEATURE_NAMES}}
             if isinstance(row["embedded_at"], int):  # (online rows from before it was an int: datetimes)
                 row["embedded_at"] = _EPOCH + timedelta(microseconds=row["embedded_at"])
             rows.append(row)
