@@ -8,6 +8,9 @@ PIP         := $(PY) -m pip --disable-pip-version-check
 STAMP       := $(VENV)/.compatflow-installed
 CONFIG      ?= pipelines/configs/local.yaml
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): whole files per process, the slowest files first (tests/conftest.py).
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -36,14 +39,14 @@ run: $(STAMP)
 
 # Tiers by folder (tests/README.md): test-fast is tests/unit alone, in-process with nothing started.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) tests/unit $(PYTEST_ARGS)
 
 # Rewrite the committed durations baseline (tests/durations.json) from a full, quiet run.
 durations: $(STAMP)
-	$(PY) -m pytest --durations-file tests/durations.json $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations-file tests/durations.json $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check compat components pipelines schemas tests benchmarks

@@ -85,7 +85,7 @@ def unpack_binaries(root: Path) -> Path:
         stamp = target.with_name(target.name + ".lzma.md5")
         if target.is_file() and stamp.is_file() and stamp.read_text().strip() == digest:
             continue
-        tmp = target.with_name(target.name + ".tmp")
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two starts at once never share one
         with lzma.open(packed) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 22):
                 dst.write(chunk)

@@ -120,6 +120,35 @@ def write_durations(path: Path, durations: dict[str, float]) -> None:
     Path(path).write_text(json.dumps({"tiers": tiers, "tests": tests}, indent=1) + "\n")
 
 
+def baseline_by_file(path: Path = _TESTS / "durations.json") -> dict[str, float]:
+    """The committed baseline's seconds per test file (node id before ``::``; {} when it is absent)."""
+    try:
+        tests = json.loads(Path(path).read_text())["tests"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    files: dict[str, float] = {}
+    for node, seconds in tests.items():
+        file = node.split("::", 1)[0]
+        files[file] = files.get(file, 0.0) + float(seconds)
+    return files
+
+
+def slowest_files_first(items: list, rootdir: Path) -> None:
+    """Reorder ``items`` in place, whole files at a time, slowest file (by the baseline) first: the order in
+    which pytest-xdist's ``loadfile`` hands files to its workers, so the longest ones do not start last.
+    A file missing from the baseline counts as slow (it is new: better started early)."""
+    files = baseline_by_file()
+    unknown = max(files.values(), default=0.0)
+
+    def seconds(item) -> float:
+        return files.get(Path(item.path).relative_to(rootdir).as_posix(), unknown)
+
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(item.path, index)
+    items.sort(key=lambda item: (-seconds(item), first_seen[item.path]))
+
+
 def read_baseline(path: Path = _TESTS / "durations.json") -> dict[str, float]:
     """The committed baseline's seconds per tier ({} when it is absent)."""
     try:

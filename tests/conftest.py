@@ -33,14 +33,22 @@ def pytest_addoption(parser):
     )
 
 
+def _is_worker(config) -> bool:
+    """Whether this process is a pytest-xdist worker (``make test`` runs the session on two)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its tier, the folder it lives in (tests/unit, tests/integration, tests/e2e)."""
+    """Mark each test with its tier, the folder it lives in (tests/unit, tests/integration, tests/e2e);
+    under pytest-xdist, hand out the slowest files first."""
     for item in items:
         tier = _tiers.tier_of(item.path)
         if tier is not None:
             item.add_marker(tier)
         elif _tiers.inside_tests(item.path):
             raise pytest.UsageError(f"{item.nodeid} is outside the tiers: move it under tests/<tier>/")
+    if _is_worker(config):
+        _tiers.slowest_files_first(items, config.rootpath)
 
 
 _DURATIONS: dict[str, float] = {}
@@ -68,6 +76,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """Write the durations and fail a session with a test over the limit (in the process that saw every
+    test: the only one, or pytest-xdist's controller, which receives its workers' reports)."""
+    if _is_worker(session.config):
+        return
     path = session.config.getoption("--durations-file")
     if path:
         _tiers.write_durations(Path(path), _DURATIONS)
@@ -363,11 +375,18 @@ def milvus_standalone(tmp_path_factory):
     network namespace; yields the :class:`~components.milvus_server.MilvusStandalone`."""
     from components import milvus_server
 
+    import fcntl
+
     if not milvus_server.loopback_only():
         pytest.skip(f"Milvus standalone needs a loopback-only network namespace: {_NETNS_NOTE}")
-    server = milvus_server.start(
-        tmp_path_factory.mktemp("milvus-standalone"), bin_dir=milvus_binaries_cache(), graceful_stop_s=3
-    )
+    # One start at a time across pytest-xdist's workers (they share the network namespace): a server takes
+    # the first free ports when it starts, and two starting at once could pick the same ones.
+    lock = tmp_path_factory.getbasetemp().parent / "milvus-standalone-start.lock"
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        server = milvus_server.start(
+            tmp_path_factory.mktemp("milvus-standalone"), bin_dir=milvus_binaries_cache(), graceful_stop_s=3
+        )
     yield server
     server.stop()
 
