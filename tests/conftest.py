@@ -373,9 +373,9 @@ def milvus_lite_server(tmp_path_factory):
 def milvus_standalone(tmp_path_factory):
     """A real Milvus standalone server (PyPI ``milvus``) for the session, in this session's private
     network namespace; yields the :class:`~components.milvus_server.MilvusStandalone`."""
-    from components import milvus_server
-
     import fcntl
+
+    from components import milvus_server
 
     if not milvus_server.loopback_only():
         pytest.skip(f"Milvus standalone needs a loopback-only network namespace: {_NETNS_NOTE}")
