@@ -86,15 +86,34 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
 UNFINISHED = ("pending", "running", "halted")
 
 
-def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str, Any] | None:
-    """Roll back the rollout in ``paths.state`` when it is unfinished (its vectors and query switch undone,
-    its state ``rolled_back`` with the reason in ``halt_reason``), so that neither ``rollout status`` nor the
-    next run takes it for one in progress. Returns its final state, or None when there was none."""
-    from components.rollout import load_state, rollback
-    from components.rollout.state import exclusive, save_state
+def unfinished_rollout(paths: Any) -> dict[str, Any] | None:
+    """The rollout state in ``paths.state`` when that rollout is unfinished (pending, running or halted: its
+    run was killed or failed mid-backfill, so its candidate may answer over a mixed gallery), else None."""
+    from components.rollout import load_state
 
     current = load_state(paths.state)
-    if current is None or current["state"] not in UNFINISHED:
+    return current if current is not None and current["state"] in UNFINISHED else None
+
+
+def _roll_back_unfinished(paths: Any, index: Any, current: dict[str, Any], why: str) -> dict[str, Any]:
+    """Undo the unfinished rollout ``current`` (its vectors and query switch), its state ``rolled_back``
+    with ``why`` and where it stood in ``halt_reason``, so that neither ``rollout status`` nor the next run
+    takes it for one in progress (the run that made it, resumed, finds it rolled back and ends rejected)."""
+    from components.rollout import rollback
+    from components.rollout.state import exclusive, save_state
+
+    state = rollback(paths, index)
+    with exclusive(paths.state):
+        state["halt_reason"] = f"{why} while this rollout was {current['state']} at stage {current['stage']}"
+        save_state(paths.state, state)
+    return state
+
+
+def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str, Any] | None:
+    """Roll back the rollout in ``paths.state`` when it is unfinished, a production rollback superseding it
+    (see :func:`_roll_back_unfinished`). Returns its final state, or None when there was none."""
+    current = unfinished_rollout(paths)
+    if current is None:
         return None
     log.warning(
         "rolling back unfinished rollout %s of %s first: production %s -> %s supersedes it",
@@ -103,14 +122,40 @@ def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str
         event["from_version"],
         event.get("to_version"),
     )
-    state = rollback(paths, index)
-    with exclusive(paths.state):
-        state["halt_reason"] = (
-            f"superseded: production rolled back from {event['from_version']} to {event.get('to_version')} "
-            f"while this rollout was {current['state']} at stage {current['stage']}"
-        )
-        save_state(paths.state, state)
-    return state
+    why = f"superseded: production rolled back from {event['from_version']} to {event.get('to_version')}"
+    return _roll_back_unfinished(paths, index, current, why)
+
+
+def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict[str, Any] | None:
+    """What ``compatflow rollback`` undoes when a candidate's rollout is unfinished: that rollout alone, the
+    gallery and query model back to ``production``'s (which stays production, with or without a previous
+    version), the item lineage synced. Returns ``{"rollout_id", "candidate", "was", "stage", "production",
+    "state"}``, or None when no rollout is unfinished."""
+    from components.lineage import sync_from_index
+    from components.rollout import RolloutPaths
+    from components.rollout.operations import open_index
+    from components.workspace import Workspace
+
+    ws = Workspace.coerce(workspace)
+    paths = RolloutPaths.for_workspace(ws)
+    current = unfinished_rollout(paths)
+    if current is None:
+        return None
+    log.warning("rolling back unfinished rollout %s of %s", current["rollout_id"], current["new_version"])
+    why = f"rolled back by compatflow rollback (production stays {production})"
+    with open_index(ws) as index:
+        state = _roll_back_unfinished(paths, index, current, why)
+    gallery = state["gallery"]
+    if (ws.lineage_dir / "feature_store.yaml").is_file():
+        sync_from_index(ws.lineage_dir, gallery["uri"], gallery["alias"], definition=ws.lineage_definition)
+    return {
+        "rollout_id": current["rollout_id"],
+        "candidate": str(current["new_version"]),
+        "was": current["state"],
+        "stage": current["stage"],
+        "production": production,
+        "state": state,
+    }
 
 
 def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:

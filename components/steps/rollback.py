@@ -1,4 +1,4 @@
-"""Rolling production back: the registry's aliases and the gallery together, or nothing."""
+"""Rolling back what is served: an unfinished rollout, or production to its previous version."""
 
 from __future__ import annotations
 
@@ -6,12 +6,22 @@ from typing import Any
 
 
 def rollback_production(registry: Any) -> dict[str, Any]:
-    """Move ``production`` back to ``previous`` (:meth:`components.registry.Registry.rollback`), with the
-    gallery's part: refused before anything changes when it cannot be done
-    (:func:`components.rollout.production_rollback.prepare_rollback`), the index put back before the aliases
-    move (:func:`components.rollout.production_rollback.on_rollback`). Returns what happened."""
+    """Undo the newest change to what is served, returning what happened.
+
+    A candidate's rollout left unfinished (its run killed or failed mid-backfill: a mixed gallery, maybe
+    queried by the candidate) is that change: it alone is rolled back and production stays, whether or not
+    a previous version exists (``{"undone_rollout": ...}``,
+    :func:`components.rollout.production_rollback.roll_back_unfinished_rollout`); the next rollback moves
+    production. Otherwise ``production`` moves back to ``previous``
+    (:meth:`components.registry.Registry.rollback`) with the gallery's part: refused before anything changes
+    when it cannot be done (:func:`components.rollout.production_rollback.prepare_rollback`), the index put
+    back before the aliases move (:func:`components.rollout.production_rollback.on_rollback`)."""
     from components.rollout import production_rollback
 
+    production = registry.alias_version("production")
+    undone = production_rollback.roll_back_unfinished_rollout(registry.workspace, production)
+    if undone is not None:
+        return {"undone_rollout": undone, "production": production}
     return registry.rollback(
         prepare=[production_rollback.prepare_rollback], undo=[production_rollback.on_rollback]
     )

@@ -48,8 +48,9 @@ def rollback(
     model_name: ModelOpt = "compatflow-clip",
     as_json: JsonOpt = False,
 ) -> None:
-    """Move the production alias back to the previous version: registry, serving record, index alias and
-    lineage together, or nothing (see ``Registry.rollback``)."""
+    """Undo the newest change to what is served: a candidate's unfinished rollout (killed or failed
+    mid-backfill; production stays), else production back to the previous version: registry, serving record,
+    index alias and lineage together, or nothing (see ``Registry.rollback``)."""
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
@@ -71,6 +72,15 @@ def rollback(
         fail(str(err), code=1)
     if as_json:
         echo_json(result)
+        return
+    undone = result.get("undone_rollout")
+    if undone is not None:
+        typer.echo(
+            f"{model_name}: rolled back the unfinished rollout {undone['rollout_id']} of candidate "
+            f"v{undone['candidate']} ({undone['was']} at stage {undone['stage']}); production stays "
+            f"v{result['production']} and answers over its own vectors"
+        )
+        typer.echo("run `compatflow rollback` again to move production back to its previous version")
         return
     typer.echo(f"{model_name}: production {result['from_version']} -> {result['to_version']}")
     typer.echo(f"previous is now {result['previous_version'] or '(none)'}")

@@ -6,9 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from _registry import BLOCK, DONE, PASS, candidate, make_checkpoint
+from safetensors.numpy import load_file
 
 from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
 from components.registry import (
@@ -20,39 +20,10 @@ from components.registry import (
 )
 from components.workspace import Workspace
 
-PASS = {"decision": "pass", "reasons": [], "report_sha256": "a" * 64}
-BLOCK = {
-    "decision": "block",
-    "reasons": [{"code": "ecc_margin", "message": "i2t R@1: -2.00 pp"}],
-    "report_sha256": "b" * 64,
-}
-DONE = {"state": "completed", "stage": 4, "fraction_backfilled": 1.0}
-
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Workspace:
     return Workspace(tmp_path_factory.mktemp("ws"))
-
-
-def make_checkpoint(directory: Path, seed: int) -> dict[str, str]:
-    """A small safetensors checkpoint; returns sha256 of each file, computed independently."""
-    directory.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    save_file(
-        {"visual.proj": rng.standard_normal((8, 4)).astype(np.float32)}, str(directory / "model.safetensors")
-    )
-    (directory / "config.json").write_text(json.dumps({"embed_dim": 4, "seed": seed}))
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
-
-
-def candidate(
-    registry: Registry, tmp: Path, name: str, seed: int, gate: dict, phase: int
-) -> tuple[str, dict]:
-    run_id = registry.start_run(name, params={"training": {"method": "modx", "steps": 10}})
-    registry.log_metrics(run_id, {"t2i": {"R@1": 30.0 + seed}}, step=phase)
-    digests = make_checkpoint(tmp / name, seed)
-    info = registry.register_candidate(run_id, tmp / name, data_phase=phase, method="bct", gate=gate)
-    return info["version"], digests
 
 
 def aliases(registry: Registry) -> dict[str, str | None]:

@@ -74,3 +74,44 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
     with GalleryIndex(uri) as index:
         assert index.count_by_version() == {"v1": N}
         assert index.serving_collection() == read_serving(paths.serving)["collection"]
+
+
+def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_production(tmp_path) -> None:
+    """The first upgrade's run dies mid-backfill (production v1, no previous version): ``compatflow
+    rollback`` undoes that rollout alone, so production v1 answers over an all-v1 gallery; the next rollback
+    is the registry's, which has nothing to go back to."""
+    from _registry import DONE, PASS, candidate
+
+    from components.registry import Registry, RegistryError
+    from components.steps import rollback_production
+    from components.workspace import Workspace
+
+    ws = tmp_path / "ws"
+    paths = ro.RolloutPaths.for_workspace(ws)
+    uri = str(ws / "milvus" / "gallery.db")
+    registry = Registry(Workspace(ws, index_uri=uri), model_name="clip-first-upgrade")
+    v1, _ = candidate(registry, tmp_path, "run-1", 1, PASS, phase=0)
+    registry.promote(v1, rollout_state=DONE)
+    with GalleryIndex(uri) as index:
+        UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
+        with pytest.raises(_Died):  # the first upgrade's rollout dies in its first backfill stage
+            ro.run_rollout(index, paths, _config("v2"), _dying_encoders(2), PROBE)
+        assert len(index.count_by_version()) == 2  # a mixed gallery, queried by the candidate
+    assert read_serving(paths.serving)["query_model"]["version"] == "v2"
+
+    result = rollback_production(registry)
+    undone = result["undone_rollout"]
+    assert (undone["candidate"], undone["was"], undone["stage"], result["production"]) == (
+        "v2",
+        "running",
+        1,
+        v1,
+    )
+    assert registry.alias_version("production") == v1 and registry.alias_version("previous") is None
+    after = ro.status(paths.state)
+    assert after["state"] == "rolled_back" and "rolled back by compatflow rollback" in after["halt_reason"]
+    assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+    with GalleryIndex(uri) as index:
+        assert index.count_by_version() == {"v1": N}
+    with pytest.raises(RegistryError, match="no previous version"):
+        rollback_production(registry)
