@@ -62,12 +62,12 @@ class Searcher:
         if captions:
             from components.serving.captions import ShardCaptions
 
-            self._captions = self._captions or ShardCaptions()
+            self._captions = self._captions or ShardCaptions(root=self.record_path.parent)
             _fill(rows, "caption", self._captions.lookup(uris))
         if thumbnails:
             from components.serving.thumbnails import ShardThumbnails
 
-            self._thumbnails = self._thumbnails or ShardThumbnails()
+            self._thumbnails = self._thumbnails or ShardThumbnails(root=self.record_path.parent)
             _fill(rows, "thumbnail", self._thumbnails.lookup(uris))
         return rows
 

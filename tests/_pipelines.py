@@ -190,7 +190,8 @@ class Cycle:
 
 def assert_serves(config: dict, version: str, n_items: int) -> None:
     """Production is ``version``, the gallery holds one vector per item, all written by it, and a text
-    search through the serving alias answers with gallery items."""
+    search through the serving alias answers with gallery items and their captions (read from the shards
+    the rows name)."""
     from components import steps
     from components.index import gallery_status
     from components.search import search
@@ -199,5 +200,6 @@ def assert_serves(config: dict, version: str, n_items: int) -> None:
     assert registry.alias_version("production") == version
     gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
     assert gallery["by_version"] == {version: n_items}
-    (hits,) = search(["a red circle"], k=3, workspace=config["workspace"])
+    (hits,) = search(["a red circle"], k=3, workspace=config["workspace"], captions=True)
     assert len(hits) == 3 and all(hit["model_version"] == version for hit in hits)
+    assert all(isinstance(hit["caption"], str) and hit["caption"] for hit in hits), hits

@@ -14,16 +14,19 @@ from typing import Any
 import numpy as np
 
 from components.rollout.types import ItemRef, RolloutEncoders, RolloutError, VectorTransform
+from components.workspace import resolved_path
 
 
 # A factory ``f(config) -> RolloutEncoders`` is named on the command line (``--encoders module:function``);
 # ``config`` holds ``old_model``, ``new_model`` and free-form ``options``.
 class ShardImages:
-    """Images of gallery items addressed as ``<shard url>#<key>`` (the ``source_uri`` of indexed rows)."""
+    """Images of gallery items addressed as ``<shard url>#<key>`` (the ``source_uri`` of indexed rows; a
+    relative shard path lies under ``root``, the workspace)."""
 
-    def __init__(self, max_shards: int = 8, image_size: int | None = None) -> None:
+    def __init__(self, max_shards: int = 8, image_size: int | None = None, root: str | None = None) -> None:
         self.max_shards = max_shards
         self.image_size = image_size  # images decoded to this short side when larger (the model input)
+        self.root = root
         self._cache: dict[str, dict[str, Any]] = {}
 
     def load(self, refs: Sequence[ItemRef]) -> list[Any]:
@@ -39,7 +42,8 @@ class ShardImages:
             if url not in self._cache:
                 if len(self._cache) >= self.max_shards:
                     self._cache.pop(next(iter(self._cache)))
-                loaded = load_captioned_set(url, image_size=self.image_size)
+                shard = resolved_path(self.root, url) if self.root else url
+                loaded = load_captioned_set(shard, image_size=self.image_size)
                 self._cache[url] = dict(zip(loaded.keys, loaded.images, strict=True))
             if key not in self._cache[url]:
                 raise RolloutError(f"item {ref.item_id!r}: key {key!r} is not in shard {url}")
@@ -74,7 +78,8 @@ def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:
 
 def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     """Encoders of real models: ``old_model`` (the serving query model) and ``new_model`` (a compatible-model
-    directory, whose serving contract sets the space and the old-vector rule, or a plain checkpoint)."""
+    directory, whose serving contract sets the space and the old-vector rule, or a plain checkpoint);
+    ``root``: the workspace, which relative source URIs lie under."""
     from compat.production import load_encoder
 
     for key in ("old_model", "new_model"):
@@ -83,7 +88,7 @@ def model_encoders(config: Mapping[str, Any]) -> RolloutEncoders:
     from compat.compat_training import decode_size
 
     old, new = load_encoder(str(config["old_model"])), load_encoder(str(config["new_model"]))
-    images = ShardImages(image_size=decode_size(new))
+    images = ShardImages(image_size=decode_size(new), root=config.get("root"))
     transform, tag = _old_vector_transform(new)
     contract = getattr(new, "contract", None)
     return RolloutEncoders(

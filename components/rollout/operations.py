@@ -108,6 +108,7 @@ def index_new_items(
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
     from compat.production import load_encoder
+    from components.workspace import stored_path
 
     paths = RolloutPaths.for_workspace(workspace)
     with open_index(workspace) as index:
@@ -130,7 +131,8 @@ def index_new_items(
                     {
                         "item_id": items.keys[i],
                         "caption": items.captions[i][0],
-                        "image_uri": f"{url}#{items.keys[i]}",
+                        # a shard inside the workspace named relative to it: a copy reads its own
+                        "image_uri": f"{stored_path(paths.root, url)}#{items.keys[i]}",
                         "phase": int(meta.get("phase", 0)),
                         "domain": meta.get("domain"),
                     }
@@ -208,7 +210,8 @@ def roll_out(
     options = dict(options or {})
     record = read_serving(paths.serving)
     old = old_model or (record["query_model"].get("uri", "") if record else "")
-    args = {"old_model": old, "new_model": new_model, "options": options}
+    # root: where gallery rows' relative source URIs lie (components.workspace.stored_path)
+    args = {"old_model": old, "new_model": new_model, "options": options, "root": str(paths.root)}
     built = import_factory(encoders)(args)
     built.recipe = {"factory": encoders, "args": args}
     config = RolloutConfig(

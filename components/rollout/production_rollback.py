@@ -63,7 +63,7 @@ def on_rollback(event: dict[str, Any]) -> None:
     with GalleryIndex(record["uri"], record["alias"]) as index:
         finish_superseded(paths, index, event)
         state = rollback(paths, index, state_path=state_path)
-        written = complete_gallery(index, record["collection"], state)
+        written = complete_gallery(index, record["collection"], state, root=paths.root)
     log.info("rollback: %d item(s) re-embedded by %s", written, state["previous_query_model"]["version"])
     from components.lineage import sync_from_index
 
@@ -158,10 +158,11 @@ def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict
     }
 
 
-def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
+def complete_gallery(index: Any, leaving: str, state: dict[str, Any], root: Any = None) -> int:
     """After a rolled-back rollout: embed with the restored query model every item of the serving collection
     written by another version, and every item of the ``leaving`` collection the serving one lacks (a
-    blue-green rollback returns to a collection that never saw later items). Returns how many were written."""
+    blue-green rollback returns to a collection that never saw later items); relative source URIs lie under
+    ``root``. Returns how many were written."""
     import numpy as np
 
     from compat.production import load_encoder
@@ -177,7 +178,7 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any]) -> int:
     from compat.compat_training import decode_size
 
     encoder = load_encoder(model["uri"])
-    images = ShardImages(image_size=decode_size(encoder))
+    images = ShardImages(image_size=decode_size(encoder), root=str(root) if root else None)
     space = index.collection_space(target)
     written = 0
     for rows in itertools.chain([first], batches):

@@ -270,8 +270,10 @@ def create_app(
         serving.labels(new.version, new.collection).set(1)
 
     follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap, verify=verify)
-    captions = ShardCaptions(fallback=lineage_captions(str(lineage_repo)) if lineage_repo else None)
-    thumbnails = ShardThumbnails()
+    root = Path(record_path).parent  # the workspace: gallery rows name its shards relative to it
+    fallback = lineage_captions(str(lineage_repo)) if lineage_repo else None
+    captions = ShardCaptions(fallback=fallback, root=root)
+    thumbnails = ShardThumbnails(root=root)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

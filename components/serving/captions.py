@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+
+from components.workspace import resolved_path
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +54,19 @@ Fallback = Callable[[Sequence[str]], Mapping[str, str | None]]
 class ShardCaptions:
     """Captions by ``source_uri``, with the captions of up to ``max_shards`` shards cached (thread-safe);
     with a ``fallback``, a hit whose shard is not cached is answered by it while the shard loads in the
-    background (see the module docstring)."""
+    background (see the module docstring). A relative shard path lies under ``root`` (the workspace)."""
 
-    def __init__(self, max_shards: int = 64, fallback: Fallback | None = None) -> None:
+    def __init__(
+        self,
+        max_shards: int = 64,
+        fallback: Fallback | None = None,
+        root: str | os.PathLike[str] | None = None,
+    ) -> None:
         if max_shards < 1:
             raise ValueError(f"max_shards must be >= 1, got {max_shards}")
         self.max_shards = max_shards
         self.fallback = fallback
+        self.root = root
         self._cache: OrderedDict[str, dict[str, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
@@ -78,7 +87,7 @@ class ShardCaptions:
                 if url in self._cache:
                     return self._cache[url]
             try:
-                captions = shard_captions(url)
+                captions = shard_captions(resolved_path(self.root, url) if self.root else url)
             except Exception as exc:  # noqa: BLE001 - a missing shard costs captions, not the query
                 log.warning("captions of %s unavailable: %s", url, exc)
                 with self._lock:

@@ -16,9 +16,12 @@ import base64
 import io
 import logging
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+from components.workspace import resolved_path
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +72,22 @@ def shard_thumbnails(
 
 
 class ShardThumbnails:
-    """Thumbnails by ``source_uri``, up to ``max_items`` of them cached (thread-safe; ~3 KB each)."""
+    """Thumbnails by ``source_uri``, up to ``max_items`` of them cached (thread-safe; ~3 KB each); a relative
+    shard path lies under ``root`` (the workspace)."""
 
     def __init__(
-        self, side: int = THUMBNAIL_SIDE, max_items: int = 4096, max_pixels: int | None = None
+        self,
+        side: int = THUMBNAIL_SIDE,
+        max_items: int = 4096,
+        max_pixels: int | None = None,
+        root: str | os.PathLike[str] | None = None,
     ) -> None:
         if side < 8:
             raise ValueError(f"side must be at least 8 pixels, got {side}")
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
         self.side, self.max_items, self.max_pixels = side, max_items, max_pixels
+        self.root = root
         self._cache: OrderedDict[str, str | None] = OrderedDict()
         self._lock = threading.Lock()
         self.failures = 0
@@ -100,7 +109,8 @@ class ShardThumbnails:
                     missing.setdefault(url, set()).add(key)
         for url, keys in missing.items():
             try:
-                read = shard_thumbnails(url, keys, self.side, self.max_pixels)
+                shard = resolved_path(self.root, url) if self.root else url
+                read = shard_thumbnails(shard, keys, self.side, self.max_pixels)
             except Exception as exc:  # noqa: BLE001 - a missing shard costs thumbnails, not the query
                 log.warning("thumbnails of %s unavailable: %s", url, exc)
                 with self._lock:

@@ -134,8 +134,9 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 
 def test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone(tmp_path, stream_dir):
-    """Copy a workspace that has served and shipped; upgrade, search and roll back in the copy: the copy
-    answers from its own files and the original's bytes do not change."""
+    """Copy a workspace that has served and shipped; upgrade, search and roll back in the copy with the
+    original moved away: the copy answers from its own files (gallery rows name their shards relative to the
+    workspace) and the original's bytes do not change."""
     from typer.testing import CliRunner
 
     from pipelines.cli import app
@@ -149,6 +150,7 @@ def test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone(tmp_
     moved = chain_config(tmp_path / "b", stream_dir, "bct")
     serving = json.loads((tmp_path / "b" / "ws" / "serving.json").read_text())
     assert not serving["uri"].startswith("/") and serving["query_model"]["uri"] == "models/v2"
+    (tmp_path / "a" / "ws").rename(tmp_path / "a" / "away")  # nothing of the copy may need the original
     assert_serves(moved, "2", 32)
     assert Cycle(moved).ship(2)["promoted"]
     assert_serves(moved, "3", 48)
@@ -156,6 +158,7 @@ def test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone(tmp_
     assert "checksum    ok" in status.output and str(tmp_path / "b" / "ws") in status.output
     assert CliRunner().invoke(app, ["rollback", "--workspace", moved["workspace"]]).exit_code == 0
     assert_serves(moved, "2", 48)
+    (tmp_path / "a" / "away").rename(tmp_path / "a" / "ws")
 
     assert _snapshot(tmp_path / "a" / "ws") == before
     assert_serves(original, "2", 32)
