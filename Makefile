@@ -10,7 +10,7 @@ CONFIG      ?= pipelines/configs/local.yaml
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): whole files per process, the slowest files first (tests/conftest.py).
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true

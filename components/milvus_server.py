@@ -124,7 +124,31 @@ def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
     config.resolve()  # picks the first free port from each default and writes the file
     health, sock = config.resolve_port(9091)
     sock.close()
+    _embedded_etcd_on_free_ports(data_dir / "configs")
     return int(config.get("proxy_port")), int(health)
+
+
+def _embedded_etcd_on_free_ports(configs: Path) -> None:
+    """Give the embedded etcd its own loopback ports (``etcd.config.path``): by default it listens on 2379 and
+    2380 whatever ``milvus.yaml`` says, so a second server on this machine would fail to start."""
+    ports = []
+    for _ in range(2):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+    client, peer = (f"http://127.0.0.1:{port}" for port in ports)
+    etcd = configs / "embedEtcd.yaml"
+    etcd.write_text(
+        "name: default\n"
+        f"listen-client-urls: {client}\nadvertise-client-urls: {client}\n"
+        f"listen-peer-urls: {peer}\ninitial-advertise-peer-urls: {peer}\n"
+        f"initial-cluster: default={peer}\n"
+    )
+    milvus_yaml = configs / "milvus.yaml"
+    lines = milvus_yaml.read_text().splitlines()
+    at = lines.index("etcd:") + 1
+    lines[at:at] = ["  config:", f"    path: {etcd}"]
+    milvus_yaml.write_text("\n".join(lines) + "\n")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -13,6 +14,7 @@ from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment, TrainingSection
 from components.steps.base import checkpoint_dir_of, copy_summaries, live_metrics, step
 from components.steps.data import accepted_shards
+from components.steps.ranks import launch, under_launcher
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +36,50 @@ def continual_step(
     from its own initialisation on every phase so far (the new architecture that the compat step then
     makes compatible with production). The training curve is logged to the run's MLflow run as training
     goes (``train.loss``, ``train.contrastive``, ``train.kl``, ``train.lr``, ... by step).
+
+    With ``resources.gpu.accelerator_count`` > 1 the step launches :func:`train_candidate` on that many
+    processes with torchrun (:func:`components.steps.ranks.launch`: DDP, one rank per GPU of the task's node)
+    and reads what rank 0 wrote; with 0 or 1 it trains in this process.
     """
+    ranks = deployment.resources.gpu.accelerator_count
+    if ranks > 1 and not under_launcher():
+        # One process per GPU: the same body on every rank (DDP), rank 0 writes (components.continual).
+        arguments = {
+            "config": deployment.to_json(),
+            "run_dir": str(run_dir),
+            "phase": phase,
+            "stream_dir": stream_dir,
+            "validated_dir": validated_dir,
+            "production": production,
+            "out_dir": str(out_dir),
+        }
+        launch("continual", ranks, arguments, Path(run_dir) / "continual")
+        metrics = read_json_object_or_none(Path(out_dir) / "metrics.json") or {}
+    else:
+        metrics = train_candidate(deployment, run_dir, phase, stream_dir, validated_dir, production, out_dir)
+    copy_summaries(out_dir, run_dir / "continual", ("metrics.json", "spatial_disorder.json"))
+    return metrics
+
+
+def train_candidate(
+    config: Deployment | str,
+    run_dir: str | Path,
+    phase: int,
+    stream_dir: str,
+    validated_dir: str,
+    production: str,
+    out_dir: str | Path,
+) -> dict[str, Any]:
+    """The body of :func:`continual_step`, run by one process or by every rank under torchrun
+    (:mod:`components.steps.ranks`): the candidate trained, ``metrics.json`` written by rank 0 (the other
+    ranks return {}), the curve logged to MLflow by rank 0 alone."""
+    from compat.training import env_dist_info
     from components.continual import TrainingSettings, run_continual
     from components.runs import replay_shards, training_dir
     from components.workspace import Workspace
 
+    deployment = Deployment.coerce(config)
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
     training = deployment.training
     foundation = bool(production) and deployment.compat.scenario == "foundation"
     accepted = accepted_shards(validated_dir)
@@ -54,7 +95,8 @@ def continual_step(
             else {}
         ),
     )
-    with live_metrics(deployment, run_dir, "train.") as live:
+    main_rank = env_dist_info().is_main
+    with live_metrics(deployment, run_dir, "train.") if main_rank else contextlib.nullcontext() as live:
         metrics = run_continual(
             stream_dir,
             phase,
@@ -70,8 +112,7 @@ def continual_step(
         )
     if metrics:
         metrics["budget"] = budget
-        write_json_atomic(Path(out_dir) / "metrics.json", metrics)
-    copy_summaries(out_dir, run_dir / "continual", ("metrics.json", "spatial_disorder.json"))
+        write_json_atomic(out_dir / "metrics.json", metrics)
     return metrics
 
 

@@ -1,5 +1,7 @@
 """DDP on 2 CPU processes (gloo, loopback): loss, gradients and trained weights equal one process on the
-same global batch, for the CLIP loss and the Mod-X KL whose B x B matrices span both ranks.
+same global batch, for the CLIP loss and the Mod-X KL whose B x B matrices span both ranks; and the
+continual step's own launch path (``resources.gpu.accelerator_count: 2``: torchrun, 2 ranks) training the
+first model and an upgrade that ship.
 
 Run as a script (``python tests/e2e/test_ddp.py OUT``) this file is the per-rank worker.
 """
@@ -133,6 +135,27 @@ def test_two_process_gloo_matches_single_process(tmp_path, monkeypatch):
                 else {"rtol": 1e-4, "atol": 1e-5}
             )
             torch.testing.assert_close(got[key], want, **tol, msg=f"rank {r}: {key}")
+
+
+def test_the_continual_step_launches_its_ranks_and_the_upgrade_ships(tmp_path, stream_dir):
+    """With 2 accelerators the continual step runs its body on 2 torchrun ranks (CPU here: gloo): rank 0
+    writes the candidate and its metrics, which register, serve and upgrade like a one-process model."""
+    import json
+
+    from _pipelines import Cycle, assert_serves, chain_config
+
+    config = chain_config(tmp_path, stream_dir, "bct")
+    config["resources"]["gpu"].update(accelerator="nvidia.com/gpu", accelerator_count=2)
+    config["training"]["device"] = "cpu"  # two CPU ranks stand in for the node's two GPUs
+    cycle = Cycle(config)
+    cycle.bootstrap()
+    assert cycle.ship(1)["promoted"]
+    assert_serves(config, "2", 32)
+    for run in cycle.runs():
+        metrics = json.loads((run / "continual" / "metrics.json").read_text())
+        assert metrics["training"]["world_size"] == 2, metrics["training"]
+        logs = sorted((run / "continual" / "ranks" / "logs").rglob("stdout.log"))
+        assert len(logs) == 2  # one per rank
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ starts it again, and a process that is gone answers None."""
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import numpy as np
@@ -16,8 +17,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 def test_the_peak_covers_what_was_freed_and_a_reset_starts_it_again() -> None:
     assert proc.reset_peak()
     before = proc.peak_rss_mib()
-    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched
-    del block
+    # 64 MiB of fresh pages, touched, then unmapped: an anonymous map, not the allocator, whose freed but
+    # still resident heap a long-lived process (a pytest-xdist worker) may reuse without growing at all
+    block = mmap.mmap(-1, 64 << 20)
+    block.write(b"\1" * (64 << 20))
+    block.close()
     after = proc.peak_rss_mib()
     assert after - before >= 60
     assert proc.status_mib("VmRSS") < after  # freed: resident now is below the peak
