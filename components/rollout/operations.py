@@ -8,7 +8,7 @@ factory named ``module:function`` (default: real models, :func:`components.rollo
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +93,19 @@ def index_new_items(
     *,
     probe_size: int = 500,
     seed: int = 0,
+    on_items: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> dict[str, Any]:
-    """Index the gallery items of ``gallery`` that the serving collection does not hold yet.
+    """Index the gallery items of ``gallery`` that the serving collection does not hold yet, shard by shard.
 
-    The first call embeds every item with ``model``, creates the collection in ``space`` behind the
-    serving alias and writes the serving record. Later calls (a new data phase brings new gallery items)
-    embed only the new items with ``model`` (the serving model) into the serving collection, in its space,
-    and leave the serving record alone. Each call adds up to ``probe_size`` of the new items to the probe
-    set (the first caption of each as its query). Idempotent: a crashed call is simply run again.
-    Returns the serving record plus ``n_items`` (gallery size), ``n_new`` and ``new_items`` (lineage rows
-    of what was written: item id, caption, image URI, phase, domain).
+    The first call embeds every item with ``model``; its first shard creates the collection in ``space``
+    behind the serving alias and writes the serving record. Later calls (a new data phase brings new
+    gallery items) embed only the new items with ``model`` (the serving model) into the serving collection,
+    in its space, and leave the serving record alone. Each shard's new items are handed to ``on_items``
+    (lineage rows: item id, caption, image URI, phase, domain, model version, space) before their vectors
+    are written, so a crash never leaves an indexed item without its lineage; one shard is held at a time.
+    Each call adds up to ``probe_size`` of the new pictures to the probe set (a seeded reservoir sample),
+    every caption of each one a query. Idempotent: a crashed call is simply run again. Returns the serving
+    record plus ``n_items`` (gallery size), ``n_new`` and ``probe`` (the probe file).
     """
     from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
@@ -111,11 +114,14 @@ def index_new_items(
     from components.workspace import stored_path
 
     paths = RolloutPaths.for_workspace(workspace)
+    probe_file = paths.probe
+    probe = json.loads(probe_file.read_text()) if probe_file.is_file() else {"texts": [], "positives": []}
+    sample = _ProbeSample(probe_size, seed, known={p for positives in probe["positives"] for p in positives})
+    n_new = 0
     with open_index(workspace) as index:
         collection = index.serving_collection()
+        record = read_serving(paths.serving) or {}
         encoder = None
-        new_items: list[dict[str, Any]] = []
-        vectors = []
         for url in expand_urls(gallery):
             encoder = encoder or load_encoder(model)  # its input size bounds the decoded images
             items = load_captioned_set(url, image_size=decode_size(encoder))
@@ -124,63 +130,81 @@ def index_new_items(
             keep = [i for i, key in enumerate(items.keys) if key not in present]
             if not keep:
                 continue
-            vectors.append(encoder.encode_images([items.images[i] for i in keep]).numpy())
-            for i in keep:
-                meta = items.metas[i] or {}
-                new_items.append(
-                    {
-                        "item_id": items.keys[i],
-                        "caption": items.captions[i][0],
-                        # a shard inside the workspace named relative to it: a copy reads its own
-                        "image_uri": f"{stored_path(paths.root, url)}#{items.keys[i]}",
-                        "phase": int(meta.get("phase", 0)),
-                        "domain": meta.get("domain"),
-                    }
-                )
-        if collection is None and not new_items:
-            raise ValueError(f"gallery {gallery!r} holds no samples")
-        if new_items:
-            ids = [row["item_id"] for row in new_items]
-            common = {
-                "phase": [row["phase"] for row in new_items],
-                "source_uris": [row["image_uri"] for row in new_items],
+            vectors = encoder.encode_images([items.images[i] for i in keep]).numpy()
+            space_id = index.collection_space(collection) if collection is not None else space
+            rows = [
+                {
+                    "item_id": items.keys[i],
+                    "caption": items.captions[i][0],
+                    # a shard inside the workspace named relative to it: a copy reads its own
+                    "image_uri": f"{stored_path(paths.root, url)}#{items.keys[i]}",
+                    "phase": int((items.metas[i] or {}).get("phase", 0)),
+                    "domain": (items.metas[i] or {}).get("domain"),
+                    "model_version": str(version),
+                    "space_id": str(space_id),
+                }
+                for i in keep
+            ]
+            if on_items is not None:
+                on_items(rows)
+            columns = {
+                "phase": [row["phase"] for row in rows],
+                "source_uris": [row["image_uri"] for row in rows],
             }
+            ids = [row["item_id"] for row in rows]
             if collection is None:
                 record = index_gallery(
                     index,
                     paths,
                     ids,
-                    np.concatenate(vectors),
+                    vectors,
                     version=version,
                     space=space,
                     query_model={"uri": str(model), "factory": DEFAULT_FACTORY},
-                    **common,
+                    **columns,
                 )
+                collection = record["collection"]
             else:
-                space = index.collection_space(collection)
-                index.index_items(
-                    ids, np.concatenate(vectors), version, space, collection=collection, **common
-                )
-                index.flush(collection)
-        record = read_serving(paths.serving) or {}
+                index.index_items(ids, vectors, version, space_id, collection=collection, **columns)
+            sample.offer((row["item_id"], items.captions[i]) for row, i in zip(rows, keep, strict=True))
+            n_new += len(rows)
+        if collection is None:
+            raise ValueError(f"gallery {gallery!r} holds no samples")
+        if n_new:
+            index.flush(collection)
         n_items = index.count()
-    for row in new_items:
-        row.update(model_version=str(version), space_id=str(record.get("space", space)))
-    probe_file = paths.probe
-    probe = json.loads(probe_file.read_text()) if probe_file.is_file() else {"texts": [], "positives": []}
-    known = {p for positives in probe["positives"] for p in positives}
-    candidates = [row for row in new_items if row["item_id"] not in known]
-    for i in np.random.default_rng(seed).permutation(len(candidates))[:probe_size]:
-        probe["texts"].append(candidates[i]["caption"])
-        probe["positives"].append([candidates[i]["item_id"]])
+    for item_id, captions in sample.picked():
+        for caption in captions:  # every caption of a probed picture is a query
+            probe["texts"].append(caption)
+            probe["positives"].append([item_id])
     write_json_atomic(probe_file, probe)
-    return {
-        **record,
-        "n_items": n_items,
-        "n_new": len(new_items),
-        "new_items": new_items,
-        "probe": str(probe_file),
-    }
+    return {**record, "n_items": n_items, "n_new": n_new, "probe": str(probe_file)}
+
+
+class _ProbeSample:
+    """A seeded reservoir sample (Algorithm R) of up to ``size`` new pictures (id, captions), skipping those
+    ``known`` already: bounded whatever the number of new items."""
+
+    def __init__(self, size: int, seed: int, known: set[str]) -> None:
+        self.size, self.known = int(size), known
+        self.rng = np.random.default_rng(seed)
+        self.kept: list[tuple[str, list[str]]] = []
+        self.seen = 0
+
+    def offer(self, pictures: Iterable[tuple[str, list[str]]]) -> None:
+        for picture in pictures:
+            if picture[0] in self.known:
+                continue
+            if len(self.kept) < self.size:
+                self.kept.append(picture)
+            else:
+                j = int(self.rng.integers(0, self.seen + 1))
+                if j < self.size:
+                    self.kept[j] = picture
+            self.seen += 1
+
+    def picked(self) -> list[tuple[str, list[str]]]:
+        return sorted(self.kept)
 
 
 def roll_out(

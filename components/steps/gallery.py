@@ -34,6 +34,7 @@ def serve_first_model_step(
     gallery_shards = validated_shards(deployment, gallery_shards, "gallery")  # quarantined: not indexed
     model = model_dir_of(deployment, version)
     workspace = Workspace.of(deployment)
+    lineage = LineageRecorder(workspace)
     record = index_new_items(
         workspace,
         model,
@@ -41,8 +42,9 @@ def serve_first_model_step(
         str(read_sidecar(Path(model))["version"]),
         gallery_shards,
         seed=deployment.training.seed,
+        on_items=lineage,
     )
-    _record_lineage(workspace, record.pop("new_items"))
+    record["lineage_recorded"] = lineage.recorded
     state = {"state": "completed", "model_version": version, "kind": "initial_index"}
     registry_of(deployment).promote(version, rollout_state=state)
     summary = {**record, "version": version, "promoted": True}
@@ -69,6 +71,7 @@ def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]
     if serving is None:
         raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
     served = serving["query_model"]
+    lineage = LineageRecorder(workspace)
     added = index_new_items(
         workspace,
         served["uri"],
@@ -76,12 +79,13 @@ def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]
         "",
         gallery_shards,
         seed=deployment.training.seed,
+        on_items=lineage,
     )
     summary = {
         "model_version": served["version"],
         "n_items": added["n_items"],
         "n_new": added["n_new"],
-        "lineage_recorded": _record_lineage(workspace, added.pop("new_items")),
+        "lineage_recorded": lineage.recorded,
     }
     write_json_atomic(run_dir / "ingest" / "ingest.json", summary)
     return summary
@@ -208,12 +212,22 @@ def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, An
     }
 
 
-def _record_lineage(workspace: Workspace, items: list[dict[str, Any]]) -> int:
-    """Record freshly indexed items in Feast (who embedded them, in which space, from which image)."""
-    from components.lineage import LineageStore
+class LineageRecorder:
+    """Records freshly indexed items in Feast (who embedded them, in which space, from which image), a
+    shard's rows at a time (:func:`components.rollout.operations.index_new_items` calls it per shard);
+    ``recorded`` counts the rows written."""
 
-    if not items:
-        return 0
-    store = LineageStore.of(workspace)
-    store.apply()
-    return store.write_items(items)
+    def __init__(self, workspace: Workspace) -> None:
+        self.workspace = workspace
+        self.store: Any = None
+        self.recorded = 0
+
+    def __call__(self, rows: list[dict[str, Any]]) -> None:
+        from components.lineage import LineageStore
+
+        if not rows:
+            return
+        if self.store is None:
+            self.store = LineageStore.of(self.workspace)
+            self.store.apply()
+        self.recorded += self.store.write_items(rows)
