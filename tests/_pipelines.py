@@ -4,6 +4,7 @@ candidate, and :class:`Cycle`, the pipeline's steps for one workspace in the ord
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -96,6 +97,7 @@ class Cycle:
 
     def bootstrap(self) -> None:
         from components import steps
+        from components.rollout import RolloutPaths
 
         plan, run_dir, validated = self._validated(0)
         steps.continual_step(
@@ -110,6 +112,10 @@ class Cycle:
         examples = json.loads((run_dir / "rollout" / "examples.json").read_text())["queries"]
         assert len(examples) == 3 and all(len(q["hits"]) == 3 for q in examples)
         assert all(h["thumbnail"].startswith("data:image/jpeg;base64,") for q in examples for h in q["hits"])
+        # The synthetic pictures carry five captions each: every caption of a probed picture is a probe query.
+        probe = json.loads(RolloutPaths.for_workspace(self.config["workspace"]).probe.read_text())
+        per_picture = Counter(ids[0] for ids in probe["positives"])
+        assert per_picture and set(per_picture.values()) == {5}, per_picture
         record_phase(Path(self.config["workspace"]), 0, "succeeded", run_dir.name)  # the exit handler's part
 
     def train(self, phase: int) -> tuple[dict, Path, str]:
@@ -168,6 +174,8 @@ class Cycle:
             run_dir / "_gate",
         )
         assert decision == "pass"
+        sizes = json.loads((run_dir / "_evaluate" / "compat_report.json").read_text())["eval_sizes"]
+        assert sizes["captions"] == 5 * sizes["images"] > 0  # recall over every caption of every picture
         version = steps.register_step(self.config, run_dir, phase, compat)["version"]
         # Every gallery item relevant to every probe query: the probes cannot halt this rollout. These
         # tests check that each kind of model loads, serves and upgrades; tests/integration/test_rollout.py
