@@ -1,4 +1,5 @@
-"""``compatflow index``: the gallery index's server for local use (Milvus standalone on loopback only)."""
+"""``compatflow index``: the gallery index's server for local use (Milvus standalone on loopback only), and
+moving a served gallery to another index."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt
 
 index_app = typer.Typer(help="The gallery index: run a Milvus standalone server locally, on loopback only.")
 
@@ -93,6 +96,43 @@ def serve_milvus(
         fail(f"Milvus exited with status {server.process.returncode}:\n{server.log_tail()}")
     status = server.stop()
     typer.echo(f"Milvus stopped (status {status}).")
+
+
+@index_app.command("move")
+def move(
+    to: Annotated[
+        str, typer.Option("--to", help="URI of the index to serve the gallery from (e.g. a server).")
+    ],
+    workspace: WorkspaceOpt = None,
+    config: ConfigOpt = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Rows per copied batch.", min=1)] = 2000,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Move the served gallery (every collection of its alias, vectors included) to the index at --to, then
+    serve from it: a killed move is run again; the source is left as it was. Set index.uri to --to in the
+    config afterwards (a config naming the old index is refused)."""
+    from pipelines.commands._common import echo_json, fail, holding_workspace, workspace_of
+
+    chosen = workspace_of(config, workspace)
+    from components.index import GalleryIndexError
+    from components.rollout import RolloutError
+    from components.rollout.move import move_gallery
+    from components.serving.record import ServingError
+
+    try:
+        with holding_workspace(chosen, "compatflow index move"):
+            moved = move_gallery(chosen, to, batch_size=batch_size)
+    except (RolloutError, GalleryIndexError, ServingError, OSError) as err:
+        fail(str(err))
+    if as_json:
+        echo_json(moved)
+        return
+    if not moved["collections"]:
+        typer.echo(f"the gallery is already served from {to}")
+        return
+    rows = ", ".join(f"{name} {n} rows" for name, n in moved["collections"].items())
+    typer.echo(f"moved {rows} from {moved['from']} to {to}; {moved['served']} is served from {to} now")
+    typer.echo(f"set index.uri: {to} in the config (the source index was left as it was)")
 
 
 def register(app: typer.Typer) -> None:

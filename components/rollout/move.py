@@ -1,0 +1,93 @@
+"""Moving a served gallery to another index (``compatflow index move --to URI``): milvus-lite to a Milvus
+server, or one server to another, with nothing lost.
+
+Every collection of the gallery's alias (the served one and those kept for a rollback) is copied row by row,
+vectors included, in bounded batches (idempotent upserts: a killed move is simply run again), the counts
+are checked, the alias is switched at the target, the rollout states (live and archived) are pointed at
+it, and the serving record is rewritten last: until then everything serves from the source, after it
+everything serves from the target. The source is left as it was (drop it by hand once the target serves).
+Lineage (Feast) names items and versions, not the index, and stays as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict[str, Any]:
+    """Move the workspace's served gallery to the index at ``to_uri`` (see the module doc). The caller holds
+    the workspace lock. Returns ``{"from", "to", "collections": {name: rows}, "served": collection}``;
+    ``collections`` is empty when the gallery is already served from ``to_uri``."""
+    from components.index import ROW_FIELDS, GalleryIndex
+    from components.rollout import RolloutError, RolloutPaths, load_state
+    from components.rollout.production_rollback import UNFINISHED
+    from components.serving.record import read_serving, same_index, write_serving
+    from components.workspace import Workspace
+
+    ws = Workspace.coerce(workspace)
+    paths = RolloutPaths.for_workspace(ws)
+    record = read_serving(paths.serving)
+    if record is None:
+        raise RolloutError(
+            f"nothing is served from {ws.root} (no serving record): there is no gallery to move"
+        )
+    source_uri, served, alias = record["uri"], record["collection"], record["alias"]
+    if same_index(source_uri, to_uri):
+        return {"from": source_uri, "to": to_uri, "collections": {}, "served": served}
+    state = load_state(paths.state)
+    if state is not None and state["state"] in UNFINISHED:
+        raise RolloutError(
+            f"rollout {state['rollout_id']} is {state['state']}: let the run finish it (compatflow run) or "
+            "roll it back (compatflow rollback) before moving the gallery"
+        )
+    copied: dict[str, int] = {}
+    with GalleryIndex(source_uri, alias) as source, GalleryIndex(to_uri, alias) as target:
+        names = [name for name in source.collections() if name.startswith(f"{alias}_")]
+        for name in sorted(names, key=lambda n: n != served):  # the served one first
+            if not target.has_collection(name):
+                target.create_collection(
+                    source.collection_space(name), source.collection_dim(name), name=name
+                )
+            written = 0
+            for rows in source.iter_rows(ROW_FIELDS, collection=name, batch_size=batch_size):
+                written += target.upsert(rows, collection=name)
+            target.flush(name, wait_indexed=name == served)
+            have, want = target.count(name), source.count(name)
+            if have != want:
+                raise RolloutError(
+                    f"collection {name} holds {have} rows at {to_uri} but {want} at {source_uri} after the "
+                    "copy; run the move again (it copies again; nothing is served from the target yet)"
+                )
+            copied[name] = written
+            log.info("moved %s: %d rows to %s", name, written, to_uri)
+        target.switch_alias(served)
+    _point_states_at(paths, to_uri)
+    write_serving(
+        paths.serving,
+        uri=to_uri,
+        alias=alias,
+        collection=served,
+        space=record["space"],
+        dim=int(record["dim"]),
+        query_model=record["query_model"],
+        previous=record.get("previous"),
+        rollout_id=record.get("rollout_id", ""),
+    )
+    return {"from": source_uri, "to": to_uri, "collections": copied, "served": served}
+
+
+def _point_states_at(paths: Any, to_uri: str) -> None:
+    """Name ``to_uri`` as the gallery index in the live and the archived rollout states (a rollback finds
+    its collections there)."""
+    from components.rollout.state import exclusive, load_state, save_state
+
+    for path in [paths.state, *paths.archived_states()]:
+        with exclusive(paths.state):
+            state = load_state(path, paths.root)
+            if state is None or state.get("gallery", {}).get("uri") == to_uri:
+                continue
+            state["gallery"]["uri"] = to_uri
+            save_state(path, state, paths.root)
