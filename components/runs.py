@@ -461,8 +461,24 @@ _CHECKPOINT_ERRORS = (
 )
 
 
-def next_action(step: str, error_type: str) -> str:
+def disk_full(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what it was raised from) is a full disk or an exceeded quota."""
+    import errno
+
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def next_action(step: str, error_type: str, error: BaseException | None = None) -> str:
     """What on-call should do after ``step`` raised ``error_type`` (one sentence)."""
+    if disk_full(error):
+        return (
+            "the disk is full: free space on the filesystem that holds the workspace (df -h names it), then "
+            "run again: the run resumes where it stopped, nothing written before is lost"
+        )
     if error_type in _CHECKPOINT_ERRORS:
         return (
             "a model file failed its integrity check: delete the named model folder under workspace/models "
@@ -502,10 +518,13 @@ def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, 
             "message": str(error),
             "traceback": traceback.format_exception(error)[-12:],
         },
-        "next_action": next_action(step, error_type),
+        "next_action": next_action(step, error_type, error),
         "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    write_json_atomic(path, document)
+    try:
+        write_json_atomic(path, document)
+    except OSError as exc:  # a full disk: the step's own error goes on up, not this one chained to it
+        log.warning("could not record the failure of step %s in %s: %s", step, path, exc)
     return document
 
 

@@ -43,16 +43,28 @@ class RunResult:
 
 class _EchoingLog(io.TextIOBase):
     """Writes everything to the log file and echoes task start/finish lines and the steps' progress lines
-    (:mod:`compat.progress`) to the terminal; on a terminal each progress line replaces the one before."""
+    (:mod:`compat.progress`) to the terminal; on a terminal each progress line replaces the one before.
+
+    A log file that cannot be written (a full disk) never fails the run by itself: the first error is kept
+    in ``error``, the file is written no more, and the terminal still gets its lines."""
 
     def __init__(self, log_file: io.TextIOBase, terminal: Any) -> None:
         from compat.progress import LINE_MARK
 
         self._log, self._terminal, self._pending = log_file, terminal, ""
         self._mark, self._live, self._status = LINE_MARK, _isatty(terminal), False
+        self.error: OSError | None = None
+
+    def _to_file(self, write: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            write()
+        except OSError as exc:
+            self.error = exc
 
     def write(self, text: str) -> int:
-        self._log.write(text)
+        self._to_file(lambda: self._log.write(text))
         self._pending += text
         while "\n" in self._pending:
             line, self._pending = self._pending.split("\n", 1)
@@ -74,7 +86,13 @@ class _EchoingLog(io.TextIOBase):
         return len(text)
 
     def flush(self) -> None:
-        self._log.flush()
+        self._to_file(self._log.flush)
+
+    def close_file(self) -> None:
+        """Close the log file (what it could not write is lost with it, the error kept)."""
+        self._to_file(self._log.close)
+        with contextlib.suppress(OSError):
+            self._log.close()
 
 
 def _isatty(stream: Any) -> bool:
@@ -156,15 +174,22 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     )
     pipeline = build_pipeline(deployment, runner="local")
     log_path = run_dir / "pipeline.log"
-    with open(log_path, "w", buffering=1) as log_file, warnings.catch_warnings():  # line-buffered: the
-        # exit handler's report reads the failed task's traceback while this file is still open
-        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-        warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
-        with contextlib.redirect_stdout(_EchoingLog(log_file, echo)):
+    # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
+    log = _EchoingLog(open(log_path, "w", buffering=1), echo)
+    broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(log):
+            warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+            warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
             try:
                 pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
             except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
-                log_file.write(f"\npipeline failed: {err}\n")
+                log.write(f"\npipeline failed: {err}\n")
+            except OSError as err:
+                broke = err
+                log.write(f"\npipeline failed: {err}\n")
+    finally:
+        log.close_file()
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
     status = recorded.get("status", "failed") if recorded.get("run_id") == plan["run_id"] else "failed"
     outputs = {
@@ -172,24 +197,41 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         "run_dir": str(run_dir),
         "report": str(run_dir / "report" / "report.html"),
     }
-    failure = _failure_of(run_dir, log_path) if status == "failed" else None
+    unwritten = broke or log.error
+    if status == "failed" or broke is not None:
+        status, failure = "failed", _failure_of(run_dir, log_path, unwritten)
+    else:
+        failure = None
+        if unwritten is not None:
+            echo.write(f"compatflow: the run's log {log_path} is incomplete: {unwritten}\n")
     return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs, failure)
 
 
-def _failure_of(run_dir: Path, log_path: Path) -> dict[str, Any]:
-    """The failed step and its error, with the log line to look at (also written into ``outcome.json``)."""
+def _failure_of(run_dir: Path, log_path: Path, unwritten: OSError | None = None) -> dict[str, Any]:
+    """The failed step and its error, with the log line to look at (also written into ``outcome.json`` when
+    the disk takes it). ``unwritten``: the error that kept the run's own files (log, kfp's pipeline root)
+    from being written, which explains a failure no step recorded and says what to do."""
     from compat.io import write_json_atomic
-    from components.runs import OUTCOME_FILE, locate_in_log, read_failure
+    from components.runs import OUTCOME_FILE, disk_full, locate_in_log, next_action, read_failure
 
     failure = read_failure(run_dir) or {
         "step": "unknown",
         "error": {"type": "PipelineError", "message": "no step recorded a failure: see the log"},
         "next_action": "read the log, then run again",
     }
+    if unwritten is not None:
+        failure = {**failure, "unwritten": f"{log_path.parent}: {unwritten}"}
+        if failure["step"] == "unknown":
+            failure["error"] = {"type": type(unwritten).__name__, "message": str(unwritten)}
+        if disk_full(unwritten):
+            failure["next_action"] = next_action(failure["step"], "", unwritten)
     failure = {**failure, "log": str(log_path), "log_line": locate_in_log(log_path, failure)}
     outcome_path = run_dir / OUTCOME_FILE
-    if outcome_path.is_file():
-        outcome = json.loads(outcome_path.read_text())
-        outcome.update(log=failure["log"], log_line=failure["log_line"])
-        write_json_atomic(outcome_path, outcome)
+    try:
+        if outcome_path.is_file():
+            outcome = json.loads(outcome_path.read_text())
+            outcome.update(log=failure["log"], log_line=failure["log_line"])
+            write_json_atomic(outcome_path, outcome)
+    except (OSError, ValueError) as exc:  # a full disk: the failure is still returned and printed
+        logger.warning("could not update %s: %s", outcome_path, exc)
     return failure

@@ -42,6 +42,8 @@ def run(
         last = (str(error.get("message", "")).strip().splitlines() or [""])[-1]
         typer.echo(f"  failed step: {result.failure['step']}")
         typer.echo(f"  error:   {error.get('type')}: {last}")
+        if result.failure.get("unwritten"):
+            typer.echo(f"  unwritten: {result.failure['unwritten']} (the log may end early)")
         typer.echo(f"  next:    {result.failure['next_action']}")
         if result.failure.get("log_line"):
             typer.echo(f"  look at: {result.failure['log']}:{result.failure['log_line']}")
