@@ -221,6 +221,7 @@ def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: s
         signature=signature,
         input_example=pd.DataFrame({"text": [EXAMPLE_TEXT]}),
         pip_requirements=_requirements(),
+        code_paths=_code_paths(),  # the flavour's own code travels with the model (not a published package)
         metadata={
             "compatflow": {**facts, "checkpoint_sha256": digest},
         },
@@ -230,14 +231,24 @@ def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: s
     return model_dir
 
 
+def _code_paths() -> list[str]:
+    """compatflow's own packages the loader imports (``compat``, ``components``): copied into the model's
+    ``code/``, which MLflow puts on the path when it loads the model."""
+    import compat
+    import components
+
+    return [str(Path(package.__file__).parent) for package in (compat, components)]
+
+
 def _requirements() -> list[str]:
-    """The packages the flavour's loader needs, at their installed versions."""
+    """The installable distributions the flavour's loader needs, at their installed public versions (a
+    local label such as torch's ``+cpu`` dropped: the index that serves it is not the model's business)."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = []
-    for name in ("compatflow", "torch", "open_clip_torch", "safetensors", "pillow", "numpy", "pandas"):
+    for name in ("torch", "open_clip_torch", "safetensors", "pillow", "numpy", "pandas"):
         try:
-            found.append(f"{name}=={version(name)}")
+            found.append(f"{name}=={version(name).split('+', 1)[0]}")
         except PackageNotFoundError:
             found.append(name)
     return found

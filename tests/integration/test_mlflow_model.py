@@ -202,3 +202,45 @@ def test_a_tracking_server_serves_the_model_and_its_verified_files(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     served = mlflow.pyfunc.load_model("models:/served-clip@candidate").predict(pd.DataFrame({"text": TEXTS}))
     np.testing.assert_array_equal(served, load_production(files).encoder.encode_texts(TEXTS).numpy())
+
+
+def test_mlflow_models_predict_serves_production_from_another_folder(
+    released: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mlflow models predict -m models:/<name>@production --env-manager local`` (MLflow's own CLI, run from
+    a folder outside the checkout) returns one embedding per input row; the model names only installable
+    distributions and carries compatflow's code."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import mlflow.artifacts
+
+    registry = released["registry"]
+    uri = f"models:/{registry.model_name}@production"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    env = dict(os.environ)
+    local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "copy")))
+    requirements = (local / "requirements.txt").read_text().split()
+    assert not [r for r in requirements if r.startswith("compatflow") or "+" in r], requirements
+    assert (local / "code" / "compat").is_dir() and (local / "code" / "components").is_dir()
+
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"dataframe_split": {"columns": ["text"], "data": [[t] for t in TEXTS]}}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    mlflow_cli = str(Path(sys.executable).with_name("mlflow"))
+    done = subprocess.run(
+        [mlflow_cli, "models", "predict", "-m", uri, "--env-manager", "local", "-i", str(rows), "-t", "json"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    embeddings = np.asarray(answer["predictions"], dtype=np.float32)
+    assert embeddings.shape == (len(TEXTS), 64)
+    assert np.allclose(np.linalg.norm(embeddings, axis=1), 1.0, atol=1e-5)
