@@ -1,5 +1,5 @@
-"""The gate policy: the shipped default (``policies/gate_default.yaml``) with a YAML policy merged over it,
-checked whole when it is loaded."""
+"""The gate policy: the shipped default (``default_policy.yaml``, beside it) with a YAML policy merged over
+it, checked whole when it is loaded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_POLICY_PATH = Path(__file__).resolve().parents[1] / "policies" / "gate_default.yaml"
+DEFAULT_POLICY_PATH = Path(__file__).resolve().parent / "default_policy.yaml"
 SEVERITIES = ("none", "low", "medium", "high")
 
 
@@ -20,7 +20,7 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class GatePolicy:
-    """Resolved release-gate thresholds (see ``components/policies/gate_default.yaml``)."""
+    """Resolved release-gate thresholds (see ``components/gate/default_policy.yaml``)."""
 
     directions: tuple[str, ...]
     ks: tuple[int, ...]

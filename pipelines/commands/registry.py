@@ -24,8 +24,8 @@ def status(
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
-    from components.status import collect
     from pipelines.commands._common import echo_json
+    from pipelines.status import collect
 
     doc = collect(workspace, model_name=model_name)
     if as_json:

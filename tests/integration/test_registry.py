@@ -187,7 +187,7 @@ def test_cli_status_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
 
 
 def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path) -> None:
-    from components.status import collect
+    from pipelines.status import collect
 
     doc = collect(tmp_path / "fresh")
     assert doc["registry"]["production"] is None and "no registry yet" in doc["registry"]["note"]

@@ -275,7 +275,7 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     assert refused.exit_code == 2 and "empty query text" in refused.output
 
     from components.rollout.production_rollback import on_rollback
-    from components.status import gallery_part
+    from pipelines.status import gallery_part
 
     doc = gallery_part(ws)
     assert doc["gallery"]["count"] == N == sum(doc["gallery"]["by_version"].values())

@@ -559,8 +559,8 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
     from components.search import search
     from components.serving.record import ServingError, read_serving, write_serving
     from components.serving.verify import RegistryDigestCheck
-    from components.status import production_check
     from components.workspace import Workspace
+    from pipelines.status import production_check
 
     paths, _, uri = gallery
     ws = Workspace(paths.serving.parent)

@@ -41,7 +41,7 @@ def test_resolved_makes_every_service_explicit_through_the_workspace(tmp_path, m
     assert resolved.registry.tracking_uri == f"sqlite:///{ws.mlflow_store}"
     assert resolved.index.uri == str(ws.milvus_dir / "gallery.db")
     assert resolved.lineage.repo == str(tmp_path / "ws" / "feast")
-    assert Path(resolved.gate.policy).name == "gate_default.yaml"
+    assert Path(resolved.gate.policy).name == "default_policy.yaml"
     # A pod's environment fills what the config leaves unset; a configured value wins over it.
     monkeypatch.setenv("COMPATFLOW_MILVUS_URI", "http://127.0.0.1:19530")
     assert Deployment(workspace=str(tmp_path / "ws")).resolved().index.uri == "http://127.0.0.1:19530"
