@@ -20,6 +20,11 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 # the rollout tests name their known-geometry encoders in serving records (components.serving.record)
 os.environ.setdefault("COMPATFLOW_TRUSTED_MODULES", "benchmarks.synthetic_upgrade")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several test processes share the cores: one math thread each (and in every process a test starts,
+    # kfp tasks and servers included) instead of a thread per core each, which oversubscribes the cores.
+    for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_threads, "1")
 
 
 _NETNS_NOTE = "not tried"

@@ -16,10 +16,13 @@ def rollback_production(registry: Any) -> dict[str, Any]:
     (:meth:`components.registry.Registry.rollback`) with the gallery's part: refused before anything changes
     when it cannot be done (:func:`components.rollout.production_rollback.prepare_rollback`), the index put
     back before the aliases move (:func:`components.rollout.production_rollback.on_rollback`)."""
-    from components.rollout import production_rollback
+    from components.rollout import RolloutError, production_rollback
 
     production = registry.alias_version("production")
-    undone = production_rollback.roll_back_unfinished_rollout(registry.workspace, production)
+    try:
+        undone = production_rollback.roll_back_unfinished_rollout(registry.workspace, production)
+    except RolloutError:  # an unreadable rollout state: the registry rollback's preparation refuses it,
+        undone = None  # naming it, with nothing changed
     if undone is not None:
         return {"undone_rollout": undone, "production": production}
     return registry.rollback(
