@@ -1,6 +1,6 @@
 """Indexing new gallery items shard by shard (real milvus-lite, a real small model): each shard's lineage rows
 are handed over before its vectors are written, shards inside the workspace are named relative to it, and
-the probe set takes every caption of each sampled picture as a query."""
+the probe set is a bounded sample of the new pictures."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _gallery(folder: Path) -> list[str]:
     return urls
 
 
-def test_shards_are_indexed_one_at_a_time_with_lineage_first_and_every_caption_probed(tmp_path) -> None:
+def test_shards_are_indexed_one_at_a_time_with_lineage_first_and_a_bounded_probe(tmp_path) -> None:
     from compat.models import build_model, save_checkpoint
     from components.index import GalleryIndex
     from components.rollout.operations import index_new_items
@@ -67,9 +67,9 @@ def test_shards_are_indexed_one_at_a_time_with_lineage_first_and_every_caption_p
     )
     probe = json.loads(Path(record["probe"]).read_text())
     pictures = {ids[0] for ids in probe["positives"]}
-    assert len(pictures) == 3 and len(probe["texts"]) == 3 * CAPTIONS  # every caption of 3 pictures
+    assert len(pictures) == 3 == len(probe["texts"])  # a reservoir of 3 of the 10 pictures
     for text, (item,) in zip(probe["texts"], probe["positives"], strict=True):
-        assert text.startswith(f"picture {item} told ")
+        assert text == f"picture {item} told 0 ways"  # its first caption
 
     # Run again: nothing new, nothing handed over, no picture probed twice.
     again = index_new_items(workspace, model, "v1", "v1", urls, probe_size=3, seed=0, on_items=on_items)
