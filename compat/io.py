@@ -81,3 +81,12 @@ def read_json_object_or_none(path: Path | str) -> dict[str, Any] | None:
 def utc_now() -> str:
     """The current UTC time, ISO 8601 to the second (the timestamp of every state file)."""
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it; released before it is returned)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

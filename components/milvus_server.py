@@ -131,12 +131,9 @@ def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
 def _embedded_etcd_on_free_ports(configs: Path) -> None:
     """Give the embedded etcd its own loopback ports (``etcd.config.path``): by default it listens on 2379 and
     2380 whatever ``milvus.yaml`` says, so a second server on this machine would fail to start."""
-    ports = []
-    for _ in range(2):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-    client, peer = (f"http://127.0.0.1:{port}" for port in ports)
+    from compat.io import free_loopback_port
+
+    client, peer = (f"http://127.0.0.1:{free_loopback_port()}" for _ in range(2))
     etcd = configs / "embedEtcd.yaml"
     etcd.write_text(
         "name: default\n"

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from compat.io import free_loopback_port
 
 # The rank bodies by step, as "module:function", imported on use in each rank.
 BODIES = {"continual": "components.steps.training:train_candidate"}
@@ -30,12 +31,6 @@ class RankLaunchError(RuntimeError):
 def under_launcher() -> bool:
     """Whether this process is one rank of several (torchrun's ``WORLD_SIZE`` > 1)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch_command(step: str, nproc: int, spec: Path, log_dir: Path, port: int) -> list[str]:
@@ -71,7 +66,7 @@ def launch(step: str, nproc: int, arguments: dict[str, Any], work_dir: Path) -> 
     spec = ranks_dir / f"{step}.json"
     spec.write_text(json.dumps(arguments))
     log_dir = ranks_dir / "logs"
-    command = launch_command(step, nproc, spec, log_dir, _free_loopback_port())
+    command = launch_command(step, nproc, spec, log_dir, free_loopback_port())
     env = {**os.environ}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # CPU ranks (gloo) talk over loopback; NCCL is not affected
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
