@@ -202,6 +202,11 @@ class RolloutSection(Section):
     floors: dict[Recall, float] = Field(
         default_factory=dict, description="probe R@K floors above old/old, e.g. {R@1: 20}"
     )
+    probe_tolerance: float = Field(
+        1.0,
+        ge=0,
+        description="standard errors of the probe's old/old R@K a stage may fall below it (0: none)",
+    )
     slo: SloSection = Field(
         default_factory=SloSection,
         description="unpaced: e.g. {p99_factor: 1.5} holds query p99 <= 1.5 x idle",

@@ -125,6 +125,10 @@ def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
     health, sock = config.resolve_port(9091)
     sock.close()
     _embedded_etcd_on_free_ports(data_dir / "configs")
+    # A standalone query node has no peer to hand its segments to: waiting for one (30 s by default) runs
+    # past common.gracefulStopTimeout, and Milvus then force-quits (a panic) without revoking its etcd
+    # sessions, which a restart on this folder must wait out.
+    _add_keys(data_dir / "configs" / "milvus.yaml", "queryNode", ["gracefulStopTimeout: 0"])
     return int(config.get("proxy_port")), int(health)
 
 
@@ -141,11 +145,16 @@ def _embedded_etcd_on_free_ports(configs: Path) -> None:
         f"listen-peer-urls: {peer}\ninitial-advertise-peer-urls: {peer}\n"
         f"initial-cluster: default={peer}\n"
     )
-    milvus_yaml = configs / "milvus.yaml"
-    lines = milvus_yaml.read_text().splitlines()
-    at = lines.index("etcd:") + 1
-    lines[at:at] = ["  config:", f"    path: {etcd}"]
-    milvus_yaml.write_text("\n".join(lines) + "\n")
+    _add_keys(configs / "milvus.yaml", "etcd", ["config:", f"  path: {etcd}"])
+
+
+def _add_keys(milvus_yaml: Path, section: str, lines: list[str]) -> None:
+    """Add ``lines`` (YAML, indented from the section's level) at the top of a top-level ``section`` of
+    ``milvus.yaml``: the wheel's config writer only replaces keys its template already has."""
+    text = milvus_yaml.read_text().splitlines()
+    at = text.index(f"{section}:") + 1
+    text[at:at] = [f"  {line}" for line in lines]
+    milvus_yaml.write_text("\n".join(text) + "\n")
 
 
 @dataclass

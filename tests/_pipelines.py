@@ -112,10 +112,10 @@ class Cycle:
         examples = json.loads((run_dir / "rollout" / "examples.json").read_text())["queries"]
         assert len(examples) == 3 and all(len(q["hits"]) == 3 for q in examples)
         assert all(h["thumbnail"].startswith("data:image/jpeg;base64,") for q in examples for h in q["hits"])
-        # One probe query per picture, each picture probed once.
+        # Every caption of a probed picture is a query (five per picture here).
         probe = json.loads(RolloutPaths.for_workspace(self.config["workspace"]).probe.read_text())
         per_picture = Counter(ids[0] for ids in probe["positives"])
-        assert per_picture and set(per_picture.values()) == {1}, per_picture
+        assert per_picture and set(per_picture.values()) == {5}, per_picture
         record_phase(Path(self.config["workspace"]), 0, "succeeded", run_dir.name)  # the exit handler's part
 
     def train(self, phase: int) -> tuple[dict, Path, str]:

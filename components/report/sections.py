@@ -484,8 +484,8 @@ def _rollout_section(source: Source) -> Section:
         section.items.append(
             Note(
                 f"Every stage's probe must stay at or above its floor: R@1 {_fmt(floors.get('R@1'))} "
-                f"(the probe set's old/old is {_fmt(baseline.get('R@1'))}; the evaluation set's figures "
-                "in the compatibility matrix come from other queries and are not this floor).",
+                f"(the probe set's old/old is {_fmt(baseline.get('R@1'))}{_tolerance(doc)}; the evaluation "
+                "set's figures in the compatibility matrix come from other queries and are not this floor).",
                 "muted",
             )
         )
@@ -596,6 +596,14 @@ def _flatten_numbers(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
 
 def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, int | float | str | bool)
+
+
+def _tolerance(rollout: Mapping[str, Any]) -> str:
+    """How far below old/old the floors sit, as the rollout state records it (older states: not stated)."""
+    tolerance = rollout.get("probe_tolerance")
+    if not isinstance(tolerance, int | float) or isinstance(tolerance, bool):
+        return ""
+    return f", the floor {_fmt(float(tolerance))} standard error(s) below it unless configured higher"
 
 
 def _fmt(value: Any) -> str:

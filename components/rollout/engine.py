@@ -219,6 +219,7 @@ class Rollout:
             "ks": list(c.ks),
             "baseline": baseline,
             "floors": floors,
+            "probe_tolerance": c.probe_tolerance,
             "stages": stages,
             "curve": [],
             "restored": True,

@@ -104,8 +104,8 @@ def index_new_items(
     (lineage rows: item id, caption, image URI, phase, domain, model version, space) before their vectors
     are written, so a crash never leaves an indexed item without its lineage; one shard is held at a time.
     Each call adds up to ``probe_size`` of the new pictures to the probe set (a seeded reservoir sample),
-    its first caption the query: a stage's floor is the old model's exact probe recall, and five near-tied
-    queries per picture let an identical model on a freshly built HNSW index fall one query short.
+    every caption of a picture a query whose relevant item is that picture (t2i as the evaluation counts
+    it; the floors' tolerance, :func:`components.rollout.plan.probe_floors`, absorbs an index's near-ties).
     Idempotent: a crashed call is simply run again. Returns the serving record plus ``n_items`` (gallery
     size), ``n_new`` and ``probe`` (the probe file).
     """
@@ -168,31 +168,32 @@ def index_new_items(
                 collection = record["collection"]
             else:
                 index.index_items(ids, vectors, version, space_id, collection=collection, **columns)
-            sample.offer((row["item_id"], row["caption"]) for row in rows)
+            sample.offer((items.keys[i], tuple(items.captions[i])) for i in keep)
             n_new += len(rows)
         if collection is None:
             raise ValueError(f"gallery {gallery!r} holds no samples")
         if n_new:
             index.flush(collection)
         n_items = index.count()
-    for item_id, caption in sample.picked():
-        probe["texts"].append(caption)
-        probe["positives"].append([item_id])
+    for item_id, captions in sample.picked():
+        for caption in captions:
+            probe["texts"].append(caption)
+            probe["positives"].append([item_id])
     write_json_atomic(probe_file, probe)
     return {**record, "n_items": n_items, "n_new": n_new, "probe": str(probe_file)}
 
 
 class _ProbeSample:
-    """A seeded reservoir sample (Algorithm R) of up to ``size`` new pictures (id, caption), skipping those
+    """A seeded reservoir sample (Algorithm R) of up to ``size`` new pictures (id, captions), skipping those
     ``known`` already: bounded whatever the number of new items."""
 
     def __init__(self, size: int, seed: int, known: set[str]) -> None:
         self.size, self.known = int(size), known
         self.rng = np.random.default_rng(seed)
-        self.kept: list[tuple[str, str]] = []
+        self.kept: list[tuple[str, tuple[str, ...]]] = []
         self.seen = 0
 
-    def offer(self, pictures: Iterable[tuple[str, str]]) -> None:
+    def offer(self, pictures: Iterable[tuple[str, tuple[str, ...]]]) -> None:
         for picture in pictures:
             if picture[0] in self.known:
                 continue
@@ -204,7 +205,7 @@ class _ProbeSample:
                     self.kept[j] = picture
             self.seen += 1
 
-    def picked(self) -> list[tuple[str, str]]:
+    def picked(self) -> list[tuple[str, tuple[str, ...]]]:
         return sorted(self.kept)
 
 
@@ -227,9 +228,9 @@ def roll_out(
     ``range_tasks``, the state as it waits for a stage's rank ranges run by pipeline tasks).
 
     ``settings`` is the deployment's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
-    ``floors``, ``slo``): the one place a deployment sets them. ``old_model`` defaults to the serving
-    record's query model; ``probe`` to the probe set written by :func:`index_new_items`; ``options`` go to
-    the encoder factory and into the recorded query model.
+    ``floors``, ``probe_tolerance``, ``slo``): the one place a deployment sets them. ``old_model`` defaults
+    to the serving record's query model; ``probe`` to the probe set written by :func:`index_new_items`;
+    ``options`` go to the encoder factory and into the recorded query model.
     """
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})
@@ -247,6 +248,7 @@ def roll_out(
         batch_size=settings.batch_size,
         space=space,
         floors=dict(settings.floors),
+        probe_tolerance=settings.probe_tolerance,
         slo_p99_factor=settings.slo.p99_factor,
         max_items_per_s=settings.slo.max_items_per_s,
         workers=settings.workers,

@@ -111,10 +111,30 @@ def probe_floors(
     index: GalleryIndex, source: Source, old_queries: np.ndarray, probe: ProbeSet, config: RolloutConfig
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The probe's metrics on the source collection with the old queries (the baseline) and the floors every
-    stage must hold: the baseline, raised to a configured floor where one is higher."""
+    stage must hold: the baseline less ``config.probe_tolerance`` standard errors of it
+    (:func:`probe_margin`), raised to a configured floor where one is higher."""
     baseline = probe_metrics(index, source.collection, old_queries, probe, config.ks)
-    floors = {m: max(v, float(config.floors.get(m, -math.inf))) for m, v in baseline.items()}
+    n = len(probe.texts)
+    floors = {
+        m: max(v - probe_margin(v, n, config.probe_tolerance), float(config.floors.get(m, -math.inf)))
+        for m, v in baseline.items()
+    }
     return baseline, floors
+
+
+def probe_margin(recall: float, n_queries: int, standard_errors: float) -> float:
+    """How far (in points) a stage's R@K may fall below the old/old ``recall`` of ``n_queries`` probe
+    queries: ``standard_errors`` x the binomial standard error 100 * sqrt(p (1 - p) / n), p = recall / 100.
+
+    An index built again (HNSW's graph, Milvus's segments) answers near-tied queries differently, so an
+    identical model on a rebuilt index scores a query or two apart from old/old; a margin of one standard
+    error lets that pass while a broken mixed gallery, which falls by tens of points, halts. 0: the floor
+    is old/old exactly. The release gate, not the probe, holds the compatibility criterion on the
+    evaluation set."""
+    if standard_errors < 0 or n_queries < 1:
+        raise ValueError(f"probe margin: {standard_errors} standard errors over {n_queries} queries")
+    p = min(max(recall / 100.0, 0.0), 1.0)
+    return float(standard_errors * 100.0 * math.sqrt(p * (1.0 - p) / n_queries))
 
 
 def stage_plan(mode: str, n: int, fractions: Sequence[float]) -> list[dict[str, Any]]:

@@ -115,7 +115,8 @@ class RolloutEncoders:
 @dataclass
 class RolloutConfig:
     """What to roll out and how. ``query_model`` is the serving record's description of the new query
-    encoder (``version``, ``uri``, ``factory``); ``floors`` can only raise the old/old floors."""
+    encoder (``version``, ``uri``, ``factory``); ``floors`` can only raise the floors the probe's old/old
+    less ``probe_tolerance`` standard errors sets (:func:`components.rollout.plan.probe_floors`)."""
 
     new_version: str
     query_model: dict[str, Any] = field(default_factory=dict)
@@ -126,6 +127,7 @@ class RolloutConfig:
     batch_size: int = 256
     ks: tuple[int, ...] = DEFAULT_KS
     floors: dict[str, float] = field(default_factory=dict)
+    probe_tolerance: float = 1.0  # standard errors a stage's probe may fall below old/old
     n_clusters: int | None = None
     flush_rows: int = DEFAULT_FLUSH_ROWS  # rows written between flushes (0: at stage ends only)
     prefetch: int = 2  # batches read and encoded ahead of the upserts (past a stage's end too)

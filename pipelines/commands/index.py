@@ -95,7 +95,8 @@ def serve_milvus(
     if not stopping:
         fail(f"Milvus exited with status {server.process.returncode}:\n{server.log_tail()}")
     status = server.stop()
-    typer.echo(f"Milvus stopped (status {status}).")
+    said = {-6: "an abort: Milvus 2.3 aborts once its embedded etcd has stopped, data written"}.get(status)
+    typer.echo(f"Milvus stopped (status {status}{f': {said}' if said else ''}).")
 
 
 @index_app.command("move")

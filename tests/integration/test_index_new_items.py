@@ -1,6 +1,6 @@
 """Indexing new gallery items shard by shard (real milvus-lite, a real small model): each shard's lineage rows
 are handed over before its vectors are written, shards inside the workspace are named relative to it, and
-the probe set is a bounded sample of the new pictures."""
+the probe set is a bounded sample of the new pictures, every caption a query."""
 
 from __future__ import annotations
 
@@ -67,9 +67,11 @@ def test_shards_are_indexed_one_at_a_time_with_lineage_first_and_a_bounded_probe
     )
     probe = json.loads(Path(record["probe"]).read_text())
     pictures = {ids[0] for ids in probe["positives"]}
-    assert len(pictures) == 3 == len(probe["texts"])  # a reservoir of 3 of the 10 pictures
+    assert len(pictures) == 3 and len(probe["texts"]) == 3 * CAPTIONS  # a reservoir of 3 of the 10 pictures
+    by_picture: dict[str, list[str]] = {}
     for text, (item,) in zip(probe["texts"], probe["positives"], strict=True):
-        assert text == f"picture {item} told 0 ways"  # its first caption
+        by_picture.setdefault(item, []).append(text)
+    assert by_picture == {p: [f"picture {p} told {c} ways" for c in range(CAPTIONS)] for p in pictures}
 
     # Run again: nothing new, nothing handed over, no picture probed twice.
     again = index_new_items(workspace, model, "v1", "v1", urls, probe_size=3, seed=0, on_items=on_items)

@@ -121,6 +121,7 @@ def test_serve_milvus_command_prints_the_uri_and_stops_on_sigterm(tmp_path) -> N
         argv = [sys.executable, "-m", "pipelines.cli", "index", "serve-milvus"]
         argv += ["--data", {str(tmp_path / "m")!r}, "--binaries", {str(milvus_binaries_cache())!r}]
         argv += ["--graceful-stop", "3"]  # "kept" is loaded: a stop waits this long (10 s by default)
+        log_file = {str(tmp_path / "m" / "logs" / "milvus-stdout.log")!r}
         for round_ in range(2):
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             uri = None
@@ -129,19 +130,27 @@ def test_serve_milvus_command_prints_the_uri_and_stops_on_sigterm(tmp_path) -> N
                     uri = line.split("index.uri:")[1].strip()
                     break
             assert uri and uri.startswith("http://127.0.0.1:"), f"no index.uri printed (exit {{proc.poll()}})"
-            client = MilvusClient(uri=uri)
-            if round_ == 0:
-                client.create_collection("kept", dimension=4)
-                client.insert("kept", [{{"id": 1, "vector": [0.1, 0.2, 0.3, 0.4]}}])
-                client.flush("kept")
-            else:
-                assert client.has_collection("kept")
-            client.close()
+            try:
+                client = MilvusClient(uri=uri)
+                if round_ == 0:
+                    client.create_collection("kept", dimension=4)
+                    client.insert("kept", [{{"id": 1, "vector": [0.1, 0.2, 0.3, 0.4]}}])
+                    client.flush("kept")
+                else:
+                    assert client.has_collection("kept")
+                client.close()
+            except Exception:  # what the server said, for whoever reads the failure
+                proc.send_signal(signal.SIGTERM)
+                print(f"round {{round_}}: the command said:", proc.communicate(timeout=60)[0][-3000:])
+                print("milvus-stdout.log:", open(log_file, errors="replace").read()[-3000:])
+                raise
             proc.send_signal(signal.SIGTERM)
             rest = proc.communicate(timeout=60)[0]
             assert proc.returncode == 0 and "Milvus stopped" in rest, rest[-2000:]
+            print(f"round {{round_}}:", rest.strip().splitlines()[-1])
         print("both rounds ok")
         """
     )
     done = _in_own_namespace(script, with_veth=False, timeout=400)
-    assert done.returncode == 0 and "both rounds ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "both rounds ok" in done.stdout, done.stdout[-7000:] + done.stderr[-3000:]
+    print(done.stdout)
