@@ -11,6 +11,8 @@ import _tiers
 import pytest
 from _milvus import SERVER_BACKENDS, milvus_binaries_cache, server_uri
 
+from compat.io import free_loopback_port
+
 # Fixtures shared by the tiers' files live in helper modules (never in a test file).
 pytest_plugins = ["_shards"]
 
@@ -318,14 +320,6 @@ def _test_keeps_out_of_the_checkouts_workspace(request, _session_outside_the_che
         )
 
 
-def _free_loopback_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _loopback_server(argv: list[str], port: int, data, name: str, wait_s: float = 120):
     """Start a server process (its output in ``data/server.log``) and wait until it accepts connections on
     127.0.0.1:``port``; yields ``http://127.0.0.1:port`` and stops it afterwards."""
@@ -369,7 +363,7 @@ def milvus_lite_server(tmp_path_factory):
     if exe is None:
         pytest.fail("the milvus-lite executable is missing from the environment (pip package milvus-lite)")
     data = tmp_path_factory.mktemp("milvus-lite-server")
-    port = _free_loopback_port()
+    port = free_loopback_port()
     argv = [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)]
     yield from _loopback_server(argv, port, data, "milvus-lite server", wait_s=60)
 
@@ -411,7 +405,7 @@ def mlflow_server(tmp_path):
 
     data = tmp_path / "mlflow-server"
     data.mkdir()
-    port = _free_loopback_port()
+    port = free_loopback_port()
     argv = [
         str(Path(sys.executable).with_name("mlflow")),
         "server",

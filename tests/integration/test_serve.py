@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import typer
-from conftest import _free_loopback_port
 
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
+from compat.io import free_loopback_port
 from components import rollout as ro
 from components.index import GalleryIndex
 
@@ -95,7 +95,7 @@ class Service:
     """``compatflow serve`` on a free loopback port; ``stop()`` sends SIGTERM and returns the exit code."""
 
     def __init__(self, ws: Path, uri: str, tmp: Path, *, ready: bool = True) -> None:
-        self.port = _free_loopback_port()
+        self.port = free_loopback_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         argv = [
             sys.executable,
