@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from components.validation.policy import ValidationPolicy
@@ -170,9 +171,21 @@ def inspect_sample(
 
 @lru_cache(maxsize=1)
 def _clip_tokenizer():
-    from open_clip.tokenizer import SimpleTokenizer
+    """open_clip's CLIP BPE tokenizer, loaded from its own file: imported as ``open_clip.tokenizer`` it runs
+    the package's ``__init__``, which imports every model family (torchvision, transformers, timm: ~7 s of
+    a validation task's start) and counting tokens uses none of them."""
+    import importlib.util
 
-    return SimpleTokenizer()
+    package = importlib.util.find_spec("open_clip")  # finds the package without importing it
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("open_clip is not installed: caption tokens are counted with its CLIP tokenizer")
+    path = Path(package.submodule_search_locations[0]) / "tokenizer.py"
+    spec = importlib.util.spec_from_file_location("compatflow_clip_tokenizer", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load open_clip's tokenizer from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SimpleTokenizer()
 
 
 def caption_tokens(caption: str) -> int:
