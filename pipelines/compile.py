@@ -25,11 +25,8 @@ ConfigRef = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 def build_pipeline(config: ConfigRef = None, *, runner: str = "kubernetes") -> GraphComponent:
-    """The continual-upgrade pipeline built under ``compile_settings(config, runner=runner)``.
-
-    ``pipelines.continual_upgrade.continual_upgrade`` is built once at import, under the default
-    settings; this builds it again, e.g. with ``runner="local"`` for ``kfp.local``.
-    """
+    """The continual-upgrade pipeline built under ``compile_settings(config, runner=runner)``, e.g. with
+    ``runner="local"`` for ``kfp.local``."""
     from pipelines import resources
 
     return _build(resources.compile_settings(config, runner=runner))
@@ -39,15 +36,10 @@ def _build(settings: dict[str, Any]) -> GraphComponent:
     from kfp import dsl
 
     from pipelines import resources
-    from pipelines.continual_upgrade import continual_upgrade
+    from pipelines.continual_upgrade import PIPELINE_DESCRIPTION, PIPELINE_NAME, continual_upgrade_steps
 
     with resources.using(settings):
-        return dsl.pipeline(
-            continual_upgrade.pipeline_func,
-            name=continual_upgrade.component_spec.name,
-            description=continual_upgrade.component_spec.description,
-            pipeline_config=continual_upgrade.pipeline_config,
-        )
+        return dsl.pipeline(continual_upgrade_steps, name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)
 
 
 def default_run_config(config: Deployment | Mapping[str, Any]) -> str:

@@ -23,6 +23,7 @@ from kfp import dsl
 from components import kfp_ops
 
 PIPELINE_NAME = "compatflow-continual-upgrade"
+PIPELINE_DESCRIPTION = "Validate, train, make compatible, gate, register and roll out the next data phase."
 
 
 def _task(op: Any, **inputs: Any) -> dsl.PipelineTask:
@@ -62,13 +63,10 @@ def _rollout(config: Any, run_dir: Any, version: Any, ingest: dsl.PipelineTask) 
     _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=version).after(after)
 
 
-@dsl.pipeline(
-    name=PIPELINE_NAME,
-    description="Validate, train, make compatible, gate, register and roll out the next data phase.",
-)
-def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
-    """``config``: the resolved config as JSON; ``phase`` -1: the next pending one; ``run_id`` "": the KFP
-    job name."""
+def continual_upgrade_steps(config: str, phase: int = -1, run_id: str = "") -> None:
+    """The pipeline's graph: ``dsl.pipeline`` of this under a config's task settings is the pipeline
+    (:func:`pipelines.compile.build_pipeline`). ``config``: the resolved config as JSON; ``phase`` -1: the
+    next pending one; ``run_id`` "": the KFP job name."""
     job_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
     finish = _task(kfp_ops.finish_op, config=config, run_id=run_id, job_name=job_name)
     with dsl.ExitHandler(finish, name="record-and-report"):
@@ -172,3 +170,14 @@ def continual_upgrade(config: str, phase: int = -1, run_id: str = "") -> None:
                         step="gate",
                         reason="the release gate blocked the candidate",
                     )
+
+
+def __getattr__(name: str) -> Any:
+    """``continual_upgrade``: the pipeline under the default settings, built on first use and not at import
+    (``dsl.pipeline`` builds the graph at once, and kfp's task setters walk the caller's stack with
+    ``inspect.stack()``, which inside an import costs seconds per task)."""
+    if name == "continual_upgrade":
+        from pipelines.compile import build_pipeline
+
+        return build_pipeline()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
