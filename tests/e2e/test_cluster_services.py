@@ -1,7 +1,8 @@
 """Operator commands on the cluster config, against cluster-style services started here.
 
-An MLflow tracking server on 127.0.0.1, a milvus-lite server and a Feast repo definition outside the
-workspace (read, never written, as the cluster's ConfigMap volume) stand in for the cluster's. A model is
+An MLflow tracking server on 127.0.0.1, a Milvus standalone server (the cluster's kind of index; the
+milvus-lite server is exercised by the integration tier) and a Feast repo definition outside the workspace
+(read, never written, as the cluster's ConfigMap volume) stand in for the cluster's. A model is
 served and an upgrade shipped through the pipeline's steps; then ``status``, ``search``, ``report`` and
 ``rollback`` run with ``--config`` and reach those services, never a local fallback, and a rollback that
 cannot update the lineage changes nothing.
@@ -12,12 +13,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import yaml
 from _pipelines import PERMISSIVE_POLICY, Cycle
 
 from components.feature_repo import REPO_TEMPLATE_DIR
 
 
+@pytest.mark.parametrize("milvus_server", ["milvus-standalone"], indirect=True)
 def test_operator_commands_on_the_cluster_config_reach_its_services(
     tmp_path, mlflow_server, milvus_server, stream_dir
 ):
