@@ -16,6 +16,25 @@ import pytest
 from _pipelines import Cycle, assert_serves, chain_config
 
 
+@pytest.fixture(scope="module")
+def bootstrapped(tmp_path_factory, stream_dir) -> Path:
+    """A workspace that served phase 0 (the first model, its gallery, lineage and probes), made once: how a
+    workspace was bootstrapped does not depend on the compatibility method its upgrades will use."""
+    root = tmp_path_factory.mktemp("bootstrapped")
+    Cycle(chain_config(root, stream_dir, "bct")).bootstrap()
+    return root / "ws"
+
+
+def _cycle_from(
+    bootstrapped: Path, tmp_path: Path, stream_dir: Path, method: str, scenario: str = "continual"
+) -> tuple[dict, Cycle]:
+    """A copy of the bootstrapped workspace in ``tmp_path`` (a workspace works wherever it is copied, see
+    :func:`test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone`) and its cycle."""
+    shutil.copytree(bootstrapped, tmp_path / "ws", symlinks=True)
+    config = chain_config(tmp_path, stream_dir, method, scenario)
+    return config, Cycle(config)
+
+
 @pytest.mark.parametrize(
     "method,scenario",
     [
@@ -28,12 +47,10 @@ from _pipelines import Cycle, assert_serves, chain_config
         ("xbt", "foundation"),
     ],
 )
-def test_two_shipped_upgrades_then_a_third_trains(tmp_path, stream_dir, method, scenario):
+def test_two_shipped_upgrades_then_a_third_trains(bootstrapped, tmp_path, stream_dir, method, scenario):
     from compat.production import load_production
 
-    config = chain_config(tmp_path, stream_dir, method, scenario)
-    cycle = Cycle(config)
-    cycle.bootstrap()
+    config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, method, scenario)
     assert_serves(config, "1", 16)
     for phase, version in ((1, "2"), (2, "3")):
         summary = cycle.ship(phase)
@@ -65,13 +82,11 @@ def test_two_shipped_upgrades_then_a_third_trains(tmp_path, stream_dir, method, 
     shutil.rmtree(run_dir)
 
 
-def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(tmp_path, stream_dir):
+def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(bootstrapped, tmp_path, stream_dir):
     from components import steps
     from components.index import gallery_status
 
-    config = chain_config(tmp_path, stream_dir, "bct")
-    cycle = Cycle(config)
-    cycle.bootstrap()
+    config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, "bct")
     config["rollout"]["floors"] = {"R@1": 100.0}  # no model reaches it: the first stage halts
     halted = cycle.ship(1, probes_can_halt=True)
     assert not halted["promoted"] and halted["rollout"]["state"] == "rolled_back"
@@ -88,7 +103,9 @@ def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(tmp_pa
     assert gallery_status(config["index"]["uri"], config["index"]["alias"])["count"] == 48
 
 
-def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(tmp_path, stream_dir):
+def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(
+    bootstrapped, tmp_path, stream_dir
+):
     """Blue-green v2 ships, phase 2's items are ingested by v2 into its collection; a rollback with an
     unreadable rollout state changes nothing; once readable, production, serving record, index (phase 2's
     items re-embedded by v1 into v1's collection) and lineage all return to v1."""
@@ -98,9 +115,7 @@ def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(tmp
     from components.lineage import LineageStore
     from pipelines.cli import app
 
-    config = chain_config(tmp_path, stream_dir, "none")
-    cycle = Cycle(config)
-    cycle.bootstrap()
+    config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, "none")
     assert cycle.ship(1)["rollout"]["mode"] == "blue_green"
     plan = steps.plan_step(config, 2, "ingest-2")
     steps.ingest_step(config, Path(plan["run_dir"]), plan["gallery_shards"])
