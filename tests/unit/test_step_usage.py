@@ -1,5 +1,6 @@
 """What a step cost: every step records wall and CPU seconds and its own peak memory; the report shows it."""
 
+import mmap
 import sys
 
 import pytest
@@ -15,10 +16,13 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 
 def _touch(n_bytes: int) -> int:
-    block = bytearray(n_bytes)
+    """Make ``n_bytes`` of fresh pages resident, then free them: an anonymous map, not the allocator, whose
+    freed but still resident heap a long-lived process (a pytest-xdist worker) may reuse without growing."""
+    block = mmap.mmap(-1, n_bytes)
     for i in range(0, n_bytes, 4096):  # resident, not just reserved
         block[i] = 1
-    return len(block)
+    block.close()
+    return n_bytes
 
 
 def test_the_peak_is_the_steps_own_not_an_earlier_ones():
@@ -54,6 +58,7 @@ def test_each_step_records_its_cost_and_outcome_and_the_report_shows_them(tmp_pa
     used = {u["step"]: u for u in read_usage(run_dir)}
     assert list(used) == ["allocate", "fail"]
     assert used["allocate"]["outcome"] == "ok" and used["fail"]["outcome"] == "ValueError"
+    assert used["allocate"]["peak_is_step_only"] and used["fail"]["peak_is_step_only"]
     assert used["allocate"]["peak_rss_mib"] - used["fail"]["peak_rss_mib"] > 100
     assert (run_dir / "failure.json").is_file()  # the failure record is unchanged beside it
 
