@@ -170,14 +170,3 @@ def continual_upgrade_steps(config: str, phase: int = -1, run_id: str = "") -> N
                         step="gate",
                         reason="the release gate blocked the candidate",
                     )
-
-
-def __getattr__(name: str) -> Any:
-    """``continual_upgrade``: the pipeline under the default settings, built on first use and not at import
-    (``dsl.pipeline`` builds the graph at once, and kfp's task setters walk the caller's stack with
-    ``inspect.stack()``, which inside an import costs seconds per task)."""
-    if name == "continual_upgrade":
-        from pipelines.compile import build_pipeline
-
-        return build_pipeline()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
