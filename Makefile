@@ -17,7 +17,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: run test test-fast durations env lock lint bench clean-env
+.PHONY: run test test-fast durations rehearse env lock lint bench clean-env
 
 env: $(STAMP)
 
@@ -43,6 +43,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PARALLEL) tests/unit $(PYTEST_ARGS)
+
+# The cluster rehearsed on this machine, as root (README, "Running on Kubeflow"); ROOT is kept between runs.
+REHEARSAL ?= rehearsal
+rehearse: $(STAMP)
+	$(VENV)/bin/compatflow pipeline rehearse --root $(REHEARSAL)
 
 # Rewrite the committed durations baseline (tests/durations.json) from a full, quiet run.
 durations: $(STAMP)

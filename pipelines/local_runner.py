@@ -167,10 +167,13 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         os.environ.setdefault(EVERY_ENV, "2")
     echo.write(f"compatflow: run {plan['run_id']} on phase {plan['phase']} ({plan['domain']})\n")
 
+    # Caching as on the cluster (pipelines.resources.CACHEABLE): a resumed run keeps its run id, so the steps
+    # its killed attempt finished are skipped (cache under <workspace>/kfp/.kfp_cache); a new run never hits.
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
         pipeline_root=str(workspace.kfp_dir),
         raise_on_error=True,
+        enable_caching=True,
     )
     pipeline = build_pipeline(deployment, runner="local")
     log_path = run_dir / "pipeline.log"

@@ -3,9 +3,11 @@
 The pipeline calls :func:`configure` on every task with the settings of the config it is compiled
 with (:func:`compile_settings`): the ``resources`` section of ``pipelines/configs/<name>.yaml`` plus
 the names of the cluster objects under ``manifests/k8s/`` (``tests/unit/test_manifests_services.py`` keeps
-the two in step). ``kfp.local`` runs the same pipeline: it ignores resources and the Kubernetes platform
-spec (with a warning the local runner filters) but honours retry policies, so a local compile
-(``runner="local"``) has none.
+the two in step). ``kfp.local`` runs the same graph: it ignores resources, images and the Kubernetes
+platform spec (with a warning) but honours retry policies and caching, so a local build (``runner="local"``)
+carries the caching options alone (setting the rest costs ~2.5 s a build: kfp's setters call
+``inspect.stack()``). The cluster's own package runs under ``kfp.local`` in the rehearsal
+(:mod:`pipelines.rehearsal`).
 
 Per step (``STEP_KINDS``, ``RETRYABLE``, ``CACHEABLE``):
 
@@ -44,7 +46,8 @@ finish_op              cpu    yes    no     exit handler: reads and writes the w
 
 KFP's cache key is the component and its inputs. The run directory is an input of every cached
 step, so a cache hit only happens when a run is submitted again with the same ``run_id``: the
-steps that completed are skipped (their summaries are already in that run directory).
+steps that completed are skipped (their summaries are already in that run directory). ``compatflow run``
+turns ``kfp.local``'s cache on too, so a run continued after a kill (it keeps its run id) skips them alike.
 
 Importable with kfp, PyYAML and the standard library only (the pipeline module reads
 :func:`compile_settings` while it is built).
@@ -207,12 +210,14 @@ def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> Pip
         )
     if task.state == TaskState.FINAL:
         return task
+    task.set_caching_options(enable_caching=op_name in CACHEABLE)
+    if settings["runner"] == "local":
+        return task  # kfp.local acts on caching alone (and retries, which a local build has none of)
     kind = STEP_KINDS[op_name]
     res = settings[kind]
     task.set_cpu_request(res["cpu"]).set_cpu_limit(res["cpu"])
     task.set_memory_request(res["memory"]).set_memory_limit(res["memory"])
     task.set_container_image(res["image"])  # every task: its kind's image (resources.cpu/gpu.image)
-    task.set_caching_options(enable_caching=op_name in CACHEABLE)
     if op_name in RETRYABLE and settings["retry"]:
         task.set_retry(**settings["retry"])
     if kind == "gpu":

@@ -400,27 +400,10 @@ def milvus_server(request):
 @pytest.fixture
 def mlflow_server(tmp_path):
     """An MLflow tracking server (sqlite store, served artifacts) on a free 127.0.0.1 port; yields its URI."""
-    import sys
-    from pathlib import Path
+    from components import mlflow_server
 
-    data = tmp_path / "mlflow-server"
-    data.mkdir()
-    port = free_loopback_port()
-    argv = [
-        str(Path(sys.executable).with_name("mlflow")),
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--backend-store-uri",
-        f"sqlite:///{data}/mlflow.db",
-        "--artifacts-destination",
-        str(data / "artifacts"),
-        "--workers",
-        "1",
-    ]
-    yield from _loopback_server(argv, port, data, "mlflow server")
+    with mlflow_server.running(tmp_path / "mlflow-server") as server:
+        yield server.uri
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""``compatflow pipeline submit`` / ``schedule``: the compiled pipeline started on Kubeflow Pipelines."""
+"""``compatflow pipeline submit`` / ``schedule``: the compiled pipeline started on Kubeflow Pipelines;
+``compatflow pipeline rehearse``: the same package run here against local servers of the cluster's kinds."""
 
 from __future__ import annotations
 
@@ -177,6 +178,55 @@ def schedule(
         f"recurring run {created} ({name!r}, cron {cron!r}) in experiment {experiment!r} ({experiment_id}): "
         f"{api.host}/#/recurringrun/details/{created}"
     )
+
+
+@pipeline_app.command("rehearse")
+def rehearse(
+    root: Annotated[
+        Path,
+        typer.Option("--root", help="Rehearsal folder (kept: a second rehearsal ships the next phases)."),
+    ] = Path("rehearsal"),
+    phases: Annotated[int, typer.Option("--phases", help="Phases to ship.", min=1)] = 2,
+    milvus_binaries: Annotated[
+        Path | None,
+        typer.Option(
+            "--milvus-binaries", help="Folder to unpack Milvus's binaries into (default: in --root)."
+        ),
+    ] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Delete the rehearsal folder first.")] = False,
+) -> None:
+    """Rehearse the cluster here (as root): compile the pipeline from the cluster config pointed at a Milvus
+    standalone and an MLflow server on loopback, run its tasks from the compiled YAML as the images' user
+    (uid 10001) with the config and feature repo read-only, ship PHASES phases, then `status`, `search` and
+    `lineage --check`. What a rehearsal cannot show: README, "Running on Kubeflow"."""
+    import os
+    import shutil
+
+    from components import milvus_server
+    from pipelines.commands._common import fail
+    from pipelines.rehearsal import RehearsalError
+    from pipelines.rehearsal import rehearse as run_rehearsal
+
+    if os.geteuid() != 0:
+        fail(
+            "the rehearsal runs as root: it makes a private network namespace, root-owned read-only inputs "
+            "and runs the tasks as the images' user, uid 10001 (e.g. `sudo make rehearse`)"
+        )
+    if not milvus_server.loopback_only():
+        milvus_server.enter_private_network()
+    if fresh and root.exists():
+        shutil.rmtree(root)
+    try:
+        outcome = run_rehearsal(root, phases=phases, milvus_binaries=milvus_binaries, echo=typer.echo)
+    except RehearsalError as err:
+        fail(str(err), code=1)
+    typer.echo("")
+    typer.echo(outcome.table())
+    typer.echo(
+        f"\n{'rehearsal passed' if outcome.ok else 'REHEARSAL FAILED'}; logs and rehearsal.json in {root}"
+    )
+    if not outcome.ok:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

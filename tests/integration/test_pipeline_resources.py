@@ -272,20 +272,19 @@ def test_every_executor_of_the_committed_pipeline_runs_an_image_of_the_config() 
     assert len(images) == len({t["executor"] for t in compiled_tasks(spec)})  # every executor is a task's
 
 
-def test_local_config_compiles_without_gpu_or_volume_settings(tmp_path: Path) -> None:
-    config = shipped("local")
-    path = compile_stages(tmp_path, resources.compile_settings("local", runner="local"))
-    check_task_settings(path, config, runner="local")
+def test_a_local_build_carries_only_what_kfp_local_acts_on(tmp_path: Path) -> None:
+    """Caching per step; no retries, resources or platform spec (kfp.local ignores them), even
+    when the config names a GPU pool."""
+    path = compile_stages(tmp_path, resources.compile_settings(gpu_pool_config(), runner="local"))
+    spec, _ = load_compiled(path)
+    tasks = compiled_tasks(spec)
+    assert {t["op"] for t in tasks} >= {"plan_op", "continual_op", "rollout_op", "finish_op"}
+    for t in tasks:
+        assert t["cache"] is (t["op"] in resources.CACHEABLE), t["task"]
+        assert t["retry"] is None and not t["resources"], t["task"]
     text = path.read_text()
-    for absent in (
-        "accelerator",
-        "nodeSelector",
-        "tolerations",
-        "pvcMount",
-        "configMapAsVolume",
-        "retryPolicy",
-    ):
-        assert absent not in text, f"a local compile carries {absent}"
+    for absent in ("platforms", "accelerator", "nodeSelector", "configMapAsEnv", "retryPolicy"):
+        assert absent not in text, f"a local build carries {absent}"
 
 
 def test_the_checks_catch_a_misconfigured_task(tmp_path: Path) -> None:
@@ -383,14 +382,14 @@ def test_missing_compile_config_names_the_choices(monkeypatch) -> None:
     "ignore:You may be attemping to run a task that uses custom or non-Python base image"
 )
 def test_configured_tasks_run_under_kfp_local(tmp_path: Path) -> None:
-    """kfp.local runs a task configured for the GPU pool (resources, platform spec ignored) and
-    returns an already executed task from configure unchanged."""
+    """kfp.local runs a task configured for the cluster's GPU pool (resources, platform spec ignored: what
+    the rehearsal relies on) and returns an already executed task from configure unchanged."""
     import json
     import warnings
 
     from kfp import local
 
-    settings = resources.compile_settings(gpu_pool_config(), runner="local")
+    settings = resources.compile_settings(gpu_pool_config())
 
     @dsl.pipeline(name="local-settings")
     def pipeline(run_dir: str) -> None:

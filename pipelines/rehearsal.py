@@ -1,0 +1,523 @@
+"""A rehearsal of the cluster on this machine: ``make rehearse`` (``compatflow pipeline rehearse``).
+
+What the cluster has, kept:
+
+- **The compiled package.** The pipeline is compiled from the cluster config
+  (``pipelines/configs/cluster.yaml``, its service URIs pointed here and its sizes scaled to a CPU,
+  :data:`SCALED`) and run from that YAML: ``kfp.local`` runs each task as its own process with the command of
+  the compiled spec, conditions, the exit handler and the backfill's ``ParallelFor`` fan-out
+  (``rollout.workers`` 2) as the KFP backend does, and every parameter at its compiled default, as a recurring
+  run sends it (next pending phase, the job name as run id).
+- **The services, real and of the cluster's kinds, over HTTP on loopback**: Milvus standalone (the gallery
+  index, and Feast's online store), an ``mlflow server`` with artifacts served through it, Feast configured
+  by the cluster's own ``feature_store.yaml`` (the ConfigMap ``compatflow-feast-repo``, ``${VAR}`` read from
+  the environment), its registry on a folder standing in for the object store.
+- **The pod's environment**: every key of the ConfigMap ``compatflow-pipeline-config``
+  (:data:`pipelines.resources.CONFIG_MAP_ENV`) and the Milvus token of its Secret, set to these servers.
+- **Read-only mounts and a non-root pod**: the config, the feature repo definition, the stream and the
+  compiled package are owned by root and not writable by the tasks, which run as the images' non-root user
+  (uid/gid 10001; the workspace, the shared volume, is theirs); a check after the run finds them unchanged.
+- **A private network**: the rehearsal runs in a network namespace with loopback alone, so nothing it starts
+  is reachable from beyond this machine (Milvus 2.3 listens on every interface).
+
+What differs, plainly: no Kubernetes (no scheduler, pods, images, resource limits, node pools, PVC or
+ConfigMap objects: the tasks run this checkout's environment, and ``kfp.local`` honours the retry policy but
+not the pod settings); no KFP API server (its caching and UI; ``compatflow pipeline submit`` is tested
+against a stand-in), no Training Operator, no object store (the stream and Feast's registry are folders);
+a ``cf-tiny`` model on CPU with a few steps and a small synthetic stream; and a gate policy that passes any
+candidate (:data:`GATE_POLICY`), because a few CPU steps cannot meet the shipped criterion and what is
+rehearsed is the path a passed candidate takes. Running again on the same folder ships the next phases,
+as the weekly schedule does, until the stream is exhausted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The images' user (manifests/docker/Dockerfile.*: USER 10001:10001; the manifests' runAsUser/runAsGroup).
+TASK_UID = TASK_GID = 10001
+TASK_USER = "compatflow"
+PHASES = 2
+STREAM_PHASES = 4
+SEARCH_QUERY = "a red circle"
+
+# The cluster config's sizes scaled to a 2-core CPU; everything else stays the cluster's.
+SCALED: dict[str, dict[str, Any]] = {
+    "stream": {
+        "generate_if_missing": False,
+        "phases": STREAM_PHASES,
+        "samples_per_phase": 96,
+        "eval_per_domain": 12,
+        "gallery_per_domain": 16,
+        "image_size": 64,
+    },
+    "drift": {"sample_size": 24},
+    "training": {
+        "model_config": "cf-tiny",
+        "pretrained": None,
+        "steps": 3,
+        "batch_size": 16,
+        "replay_buffer_size": 16,
+        "replay_rows": 4,
+        "device": "cpu",
+        "loader_workers": 0,
+    },
+    "compat": {"foundation_config": "cf-tiny", "steps": 3, "batch_size": 16},
+    "rollout": {"batch_size": 16, "workers": 2, "fractions": [0.5, 1.0]},
+}
+GATE_POLICY = """\
+# The rehearsal's gate: any candidate passes (a few CPU steps cannot meet the shipped criterion; what is
+# rehearsed is the path of a passed candidate: registration, the staged rollout, lineage, promotion).
+min_margin: -100.0
+require_ci_lower_above_zero: false
+min_eval_images: 1
+min_eval_captions: 1
+retention: {floor: 0.0}
+"""
+
+
+class RehearsalError(RuntimeError):
+    """The rehearsal cannot run here, or a step of it failed; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The rehearsal's folders under ``root``: read-only inputs (root-owned), the tasks' volume and home,
+    the servers' data and the logs."""
+
+    root: Path
+
+    @property
+    def config_dir(self) -> Path:  # the ConfigMap volume: the config and the gate policy
+        return self.root / "config"
+
+    @property
+    def config_file(self) -> Path:
+        return self.config_dir / "cluster.yaml"
+
+    @property
+    def feature_repo(self) -> Path:  # the ConfigMap compatflow-feast-repo's volume
+        return self.root / "feature-repo"
+
+    @property
+    def stream(self) -> Path:  # stands in for the object store's stream
+        return self.root / "stream"
+
+    @property
+    def compiled(self) -> Path:
+        return self.root / "compiled"
+
+    @property
+    def workspace(self) -> Path:  # the shared ReadWriteMany volume
+        return self.root / "workspace"
+
+    @property
+    def object_store(self) -> Path:  # Feast's registry
+        return self.root / "object-store"
+
+    @property
+    def home(self) -> Path:  # the task user's HOME, TMPDIR and working folder
+        return self.root / "home"
+
+    @property
+    def services(self) -> Path:
+        return self.root / "services"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def read_only(self) -> tuple[Path, ...]:
+        return (self.config_dir, self.feature_repo, self.stream, self.compiled)
+
+
+@dataclass
+class Step:
+    """One step of the rehearsal: what ran, how long, whether it did what it should."""
+
+    name: str
+    seconds: float
+    ok: bool
+    detail: str = ""
+    log: str = ""
+
+
+@dataclass
+class Outcome:
+    root: str
+    steps: list[Step] = field(default_factory=list)
+    isolation: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.steps) and all(step.ok for step in self.steps)
+
+    def table(self) -> str:
+        width = max(len(step.name) for step in self.steps)
+        lines = [f"{'step':<{width}}  {'s':>6}  result"]
+        for step in self.steps:
+            result = ("ok" if step.ok else "FAILED") + (f": {step.detail}" if step.detail else "")
+            lines.append(f"{step.name:<{width}}  {step.seconds:6.1f}  {result}")
+        return "\n".join(lines)
+
+
+def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> dict[str, Any]:
+    """The cluster config as the rehearsal runs it: the shipped ``cluster.yaml``, its sizes :data:`SCALED`,
+    its paths and service URIs pointed at this rehearsal's folders and servers."""
+    import yaml
+
+    from pipelines.config import CONFIG_DIR
+
+    config = yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text())
+    for section, values in SCALED.items():
+        config.setdefault(section, {}).update(values)
+    config["name"] = "cluster-rehearsal"
+    config["workspace"] = str(layout.workspace)
+    config["stream"]["uri"] = str(layout.stream)
+    config["registry"]["tracking_uri"] = tracking_uri
+    config["index"]["uri"] = index_uri
+    config["lineage"]["repo"] = str(layout.feature_repo)
+    config.setdefault("gate", {})["policy"] = str(layout.config_dir / "gate-policy.yaml")
+    return config
+
+
+def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> dict[str, str]:
+    """What the cluster's pods get from the ConfigMap ``compatflow-pipeline-config`` and the Milvus Secret,
+    with this rehearsal's values, plus the task user's home."""
+    from pipelines import resources
+
+    values = {
+        "COMPATFLOW_CONFIG": str(layout.config_file),
+        "COMPATFLOW_WORKSPACE": str(layout.workspace),
+        "COMPATFLOW_STREAM_URI": str(layout.stream),
+        "COMPATFLOW_MILVUS_URI": index_uri,
+        "COMPATFLOW_TRACKING_URI": tracking_uri,
+        "MLFLOW_TRACKING_URI": tracking_uri,
+        "COMPATFLOW_FEAST_REPO": str(layout.feature_repo),
+        "COMPATFLOW_FEAST_SERVER_URL": "",  # no feature server is rehearsed
+        "COMPATFLOW_FEAST_REGISTRY_PATH": str(layout.object_store / "feast" / "registry.pb"),
+        "AWS_DEFAULT_REGION": "us-east-1",
+        resources.MILVUS_SECRET_ENV["token"]: "",  # the rehearsal's Milvus has no authentication
+    }
+    missing = [key for key in resources.CONFIG_MAP_ENV if key not in values]
+    if missing:
+        raise RehearsalError(f"the rehearsal sets no value for the ConfigMap keys {missing}: add them here")
+    home = str(layout.home)
+    return {
+        **values,
+        "HOME": home,
+        "TMPDIR": home,
+        "XDG_CACHE_HOME": str(layout.home / ".cache"),
+        "USER": TASK_USER,  # the uid has no entry in this machine's passwd (the image has one)
+        "LOGNAME": TASK_USER,
+    }
+
+
+def feature_store_yaml() -> str:
+    """The cluster's ``feature_store.yaml``: the data of the ConfigMap ``compatflow-feast-repo``."""
+    import yaml
+
+    from pipelines.config import CONFIG_DIR
+
+    manifest = CONFIG_DIR.parents[1] / "manifests" / "k8s" / "feast" / "configmap.yaml"
+    for doc in yaml.safe_load_all(manifest.read_text()):
+        if doc and doc.get("kind") == "ConfigMap" and doc["metadata"]["name"] == "compatflow-feast-repo":
+            return doc["data"]["feature_store.yaml"]
+    raise RehearsalError(f"{manifest} has no ConfigMap compatflow-feast-repo")
+
+
+def tree_digest(folder: Path) -> str:
+    """A digest of every file's path and bytes under ``folder`` (what a read-only mount must keep)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+class Rehearsal:
+    """One rehearsal folder: :meth:`services` starts the servers for a block, :meth:`prepare` writes the
+    read-only inputs and compiles the package, :meth:`ship` runs one phase from it, :meth:`check` runs the
+    operator commands. :func:`rehearse` does all of it."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        milvus_binaries: str | os.PathLike[str] | None = None,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.layout = Layout(Path(root).resolve())
+        self.milvus_binaries = Path(milvus_binaries) if milvus_binaries else None
+        self.echo = echo
+        self.index_uri = ""
+        self.tracking_uri = ""
+        self.digests: dict[str, str] = {}
+
+    # -- services ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def services(self) -> Iterator[Rehearsal]:
+        """Milvus standalone and an MLflow tracking server on loopback for the block (data kept in the
+        rehearsal folder, so a second rehearsal continues the first)."""
+        from components import milvus_server, mlflow_server
+
+        if not milvus_server.loopback_only():
+            raise RehearsalError(
+                "the rehearsal runs in a network namespace with loopback alone (Milvus 2.3 listens on every "
+                "interface): `compatflow pipeline rehearse` makes one when run as root"
+            )
+        data = self.layout.services
+        with contextlib.ExitStack() as stack:
+            try:
+                milvus = stack.enter_context(
+                    milvus_server.running(data / "milvus", bin_dir=self.milvus_binaries, graceful_stop_s=3)
+                )
+                mlflow = stack.enter_context(mlflow_server.running(data / "mlflow"))
+            except (milvus_server.MilvusServerError, mlflow_server.MlflowServerError) as err:
+                raise RehearsalError(f"a service did not start: {err}") from err
+            self.index_uri, self.tracking_uri = milvus.uri, mlflow.uri
+            self.echo(f"services: Milvus standalone {milvus.uri}, MLflow {mlflow.uri}")
+            yield self
+
+    # -- inputs -----------------------------------------------------------------------------------------
+    def prepare(self) -> Step:
+        """Write the read-only inputs (config, gate policy, feature repo definition, stream) and compile the
+        pipeline from the config; give the tasks their volume and home."""
+        import yaml
+
+        from compat.data.synth import generate_stream
+        from pipelines.compile import compile_pipeline
+
+        if not self.index_uri:
+            raise RehearsalError("prepare() needs the services running (inside `with rehearsal.services()`)")
+        started = time.monotonic()
+        layout = self.layout
+        config = rehearsal_config(layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri)
+        for folder in (layout.config_dir, layout.feature_repo, layout.compiled):
+            if folder.exists():
+                _make_writable(folder)
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+        layout.config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        (layout.config_dir / "gate-policy.yaml").write_text(GATE_POLICY)
+        (layout.feature_repo / "feature_store.yaml").write_text(feature_store_yaml())
+        if not (layout.stream / "stream.json").is_file():
+            stream = config["stream"]
+            generate_stream(
+                layout.stream,
+                phases=stream["phases"],
+                samples_per_phase=stream["samples_per_phase"],
+                seed=0,
+                eval_per_domain=stream["eval_per_domain"],
+                gallery_per_domain=stream["gallery_per_domain"],
+                image_size=stream["image_size"],
+            )
+        package = compile_pipeline(layout.compiled, config=layout.config_file)
+        for folder in layout.read_only:
+            _make_read_only(folder)
+            self.digests[folder.name] = tree_digest(folder)
+        for folder in (layout.workspace, layout.object_store / "feast", layout.home, layout.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        for folder in (layout.workspace, layout.object_store, layout.home):
+            _chown_tree(folder, TASK_UID, TASK_GID)
+        self._reachable()
+        return Step("prepare", time.monotonic() - started, True, f"compiled {package.name}")
+
+    def _reachable(self) -> None:
+        """The task user reads the config and the environment's Python; else say which folder blocks it."""
+        probe = self._as_task_user(
+            [sys.executable, "-c", f"open({str(self.layout.config_file)!r}).read()"], capture=True
+        )
+        if probe.returncode != 0:
+            raise RehearsalError(
+                f"uid {TASK_UID} cannot read {self.layout.config_file} with {sys.executable}: "
+                "every folder above the rehearsal folder and the environment must be searchable by others "
+                f"(chmod o+rx), e.g. a rehearsal folder under /tmp:\n{probe.stdout[-1500:]}"
+            )
+
+    # -- runs -------------------------------------------------------------------------------------------
+    def ship(self) -> Step:
+        """Run the compiled pipeline once, as a recurring run does (every parameter its compiled default),
+        in a process of the task user; the step says which phase ran and how it ended."""
+        from components.runs import read_state
+
+        before = read_state(self.layout.workspace)["phases"]
+        number = sum(1 for p in self.layout.logs.glob("ship-*.log")) + 1
+        log = self.layout.logs / f"ship-{number}.log"
+        started = time.monotonic()
+        with open(log, "w") as out:
+            done = self._as_task_user(
+                [sys.executable, "-m", "pipelines.rehearsal", "ship", str(self.layout.compiled / _PACKAGE)],
+                stdout=out,
+            )
+        seconds = time.monotonic() - started
+        after = read_state(self.layout.workspace)["phases"]
+        changed = {k: v for k, v in after.items() if before.get(k) != v}
+        if not changed:
+            return Step(
+                f"ship {number}", seconds, False, f"no phase recorded (exit {done.returncode})", str(log)
+            )
+        phase, record = max(changed.items(), key=lambda kv: int(kv[0]))
+        status = record.get("status", "?")
+        ok = done.returncode == 0 and status in ("succeeded", "rejected")
+        detail = f"phase {phase}: {status}" + ("" if done.returncode == 0 else f" (exit {done.returncode})")
+        return Step(f"ship {number}", seconds, ok, detail, str(log))
+
+    def check(self) -> list[Step]:
+        """``status``, ``search`` and ``lineage --check`` on the cluster config, as the task user; then the
+        read-only inputs unchanged."""
+        compatflow = str(Path(sys.executable).with_name("compatflow"))
+        config = ["--config", str(self.layout.config_file)]
+        commands = {
+            "status": [compatflow, "status", *config],
+            "search": [compatflow, "search", SEARCH_QUERY, "-k", "3", "--json", *config],
+            "lineage --check": [compatflow, "lineage", "--check", *config],
+        }
+        steps = []
+        for name, argv in commands.items():
+            started = time.monotonic()
+            done = self._as_task_user(argv, capture=True)
+            log = self.layout.logs / f"{name.split()[0]}.log"
+            log.write_text(done.stdout)
+            detail = _last_line(done.stdout) if done.returncode == 0 else f"exit {done.returncode}"
+            if name == "search" and done.returncode == 0:
+                detail = f"{len(json.loads(done.stdout))} hits for {SEARCH_QUERY!r}"
+            steps.append(Step(name, time.monotonic() - started, done.returncode == 0, detail, str(log)))
+        started = time.monotonic()
+        changed = [f.name for f in self.layout.read_only if tree_digest(f) != self.digests.get(f.name)]
+        detail = (
+            f"changed: {', '.join(changed)}" if changed else "config, feature repo, stream, package unchanged"
+        )
+        steps.append(Step("read-only inputs", time.monotonic() - started, not changed, detail))
+        return steps
+
+    def _as_task_user(self, argv: list[str], *, capture: bool = False, stdout: Any = None) -> Any:
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("COMPATFLOW_", "MLFLOW_TRACKING"))},
+            **task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri),
+        }
+        return subprocess.run(
+            argv,
+            cwd=self.layout.home,
+            env=env,
+            user=TASK_UID,
+            group=TASK_GID,
+            extra_groups=[],
+            stdout=subprocess.PIPE if capture else stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
+        )
+
+    def isolation(self) -> dict[str, Any]:
+        from components import milvus_server
+
+        return {
+            "network_interfaces": milvus_server.interfaces(),
+            "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user)",
+            "read_only": [str(f) for f in self.layout.read_only],
+        }
+
+
+_PACKAGE = "continual_upgrade.yaml"
+
+
+def rehearse(
+    root: str | os.PathLike[str],
+    *,
+    phases: int = PHASES,
+    milvus_binaries: str | os.PathLike[str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> Outcome:
+    """Start the services, prepare, ship ``phases`` phases, run the checks; the outcome is also written to
+    ``<root>/rehearsal.json``. Stops at the first failed phase (the checks still run)."""
+    rehearsal = Rehearsal(root, milvus_binaries=milvus_binaries, echo=echo)
+    outcome = Outcome(str(rehearsal.layout.root))
+    started = time.monotonic()
+    with rehearsal.services():
+        outcome.steps.append(Step("services", time.monotonic() - started, True, "Milvus standalone, MLflow"))
+        outcome.steps.append(_echoed(echo, rehearsal.prepare()))
+        for _ in range(phases):
+            step = _echoed(echo, rehearsal.ship())
+            outcome.steps.append(step)
+            if not step.ok:
+                break
+        outcome.steps.extend(_echoed(echo, step) for step in rehearsal.check())
+    outcome.isolation = rehearsal.isolation()
+    (rehearsal.layout.root / "rehearsal.json").write_text(
+        json.dumps({**asdict(outcome), "ok": outcome.ok}, indent=2) + "\n"
+    )
+    return outcome
+
+
+def _echoed(echo: Callable[[str], None], step: Step) -> Step:
+    detail = f" ({step.detail})" if step.detail else ""
+    echo(f"{step.name}: {'ok' if step.ok else 'FAILED'} in {step.seconds:.1f} s{detail}")
+    return step
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:120] if lines else ""
+
+
+def _make_read_only(folder: Path) -> None:
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, 0, 0)
+        path.chmod(0o555 if path.is_dir() else 0o444)
+
+
+def _make_writable(folder: Path) -> None:
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _chown_tree(folder: Path, uid: int, gid: int) -> None:
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, uid, gid)
+
+
+def _ship_package(package: str) -> int:
+    """Run the compiled package with ``kfp.local`` (this process: the task user's), every parameter its
+    compiled default; 0 when the pipeline succeeded."""
+    import warnings
+
+    from kfp import components, local
+
+    from components.workspace import Workspace
+
+    workspace = Workspace()  # $COMPATFLOW_WORKSPACE, as in a pod
+    warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(workspace.kfp_dir),
+        raise_on_error=True,
+        enable_caching=True,  # KFP's: the cacheable steps of a resubmitted run (same run id) are skipped
+    )
+    pipeline = components.load_component_from_file(package)
+    try:
+        pipeline()
+    except RuntimeError as err:
+        print(f"pipeline failed: {err}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # the task user's process of :meth:`Rehearsal.ship`
+    if len(sys.argv) != 3 or sys.argv[1] != "ship":
+        sys.exit("usage: python -m pipelines.rehearsal ship PACKAGE")
+    sys.exit(_ship_package(sys.argv[2]))

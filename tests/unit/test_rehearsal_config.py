@@ -1,0 +1,54 @@
+"""The rehearsal's config is the cluster's, with only its sizes and service locations changed, and its tasks
+run as the images' user."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pipelines.rehearsal import SCALED, TASK_GID, TASK_UID, Layout, feature_store_yaml, rehearsal_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_rehearsal_runs_the_cluster_config_with_only_sizes_and_locations_changed(tmp_path):
+    from components.deployment import Deployment
+    from pipelines.config import CONFIG_DIR, check
+
+    layout = Layout(tmp_path)
+    config = rehearsal_config(
+        layout, index_uri="http://127.0.0.1:19530", tracking_uri="http://127.0.0.1:5000"
+    )
+    deployment = check(Deployment.parse(config, source="rehearsal"), source="rehearsal", local_paths=False)
+    cluster = yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text())
+    assert deployment.index.uri == "http://127.0.0.1:19530"
+    assert deployment.registry.tracking_uri == "http://127.0.0.1:5000"
+    assert deployment.lineage.repo == str(layout.feature_repo) and deployment.workspace == str(
+        layout.workspace
+    )
+    assert deployment.stream.uri == str(layout.stream) and not deployment.stream.generate_if_missing
+    changed = {"name", "workspace", "gate"}  # the gate: the rehearsal's permissive policy file
+    for section, values in cluster.items():
+        if section in changed or not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if key in SCALED.get(section, {}) or (section, key) in {
+                ("stream", "uri"),
+                ("registry", "tracking_uri"),
+                ("lineage", "repo"),
+                ("index", "uri"),
+            }:
+                continue
+            assert config[section][key] == value, f"{section}.{key} differs from cluster.yaml"
+    assert config["compat"]["method"] == cluster["compat"]["method"]  # the cluster's method, small
+    assert deployment.rollout.workers == 2  # the backfill's ParallelFor fans out
+
+
+def test_the_tasks_run_as_the_images_user_and_feast_reads_the_clusters_file():
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        text = (ROOT / "manifests" / "docker" / dockerfile).read_text()
+        assert f"USER {TASK_UID}:{TASK_GID}" in text, dockerfile
+    store = yaml.safe_load(feature_store_yaml())
+    assert store["online_store"]["type"] == "milvus"
+    assert store["online_store"]["uri"] == "${COMPATFLOW_MILVUS_URI}"
