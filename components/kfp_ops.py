@@ -255,8 +255,8 @@ def rollout_op(config: str, run_dir: str, version: str) -> str:
 @dsl.component(**COMPONENT)
 def rollout_ranges_op(config: str, run_dir: str, version: str, written: list = []) -> list:  # noqa: B006
     """With ``rollout.workers`` > 1: the rollout up to the next backfill stage's rank ranges, returned as
-    ``"start-end"`` for parallel :func:`rollout_range_op` tasks ([] when none waits); ``written`` collects
-    the previous stage's ranges (the fan-in)."""
+    ``"start-end"`` for parallel :func:`rollout_range_op` tasks (one idle range when none waits);
+    ``written`` collects the previous stage's ranges (the fan-in)."""
     from pathlib import Path
 
     from components.steps import rollout_ranges_step

@@ -17,6 +17,8 @@ What the cluster has, kept:
 - **Read-only mounts and a non-root pod**: the config, the feature repo definition, the stream and the
   compiled package are owned by root and not writable by the tasks, which run as the images' non-root user
   (uid/gid 10001; the workspace, the shared volume, is theirs); a check after the run finds them unchanged.
+  Where this machine's Python sits under a folder others cannot search (``/root`` of a pyenv interpreter), the
+  task user holds the read-search capability alone (:func:`task_launcher`): it reads, it never writes more.
 - **A private network**: the rehearsal runs in a network namespace with loopback alone, so nothing it starts
   is reachable from beyond this machine (Milvus 2.3 listens on every interface).
 
@@ -25,8 +27,9 @@ ConfigMap objects: the tasks run this checkout's environment, and ``kfp.local`` 
 not the pod settings); no KFP API server (its caching and UI; ``compatflow pipeline submit`` is tested
 against a stand-in), no Training Operator, no object store (the stream and Feast's registry are folders);
 a ``cf-tiny`` model on CPU with a few steps and a small synthetic stream; and a gate policy that passes any
-candidate (:data:`GATE_POLICY`), because a few CPU steps cannot meet the shipped criterion and what is
-rehearsed is the path a passed candidate takes. Running again on the same folder ships the next phases,
+candidate (:data:`GATE_POLICY`) and probe floors far below old/old (``rollout.probe_tolerance`` 100),
+because a few CPU steps cannot meet the shipped criterion and what is rehearsed is the path a passed
+candidate takes. Running again on the same folder ships the next phases,
 as the weekly schedule does, until the stream is exhausted.
 """
 
@@ -74,7 +77,8 @@ SCALED: dict[str, dict[str, Any]] = {
         "loader_workers": 0,
     },
     "compat": {"foundation_config": "cf-tiny", "steps": 3, "batch_size": 16},
-    "rollout": {"batch_size": 16, "workers": 2, "fractions": [0.5, 1.0]},
+    # batches of 8: each stage's 16 items split into two rank ranges, one ParallelFor task each
+    "rollout": {"batch_size": 8, "workers": 2, "fractions": [0.5, 1.0], "probe_tolerance": 100.0},
 }
 GATE_POLICY = """\
 # The rehearsal's gate: any candidate passes (a few CPU steps cannot meet the shipped criterion; what is
@@ -346,7 +350,7 @@ class Rehearsal:
             raise RehearsalError(
                 f"uid {TASK_UID} cannot read {self.layout.config_file} with {sys.executable}: "
                 "every folder above the rehearsal folder and the environment must be searchable by others "
-                f"(chmod o+rx), e.g. a rehearsal folder under /tmp:\n{probe.stdout[-1500:]}"
+                f"(chmod o+rx), e.g. a rehearsal folder under /tmp:\n{probe.stderr[-1500:]}"
             )
 
     # -- runs -------------------------------------------------------------------------------------------
@@ -390,9 +394,9 @@ class Rehearsal:
         steps = []
         for name, argv in commands.items():
             started = time.monotonic()
-            done = self._as_task_user(argv, capture=True)
+            done = self._as_task_user(argv, capture=True)  # stdout alone is the answer (--json)
             log = self.layout.logs / f"{name.split()[0]}.log"
-            log.write_text(done.stdout)
+            log.write_text(done.stdout + done.stderr)
             detail = _last_line(done.stdout) if done.returncode == 0 else f"exit {done.returncode}"
             if name == "search" and done.returncode == 0:
                 detail = f"{len(json.loads(done.stdout))} hits for {SEARCH_QUERY!r}"
@@ -411,14 +415,11 @@ class Rehearsal:
             **task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri),
         }
         return subprocess.run(
-            argv,
+            [*task_launcher(), *argv],
             cwd=self.layout.home,
             env=env,
-            user=TASK_UID,
-            group=TASK_GID,
-            extra_groups=[],
             stdout=subprocess.PIPE if capture else stdout,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE if capture else subprocess.STDOUT,
             text=True,
             check=False,
         )
@@ -428,12 +429,42 @@ class Rehearsal:
 
         return {
             "network_interfaces": milvus_server.interfaces(),
-            "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user)",
+            "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user), no supplementary groups",
+            "task_capabilities": (
+                f"read-search only, because {', '.join(map(str, blocked))} cannot be searched by others"
+                if (blocked := unsearchable_folders())
+                else "none"
+            ),
             "read_only": [str(f) for f in self.layout.read_only],
         }
 
 
 _PACKAGE = "continual_upgrade.yaml"
+
+
+def unsearchable_folders() -> list[Path]:
+    """Folders above this environment's Python and packages that another user cannot search (e.g. ``/root``
+    of a pyenv interpreter): the task user needs the read-search capability to run them."""
+    import compat
+
+    targets = [Path(sys.executable).resolve(), Path(sys.prefix).resolve(), Path(compat.__file__).resolve()]
+    blocked = set()
+    for target in targets:
+        for folder in target.parents:
+            if not folder.stat().st_mode & 0o001:
+                blocked.add(folder)
+    return sorted(blocked)
+
+
+def task_launcher() -> list[str]:
+    """``setpriv`` to the images' uid and gid with no groups. Where this machine keeps the environment's
+    Python in a folder others cannot search (:func:`unsearchable_folders`), the task user also gets
+    ``CAP_DAC_READ_SEARCH``: it reads and searches any folder but writes only where uid 10001 may, so the
+    read-only inputs stay read-only (a pod's image puts Python where its user reads it, and needs none)."""
+    caps = (
+        ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"] if unsearchable_folders() else []
+    )
+    return ["setpriv", f"--reuid={TASK_UID}", f"--regid={TASK_GID}", "--clear-groups", *caps, "--"]
 
 
 def rehearse(

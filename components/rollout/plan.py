@@ -111,15 +111,20 @@ def probe_floors(
     index: GalleryIndex, source: Source, old_queries: np.ndarray, probe: ProbeSet, config: RolloutConfig
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The probe's metrics on the source collection with the old queries (the baseline) and the floors every
-    stage must hold: the baseline less ``config.probe_tolerance`` standard errors of it
-    (:func:`probe_margin`), raised to a configured floor where one is higher."""
+    stage must hold (:func:`stage_floors`)."""
     baseline = probe_metrics(index, source.collection, old_queries, probe, config.ks)
-    n = len(probe.texts)
-    floors = {
-        m: max(v - probe_margin(v, n, config.probe_tolerance), float(config.floors.get(m, -math.inf)))
+    return baseline, stage_floors(baseline, len(probe.texts), config.probe_tolerance, config.floors)
+
+
+def stage_floors(
+    baseline: Mapping[str, float], n_queries: int, standard_errors: float, configured: Mapping[str, float]
+) -> dict[str, float]:
+    """Each metric's floor: its old/old ``baseline`` less ``standard_errors`` standard errors
+    (:func:`probe_margin`), never below 0 (a recall is not), raised to a ``configured`` floor where higher."""
+    return {
+        m: max(v - probe_margin(v, n_queries, standard_errors), float(configured.get(m, 0.0)), 0.0)
         for m, v in baseline.items()
     }
-    return baseline, floors
 
 
 def probe_margin(recall: float, n_queries: int, standard_errors: float) -> float:

@@ -137,28 +137,35 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     return summary
 
 
+IDLE_RANGE = "idle"  # the one range handed out when no stage waits (an empty ParallelFor breaks kfp.local)
+
+
 @step("rollout-ranges")
 def rollout_ranges_step(deployment: Deployment, run_dir: Path, version: str) -> list[str]:
     """On a cluster, with ``rollout.workers`` > 1: run the rollout of ``version`` until a backfill stage's
     ranges wait for their workers (the pipeline's parallel ``rollout_range_op`` tasks) and return them
-    as ``"start-end"``; [] once no stage waits (the rollout completed or halted: :func:`rollout_step`
-    finishes the step). Called again after the ranges are written, it probes that stage and goes on."""
+    as ``"start-end"``; ``[IDLE_RANGE]`` once no stage waits (the rollout completed or halted:
+    :func:`rollout_step` finishes the step), so the next fan-out runs one task that does nothing rather than
+    none (kfp.local fails to collect an empty ``ParallelFor``). Called again after the ranges are written,
+    it probes that stage and goes on."""
     from components.rollout import RolloutPaths
     from components.rollout.workers import pending_ranges
 
     workspace = Workspace.of(deployment)
     _, state = _roll_out(deployment, workspace, version, range_tasks=True)
     work = RolloutPaths.for_workspace(workspace).work(state["rollout_id"])
-    return [f"{start}-{end}" for start, end in pending_ranges(state, work)]
+    return [f"{start}-{end}" for start, end in pending_ranges(state, work)] or [IDLE_RANGE]
 
 
 @step("rollout-range")
 def rollout_range_step(deployment: Deployment, run_dir: Path | None, rank_range: str) -> dict[str, Any]:
     """One backfill worker: re-embed and write the ranks ``"start-end"`` of the rollout in progress
-    (:func:`components.rollout.workers.run_range`; resumable, idempotent)."""
+    (:func:`components.rollout.workers.run_range`; resumable, idempotent); nothing for :data:`IDLE_RANGE`."""
     from components.rollout import RolloutError, RolloutPaths, load_state
     from components.rollout.workers import SPEC_FILE, run_range
 
+    if rank_range == IDLE_RANGE:
+        return {"idle": True}
     paths = RolloutPaths.for_workspace(Workspace.of(deployment))
     state = load_state(paths.state)
     if state is None or state["state"] != "running":

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from components.rollout.plan import probe_margin
+from components.rollout.plan import probe_margin, stage_floors
 from components.rollout.probes import broken_floors, recall_from_hits
 
 
@@ -37,3 +37,14 @@ def test_a_query_short_of_old_old_passes_within_the_margin_and_a_broken_gallery_
     assert broken_floors({"R@10": 54 / 6}, floors) == []
     assert broken_floors({"R@10": 54 / 6}, baseline) == ["R@10 9.00 < floor 9.17"]  # exact floors halt
     assert broken_floors({"R@10": 0.5}, floors) == ["R@10 0.50 < floor 7.99"]
+
+
+def test_floors_never_fall_below_zero_and_a_configured_floor_raises_them() -> None:
+    baseline = {"R@1": 10.0, "R@5": 50.0}
+    assert stage_floors(baseline, 100, 1.0, {}) == pytest.approx({"R@1": 7.0, "R@5": 45.0})
+    assert stage_floors(baseline, 100, 100.0, {}) == {
+        "R@1": 0.0,
+        "R@5": 0.0,
+    }  # a loose tolerance: 0, not less
+    assert stage_floors(baseline, 100, 1.0, {"R@5": 48.0}) == pytest.approx({"R@1": 7.0, "R@5": 48.0})
+    assert stage_floors(baseline, 100, 0.0, {}) == baseline
