@@ -156,6 +156,7 @@ class Step:
     ok: bool
     detail: str = ""
     log: str = ""
+    run_id: str = ""
 
 
 @dataclass
@@ -198,8 +199,9 @@ def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> di
 
 
 def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> dict[str, str]:
-    """What the cluster's pods get from the ConfigMap ``compatflow-pipeline-config`` and the Milvus Secret,
-    with this rehearsal's values, plus the task user's home."""
+    """A task pod's whole environment (nothing inherited from this process): the images' ``ENV``
+    (:func:`image_environment`), the ConfigMap ``compatflow-pipeline-config`` and the Milvus Secret, with
+    this rehearsal's values."""
     from pipelines import resources
 
     values = {
@@ -218,13 +220,33 @@ def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> di
     missing = [key for key in resources.CONFIG_MAP_ENV if key not in values]
     if missing:
         raise RehearsalError(f"the rehearsal sets no value for the ConfigMap keys {missing}: add them here")
-    home = str(layout.home)
+    return {**image_environment(layout), **values}
+
+
+def image_environment(layout: Layout) -> dict[str, str]:
+    """The images' ``ENV`` (``manifests/docker/Dockerfile.cpu``, final stage; a test keeps the keys equal)
+    with their folders under the task user's home, plus the user's name (uid 10001 has no entry in this
+    machine's passwd; the image's has one)."""
+    home = layout.home
     return {
-        **values,
-        "HOME": home,
-        "TMPDIR": home,
-        "XDG_CACHE_HOME": str(layout.home / ".cache"),
-        "USER": TASK_USER,  # the uid has no entry in this machine's passwd (the image has one)
+        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "GX_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "HOME": str(home),
+        "TMPDIR": str(home / "tmp"),
+        "HF_HOME": str(home / "tmp" / "huggingface"),
+        "XDG_CACHE_HOME": str(home / "tmp" / "cache"),
+        "MPLCONFIGDIR": str(home / "tmp" / "matplotlib"),
+        "TORCH_HOME": str(home / "tmp" / "torch"),
+        "COMPATFLOW_CONFIG_DIR": str(layout.config_dir),
+        "LANG": "C.UTF-8",  # the python base image's
+        "USER": TASK_USER,
         "LOGNAME": TASK_USER,
     }
 
@@ -334,7 +356,7 @@ class Rehearsal:
         for folder in layout.read_only:
             _make_read_only(folder)
             self.digests[folder.name] = tree_digest(folder)
-        for folder in (layout.workspace, layout.object_store / "feast", layout.home, layout.logs):
+        for folder in (layout.workspace, layout.object_store / "feast", layout.home / "tmp", layout.logs):
             folder.mkdir(parents=True, exist_ok=True)
         for folder in (layout.workspace, layout.object_store, layout.home):
             _chown_tree(folder, TASK_UID, TASK_GID)
@@ -343,9 +365,7 @@ class Rehearsal:
 
     def _reachable(self) -> None:
         """The task user reads the config and the environment's Python; else say which folder blocks it."""
-        probe = self._as_task_user(
-            [sys.executable, "-c", f"open({str(self.layout.config_file)!r}).read()"], capture=True
-        )
+        probe = self._as_task_user([sys.executable, "-c", f"open({str(self.layout.config_file)!r}).read()"])
         if probe.returncode != 0:
             raise RehearsalError(
                 f"uid {TASK_UID} cannot read {self.layout.config_file} with {sys.executable}: "
@@ -354,32 +374,63 @@ class Rehearsal:
             )
 
     # -- runs -------------------------------------------------------------------------------------------
-    def ship(self) -> Step:
-        """Run the compiled pipeline once, as a recurring run does (every parameter its compiled default),
-        in a process of the task user; the step says which phase ran and how it ended."""
+    def ship(self, *, run_id: str = "", stop_at: str | None = None) -> Step:
+        """Run the compiled pipeline once in a process of the task user, as a recurring run does (every
+        parameter its compiled default: the next pending phase, the KFP job name as run id), or resubmit the
+        run ``run_id`` (KFP's cache skips the cacheable steps it finished). ``stop_at``: kill the run's
+        processes (SIGKILL, as a node loss) when that task starts. The step names the phase, the run and how
+        it ended."""
         from components.runs import read_state
 
         before = read_state(self.layout.workspace)["phases"]
         number = sum(1 for p in self.layout.logs.glob("ship-*.log")) + 1
         log = self.layout.logs / f"ship-{number}.log"
+        argv = [
+            sys.executable,
+            "-m",
+            "pipelines.rehearsal",
+            "ship",
+            str(self.layout.compiled / _PACKAGE),
+            run_id,
+        ]
         started = time.monotonic()
         with open(log, "w") as out:
-            done = self._as_task_user(
-                [sys.executable, "-m", "pipelines.rehearsal", "ship", str(self.layout.compiled / _PACKAGE)],
+            process = subprocess.Popen(
+                [*task_launcher(), *argv],
+                cwd=self.layout.home,
+                env=self._task_env(),
                 stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a stop kills the tasks with it
             )
+            stopped = _stop_when_started(process, log, stop_at)
         seconds = time.monotonic() - started
-        after = read_state(self.layout.workspace)["phases"]
-        changed = {k: v for k, v in after.items() if before.get(k) != v}
-        if not changed:
+        phase, run = self._newest_run()
+        record = read_state(self.layout.workspace)["phases"].get(str(phase), {})
+        name = f"ship {number}"
+        if stopped:
+            return Step(name, seconds, True, f"phase {phase}: stopped at {stop_at}", str(log), run)
+        if record == before.get(str(phase)) or record.get("run_id") != run:
             return Step(
-                f"ship {number}", seconds, False, f"no phase recorded (exit {done.returncode})", str(log)
+                name, seconds, False, f"no outcome recorded (exit {process.returncode})", str(log), run
             )
-        phase, record = max(changed.items(), key=lambda kv: int(kv[0]))
         status = record.get("status", "?")
-        ok = done.returncode == 0 and status in ("succeeded", "rejected")
-        detail = f"phase {phase}: {status}" + ("" if done.returncode == 0 else f" (exit {done.returncode})")
-        return Step(f"ship {number}", seconds, ok, detail, str(log))
+        ok = process.returncode == 0 and status in ("succeeded", "rejected")
+        detail = f"phase {phase}: {status}" + (
+            "" if process.returncode == 0 else f" (exit {process.returncode})"
+        )
+        return Step(name, seconds, ok, detail, str(log), run)
+
+    def _newest_run(self) -> tuple[int, str]:
+        """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
+        from components.runs import RUN_FILE
+        from components.workspace import Workspace
+
+        plans = sorted(Workspace(self.layout.workspace).runs_dir.glob(f"*/{RUN_FILE}"), key=os.path.getmtime)
+        if not plans:
+            return -1, ""
+        plan = json.loads(plans[-1].read_text())
+        return int(plan["phase"]), str(plan["run_id"])
 
     def check(self) -> list[Step]:
         """``status``, ``search`` and ``lineage --check`` on the cluster config, as the task user; then the
@@ -394,7 +445,7 @@ class Rehearsal:
         steps = []
         for name, argv in commands.items():
             started = time.monotonic()
-            done = self._as_task_user(argv, capture=True)  # stdout alone is the answer (--json)
+            done = self._as_task_user(argv)  # stdout alone is the answer (--json)
             log = self.layout.logs / f"{name.split()[0]}.log"
             log.write_text(done.stdout + done.stderr)
             detail = _last_line(done.stdout) if done.returncode == 0 else f"exit {done.returncode}"
@@ -409,17 +460,16 @@ class Rehearsal:
         steps.append(Step("read-only inputs", time.monotonic() - started, not changed, detail))
         return steps
 
-    def _as_task_user(self, argv: list[str], *, capture: bool = False, stdout: Any = None) -> Any:
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("COMPATFLOW_", "MLFLOW_TRACKING"))},
-            **task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri),
-        }
+    def _task_env(self) -> dict[str, str]:
+        return task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri)
+
+    def _as_task_user(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` as the task user; its stdout and stderr apart."""
         return subprocess.run(
             [*task_launcher(), *argv],
             cwd=self.layout.home,
-            env=env,
-            stdout=subprocess.PIPE if capture else stdout,
-            stderr=subprocess.PIPE if capture else subprocess.STDOUT,
+            env=self._task_env(),
+            capture_output=True,
             text=True,
             check=False,
         )
@@ -464,7 +514,14 @@ def task_launcher() -> list[str]:
     caps = (
         ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"] if unsearchable_folders() else []
     )
-    return ["setpriv", f"--reuid={TASK_UID}", f"--regid={TASK_GID}", "--clear-groups", *caps, "--"]
+    return [
+        shutil.which("setpriv") or "setpriv",
+        f"--reuid={TASK_UID}",
+        f"--regid={TASK_GID}",
+        "--clear-groups",
+        *caps,
+        "--",
+    ]
 
 
 def rehearse(
@@ -501,6 +558,25 @@ def _echoed(echo: Callable[[str], None], step: Step) -> Step:
     return step
 
 
+def _stop_when_started(process: subprocess.Popen, log: Path, task: str | None) -> bool:
+    """Wait for ``process``; when ``task`` is named, kill its process group with SIGKILL as soon as the log
+    shows the task starting. True when it was stopped so."""
+    import re
+    import signal
+
+    if task is None:
+        process.wait()
+        return False
+    started = re.compile(rf"Executing task (\x1b\[[0-9;]*m)?'{re.escape(task)}'")
+    while process.poll() is None:
+        if started.search(log.read_text(errors="replace")):
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:120] if lines else ""
@@ -522,9 +598,9 @@ def _chown_tree(folder: Path, uid: int, gid: int) -> None:
         os.chown(path, uid, gid)
 
 
-def _ship_package(package: str) -> int:
+def _ship_package(package: str, run_id: str = "") -> int:
     """Run the compiled package with ``kfp.local`` (this process: the task user's), every parameter its
-    compiled default; 0 when the pipeline succeeded."""
+    compiled default but a given ``run_id``; 0 when the pipeline succeeded."""
     import warnings
 
     from kfp import components, local
@@ -541,7 +617,7 @@ def _ship_package(package: str) -> int:
     )
     pipeline = components.load_component_from_file(package)
     try:
-        pipeline()
+        pipeline(**({"run_id": run_id} if run_id else {}))
     except RuntimeError as err:
         print(f"pipeline failed: {err}", flush=True)
         return 1
@@ -549,6 +625,6 @@ def _ship_package(package: str) -> int:
 
 
 if __name__ == "__main__":  # the task user's process of :meth:`Rehearsal.ship`
-    if len(sys.argv) != 3 or sys.argv[1] != "ship":
-        sys.exit("usage: python -m pipelines.rehearsal ship PACKAGE")
-    sys.exit(_ship_package(sys.argv[2]))
+    if len(sys.argv) != 4 or sys.argv[1] != "ship":
+        sys.exit("usage: python -m pipelines.rehearsal ship PACKAGE RUN_ID  (RUN_ID '': the job name)")
+    sys.exit(_ship_package(sys.argv[2], sys.argv[3]))

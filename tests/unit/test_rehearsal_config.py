@@ -7,7 +7,15 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.rehearsal import SCALED, TASK_GID, TASK_UID, Layout, feature_store_yaml, rehearsal_config
+from pipelines.rehearsal import (
+    SCALED,
+    TASK_GID,
+    TASK_UID,
+    Layout,
+    feature_store_yaml,
+    image_environment,
+    rehearsal_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +60,17 @@ def test_the_tasks_run_as_the_images_user_and_feast_reads_the_clusters_file():
     store = yaml.safe_load(feature_store_yaml())
     assert store["online_store"]["type"] == "milvus"
     assert store["online_store"]["uri"] == "${COMPATFLOW_MILVUS_URI}"
+
+
+def test_the_tasks_get_the_images_environment_and_nothing_else_of_this_process(tmp_path):
+    """The keys of the CPU image's final ENV (the tasks run on CPU here) and the task user's name: nothing of
+    the process that starts the rehearsal (a test session's TMPDIR, a library's multiprocess folder)."""
+    import re
+
+    text = (ROOT / "manifests" / "docker" / "Dockerfile.cpu").read_text()
+    block = text[text.rindex("\nENV ") :].split("\n\n")[0]  # the last ENV instruction and its continued lines
+    keys = set(re.findall(r"(?:ENV |\\\n\s*)([A-Z_]+)=", block))
+    env = image_environment(Layout(tmp_path))
+    assert "HF_HUB_OFFLINE" in keys and set(env) - keys == {"LANG", "USER", "LOGNAME"}
+    assert keys <= set(env)
+    assert all(env[k].startswith(str(tmp_path)) for k in ("HOME", "TMPDIR", "HF_HOME", "TORCH_HOME"))
