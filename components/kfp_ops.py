@@ -78,10 +78,10 @@ def validate_op(
     from pathlib import Path
 
     from components.steps import validate_step
+    from components.steps.base import log_metrics
 
     document = validate_step(config, Path(run_dir), phase, shards, Path(accepted.path), Path(summary.path))
-    for key in ("total", "passed", "quarantined", "quarantined_fraction"):
-        metrics.log_metric(key, float(document[key]))
+    log_metrics(metrics, {k: document[k] for k in ("total", "passed", "quarantined", "quarantined_fraction")})
     return bool(document["blocked"])
 
 
@@ -126,14 +126,17 @@ def continual_op(
     from pathlib import Path
 
     from components.steps import continual_step
+    from components.steps.base import log_metrics
 
     doc = continual_step(
         config, Path(run_dir), phase, stream_dir, accepted.path, production, Path(candidate.path)
     )
+    recalls = {}
     for domain, directions in (doc.get("domains") or {}).items():
         for direction, values in (directions if isinstance(directions, dict) else {}).items():
             if isinstance(values, dict) and isinstance(values.get("R@1"), (int, float)):
-                metrics.log_metric(f"{domain}.{direction}.R@1", float(values["R@1"]))
+                recalls[f"{domain}.{direction}.R@1"] = values["R@1"]
+    log_metrics(metrics, recalls)
 
 
 @dsl.component(**COMPONENT)
@@ -177,14 +180,20 @@ def evaluate_op(
     from pathlib import Path
 
     from components.steps import evaluate_step
+    from components.steps.base import log_metrics
 
     doc = evaluate_step(
         config, Path(run_dir), production, compat_model.path, eval_shards, Path(report.path), phase
     )
-    for direction, pairs in doc["retrieval"].items():
-        for pair, values in pairs.items():
-            for metric, value in values.items():
-                metrics.log_metric(f"{direction}.{pair.replace('/', '_')}.{metric}", float(value))
+    log_metrics(
+        metrics,
+        {
+            f"{direction}.{pair.replace('/', '_')}.{metric}": value
+            for direction, pairs in doc["retrieval"].items()
+            for pair, values in pairs.items()
+            for metric, value in values.items()
+        },
+    )
     return bool(doc.get("ecc_passed", False))
 
 

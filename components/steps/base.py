@@ -125,3 +125,16 @@ def copy_summaries(src: Path, dst: Path, names: tuple[str, ...]) -> None:
     for name in names:
         if (src / name).is_file() and (src / name).resolve() != (dst / name).resolve():
             shutil.copyfile(src / name, dst / name)
+
+
+def log_metrics(metrics: Any, values: Mapping[str, float]) -> None:
+    """Log ``values`` on a KFP ``Metrics`` output and write them to its file as JSON too: kfp.local's cache
+    takes an output artifact without a file for a lost one, so a task with metrics would never be a cache hit
+    (a resubmitted or resumed run would train again). On a cluster the file is the artifact's content."""
+    import json
+
+    for key, value in values.items():
+        metrics.log_metric(key, float(value))
+    path = Path(metrics.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({key: float(value) for key, value in values.items()}, indent=1) + "\n")
