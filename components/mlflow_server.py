@@ -62,7 +62,7 @@ def start(data_dir: str | os.PathLike[str], *, port: int | None = None, wait_s: 
         "--port",
         str(port),
         "--backend-store-uri",
-        f"sqlite:///{data}/mlflow.db",
+        f"sqlite:///{data / 'backend.db'}",
         "--artifacts-destination",
         str(data / "artifacts"),
         "--workers",

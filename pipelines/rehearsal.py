@@ -136,7 +136,7 @@ class Layout:
 
     @property
     def services(self) -> Path:
-        return self.root / "services"
+        return self.root / "servers"
 
     @property
     def logs(self) -> Path:
@@ -213,7 +213,7 @@ def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> di
         "MLFLOW_TRACKING_URI": tracking_uri,
         "COMPATFLOW_FEAST_REPO": str(layout.feature_repo),
         "COMPATFLOW_FEAST_SERVER_URL": "",  # no feature server is rehearsed
-        "COMPATFLOW_FEAST_REGISTRY_PATH": str(layout.object_store / "feast" / "registry.pb"),
+        "COMPATFLOW_FEAST_REGISTRY_PATH": str(layout.object_store / "feast-registry.pb"),
         "AWS_DEFAULT_REGION": "us-east-1",
         resources.MILVUS_SECRET_ENV["token"]: "",  # the rehearsal's Milvus has no authentication
     }
@@ -257,7 +257,7 @@ def feature_store_yaml() -> str:
 
     from pipelines.config import CONFIG_DIR
 
-    manifest = CONFIG_DIR.parents[1] / "manifests" / "k8s" / "feast" / "configmap.yaml"
+    manifest = CONFIG_DIR.parents[1] / "manifests/k8s/feast/configmap.yaml"
     for doc in yaml.safe_load_all(manifest.read_text()):
         if doc and doc.get("kind") == "ConfigMap" and doc["metadata"]["name"] == "compatflow-feast-repo":
             return doc["data"]["feature_store.yaml"]
@@ -356,7 +356,7 @@ class Rehearsal:
         for folder in layout.read_only:
             _make_read_only(folder)
             self.digests[folder.name] = tree_digest(folder)
-        for folder in (layout.workspace, layout.object_store / "feast", layout.home / "tmp", layout.logs):
+        for folder in (layout.workspace, layout.object_store, layout.home / "tmp", layout.logs):
             folder.mkdir(parents=True, exist_ok=True)
         for folder in (layout.workspace, layout.object_store, layout.home):
             _chown_tree(folder, TASK_UID, TASK_GID)
@@ -537,7 +537,7 @@ def rehearse(
     outcome = Outcome(str(rehearsal.layout.root))
     started = time.monotonic()
     with rehearsal.services():
-        outcome.steps.append(Step("services", time.monotonic() - started, True, "Milvus standalone, MLflow"))
+        outcome.steps.append(Step("servers", time.monotonic() - started, True, "Milvus standalone, MLflow"))
         outcome.steps.append(_echoed(echo, rehearsal.prepare()))
         for _ in range(phases):
             step = _echoed(echo, rehearsal.ship())
