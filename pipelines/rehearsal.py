@@ -36,7 +36,7 @@ as the weekly schedule does, until the stream is exhausted.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import json
 import os
 import shutil
@@ -265,14 +265,11 @@ def feature_store_yaml() -> str:
 
 
 def tree_digest(folder: Path) -> str:
-    """A digest of every file's path and bytes under ``folder`` (what a read-only mount must keep)."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(folder)).encode() + b"\0")
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
+    """A digest of every file's path and bytes under ``folder`` (what a read-only mount must keep): the
+    manifest digest a model version is pinned by (:mod:`compat.models.integrity`)."""
+    from compat.models.integrity import file_manifest, manifest_digest
+
+    return manifest_digest(file_manifest(folder))
 
 
 class Rehearsal:
@@ -335,8 +332,7 @@ class Rehearsal:
         config = rehearsal_config(layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri)
         for folder in (layout.config_dir, layout.feature_repo, layout.compiled):
             if folder.exists():
-                _make_writable(folder)
-                shutil.rmtree(folder)
+                shutil.rmtree(folder)  # root: read-only modes do not stop it
             folder.mkdir(parents=True)
         layout.config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         (layout.config_dir / "gate-policy.yaml").write_text(GATE_POLICY)
@@ -354,12 +350,12 @@ class Rehearsal:
             )
         package = compile_pipeline(layout.compiled, config=layout.config_file)
         for folder in layout.read_only:
-            _make_read_only(folder)
+            _own_tree(folder, 0, 0, read_only=True)
             self.digests[folder.name] = tree_digest(folder)
         for folder in (layout.workspace, layout.object_store, layout.home / "tmp", layout.logs):
             folder.mkdir(parents=True, exist_ok=True)
         for folder in (layout.workspace, layout.object_store, layout.home):
-            _chown_tree(folder, TASK_UID, TASK_GID)
+            _own_tree(folder, TASK_UID, TASK_GID)
         self._reachable()
         return Step("prepare", time.monotonic() - started, True, f"compiled {package.name}")
 
@@ -492,7 +488,8 @@ class Rehearsal:
 _PACKAGE = "continual_upgrade.yaml"
 
 
-def unsearchable_folders() -> list[Path]:
+@functools.cache
+def unsearchable_folders() -> tuple[Path, ...]:
     """Folders above this environment's Python and packages that another user cannot search (e.g. ``/root``
     of a pyenv interpreter): the task user needs the read-search capability to run them."""
     import compat
@@ -503,7 +500,7 @@ def unsearchable_folders() -> list[Path]:
         for folder in target.parents:
             if not folder.stat().st_mode & 0o001:
                 blocked.add(folder)
-    return sorted(blocked)
+    return tuple(sorted(blocked))
 
 
 def task_launcher() -> list[str]:
@@ -568,12 +565,16 @@ def _stop_when_started(process: subprocess.Popen, log: Path, task: str | None) -
         process.wait()
         return False
     started = re.compile(rf"Executing task (\x1b\[[0-9;]*m)?'{re.escape(task)}'")
-    while process.poll() is None:
-        if started.search(log.read_text(errors="replace")):
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return True
-        time.sleep(0.5)
+    with open(log, errors="replace") as reading:
+        pending = ""
+        while process.poll() is None:
+            lines = (pending + reading.read()).split("\n")
+            pending = lines.pop()  # a line still being written
+            if any(started.search(line) for line in lines):
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                return True
+            time.sleep(0.5)
     return False
 
 
@@ -582,20 +583,12 @@ def _last_line(text: str) -> str:
     return lines[-1][:120] if lines else ""
 
 
-def _make_read_only(folder: Path) -> None:
-    for path in [folder, *folder.rglob("*")]:
-        os.chown(path, 0, 0)
-        path.chmod(0o555 if path.is_dir() else 0o444)
-
-
-def _make_writable(folder: Path) -> None:
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-
-
-def _chown_tree(folder: Path, uid: int, gid: int) -> None:
+def _own_tree(folder: Path, uid: int, gid: int, *, read_only: bool = False) -> None:
+    """Give ``folder`` and everything under it to ``uid``:``gid``; ``read_only``: no write bit for anyone."""
     for path in [folder, *folder.rglob("*")]:
         os.chown(path, uid, gid)
+        if read_only:
+            path.chmod(0o555 if path.is_dir() else 0o444)
 
 
 def _ship_package(package: str, run_id: str = "") -> int:
