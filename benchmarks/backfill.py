@@ -162,7 +162,7 @@ def part_a(n_items: int, n_queries: int) -> dict[str, Any]:
 def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]:
     from benchmarks.synthetic_upgrade import synthetic_encoders
     from components import rollout as ro
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "1"}
     u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=1)
@@ -209,7 +209,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
 
 # --------------------------------------------------------------------------------------------- parts C/D
 def _query_worker(uri: str, alias: str, queries: np.ndarray, qps: float, stop: Any, out: Any) -> None:
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     lat, failed, i = [], 0, 0
     with GalleryIndex(uri, alias) as index:
@@ -321,7 +321,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
 
     from compat.models import build_model
     from components import rollout as ro
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     uri = server.uri
     bundle = build_model("cf-tiny", seed=0)
@@ -643,7 +643,7 @@ def _service_part(command: str, n_items: int = 6000) -> str:
     """Part E (:mod:`benchmarks.service_load`) on a milvus-lite server and on Milvus standalone, one after
     the other in the same run; its Markdown section."""
     from benchmarks import service_load
-    from components import milvus_server
+    from components.adapters import milvus_server
 
     results: dict[str, dict[str, Any]] = {}
     sections = []
@@ -701,7 +701,7 @@ NOT_ISOLATED = (
 
 def _private_network() -> None:
     """Run this benchmark in a loopback-only network namespace (root), where Milvus standalone may start."""
-    from components import milvus_server
+    from components.adapters import milvus_server
 
     if milvus_server.loopback_only() or os.geteuid() != 0:
         return

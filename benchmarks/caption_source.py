@@ -66,7 +66,7 @@ def make_gallery(root: Path, n: int) -> list[str]:
 
 
 def write_lineage(repo: Path, uris: list[str]) -> object:
-    from components.lineage import LineageStore
+    from components.adapters.lineage import LineageStore
 
     store = LineageStore(repo)
     store.apply()

@@ -185,7 +185,7 @@ def run_method(
     lr: float | None = None,
 ) -> list[dict[str, Any]]:
     """Phases 1..N of one method; returns each phase's metrics document."""
-    from components.continual import TrainingSettings, run_continual
+    from components.training.continual import TrainingSettings, run_continual
 
     docs, prev = [], clip0
     for phase in range(1, args.phases):
@@ -229,7 +229,7 @@ def run_buffered(
     from compat.device import resolve_device
     from compat.models import load_checkpoint, save_checkpoint
     from compat.training import ReplayBatchSource, ReplayBuffer, TrainConfig, train
-    from components.continual import EvalSet, evaluate_domains
+    from components.training.continual import EvalSet, evaluate_domains
 
     manifest = load_manifest(stream)
     dev = str(resolve_device(args.device))
@@ -286,7 +286,7 @@ def sweep_phase1(
     args, stream: Path, runs: Path, clip0: Path, results: dict[str, list[dict[str, Any]]]
 ) -> list[dict[str, Any]]:
     """Phase 1 only, from CLIP_0: every (lr, alpha) of the sweep; runs of the main comparison are reused."""
-    from components.continual import TrainingSettings, run_continual
+    from components.training.continual import TrainingSettings, run_continual
 
     reuse: dict[tuple[float, float, bool], list[dict[str, Any]]] = {}
     for label, docs in results.items():
@@ -388,7 +388,7 @@ def domain0_disorder(
     from compat.data.synth import phase_urls
     from compat.metrics import spatial_disorder
     from compat.models import load_checkpoint
-    from components.continual import embed_set
+    from components.training.continual import embed_set
 
     data = load_captioned_set(phase_urls(stream, 0, "eval"))
     models = [clip0] + [Path(d["candidate"]["path"]) for d in docs]
@@ -705,7 +705,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from compat.data.shift import earlier_word_shares
     from compat.device import resolve_device
-    from components.continual import TrainingSettings, run_continual
+    from components.training.continual import TrainingSettings, run_continual
 
     t_start = time.perf_counter()
     runs = args.work / "runs"

@@ -1,11 +1,12 @@
-"""Cost of the drift comparison (components.drift.compute_drift) through Evidently's public API, against the
+"""Cost of the drift comparison (components.data.drift.compute_drift) through Evidently's public API, against
+the
 code it replaced (Evidently's private legacy scorers, and module globals patched to shrink the t-SNE picture),
 in the same run.
 
 Samples come from a generated two-phase stream (phase 0 against phase 1, a real domain shift) with embeddings
 under a random-init cf-tiny model, as the drift step computes them. Each row is one call of compute_drift
 (the report, its HTML, the noise floors), after an untimed warm-up call of each: the code before is read from
-git at ``--baseline-commit`` (the last commit of components/drift.py before the change) and run beside
+git at ``--baseline-commit`` (the last commit of components/data/drift.py before the change) and run beside
 today's, each once with one BLAS/OpenMP thread (today's default) and once with the libraries' default
 threads, so the API change and the thread default are measured apart. Scores are compared too: the same data
 must give the same scores and noise floors.
@@ -43,12 +44,12 @@ def cpu_seconds() -> float:
 
 
 def baseline_module(commit: str, work: Path) -> ModuleType:
-    """components/drift.py as it was at ``commit``, imported under another name."""
+    """components/data/drift.py as it was at ``commit``, imported under another name."""
     source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{commit}:components/drift.py"], capture_output=True, text=True
+        ["git", "-C", str(ROOT), "show", f"{commit}:components/data/drift.py"], capture_output=True, text=True
     )
     if source.returncode != 0:
-        raise SystemExit(f"cannot read components/drift.py at {commit}: {source.stderr.strip()}")
+        raise SystemExit(f"cannot read components/data/drift.py at {commit}: {source.stderr.strip()}")
     path = work / "drift_before.py"
     path.write_text(source.stdout)
     spec = importlib.util.spec_from_file_location("drift_before", path)
@@ -74,7 +75,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from threadpoolctl import threadpool_limits
 
-    import components.drift as today
+    import components.data.drift as today
     from compat.data.synth import generate_stream
     from compat.models import build_model, save_checkpoint
     from compat.production import load_encoder
@@ -125,7 +126,7 @@ def main() -> None:
         "the load.  ",
         f"Data: a generated stream, phase 0 (reference) against phase 1 (current), N samples per side; image "
         f"and text embeddings under a random-init cf-tiny. One compute_drift call per row (Evidently report, "
-        f"its HTML, {today.NOISE_SPLITS} noise-floor splits); baseline: components/drift.py at "
+        f"its HTML, {today.NOISE_SPLITS} noise-floor splits); baseline: components/data/drift.py at "
         f"{args.baseline_commit[:10]}. CPU s counts this process only (no worker processes are used).",
         "",
         "| N per side | compute_drift | wall s | CPU s | severity |",

@@ -14,7 +14,7 @@ exponents are least-squares slopes of log(cost) over log(size).
     .venv/bin/python benchmarks/gallery_scale.py --sizes 10000,40000 --workers 1 --json /tmp/scale.json
 
 ``--backends standalone,lite`` (milvus-lite: K = 1 only, one process opens its directory); Milvus
-standalone needs root (a private loopback-only network namespace, :mod:`components.milvus_server`).
+standalone needs root (a private loopback-only network namespace, :mod:`components.adapters.milvus_server`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _disk_mib(path: Path) -> float:
 def _child(args: argparse.Namespace) -> dict[str, Any]:
     """One measured operation in this process: ``rollout``, ``rollback`` or ``status``."""
     from components import rollout as ro
-    from components.index import GalleryIndex, gallery_status
+    from components.adapters.index import GalleryIndex, gallery_status
 
     paths = ro.RolloutPaths.for_workspace(args.workspace)
     t0 = time.perf_counter()
@@ -182,7 +182,7 @@ def _run_child(args: argparse.Namespace, what: str, **extra: Any) -> dict[str, A
 def build_gallery(uri: str, alias: str, workspace: Path, size: int, dim: int, chunk: int = 20_000) -> float:
     """Index ``size`` stand-in v1 vectors behind ``alias`` with a serving record and a 200-query probe set;
     returns the seconds it took."""
-    from components.index import GalleryIndex, make_rows
+    from components.adapters.index import GalleryIndex, make_rows
     from components.rollout.types import RolloutPaths
     from components.serving.record import write_serving
 
@@ -281,7 +281,7 @@ def measure_size(
 def milvus_standalone(data_dir: Path) -> Iterator[Any]:
     """A Milvus standalone server on loopback (a private network namespace where the machine has other
     interfaces), its binaries cached under ``~/.cache/compatflow``; stopped on exit."""
-    from components import milvus_server
+    from components.adapters import milvus_server
 
     if not milvus_server.loopback_only():
         milvus_server.enter_private_network()

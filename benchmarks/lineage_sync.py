@@ -5,8 +5,8 @@ For each size N: a gallery of N items (Milvus standalone on loopback, or milvus-
 then by v2 (the alias on v2's collection, as after a rollout), the lineage recording v1 for every item.
 Each sync runs in a process of its own on its own copy of the lineage repo; "peak" is that process's VmHWM.
 
-- ``streamed``: :func:`components.lineage.sync_from_index` (2,000 index rows a batch, each compared with
-  Feast's online store by key, the changed ones written);
+- ``streamed``: :func:`components.adapters.lineage.sync_from_index` (2,000 index rows a batch, each compared
+with Feast's online store by key, the changed ones written);
 - ``whole read`` (the baseline, as the sync was built before): every index row into a list of dicts, the
   newest offline lineage row per item into pandas, one comparison loop, one write.
 
@@ -43,8 +43,8 @@ CHUNK = 20_000
 def build(workspace: Path, size: int, uri: str, alias: str) -> None:
     """A gallery of ``size`` items at ``uri`` whose ``alias`` serves v2's collection, and a lineage repo
     that records v1 for each."""
-    from components.index import GalleryIndex
-    from components.lineage import LineageStore
+    from components.adapters.index import GalleryIndex
+    from components.adapters.lineage import LineageStore
 
     lineage = LineageStore(workspace / "feast")
     lineage.apply()
@@ -69,8 +69,8 @@ def whole_read_sync(repo: Path, uri: str, alias: str) -> int:
     import pandas as pd
     import pyarrow.dataset as ds
 
-    from components.index import GalleryIndex
-    from components.lineage import LineageStore, _arrow_schema
+    from components.adapters.index import GalleryIndex
+    from components.adapters.lineage import LineageStore, _arrow_schema
 
     with GalleryIndex(uri, alias) as index:
         fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
@@ -105,7 +105,7 @@ def whole_read_sync(repo: Path, uri: str, alias: str) -> int:
 
 def child(mode: str, repo: Path, uri: str, alias: str) -> dict[str, Any]:
     """Two syncs in this process (the first writes every item, the second nothing); seconds and peak."""
-    from components.lineage import sync_from_index
+    from components.adapters.lineage import sync_from_index
 
     def sync() -> int:
         if mode == "streamed":

@@ -153,7 +153,7 @@ def run(
     per-operation query figures, rollout facts and the CPU seconds of server, service and rollout."""
     from benchmarks.synthetic_upgrade import QUERY_FACTORY, synthetic_encoders, synthetic_upgrade
     from components import rollout as ro
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     work = Path(tempfile.mkdtemp(prefix="bench-service-"))
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "2"}

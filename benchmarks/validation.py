@@ -130,7 +130,7 @@ def main() -> None:
         import great_expectations  # noqa: F401  (one-off per process; validate_phase imports it lazily)
 
         gx_import_s = time.perf_counter() - start
-        from components.validation import validate_phase
+        from components.data.validation import validate_phase
 
         validate_phase(str(tmp / "in" / "*.tar"), tmp / "warm", force=True)  # warm caches (GX registries)
         runs = []

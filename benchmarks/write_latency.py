@@ -35,7 +35,7 @@ SHAPES = {"unpaced shape (256 / 1,024)": (256, 1024), "paced shape (32 / 256)": 
 
 def _queries(uri: str, alias: str, vectors: np.ndarray, rate: float, stop: Any, out: Any) -> None:
     """Open-loop searches: query i is due at t0 + i/rate; records (due wall time, latency from due in ms)."""
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     index = GalleryIndex(uri, alias)
     records = []
@@ -83,7 +83,7 @@ def single_operations(index: Any, collection: str, rows: list[dict], queries: np
 def run(n_items: int, query_rate: float, window_s: float) -> dict[str, Any]:
     from benchmarks.backfill import MilvusServer
     from benchmarks.synthetic_upgrade import synthetic_upgrade
-    from components.index import ROW_FIELDS, GalleryIndex
+    from components.adapters.index import ROW_FIELDS, GalleryIndex
     from components.rollout.pacing import Pace
     from components.rollout.writes import GalleryWriter
 

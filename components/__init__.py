@@ -1,5 +1,14 @@
-"""The pipeline's steps and what they run on, in layers: KFP ops (:mod:`components.kfp_ops`), step functions
-(:mod:`components.steps`), engines (:mod:`components.rollout`, :mod:`components.gate`,
-:mod:`components.report`), the query service (:mod:`components.serving`, :mod:`components.search`), service
-adapters (registry, index, lineage, drift, validation, continual training, evaluation) and the workspace
-(paths, runs, lock, status). See README "Architecture"."""
+"""The pipeline's steps and what they run on. Its folders are its layers, top to bottom (README,
+"Architecture"; held by the import contracts in pyproject.toml):
+
+- :mod:`components.kfp_ops`: the KFP ops, one thin component per step; nothing imports them;
+- :mod:`components.steps`: the step functions, one per pipeline step;
+- :mod:`components.report`: the on-call report of a run;
+- :mod:`components.rollout` and :mod:`components.runs`: the gallery rollout, and run planning and bookkeeping;
+- :mod:`components.deployment`: the typed deployment every step receives;
+- engines by concept: :mod:`components.serving` (the query service and search), :mod:`components.gate`,
+  :mod:`components.training` (continual training, evaluation), :mod:`components.data` (validation, drift);
+- :mod:`components.adapters`: one module per outside service (Milvus, Feast, MLflow);
+- :mod:`components.state`: the workspace's locations and its lock.
+
+:mod:`components.registry` only keeps the ``loader_module`` name older MLmodel files give."""

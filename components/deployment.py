@@ -310,7 +310,7 @@ class Deployment(Section):
         set apart from the workspace (a server, an environment variable's) is kept."""
         if not isinstance(data, Mapping) or not isinstance(data.get("resolved_for"), str):
             return data
-        from components.workspace import Workspace, WorkspaceError
+        from components.state.workspace import Workspace, WorkspaceError
 
         workspace = data.get("workspace", cls.model_fields["workspace"].default)
         if not isinstance(workspace, str):
@@ -376,13 +376,13 @@ class Deployment(Section):
 
     def resolved(self) -> Deployment:
         """The config with every default made explicit: absolute workspace and stream, the service URIs the
-        :class:`~components.workspace.Workspace` resolves, the gate policy path, an empty accelerator.
+        :class:`~components.state.workspace.Workspace` resolves, the gate policy path, an empty accelerator.
 
         KFP parameters cannot carry nulls, and an explicit config is what a run records. Raises
         :class:`ConfigError` for a workspace that must not be written under.
         """
         from components.gate import DEFAULT_POLICY_PATH
-        from components.workspace import Workspace, WorkspaceError
+        from components.state.workspace import Workspace, WorkspaceError
 
         try:
             ws = Workspace.of(self)
@@ -412,8 +412,8 @@ class Deployment(Section):
 
 def _derived_services(ws: Any) -> dict[tuple[str, str], str]:
     """The service URIs :meth:`Deployment.resolved` writes, by (section, field), as ``ws`` (a
-    :class:`~components.workspace.Workspace`) resolves them: the configured value, else the environment's,
-    else the workspace's embedded service."""
+    :class:`~components.state.workspace.Workspace`) resolves them: the configured value, else the
+    environment's, else the workspace's embedded service."""
     return {
         ("registry", "tracking_uri"): ws.mlflow_uri,
         ("lineage", "repo"): str(ws.feast_dir),

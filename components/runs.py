@@ -1,7 +1,7 @@
 """Run planning and bookkeeping: which phase a run takes, where its outputs go, how it ended.
 
-The workspace's phase record (:attr:`Workspace.state_path <components.workspace.Workspace.state_path>`) holds
-every phase's outcome. A run plans itself from it
+The workspace's phase record (:attr:`Workspace.state_path <components.state.workspace.Workspace.state_path>`)
+holds every phase's outcome. A run plans itself from it
 (:func:`plan_run`: the lowest phase not yet succeeded, or an explicit one) and records its end
 (:func:`finish_run`, the pipeline's exit handler), so a scheduled run on a cluster needs no
 parameter but the config, and a local run continues where the last one stopped.
@@ -21,7 +21,7 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, utc_now, write_json_atomic
 from components.deployment import Deployment
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
         )
     if recorded or any(ws.runs_dir.glob(f"*/{RUN_FILE}")):
         return
-    from components.registry import Registry
+    from components.adapters.registry import Registry
 
     registry = Registry(ws, model_name=deployment.registry.model_name)
     production = registry.alias_version("production") if registry.exists() else None

@@ -109,7 +109,7 @@ def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list
         model_config = read_config(training.model_config_name)
         pretrained = training.pretrained or model_config.get("pretrained")
         where = "training.pretrained" if training.pretrained else f"{config_path(training.model_config_name)}"
-        from components.workspace import Workspace, WorkspaceError
+        from components.state.workspace import Workspace, WorkspaceError
 
         try:
             weights = [Workspace.of(deployment).weights_dir]

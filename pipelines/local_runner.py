@@ -134,9 +134,9 @@ def run_local(
     config: Deployment | Mapping[str, Any], *, phase: int | None = None, echo: Any = None
 ) -> RunResult:
     """Run the pipeline of a resolved deployment (or its mapping) on the next pending phase (or ``phase``)
-    with the local runner, holding the workspace lock (:mod:`components.lock`) for the whole run."""
-    from components.lock import workspace_lock
-    from components.workspace import Workspace
+    with the local runner, holding the workspace lock (:mod:`components.state.lock`) for the whole run."""
+    from components.state.lock import workspace_lock
+    from components.state.workspace import Workspace
 
     deployment = Deployment.coerce(config)
     workspace = Workspace.of(deployment)

@@ -296,7 +296,7 @@ class Rehearsal:
     def services(self) -> Iterator[Rehearsal]:
         """Milvus standalone and an MLflow tracking server on loopback for the block (data kept in the
         rehearsal folder, so a second rehearsal continues the first)."""
-        from components import milvus_server, mlflow_server
+        from components.adapters import milvus_server, mlflow_server
 
         if not milvus_server.loopback_only():
             raise RehearsalError(
@@ -420,7 +420,7 @@ class Rehearsal:
     def _newest_run(self) -> tuple[int, str]:
         """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
         from components.runs import RUN_FILE
-        from components.workspace import Workspace
+        from components.state.workspace import Workspace
 
         plans = sorted(Workspace(self.layout.workspace).runs_dir.glob(f"*/{RUN_FILE}"), key=os.path.getmtime)
         if not plans:
@@ -471,7 +471,7 @@ class Rehearsal:
         )
 
     def isolation(self) -> dict[str, Any]:
-        from components import milvus_server
+        from components.adapters import milvus_server
 
         return {
             "network_interfaces": milvus_server.interfaces(),
@@ -598,7 +598,7 @@ def _ship_package(package: str, run_id: str = "") -> int:
 
     from kfp import components, local
 
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
 
     workspace = Workspace()  # $COMPATFLOW_WORKSPACE, as in a pod
     warnings.filterwarnings("ignore", message=".*non-Python base image.*")

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from components.workspace import DEFAULT_MODEL_NAME, ROLLOUT_STATE_FILE, Workspace
+from components.state.workspace import DEFAULT_MODEL_NAME, ROLLOUT_STATE_FILE, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def collect(
 def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     """``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the count) and
     ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index."""
-    from components.index import gallery_status
+    from components.adapters.index import gallery_status
     from components.rollout import RolloutPaths, read_serving
     from components.rollout import status as rollout_status
 
@@ -71,7 +71,7 @@ def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
 
 def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
     """Aliases of the registered model; never creates a local store just to look at it."""
-    from components.registry import ALIASES, Registry
+    from components.adapters.registry import ALIASES, Registry
 
     registry = Registry(ws, model_name=model_name)
     empty = {
@@ -91,7 +91,7 @@ def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict
 
 def production_check(ws: Workspace, model_name: str, registry: Mapping[str, Any]) -> dict[str, Any] | None:
     """The production model's workspace copy verified file by file and against the registry's digest."""
-    from components.registry import Registry, RegistryError
+    from components.adapters.registry import Registry, RegistryError
 
     production = registry.get("production")
     if not production:

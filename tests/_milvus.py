@@ -12,7 +12,7 @@ SERVER_BACKENDS = ("milvus-lite", "milvus-standalone")
 
 def milvus_binaries_cache() -> Path:
     """Where the Milvus server's binaries are unpacked once for every test session (~250 MB)."""
-    from components.milvus_server import server_version
+    from components.adapters.milvus_server import server_version
 
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "compatflow" / f"milvus-{server_version()}"
@@ -37,7 +37,7 @@ def _client(uri: str):
     connection per URI, and milvus-lite drops a connection that pings too often)."""
     from pymilvus import MilvusClient
 
-    from components.index import LITE_GRPC_OPTIONS
+    from components.adapters.index import LITE_GRPC_OPTIONS
 
     return MilvusClient(uri=uri, grpc_options=dict(LITE_GRPC_OPTIONS))
 

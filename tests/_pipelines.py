@@ -201,8 +201,8 @@ def assert_serves(config: dict, version: str, n_items: int) -> None:
     search through the serving alias answers with gallery items and their captions (read from the shards
     the rows name)."""
     from components import steps
-    from components.index import gallery_status
-    from components.search import search
+    from components.adapters.index import gallery_status
+    from components.serving.search import search
 
     registry = steps.registry_of(config)
     assert registry.alias_version("production") == version

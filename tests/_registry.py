@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from components.registry import Registry
+from components.adapters.registry import Registry
 
 PASS = {"decision": "pass", "reasons": [], "report_sha256": "a" * 64}
 BLOCK = {

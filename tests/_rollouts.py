@@ -10,7 +10,7 @@ import numpy as np
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_upgrade
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 
 N, Q, SEED = 400, 200, 3
 OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}

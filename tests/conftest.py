@@ -158,7 +158,7 @@ def pytest_configure(config):
     """Run the whole session in a private network namespace with only loopback (root only): Milvus 2.3
     listens on every interface, and nothing a test starts may be reachable from beyond this machine."""
     global _NETNS_NOTE
-    from components import milvus_server
+    from components.adapters import milvus_server
 
     _probe_cpus_before_the_guard()
     if milvus_server.loopback_only():
@@ -189,7 +189,7 @@ def _tmpdir_env(tmp_path, monkeypatch):
 def _checkout_workspace() -> Path:
     """The default workspace of this checkout, where `make run` keeps its state (another folder when
     ``COMPATFLOW_TESTS_GUARDED_WORKSPACE`` names one: the test of this guard runs a session on its own)."""
-    from components.workspace import DEFAULT_ROOT
+    from components.state.workspace import DEFAULT_ROOT
 
     guarded = os.environ.get("COMPATFLOW_TESTS_GUARDED_WORKSPACE")
     return Path(guarded).resolve() if guarded else Path(__file__).resolve().parents[1] / DEFAULT_ROOT
@@ -371,10 +371,10 @@ def milvus_lite_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def milvus_standalone(tmp_path_factory):
     """A real Milvus standalone server (PyPI ``milvus``) for the session, in this session's private
-    network namespace; yields the :class:`~components.milvus_server.MilvusStandalone`."""
+    network namespace; yields the :class:`~components.adapters.milvus_server.MilvusStandalone`."""
     import fcntl
 
-    from components import milvus_server
+    from components.adapters import milvus_server
 
     if not milvus_server.loopback_only():
         pytest.skip(f"Milvus standalone needs a loopback-only network namespace: {_NETNS_NOTE}")
@@ -400,7 +400,7 @@ def milvus_server(request):
 @pytest.fixture
 def mlflow_server(tmp_path):
     """An MLflow tracking server (sqlite store, served artifacts) on a free 127.0.0.1 port; yields its URI."""
-    from components import mlflow_server
+    from components.adapters import mlflow_server
 
     with mlflow_server.running(tmp_path / "mlflow-server") as server:
         yield server.uri

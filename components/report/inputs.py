@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.workspace import ROLLOUT_STATE_FILE
+from components.state.workspace import ROLLOUT_STATE_FILE
 
 # file name -> step directory names preferred when several files share the name
 SOURCES = {

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from components.rollout.types import ItemRef, RolloutEncoders, RolloutError, VectorTransform
-from components.workspace import resolved_path
+from components.state.workspace import resolved_path
 
 
 # A factory ``f(config) -> RolloutEncoders`` is named on the command line (``--encoders module:function``);

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from compat.io import utc_now
-from components.index import ROW_FIELDS, GalleryIndex, quote
+from components.adapters.index import ROW_FIELDS, GalleryIndex, quote
+from components.adapters.services import live_services
 from components.rollout.ahead import Batch, BatchesAhead
 from components.rollout.order import RankedOrder
 from components.rollout.pacing import Pace, latency_sources
@@ -50,7 +51,6 @@ from components.rollout.types import (
     item_ref,
 )
 from components.rollout.writes import GalleryWriter, previous_rows, reembedded_rows
-from components.services import live_services
 from components.serving.record import read_serving, write_serving
 
 log = logging.getLogger(__name__)
@@ -362,7 +362,7 @@ class Rollout:
         """Ranks ``[start, end)`` re-embedded by ``config.workers`` processes, one rank range each
         (:mod:`components.rollout.workers`); returns once every range is written. The ranges go into the
         state before any worker starts (a rollback then replays every batch they may have written)."""
-        from components.index import is_remote
+        from components.adapters.index import is_remote
         from components.rollout import workers
 
         if end <= start:

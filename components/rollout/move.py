@@ -21,11 +21,11 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     """Move the workspace's served gallery to the index at ``to_uri`` (see the module doc). The caller holds
     the workspace lock. Returns ``{"from", "to", "collections": {name: rows}, "served": collection}``;
     ``collections`` is empty when the gallery is already served from ``to_uri``."""
-    from components.index import ROW_FIELDS, GalleryIndex
+    from components.adapters.index import ROW_FIELDS, GalleryIndex
     from components.rollout import RolloutError, RolloutPaths, load_state
     from components.rollout.production_rollback import UNFINISHED
     from components.serving.record import read_serving, same_index, write_serving
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
     paths = RolloutPaths.for_workspace(ws)

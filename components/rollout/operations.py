@@ -1,6 +1,6 @@
 """Rollout operations on a workspace: its gallery index, indexing (first and new items), rolling out.
 
-Plain functions on a workspace (:class:`components.workspace.Workspace`), called by the pipeline's
+Plain functions on a workspace (:class:`components.state.workspace.Workspace`), called by the pipeline's
 gallery steps (:mod:`components.steps.gallery`) and by ``compatflow rollout``. Encoders come from a
 factory named ``module:function`` (default: real models, :func:`components.rollout.encoders.model_encoders`).
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from components.adapters.index import DEFAULT_ALIAS, GalleryIndex
 from components.deployment import RolloutSection
-from components.index import DEFAULT_ALIAS, GalleryIndex
 from components.rollout.engine import run_rollout
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutPaths
 from components.serving.record import (
@@ -73,9 +73,9 @@ def index_gallery(
 
 def open_index(workspace: Any = None) -> GalleryIndex:
     """A workspace's gallery index, where its serving record says it is (the collection being served), else
-    at the workspace's index URI (:attr:`components.workspace.Workspace.index_uri`). A configured URI other
-    than the record's is refused (:func:`components.serving.record.check_index_agrees`)."""
-    from components.workspace import Workspace
+    at the workspace's index URI (:attr:`components.state.workspace.Workspace.index_uri`). A configured URI
+    other than the record's is refused (:func:`components.serving.record.check_index_agrees`)."""
+    from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
     record = read_serving(ws.serving_path)
@@ -113,7 +113,7 @@ def index_new_items(
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
     from compat.production import load_encoder
-    from components.workspace import stored_path
+    from components.state.workspace import stored_path
 
     paths = RolloutPaths.for_workspace(workspace)
     probe_file = paths.probe
@@ -236,7 +236,7 @@ def roll_out(
     options = dict(options or {})
     record = read_serving(paths.serving)
     old = old_model or (record["query_model"].get("uri", "") if record else "")
-    # root: where gallery rows' relative source URIs lie (components.workspace.stored_path)
+    # root: where gallery rows' relative source URIs lie (components.state.workspace.stored_path)
     args = {"old_model": old, "new_model": new_model, "options": options, "root": str(paths.root)}
     built = import_factory(encoders)(args)
     built.recipe = {"factory": encoders, "args": args}

@@ -3,7 +3,7 @@
 Query latency comes from one of two sources, chosen when the backfill starts:
 
 * :class:`ServiceLatency` -- users' queries: the latency histogram of every search service announced in the
-  workspace (:mod:`components.services`), scraped from its ``/metrics``; the idle p99 is that of the
+  workspace (:mod:`components.adapters.services`), scraped from its ``/metrics``; the idle p99 is that of the
   queries answered in the ``IDLE_WAIT_S`` before the rollout touches the gallery (at least ``IDLE_QUERIES``);
 * :class:`SearchLatency` -- when no service runs (or none has traffic): the rollout times a search of the
   serving collection itself, ``IDLE_QUERIES`` before the first batch (the idle p99), then one per sample.

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 from components.rollout.order import ORDERS_NEEDING_VECTORS, RankedOrder, Spill, build_order
 from components.rollout.probes import probe_metrics
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutError

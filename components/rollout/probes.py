@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 from components.rollout.types import DEFAULT_KS, ProbeSet
 
 

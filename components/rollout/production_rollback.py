@@ -1,6 +1,7 @@
 """The gallery's part of a production rollback: the registry moves its aliases, these put the index back.
 
-:func:`components.steps.rollback_production` passes them to :meth:`components.registry.Registry.rollback`.
+:func:`components.steps.rollback_production` passes them to
+:meth:`components.adapters.registry.Registry.rollback`.
 ``prepare_rollback`` refuses a registry rollback whose gallery part cannot be done, before anything changes;
 ``on_rollback`` first rolls back a rollout of a candidate left unfinished in the rollout state (a run killed
 or failed mid-backfill: that candidate was made for the production that is leaving, so no later run may resume
@@ -24,7 +25,7 @@ def prepare_rollback(event: dict[str, Any]) -> None:
     the leaving version served is missing or unreadable, or its source collection or old model is gone."""
     from pathlib import Path
 
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
     from components.rollout import RolloutError, RolloutPaths, load_state, read_serving, rollout_of
 
     paths = RolloutPaths.for_workspace(event["workspace"])
@@ -51,7 +52,7 @@ def on_rollback(event: dict[str, Any]) -> None:
     version served, then give every item written by another model since (items ingested after that
     rollout) the returning model's vector, so queries meet only vectors of the model that answers them."""
 
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
     from components.rollout import RolloutPaths, read_serving, rollback, rollout_of
 
     paths = RolloutPaths.for_workspace(event["workspace"])
@@ -65,7 +66,7 @@ def on_rollback(event: dict[str, Any]) -> None:
         state = rollback(paths, index, state_path=state_path)
         written = complete_gallery(index, record["collection"], state, root=paths.root)
     log.info("rollback: %d item(s) re-embedded by %s", written, state["previous_query_model"]["version"])
-    from components.lineage import sync_from_index
+    from components.adapters.lineage import sync_from_index
 
     repo = _lineage_repo(event)
     if (repo / "feature_store.yaml").is_file():  # prepare_rollback refuses a served gallery without one
@@ -78,7 +79,7 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
     """The lineage repo the rollback event names, else its workspace's."""
     from pathlib import Path
 
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
 
     return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).lineage_dir)
 
@@ -131,10 +132,10 @@ def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict
     gallery and query model back to ``production``'s (which stays production, with or without a previous
     version), the item lineage synced. Returns ``{"rollout_id", "candidate", "was", "stage", "production",
     "state"}``, or None when no rollout is unfinished."""
-    from components.lineage import sync_from_index
+    from components.adapters.lineage import sync_from_index
     from components.rollout import RolloutPaths
     from components.rollout.operations import open_index
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
     paths = RolloutPaths.for_workspace(ws)
@@ -203,7 +204,7 @@ def _stale_batches(
     """Batches of rows to re-embed with ``version`` into ``target``: its rows of another version (read a batch
     at a time until none is left: each write takes its rows out of the filter), then the rows of the
     ``leaving`` collection that ``target`` lacks (paged, each page checked by id). Bounded by ``size``."""
-    from components.index import ROW_FIELDS, quote
+    from components.adapters.index import ROW_FIELDS, quote
 
     flt = f"model_version != {quote(version)}"
     previous = None

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from compat.io import utc_now
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
+from components.adapters.services import live_services
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.state import (
     Batch,
@@ -24,7 +25,6 @@ from components.rollout.state import (
 )
 from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
 from components.rollout.writes import GalleryWriter
-from components.services import live_services
 from components.serving.record import write_serving
 
 log = logging.getLogger(__name__)

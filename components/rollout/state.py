@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from compat.io import atomic_write, read_json, utc_now, write_json_atomic
-from components.index import ROW_FIELDS
+from components.adapters.index import ROW_FIELDS
 from components.rollout.types import RolloutError
-from components.workspace import map_paths, resolved_path, stored_path
+from components.state.workspace import map_paths, resolved_path, stored_path
 
-# Paths a rollout state names, stored relative to the workspace root (see components.workspace).
+# Paths a rollout state names, stored relative to the workspace root (see components.state.workspace).
 STATE_PATHS = (
     "gallery.uri",
     "order.path",

@@ -187,8 +187,9 @@ class RolloutPaths:
 
     @classmethod
     def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
-        """The paths :class:`components.workspace.Workspace` gives a workspace (or a folder used as one)."""
-        from components.workspace import Workspace
+        """The paths :class:`components.state.workspace.Workspace` gives a workspace (or a folder used as
+        one)."""
+        from components.state.workspace import Workspace
 
         ws = Workspace.coerce(workspace)
         return cls(

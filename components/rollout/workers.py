@@ -97,11 +97,11 @@ def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
     cursor on; returns the cursor document (position, items written, seconds, peak RSS)."""
     import numpy as np
 
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
+    from components.adapters.services import live_services
     from components.rollout.order import RankedOrder
     from components.rollout.pacing import Pace, latency_sources
     from components.rollout.writes import GalleryWriter, previous_rows, reembedded_rows
-    from components.services import live_services
     from components.serving.record import import_factory
 
     spec = json.loads(Path(spec_path).read_text())

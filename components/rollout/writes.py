@@ -7,7 +7,7 @@ every search a slow brute-force scan. Unpaced, a rollout writes whole batches an
 ``flush_rows`` rows (throughput); with the SLO throttle on, it writes ``PACED_UPSERT_ROWS`` per call and
 flushes every ``PACED_FLUSH_ROWS`` rows, so that no single write holds a query for long (tail latency).
 A Milvus server indexes growing segments itself and a flush there costs seconds: the periodic flushes are
-for milvus-lite only (:attr:`components.index.GalleryIndex.needs_periodic_flush`).
+for milvus-lite only (:attr:`components.adapters.index.GalleryIndex.needs_periodic_flush`).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def reembedded_rows(
 ) -> list[dict[str, Any]]:
     """``previous`` rows with their vectors re-embedded by the new gallery encoder, stamped with the new
     version, space and rollout."""
-    from components.index import now_ms
+    from components.adapters.index import now_ms
     from components.rollout.plan import check_vectors
     from components.rollout.types import item_ref
 

@@ -56,10 +56,12 @@ class _RolloutCollector:
 
         if self.state_path is None or not self.state_path.is_file():
             return
-        from components.rollout.state import load_state
+        import schemas
+        from compat.io import read_json
 
-        try:
-            state = load_state(self.state_path)
+        try:  # the rollout's own document, read as it is saved (the rollout engine sits above the service)
+            state = read_json(self.state_path, ValueError)
+            schemas.validate(state, "rollout_state", str(self.state_path))
         except Exception as exc:  # noqa: BLE001 - a state being rewritten or damaged: no gauges this scrape
             log.warning("rollout state %s unreadable for metrics: %s", self.state_path, exc)
             return

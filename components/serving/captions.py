@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from components.workspace import resolved_path
+from components.state.workspace import resolved_path
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class ShardCaptions:
 def lineage_captions(repo_dir: str) -> Fallback:
     """A :class:`ShardCaptions` fallback reading captions from the lineage store's online features (one
     ``get_online_features`` per request's misses; calls serialised, the online store being one connection)."""
-    from components.lineage import LineageStore
+    from components.adapters.lineage import LineageStore
 
     store, lock = LineageStore(repo_dir), threading.Lock()
 

@@ -1,5 +1,5 @@
-"""The bounds of a search, the same in the library (:class:`components.search.Searcher`), the CLI and the
-HTTP service: hits per query, queries per request, characters per query, bytes per request body.
+"""The bounds of a search, the same in the library (:class:`components.serving.search.Searcher`), the CLI and
+the HTTP service: hits per query, queries per request, characters per query, bytes per request body.
 
 The text tower reads 77 tokens; a query of more than a few thousand characters says nothing more and only
 costs tokenizer time and memory, so it is refused rather than cut.

@@ -48,7 +48,7 @@ class ServingPair:
     """A query model and the collection it reads, as one serving record names them; never mutated."""
 
     encoder: QueryEncoder
-    index: Any  # components.index.GalleryIndex
+    index: Any  # components.adapters.index.GalleryIndex
     collection: str
     record: Mapping[str, Any]
     stamp: Stamp
@@ -228,7 +228,7 @@ class PairFollower:
             return self._given_index
         key = f"{uri}\n{alias}"
         if key not in self._indexes:
-            from components.index import GalleryIndex
+            from components.adapters.index import GalleryIndex
 
             self._indexes[key] = GalleryIndex(uri, alias)
         return self._indexes[key]

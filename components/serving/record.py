@@ -1,7 +1,7 @@
 """The serving record: which collection and query model answer queries, and the code it names.
 
-The serving record (:attr:`components.workspace.Workspace.serving_path`, written atomically by indexing and
-rollout) says::
+The serving record (:attr:`components.state.workspace.Workspace.serving_path`, written atomically by indexing
+and rollout) says::
 
     {"uri": ..., "alias": "gallery", "collection": "gallery_<space>_<n>", "space": ..., "dim": ...,
      "query_model": {"version": ..., "uri": ..., "factory": "module:function"},
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from compat.io import read_json, utc_now, write_json_atomic
-from components.workspace import map_paths, resolved_path, stored_path
+from components.state.workspace import map_paths, resolved_path, stored_path
 
 SERVING_PATHS = ("uri", "query_model.uri", "previous.query_model.uri")  # stored relative to the workspace
 DEFAULT_FACTORY = "components.serving.record:model_query_encoder"

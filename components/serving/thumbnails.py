@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from components.workspace import resolved_path
+from components.state.workspace import resolved_path
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """The query path's model check: the folder a serving record's query model names is loaded only when it
 matches the digest the registry recorded for that version (the check the pipeline makes before it uses a
-model, :meth:`components.registry.Registry.verify_copy`). A folder whose weights were swapped and whose
-sidecars and manifest were re-hashed to match passes a check against itself, never this one. Where the
+model, :meth:`components.adapters.registry.Registry.verify_copy`). A folder whose weights were swapped and
+whose sidecars and manifest were re-hashed to match passes a check against itself, never this one. Where the
 workspace has a registry, a version it does not hold (or holds without a digest) is refused too; a workspace
 with no registry at all (a gallery indexed by ``compatflow rollout run`` alone) has nothing to check against.
 The workspace's own copy of a version (``models/v<version>``) is downloaded from the registry, verified, when
-it is missing (:meth:`components.registry.Registry.local_copy`).
+it is missing (:meth:`components.adapters.registry.Registry.local_copy`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class RegistryDigestCheck:
     no folder (an encoder a factory builds from its options alone) has nothing to verify."""
 
     def __init__(self, workspace: Any, model_name: str | None = None) -> None:
-        from components.workspace import DEFAULT_MODEL_NAME, Workspace
+        from components.state.workspace import DEFAULT_MODEL_NAME, Workspace
 
         self.workspace = Workspace.coerce(workspace)
         self.model_name = model_name or DEFAULT_MODEL_NAME
@@ -39,7 +39,7 @@ class RegistryDigestCheck:
         folder = Path(uri)
         version = str(query_model.get("version", ""))
         if self._registry is None:
-            from components.registry import Registry
+            from components.adapters.registry import Registry
 
             self._registry = Registry(self.workspace, model_name=self.model_name)
         registry = self._registry
@@ -50,7 +50,7 @@ class RegistryDigestCheck:
         from mlflow.exceptions import MlflowException
 
         from compat.models.integrity import CheckpointIntegrityError
-        from components.registry import RegistryError
+        from components.adapters.registry import RegistryError
 
         try:
             digest = registry.version_info(version)["tags"].get("checkpoint.sha256")

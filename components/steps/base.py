@@ -22,7 +22,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def step(name: str) -> Callable[[F], F]:
     """Name a step function ``f(deployment, run_dir, ...)``: it receives the typed deployment (from whatever
     form the caller has, :meth:`Deployment.coerce`) and runs under the workspace's shared step lock
-    (:func:`components.lock.step_lock`). What it cost is kept in ``<run_dir>/usage/step-<name>.json``
+    (:func:`components.state.lock.step_lock`). What it cost is kept in ``<run_dir>/usage/step-<name>.json``
     (:func:`components.steps.usage.measured`, :func:`components.runs.record_usage`). When it raises,
     ``<run_dir>/failure.json`` records the step, the exception and what to do next
     (:func:`components.runs.record_failure`), for the report, ``outcome.json`` and the CLI."""
@@ -30,10 +30,10 @@ def step(name: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def run(config: Config, run_dir: Path | None = None, *args: Any, **kwargs: Any) -> Any:
-            from components.lock import step_lock
             from components.runs import record_usage
+            from components.state.lock import step_lock
+            from components.state.workspace import Workspace
             from components.steps.usage import measured
-            from components.workspace import Workspace
 
             usage: dict[str, Any] = {"outcome": "ok"}
             try:
@@ -57,9 +57,9 @@ def step(name: str) -> Callable[[F], F]:
 
 
 def registry_of(config: Config) -> Any:
-    """The deployment's model registry (:class:`components.registry.Registry`)."""
-    from components.registry import Registry
-    from components.workspace import Workspace
+    """The deployment's model registry (:class:`components.adapters.registry.Registry`)."""
+    from components.adapters.registry import Registry
+    from components.state.workspace import Workspace
 
     deployment = Deployment.coerce(config)
     return Registry(Workspace.of(deployment), model_name=deployment.registry.model_name)
@@ -99,7 +99,8 @@ def run_params(deployment: Deployment) -> dict[str, Any]:
 @contextlib.contextmanager
 def live_metrics(deployment: Deployment, run_dir: Path, prefix: str) -> Iterator[Any]:
     """A step-record logger into the run's MLflow run (``<prefix><name>`` at step n, see
-    :meth:`components.registry.Tracking.step_logger`), flushed when the block ends, raising or not."""
+    :meth:`components.adapters.registry.Tracking.step_logger`), flushed when the block ends, raising or
+    not."""
     registry = registry_of(deployment)
     live = registry.step_logger(registry.start_run(Path(run_dir).name, params=run_params(deployment)), prefix)
     try:

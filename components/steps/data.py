@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from components.deployment import Deployment
+from components.state.workspace import Workspace
 from components.steps.base import Config, copy_summaries, step
-from components.workspace import Workspace
 
 
 def plan_step(config: Config, phase: int, run_id: str, job_name: str = "") -> dict[str, Any]:
@@ -40,8 +40,8 @@ def validate_step(
     (:func:`components.runs.validated_shards`)."""
     from compat.data.manifest import phase_urls
     from compat.models import read_config
+    from components.data.validation import ValidationPolicy, split_accepted_paths, validate_splits
     from components.runs import keep_validated
-    from components.validation import ValidationPolicy, split_accepted_paths, validate_splits
 
     text_cfg = read_config(deployment.training.model_config_name).get("text_cfg", {})
     policy = ValidationPolicy(
@@ -76,7 +76,7 @@ def drift_step(
     summary_path: Path,
 ) -> str:
     """Drift of the validated phase against the reference; returns the overall severity."""
-    from components.drift import run_drift
+    from components.data.drift import run_drift
 
     settings = deployment.drift
     stage_dir = run_dir / "drift"

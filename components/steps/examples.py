@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def record_examples(workspace: Workspace, run_dir: Path, gallery_shards: list[st
     thumbnail, and write them to ``<run_dir>/rollout/examples.json``; returns the document (with ``error``
     instead of ``queries`` when they could not be made)."""
     from components.report.inputs import SOURCES
-    from components.search import search
+    from components.serving.search import search
 
     document: dict[str, Any]
     try:

@@ -9,11 +9,11 @@ from typing import Any
 from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment
 from components.runs import RUN_FILE
+from components.state.workspace import Workspace
 from components.steps.base import registry_of, step
 from components.steps.examples import record_examples
 from components.steps.outcome import note_blocked
 from components.steps.release import model_dir_of
-from components.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
     ``rejected`` and leaves ``production`` where it was.
     """
-    from components.lineage import sync_from_index
+    from components.adapters.lineage import sync_from_index
     from components.report.inputs import SOURCES
     from components.rollout import RolloutPaths, rollback
     from components.rollout.operations import open_index
@@ -230,7 +230,7 @@ class LineageRecorder:
         self.recorded = 0
 
     def __call__(self, rows: list[dict[str, Any]]) -> None:
-        from components.lineage import LineageStore
+        from components.adapters.lineage import LineageStore
 
         if not rows:
             return

@@ -48,8 +48,8 @@ def evaluate_step(
 ) -> dict[str, Any]:
     """The compatibility matrix, bootstrap margins and ECC verdicts of the candidate against production, on
     the eval items that validation accepted."""
-    from components.evaluate import evaluate
     from components.runs import validated_shards
+    from components.training.evaluate import evaluate
 
     report = evaluate(
         production,

@@ -13,7 +13,8 @@ def rollback_production(registry: Any) -> dict[str, Any]:
     a previous version exists (``{"undone_rollout": ...}``,
     :func:`components.rollout.production_rollback.roll_back_unfinished_rollout`); the next rollback moves
     production. Otherwise ``production`` moves back to ``previous``
-    (:meth:`components.registry.Registry.rollback`) with the gallery's part: refused before anything changes
+    (:meth:`components.adapters.registry.Registry.rollback`) with the gallery's part: refused before anything
+    changes
     when it cannot be done (:func:`components.rollout.production_rollback.prepare_rollback`), the index put
     back before the aliases move (:func:`components.rollout.production_rollback.on_rollback`)."""
     from components.rollout import RolloutError, production_rollback

@@ -43,7 +43,8 @@ def continual_step(
     """
     ranks = deployment.resources.gpu.accelerator_count
     if ranks > 1 and not under_launcher():
-        # One process per GPU: the same body on every rank (DDP), rank 0 writes (components.continual).
+        # One process per GPU: the same body on every rank (DDP), rank 0 writes
+        # (components.training.continual).
         arguments = {
             "config": deployment.to_json(),
             "run_dir": str(run_dir),
@@ -74,9 +75,9 @@ def train_candidate(
     (:mod:`components.steps.ranks`): the candidate trained, ``metrics.json`` written by rank 0 (the other
     ranks return {}), the curve logged to MLflow by rank 0 alone."""
     from compat.training import env_dist_info
-    from components.continual import TrainingSettings, run_continual
     from components.runs import replay_shards, training_dir
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
+    from components.training.continual import TrainingSettings, run_continual
 
     deployment = Deployment.coerce(config)
     run_dir, out_dir = Path(run_dir), Path(out_dir)

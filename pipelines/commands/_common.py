@@ -24,9 +24,10 @@ def echo_json(document: Any) -> None:
 
 @contextlib.contextmanager
 def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
-    """Hold the workspace lock (:mod:`components.lock`) for the block; exit 1 naming the holder if taken."""
-    from components.lock import WorkspaceBusy, workspace_lock
-    from components.workspace import Workspace
+    """Hold the workspace lock (:mod:`components.state.lock`) for the block; exit 1 naming the holder if
+    taken."""
+    from components.state.lock import WorkspaceBusy, workspace_lock
+    from components.state.workspace import Workspace
 
     try:
         with workspace_lock(Workspace.coerce(workspace), purpose):
@@ -69,7 +70,7 @@ def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, 
     import os
 
     from components.serving.verify import RegistryDigestCheck
-    from components.workspace import ENV_ROOT
+    from components.state.workspace import ENV_ROOT
 
     if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
         ws = workspace_of(config, workspace)
@@ -82,16 +83,17 @@ def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, 
 def workspace_of(
     config: str | None, workspace: Path | None, deployment: Any = None, *, index_uri: str | None = None
 ) -> Any:
-    """The :class:`~components.workspace.Workspace` an operator command works on: the config's workspace and
+    """The :class:`~components.state.workspace.Workspace` an operator command works on: the config's
+    workspace and
     service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services;
     ``index_uri`` (a command's ``--uri``) replaces the index URI."""
     import os
 
-    from components.workspace import ENV_ROOT, Workspace
+    from components.state.workspace import ENV_ROOT, Workspace
 
     if config is not None and workspace is not None:
         fail("give --config or --workspace, not both")
-    from components.workspace import WorkspaceError
+    from components.state.workspace import WorkspaceError
 
     try:
         if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):

@@ -19,7 +19,7 @@ def drift(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
     """Write a drift report (HTML) and a JSON summary with a verdict and severity per signal."""
-    from components.drift import run_drift
+    from components.data.drift import run_drift
     from pipelines.commands._common import fail
 
     try:

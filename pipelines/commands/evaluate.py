@@ -32,8 +32,8 @@ def evaluate(
         fail(f"--bootstrap must be >= 1 and --confidence in (0, 1), got {bootstrap} and {confidence}")
     if out.exists() and not out.is_dir():
         fail(f"--out {out} exists and is not a directory")
-    from components.evaluate import REPORT_FILE
-    from components.evaluate import evaluate as run_evaluate
+    from components.training.evaluate import REPORT_FILE
+    from components.training.evaluate import evaluate as run_evaluate
 
     try:
         report = run_evaluate(

@@ -67,7 +67,7 @@ def serve_milvus(
 
     Prints the ``index.uri`` to put in a config. Data survives a restart on the same --data folder.
     """
-    from components import milvus_server
+    from components.adapters import milvus_server
     from pipelines.commands._common import fail
 
     if not milvus_server.loopback_only():
@@ -115,7 +115,7 @@ def move(
     from pipelines.commands._common import echo_json, fail, holding_workspace, workspace_of
 
     chosen = workspace_of(config, workspace)
-    from components.index import GalleryIndexError
+    from components.adapters.index import GalleryIndexError
     from components.rollout import RolloutError
     from components.rollout.move import move_gallery
     from components.serving.record import ServingError

@@ -1,7 +1,8 @@
 """``compatflow lineage``: which model embedded a gallery item, read from Feast, and whether Feast agrees with
 the index.
 
-Feast's online store is the lineage's source of truth (:mod:`components.lineage`): the pipeline writes it
+Feast's online store is the lineage's source of truth (:mod:`components.adapters.lineage`): the pipeline
+writes it
 after every indexing, rollout and rollback; on-call reads it here. Searches do not read it (a query would pay
 a feature lookup for what the hit's own row already says: README, "The search service").
 """
@@ -31,7 +32,7 @@ def lineage(
     online store; with --check, whether Feast and the index hold the same versions (exit 1 when not)."""
     import warnings
 
-    from components.lineage import LineageError, LineageStore
+    from components.adapters.lineage import LineageError, LineageStore
     from pipelines.commands._common import echo_json, fail, workspace_of
 
     warnings.filterwarnings("ignore", message='Field name "vector_enabled"')  # feast's own model, on import
@@ -73,9 +74,9 @@ def lineage(
 
 def _agreement(ws: Any, store: Any) -> dict[str, Any]:
     """Every item of the serving collection against its online lineage, streamed in batches
-    (:meth:`~components.lineage.LineageStore.check_against_index`). With no gallery served, the lineage
-    must be empty."""
-    from components.lineage import index_rows
+    (:meth:`~components.adapters.lineage.LineageStore.check_against_index`). With no gallery served, the
+    lineage must be empty."""
+    from components.adapters.lineage import index_rows
     from components.rollout import read_serving
     from components.rollout.operations import open_index
 

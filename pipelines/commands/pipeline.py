@@ -202,7 +202,7 @@ def rehearse(
     import os
     import shutil
 
-    from components import milvus_server
+    from components.adapters import milvus_server
     from pipelines.commands._common import fail
     from pipelines.rehearsal import RehearsalError
     from pipelines.rehearsal import rehearse as run_rehearsal

@@ -54,7 +54,7 @@ def rollback(
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
-    from components.registry import Registry, RegistryError, RollbackHookError
+    from components.adapters.registry import Registry, RegistryError, RollbackHookError
     from components.steps import rollback_production
     from pipelines.commands._common import echo_json, fail, holding_workspace
 

@@ -64,7 +64,7 @@ def index_cmd(
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace, index_uri=uri)
-    from components.index import GalleryIndexError
+    from components.adapters.index import GalleryIndexError
     from components.rollout import ServingError
     from components.rollout.operations import index_new_items
     from pipelines.commands._common import fail
@@ -153,8 +153,8 @@ def run_cmd(
     workspace = workspace_of(config, workspace, deployment, index_uri=uri)
     from pydantic import ValidationError
 
+    from components.adapters.index import GalleryIndexError
     from components.deployment import RolloutSection, error_lines
-    from components.index import GalleryIndexError
     from components.rollout import RolloutError, ServingError
     from components.rollout.operations import roll_out
     from pipelines.commands._common import echo_json, fail
@@ -273,9 +273,9 @@ def search_cmd(
     from pipelines.commands._common import serving_workspace
 
     workspace, verify = serving_workspace(config, workspace)
-    from components.index import GalleryIndexError
+    from components.adapters.index import GalleryIndexError
     from components.rollout import ServingError
-    from components.search import search
+    from components.serving.search import search
     from pipelines.commands._common import echo_json, fail
 
     paths = _paths(workspace)

@@ -18,7 +18,7 @@ def run(
     phase: Annotated[int | None, typer.Option(help="Run this phase instead of the next pending one.")] = None,
 ) -> None:
     """Run the continual-upgrade pipeline locally (kfp.local) on the next pending phase."""
-    from components.lock import WorkspaceBusy
+    from components.state.lock import WorkspaceBusy
     from pipelines.commands._common import fail
     from pipelines.config import ConfigError, load_config, resolve
     from pipelines.local_runner import run_local

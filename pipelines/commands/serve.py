@@ -88,7 +88,7 @@ def serve(
     record: Path = ws.serving_path
     if not record.is_file():
         typer.echo(f"no serving record at {record} yet: /readyz answers 503 until one is written", err=True)
-    from components.services import announced
+    from components.adapters.services import announced
 
     lineage = (
         ws.lineage_dir if (ws.lineage_dir / "feature_store.yaml").is_file() else None

@@ -17,7 +17,7 @@ def rebuild(
 ) -> None:
     """Rebuild the phase record from the run folders (each phase's newest finished run)."""
     from components.runs import rebuild_state
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
     from pipelines.commands._common import fail, holding_workspace
     from pipelines.config import ConfigError, load_config, resolve
 

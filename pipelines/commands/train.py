@@ -78,7 +78,7 @@ def continual(
     from compat.data.synth import StreamError
     from compat.models import CheckpointError
     from compat.training import ResumeError
-    from components.continual import ContinualError, TrainingSettings, run_continual
+    from components.training.continual import ContinualError, TrainingSettings, run_continual
 
     try:
         given = {

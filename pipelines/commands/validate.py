@@ -53,7 +53,12 @@ def validate(
     ] = False,
 ) -> None:
     """Validate shards into OUT; exit 0 when the phase passes, 3 when it is blocked, 2 on bad arguments."""
-    from components.validation import ShardSpecError, ValidationPolicy, load_validation_policy, validate_phase
+    from components.data.validation import (
+        ShardSpecError,
+        ValidationPolicy,
+        load_validation_policy,
+        validate_phase,
+    )
     from schemas import SchemaError
 
     try:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from _pipelines import PERMISSIVE_POLICY, Cycle
 
-from components.feature_repo import REPO_TEMPLATE_DIR
+from components.adapters.feature_repo import REPO_TEMPLATE_DIR
 
 
 @pytest.mark.parametrize("milvus_server", ["milvus-standalone"], indirect=True)
@@ -26,9 +26,9 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
 ):
     from typer.testing import CliRunner
 
-    from components.index import gallery_status
-    from components.lineage import LineageStore
-    from components.registry import Registry
+    from components.adapters.index import gallery_status
+    from components.adapters.lineage import LineageStore
+    from components.adapters.registry import Registry
     from pipelines.cli import app
     from pipelines.config import load_config, resolve
 

@@ -66,7 +66,7 @@ def _run_dir(ws: Path, phase: int) -> Path | None:
 
 
 def _registered(config: dict[str, Any]) -> tuple[list[str], dict[str, str | None]]:
-    from components.registry import Registry
+    from components.adapters.registry import Registry
 
     registry = Registry(config["workspace"], tracking_uri=config["registry"]["tracking_uri"])
     versions = sorted(str(v.version) for v in registry.client.search_model_versions("name='compatflow-clip'"))
@@ -236,7 +236,7 @@ def test_a_rollout_killed_again_in_its_backfill_is_the_same_rollout_resumed(kill
 
 
 def test_the_run_after_every_kill_finishes_the_phase(killed):
-    from components.index import gallery_status
+    from components.adapters.index import gallery_status
 
     done = killed.finish()
     config = killed.config

@@ -22,7 +22,7 @@ from _milvus import milvus_binaries_cache
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    from components import milvus_server
+    from components.adapters import milvus_server
     from pipelines.rehearsal import Rehearsal
 
     if os.geteuid() != 0 or not milvus_server.loopback_only():
@@ -48,7 +48,7 @@ def _served(rehearsal) -> tuple[str, dict]:
     this root process writes nothing in the tasks' workspace)."""
     from mlflow import MlflowClient
 
-    from components.index import gallery_status
+    from components.adapters.index import gallery_status
 
     name = yaml.safe_load(rehearsal.layout.config_file.read_text())["registry"].get(
         "model_name", "compatflow-clip"

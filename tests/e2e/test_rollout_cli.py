@@ -17,7 +17,7 @@ from _milvus import SERVER_BACKENDS, server_uri
 from _rollouts import PROBE, UPGRADE, N, _assert_gallery, _index_old, _run_args
 
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 
 
 def _cli(ws: Path, *extra: str) -> list[str]:

@@ -84,7 +84,7 @@ def test_two_shipped_upgrades_then_a_third_trains(bootstrapped, tmp_path, stream
 
 def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(bootstrapped, tmp_path, stream_dir):
     from components import steps
-    from components.index import gallery_status
+    from components.adapters.index import gallery_status
 
     config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, "bct")
     config["rollout"]["floors"] = {"R@1": 100.0}  # no model reaches it: the first stage halts
@@ -112,7 +112,7 @@ def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(
     from typer.testing import CliRunner
 
     from components import steps
-    from components.lineage import LineageStore
+    from components.adapters.lineage import LineageStore
     from pipelines.cli import app
 
     config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, "none")

@@ -32,8 +32,8 @@ class WeeklyCycle:
     RUNS = ("served", "rejected", "blue_green", "staged", "damaged", "halted")
 
     def __init__(self, root: Path) -> None:
-        from components.lineage import LineageStore
-        from components.registry import Registry
+        from components.adapters.lineage import LineageStore
+        from components.adapters.registry import Registry
         from pipelines.config import resolve
 
         self.root = root
@@ -59,7 +59,7 @@ class WeeklyCycle:
         return self.seen[name]
 
     def gallery(self) -> dict:
-        from components.index import gallery_status
+        from components.adapters.index import gallery_status
 
         return gallery_status(self.config["index"]["uri"], self.config["index"]["alias"])
 
@@ -70,7 +70,7 @@ class WeeklyCycle:
         """One run with the checks every run must pass; what it left."""
         from typer.testing import CliRunner
 
-        from components.search import search
+        from components.serving.search import search
         from pipelines.cli import app
         from pipelines.local_runner import run_local
 

@@ -71,8 +71,8 @@ def _members(reader) -> list:
 
 # ---------------------------------------------------------------------------- per-member limits
 def test_an_oversized_member_is_quarantined_unread(tmp_path, good_members):
-    from components.validation import ValidationPolicy, validate_phase
-    from components.validation.shard_reader import MemberLimits, ShardReader
+    from components.data.validation import ValidationPolicy, validate_phase
+    from components.data.validation.shard_reader import MemberLimits, ShardReader
 
     shard = _shard(
         tmp_path / "big.tar", good_members, [("big.txt", 200_000), ("big.jpg", 10), ("big.json", 2)]
@@ -95,7 +95,7 @@ def test_an_oversized_member_is_quarantined_unread(tmp_path, good_members):
 
 
 def test_member_limits_come_from_the_policy():
-    from components.validation import ValidationPolicy
+    from components.data.validation import ValidationPolicy
     from schemas import SchemaError
 
     limits = ValidationPolicy(max_caption_bytes=300_000, max_image_bytes=5, max_expansion=7).member_limits()
@@ -107,7 +107,7 @@ def test_member_limits_come_from_the_policy():
 
 def test_a_pax_size_record_does_not_outlive_the_unread_bytes(tmp_path, good_members):
     """A member whose size comes from a pax record is copied as 0 bytes without a stale ``size`` record."""
-    from components.validation import ValidationPolicy, validate_phase
+    from components.data.validation import ValidationPolicy, validate_phase
 
     path = tmp_path / "pax.tar"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
@@ -127,8 +127,8 @@ def test_a_pax_size_record_does_not_outlive_the_unread_bytes(tmp_path, good_memb
 # ---------------------------------------------------------------------------- headers tarfile reads whole
 @pytest.mark.parametrize("kind", [b"L", b"K", b"x", b"g"])
 def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path, good_members, kind):
-    from components.validation import validate_phase
-    from components.validation.shard_reader import ShardReader
+    from components.data.validation import validate_phase
+    from components.data.validation.shard_reader import ShardReader
 
     path = _shard(tmp_path / "ext.tar", good_members, [])
     body = path.read_bytes().rstrip(b"\0")
@@ -144,7 +144,7 @@ def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path, good_memb
 
 
 def test_a_chain_of_extended_headers_is_damage_not_a_crash(tmp_path):
-    from components.validation.shard_reader import ShardReader
+    from components.data.validation.shard_reader import ShardReader
 
     record = b"20 comment=aaaaaaaa\n"
     link = _extended_header(b"x", len(record)) + record.ljust(512, b"\0")
@@ -155,7 +155,7 @@ def test_a_chain_of_extended_headers_is_damage_not_a_crash(tmp_path):
 
 # ---------------------------------------------------------------------------- decompression
 def test_a_compressed_shard_that_expands_too_far_is_refused(tmp_path, good_members):
-    from components.validation.shard_reader import MemberLimits, ShardReader
+    from components.data.validation.shard_reader import MemberLimits, ShardReader
 
     extra = [(f"z{i:02d}.bin", 40_000) for i in range(40)]  # each under the limit, together 1.6 MB of zeros
     shard = _shard(tmp_path / "z.tar.gz", good_members, extra, mode="w:gz")
@@ -171,7 +171,7 @@ def test_a_compressed_shard_that_expands_too_far_is_refused(tmp_path, good_membe
 
 @pytest.mark.parametrize("mode", ["w:gz", "w:bz2", "w:xz"])
 def test_compressed_shards_are_streamed(tmp_path, good_members, mode):
-    from components.validation.shard_reader import ShardReader
+    from components.data.validation.shard_reader import ShardReader
 
     reader = ShardReader(_shard(tmp_path / f"s.tar.{mode[2:]}", good_members, [], mode))
     assert [(m.name, m.data) for m in _members(reader)] == [(i.name, d) for i, d in good_members]

@@ -29,7 +29,7 @@ def _sample(key: str, image: bytes, ext: str, caption: str = "a green square on 
 def planted(tmp_path_factory) -> dict[str, Any]:
     """A phase of small samples with, planted among them, a 150-megapixel PNG, a JPEG whose header says
     20000x20000, a 24-megapixel camera JPEG and a 30-megapixel PNG; validated with the default policy."""
-    from components.validation import ValidationPolicy, validate_phase
+    from components.data.validation import ValidationPolicy, validate_phase
 
     root = tmp_path_factory.mktemp("planted")
     small = [
@@ -75,7 +75,7 @@ def test_every_reader_downsizes_within_its_bound_and_refuses_unvalidated_giants(
     from compat.data.loader import LoaderError, ShardStream, load_captioned_set
     from compat.models import build_model
     from compat.training.data import ShardBatchSource
-    from components.drift import sample_phase
+    from components.data.drift import sample_phase
 
     accepted = str(planted["root"] / "out" / "accepted" / "*.tar")
     drift, grew = peak_growth(lambda: sample_phase(accepted, 100, seed=0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from compat.data.shards import write_shard
-from components.lineage import LineageStore
+from components.adapters.lineage import LineageStore
 from components.serving.captions import ShardCaptions, lineage_captions
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from components.drift import SEVERITIES, compute_drift, run_drift, sample_phase, severity_for
+from components.data.drift import SEVERITIES, compute_drift, run_drift, sample_phase, severity_for
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +129,13 @@ def test_long_tail_captions_are_noise_not_drift(tmp_path):
 
 # ------------------------------------------------------------------------------------ the Evidently adapter
 def test_the_adapter_is_written_for_the_installed_evidently_series():
-    """components/drift.py uses Evidently's public 0.7 API: an Evidently of another release series (before 1.0
+    """components/data/drift.py uses Evidently's public 0.7 API: an Evidently of another release series
+    (before 1.0
     a minor release may break it) fails here, and in the drift step, with a sentence naming both versions."""
     from importlib.metadata import version
     from pathlib import Path
 
-    from components.drift import EVIDENTLY_SERIES, check_evidently_version, evidently_version_problem
+    from components.data.drift import EVIDENTLY_SERIES, check_evidently_version, evidently_version_problem
 
     installed = version("evidently")
     assert evidently_version_problem(installed) is None, evidently_version_problem(installed)
@@ -142,7 +143,7 @@ def test_the_adapter_is_written_for_the_installed_evidently_series():
     base = Path(__file__).resolve().parents[2] / "requirements" / "base.txt"
     pins = [line for line in base.read_text().splitlines() if line.startswith("evidently==")]
     assert len(pins) == 1 and pins[0].startswith(f"evidently=={EVIDENTLY_SERIES}."), (
-        f"{base} pins {pins}, but components/drift.py is written for Evidently {EVIDENTLY_SERIES}.x"
+        f"{base} pins {pins}, but components/data/drift.py is written for Evidently {EVIDENTLY_SERIES}.x"
     )
     problem = evidently_version_problem("0.8.0")
     assert f"{EVIDENTLY_SERIES}.x" in problem and "0.8.0 is installed" in problem
@@ -166,7 +167,7 @@ def test_evidently_scores_known_answers():
     ROC AUC of 1."""
     from threadpoolctl import threadpool_limits
 
-    from components.drift import evidently_scores
+    from components.data.drift import evidently_scores
 
     rng = np.random.default_rng(0)
     reference = _table(rng, 150)

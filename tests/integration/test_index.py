@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _milvus import SERVER_BACKENDS, server_uri
 
-from components.index import GalleryIndex, GalleryIndexError, gallery_status, make_rows
+from components.adapters.index import GalleryIndex, GalleryIndexError, gallery_status, make_rows
 
 
 @pytest.fixture(params=["embedded", *SERVER_BACKENDS])
@@ -121,7 +121,7 @@ def test_embedded_index_persists_and_is_single_process(tmp_path) -> None:
             [
                 sys.executable,
                 "-c",
-                "import sys\nfrom components.index import GalleryIndex\nGalleryIndex(sys.argv[1])",
+                "import sys\nfrom components.adapters.index import GalleryIndex\nGalleryIndex(sys.argv[1])",
                 path,
             ],
             capture_output=True,
@@ -153,7 +153,7 @@ def test_reads_after_writes_are_current_in_this_and_a_fresh_process(index: Galle
     index.index_items(ids[:100], vectors[:100], "v2", "s")
     assert index.count_by_version() == {"v1": 140, "v2": 100}
     reader = (
-        "import json, sys\nfrom components.index import GalleryIndex\n"
+        "import json, sys\nfrom components.adapters.index import GalleryIndex\n"
         "with GalleryIndex(sys.argv[1], sys.argv[2]) as idx:\n"
         "    print(json.dumps([idx.count(), idx.count_by_version()]))"
     )
@@ -167,7 +167,7 @@ def test_reads_after_writes_are_current_in_this_and_a_fresh_process(index: Galle
 
 
 def test_server_version_check() -> None:
-    from components.index import check_server_version
+    from components.adapters.index import check_server_version
 
     check_server_version("v2.3.5-lite", "http://h:1")
     check_server_version("v2.5.10", "http://h:1")

@@ -12,7 +12,7 @@ from _milvus import server_uri
 from _rollouts import OPTS, PROBE, UPGRADE, N, _index_old, _vectors
 
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 
 
 def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, request) -> None:
@@ -20,9 +20,9 @@ def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, 
 
     from benchmarks.synthetic_upgrade import MODULE, synthetic_encoders
     from components.rollout.operations import open_index
-    from components.search import search
     from components.serving.record import ServingError
-    from components.workspace import Workspace
+    from components.serving.search import search
+    from components.state.workspace import Workspace
     from pipelines.cli import app
 
     target = server_uri(request, "milvus-standalone")  # its collections are dropped after the test

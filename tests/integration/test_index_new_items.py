@@ -35,9 +35,9 @@ def _gallery(folder: Path) -> list[str]:
 
 def test_shards_are_indexed_one_at_a_time_with_lineage_first_and_a_bounded_probe(tmp_path) -> None:
     from compat.models import build_model, save_checkpoint
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
     from components.rollout.operations import index_new_items
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
 
     ws = tmp_path / "ws"
     urls = _gallery(ws / "validated" / "phase-00" / "gallery")

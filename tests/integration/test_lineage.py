@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from _milvus import server_uri
 
-from components.feature_repo import REPO_TEMPLATE_DIR
-from components.lineage import LineageError, LineageStore, sync_from_index
+from components.adapters.feature_repo import REPO_TEMPLATE_DIR
+from components.adapters.lineage import LineageError, LineageStore, sync_from_index
 
 ONLINE_STORES = ("sqlite", "milvus-standalone")
 
@@ -86,7 +86,7 @@ def test_write_read_and_backfill_update(lineage: LineageStore) -> None:
     # offline history keeps both writes, and Feast's point-in-time join sees the newest
     parts = sorted(lineage.items_dir.glob("*.parquet"))
     assert len(parts) == 2 and not list(lineage.items_dir.glob(".*"))
-    from components.feature_repo import items
+    from components.adapters.feature_repo import items
 
     entity_df = pd.DataFrame({"item_id": ["item-a", "item-b"], "event_timestamp": [datetime.now(UTC)] * 2})
     history = lineage.store.get_historical_features(entity_df=entity_df, features=items.FEATURES).to_df()
@@ -168,7 +168,7 @@ def test_a_sync_killed_before_its_online_write_is_completed_by_the_next(tmp_path
 def test_a_rollback_on_a_milvus_server_syncs_lineage_from_the_gallery(tmp_path, request) -> None:
     """The cluster's layout: gallery and Feast's online store on one Milvus server. Indexing v1, then a
     rollback that leaves the alias on a collection written by v0, brings the online lineage back to v0."""
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     lineage = repo_on(tmp_path / "feast", "milvus-standalone", request)
     uri, alias = server_uri(request, "milvus-standalone"), f"l{uuid.uuid4().hex[:8]}"
@@ -233,8 +233,8 @@ def test_a_read_only_repo_definition_is_read_never_written(tmp_path):
 
     from typer.testing import CliRunner
 
-    from components.index import GalleryIndex
-    from components.workspace import Workspace
+    from components.adapters.index import GalleryIndex
+    from components.state.workspace import Workspace
     from pipelines.cli import app
 
     definition = tmp_path / "etc" / "feast"
@@ -282,9 +282,9 @@ READ_ONLY_SCRIPT = """
 import sys
 from pathlib import Path
 import numpy as np
-from components.index import GalleryIndex
-from components.lineage import LineageStore, sync_from_index
-from components.workspace import Workspace
+from components.adapters.index import GalleryIndex
+from components.adapters.lineage import LineageStore, sync_from_index
+from components.state.workspace import Workspace
 
 definition, root = Path(sys.argv[1]), Path(sys.argv[2])
 try:

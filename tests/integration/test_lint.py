@@ -35,12 +35,19 @@ def test_import_contracts_hold() -> None:
 @pytest.mark.parametrize(
     ("module", "planted"),
     [
-        ("compat/metrics/retrieval.py", "import components.index  # planted\n"),
+        ("compat/metrics/retrieval.py", "import components.adapters.index  # planted\n"),
         ("compat/io.py", "import mlflow  # planted\n"),
-        ("components/index.py", "import components.rollout.engine  # planted\n"),
-        ("components/workspace.py", "import components.steps.base  # planted\n"),
+        ("components/adapters/index.py", "import components.rollout.engine  # planted\n"),
+        ("components/state/workspace.py", "import components.steps.base  # planted\n"),
         ("compat/methods/model.py", "import compat.production  # planted\n"),
-        ("components/registry/versions.py", "import components.rollout.production_rollback  # planted\n"),
+        (
+            "components/adapters/registry/versions.py",
+            "import components.rollout.production_rollback  # planted\n",
+        ),
+        ("components/state/lock.py", "import components.adapters.index  # planted\n"),
+        ("components/data/drift.py", "import components.serving.record  # planted\n"),
+        ("components/serving/app.py", "import components.rollout.state  # planted\n"),
+        ("components/runs.py", "import components.rollout.plan  # planted\n"),
     ],
     ids=[
         "library-imports-components",
@@ -49,6 +56,10 @@ def test_import_contracts_hold() -> None:
         "step-import",
         "method-imports-the-production-contract",
         "registry-reaches-the-rollout",
+        "state-imports-an-adapter",
+        "engine-imports-a-sibling",
+        "service-reaches-the-rollout",
+        "run-planning-imports-its-sibling",
     ],
 )
 def test_a_planted_upward_import_is_refused(tmp_path, module: str, planted: str) -> None:

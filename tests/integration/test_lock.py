@@ -14,7 +14,7 @@ import yaml
 
 HOLD = """
 import sys, time
-from components.lock import workspace_lock
+from components.state.lock import workspace_lock
 with workspace_lock(sys.argv[1], "test holder"):
     print("held", flush=True)
     time.sleep(120)
@@ -28,7 +28,7 @@ def _hold(workspace: Path) -> subprocess.Popen:
 
 
 def test_second_holder_is_refused_naming_the_first_and_kill_9_releases(tmp_path):
-    from components.lock import WorkspaceBusy, workspace_lock
+    from components.state.lock import WorkspaceBusy, workspace_lock
 
     holder = _hold(tmp_path)
     try:
@@ -75,7 +75,7 @@ def test_run_ids_started_in_one_second_differ():
 
 STEP = """
 import sys, time
-from components.lock import step_lock
+from components.state.lock import step_lock
 with step_lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(120)
@@ -83,7 +83,7 @@ with step_lock(sys.argv[1]):
 
 
 def test_a_step_outliving_its_runner_keeps_the_workspace_busy(tmp_path):
-    from components.lock import WorkspaceBusy, workspace_lock
+    from components.state.lock import WorkspaceBusy, workspace_lock
 
     step = subprocess.Popen([sys.executable, "-c", STEP, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert step.stdout.readline().strip() == "held"

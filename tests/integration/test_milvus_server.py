@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from components import milvus_server
+from components.adapters import milvus_server
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTEN = "0A"
@@ -68,7 +68,7 @@ def _in_own_namespace(script: str, *, with_veth: bool, timeout: float) -> subpro
 def test_start_refuses_a_namespace_with_another_interface(tmp_path) -> None:
     script = textwrap.dedent(
         f"""
-        from components.milvus_server import start
+        from components.adapters.milvus_server import start
         start({str(tmp_path / "data")!r})
         """
     )
@@ -87,7 +87,7 @@ def test_a_loaded_server_stops_within_seconds(tmp_path) -> None:
         f"""
         import time
         from pymilvus import MilvusClient
-        from components.milvus_server import start
+        from components.adapters.milvus_server import start
         data, binaries = {str(tmp_path / "data")!r}, {str(milvus_binaries_cache())!r}
         server = start(data, bin_dir=binaries, graceful_stop_s=3)
         client = MilvusClient(uri=server.uri)

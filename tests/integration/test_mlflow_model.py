@@ -97,7 +97,7 @@ def test_production_loads_as_an_mlflow_pyfunc_with_compatflows_embeddings(
     info = get_model_info(uri)
     assert [c.name for c in info.signature.inputs.inputs] == ["text", "image"]
     assert info.signature.outputs.inputs[0].shape == (-1, 64)
-    assert info.flavors["python_function"]["loader_module"] == "components.registry.pyfunc"
+    assert info.flavors["python_function"]["loader_module"] == "components.adapters.registry.pyfunc"
     facts = info.metadata["compatflow"]
     assert facts["method"] == "checkpoint" and facts["contract"] is None and facts["embed_dim"] == 64
     assert (
@@ -105,6 +105,27 @@ def test_production_loads_as_an_mlflow_pyfunc_with_compatflows_embeddings(
         == registry.version_info(released["versions"][0])["tags"]["checkpoint.sha256"]
     )
     assert info.saved_input_example_info["artifact_path"] == "input_example.json"
+
+
+def test_a_version_registered_under_the_earlier_loader_name_still_loads(
+    released: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """MLmodel files registered before the adapters had their own folder name ``components.registry.pyfunc``
+    as their loader: MLflow imports that name, so it must keep loading the same model."""
+    import mlflow.artifacts
+    import mlflow.pyfunc
+
+    registry, config = released["registry"], released["config"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    local = Path(
+        mlflow.artifacts.download_artifacts(f"models:/{registry.model_name}@production", dst_path=str(tmp_path))
+    )
+    mlmodel = local / "MLmodel"
+    current = "loader_module: components.adapters.registry.pyfunc"
+    assert current in mlmodel.read_text()
+    mlmodel.write_text(mlmodel.read_text().replace(current, "loader_module: components.registry.pyfunc"))
+    texts = mlflow.pyfunc.load_model(str(local)).predict(pd.DataFrame({"text": TEXTS}))
+    np.testing.assert_array_equal(texts, compatflow_embeddings(config, released["versions"][0])[0])
 
 
 def test_a_compatible_model_carries_its_contract_and_serves_its_own_space(
@@ -189,7 +210,7 @@ def test_a_tracking_server_serves_the_model_and_its_verified_files(
 
     from compat.models import build_model, save_checkpoint
     from compat.production import load_production
-    from components.registry import Registry
+    from components.adapters.registry import Registry
 
     save_checkpoint(build_model("cf-tiny", seed=2), tmp_path / "model", version="v1")
     registry = Registry(tmp_path / "ws", tracking_uri=mlflow_server, model_name="served-clip")

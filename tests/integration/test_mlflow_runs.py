@@ -22,8 +22,8 @@ def deployment(tmp_path):
 
 def _phase(deployment, run_id: str, records: int = 1):
     """A run whose training step logged its curve (which starts the phase's MLflow run)."""
+    from components.state.workspace import Workspace
     from components.steps.base import live_metrics
-    from components.workspace import Workspace
 
     run_dir = Workspace.of(deployment).run_dir(run_id)
     run_dir.mkdir(parents=True)

@@ -134,7 +134,7 @@ def _shard(path: Path, prefix: str, n: int) -> str:
 
 def test_bootstrap_starts_from_the_pretrained_weights(written, tmp_path):
     from compat.data.manifest import add_phase
-    from components.continual import TrainingSettings, run_continual
+    from components.training.continual import TrainingSettings, run_continual
 
     root, _, state = written
     stream = tmp_path / "stream"
@@ -285,8 +285,8 @@ def test_a_cycle_starts_from_a_real_architecture_saved_as_a_tag_in_the_weights_f
     from safetensors.torch import save_file
 
     from compat.data.manifest import add_phase
-    from components.continual import TrainingSettings, run_continual
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
+    from components.training.continual import TrainingSettings, run_continual
     from pipelines.config import CONFIG_DIR, load_config
 
     torch.manual_seed(7)

@@ -11,14 +11,14 @@ from _registry import BLOCK, DONE, PASS, candidate, make_checkpoint
 from safetensors.numpy import load_file
 
 from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
-from components.registry import (
+from components.adapters.registry import (
     PromotionError,
     Registry,
     RegistryError,
     RollbackHookError,
     metric_key,
 )
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 from components.rollout import read_serving
 from components.rollout.production_rollback import on_rollback
 
@@ -42,8 +42,8 @@ def _dying_encoders(at_call: int) -> ro.RolloutEncoders:
 
 
 def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp_path) -> None:
+    from components.state.workspace import Workspace
     from components.steps.gallery import _undo_unfinished_rollout
-    from components.workspace import Workspace
 
     ws = tmp_path / "ws"
     paths = ro.RolloutPaths.for_workspace(ws)
@@ -82,9 +82,9 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
     is the registry's, which has nothing to go back to."""
     from _registry import DONE, PASS, candidate
 
-    from components.registry import Registry, RegistryError
+    from components.adapters.registry import Registry, RegistryError
+    from components.state.workspace import Workspace
     from components.steps import rollback_production
-    from components.workspace import Workspace
 
     ws = tmp_path / "ws"
     paths = ro.RolloutPaths.for_workspace(ws)

@@ -22,12 +22,12 @@ from _rollouts import (
 import schemas
 from benchmarks.synthetic_upgrade import synthetic_encoders
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 from components.rollout import engine, read_serving
 from components.rollout.plan import probe_margin
 from components.rollout.state import load_rows, saved_batches, stage_batches
 from components.rollout.types import DEFAULT_FLUSH_ROWS
-from components.search import Searcher
+from components.serving.search import Searcher
 
 
 def _config(**kw) -> ro.RolloutConfig:
@@ -244,7 +244,7 @@ def test_space_change_goes_blue_green(setup) -> None:
 def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from components.search import search
+    from components.serving.search import search
     from pipelines.cli import app
 
     ws = tmp_path / "ws"

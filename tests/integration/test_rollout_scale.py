@@ -25,7 +25,7 @@ from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from compat.backfill import order_digest
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 from components.rollout import order as order_mod
 from components.rollout import plan, workers
 from components.rollout.order import OrderError, RankedOrder, Spill, build_order, hash_ids

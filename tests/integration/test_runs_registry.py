@@ -10,7 +10,7 @@ def test_an_emptied_state_over_a_production_model_is_refused(tmp_path):
     folder is left: refused like a missing state.json, not phase 0 again."""
     from safetensors.numpy import save_file
 
-    from components.registry import Registry
+    from components.adapters.registry import Registry
     from components.runs import StateError, plan_run
 
     config = {**_config(tmp_path), "drift": {"reference_phase": "previous"}}

@@ -25,7 +25,7 @@ from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from compat.io import free_loopback_port
 from components import rollout as ro
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 
 N, Q, SEED, K = 400, 200, 3, 5  # the geometry the rollout tests complete with
 OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
@@ -380,7 +380,7 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
 def test_service_announces_itself_while_it_runs(gallery, tmp_path) -> None:
     """A running service is found in its workspace (services/<port>.json) and gone after SIGTERM; a file
     left by a process that no longer runs is ignored."""
-    from components.services import live_services
+    from components.adapters.services import live_services
 
     paths, _, uri = gallery
     svc = Service(paths.serving.parent, uri, tmp_path)
@@ -487,7 +487,7 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
     import shutil
 
     from compat.models.integrity import MANIFEST, file_manifest
-    from components.registry import Registry
+    from components.adapters.registry import Registry
     from components.serving.record import read_serving, write_serving
 
     paths, _, uri = gallery
@@ -555,11 +555,11 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
     import shutil
 
     from compat.models.integrity import verify_checkpoint
-    from components.registry import Registry
-    from components.search import search
+    from components.adapters.registry import Registry
     from components.serving.record import ServingError, read_serving, write_serving
+    from components.serving.search import search
     from components.serving.verify import RegistryDigestCheck
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
     from pipelines.status import production_check
 
     paths, _, uri = gallery

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from components.index import GalleryIndex
+from components.adapters.index import GalleryIndex
 from components.serving.pair import PairFollower
 from components.serving.record import write_serving
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from compat.data.manifest import add_phase, phase_urls
-from components.validation import ValidationPolicy, validate_phase, validate_splits
+from components.data.validation import ValidationPolicy, validate_phase, validate_splits
 
 LONG_CAPTION = " ".join(["a very long and winding description of a red circle"] * 10)  # ~100 tokens
 
@@ -85,12 +85,12 @@ def test_every_split_validated_and_counted(tmp_path):
 
 def test_gallery_defect_is_quarantined_and_not_indexed(tmp_path):
     from compat.models import build_model, save_checkpoint
+    from components.adapters.index import GalleryIndex
     from components.deployment import Deployment
-    from components.index import GalleryIndex
     from components.rollout.operations import index_new_items
     from components.runs import validated_shards
+    from components.state.workspace import Workspace
     from components.steps import validate_step
-    from components.workspace import Workspace
 
     inputs, stream = tmp_path / "in", tmp_path / "stream"
     gallery = {f"g{i:03d}": _sample(f"g{i:03d}") for i in range(30)}

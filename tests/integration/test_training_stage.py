@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from components.continual import ContinualError, TrainingSettings, run_continual
+from components.training.continual import ContinualError, TrainingSettings, run_continual
 
 
 def _settings(**kw) -> TrainingSettings:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from components.validation import (
+from components.data.validation import (
     REASONS,
     ShardReader,
     ShardSpecError,
@@ -449,7 +449,7 @@ def test_fsspec_urls_validate_like_local_paths(tmp_path):
 def test_threshold_blocks_and_messages_are_logged(tmp_path, caplog):
     bad = [m for i in range(3) for m in sample(f"p-bad{i}", caption=b"   ")]
     inputs = {"shard-00000.tar": good_samples("p", 37) + bad}
-    with caplog.at_level(logging.WARNING, logger="components.validation"):
+    with caplog.at_level(logging.WARNING, logger="components.data.validation"):
         summary = run(tmp_path, inputs)
     doc = check_invariants(summary, inputs)
     assert doc["quarantined_fraction"] == pytest.approx(3 / 40) and summary.blocked
@@ -559,7 +559,7 @@ def test_reader_groups_like_webdataset(tmp_path):
 
 
 def test_reason_codes_agree_with_schema_and_suites():
-    from components.validation.suite import EXPECTATIONS_DIR
+    from components.data.validation.suite import EXPECTATIONS_DIR
 
     assert set(load_schema("validation")["$defs"]["reason_code"]["enum"]) == set(REASONS)
     suite = json.loads((EXPECTATIONS_DIR / "samples.json").read_text())

@@ -62,7 +62,7 @@ def test_bad_config_names_file_and_field(tmp_path):
 def test_loader_workers_reach_the_training_step(tmp_path):
     """training.loader_workers is the training step's decoding processes; 0 (decode in the training process)
     is allowed, a negative count is refused naming the field."""
-    from components.continual import TrainingSettings
+    from components.training.continual import TrainingSettings
 
     cluster = load_config("cluster", local_paths=False)  # its start weights are the cluster's, not here
     assert TrainingSettings.from_section(cluster.training).loader_workers == 8

@@ -274,7 +274,7 @@ def test_only_regular_files_inside_src_are_read_and_captions_are_bounded(tmp_pat
     """A symlinked caption or metadata file, a hard link, a FIFO and a caption over the validation limit are
     refused with their reason; nothing of a file outside SRC reaches a shard."""
     from compat.data.importer import MAX_CAPTION_BYTES
-    from components.validation.policy import ValidationPolicy
+    from components.data.validation.policy import ValidationPolicy
 
     assert MAX_CAPTION_BYTES == ValidationPolicy().max_caption_bytes == 65536  # one limit, both places
     secret = tmp_path / "secret.txt"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from components.deployment import SCHEMA_FILE, ConfigError, Deployment, json_schema
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_changes_are_checked_like_a_loaded_config():
         Deployment.parse(["not", "a", "mapping"], source="x.yaml")
 
 
-# Workspace-level names only components/workspace.py may spell (the grep the layout promise rests on).
+# Workspace-level names only components/state/workspace.py may spell (the grep the layout promise rests on).
 WORKSPACE_NAMES = re.compile(
     r"""["'/](rollout_state\.json|serving\.json|state\.json|mlflow\.db|gallery\.db|probe\.json|validated|"""
     r"""\.compatflow(\.steps)?\.lock|mlartifacts)["'/]|["']feast["']|["']services["']|/ ?["']models["']"""
@@ -96,13 +96,13 @@ def test_no_module_but_the_workspace_spells_a_workspace_location():
     offenders = []
     for package in ("components", "pipelines"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path == ROOT / "components" / "workspace.py":
+            if path == ROOT / "components" / "state" / "workspace.py":
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
                 if WORKSPACE_NAMES.search(code) and not code.strip().startswith(('"""', "``")):
                     offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not offenders, "ask components.workspace.Workspace instead:\n" + "\n".join(offenders)
+    assert not offenders, "ask components.state.workspace.Workspace instead:\n" + "\n".join(offenders)
 
 
 def test_the_workspace_grep_sees_a_planted_path(tmp_path):

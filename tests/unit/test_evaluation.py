@@ -135,7 +135,7 @@ def workspace(tmp_path_factory):
 
 
 def test_report_from_models_and_shards_is_schema_valid(workspace):
-    from components.evaluate import evaluate
+    from components.training.evaluate import evaluate
 
     report = evaluate(
         workspace / "old",

@@ -9,7 +9,7 @@ import pytest
 
 from components.runs import PlanError, _refuse_another_index
 from components.serving.record import ServingError, check_index_agrees, same_index, write_serving
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 
 def _served(ws: Workspace, uri: str) -> None:

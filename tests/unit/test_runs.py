@@ -8,7 +8,7 @@ from _runs import _config, _finished_run, _shard
 
 from components.deployment import Deployment
 from components.runs import keep_validated, replay_shards, train_shards_of
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 
 def test_kept_shards_replace_the_raw_ones_and_a_rerun_replaces_the_copy(tmp_path):

@@ -17,7 +17,7 @@ Layout (the pipeline and every command ask :class:`Workspace` for these; no othe
     <root>/rollout/           the probe set and each rollout's work files (restore rows, archived states)
     <root>/services/          one file per running search service (`compatflow serve`), read by rollouts
     <root>/tmp/, <root>/kfp/  the local runner's scratch space and KFP pipeline root
-    <root>/.compatflow.lock, <root>/.compatflow.steps.lock   one process at a time (components.lock)
+    <root>/.compatflow.lock, <root>/.compatflow.steps.lock   one process at a time (components.state.lock)
 
 The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``.
 """
@@ -239,7 +239,7 @@ class Workspace:
 
     @property
     def lock_path(self) -> Path:
-        """The workspace lock: one process at a time (:mod:`components.lock`)."""
+        """The workspace lock: one process at a time (:mod:`components.state.lock`)."""
         return self.root / ".compatflow.lock"
 
     @property

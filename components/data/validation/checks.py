@@ -14,8 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from components.validation.policy import ValidationPolicy
-from components.validation.shard_reader import Member, SampleGroup
+from components.data.validation.policy import ValidationPolicy
+from components.data.validation.shard_reader import Member, SampleGroup
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTENSION = "txt"

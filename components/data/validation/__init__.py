@@ -7,11 +7,11 @@ phase when too many samples are rejected, a shard is damaged, or a phase expecta
 ``validate_splits`` does it for every split of a phase (train, eval, gallery), summed up in one document.
 """
 
-from components.validation.checks import REASONS, Reason
-from components.validation.phase import ShardSpecError, ValidationSummary, resolve_shards, validate_phase
-from components.validation.policy import ValidationPolicy, load_validation_policy
-from components.validation.shard_reader import ShardReader, split_member_name
-from components.validation.splits import split_accepted_paths, validate_splits
+from components.data.validation.checks import REASONS, Reason
+from components.data.validation.phase import ShardSpecError, ValidationSummary, resolve_shards, validate_phase
+from components.data.validation.policy import ValidationPolicy, load_validation_policy
+from components.data.validation.shard_reader import ShardReader, split_member_name
+from components.data.validation.splits import split_accepted_paths, validate_splits
 
 __all__ = [
     "REASONS",

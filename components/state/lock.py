@@ -19,7 +19,7 @@ import socket
 import time
 from collections.abc import Iterator
 
-from components.workspace import Workspace
+from components.state.workspace import Workspace
 
 
 class WorkspaceBusy(RuntimeError):

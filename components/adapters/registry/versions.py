@@ -14,8 +14,8 @@ from typing import Any
 
 from compat.io import utc_now
 from compat.models.integrity import file_manifest, manifest_digest, verify_checkpoint
-from components.registry.pyfunc import FILES, MLMODEL
-from components.registry.tracking import RUN_TAG, RegistryError, Tracking
+from components.adapters.registry.pyfunc import FILES, MLMODEL
+from components.adapters.registry.tracking import RUN_TAG, RegistryError, Tracking
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def _call_all(hooks: Sequence[RollbackHook], event: dict[str, Any]) -> list[dict
 
 
 class Registry(Tracking):
-    """MLflow runs (:class:`~components.registry.tracking.Tracking`), model versions and aliases of one
-    registered model in one workspace."""
+    """MLflow runs (:class:`~components.adapters.registry.tracking.Tracking`), model versions and aliases of
+    one registered model in one workspace."""
 
     # --- model versions --------------------------------------------------------------------
 

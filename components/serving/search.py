@@ -112,7 +112,7 @@ def search(
     loaded (:class:`components.serving.verify.RegistryDigestCheck`). A long-lived server uses
     :class:`Searcher`.
     """
-    from components.workspace import Workspace
+    from components.state.workspace import Workspace
 
     path = Path(record_path) if record_path is not None else Workspace.coerce(workspace).serving_path
     searcher = Searcher(path, uri=uri, index=index, encoder=encoder, verify=verify)

@@ -6,7 +6,7 @@ The indexing and backfill stages call :meth:`LineageStore.write_items` after eac
 Offline rows are append-only parquet parts (one file per write, renamed into place, so a crash
 never leaves a half-written file); the online store (sqlite by default) holds the newest row per item.
 
-The repo written to is the workspace's (:attr:`components.workspace.Workspace.lineage_dir`); a repo
+The repo written to is the workspace's (:attr:`components.state.workspace.Workspace.lineage_dir`); a repo
 definition configured elsewhere (``lineage.repo``: on a cluster a ConfigMap volume, read-only) is only read:
 its ``feature_store.yaml`` (and ``items.py`` when it has one) is copied into the written repo, again whenever
 it changes, so the offline parts and any path relative to the repo land on the workspace volume.
@@ -49,7 +49,7 @@ class LineageError(ValueError):
 class LineageStore:
     """The Feast feature repo at ``repo_dir`` (a workspace's ``feast/`` directory), made from the repo
     ``definition`` (a folder with ``feature_store.yaml``, read and never written) when one is given, else
-    from the shipped template (:mod:`components.feature_repo`)."""
+    from the shipped template (:mod:`components.adapters.feature_repo`)."""
 
     def __init__(self, repo_dir: str | Path, *, definition: str | Path | None = None) -> None:
         self.repo_dir = Path(repo_dir).resolve()
@@ -60,12 +60,13 @@ class LineageStore:
 
     @classmethod
     def of(cls, workspace: Any) -> LineageStore:
-        """The lineage of a :class:`~components.workspace.Workspace`: its repo, made from its definition."""
+        """The lineage of a :class:`~components.state.workspace.Workspace`: its repo, made from its
+        definition."""
         return cls(workspace.lineage_dir, definition=workspace.lineage_definition)
 
     @property
     def items_dir(self) -> Path:
-        from components.feature_repo import items  # Feast definitions; imported lazily (slow)
+        from components.adapters.feature_repo import items  # Feast definitions; imported lazily (slow)
 
         return self.repo_dir / items.ITEMS_SOURCE_DIR
 
@@ -86,7 +87,7 @@ class LineageStore:
         """Make the repo: without a definition, copy the template's ``feature_store.yaml`` and ``items.py``
         when missing (never overwrites); with one, copy its files (``items.py``: the template's when it has
         none) whenever they differ, reading the definition only."""
-        from components.feature_repo import REPO_FILES, REPO_TEMPLATE_DIR
+        from components.adapters.feature_repo import REPO_FILES, REPO_TEMPLATE_DIR
 
         self.repo_dir.mkdir(parents=True, exist_ok=True)
         if self.definition is None:
@@ -110,7 +111,7 @@ class LineageStore:
 
     def apply(self) -> None:
         """Scaffold the repo and register the entity and feature view (idempotent)."""
-        from components.feature_repo import items
+        from components.adapters.feature_repo import items
 
         self.scaffold()
         self.store.apply([items.item, items.gallery_items])
@@ -123,7 +124,7 @@ class LineageStore:
         ``model_version`` and ``space_id`` (required) and ``caption``, ``image_uri``,
         ``embedded_at`` (default: now), ``phase``, ``domain``. The newest row per item wins.
         """
-        from components.feature_repo import items as defs
+        from components.adapters.feature_repo import items as defs
 
         frame = _normalise(items)
         if frame.empty:
@@ -185,7 +186,7 @@ class LineageStore:
 
     def _online(self, item_ids: list[str], names: Iterable[str]) -> dict[str, list[Any]]:
         """``{feature: [value per id]}`` from the online store (``None`` where an item has none)."""
-        from components.feature_repo import items as defs
+        from components.adapters.feature_repo import items as defs
 
         if not item_ids:
             return {name: [] for name in names}
@@ -223,7 +224,7 @@ class LineageStore:
 
     def get_items(self, item_ids: Iterable[str]) -> list[dict[str, Any]]:
         """Online lineage of ``item_ids`` in order; unknown items come back with ``None`` features."""
-        from components.feature_repo import items as defs
+        from components.adapters.feature_repo import items as defs
 
         ids = [str(i) for i in item_ids]
         known = self._online(ids, defs.FEATURE_NAMES)
@@ -277,7 +278,7 @@ def sync_from_index(
     """Bring the lineage in ``repo_dir`` (made from ``definition``, see :class:`LineageStore`) in line with
     the collection serving ``alias`` at the Milvus ``uri`` (after a backfill, a blue-green switch or a
     rollback); returns the rows written."""
-    from components.index import GalleryIndex
+    from components.adapters.index import GalleryIndex
 
     store = LineageStore(repo_dir, definition=definition)
     store.apply()

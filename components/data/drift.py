@@ -89,7 +89,7 @@ def evidently_version_problem(installed: str) -> str | None:
     if series == EVIDENTLY_SERIES:
         return None
     return (
-        f"components/drift.py is written for Evidently {EVIDENTLY_SERIES}.x (its Report, Dataset, "
+        f"components/data/drift.py is written for Evidently {EVIDENTLY_SERIES}.x (its Report, Dataset, "
         f"DataDefinition, ValueDrift, EmbeddingsDrift and ModelDriftMethod, and the scores they return), but "
         f"Evidently {installed} is installed: install the version pinned in requirements/base.txt, or port "
         f"the adapter to {series} and set EVIDENTLY_SERIES"

@@ -94,8 +94,8 @@ class ValidationPolicy:
         return parameters
 
     def member_limits(self) -> Any:
-        """The shard reader's bounds (:class:`components.validation.shard_reader.MemberLimits`)."""
-        from components.validation.shard_reader import MemberLimits
+        """The shard reader's bounds (:class:`components.data.validation.shard_reader.MemberLimits`)."""
+        from components.data.validation.shard_reader import MemberLimits
 
         return MemberLimits(
             caption_bytes=self.max_caption_bytes,

@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from components.validation.checks import Reason
+from components.data.validation.checks import Reason
 from schemas import SCHEMA_DIR
 
 logger = logging.getLogger(__name__)

@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from compat.models.integrity import MANIFEST, file_manifest, pickled_files
-from components.workspace import DEFAULT_MODEL_NAME, Workspace
+from components.state.workspace import DEFAULT_MODEL_NAME, Workspace
 
 log = logging.getLogger(__name__)
 
 EXPERIMENT = "compatflow"
 RUN_TAG = "compatflow.run_id"
 CHECKPOINT_PATH = "checkpoint"  # the weights as plain files (versions that are not a compatflow model)
-MODEL_PATH = "model"  # the MLflow model (components.registry.pyfunc)
+MODEL_PATH = "model"  # the MLflow model (components.adapters.registry.pyfunc)
 RUN_END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 
 
@@ -220,10 +220,10 @@ class Tracking:
 
     def log_model(self, run_id: str, checkpoint_dir: str | Path) -> tuple[str, dict[str, str]]:
         """Log a safetensors model directory plus its sha256 manifest as the run's MLflow model
-        (:mod:`components.registry.pyfunc`; a directory that is not a compatflow model is logged as plain
-        files under ``checkpoint``). Returns the artifact path logged and the manifest."""
+        (:mod:`components.adapters.registry.pyfunc`; a directory that is not a compatflow model is logged as
+        plain files under ``checkpoint``). Returns the artifact path logged and the manifest."""
         from compat.models.integrity import manifest_digest
-        from components.registry import pyfunc
+        from components.adapters.registry import pyfunc
 
         checkpoint_dir = Path(checkpoint_dir)
         if not checkpoint_dir.is_dir():

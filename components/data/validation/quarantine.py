@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import replace_durably
-from components.validation.checks import Reason
-from components.validation.shard_reader import Member, SampleGroup
+from components.data.validation.checks import Reason
+from components.data.validation.shard_reader import Member, SampleGroup
 
 ACCEPTED_DIR = "accepted"
 QUARANTINE_DIR = "quarantine"

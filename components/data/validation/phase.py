@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
-from components.validation.checks import CheckTimings, Reason, inspect_sample
-from components.validation.policy import ValidationPolicy
-from components.validation.quarantine import (
+from components.data.validation.checks import CheckTimings, Reason, inspect_sample
+from components.data.validation.policy import ValidationPolicy
+from components.data.validation.quarantine import (
     AtomicTarWriter,
     accepted_name,
     quarantine_name,
     quarantine_sample,
     remove_stale_outputs,
 )
-from components.validation.shard_reader import SampleGroup, ShardReader
+from components.data.validation.shard_reader import SampleGroup, ShardReader
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def validate_phase(
     timings["read_and_check_s"] = time.perf_counter() - start
     timings["decode_s"], timings["other_checks_s"] = check_timings.decode_s, check_timings.other_s
 
-    from components.validation.suite import facts_frame, run_suite
+    from components.data.validation.suite import facts_frame, run_suite
 
     start = time.perf_counter()
     frame = facts_frame(facts)
@@ -415,7 +415,7 @@ def _summary_document(
 
 def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:
     """Identity of a run's inputs: shard names, sizes, mtimes, the policy, the suites, the stage version."""
-    from components.validation.suite import suite_path
+    from components.data.validation.suite import suite_path
 
     digest = hashlib.sha256()
     inputs = [[s.name, s.url, s.size, s.version] for s in shards]

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
-from components.validation.phase import SUMMARY_FILE, ValidationSummary, validate_phase
-from components.validation.policy import ValidationPolicy
+from components.data.validation.phase import SUMMARY_FILE, ValidationSummary, validate_phase
+from components.data.validation.policy import ValidationPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ def validate_splits(
     """Validate each split's shards (see the module doc); the returned summary is the combined document's.
 
     ``splits`` maps a split name to its shard pattern(s) and must hold ``train``; a split with no shards
-    is recorded with no samples. Raises :class:`components.validation.ShardSpecError` when a pattern matches
-    nothing, ``ValueError`` for a split name that is not a plain directory name.
+    is recorded with no samples. Raises :class:`components.data.validation.ShardSpecError` when a pattern
+    matches nothing, ``ValueError`` for a split name that is not a plain directory name.
     """
     if TRAIN not in splits:
         raise ValueError(f"validate_splits needs the train split; got {sorted(splits)}")

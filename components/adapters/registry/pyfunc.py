@@ -1,0 +1,254 @@
+"""The MLflow model of a registered version: a ``python_function`` flavour around the serving encoder.
+
+Each version's source is an MLflow model directory::
+
+    MLmodel                       flavour python_function (loader_module components.adapters.registry.pyfunc),
+                                  signature, input example, metadata (method, contract, space, digest)
+    python_env.yaml, conda.yaml, requirements.txt, input_example.json, serving_input_example.json
+    data/checkpoint/              the model directory as compatflow writes it (safetensors weights, model.json
+                                  or compat.json) and its MANIFEST.sha256.json (the integrity check's input)
+
+``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`, which
+checks the files against the manifest and the manifest against the digest in MLmodel (so files rewritten
+together with their manifest are refused), and loads them with :func:`compat.production.load_production`
+(the loader every compatflow step uses), so its embeddings are compatflow's own. ``predict`` takes a
+DataFrame (or dict) with a ``text`` column (captions, queries) and/or an ``image`` column (encoded image
+bytes: JPEG, PNG, WebP): each row gives one; a row with an image is embedded as an image, else as a text.
+It returns one float32 embedding per row, in the serving space.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = "data"
+CHECKPOINT_DIR = "checkpoint"  # the model files inside the MLflow model: data/checkpoint
+FILES = f"{DATA_DIR}/{CHECKPOINT_DIR}"
+MLMODEL = "MLmodel"
+EXAMPLE_TEXT = "a red circle on a striped background"
+
+
+class EmbeddingModel:
+    """What ``mlflow.pyfunc.load_model`` wraps: texts and images in, serving-space embeddings out."""
+
+    def __init__(self, path: str | Path) -> None:
+        from compat.compat_training import decode_size
+        from compat.production import load_production
+
+        self.production = load_production(path)
+        self.decode_size = decode_size(self.production.encoder)
+
+    def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> Any:
+        """One embedding per row (float32 [n, dim]); see the module docstring for the input."""
+        import numpy as np
+        import pandas as pd
+
+        frame = _as_frame(model_input)
+        if "text" not in frame and "image" not in frame:
+            raise ValueError(
+                f"the input has no 'text' or 'image' column (columns: {list(frame.columns)}): give texts as "
+                "{'text': [...]} and images as {'image': [encoded bytes, ...]}"
+            )
+        texts = frame["text"] if "text" in frame else pd.Series([None] * len(frame), index=frame.index)
+        images = frame["image"] if "image" in frame else pd.Series([None] * len(frame), index=frame.index)
+        is_image = [_present(v) for v in images]
+        image_rows = [i for i, yes in enumerate(is_image) if yes]
+        text_rows = [i for i, yes in enumerate(is_image) if not yes]
+        missing = [i for i in text_rows if not isinstance(texts.iloc[i], str)]
+        if missing:
+            raise ValueError(
+                f"row {missing[0]} has neither a text nor an image: give each row a 'text' string or "
+                "'image' bytes (an encoded JPEG, PNG or WebP)"
+            )
+        encoder = self.production.encoder
+        out: np.ndarray | None = None
+        parts = []
+        if text_rows:
+            parts.append((text_rows, encoder.encode_texts([texts.iloc[i] for i in text_rows])))
+        if image_rows:
+            pictures = [self._decode(images.iloc[i], i) for i in image_rows]
+            parts.append((image_rows, encoder.encode_images(pictures)))
+        for rows, vectors in parts:
+            array = vectors.detach().cpu().numpy().astype(np.float32)
+            if out is None:
+                out = np.zeros((len(frame), array.shape[1]), dtype=np.float32)
+            out[rows] = array
+        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+
+    def _decode(self, value: Any, row: int) -> Any:
+        import base64
+
+        from compat.data.images import decode_rgb
+
+        data = value if isinstance(value, bytes | bytearray) else base64.b64decode(value, validate=True)
+        try:
+            return decode_rgb(bytes(data), size=self.decode_size)
+        except ValueError as exc:
+            raise ValueError(f"row {row}: the image cannot be decoded ({exc})") from exc
+
+
+def _present(value: Any) -> bool:
+    if value is None:
+        return False
+    try:
+        import pandas as pd
+
+        return not bool(pd.isna(value))
+    except (TypeError, ValueError):  # bytes and arrays are not scalars pd.isna can judge
+        return True
+
+
+def _as_frame(model_input: Any) -> Any:
+    import pandas as pd
+
+    if isinstance(model_input, pd.DataFrame):
+        cells = {c: model_input[c].iloc[0] for c in ("text", "image") if c in model_input}
+        if len(model_input) == 1 and cells and all(isinstance(v, list | tuple) for v in cells.values()):
+            return pd.DataFrame(
+                {c: list(v) for c, v in cells.items()}
+            )  # MLflow makes {"text": [...]} one row
+        return model_input.reset_index(drop=True)
+    if isinstance(model_input, dict):
+        return pd.DataFrame(
+            {k: list(v) if isinstance(v, list | tuple) else [v] for k, v in model_input.items()}
+        )
+    if isinstance(model_input, list | tuple) and all(isinstance(v, str) for v in model_input):
+        return pd.DataFrame({"text": list(model_input)})
+    if isinstance(model_input, str):
+        return pd.DataFrame({"text": [model_input]})
+    raise TypeError(
+        f"expected a DataFrame or dict with 'text' and/or 'image' columns, or a list of texts; "
+        f"got {type(model_input).__name__}"
+    )
+
+
+def _load_pyfunc(data_path: str) -> EmbeddingModel:
+    """MLflow's entry point: check ``data_path`` (``data/checkpoint``) against its manifest and the manifest
+    against the digest in the model's MLmodel (the registry's ``checkpoint.sha256``), then load it."""
+    from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
+
+    digest = recorded_digest(data_path)
+    try:
+        verify_checkpoint(data_path, digest)
+    except CheckpointIntegrityError as exc:
+        raise CheckpointIntegrityError(
+            f"{exc} (checked against compatflow.checkpoint_sha256 {digest} in the model's MLmodel, the "
+            "version's registered checkpoint.sha256): the model's files were changed after registration; "
+            "refusing to load them: load another version, or register the intended files again"
+        ) from exc
+    return EmbeddingModel(data_path)
+
+
+def recorded_digest(data_path: str | Path) -> str:
+    """The manifest digest the MLflow model around ``data_path`` (its ``data/checkpoint``) records in its
+    MLmodel metadata (``compatflow.checkpoint_sha256``, the version's ``checkpoint.sha256`` tag);
+    :class:`~compat.models.integrity.CheckpointIntegrityError` when there is none to check against."""
+    import yaml
+
+    from compat.models.integrity import CheckpointIntegrityError
+
+    mlmodel = Path(data_path).parents[1] / MLMODEL
+    try:
+        doc = yaml.safe_load(mlmodel.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointIntegrityError(
+            f"cannot read {mlmodel} ({exc}): no digest to verify {data_path} against; refusing to load it"
+        ) from exc
+    metadata = doc.get("metadata") if isinstance(doc, dict) else None
+    facts = metadata.get("compatflow") if isinstance(metadata, dict) else None
+    digest = facts.get("checkpoint_sha256") if isinstance(facts, dict) else None
+    if not isinstance(digest, str) or not digest:
+        raise CheckpointIntegrityError(
+            f"{mlmodel} records no compatflow.checkpoint_sha256: no digest to verify {data_path} against; "
+            "refusing to load it (register the model again with compatflow)"
+        )
+    return digest
+
+
+def describe(model_dir: Path) -> dict[str, Any] | None:
+    """What the MLflow model records about a compatflow model directory (embedding size, method, version,
+    space, serving contract), read from its files without loading it; None when it is not one."""
+    import json
+
+    from compat.methods.contract import COMPAT_FILE
+    from compat.production import ProductionModelError, identity, model_kind, space_id_of
+
+    try:
+        kind = model_kind(model_dir)
+        ident = identity(model_dir)
+        if kind == "compat":
+            doc = json.loads((model_dir / COMPAT_FILE).read_text())
+            contract, dim = doc["contract"], int(doc["contract"]["dim"])
+        else:
+            from compat.models import read_sidecar
+
+            contract, dim = None, int(read_sidecar(model_dir)["embed_dim"])
+        space = space_id_of(model_dir)
+    except (ProductionModelError, OSError, ValueError, KeyError, TypeError) as exc:
+        log.info("%s is not a compatflow model directory (%s): registered as files only", model_dir, exc)
+        return None
+    return {
+        "method": ident["method"],
+        "query_model_version": ident["version"],
+        "space_id": space,
+        "embed_dim": dim,
+        "contract": contract,
+    }
+
+
+def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: str) -> Path:
+    """Write the MLflow model of ``checkpoint_dir`` (its files and manifest) to ``model_dir``."""
+    import numpy as np
+    import pandas as pd
+    from mlflow.models import ModelSignature
+    from mlflow.pyfunc import save_model
+    from mlflow.types import ColSpec, Schema, TensorSpec
+
+    signature = ModelSignature(
+        inputs=Schema(
+            [ColSpec("string", "text", required=False), ColSpec("binary", "image", required=False)]
+        ),
+        outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, facts["embed_dim"]), "embedding")]),
+    )
+    save_model(
+        path=str(model_dir),
+        loader_module=__name__,
+        data_path=str(checkpoint_dir),
+        signature=signature,
+        input_example=pd.DataFrame({"text": [EXAMPLE_TEXT]}),
+        pip_requirements=_requirements(),
+        code_paths=_code_paths(),  # the flavour's own code travels with the model (not a published package)
+        metadata={
+            "compatflow": {**facts, "checkpoint_sha256": digest},
+        },
+    )
+    if not (model_dir / FILES).is_dir():  # MLflow copies data_path to data/<its name>
+        raise RuntimeError(f"{model_dir}: the MLflow model holds no {FILES}")
+    return model_dir
+
+
+def _code_paths() -> list[str]:
+    """compatflow's own packages the loader imports (``compat``, ``components``): copied into the model's
+    ``code/``, which MLflow puts on the path when it loads the model."""
+    import compat
+    import components
+
+    return [str(Path(package.__file__).parent) for package in (compat, components)]
+
+
+def _requirements() -> list[str]:
+    """The installable distributions the flavour's loader needs, at their installed public versions (a
+    local label such as torch's ``+cpu`` dropped: the index that serves it is not the model's business)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("torch", "open_clip_torch", "safetensors", "pillow", "numpy", "pandas"):
+        try:
+            found.append(f"{name}=={version(name).split('+', 1)[0]}")
+        except PackageNotFoundError:
+            found.append(name)
+    return found

@@ -1,0 +1,3 @@
+"""The workspace's own files: where every location is (:mod:`~components.state.workspace`) and the lock
+steps and rollouts share (:mod:`~components.state.lock`). The bottom of :mod:`components`: it imports
+nothing above it."""
