@@ -24,10 +24,11 @@ against a fresh sample of itself reads "none" on any data and a verdict means th
 Outputs: ``drift.json`` (schema ``schemas/drift_summary.schema.json``) and a self-contained
 ``drift_report.html``.
 
-Evidently is used through its public 0.7 API only (``Report``, ``Dataset``, ``DataDefinition``,
-``ValueDrift``, ``EmbeddingsDrift`` and the ``ModelDriftMethod`` it exports), in one adapter
-(:func:`evidently_scores`, :func:`embedding_drift_method`); :func:`check_evidently_version` refuses another
-release series with a sentence, and a test pins the series.
+Evidently is used through its public 0.7 API (``Report``, ``Dataset``, ``DataDefinition``, ``ValueDrift``,
+``EmbeddingsDrift`` and the ``ModelDriftMethod`` it exports), in one adapter (:func:`evidently_scores`,
+:func:`embedding_drift_method`); the noise-floor splits call the function ``ValueDrift`` itself calls
+(:func:`column_scores`: the same scores without a report's widgets, held equal by a test).
+:func:`check_evidently_version` refuses another release series with a sentence, and a test pins the series.
 """
 
 from __future__ import annotations
@@ -157,6 +158,45 @@ def evidently_scores(
             f"the Evidently report returned scores for {sorted(scores)}, expected {sorted(expected)}: the "
             f"installed Evidently does not behave like {EVIDENTLY_SERIES}.x; see check_evidently_version"
         )
+    return scores
+
+
+def column_scores(reference_df: Any, current_df: Any, numeric: Sequence[str]) -> dict[str, float]:
+    """The score :func:`evidently_scores` reads for each column, ``{column: score}``, without a report.
+
+    Each ``ValueDrift`` of a report calls Evidently's ``get_one_column_drift`` and then draws its widget,
+    which costs ten times the score; the noise-floor splits need the scores alone, so they call that function
+    as ``ValueDrift`` does (same method, same column typing, same aggregation). A test holds both equal.
+    """
+    from evidently.legacy.calculations.data_drift import get_one_column_drift
+    from evidently.legacy.core import ColumnType
+    from evidently.legacy.metric_results import DatasetColumns, DatasetUtilityColumns
+    from evidently.legacy.options.data_drift import DataDriftOptions
+
+    scores: dict[str, float] = {}
+    typed = [(c, ColumnType.Numerical, "wasserstein") for c in numeric]
+    typed += [(c, ColumnType.Categorical, "jensenshannon") for c in CATEGORICAL_COLUMNS]
+    for column, column_type, method in typed:
+        numerical = column_type == ColumnType.Numerical
+        drift = get_one_column_drift(
+            current_data=current_df,
+            reference_data=reference_df,
+            column_name=column,
+            options=DataDriftOptions(all_features_stattest=method, all_features_threshold=None, nbinsx=None),
+            dataset_columns=DatasetColumns(
+                utility_columns=DatasetUtilityColumns(date=None, id=None, target=None, prediction=None),
+                target_type=None,
+                task=None,
+                num_feature_names=[column] if numerical else [],
+                cat_feature_names=[] if numerical else [column],
+                text_feature_names=[],
+                datetime_feature_names=[],
+                target_names=None,
+            ),
+            column_type=column_type,
+            agg_data=True,
+        )
+        scores[column] = float(drift.drift_score)
     return scores
 
 
@@ -299,8 +339,9 @@ def noise_floors(
     seed: int = 0,
 ) -> dict[str, float]:
     """The largest score of each signal between two random halves of the reference, over ``splits`` splits:
-    what sampling alone produces. Scored as the comparison itself is: an Evidently report per split for the
-    columns, :func:`embedding_drift_method` for the embeddings."""
+    what sampling alone produces. Scored as the comparison itself is: Evidently's column drift per split
+    (:func:`column_scores`, the report's scores without its widgets), :func:`embedding_drift_method` for the
+    embeddings."""
     n = len(reference)
     if n < 4:
         return {}
@@ -312,7 +353,7 @@ def noise_floors(
         a, b = order[: n // 2], order[n // 2 :]
         half_a, half_b = ref_df.iloc[a].reset_index(drop=True), ref_df.iloc[b].reset_index(drop=True)
         found = {"caption_vocabulary": _unseen_words([reference[i] for i in a], [reference[i] for i in b])[0]}
-        found.update(evidently_scores(half_a, half_b, numeric, {}))
+        found.update(column_scores(half_a, half_b, numeric))
         for name, columns in embeddings.items():
             found[name] = method(half_b[columns].copy(), half_a[columns].copy())[0]
         for name, score in found.items():

@@ -188,6 +188,28 @@ def test_evidently_scores_known_answers():
     assert moved["image_embedding"] == 1.0
 
 
+def test_column_scores_are_the_reports_scores():
+    """The noise floors' scorer gives each column exactly the score the Evidently report gives it, on halves
+    that differ and on a shifted side."""
+    from threadpoolctl import threadpool_limits
+
+    from components.data.drift import column_scores, evidently_scores
+
+    rng = np.random.default_rng(3)
+    table = _table(rng, 120)
+    table["image_contrast"] = rng.gamma(2.0, size=len(table))
+    numeric = ["image_brightness", "image_contrast"]
+    halves = table.iloc[:60].reset_index(drop=True), table.iloc[60:].reset_index(drop=True)
+    shifted = halves[1].copy()
+    shifted["image_brightness"] += 0.3
+    shifted.loc[:20, "image_dominant_hue"] = "green"
+    for reference, current in (halves, (halves[0], shifted)):
+        with threadpool_limits(limits=1):
+            report = evidently_scores(reference, current, numeric, {})
+        assert column_scores(reference, current, numeric) == report
+    assert report["image_brightness"] > 0.3 and report["image_dominant_hue"] > 0.0
+
+
 def test_identical_sides_read_no_drift_and_a_shift_reads_drift(tmp_path):
     """The drift step end to end on pictures with a known answer: the same samples on both sides score no
     drift on every signal; the same pictures made brighter drift in brightness; the HTML report is written."""

@@ -117,9 +117,8 @@ def test_a_version_registered_under_the_earlier_loader_name_still_loads(
 
     registry, config = released["registry"], released["config"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
-    local = Path(
-        mlflow.artifacts.download_artifacts(f"models:/{registry.model_name}@production", dst_path=str(tmp_path))
-    )
+    uri = f"models:/{registry.model_name}@production"
+    local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path)))
     mlmodel = local / "MLmodel"
     current = "loader_module: components.adapters.registry.pyfunc"
     assert current in mlmodel.read_text()
