@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULT = ROOT / "benchmarks" / "results" / "drift.md"
-BASELINE_COMMIT = "6e3e8a85cbf7a61b68cc3d9c78539f30f1eda746"  # components/ in layer folders; drift noise floors one report per split
+# The last commit whose noise floors drew one Evidently report per split.
+BASELINE_COMMIT = "6e3e8a85cbf7a61b68cc3d9c78539f30f1eda746"
 
 
 def cpu_seconds() -> float:
