@@ -163,6 +163,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
     from benchmarks.synthetic_upgrade import synthetic_encoders
     from components import rollout as ro
     from components.adapters.index import GalleryIndex
+    from components.deployment import RolloutSection
 
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "1"}
     u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=1)
@@ -173,7 +174,8 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
         paths = ro.RolloutPaths.for_workspace(work / policy)
         with GalleryIndex(uri, alias=f"bench_{policy}") as index:
             u.index_old_gallery(index, paths, opts, space="syn")
-            config = ro.RolloutConfig(
+            config = ro.RolloutConfig.from_section(
+                RolloutSection(),
                 new_version="v2",
                 order=policy,
                 batch_size=256,
@@ -322,6 +324,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
     from compat.models import build_model
     from components import rollout as ro
     from components.adapters.index import GalleryIndex
+    from components.deployment import RolloutSection
 
     uri = server.uri
     bundle = build_model("cf-tiny", seed=0)
@@ -404,7 +407,8 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             with QueryLoad(uri, alias, queries) as load:
                 time.sleep(load_s)
             idle = load.result
-        config = ro.RolloutConfig(
+        config = ro.RolloutConfig.from_section(
+            RolloutSection(),
             new_version="v2",
             order="random",
             batch_size=batch,
@@ -480,7 +484,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
         "batch": batch,
         "source": source,
         "threads": torch.get_num_threads(),
-        "prefetch": ro.RolloutConfig(new_version="v2").prefetch,
+        "prefetch": ro.RolloutConfig.from_section(RolloutSection(), new_version="v2").prefetch,
     }
 
 

@@ -185,6 +185,7 @@ def run_method(
     lr: float | None = None,
 ) -> list[dict[str, Any]]:
     """Phases 1..N of one method; returns each phase's metrics document."""
+    from components.deployment import TrainingSection
     from components.training.continual import TrainingSettings, run_continual
 
     docs, prev = [], clip0
@@ -193,10 +194,13 @@ def run_method(
         start = clip0 if method == "joint" else prev
         out = runs / label / f"phase-{phase:02d}"
         t0 = time.perf_counter()
-        settings = TrainingSettings(
+        settings = TrainingSettings.from_section(
+            TrainingSection(),
             config_name=args.config,
             method=method,
             alpha=alpha,
+            replay_buffer_size=0,  # the buffered variants: run_buffered
+            replay_rows=0,
             steps=steps,
             batch_size=args.batch_size,
             lr=args.lr if lr is None else lr,
@@ -286,6 +290,7 @@ def sweep_phase1(
     args, stream: Path, runs: Path, clip0: Path, results: dict[str, list[dict[str, Any]]]
 ) -> list[dict[str, Any]]:
     """Phase 1 only, from CLIP_0: every (lr, alpha) of the sweep; runs of the main comparison are reused."""
+    from components.deployment import TrainingSection
     from components.training.continual import TrainingSettings, run_continual
 
     reuse: dict[tuple[float, float, bool], list[dict[str, Any]]] = {}
@@ -304,10 +309,13 @@ def sweep_phase1(
             if (lr, alpha, corr) in reuse:
                 doc = reuse[(lr, alpha, corr)][0]
             else:
-                settings = TrainingSettings(
+                settings = TrainingSettings.from_section(
+                    TrainingSection(),
                     config_name=args.config,
                     method="modx" if alpha > 0 else "finetune",
                     alpha=alpha if alpha > 0 else None,
+                    replay_buffer_size=0,
+                    replay_rows=0,
                     steps=args.steps,
                     batch_size=args.batch_size,
                     lr=lr,
@@ -705,6 +713,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from compat.data.shift import earlier_word_shares
     from compat.device import resolve_device
+    from components.deployment import TrainingSection
     from components.training.continual import TrainingSettings, run_continual
 
     t_start = time.perf_counter()
@@ -712,7 +721,8 @@ def main(argv: list[str] | None = None) -> None:
     stream, manifest = make_stream(args)
     if runs.exists():
         shutil.rmtree(runs)
-    settings = TrainingSettings(
+    settings = TrainingSettings.from_section(
+        TrainingSection(),
         config_name=args.config,
         steps=args.clip0_steps,
         batch_size=args.batch_size,

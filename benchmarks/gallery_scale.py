@@ -99,6 +99,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     """One measured operation in this process: ``rollout``, ``rollback`` or ``status``."""
     from components import rollout as ro
     from components.adapters.index import GalleryIndex, gallery_status
+    from components.deployment import RolloutSection
 
     paths = ro.RolloutPaths.for_workspace(args.workspace)
     t0 = time.perf_counter()
@@ -112,7 +113,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             options = {"dim": str(args.dim), "encode_us": str(args.encode_us)}
             encoders = stand_in_encoders({"options": options})
             encoders.recipe = {"factory": f"{MODULE}:stand_in_encoders", "args": {"options": options}}
-            config = ro.RolloutConfig(
+            config = ro.RolloutConfig.from_section(
+                RolloutSection(),
                 new_version=args.version,
                 query_model={"factory": "", "options": options, "side": "new"},
                 order=args.order,

@@ -154,6 +154,7 @@ def run(
     from benchmarks.synthetic_upgrade import QUERY_FACTORY, synthetic_encoders, synthetic_upgrade
     from components import rollout as ro
     from components.adapters.index import GalleryIndex
+    from components.deployment import RolloutSection
 
     work = Path(tempfile.mkdtemp(prefix="bench-service-"))
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "2"}
@@ -194,8 +195,10 @@ def run(
         time.sleep(SETTLE_S)  # Milvus builds the index of what was written: the next operation starts idle
 
     def rollout(version: str, options: dict[str, str], **kw: Any) -> dict[str, Any]:
-        config = ro.RolloutConfig(
+        config = ro.RolloutConfig.from_section(
+            RolloutSection(),
             new_version=version,
+            order="random",
             batch_size=256,
             query_model={"factory": QUERY_FACTORY, "options": options, "side": "new"},
             **kw,

@@ -209,12 +209,13 @@ def gate_op(
     """The release gate (fail-closed): returns "pass" or "block"."""
     from pathlib import Path
 
+    from components.state.run_dir import COMPAT_REPORT_FILE
     from components.steps import gate_step
 
     return gate_step(
         config,
         Path(run_dir),
-        str(Path(report.path) / "compat_report.json"),
+        str(Path(report.path) / COMPAT_REPORT_FILE),
         validation.path,
         drift.path,
         Path(decision.path),

@@ -21,16 +21,11 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, utc_now, write_json_atomic
 from components.deployment import Deployment
+from components.state.run_dir import OUTCOME_FILE, RUN_FILE, RunDir
 from components.state.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "run.json"
-BLOCKED_FILE = "blocked.json"
-FAILURE_FILE = "failure.json"
-OUTCOME_FILE = "outcome.json"
-USAGE_DIR = "usage"  # step-<name>.json per step: what it cost (record_usage); no other file's name
-ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
 RESUMABLE = (None, "failed")  # outcomes of a run that the next run of its phase continues
 _SAFE_RUN_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -112,7 +107,7 @@ def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
         {
             int(plan["phase"])
             for outcome in ws.runs_dir.glob(f"*/{OUTCOME_FILE}")
-            if (plan := read_json_object_or_none(outcome.parent / RUN_FILE)) and "phase" in plan
+            if (plan := read_json_object_or_none(RunDir(outcome.parent).plan_file)) and "phase" in plan
         }
         - {int(k) for k in recorded}
     )
@@ -145,7 +140,7 @@ def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
     ws = Workspace.coerce(workspace)
     runs: dict[str, tuple[float, dict[str, Any]]] = {}
     for outcome_path in ws.runs_dir.glob(f"*/{OUTCOME_FILE}"):
-        plan = read_json_object_or_none(outcome_path.parent / RUN_FILE)
+        plan = read_json_object_or_none(RunDir(outcome_path.parent).plan_file)
         outcome = read_json_object_or_none(outcome_path)
         if (
             not plan
@@ -208,11 +203,6 @@ def run_dir_for(deployment: Deployment, run_id: str) -> Path:
     return Workspace.of(deployment).run_dir(safe)
 
 
-def training_dir(run_dir: Path) -> Path:
-    """Resumable training checkpoints of a run (kept while the run can resume, removed when it ends)."""
-    return Path(run_dir) / "continual" / "train"
-
-
 def interrupted_run(deployment: Deployment, phase: int) -> str | None:
     """The newest run of ``phase`` that never finished (killed) or failed: the next run continues it."""
     runs = Workspace.of(deployment).runs_dir
@@ -224,7 +214,7 @@ def interrupted_run(deployment: Deployment, phase: int) -> str | None:
             continue
         if plan.get("phase") != phase:
             continue
-        outcome_path = plan_path.parent / OUTCOME_FILE
+        outcome_path = RunDir(plan_path.parent).outcome_file
         try:
             status = json.loads(outcome_path.read_text())["status"] if outcome_path.is_file() else None
         except (OSError, json.JSONDecodeError, KeyError):
@@ -236,14 +226,15 @@ def interrupted_run(deployment: Deployment, phase: int) -> str | None:
 
 def _archive_attempt(run_dir: Path) -> int:
     """Move the run's last outcome, failure and log into ``attempts/<n>/``; returns n (0: first attempt)."""
-    previous = [p for p in (OUTCOME_FILE, FAILURE_FILE, "pipeline.log") if (run_dir / p).is_file()]
+    run = RunDir(run_dir)
+    previous = [p for p in (run.outcome_file, run.failure_file, run.pipeline_log) if p.is_file()]
     if not previous:
         return 0
-    attempts = run_dir / ATTEMPTS_DIR
+    attempts = run.attempts_dir
     n = len(list(attempts.glob("*"))) + 1 if attempts.is_dir() else 1
-    (attempts / str(n)).mkdir(parents=True)
-    for name in previous:
-        (run_dir / name).rename(attempts / str(n) / name)
+    run.attempt_dir(n).mkdir(parents=True)
+    for path in previous:
+        path.rename(run.attempt_dir(n) / path.name)
     return n
 
 
@@ -366,16 +357,17 @@ def plan_run(
     resumed = not run_id and interrupted_run(deployment, phase)
     run_id = run_id or resumed or job_name or new_run_id(phase)
     run_dir = run_dir_for(deployment, run_id)
+    plan_file = RunDir(run_dir).plan_file
     if resumed:
         attempt = _archive_attempt(run_dir) + 1
         log.info("resuming run %s of phase %d (attempt %d)", run_id, phase, attempt)
     else:  # the pipeline's plan step re-plans the run its runner planned: keep the attempt it recorded
-        earlier = read_json_object_or_none(run_dir / RUN_FILE) or {}
+        earlier = read_json_object_or_none(plan_file) or {}
         resumed, attempt = bool(earlier.get("resumed")), int(earlier.get("attempt", 1))
     plan = {
         "run_id": run_id,
         "run_dir": str(run_dir),
-        "job_name": job_name or (read_json_object_or_none(run_dir / RUN_FILE) or {}).get("job_name", ""),
+        "job_name": job_name or (read_json_object_or_none(plan_file) or {}).get("job_name", ""),
         "resumed": bool(resumed),
         "attempt": attempt,
         "phase": phase,
@@ -390,7 +382,7 @@ def plan_run(
         "eval_shards": _shards(stream_dir, manifest, range(phase + 1), "eval"),
         "gallery_shards": _shards(stream_dir, manifest, range(phase + 1), "gallery"),
     }
-    write_json_atomic(Path(plan["run_dir"]) / RUN_FILE, plan)
+    write_json_atomic(plan_file, plan)
     return plan
 
 
@@ -418,7 +410,7 @@ def run_outcome(run_dir: Path, pipeline_state: str) -> str:
 
 def read_blocked(run_dir: Path) -> dict[str, Any] | None:
     """``{"step", "reason"}`` of the step that stopped the run (``blocked.json``), or None."""
-    path = Path(run_dir) / BLOCKED_FILE
+    path = RunDir(run_dir).blocked_file
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
@@ -428,7 +420,8 @@ def read_blocked(run_dir: Path) -> dict[str, Any] | None:
 def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:
     """Record the run's outcome in the workspace state and in ``<run_dir>/outcome.json``."""
     run_dir = Path(run_dir)
-    plan_path = run_dir / RUN_FILE
+    run = RunDir(run_dir)
+    plan_path = run.plan_file
     outcome = {
         "status": run_outcome(run_dir, pipeline_state),
         "pipeline_state": pipeline_state,
@@ -442,9 +435,9 @@ def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error
             next_action=failure["next_action"],
             pipeline_error=error or None,
         )
-    write_json_atomic(run_dir / OUTCOME_FILE, outcome)
+    write_json_atomic(run.outcome_file, outcome)
     if outcome["status"] not in RESUMABLE:  # nothing left to resume: drop the training checkpoints
-        shutil.rmtree(training_dir(run_dir) / "checkpoints", ignore_errors=True)
+        shutil.rmtree(run.training_dir / "checkpoints", ignore_errors=True)
     if plan_path.is_file():
         plan = json.loads(plan_path.read_text())
         record_phase(Workspace.of(deployment), plan["phase"], outcome["status"], plan["run_id"])
@@ -507,7 +500,7 @@ def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, 
     """
     import traceback
 
-    path = Path(run_dir) / FAILURE_FILE
+    path = RunDir(run_dir).failure_file
     if path.is_file():
         return json.loads(path.read_text())
     error_type = type(error).__name__
@@ -530,7 +523,7 @@ def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, 
 
 def read_failure(run_dir: Path) -> dict[str, Any] | None:
     """The run's ``failure.json`` (None when no step recorded a failure or the file is unreadable)."""
-    path = Path(run_dir) / FAILURE_FILE
+    path = RunDir(run_dir).failure_file
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, json.JSONDecodeError):
@@ -555,7 +548,7 @@ def record_usage(run_dir: Path, step: str, usage: dict[str, Any]) -> Path | None
     """Write one step's usage (with its outcome: ``ok`` or the exception's type) to the run's usage folder;
     a step run again by a resumed attempt replaces its figures. Best effort: a write that fails is logged."""
     document = {"step": step, "at": utc_now(), "pid": os.getpid(), **usage}
-    path = Path(run_dir) / USAGE_DIR / f"step-{step}.json"
+    path = RunDir(run_dir).usage_file(step)
     try:
         return write_json_atomic(path, document)
     except (OSError, ValueError) as exc:  # a full disk must not turn a finished step into a failed one
@@ -565,6 +558,5 @@ def record_usage(run_dir: Path, step: str, usage: dict[str, Any]) -> Path | None
 
 def read_usage(run_dir: Path) -> list[dict[str, Any]]:
     """Every recorded step's usage in the run, in the order the steps ended (unreadable files skipped)."""
-    folder = Path(run_dir) / USAGE_DIR
-    files = sorted(folder.glob("step-*.json"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    files = sorted(RunDir(run_dir).usage_files, key=lambda p: p.stat().st_mtime)
     return [d for d in map(read_json_object_or_none, files) if d]

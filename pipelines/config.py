@@ -162,12 +162,15 @@ def _rollout_problems(rollout: Any) -> list[str]:
     One setting at a time (the others left at their defaults), so that every mistake is reported, each
     under its own field.
     """
+    from components.deployment import RolloutSection
     from components.rollout import RolloutConfig
 
     problems = []
     for field in ("fractions", "order", "batch_size"):
         try:
-            RolloutConfig(new_version="config-check", **{field: getattr(rollout, field)})
+            RolloutConfig.from_section(
+                RolloutSection(), new_version="config-check", **{field: getattr(rollout, field)}
+            )
         except (TypeError, ValueError) as err:
             message = str(err)
             problems.append(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from components.deployment import Deployment
+from components.state.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         enable_caching=True,
     )
     pipeline = build_pipeline(deployment, runner="local")
-    log_path = run_dir / "pipeline.log"
+    log_path = RunDir(run_dir).pipeline_log
     # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
     log = _EchoingLog(open(log_path, "w", buffering=1), echo)
     broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
@@ -198,7 +199,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     outputs = {
         "log": str(log_path),
         "run_dir": str(run_dir),
-        "report": str(run_dir / "report" / "report.html"),
+        "report": str(RunDir(run_dir).report_file("html")),
     }
     unwritten = broke or log.error
     if status == "failed" or broke is not None:
@@ -215,7 +216,7 @@ def _failure_of(run_dir: Path, log_path: Path, unwritten: OSError | None = None)
     the disk takes it). ``unwritten``: the error that kept the run's own files (log, kfp's pipeline root)
     from being written, which explains a failure no step recorded and says what to do."""
     from compat.io import write_json_atomic
-    from components.runs import OUTCOME_FILE, disk_full, locate_in_log, next_action, read_failure
+    from components.runs import disk_full, locate_in_log, next_action, read_failure
 
     failure = read_failure(run_dir) or {
         "step": "unknown",
@@ -229,7 +230,7 @@ def _failure_of(run_dir: Path, log_path: Path, unwritten: OSError | None = None)
         if disk_full(unwritten):
             failure["next_action"] = next_action(failure["step"], "", unwritten)
     failure = {**failure, "log": str(log_path), "log_line": locate_in_log(log_path, failure)}
-    outcome_path = run_dir / OUTCOME_FILE
+    outcome_path = RunDir(run_dir).outcome_file
     try:
         if outcome_path.is_file():
             outcome = json.loads(outcome_path.read_text())

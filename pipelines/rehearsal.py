@@ -77,12 +77,13 @@ SCALED: dict[str, dict[str, Any]] = {
         "loader_workers": 0,
     },
     "compat": {"foundation_config": "cf-tiny", "steps": 3, "batch_size": 16},
-    # batches of 8: each stage's 16 items split into two rank ranges, one ParallelFor task each
-    "rollout": {"batch_size": 8, "workers": 2, "fractions": [0.5, 1.0], "probe_tolerance": 100.0},
+    # one stage, batches of 8: the stage's 32 items split into two rank ranges, one ParallelFor task each (a
+    # second stage would rehearse the same fan-out again, at a minute a stage)
+    "rollout": {"batch_size": 8, "workers": 2, "fractions": [1.0], "probe_tolerance": 100.0},
 }
 GATE_POLICY = """\
 # The rehearsal's gate: any candidate passes (a few CPU steps cannot meet the shipped criterion; what is
-# rehearsed is the path of a passed candidate: registration, the staged rollout, lineage, promotion).
+# rehearsed is the path of a passed candidate: registration, the fanned-out backfill, lineage, promotion).
 min_margin: -100.0
 require_ci_lower_above_zero: false
 min_eval_images: 1
@@ -419,7 +420,7 @@ class Rehearsal:
 
     def _newest_run(self) -> tuple[int, str]:
         """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
-        from components.runs import RUN_FILE
+        from components.state.run_dir import RUN_FILE
         from components.state.workspace import Workspace
 
         plans = sorted(Workspace(self.layout.workspace).runs_dir.glob(f"*/{RUN_FILE}"), key=os.path.getmtime)

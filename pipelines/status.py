@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from components.state.run_dir import GATE_FILE
 from components.state.workspace import DEFAULT_MODEL_NAME, ROLLOUT_STATE_FILE, Workspace
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def phase_history(ws: Workspace) -> list[dict[str, Any]]:
 
 def last_gate(ws: Workspace) -> dict[str, Any] | None:
     """The newest ``gate.json`` under ``runs/`` (by modification time), summarised."""
-    path = _newest(ws.runs_dir.glob("*/**/gate.json")) if ws.runs_dir.is_dir() else None
+    path = _newest(ws.runs_dir.glob(f"*/**/{GATE_FILE}")) if ws.runs_dir.is_dir() else None
     if path is None:
         return None
     doc, error = _read_json(path)

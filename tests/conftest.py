@@ -320,43 +320,13 @@ def _test_keeps_out_of_the_checkouts_workspace(request, _session_outside_the_che
         )
 
 
-def _loopback_server(argv: list[str], port: int, data, name: str, wait_s: float = 120):
-    """Start a server process (its output in ``data/server.log``) and wait until it accepts connections on
-    127.0.0.1:``port``; yields ``http://127.0.0.1:port`` and stops it afterwards."""
-    import socket
-    import subprocess
-    import time
-
-    log = open(data / "server.log", "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + wait_s
-    while True:
-        if proc.poll() is not None:
-            log.close()
-            pytest.fail(f"{name} exited with {proc.returncode}: {(data / 'server.log').read_text()[-3000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"{name} did not accept connections within {wait_s:.0f} s")
-            time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-
-
 @pytest.fixture(scope="session")
 def milvus_lite_server(tmp_path_factory):
     """A real ``milvus-lite server`` on a free 127.0.0.1 port for the session; yields its URI."""
     import shutil
     import sys
+
+    from components.adapters.loopback import start_server
 
     exe = Path(sys.executable).with_name("milvus-lite")
     exe = str(exe) if exe.is_file() else shutil.which("milvus-lite")
@@ -365,7 +335,9 @@ def milvus_lite_server(tmp_path_factory):
     data = tmp_path_factory.mktemp("milvus-lite-server")
     port = free_loopback_port()
     argv = [exe, "server", "--data-dir", str(data / "data"), "--host", "127.0.0.1", "--port", str(port)]
-    yield from _loopback_server(argv, port, data, "milvus-lite server", wait_s=60)
+    server = start_server(argv, data, port, name="milvus-lite server", wait_s=60)
+    yield server.uri
+    server.stop()
 
 
 @pytest.fixture(scope="session")

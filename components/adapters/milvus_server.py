@@ -21,17 +21,18 @@ import os
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.adapters.loopback import ServerStartError, wait_until_ready
+
 CLONE_NEWNET = 0x40000000
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-class MilvusServerError(RuntimeError):
+class MilvusServerError(ServerStartError):
     """The Milvus server cannot be started here; the message says why and what to do."""
 
 
@@ -240,17 +241,15 @@ def start(
             preexec_fn=_die_with_parent,
         )
     server = MilvusStandalone(data, process, port, health, graceful_stop_s)
-    deadline = time.monotonic() + wait_s
-    while not server.healthy():
-        if process.poll() is not None:
-            raise MilvusServerError(
-                f"Milvus exited with status {process.returncode} while starting; its log "
-                f"({data / 'logs'}):\n{server.log_tail()}"
-            )
-        if time.monotonic() > deadline:
-            server.stop()
-            raise MilvusServerError(f"Milvus was not healthy within {wait_s:.0f} s; logs in {data / 'logs'}")
-        time.sleep(0.2)
+    wait_until_ready(
+        process,
+        server.healthy,
+        name="Milvus standalone",
+        log=data / "logs" / "milvus-stdout.log",
+        stop=server.stop,
+        wait_s=wait_s,
+        error=MilvusServerError,
+    )
     return server
 
 

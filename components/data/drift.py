@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from components.state.run_dir import DRIFT_FILE, DRIFT_REPORT_FILE
+
 logger = logging.getLogger(__name__)
 
 SEVERITIES = ("none", "low", "medium", "high")
@@ -444,20 +446,20 @@ def run_drift(
         image_size = None if model_size is None else max(model_size, image_size)
     reference_samples = sample_phase(reference, sample_size, seed, image_size=image_size)
     current_samples = sample_phase(current, sample_size, seed + 1, image_size=image_size)
-    summary = compute_drift(reference_samples, current_samples, bundle, out_dir / "drift_report.html")
+    summary = compute_drift(reference_samples, current_samples, bundle, out_dir / DRIFT_REPORT_FILE)
     summary.update(
         {
             "schema_version": 1,
             "reference": {"shards": _describe(reference), "samples": len(reference_samples)},
             "current": {"shards": _describe(current), "samples": len(current_samples)},
             "production_model": str(production_checkpoint) if production_checkpoint else None,
-            "html_report": "drift_report.html",
+            "html_report": DRIFT_REPORT_FILE,
             "severity_bands": {k: list(v) for k, v in SEVERITY_BANDS.items()},
             "noise_splits": NOISE_SPLITS,
         }
     )
-    schemas.validate(summary, "drift_summary", source=str(out_dir / "drift.json"))
-    write_json_atomic(out_dir / "drift.json", summary)
+    schemas.validate(summary, "drift_summary", source=str(out_dir / DRIFT_FILE))
+    write_json_atomic(out_dir / DRIFT_FILE, summary)
     logger.info(
         "drift severity %s; drifted: %s", summary["severity"], ", ".join(summary["drifted"]) or "none"
     )

@@ -17,6 +17,7 @@ from components.gate.checks import (
     load_report,
 )
 from components.gate.policy import GatePolicy, PolicyError, load_gate_policy
+from components.state.run_dir import GATE_FILE
 
 
 @dataclass
@@ -61,7 +62,7 @@ class GateDecision:
 
         document = self.to_dict()
         schemas.validate(document, "gate_decision", source="gate decision")
-        return write_json_atomic(Path(out_dir) / "gate.json", document)
+        return write_json_atomic(Path(out_dir) / GATE_FILE, document)
 
 
 def decide(

@@ -49,8 +49,10 @@ def write_report(run_dir: str | Path, out: str | Path, fmt: str | None = None) -
 
 def write_reports(run_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
     """``report.html`` and ``report.md`` of the run, written into ``out_dir``."""
+    from components.state.run_dir import report_file_name
+
     out_dir = Path(out_dir)
-    return {fmt: write_report(run_dir, out_dir / f"report.{fmt}", fmt) for fmt in FORMATS}
+    return {fmt: write_report(run_dir, out_dir / report_file_name(fmt), fmt) for fmt in FORMATS}
 
 
 def summary(run_dir: str | Path) -> str:

@@ -7,19 +7,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from components.state.run_dir import (
+    BLOCKED_FILE,
+    COMPAT_REPORT_FILE,
+    DRIFT_FILE,
+    EXAMPLES_FILE,
+    FAILURE_FILE,
+    GATE_FILE,
+    METRICS_FILE,
+    VALIDATION_FILE,
+)
 from components.state.workspace import ROLLOUT_STATE_FILE
 
-# file name -> step directory names preferred when several files share the name
+# file name (components.state.run_dir.RunDir) -> step directory names preferred when several files share the
+# name (the step's own first, then the names of earlier versions)
 SOURCES = {
-    "validation": ("validation.json", ("validate", "validation")),
-    "drift": ("drift.json", ("drift",)),
-    "metrics": ("metrics.json", ("continual", "train", "training")),
-    "compat_report": ("compat_report.json", ("evaluate", "compat")),
-    "gate": ("gate.json", ("gate",)),
+    "validation": (VALIDATION_FILE, ("validate", "validation")),
+    "drift": (DRIFT_FILE, ("drift",)),
+    "metrics": (METRICS_FILE, ("continual", "train", "training")),
+    "compat_report": (COMPAT_REPORT_FILE, ("evaluate", "compat")),
+    "gate": (GATE_FILE, ("gate",)),
     "rollout": (ROLLOUT_STATE_FILE, ("rollout",)),
-    "examples": ("examples.json", ("rollout",)),  # retrieval examples (components.steps.examples)
-    "blocked": ("blocked.json", ()),  # written when a step stopped the run
-    "failure": ("failure.json", ()),  # written when a step raised (components.runs.record_failure)
+    "examples": (EXAMPLES_FILE, ("rollout",)),  # retrieval examples (components.steps.examples)
+    "blocked": (BLOCKED_FILE, ()),  # written when a step stopped the run
+    "failure": (FAILURE_FILE, ()),  # written when a step raised (components.runs.record_failure)
 }
 
 

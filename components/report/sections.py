@@ -14,6 +14,7 @@ from typing import Any
 
 from components.report import plots
 from components.report.inputs import RunInputs, Source
+from components.state.run_dir import GATE_FILE, RunDir
 
 
 @dataclass
@@ -114,7 +115,7 @@ def _failure_section(failure: Mapping[str, Any], run_dir: Path) -> Section:
         Note(f"Step {failure.get('step', '?')} failed: {error.get('type', 'Exception')}: {message}", "bad"),
         Note(f"What to do: {failure.get('next_action', 'see the log')}.", "warn"),
     ]
-    log = run_dir / "pipeline.log"
+    log = RunDir(run_dir).pipeline_log
     if log.is_file():
         line = locate_in_log(log, dict(failure))
         items.append(Note(f"Log: {log}" + (f", line {line}" if line else ""), "plain"))
@@ -159,7 +160,7 @@ def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
 
 
 def _gate_section(source: Source) -> Section:
-    missing = _absent(source, "gate", "Release gate", "gate.json")
+    missing = _absent(source, "gate", "Release gate", GATE_FILE)
     if missing:
         return missing
     gate = source.data or {}

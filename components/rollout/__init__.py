@@ -44,7 +44,6 @@ from components.rollout.probes import probe_metrics, recall_from_hits
 from components.rollout.rollback import rollback, rollout_of
 from components.rollout.state import load_state, save_state, status
 from components.rollout.types import (
-    DEFAULT_FRACTIONS,
     DEFAULT_KS,
     STATES,
     GalleryEncoder,
@@ -61,7 +60,6 @@ from components.rollout.types import (
 from components.serving.record import ServingError, read_serving, write_serving
 
 __all__ = [
-    "DEFAULT_FRACTIONS",
     "DEFAULT_KS",
     "STATES",
     "GalleryEncoder",

@@ -240,18 +240,11 @@ def roll_out(
     args = {"old_model": old, "new_model": new_model, "options": options, "root": str(paths.root)}
     built = import_factory(encoders)(args)
     built.recipe = {"factory": encoders, "args": args}
-    config = RolloutConfig(
+    config = RolloutConfig.from_section(
+        settings,
         new_version=new_version,
-        order=settings.order,
-        fractions=tuple(settings.fractions),
         seed=seed,
-        batch_size=settings.batch_size,
         space=space,
-        floors=dict(settings.floors),
-        probe_tolerance=settings.probe_tolerance,
-        slo_p99_factor=settings.slo.p99_factor,
-        max_items_per_s=settings.slo.max_items_per_s,
-        workers=settings.workers,
         range_tasks=range_tasks,
         query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
     )

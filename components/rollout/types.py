@@ -7,13 +7,15 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from components.serving.record import QueryEncoder
 
-DEFAULT_FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+if TYPE_CHECKING:
+    from components.deployment import RolloutSection
+
 DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
 # Rows upserted between flushes. Milvus answers a search over unflushed (growing) rows by brute force: with
 # thousands of them every query slows down several-fold (measured in benchmarks/results/backfill.md, part E),
@@ -112,29 +114,69 @@ class RolloutEncoders:
         return np.asarray(self.query_transform(q), dtype=np.float32) if self.query_transform else q
 
 
-@dataclass
-class RolloutConfig:
-    """What to roll out and how. ``query_model`` is the serving record's description of the new query
-    encoder (``version``, ``uri``, ``factory``); ``floors`` can only raise the floors the probe's old/old
-    less ``probe_tolerance`` standard errors sets (:func:`components.rollout.plan.probe_floors`)."""
+# RolloutConfig's fields that are the deployment's ``rollout`` settings, by their section path: the section
+# owns their defaults and descriptions (:meth:`RolloutConfig.from_section` maps every one of them).
+SECTION_FIELDS: dict[str, str] = {
+    "order": "order",
+    "fractions": "fractions",
+    "batch_size": "batch_size",
+    "workers": "workers",
+    "floors": "floors",
+    "probe_tolerance": "probe_tolerance",
+    "slo_p99_factor": "slo.p99_factor",
+    "max_items_per_s": "slo.max_items_per_s",
+}
 
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """What to roll out and how: the deployment's ``rollout`` section (:meth:`from_section`; its fields have
+    no default here, the section owns them) and the run's own settings. ``query_model`` is the serving
+    record's description of the new query encoder (``version``, ``uri``, ``factory``); ``floors`` can only
+    raise the floors the probe's old/old less ``probe_tolerance`` standard errors sets
+    (:func:`components.rollout.plan.probe_floors`)."""
+
+    # the deployment's rollout section (SECTION_FIELDS)
+    order: str  # the backfill order, one of compat.backfill.ORDERS
+    fractions: tuple[float, ...]
+    batch_size: int
+    workers: int  # processes a backfill stage's rank ranges are re-embedded by (1: this process)
+    floors: dict[str, float]
+    probe_tolerance: float  # standard errors a stage's probe may fall below old/old
+    slo_p99_factor: float | None  # query p99 the backfill may cause, x idle (None: unpaced)
+    max_items_per_s: float | None  # a cap on the backfill rate (all workers together)
+    # the run's own
     new_version: str
     query_model: dict[str, Any] = field(default_factory=dict)
     space: str | None = None
-    order: str = "random"  # the backfill order (config rollout.order), one of compat.backfill.ORDERS
-    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     seed: int = 0
-    batch_size: int = 256
+    range_tasks: bool = False  # the ranges are run by pipeline tasks: run() returns while any is pending
+    # the engine's own (no config key)
     ks: tuple[int, ...] = DEFAULT_KS
-    floors: dict[str, float] = field(default_factory=dict)
-    probe_tolerance: float = 1.0  # standard errors a stage's probe may fall below old/old
     n_clusters: int | None = None
     flush_rows: int = DEFAULT_FLUSH_ROWS  # rows written between flushes (0: at stage ends only)
     prefetch: int = 2  # batches read and encoded ahead of the upserts (past a stage's end too)
-    slo_p99_factor: float | None = None  # query p99 the backfill may cause, x idle (None: unpaced)
-    max_items_per_s: float | None = None  # a cap on the backfill rate (all workers together)
-    workers: int = 1  # processes a backfill stage's rank ranges are re-embedded by (1: this process)
-    range_tasks: bool = False  # the ranges are run by pipeline tasks: run() returns while any is pending
+
+    @classmethod
+    def from_section(cls, section: RolloutSection, **fields: Any) -> RolloutConfig:
+        """The deployment's ``rollout`` section (every field, :data:`SECTION_FIELDS`), then ``fields``: the
+        run's own (``new_version``, ``query_model``, ``space``, ``seed``, ``range_tasks``), the engine's
+        (``ks``, ``flush_rows``, ...) and any section setting a test or benchmark overrides by its name here
+        (``RolloutConfig.from_section(RolloutSection(), new_version="v2", order="random")``).
+
+        A section field this mapping does not know is refused (TypeError), so a new rollout setting cannot
+        be dropped on its way to the engine."""
+        values = section_values(section)
+        unmapped = sorted(values.keys() - set(SECTION_FIELDS.values()))
+        if unmapped:
+            raise TypeError(
+                f"RolloutConfig.from_section does not map rollout.{', rollout.'.join(unmapped)}: add "
+                "it to components.rollout.types.SECTION_FIELDS (and a RolloutConfig field)"
+            )
+        settings: dict[str, Any] = {name: values[path] for name, path in SECTION_FIELDS.items()}
+        settings["fractions"] = tuple(settings["fractions"])
+        settings["floors"] = dict(settings["floors"])
+        return cls(**{**settings, **fields})
 
     def __post_init__(self) -> None:
         from compat.backfill import ORDERS
@@ -218,6 +260,19 @@ class RolloutPaths:
 
     def restore_dir(self, rollout_id: str) -> Path:
         return self.work(rollout_id) / "restore"
+
+
+def section_values(section: Any, prefix: str = "") -> dict[str, Any]:
+    """A config section's values by dotted field path, nested sections flattened (``slo.p99_factor``)."""
+    from pydantic import BaseModel
+
+    values: dict[str, Any] = {}
+    for name, value in dict(section).items():
+        if isinstance(value, BaseModel):
+            values.update(section_values(value, f"{prefix}{name}."))
+        else:
+            values[f"{prefix}{name}"] = value
+    return values
 
 
 def item_ref(row: Mapping[str, Any]) -> ItemRef:

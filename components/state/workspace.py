@@ -11,7 +11,7 @@ Layout (the pipeline and every command ask :class:`Workspace` for these; no othe
     <root>/milvus/            milvus-lite data (unless an index URI is given)
     <root>/models/v<N>/       verified local copies of registered models
     <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
-    <root>/runs/<run_id>/<step>/...    per-run step outputs
+    <root>/runs/<run_id>/<step>/...    per-run step outputs, laid out by components.state.run_dir.RunDir
     <root>/serving.json       the serving record: which collection and query model answer queries
     <root>/rollout_state.json progress of the rollout in flight (written by the rollout engine)
     <root>/rollout/           the probe set and each rollout's work files (restore rows, archived states)
@@ -28,10 +28,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from components.state.run_dir import ROLLOUT_STATE_FILE, RunDir
+
 DEFAULT_ROOT = "workspace"
-# The rollout state's file name: the live one at the root, and the copies a rollout archives in its work
-# folder and a run keeps for its report.
-ROLLOUT_STATE_FILE = "rollout_state.json"
 DEFAULT_MODEL_NAME = "compatflow-clip"
 ENV_ROOT = "COMPATFLOW_WORKSPACE"
 # Folders a workspace may never be (a run writes, archives and deletes below its workspace): the root, the
@@ -285,6 +284,10 @@ class Workspace:
         if not run_id or "/" in run_id or "\\" in run_id or run_id in {".", ".."}:
             raise ValueError(f"invalid run id {run_id!r}: use a plain name without path separators")
         return self.runs_dir / run_id
+
+    def run(self, run_id: str) -> RunDir:
+        """The layout of run ``run_id``'s folder (:meth:`run_dir`)."""
+        return RunDir(self.run_dir(run_id))
 
     def run_ids(self) -> list[str]:
         """Run ids present in the workspace, oldest first (by directory modification time)."""

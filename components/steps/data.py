@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from components.deployment import Deployment
+from components.state.run_dir import DRIFT_FILE, DRIFT_REPORT_FILE, VALIDATION_FILE, RunDir
 from components.state.workspace import Workspace
 from components.steps.base import Config, copy_summaries, step
 
@@ -55,8 +56,8 @@ def validate_step(
         kept = {split: split_accepted_paths(result, split) for split in others}
         keep_validated(Workspace.of(deployment), phase, result.accepted_paths, kept)
     summary_path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(out_dir / "validation.json", summary_path)
-    copy_summaries(out_dir, run_dir / "validate", ("validation.json",))
+    shutil.copyfile(out_dir / VALIDATION_FILE, summary_path)
+    copy_summaries(out_dir, RunDir(run_dir).validation_summary.parent, (VALIDATION_FILE,))
     return document
 
 
@@ -79,7 +80,7 @@ def drift_step(
     from components.data.drift import run_drift
 
     settings = deployment.drift
-    stage_dir = run_dir / "drift"
+    stage_dir = RunDir(run_dir).drift_dir
     result = run_drift(
         reference_shards,
         accepted_shards(validated_dir),
@@ -87,7 +88,7 @@ def drift_step(
         production_checkpoint=Path(production) if production and settings.embeddings else None,
         sample_size=settings.sample_size,
     )
-    for path, name in ((html_path, "drift_report.html"), (summary_path, "drift.json")):
+    for path, name in ((html_path, DRIFT_REPORT_FILE), (summary_path, DRIFT_FILE)):
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(stage_dir / name, path)
     return str(result["severity"])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
+from components.state.run_dir import RunDir
 from components.state.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ def record_examples(workspace: Workspace, run_dir: Path, gallery_shards: list[st
     """Search :func:`example_queries` through the serving record, ``HITS`` hits each with caption and
     thumbnail, and write them to ``<run_dir>/rollout/examples.json``; returns the document (with ``error``
     instead of ``queries`` when they could not be made)."""
-    from components.report.inputs import SOURCES
     from components.serving.search import search
 
     document: dict[str, Any]
@@ -47,6 +47,5 @@ def record_examples(workspace: Workspace, run_dir: Path, gallery_shards: list[st
     except Exception as exc:  # noqa: BLE001 - examples are for a person to look at, never a reason to fail
         log.warning("no retrieval examples for the report: %s", exc)
         document = {"error": f"{type(exc).__name__}: {exc}"}
-    filename, _ = SOURCES["examples"]  # where the on-call report reads it
-    write_json_atomic(Path(run_dir) / "rollout" / filename, document)
+    write_json_atomic(RunDir(run_dir).examples_file, document)  # where the on-call report reads it
     return document

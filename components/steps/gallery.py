@@ -8,7 +8,7 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment
-from components.runs import RUN_FILE
+from components.state.run_dir import RunDir
 from components.state.workspace import Workspace
 from components.steps.base import registry_of, step
 from components.steps.examples import record_examples
@@ -48,7 +48,7 @@ def serve_first_model_step(
     state = {"state": "completed", "model_version": version, "kind": "initial_index"}
     registry_of(deployment).promote(version, rollout_state=state)
     summary = {**record, "version": version, "promoted": True}
-    write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
+    write_json_atomic(RunDir(run_dir).rollout_summary, summary)
     record_examples(workspace, run_dir, gallery_shards)
     return summary
 
@@ -87,7 +87,7 @@ def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]
         "n_new": added["n_new"],
         "lineage_recorded": lineage.recorded,
     }
-    write_json_atomic(run_dir / "ingest" / "ingest.json", summary)
+    write_json_atomic(RunDir(run_dir).ingest_summary, summary)
     return summary
 
 
@@ -102,7 +102,6 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
     ``rejected`` and leaves ``production`` where it was.
     """
     from components.adapters.lineage import sync_from_index
-    from components.report.inputs import SOURCES
     from components.rollout import RolloutPaths, rollback
     from components.rollout.operations import open_index
 
@@ -124,15 +123,15 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         ),
         "promoted": state["state"] == "completed",
     }
+    run = RunDir(run_dir)
     if summary["promoted"]:
         registry_of(deployment).promote(version, rollout_state=state)
     else:
-        reason = state.get("halt_reason") or "see rollout/rollout.json"
+        reason = state.get("halt_reason") or f"see {run.rollout_summary.relative_to(run.path)}"
         note_blocked(run_dir, "rollout", f"rollout halted and rolled back: {reason}")
-    write_json_atomic(run_dir / "rollout" / "rollout.json", summary)
-    report_name, _ = SOURCES["rollout"]
-    write_json_atomic(run_dir / "rollout" / report_name, state)  # where the on-call report reads it
-    plan = read_json_object_or_none(run_dir / RUN_FILE) or {}
+    write_json_atomic(run.rollout_summary, summary)
+    write_json_atomic(run.rollout_state, state)  # where the on-call report reads it
+    plan = read_json_object_or_none(run.plan_file) or {}
     record_examples(workspace, run_dir, list(plan.get("gallery_shards") or []))  # what is served now
     return summary
 

@@ -7,14 +7,13 @@ from pathlib import Path
 
 from compat.io import write_json_atomic
 from components.deployment import Deployment
+from components.state.run_dir import RunDir
 from components.steps.base import Config
 
 
 def note_blocked(run_dir: Path, step: str, reason: str) -> None:
     """Record that a step stopped the run (read by the report, the outcome and ``compatflow status``)."""
-    from components.runs import BLOCKED_FILE
-
-    write_json_atomic(run_dir / BLOCKED_FILE, {"step": step, "reason": reason})
+    write_json_atomic(RunDir(run_dir).blocked_file, {"step": step, "reason": reason})
 
 
 def finish_step(
@@ -59,5 +58,5 @@ def report_step(run_dir: Path) -> dict[str, str]:
     """The on-call report (HTML + Markdown) of the run, written whatever happened before."""
     from components.report import write_reports
 
-    paths = write_reports(run_dir, run_dir / "report")
+    paths = write_reports(run_dir, RunDir(run_dir).report_dir)
     return {fmt: str(path) for fmt, path in paths.items()}

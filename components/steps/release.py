@@ -8,6 +8,7 @@ from typing import Any
 
 from compat.io import utc_now, write_json_atomic
 from components.deployment import Deployment
+from components.state.run_dir import COMPAT_REPORT_FILE, GATE_FILE, RunDir
 from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, run_params, step
 
 BOOTSTRAP_REASON = {
@@ -60,7 +61,7 @@ def evaluate_step(
         data_phase=phase,
         seed=deployment.training.seed,
     )
-    copy_summaries(out_dir, run_dir / "evaluate", ("compat_report.json",))
+    copy_summaries(out_dir, RunDir(run_dir).compat_report.parent, (COMPAT_REPORT_FILE,))
     return report
 
 
@@ -73,7 +74,7 @@ def gate_step(
 
     policy = deployment.gate.policy
     decision = run_gate(report, out_dir, policy=policy, validation=validation, drift=drift)
-    copy_summaries(out_dir, run_dir / "gate", ("gate.json",))
+    copy_summaries(out_dir, RunDir(run_dir).gate_file.parent, (GATE_FILE,))
     return decision.decision
 
 
@@ -86,7 +87,7 @@ def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
         "bootstrap": True,
         "decided_at": utc_now(),
     }
-    write_json_atomic(run_dir / "gate" / "gate.json", document)
+    write_json_atomic(RunDir(run_dir).gate_file, document)
     return document
 
 
@@ -96,19 +97,12 @@ def register_step(
 ) -> dict:
     """Log the run to MLflow and register the model as the ``candidate`` version."""
     method = "bootstrap" if bootstrap else deployment.compat.method
-    gate_path = run_dir / "gate" / "gate.json"
+    run = RunDir(run_dir)
+    gate_path = run.gate_file
     gate = json.loads(gate_path.read_text()) if gate_path.is_file() else bootstrap_gate(run_dir)
-    reports = [
-        run_dir / s / f
-        for s, f in (
-            ("validate", "validation.json"),
-            ("drift", "drift.json"),
-            ("drift", "drift_report.html"),
-            ("gate", "gate.json"),
-        )
-    ]
-    metrics = run_dir / "continual" / "metrics.json"
-    report = run_dir / "evaluate" / "compat_report.json"
+    reports = [run.validation_summary, run.drift_summary, run.drift_report, run.gate_file]
+    metrics = run.continual_metrics
+    report = run.compat_report
     info = registry_of(deployment).register_run(
         run_dir.name,
         model_dir_in(model_dir),
@@ -126,5 +120,5 @@ def register_step(
             **run_params(deployment),
         },
     )
-    write_json_atomic(run_dir / "register" / "registered.json", info)
+    write_json_atomic(run.registered_file, info)
     return info

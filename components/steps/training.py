@@ -12,6 +12,7 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment, TrainingSection
+from components.state.run_dir import METRICS_FILE, SPATIAL_DISORDER_FILE, VALIDATION_FILE, RunDir
 from components.steps.base import checkpoint_dir_of, copy_summaries, live_metrics, step
 from components.steps.data import accepted_shards
 from components.steps.ranks import launch, under_launcher
@@ -54,11 +55,11 @@ def continual_step(
             "production": production,
             "out_dir": str(out_dir),
         }
-        launch("continual", ranks, arguments, Path(run_dir) / "continual")
-        metrics = read_json_object_or_none(Path(out_dir) / "metrics.json") or {}
+        launch("continual", ranks, arguments, RunDir(run_dir).continual_dir)
+        metrics = read_json_object_or_none(Path(out_dir) / METRICS_FILE) or {}
     else:
         metrics = train_candidate(deployment, run_dir, phase, stream_dir, validated_dir, production, out_dir)
-    copy_summaries(out_dir, run_dir / "continual", ("metrics.json", "spatial_disorder.json"))
+    copy_summaries(out_dir, RunDir(run_dir).continual_dir, (METRICS_FILE, SPATIAL_DISORDER_FILE))
     return metrics
 
 
@@ -75,7 +76,7 @@ def train_candidate(
     (:mod:`components.steps.ranks`): the candidate trained, ``metrics.json`` written by rank 0 (the other
     ranks return {}), the curve logged to MLflow by rank 0 alone."""
     from compat.training import env_dist_info
-    from components.runs import replay_shards, training_dir
+    from components.runs import replay_shards
     from components.state.workspace import Workspace
     from components.training.continual import TrainingSettings, run_continual
 
@@ -108,12 +109,12 @@ def train_candidate(
             train_urls=accepted or None,
             version=f"{run_dir.name}",
             # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
-            train_dir=training_dir(run_dir),
+            train_dir=RunDir(run_dir).training_dir,
             on_step=live,
         )
     if metrics:
         metrics["budget"] = budget
-        write_json_atomic(out_dir / "metrics.json", metrics)
+        write_json_atomic(out_dir / METRICS_FILE, metrics)
     return metrics
 
 
@@ -152,7 +153,7 @@ def training_budget(training: TrainingSection, samples: int | None) -> dict[str,
 
 def _validated_count(validated_dir: str | Path) -> int | None:
     """Samples the validation step accepted (its ``validation.json``), or None when unknown."""
-    path = Path(validated_dir) / "validation.json"
+    path = Path(validated_dir) / VALIDATION_FILE
     try:
         return int(json.loads(path.read_text())["passed"])
     except (OSError, KeyError, ValueError, TypeError):
@@ -198,7 +199,7 @@ def compat_step(
         "candidate": tensors_digest(Path(candidate)),  # the weights, not the file (see tensors_digest)
         "replay_shards": replay,
     }
-    model_dir, record_path = run_dir / "compat" / "model", run_dir / "compat" / "compat_model.json"
+    model_dir, record_path = RunDir(run_dir).compat_model_dir, RunDir(run_dir).compat_record
     record = read_json_object_or_none(record_path)
     if record and record.get("key") == key and (model_dir / COMPAT_FILE).is_file():
         logger.info("compat: reusing %s (trained by an earlier attempt of this run)", model_dir)

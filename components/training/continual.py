@@ -3,7 +3,7 @@
 Methods (all in the same trainer, same schedule and data order):
 
 - ``modx``: the student starts from the production model, the frozen production model is the teacher,
-  loss = InfoNCE + alpha * Mod-X KL (alpha 20 unless given). The paper's continual method.
+  loss = InfoNCE + alpha * Mod-X KL (``training.alpha``; the paper's is 20). The paper's continual method.
 - ``finetune``: the same start, alpha = 0 (the paper's CLIP_ct, the lower baseline).
 - ``joint``: trains on the train shards of phases 0..P together, from the given start model (pass CLIP_0,
   the phase-0 model, for the paper's joint-training upper bound), alpha = 0.
@@ -21,13 +21,15 @@ Run under ``torchrun`` the step trains with DDP (every rank), evaluates and writ
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from components.state.run_dir import METRICS_FILE
+from components.state.run_dir import SPATIAL_DISORDER_FILE as SD_FILE
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -39,9 +41,6 @@ log = logging.getLogger(__name__)
 
 METHODS = ("modx", "finetune", "joint", "foundation")
 ALL_PHASES = ("joint", "foundation")  # methods that train on phases 0..P
-DEFAULT_ALPHA = 20.0
-METRICS_FILE = "metrics.json"
-SD_FILE = "spatial_disorder.json"
 MODEL_DIR = "model"
 TRAIN_DIR = "train"
 CURVE_KEYS = ("step", "loss", "contrastive", "kl", "logit_scale", "lr", "teacher_rows_kept")
@@ -131,10 +130,38 @@ def _train_urls(
     return earlier + newest
 
 
-@dataclass(frozen=True)
+# The deployment's ``training`` section field -> TrainingSettings field: every section field is here or in
+# NOT_CARRIED, so that a new training setting cannot be dropped on its way to the trainer
+# (:meth:`TrainingSettings.from_section`).
+SECTION_FIELDS: dict[str, str] = {
+    "model_config_name": "config_name",
+    "pretrained": "pretrained",
+    "weights_dir": "weights_dir",
+    "resize_mode": "resize_mode",
+    "method": "method",
+    "alpha": "alpha",
+    "replay_buffer_size": "replay_buffer_size",
+    "replay_rows": "replay_rows",
+    "steps": "steps",
+    "checkpoint_every": "checkpoint_every",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "warmup_fraction": "warmup_fraction",
+    "device": "device",
+    "seed": "seed",
+    "loader_workers": "loader_workers",
+}
+# Section fields the step uses before it builds the settings, and what they become.
+NOT_CARRIED: dict[str, str] = {
+    "epochs": "the continual step turns it into `steps` (components.steps.training.training_budget)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainingSettings:
-    """How one phase is trained: the deployment's ``training`` section plus the trainer's own settings
-    (:meth:`from_section`); the defaults are the local config's. ``selective_correction=False`` drops
+    """How one phase is trained: the deployment's ``training`` section (:meth:`from_section`; its settings
+    have no default here, the section owns them) plus the trainer's own settings. ``alpha`` is Mod-X's
+    weight (None: the method trains without one; ``modx`` needs it). ``selective_correction=False`` drops
     Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method). ``replay_buffer_size`` > 0
     (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every batch come from a
     buffer of that many pairs drawn evenly from the earlier phases' train shards -- the Mod-X paper's
@@ -142,42 +169,61 @@ class TrainingSettings:
     checkpoint or a cached open_clip tag) and ``resize_mode`` apply to the bootstrap only: CLIP_0
     fine-tunes from those weights instead of a random init (None: the model config's)."""
 
-    config_name: str = "cf-tiny"
-    method: str = "modx"
-    alpha: float | None = None
-    steps: int = 300
-    batch_size: int = 64
+    # the deployment's training section (SECTION_FIELDS)
+    config_name: str
+    method: str
+    alpha: float | None
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_fraction: float
+    checkpoint_every: int
+    seed: int
+    device: str
+    replay_buffer_size: int
+    replay_rows: int
+    pretrained: str | None
+    weights_dir: str | None  # where a pretrained tag is looked up first (``<dir>/<ARCH>/<TAG>/``)
+    resize_mode: str | None
+    loader_workers: int  # processes decoding (and transforming) training images; 0: this process
+    # the trainer's own (no config key)
     accum_steps: int = 1
-    lr: float = 5e-4
     weight_decay: float = 0.2
-    warmup_fraction: float = 0.2
     precision: str = "auto"
-    checkpoint_every: int = 50
-    seed: int = 0
-    device: str = "auto"
     eval_batch_size: int = 256
     selective_correction: bool = True
-    replay_buffer_size: int = 0
-    replay_rows: int = 0
-    pretrained: str | None = None
-    weights_dir: str | None = None  # where a pretrained tag is looked up first (``<dir>/<ARCH>/<TAG>/``)
-    resize_mode: str | None = None
-    loader_workers: int = 0  # processes decoding (and transforming) training images; 0: this process
 
     @classmethod
-    def from_section(cls, training: Any) -> TrainingSettings:
+    def from_section(cls, training: Any, **fields: Any) -> TrainingSettings:
         """The settings a deployment's ``training`` section (:class:`components.deployment.TrainingSection`)
-        names; the trainer's own settings (precision, weight decay, ...) keep their defaults."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {("config_name" if k == "model_config_name" else k): v for k, v in dict(training).items()}
-        return cls(**{k: v for k, v in values.items() if k in names})
+        names, every field mapped (:data:`SECTION_FIELDS`, :data:`NOT_CARRIED`), then ``fields``: the
+        trainer's own settings and any setting a caller (a command's option, a test) overrides
+        (``TrainingSettings.from_section(TrainingSection(), steps=4)``).
+
+        ``alpha`` is carried for ``modx`` only (every other method trains with alpha 0, and an alpha given
+        to it is refused by :func:`run_continual`). A section field this mapping does not know is refused
+        (TypeError): add it to :data:`SECTION_FIELDS` or :data:`NOT_CARRIED`."""
+        values = dict(training)
+        unmapped = sorted(values.keys() - SECTION_FIELDS.keys() - NOT_CARRIED.keys())
+        if unmapped:
+            raise TypeError(
+                f"TrainingSettings.from_section does not map training.{', training.'.join(unmapped)}: add "
+                "it to SECTION_FIELDS or NOT_CARRIED in components.training.continual"
+            )
+        missing = sorted(SECTION_FIELDS.keys() - values.keys())
+        if missing:
+            raise TypeError(f"not a training section: no {', '.join(missing)}")
+        settings = {**{name: values[key] for key, name in SECTION_FIELDS.items()}, **fields}
+        if settings["method"] != "modx" and "alpha" not in fields:
+            settings["alpha"] = None
+        return cls(**settings)
 
 
 def run_continual(
     stream: str | Path,
     phase: int,
     out_dir: str | Path,
-    settings: TrainingSettings = TrainingSettings(),  # noqa: B008 - frozen, never mutated
+    settings: TrainingSettings,
     *,
     production: str | Path | None = None,
     train_urls: Sequence[str] | None = None,
@@ -302,7 +348,7 @@ def _plan_line(settings: TrainingSettings, method: str, alpha: float, urls: list
 
 def _method_and_alpha(settings: TrainingSettings, *, bootstrap: bool) -> tuple[str, float]:
     """The method a run trains with and its Mod-X weight: phase 0 trains CLIP_0 (``clip0``, alpha 0);
-    ``modx`` takes its alpha (default :data:`DEFAULT_ALPHA`), every other method trains with alpha 0."""
+    ``modx`` takes its alpha (``training.alpha``), every other method trains with alpha 0."""
     if bootstrap:
         return "clip0", 0.0
     method, alpha = settings.method, settings.alpha
@@ -310,7 +356,9 @@ def _method_and_alpha(settings: TrainingSettings, *, bootstrap: bool) -> tuple[s
         if alpha not in (None, 0, 0.0):
             raise ContinualError(f"--alpha {alpha} applies to modx only; {method} trains with alpha = 0")
         return method, 0.0
-    return method, DEFAULT_ALPHA if alpha is None else float(alpha)
+    if alpha is None:
+        raise ContinualError("modx needs its Mod-X weight: set training.alpha (--alpha)")
+    return method, float(alpha)
 
 
 def _device(device: str, dist: Any) -> str:

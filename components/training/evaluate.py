@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from components.state.run_dir import COMPAT_REPORT_FILE as REPORT_FILE
+
 log = logging.getLogger(__name__)
-REPORT_FILE = "compat_report.json"
 
 
 def model_ref(path: str | Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ def drift(
 ) -> None:
     """Write a drift report (HTML) and a JSON summary with a verdict and severity per signal."""
     from components.data.drift import run_drift
+    from components.state.run_dir import DRIFT_REPORT_FILE
     from pipelines.commands._common import fail
 
     try:
@@ -34,7 +35,7 @@ def drift(
         typer.echo(
             f"  {name:<22} {verdict['method']:<13} {verdict['score']:8.3f}  {verdict['severity']:<6} {flag}"
         )
-    typer.echo(f"report: {out / 'drift_report.html'}")
+    typer.echo(f"report: {out / DRIFT_REPORT_FILE}")
 
 
 def register(app: typer.Typer) -> None:

@@ -24,6 +24,7 @@ def gate(
 ) -> None:
     """Decide pass or block for a candidate; writes OUT/gate.json. Fails closed."""
     from components.gate import block_decision, run_gate
+    from components.state.run_dir import GATE_FILE
     from pipelines.commands._common import echo_json
 
     if report is None or out is None:
@@ -41,7 +42,7 @@ def gate(
     if as_json:
         echo_json(decision.to_dict())
     else:
-        typer.echo(f"gate: {decision.decision.upper()}  ({out / 'gate.json'})")
+        typer.echo(f"gate: {decision.decision.upper()}  ({out / GATE_FILE})")
         for reason in decision.reasons:
             typer.echo(f"  - [{reason['code']}] {reason['message']}")
     if any(r["code"] == "gate_error" for r in decision.reasons):

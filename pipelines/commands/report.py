@@ -29,6 +29,7 @@ def report(
     """Write the on-call report of RUN (validation, drift, training, compatibility, gate, rollout) and print
     its path and a summary."""
     from components.report import FORMATS, render, summary, write_report, write_reports
+    from components.state.run_dir import RunDir
     from pipelines.commands._common import fail, workspace_of
 
     if fmt is not None and fmt not in FORMATS:
@@ -54,7 +55,7 @@ def report(
     if out is not None:
         written = write_report(run_dir, out, fmt)
     else:
-        written = write_reports(run_dir, run_dir / "report")["html"]
+        written = write_reports(run_dir, RunDir(run_dir).report_dir)["html"]
     sys.stdout.write(summary(run_dir))
     typer.echo(f"report: {written}")
 

@@ -7,7 +7,11 @@ from typing import Annotated
 
 import typer
 
+from components.deployment import TrainingSection
 from pipelines.commands._common import echo_json, fail
+
+# An option left out takes the config's default (the ``training`` section's), as the pipeline's step would.
+DEFAULT = TrainingSection()
 
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
@@ -24,24 +28,32 @@ def continual(
         ),
     ] = None,
     config: Annotated[
-        str | None, typer.Option("--config", help="Model config for CLIP_0 (phase 0; default cf-tiny).")
+        str | None,
+        typer.Option(
+            "--config", help=f"Model config for CLIP_0 (phase 0; default {DEFAULT.model_config_name})."
+        ),
     ] = None,
     method: Annotated[
-        str | None, typer.Option("--method", help="modx | finetune | joint (default modx).")
+        str | None, typer.Option("--method", help=f"modx | finetune | joint (default {DEFAULT.method}).")
     ] = None,
     alpha: Annotated[
-        float | None, typer.Option("--alpha", min=0.0, help="Mod-X KL weight (default 20).")
+        float | None, typer.Option("--alpha", min=0.0, help=f"Mod-X KL weight (default {DEFAULT.alpha:g}).")
     ] = None,
     steps: Annotated[
-        int | None, typer.Option("--steps", min=1, help="Optimizer steps (default 300).")
+        int | None, typer.Option("--steps", min=1, help=f"Optimizer steps (default {DEFAULT.steps}).")
     ] = None,
     batch_size: Annotated[
-        int | None, typer.Option("--batch-size", min=2, help="Global contrastive batch B (default 64).")
+        int | None,
+        typer.Option(
+            "--batch-size", min=2, help=f"Global contrastive batch B (default {DEFAULT.batch_size})."
+        ),
     ] = None,
     accum_steps: Annotated[
         int | None, typer.Option("--accum-steps", min=1, help="Micro-batches per step.")
     ] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate (default 5e-4).")] = None,
+    lr: Annotated[
+        float | None, typer.Option("--lr", help=f"Peak learning rate (default {DEFAULT.lr:g}).")
+    ] = None,
     weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
     warmup_fraction: Annotated[float | None, typer.Option("--warmup-fraction", min=0.0, max=1.0)] = None,
     precision: Annotated[str | None, typer.Option("--precision", help="auto | fp32 | bf16 | fp16.")] = None,
@@ -55,7 +67,8 @@ def continual(
         typer.Option(
             "--loader-workers",
             min=0,
-            help="Processes decoding training images, in order (default 0: this process).",
+            help=f"Processes decoding training images, in order (default {DEFAULT.loader_workers}; 0: this "
+            "process).",
         ),
     ] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda.")] = None,
@@ -78,7 +91,7 @@ def continual(
     from compat.data.synth import StreamError
     from compat.models import CheckpointError
     from compat.training import ResumeError
-    from components.training.continual import ContinualError, TrainingSettings, run_continual
+    from components.training.continual import METRICS_FILE, ContinualError, TrainingSettings, run_continual
 
     try:
         given = {
@@ -97,7 +110,7 @@ def continual(
             "device": device,
             "loader_workers": loader_workers,
         }
-        settings = TrainingSettings(**{k: v for k, v in given.items() if v is not None})
+        settings = TrainingSettings.from_section(DEFAULT, **{k: v for k, v in given.items() if v is not None})
         doc = run_continual(
             stream,
             phase,
@@ -127,7 +140,7 @@ def continual(
             "domain": doc["domain"],
             "method": doc["method"],
             "model": doc["candidate"]["path"],
-            "metrics": str(out / "metrics.json"),
+            "metrics": str(out / METRICS_FILE),
             "r1": {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()},
         }
     )

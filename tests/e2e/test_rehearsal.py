@@ -108,9 +108,10 @@ def test_the_run_resubmitted_skips_its_cached_steps_and_fans_its_backfill_out(re
     tasks = _tasks(step.log)
     assert not {"validate-op", "drift-op", "continual-op", "compat-op"} & set(tasks), tasks
     assert {"plan-op", "evaluate-op", "gate-op"} <= set(tasks), tasks
-    # rollout.workers 2, fractions [0.5, 1.0], batches of 8: two rank-range tasks per stage of 16 items
-    assert sum(t.startswith("rollout-range-op") for t in tasks) == 4
-    assert sum(t.startswith("rollout-ranges-op") for t in tasks) == 3
+    # rollout.workers 2, fractions [1.0], batches of 8: the stage's 32 items in two rank-range tasks, between
+    # the ranges task that hands them out and the one that probes the stage
+    assert sum(t.startswith("rollout-range-op") for t in tasks) == 2
+    assert sum(t.startswith("rollout-ranges-op") for t in tasks) == 2
     assert tasks[-1] == "finish-op"
 
 

@@ -13,6 +13,7 @@ from _rollouts import OPTS, PROBE, UPGRADE, N, _index_old, _vectors
 
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
+from components.deployment import RolloutSection
 
 
 def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, request) -> None:
@@ -32,7 +33,9 @@ def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, 
     query_model = {"factory": f"{MODULE}:synthetic_query_encoder", "options": OPTS, "side": "new"}
     with GalleryIndex(lite) as index:
         _index_old(paths, index)
-        config = ro.RolloutConfig(new_version="v2", query_model=query_model, batch_size=64)
+        config = ro.RolloutConfig.from_section(
+            RolloutSection(), new_version="v2", query_model=query_model, batch_size=64, order="random"
+        )
         assert ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE)[
             "state"
         ] == ("completed")

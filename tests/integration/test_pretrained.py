@@ -134,6 +134,7 @@ def _shard(path: Path, prefix: str, n: int) -> str:
 
 def test_bootstrap_starts_from_the_pretrained_weights(written, tmp_path):
     from compat.data.manifest import add_phase
+    from components.deployment import TrainingSection
     from components.training.continual import TrainingSettings, run_continual
 
     root, _, state = written
@@ -148,7 +149,8 @@ def test_bootstrap_starts_from_the_pretrained_weights(written, tmp_path):
         "shapes",
     )
     out = tmp_path / "continual"
-    settings = TrainingSettings(
+    settings = TrainingSettings.from_section(
+        TrainingSection(),
         config_name="cf-tiny",
         steps=1,
         batch_size=4,

@@ -10,6 +10,7 @@ from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
 from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
+from components.deployment import RolloutSection
 from components.rollout import read_serving
 from components.rollout.production_rollback import on_rollback
 
@@ -25,7 +26,9 @@ class _Died(Exception):
 
 def _config(version: str) -> ro.RolloutConfig:
     query_model = {"factory": f"{SYNTH_MODULE}:synthetic_query_encoder", "options": OPTS, "side": "new"}
-    return ro.RolloutConfig(new_version=version, query_model=query_model, batch_size=32)
+    return ro.RolloutConfig.from_section(
+        RolloutSection(), new_version=version, query_model=query_model, batch_size=32, order="random"
+    )
 
 
 def _dying_encoders(at_call: int) -> ro.RolloutEncoders:

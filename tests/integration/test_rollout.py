@@ -23,6 +23,7 @@ import schemas
 from benchmarks.synthetic_upgrade import synthetic_encoders
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
+from components.deployment import RolloutSection
 from components.rollout import engine, read_serving
 from components.rollout.plan import probe_margin
 from components.rollout.state import load_rows, saved_batches, stage_batches
@@ -32,8 +33,12 @@ from components.serving.search import Searcher
 
 def _config(**kw) -> ro.RolloutConfig:
     kw.setdefault("batch_size", 32)
-    return ro.RolloutConfig(
-        new_version="v2", query_model={"factory": SYNTH_QUERY, "options": OPTS, "side": "new"}, **kw
+    kw.setdefault("order", "random")
+    return ro.RolloutConfig.from_section(
+        RolloutSection(),
+        new_version="v2",
+        query_model={"factory": SYNTH_QUERY, "options": OPTS, "side": "new"},
+        **kw,
     )
 
 

@@ -26,6 +26,7 @@ from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from compat.backfill import order_digest
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
+from components.deployment import RolloutSection
 from components.rollout import order as order_mod
 from components.rollout import plan, workers
 from components.rollout.order import OrderError, RankedOrder, Spill, build_order, hash_ids
@@ -127,7 +128,9 @@ def _index_old(paths: ro.RolloutPaths, index: GalleryIndex) -> None:
 
 def _config(**kw) -> ro.RolloutConfig:
     kw.setdefault("batch_size", 32)
-    return ro.RolloutConfig(
+    kw.setdefault("order", "random")
+    return ro.RolloutConfig.from_section(
+        RolloutSection(),
         new_version="v2",
         query_model={"factory": f"{SYNTH_MODULE}:synthetic_query_encoder", "options": OPTS, "side": "new"},
         **kw,

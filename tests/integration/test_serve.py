@@ -26,6 +26,7 @@ from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
 from compat.io import free_loopback_port
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
+from components.deployment import RolloutSection
 
 N, Q, SEED, K = 400, 200, 3, 5  # the geometry the rollout tests complete with
 OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
@@ -167,8 +168,12 @@ def service(gallery, tmp_path):
 
 def _config(options: dict[str, str], **kw) -> ro.RolloutConfig:
     kw.setdefault("batch_size", 32)
-    return ro.RolloutConfig(
-        new_version="v2", query_model={"factory": SYNTH_QUERY, "options": options, "side": "new"}, **kw
+    kw.setdefault("order", "random")
+    return ro.RolloutConfig.from_section(
+        RolloutSection(),
+        new_version="v2",
+        query_model={"factory": SYNTH_QUERY, "options": options, "side": "new"},
+        **kw,
     )
 
 

@@ -6,12 +6,17 @@ import json
 
 import pytest
 
+from components.deployment import TrainingSection
 from components.training.continual import ContinualError, TrainingSettings, run_continual
+
+TINY = {"steps": 4, "batch_size": 8, "checkpoint_every": 2, "device": "cpu", "eval_batch_size": 64}
 
 
 def _settings(**kw) -> TrainingSettings:
-    """Tiny training runs: a few steps of small batches on the CPU."""
-    return TrainingSettings(steps=4, batch_size=8, checkpoint_every=2, device="cpu", eval_batch_size=64, **kw)
+    """Tiny training runs: a few steps of small batches on the CPU; Mod-X at the paper's alpha 20, no replay
+    buffer unless given."""
+    defaults = {**TINY, "replay_buffer_size": 0, "replay_rows": 0}
+    return TrainingSettings.from_section(TrainingSection(alpha=20.0), **{**defaults, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,8 @@ def test_changes_are_checked_like_a_loaded_config():
         Deployment.parse(["not", "a", "mapping"], source="x.yaml")
 
 
-# Workspace-level names only components/state/workspace.py may spell (the grep the layout promise rests on).
+# Workspace-level names only components/state/ (the workspace and its run folders) may spell (the grep the
+# layout promise rests on).
 WORKSPACE_NAMES = re.compile(
     r"""["'/](rollout_state\.json|serving\.json|state\.json|mlflow\.db|gallery\.db|probe\.json|validated|"""
     r"""\.compatflow(\.steps)?\.lock|mlartifacts)["'/]|["']feast["']|["']services["']|/ ?["']models["']"""
@@ -96,7 +97,7 @@ def test_no_module_but_the_workspace_spells_a_workspace_location():
     offenders = []
     for package in ("components", "pipelines"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path == ROOT / "components" / "state" / "workspace.py":
+            if path.parent == ROOT / "components" / "state":  # the workspace and its run folders
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]
@@ -109,3 +110,73 @@ def test_the_workspace_grep_sees_a_planted_path(tmp_path):
     assert WORKSPACE_NAMES.search('path = root / "serving.json"')
     assert WORKSPACE_NAMES.search("ws / 'feast'")
     assert not WORKSPACE_NAMES.search("path = ws.serving_path")
+
+
+# The run folder's files: only components/state/run_dir.py spells their names (its constants) or joins a name
+# onto a run folder; the others ask RunDir. Help texts and messages may name a file in prose.
+def _run_file_names() -> list[str]:
+    from components.state import run_dir, workspace
+
+    return sorted(
+        value
+        for name, value in vars(run_dir).items()
+        if name.isupper() and isinstance(value, str) and "." in value and name not in vars(workspace)
+    )
+
+
+RUN_FILE_PATH = re.compile(r"(^|/)(" + "|".join(map(re.escape, _run_file_names())) + r")$")
+
+
+def _run_dir_spellings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each string literal of code (not a docstring) that is a run file's name or a path
+    ending in one, and of each ``run_dir / "<name>"`` (``Path(run_dir) / ...`` too)."""
+    import ast
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if RUN_FILE_PATH.search(node.value):
+                found.append((node.lineno, node.value))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            left = node.left.args[0] if isinstance(node.left, ast.Call) and node.left.args else node.left
+            if (
+                isinstance(left, ast.Name)
+                and left.id == "run_dir"
+                and isinstance(node.right, ast.Constant | ast.JoinedStr)
+            ):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_no_module_but_the_run_dir_spells_a_run_file():
+    offenders = []
+    for package in ("components", "pipelines"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            if relative == "components/state/run_dir.py":
+                continue
+            offenders += [f"{relative}:{n}: {text}" for n, text in _run_dir_spellings(path.read_text())]
+    assert not offenders, "ask components.state.run_dir.RunDir (or its constants) instead:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_run_dir_grep_sees_a_planted_spelling():
+    assert {"gate.json", "run.json", "pipeline.log", "drift_report.html"} <= set(_run_file_names())
+    planted = '''
+def f(run_dir, out):
+    """Reads ``gate.json`` (prose in a docstring is fine)."""
+    a = run_dir / "gate" / GATE_FILE
+    b = Path(run_dir) / "usage"
+    c = out / "metrics.json"
+    d = runs.glob(f"*/**/outcome.json")
+    e = run.gate_file
+    f = "see gate.json for why"
+'''
+    assert [line for line, _ in _run_dir_spellings(planted)] == [4, 5, 6, 7]

@@ -118,3 +118,65 @@ def test_training_budget_by_steps_or_epochs_warns_when_a_small_phase_repeats():
     )
     training = next(s for s in build(inputs) if s.key == "training")
     assert training.status == "warning" and "memorise" in training.items[0].text
+
+
+def test_a_run_dirs_files_are_where_existing_workspaces_keep_them(tmp_path):
+    """RunDir names the paths runs have always written: a workspace from before it keeps working."""
+    from components.state.run_dir import RunDir
+
+    run = Workspace(tmp_path / "ws").run("phase-00-x")
+    root = tmp_path / "ws" / "runs" / "phase-00-x"
+    assert run == RunDir(root) == RunDir.coerce(str(root)) and run.run_id == "phase-00-x"
+    assert {
+        "plan": run.plan_file,
+        "outcome": run.outcome_file,
+        "failure": run.failure_file,
+        "blocked": run.blocked_file,
+        "log": run.pipeline_log,
+        "usage": run.usage_file("gate"),
+        "attempt": run.attempt_dir(2),
+        "validation": run.validation_summary,
+        "drift": run.drift_summary,
+        "drift_html": run.drift_report,
+        "metrics": run.continual_metrics,
+        "train": run.training_dir,
+        "compat_model": run.compat_model_dir,
+        "compat_record": run.compat_record,
+        "compat_report": run.compat_report,
+        "gate": run.gate_file,
+        "registered": run.registered_file,
+        "ingest": run.ingest_summary,
+        "rollout": run.rollout_summary,
+        "rollout_state": run.rollout_state,
+        "examples": run.examples_file,
+        "report": run.report_file("md"),
+    } == {
+        key: root / rel
+        for key, rel in {
+            "plan": "run.json",
+            "outcome": "outcome.json",
+            "failure": "failure.json",
+            "blocked": "blocked.json",
+            "log": "pipeline.log",
+            "usage": "usage/step-gate.json",
+            "attempt": "attempts/2",
+            "validation": "validate/validation.json",
+            "drift": "drift/drift.json",
+            "drift_html": "drift/drift_report.html",
+            "metrics": "continual/metrics.json",
+            "train": "continual/train",
+            "compat_model": "compat/model",
+            "compat_record": "compat/compat_model.json",
+            "compat_report": "evaluate/compat_report.json",
+            "gate": "gate/gate.json",
+            "registered": "register/registered.json",
+            "ingest": "ingest/ingest.json",
+            "rollout": "rollout/rollout.json",
+            "rollout_state": "rollout/rollout_state.json",
+            "examples": "rollout/examples.json",
+            "report": "report/report.md",
+        }.items()
+    }
+    assert not root.exists()  # naming a path creates nothing
+    with pytest.raises(ValueError, match="invalid run id"):
+        Workspace(tmp_path / "ws").run("../elsewhere")

@@ -31,11 +31,11 @@ from components.data.validation.quarantine import (
     remove_stale_outputs,
 )
 from components.data.validation.shard_reader import SampleGroup, ShardReader
+from components.state.run_dir import VALIDATION_FILE as SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 
-SUMMARY_FILE = "validation.json"
-STAGE_VERSION = 4  # bump when a check changes meaning: earlier summaries are then recomputed
+CHECKS_VERSION = 4  # bump when a check changes meaning: earlier summaries are then recomputed
 TRANSPARENT_KEYS_LISTED = 20  # keys of accepted pictures stored with transparency named in the summary
 
 
@@ -420,7 +420,7 @@ def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:
     digest = hashlib.sha256()
     inputs = [[s.name, s.url, s.size, s.version] for s in shards]
     suites = [hashlib.sha256(suite_path(n).read_bytes()).hexdigest() for n in ("samples", "phase")]
-    digest.update(json.dumps([STAGE_VERSION, inputs, policy.to_dict(), suites], sort_keys=True).encode())
+    digest.update(json.dumps([CHECKS_VERSION, inputs, policy.to_dict(), suites], sort_keys=True).encode())
     return digest.hexdigest()
 
 

@@ -1,0 +1,227 @@
+"""The layout of one run's folder, ``<workspace>/runs/<run_id>/``: :class:`RunDir` names every file and step
+folder a run holds, and the module's constants spell each file name once (a test greps the other modules).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# The run's own files, at the top of its folder.
+RUN_FILE = "run.json"
+# The rollout state's file name: the live one at the workspace root (Workspace.rollout_state_path), the
+# copies a rollout archives in its work folder and the one a run keeps for its report.
+ROLLOUT_STATE_FILE = "rollout_state.json"
+OUTCOME_FILE = "outcome.json"
+FAILURE_FILE = "failure.json"
+BLOCKED_FILE = "blocked.json"
+PIPELINE_LOG = "pipeline.log"
+USAGE_DIR = "usage"  # step-<name>.json per step: what it cost; no other file's name
+ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
+
+# What the steps write, in their own folder of the run and in their output artifacts alike.
+VALIDATION_FILE = "validation.json"
+DRIFT_FILE = "drift.json"
+DRIFT_REPORT_FILE = "drift_report.html"
+METRICS_FILE = "metrics.json"
+SPATIAL_DISORDER_FILE = "spatial_disorder.json"
+COMPAT_RECORD_FILE = "compat_model.json"
+COMPAT_REPORT_FILE = "compat_report.json"
+GATE_FILE = "gate.json"
+REGISTERED_FILE = "registered.json"
+INGEST_FILE = "ingest.json"
+ROLLOUT_FILE = "rollout.json"
+EXAMPLES_FILE = "examples.json"
+
+
+def report_file_name(fmt: str) -> str:
+    """``report.<fmt>``: the on-call report's file in one format (``html``, ``md``)."""
+    return f"report.{fmt}"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run's folder; creates nothing. Each step writes into the folder named after it; who writes what:
+
+    - ``run.json``: the plan (the plan step, :func:`components.runs.plan_run`);
+    - ``outcome.json``: how the run ended (the exit handler, :func:`components.runs.finish_run`);
+    - ``failure.json``: the first step that raised and what to do (any step, ``record_failure``);
+    - ``blocked.json``: the step that stopped the run (validate, gate, a halted rollout);
+    - ``pipeline.log``: every task's output (the local runner);
+    - ``usage/step-<step>.json``: what each step cost (any step, ``record_usage``);
+    - ``attempts/<n>/``: a resumed run's earlier outcome, failure and log (``plan_run``);
+    - ``validate/validation.json``: the validation summary (validate);
+    - ``drift/drift.json``, ``drift/drift_report.html``: drift summary and Evidently report (drift);
+    - ``continual/metrics.json``, ``spatial_disorder.json``, ``train/``: curve, SD, checkpoints (continual);
+    - ``compat/model/``, ``compat/compat_model.json``: the compatible model and its record (compat);
+    - ``evaluate/compat_report.json``: compatibility matrix and margins (evaluate);
+    - ``gate/gate.json``: the release decision (gate, or the first model's bootstrap record at register);
+    - ``register/registered.json``: the registered version (register);
+    - ``ingest/ingest.json``: the phase's new items indexed (ingest);
+    - ``rollout/rollout.json``, ``rollout_state.json``, ``examples.json``: the rollout, its final state and
+      retrieval examples (rollout, or the first model's indexing);
+    - ``report/report.html``, ``report/report.md``: the on-call report (the exit handler).
+    """
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @classmethod
+    def coerce(cls, value: RunDir | str | Path) -> RunDir:
+        """A :class:`RunDir` from a run dir or its path."""
+        return value if isinstance(value, RunDir) else cls(Path(value))
+
+    @property
+    def run_id(self) -> str:
+        """The run's id: its folder's name."""
+        return self.path.name
+
+    def step_dir(self, step: str) -> Path:
+        """``<run>/<step>/``: the folder a step copies its summaries into."""
+        return self.path / step
+
+    # ------------------------------------------------------------------------------------ the run's own
+    @property
+    def plan_file(self) -> Path:
+        """The run's plan: its phase, run id and shard lists."""
+        return self.path / RUN_FILE
+
+    @property
+    def outcome_file(self) -> Path:
+        """How the run ended (succeeded, blocked, rejected, failed)."""
+        return self.path / OUTCOME_FILE
+
+    @property
+    def failure_file(self) -> Path:
+        """The first step that raised, its exception and the next action."""
+        return self.path / FAILURE_FILE
+
+    @property
+    def blocked_file(self) -> Path:
+        """The step that stopped the run and why."""
+        return self.path / BLOCKED_FILE
+
+    @property
+    def pipeline_log(self) -> Path:
+        """The local runner's log of every task."""
+        return self.path / PIPELINE_LOG
+
+    @property
+    def usage_dir(self) -> Path:
+        """One usage file per step."""
+        return self.path / USAGE_DIR
+
+    def usage_file(self, step: str) -> Path:
+        """What ``step`` cost (wall and CPU seconds, peak memory)."""
+        return self.usage_dir / f"step-{step}.json"
+
+    @property
+    def usage_files(self) -> list[Path]:
+        """Every step's usage file present, in no particular order."""
+        return list(self.usage_dir.glob("step-*.json")) if self.usage_dir.is_dir() else []
+
+    @property
+    def attempts_dir(self) -> Path:
+        """Earlier attempts of a resumed run, one numbered folder each."""
+        return self.path / ATTEMPTS_DIR
+
+    def attempt_dir(self, number: int) -> Path:
+        """``attempts/<number>/``: an earlier attempt's outcome, failure and log."""
+        return self.attempts_dir / str(number)
+
+    # ------------------------------------------------------------------------------------ step outputs
+    @property
+    def validation_summary(self) -> Path:
+        """The validate step's summary."""
+        return self.step_dir("validate") / VALIDATION_FILE
+
+    @property
+    def drift_dir(self) -> Path:
+        """The drift step's working folder."""
+        return self.step_dir("drift")
+
+    @property
+    def drift_summary(self) -> Path:
+        """The drift step's summary."""
+        return self.drift_dir / DRIFT_FILE
+
+    @property
+    def drift_report(self) -> Path:
+        """The drift step's HTML report."""
+        return self.drift_dir / DRIFT_REPORT_FILE
+
+    @property
+    def continual_dir(self) -> Path:
+        """The continual step's folder (its summaries, checkpoints and rank logs)."""
+        return self.step_dir("continual")
+
+    @property
+    def continual_metrics(self) -> Path:
+        """The candidate's training metrics and curve."""
+        return self.continual_dir / METRICS_FILE
+
+    @property
+    def training_dir(self) -> Path:
+        """Resumable training checkpoints (kept while the run can resume, removed when it ends)."""
+        return self.continual_dir / "train"
+
+    @property
+    def compat_model_dir(self) -> Path:
+        """The compatible model the compat step trained."""
+        return self.step_dir("compat") / "model"
+
+    @property
+    def compat_record(self) -> Path:
+        """What trained :attr:`compat_model_dir` (reused by a resumed run with the same inputs)."""
+        return self.step_dir("compat") / COMPAT_RECORD_FILE
+
+    @property
+    def compat_report(self) -> Path:
+        """The evaluate step's compatibility report."""
+        return self.step_dir("evaluate") / COMPAT_REPORT_FILE
+
+    @property
+    def gate_file(self) -> Path:
+        """The release gate's decision."""
+        return self.step_dir("gate") / GATE_FILE
+
+    @property
+    def registered_file(self) -> Path:
+        """The registered version."""
+        return self.step_dir("register") / REGISTERED_FILE
+
+    @property
+    def ingest_summary(self) -> Path:
+        """The phase's new gallery items indexed."""
+        return self.step_dir("ingest") / INGEST_FILE
+
+    @property
+    def rollout_dir(self) -> Path:
+        """The rollout step's folder (also the first model's index)."""
+        return self.step_dir("rollout")
+
+    @property
+    def rollout_summary(self) -> Path:
+        """The rollout step's summary."""
+        return self.rollout_dir / ROLLOUT_FILE
+
+    @property
+    def rollout_state(self) -> Path:
+        """The rollout's final state, kept for the report."""
+        return self.rollout_dir / ROLLOUT_STATE_FILE
+
+    @property
+    def examples_file(self) -> Path:
+        """Retrieval examples as the gallery is served after the run."""
+        return self.rollout_dir / EXAMPLES_FILE
+
+    @property
+    def report_dir(self) -> Path:
+        """The on-call report's folder."""
+        return self.step_dir("report")
+
+    def report_file(self, fmt: str = "html") -> Path:
+        """The on-call report in ``fmt`` (``html``, ``md``)."""
+        return self.report_dir / report_file_name(fmt)
