@@ -303,7 +303,7 @@ def torchrun_command(
         f"--out={out}",
         f"--config={training.model_config_name}",
         f"--method={training.method}",
-        f"--alpha={float(training.alpha)}",
+        *([f"--alpha={float(training.alpha)}"] if training.method == "modx" else []),  # Mod-X's alone
         f"--steps={training.steps}",
         f"--batch-size={batch_size}",
         f"--lr={float(training.lr)}",

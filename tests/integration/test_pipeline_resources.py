@@ -523,6 +523,10 @@ def test_torchrun_command_parses_as_torchrun_and_the_training_command(monkeypatc
     first = resources.torchrun_command(1, stream="s", phase=0, out="o", training=shipped("local")["training"])
     params = train.make_context("continual", first[first.index("continual") + 1 :]).params
     assert params["production"] is None and params["seed"] == shipped("local")["training"]["seed"]
+    # alpha is Mod-X's weight: the trainer refuses it with another method, so the command leaves it out
+    finetune = dict(shipped("local")["training"], method="finetune")
+    command = resources.torchrun_command(1, stream="s", phase=0, out="o", training=finetune)
+    assert "--method=finetune" in command and not [a for a in command if a.startswith("--alpha")]
 
 
 @pytest.mark.parametrize(
