@@ -309,6 +309,8 @@ def torchrun_command(
         f"--lr={float(training.lr)}",
         f"--warmup-fraction={float(training.warmup_fraction)}",
         f"--seed={training.seed if seed is None else seed}",
+        f"--replay-buffer-size={training.replay_buffer_size}",
+        f"--replay-rows={training.replay_rows}",
         f"--device={training.device}",
     ]
     if production:

@@ -62,6 +62,22 @@ def continual(
         typer.Option("--checkpoint-every", min=0, help="Resumable checkpoint every N steps (0: end only)."),
     ] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
+    replay_buffer_size: Annotated[
+        int | None,
+        typer.Option(
+            "--replay-buffer-size",
+            min=0,
+            help=f"Pairs of earlier phases kept for replay (default {DEFAULT.replay_buffer_size}; 0: none).",
+        ),
+    ] = None,
+    replay_rows: Annotated[
+        int | None,
+        typer.Option(
+            "--replay-rows",
+            min=0,
+            help=f"Replayed pairs in every batch, at most batch size - 2 (default {DEFAULT.replay_rows}).",
+        ),
+    ] = None,
     loader_workers: Annotated[
         int | None,
         typer.Option(
@@ -107,6 +123,8 @@ def continual(
             "precision": precision,
             "checkpoint_every": checkpoint_every,
             "seed": seed,
+            "replay_buffer_size": replay_buffer_size,
+            "replay_rows": replay_rows,
             "device": device,
             "loader_workers": loader_workers,
         }

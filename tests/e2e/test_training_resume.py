@@ -61,6 +61,10 @@ def _command(stream: Path, production: Path, out: Path) -> list[str]:
         str(BATCH),
         "--checkpoint-every",
         "3",
+        "--replay-buffer-size",  # what is resumed exactly here is the trainer's own state
+        "0",
+        "--replay-rows",
+        "0",
         "--lr",
         "1e-3",
         "--device",

@@ -519,6 +519,10 @@ def test_torchrun_command_parses_as_torchrun_and_the_training_command(monkeypatc
         23,
     )
     assert (params["train_shard"], params["version"]) == (["/s/a.tar", "/s/b.tar"], "r")
+    assert (params["replay_buffer_size"], params["replay_rows"]) == (
+        training["replay_buffer_size"],
+        training["replay_rows"],
+    )
 
     first = resources.torchrun_command(1, stream="s", phase=0, out="o", training=shipped("local")["training"])
     params = train.make_context("continual", first[first.index("continual") + 1 :]).params
