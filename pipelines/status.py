@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from components.state.run_dir import GATE_FILE
-from components.state.workspace import DEFAULT_MODEL_NAME, ROLLOUT_STATE_FILE, Workspace
+from components.state.run_dir import GATE_FILE, ROLLOUT_STATE_FILE
+from components.state.workspace import DEFAULT_MODEL_NAME, Workspace
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from components.state.run_dir import (
     FAILURE_FILE,
     GATE_FILE,
     METRICS_FILE,
+    ROLLOUT_STATE_FILE,
     VALIDATION_FILE,
 )
-from components.state.workspace import ROLLOUT_STATE_FILE
 
 # file name (components.state.run_dir.RunDir) -> step directory names preferred when several files share the
 # name (the step's own first, then the names of earlier versions)

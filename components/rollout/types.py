@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from components.sections import mapped_settings
 from components.serving.record import QueryEncoder
 
 if TYPE_CHECKING:
@@ -166,14 +167,13 @@ class RolloutConfig:
 
         A section field this mapping does not know is refused (TypeError), so a new rollout setting cannot
         be dropped on its way to the engine."""
-        values = section_values(section)
-        unmapped = sorted(values.keys() - set(SECTION_FIELDS.values()))
-        if unmapped:
-            raise TypeError(
-                f"RolloutConfig.from_section does not map rollout.{', rollout.'.join(unmapped)}: add "
-                "it to components.rollout.types.SECTION_FIELDS (and a RolloutConfig field)"
-            )
-        settings: dict[str, Any] = {name: values[path] for name, path in SECTION_FIELDS.items()}
+        settings = mapped_settings(
+            section,
+            SECTION_FIELDS,
+            name="rollout",
+            owner="RolloutConfig.from_section",
+            table="components.rollout.types.SECTION_FIELDS (and a RolloutConfig field)",
+        )
         settings["fractions"] = tuple(settings["fractions"])
         settings["floors"] = dict(settings["floors"])
         return cls(**{**settings, **fields})
@@ -260,19 +260,6 @@ class RolloutPaths:
 
     def restore_dir(self, rollout_id: str) -> Path:
         return self.work(rollout_id) / "restore"
-
-
-def section_values(section: Any, prefix: str = "") -> dict[str, Any]:
-    """A config section's values by dotted field path, nested sections flattened (``slo.p99_factor``)."""
-    from pydantic import BaseModel
-
-    values: dict[str, Any] = {}
-    for name, value in dict(section).items():
-        if isinstance(value, BaseModel):
-            values.update(section_values(value, f"{prefix}{name}."))
-        else:
-            values[f"{prefix}{name}"] = value
-    return values
 
 
 def item_ref(row: Mapping[str, Any]) -> ItemRef:

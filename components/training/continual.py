@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from components.sections import mapped_settings
 from components.state.run_dir import METRICS_FILE
 from components.state.run_dir import SPATIAL_DISORDER_FILE as SD_FILE
 
@@ -203,17 +204,15 @@ class TrainingSettings:
         ``alpha`` is carried for ``modx`` only (every other method trains with alpha 0, and an alpha given
         to it is refused by :func:`run_continual`). A section field this mapping does not know is refused
         (TypeError): add it to :data:`SECTION_FIELDS` or :data:`NOT_CARRIED`."""
-        values = dict(training)
-        unmapped = sorted(values.keys() - SECTION_FIELDS.keys() - NOT_CARRIED.keys())
-        if unmapped:
-            raise TypeError(
-                f"TrainingSettings.from_section does not map training.{', training.'.join(unmapped)}: add "
-                "it to SECTION_FIELDS or NOT_CARRIED in components.training.continual"
-            )
-        missing = sorted(SECTION_FIELDS.keys() - values.keys())
-        if missing:
-            raise TypeError(f"not a training section: no {', '.join(missing)}")
-        settings = {**{name: values[key] for key, name in SECTION_FIELDS.items()}, **fields}
+        settings = mapped_settings(
+            training,
+            {setting: key for key, setting in SECTION_FIELDS.items()},
+            name="training",
+            owner="TrainingSettings.from_section",
+            table="SECTION_FIELDS or NOT_CARRIED in components.training.continual",
+            not_carried=NOT_CARRIED,
+        )
+        settings.update(fields)
         if settings["method"] != "modx" and "alpha" not in fields:
             settings["alpha"] = None
         return cls(**settings)

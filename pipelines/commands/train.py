@@ -7,11 +7,7 @@ from typing import Annotated
 
 import typer
 
-from components.deployment import TrainingSection
 from pipelines.commands._common import echo_json, fail
-
-# An option left out takes the config's default (the ``training`` section's), as the pipeline's step would.
-DEFAULT = TrainingSection()
 
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
@@ -29,30 +25,28 @@ def continual(
     ] = None,
     config: Annotated[
         str | None,
-        typer.Option(
-            "--config", help=f"Model config for CLIP_0 (phase 0; default {DEFAULT.model_config_name})."
-        ),
+        typer.Option("--config", help="Model config for CLIP_0 (phase 0; default: training.model_config)."),
     ] = None,
     method: Annotated[
-        str | None, typer.Option("--method", help=f"modx | finetune | joint (default {DEFAULT.method}).")
+        str | None, typer.Option("--method", help="modx | finetune | joint (default: training.method).")
     ] = None,
     alpha: Annotated[
-        float | None, typer.Option("--alpha", min=0.0, help=f"Mod-X KL weight (default {DEFAULT.alpha:g}).")
+        float | None, typer.Option("--alpha", min=0.0, help="Mod-X KL weight (default: training.alpha).")
     ] = None,
     steps: Annotated[
-        int | None, typer.Option("--steps", min=1, help=f"Optimizer steps (default {DEFAULT.steps}).")
+        int | None, typer.Option("--steps", min=1, help="Optimizer steps (default: training.steps).")
     ] = None,
     batch_size: Annotated[
         int | None,
         typer.Option(
-            "--batch-size", min=2, help=f"Global contrastive batch B (default {DEFAULT.batch_size})."
+            "--batch-size", min=2, help="Global contrastive batch B (default: training.batch_size)."
         ),
     ] = None,
     accum_steps: Annotated[
         int | None, typer.Option("--accum-steps", min=1, help="Micro-batches per step.")
     ] = None,
     lr: Annotated[
-        float | None, typer.Option("--lr", help=f"Peak learning rate (default {DEFAULT.lr:g}).")
+        float | None, typer.Option("--lr", help="Peak learning rate (default: training.lr).")
     ] = None,
     weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
     warmup_fraction: Annotated[float | None, typer.Option("--warmup-fraction", min=0.0, max=1.0)] = None,
@@ -67,7 +61,7 @@ def continual(
         typer.Option(
             "--replay-buffer-size",
             min=0,
-            help=f"Pairs of earlier phases kept for replay (default {DEFAULT.replay_buffer_size}; 0: none).",
+            help="Pairs of earlier phases kept for replay (default: training.replay_buffer_size; 0: none).",
         ),
     ] = None,
     replay_rows: Annotated[
@@ -75,7 +69,7 @@ def continual(
         typer.Option(
             "--replay-rows",
             min=0,
-            help=f"Replayed pairs in every batch, at most batch size - 2 (default {DEFAULT.replay_rows}).",
+            help="Replayed pairs in every batch, at most batch size - 2 (default: training.replay_rows).",
         ),
     ] = None,
     loader_workers: Annotated[
@@ -83,7 +77,7 @@ def continual(
         typer.Option(
             "--loader-workers",
             min=0,
-            help=f"Processes decoding training images, in order (default {DEFAULT.loader_workers}; 0: this "
+            help="Processes decoding training images, in order (default: training.loader_workers; 0: this "
             "process).",
         ),
     ] = None,
@@ -101,12 +95,14 @@ def continual(
 ) -> None:
     """Train the next model on PHASE, evaluate it on every domain so far, print the summary as JSON.
 
+    An option left out takes the config's default (the `training` section's), as the pipeline's step would.
     Resumes from OUT/train after an interruption. Under torchrun every rank trains (DDP), rank 0 writes.
     """
     from compat.data.loader import LoaderError
     from compat.data.synth import StreamError
     from compat.models import CheckpointError
     from compat.training import ResumeError
+    from components.deployment import TrainingSection
     from components.training.continual import METRICS_FILE, ContinualError, TrainingSettings, run_continual
 
     try:
@@ -128,7 +124,8 @@ def continual(
             "device": device,
             "loader_workers": loader_workers,
         }
-        settings = TrainingSettings.from_section(DEFAULT, **{k: v for k, v in given.items() if v is not None})
+        chosen = {k: v for k, v in given.items() if v is not None}
+        settings = TrainingSettings.from_section(TrainingSection(), **chosen)
         doc = run_continual(
             stream,
             phase,

@@ -9,7 +9,8 @@ import pytest
 
 from components.deployment import RolloutSection, SloSection, TrainingSection
 from components.rollout.types import SECTION_FIELDS as ROLLOUT_FIELDS
-from components.rollout.types import RolloutConfig, section_values
+from components.rollout.types import RolloutConfig
+from components.sections import section_values
 from components.training.continual import NOT_CARRIED, TrainingSettings, _train_config
 from components.training.continual import SECTION_FIELDS as TRAINING_FIELDS
 
