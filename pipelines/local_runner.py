@@ -152,6 +152,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
 
     from components.runs import plan_run, read_state
     from pipelines.compile import build_pipeline
+    from pipelines.warm_tasks import warm_task_host
 
     echo = echo or sys.stderr
     ensure_stream(deployment)
@@ -182,7 +183,11 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     log = _EchoingLog(open(log_path, "w", buffering=1), echo)
     broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(log):
+        with (
+            warm_task_host(tmp / "task-host", RunDir(run_dir).task_host_log),
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(log),
+        ):
             warnings.filterwarnings("ignore", message=".*non-Python base image.*")
             warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
             try:

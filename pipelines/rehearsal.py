@@ -5,7 +5,8 @@ What the cluster has, kept:
 - **The compiled package.** The pipeline is compiled from the cluster config
   (``pipelines/configs/cluster.yaml``, its service URIs pointed here and its sizes scaled to a CPU,
   :data:`SCALED`) and run from that YAML: ``kfp.local`` runs each task as its own process with the command of
-  the compiled spec, conditions, the exit handler and the backfill's ``ParallelFor`` fan-out
+  the compiled spec (forked from the warm task host of :mod:`pipelines.warm_tasks`, whose imports are done,
+  as every local run's tasks are), conditions, the exit handler and the backfill's ``ParallelFor`` fan-out
   (``rollout.workers`` 2) as the KFP backend does, and every parameter at its compiled default, as a recurring
   run sends it (next pending phase, the job name as run id).
 - **The services, real and of the cluster's kinds, over HTTP on loopback**: Milvus standalone (the gallery
@@ -23,7 +24,8 @@ What the cluster has, kept:
   is reachable from beyond this machine (Milvus 2.3 listens on every interface).
 
 What differs, plainly: no Kubernetes (no scheduler, pods, images, resource limits, node pools, PVC or
-ConfigMap objects: the tasks run this checkout's environment, and ``kfp.local`` honours the retry policy but
+ConfigMap objects: the tasks run this checkout's environment, forked from one process that has imported
+every step's libraries where a pod imports its own step's, and ``kfp.local`` honours the retry policy but
 not the pod settings); no KFP API server (its caching and UI; ``compatflow pipeline submit`` is tested
 against a stand-in), no Training Operator, no object store (the stream and Feast's registry are folders);
 a ``cf-tiny`` model on CPU with a few steps and a small synthetic stream; and a gate policy that passes any
@@ -600,6 +602,7 @@ def _ship_package(package: str, run_id: str = "") -> int:
     from kfp import components, local
 
     from components.state.workspace import Workspace
+    from pipelines.warm_tasks import warm_task_host
 
     workspace = Workspace()  # $COMPATFLOW_WORKSPACE, as in a pod
     warnings.filterwarnings("ignore", message=".*non-Python base image.*")
@@ -611,7 +614,8 @@ def _ship_package(package: str, run_id: str = "") -> int:
     )
     pipeline = components.load_component_from_file(package)
     try:
-        pipeline(**({"run_id": run_id} if run_id else {}))
+        with warm_task_host(workspace.tmp_dir / "task-host"):
+            pipeline(**({"run_id": run_id} if run_id else {}))
     except RuntimeError as err:
         print(f"pipeline failed: {err}", flush=True)
         return 1

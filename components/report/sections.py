@@ -549,19 +549,31 @@ def _usage_section(run_dir: Path) -> Section | None:
             _fmt(u.get("wall_s")),
             _fmt(u.get("cpu_s")),
             _fmt(u.get("peak_rss_mib")),
+            _fmt(u.get("rss_at_start_mib")) if u.get("rss_at_start_mib") is not None else "-",
             _fmt(u.get("workers_cpu_s")) if u.get("workers_cpu_s") else "-",
             _fmt(u.get("workers_peak_rss_mib")) if u.get("workers_cpu_s") else "-",
         ]
         for u in steps
     ]
     peaks = [p for p in (_num(u.get("peak_rss_mib")) for u in steps) if math.isfinite(p)]
-    headers = ["step", "outcome", "wall s", "CPU s", "peak RSS MiB", "workers CPU s", "workers peak MiB"]
+    headers = [
+        "step",
+        "outcome",
+        "wall s",
+        "CPU s",
+        "peak RSS MiB",
+        "at start MiB",
+        "workers CPU s",
+        "workers peak MiB",
+    ]
     section = Section("usage", "Resources per step", f"peak {max(peaks):.0f} MiB" if peaks else "recorded")
     section.items.append(Table(headers, rows))
     section.items.append(
         Note(
-            "Peak RSS is each step's own process (VmHWM); workers are the processes a step waited for "
-            "(the training loader's), each up to this peak: a pod's memory limit holds their sum.",
+            "Peak RSS is each step's own process (VmHWM); at start is what it held before its work (locally, "
+            "the warm task host's preloaded modules, shared with every task: a pod imports only its step's); "
+            "workers are the processes a step waited for (the training loader's), each up to this peak: a "
+            "pod's memory limit holds their sum.",
             "muted",
         )
     )

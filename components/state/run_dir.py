@@ -16,6 +16,7 @@ OUTCOME_FILE = "outcome.json"
 FAILURE_FILE = "failure.json"
 BLOCKED_FILE = "blocked.json"
 PIPELINE_LOG = "pipeline.log"
+TASK_HOST_LOG = "task-host.log"
 USAGE_DIR = "usage"  # step-<name>.json per step: what it cost; no other file's name
 ATTEMPTS_DIR = "attempts"  # earlier attempts of a resumed run: their outcome, failure and log
 
@@ -48,6 +49,7 @@ class RunDir:
     - ``failure.json``: the first step that raised and what to do (any step, ``record_failure``);
     - ``blocked.json``: the step that stopped the run (validate, gate, a halted rollout);
     - ``pipeline.log``: every task's output (the local runner);
+    - ``task-host.log``: the warm task host's preloads and the tasks it forked (the local runner);
     - ``usage/step-<step>.json``: what each step cost (any step, ``record_usage``);
     - ``attempts/<n>/``: a resumed run's earlier outcome, failure and log (``plan_run``);
     - ``validate/validation.json``: the validation summary (validate);
@@ -107,6 +109,10 @@ class RunDir:
     def pipeline_log(self) -> Path:
         """The local runner's log of every task."""
         return self.path / PIPELINE_LOG
+
+    @property
+    def task_host_log(self) -> Path:
+        return self.path / TASK_HOST_LOG
 
     @property
     def usage_dir(self) -> Path:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from compat.proc import peak_rss_mib, reset_peak
+from compat.proc import peak_rss_mib, reset_peak, status_mib
 
 
 @contextlib.contextmanager
@@ -26,9 +26,12 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Fill ``usage`` with what the ``with`` body cost: ``wall_s``, ``cpu_s`` (this process, every thread),
     ``peak_rss_mib`` (this process), ``workers_cpu_s`` (child processes waited for meanwhile) and
     ``workers_peak_rss_mib`` (the largest child this process ever waited for: in a step's own process, its
-    workers'), ``peak_is_step_only`` (False where the peak could not be reset: it may be an earlier step's).
-    Filled also when the body raises."""
+    workers'), ``rss_at_start_mib`` (resident before the body: a warm task host's preloaded modules, shared
+    copy-on-write, or a longer-lived caller's), ``peak_is_step_only`` (False where the peak could not be
+    reset: it may be an earlier step's). Filled also when the body raises."""
     own_peak = reset_peak()
+    rss_at_start = status_mib("VmRSS")
+    rss_at_start = None if rss_at_start is None else round(rss_at_start, 1)
     start_wall, start_cpu = time.monotonic(), time.process_time()
     start_children = os.times()
     try:
@@ -41,6 +44,7 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
             cpu_s=round(time.process_time() - start_cpu, 3),
             peak_rss_mib=peak_rss_mib(),
             peak_is_step_only=own_peak,
+            rss_at_start_mib=rss_at_start,
             workers_cpu_s=round(
                 children.children_user
                 + children.children_system

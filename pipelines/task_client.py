@@ -1,0 +1,78 @@
+"""The ``python`` a local pipeline task is started with when a warm task host serves the run
+(:mod:`pipelines.warm_tasks`): it hands its arguments, environment, folder and standard streams to the host,
+which forks the task from a process whose imports are done, and exits as the task exits.
+
+Standard library only and run with ``-I -S``: it starts in milliseconds. Whatever the host cannot serve (no
+host, a host that refuses, a command line that is not ``-m MODULE ...``) runs exactly as without it: this
+process becomes the plain interpreter with the same arguments.
+
+Signals sent to this process (SIGTERM, SIGINT, SIGHUP) are passed to the task; this process killed outright
+(SIGKILL) is seen by the host, which kills the task the same way: a task never outlives its process.
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+SOCKET_ENV = "COMPATFLOW_TASK_HOST"
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _plain(argv: list[str]) -> None:
+    """Become the plain interpreter (site on, isolation off) with the task's own arguments."""
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _read_line(conn: socket.socket) -> dict | None:
+    data = b""
+    while not data.endswith(b"\n"):
+        try:
+            chunk = conn.recv(4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+def main(argv: list[str]) -> None:
+    path = os.environ.get(SOCKET_ENV)
+    if not path or len(argv) < 2 or argv[0] != "-m":
+        _plain(argv)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        socket.send_fds(conn, [b"F"], [0, 1, 2])
+        conn.sendall(struct.pack("!I", len(request)) + request)
+        started = _read_line(conn)
+    except OSError:
+        started = None
+    if not started or "pid" not in started:  # no host, a host busy starting, or a refusal: run it here
+        conn.close()
+        _plain(argv)
+    pid = int(started["pid"])
+    for signum in FORWARDED:
+        signal.signal(signum, lambda signum, _frame: os.kill(pid, signum))
+    ended = _read_line(conn)
+    if ended is None:  # the host went away with the task running: it is ended rather than left alone
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        sys.stderr.write(f"compatflow: the warm task host ended while task {pid} ran; the task was killed\n")
+        sys.exit(1)
+    code = int(ended["exit"])
+    if code < 0:  # ended by a signal: end the same way, as the task's own process would have
+        sys.stdout.flush()
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

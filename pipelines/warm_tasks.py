@@ -1,0 +1,365 @@
+"""A warm task host for the local runner: each pipeline task forked from a process whose imports are done.
+
+Under ``kfp.local`` every task is a new Python that imports torch, open_clip, Evidently, Great Expectations,
+Feast or MLflow before its first line of work: seconds a task, most of a small run. The host imports them
+once per run (:data:`PRELOAD`, in the pipeline's order, between tasks) and serves each task as a fork of
+itself: still a process of its own (its own memory, exit status, streams, environment and folder;
+``kill -9`` of the run's process group ends it, as it ends the host), started in milliseconds.
+
+How a task reaches it: :func:`warm_task_host` makes ``kfp.local`` start tasks with a tiny launcher
+(:mod:`pipelines.task_client`) instead of this Python; the launcher passes its command line, environment,
+folder and standard streams over a Unix socket (the run's temp folder, mode 0700) and exits with the task's
+status. A task that comes before the preloads are done is forked with what is loaded by then and imports the
+rest itself; one the host cannot serve (no host, a command that is not ``python -m``, a different
+``PYTHONPATH``) runs as a plain process, so the host only ever saves time. ``COMPATFLOW_WARM_TASKS=0`` turns
+it off. A cluster never uses it: there each task is its own pod.
+
+What a fork shares: the modules and their memory (copy-on-write, counted in a step's resident memory:
+its usage record keeps ``rss_at_start_mib``) and nothing else: the host runs no Python thread and no work
+before forking (the libraries' own thread pools are fork-safe), and a child's global random generators
+(``random``, numpy's, torch's) are seeded afresh, as a new process's are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from pipelines.task_client import SOCKET_ENV
+
+logger = logging.getLogger(__name__)
+
+ENABLE_ENV = "COMPATFLOW_WARM_TASKS"
+SOCKET_NAME = "task-host.sock"
+CLIENT = Path(__file__).with_name("task_client.py")
+
+# What the steps import, in the order the pipeline's tasks come (plan, production, validate, drift, training,
+# compat, evaluate, the index and rollout, lineage, the report): the project's step modules import their
+# libraries lazily, so both are named.
+PRELOAD = (
+    "kfp.dsl.executor_main",
+    "components.steps",
+    "mlflow",
+    "components.adapters.registry",
+    "great_expectations",
+    "components.data.validation",
+    "evidently",
+    "components.data.drift",
+    "torch",
+    "open_clip",
+    "webdataset",
+    "components.training.continual",
+    "compat.training",
+    "compat.compat_training",
+    "components.training.evaluate",
+    "pymilvus",
+    "components.adapters.index",
+    "components.rollout",
+    "components.rollout.workers",
+    "feast",
+    "components.adapters.lineage",
+    "components.report",
+)
+# Environment read when the interpreter starts, not when a module runs: a task whose differs runs plain.
+STARTUP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONHASHSEED")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def warm_task_host(
+    folder: Path, log_path: Path | None = None, preload: Sequence[str] = PRELOAD
+) -> Iterator[Path | None]:
+    """Serve this process's ``kfp.local`` tasks from a warm host for the ``with`` body; yields the launcher
+    the tasks are started with (None when turned off). The host is this process's child, in its process
+    group, logging to ``log_path`` (``folder/host.log``); it stops taking tasks when the body ends (or when
+    this process dies) and exits when its last task has."""
+    if not enabled():
+        yield None
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    socket_path = folder / SOCKET_NAME
+    socket_path.unlink(missing_ok=True)
+    launcher = folder / "task-python"
+    launcher.write_text(f"#!/bin/sh\nexec '{sys.executable}' -I -S '{CLIENT}' \"$@\"\n")
+    launcher.chmod(0o700)
+    log = open(log_path or folder / "host.log", "ab")
+    host = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(preload)],
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    real_python, previous = sys.executable, os.environ.get(SOCKET_ENV)
+    os.environ[SOCKET_ENV] = str(socket_path)
+    sys.executable = str(launcher)  # kfp.local starts a task with sys.executable (SubprocessRunner, no venv)
+    try:
+        yield launcher
+    finally:
+        sys.executable = real_python
+        if previous is None:
+            os.environ.pop(SOCKET_ENV, None)
+        else:
+            os.environ[SOCKET_ENV] = previous
+        assert host.stdin is not None
+        host.stdin.close()  # the host stops taking tasks and exits once its last task has
+        try:
+            host.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            host.kill()
+            host.wait()
+        log.close()
+
+
+# ----------------------------------------------------------------------------------------------------- host
+
+
+def _native_threads() -> list[str]:
+    """The names of this process's threads, Python's and the libraries' own (BLAS pools, jemalloc)."""
+    names = []
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir("/proc/self/task")):
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+    return names
+
+
+def _rss_mib() -> float:
+    from compat.proc import status_mib
+
+    return status_mib("VmRSS") or 0.0
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(10)
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    header = b""
+    while len(header) < 4:
+        header += conn.recv(4 - len(header)) or _closed()
+    size = struct.unpack("!I", header)[0]
+    body = b""
+    while len(body) < size:
+        body += conn.recv(size - len(body)) or _closed()
+    conn.settimeout(None)
+    return json.loads(body), fds
+
+
+def _closed() -> bytes:
+    raise ConnectionError("the launcher closed its connection mid-request")
+
+
+def _refusal(request: dict) -> str | None:
+    for name in STARTUP_ENV:
+        if request["env"].get(name) != os.environ.get(name):
+            return f"{name} differs from the host's"
+    return None
+
+
+def _run_task(request: dict, fds: list[int], keep: set[int]) -> None:
+    """In the forked child: become the task (streams, folder, environment, ``-m MODULE args``), run it and
+    exit with its status, as ``python -m MODULE`` would. Never returns."""
+    code = 1
+    try:
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.set_wakeup_fd(-1)
+        for fd in keep:
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _reseed()
+        module, args = request["argv"][1], request["argv"][2:]
+        import runpy
+
+        sys.argv = [module, *args]
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, int) and exc.code is not None:
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        import atexit
+
+        atexit._run_exitfuncs()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+class _Host:
+    """The host's loop, one thread: imports :data:`PRELOAD` one module at a time while no launcher waits,
+    forks a task for each launcher (with whatever is imported by then: the task imports the rest itself),
+    tells each launcher its task's exit status, and ends once stdin closes and its last task has ended."""
+
+    def __init__(self, socket_path: Path, preload: Sequence[str]) -> None:
+        self.socket_path = socket_path
+        self.pending = list(preload)
+        self.started = time.monotonic()
+        self.tasks: dict[int, socket.socket] = {}
+        self.accepting = True
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(socket_path))
+        self.listener.listen(64)
+        self.wake_r, wake_w = os.pipe()  # SIGCHLD wakes the selector
+        os.set_blocking(wake_w, False)
+        self.wake_w = wake_w
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, self._accept)
+        self.selector.register(sys.stdin, selectors.EVENT_READ, self._parent)
+        self.selector.register(self.wake_r, selectors.EVENT_READ, self._woken)
+
+    def run(self) -> None:
+        while self.accepting or self.tasks:
+            events = self.selector.select(timeout=0 if self.pending else 1.0)
+            for key, _ in events:
+                key.data(key.fileobj)
+            self._reap()
+            if self.pending and not events:
+                self._preload_next()
+
+    def _preload_next(self) -> None:
+        name, start = self.pending.pop(0), time.monotonic()
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a module that cannot load here is loaded by the task that needs it
+            print(f"preload {name}: {type(exc).__name__}: {exc}", flush=True)
+        else:
+            print(f"preload {name}: {time.monotonic() - start:.2f} s", flush=True)
+        if not self.pending:
+            print(
+                f"preloaded in {time.monotonic() - self.started:.1f} s, {_rss_mib():.0f} MiB resident, "
+                f"threads: {', '.join(_native_threads())}",
+                flush=True,
+            )
+
+    def _accept(self, _listener: object) -> None:
+        import threading
+
+        conn, _ = self.listener.accept()
+        try:
+            request, fds = _read_request(conn)
+        except (OSError, ValueError) as exc:
+            print(f"refused a launcher: {exc}", flush=True)
+            conn.close()
+            return
+        refusal = _refusal(request)
+        # Libraries' own pools (BLAS, jemalloc) are fork-safe by their atfork handlers; a Python thread is not
+        # (it may hold a lock the child then waits on forever).
+        if refusal is None and threading.active_count() != 1:
+            refusal = f"Python threads {[t.name for t in threading.enumerate()]}"
+        if refusal is not None:
+            print(f"refused {_function_of(request['argv'])}: {refusal}", flush=True)
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"refused": refusal}).encode() + b"\n")
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            return
+        sys.stdout.flush()
+        keep = {self.listener.fileno(), self.selector.fileno(), self.wake_r, self.wake_w, conn.fileno()}
+        keep.update(c.fileno() for c in self.tasks.values())
+        pid = os.fork()
+        if pid == 0:
+            _run_task(request, fds, keep)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.tasks[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, self._launcher)
+        print(f"task {pid}: {_function_of(request['argv'])} ({len(self.pending)} preloads to go)", flush=True)
+
+    def _parent(self, stdin: object) -> None:
+        if os.read(sys.stdin.fileno(), 4096):
+            return
+        self.accepting = False  # the run ended (or died): take no more tasks, import no more
+        self.pending.clear()
+        for fileobj in (self.listener, sys.stdin):
+            self.selector.unregister(fileobj)
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    def _woken(self, _fd: object) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.wake_r, 4096)
+
+    def _launcher(self, conn: socket.socket) -> None:
+        """A launcher's connection is readable: EOF is its death, and its task dies with it (SIGKILL)."""
+        with contextlib.suppress(OSError):
+            if conn.recv(64):
+                return
+        pid = next(p for p, c in self.tasks.items() if c is conn)
+        self.selector.unregister(conn)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        while self.tasks:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.tasks.pop(pid, None)
+            if conn is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            print(f"task {pid}: exit {code}", flush=True)
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+            conn.close()
+
+
+def _reseed() -> None:
+    """Seed the global generators a fork copied (``random`` reseeds itself at fork) as a new process would."""
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+
+
+def serve(socket_path: Path, preload: Sequence[str] = PRELOAD) -> None:
+    """Serve tasks on ``socket_path`` until stdin closes and the last task has ended."""
+    _Host(socket_path, preload).run()
+
+
+def _function_of(argv: list[str]) -> str:
+    return argv[argv.index("--function_to_execute") + 1] if "--function_to_execute" in argv else ""
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m pipelines.warm_tasks SOCKET MODULE,...  (started by warm_task_host)")
+    serve(Path(sys.argv[1]), [name for name in sys.argv[2].split(",") if name])

@@ -1,0 +1,180 @@
+"""The warm task host (pipelines.warm_tasks): a task forked from it is a process of its own with the
+launcher's arguments, streams, folder and environment, exits as the launcher exits, dies with it, and runs
+plain wherever the host cannot serve it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PROBE = """
+import os, sys, time
+from pathlib import Path
+
+mode = sys.argv[1]
+if mode == "echo":
+    print(os.getcwd(), os.environ.get("PROBE_VALUE"), sys.stdin.read().strip(), os.getpid(), os.getppid())
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(sys.argv[2]))
+if mode == "raise":
+    raise ValueError("the task failed")
+if mode == "random":
+    import numpy
+    print(numpy.random.randint(1 << 30))
+if mode == "sleep":
+    Path(sys.argv[2]).write_text(str(os.getpid()))
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    """A host serving ``probe`` (a module on this test's PYTHONPATH), preloading numpy only."""
+    from pipelines.warm_tasks import warm_task_host
+
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "probe.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(modules))
+    log = tmp_path / "host.log"
+    with warm_task_host(tmp_path / "host", log, preload=("numpy",)) as launcher:
+        socket_path = tmp_path / "host" / "task-host.sock"
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield launcher, log, tmp_path
+
+
+def _launch(launcher: Path, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(launcher), "-m", "probe", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def _wait_for(path: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.split(")")[-1].split()[0] != "Z"
+
+
+def test_a_forked_task_has_the_launchers_streams_folder_environment_and_status(host):
+    launcher, log, tmp_path = host
+    assert sys.executable == str(launcher)  # what kfp.local starts a task with, inside the block
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _launch(launcher, "echo", "3", cwd=work, env={**os.environ, "PROBE_VALUE": "seen"})
+    out, err = proc.communicate("from-stdin", timeout=60)
+    assert proc.returncode == 3, err
+    cwd, value, stdin, pid, ppid = out.split()
+    assert (cwd, value, stdin) == (str(work), "seen", "from-stdin")
+    assert int(pid) != proc.pid  # forked by the host, not the launcher turned into Python
+    assert f"task {pid}: exit 3" in log.read_text()
+    assert err.strip() == "to stderr"
+
+
+def test_a_task_that_raises_prints_its_traceback_and_exits_1(host):
+    launcher, _, _ = host
+    proc = _launch(launcher, "raise")
+    _, err = proc.communicate("", timeout=60)
+    assert proc.returncode == 1
+    assert "ValueError: the task failed" in err and "Traceback" in err
+
+
+def test_forked_tasks_draw_fresh_random_numbers(host):
+    launcher, _, _ = host
+    drawn = {_launch(launcher, "random").communicate("", timeout=60)[0].strip() for _ in range(3)}
+    assert len(drawn) == 3
+
+
+def test_a_task_dies_with_its_launcher_killed(host):
+    launcher, _, tmp_path = host
+    pid_file = tmp_path / "task.pid"
+    proc = _launch(launcher, "sleep", str(pid_file))
+    task = int(_wait_for(pid_file))
+    assert task != proc.pid and _alive(task)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(task):
+        assert time.monotonic() < deadline, "the task outlived its launcher"
+        time.sleep(0.05)
+
+
+def test_sigterm_to_the_launcher_reaches_the_task_and_its_status_comes_back(host):
+    launcher, _, tmp_path = host
+    pid_file = tmp_path / "task.pid"
+    proc = _launch(launcher, "sleep", str(pid_file))
+    _wait_for(pid_file)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_a_task_with_another_pythonpath_runs_plain(host):
+    launcher, log, tmp_path = host
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "probe.py").write_text(PROBE)
+    proc = _launch(launcher, "echo", "0", env={**os.environ, "PYTHONPATH": str(other)})
+    out, err = proc.communicate("x", timeout=120)
+    assert proc.returncode == 0, err
+    assert int(out.split()[3]) == proc.pid  # the launcher became the task itself
+    assert "refused : PYTHONPATH differs from the host's" in log.read_text()
+
+
+def test_without_a_host_the_launcher_runs_the_task_plain(host):
+    launcher, _, tmp_path = host
+    proc = _launch(launcher, "echo", "5", env={**os.environ, "COMPATFLOW_TASK_HOST": str(tmp_path / "none")})
+    out, err = proc.communicate("x", timeout=120)
+    assert proc.returncode == 5, err
+    assert int(out.split()[3]) == proc.pid
+
+
+def test_the_host_stops_when_its_run_ends_and_puts_everything_back(tmp_path, monkeypatch):
+    from pipelines.task_client import SOCKET_ENV
+    from pipelines.warm_tasks import warm_task_host
+
+    monkeypatch.delenv(SOCKET_ENV, raising=False)
+    python = sys.executable
+    with warm_task_host(tmp_path / "host", tmp_path / "host.log", preload=()) as launcher:
+        assert os.environ[SOCKET_ENV] == str(tmp_path / "host" / "task-host.sock")
+        assert sys.executable == str(launcher)
+    assert sys.executable == python and SOCKET_ENV not in os.environ
+    assert not (tmp_path / "host" / "task-host.sock").exists()
+    hosts = subprocess.run(
+        ["pgrep", "-f", f"pipelines.warm_tasks {tmp_path}"], capture_output=True, text=True
+    )
+    assert hosts.stdout == ""
+
+
+def test_turned_off_it_starts_nothing(tmp_path, monkeypatch):
+    from pipelines.warm_tasks import ENABLE_ENV, warm_task_host
+
+    monkeypatch.setenv(ENABLE_ENV, "0")
+    python = sys.executable
+    with warm_task_host(tmp_path / "host") as launcher:
+        assert launcher is None and sys.executable == python
+    assert not (tmp_path / "host").exists()
