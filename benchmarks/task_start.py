@@ -124,7 +124,8 @@ def table(starts: dict[str, float], measured: dict[str, list[dict[str, Any]]], l
         "# What a local run spends outside its steps' work",
         "",
         f"`benchmarks/task_start.py` on {platform.node()} ({os.cpu_count()} cores), "
-        f"{time.strftime('%Y-%m-%d')}; config: {label}. Same machine, same run, each mode on its own workspace over one stream.",
+        f"{time.strftime('%Y-%m-%d')}; config: {label}. Same machine, same run, each mode on its own "
+        "workspace over one stream.",
         "",
         "## A task's start (import every preloaded module, exit)",
         "",

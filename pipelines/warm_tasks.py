@@ -69,7 +69,7 @@ PRELOAD = (
     "components.adapters.index",
     "components.rollout",
     "components.rollout.workers",
-    "feast",
+    "feast.feature_store",
     "components.adapters.lineage",
     "components.report",
 )
