@@ -17,7 +17,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: run test test-fast durations rehearse env lock lint bench clean-env
+.PHONY: run test test-fast durations rehearse env lock lint schemas bench clean-env
 
 env: $(STAMP)
 
@@ -52,6 +52,10 @@ rehearse: $(STAMP)
 # Rewrite the committed durations baseline (tests/durations.json) from a full, quiet run.
 durations: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PARALLEL) --durations-file tests/durations.json $(PYTEST_ARGS)
+
+# Regenerate the JSON schemas of the typed documents from their models (pipelines/documents.py).
+schemas: $(STAMP)
+	$(PY) -m pipelines.documents
 
 lint: $(STAMP)
 	$(PY) -m ruff check compat components pipelines schemas tests benchmarks

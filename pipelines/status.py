@@ -131,21 +131,26 @@ def last_gate(ws: Workspace) -> dict[str, Any] | None:
     path = _newest(ws.runs_dir.glob(f"*/**/{GATE_FILE}")) if ws.runs_dir.is_dir() else None
     if path is None:
         return None
-    doc, error = _read_json(path)
-    if doc is None:
+    from components.gate import GateDecision
+    from schemas import SchemaError
+
+    try:
+        gate = GateDecision.read(path)
+    except SchemaError as err:
+        log.warning("%s", err)
         return {
             "path": str(path),
             "decision": "unreadable",
             "reasons": [],
             "run_id": _run_id(ws, path),
-            "error": error,
+            "error": str(err),
         }
     return {
         "path": str(path),
         "run_id": _run_id(ws, path),
-        "decision": doc.get("decision"),
-        "reasons": doc.get("reasons", []),
-        "decided_at": doc.get("decided_at"),
+        "decision": gate.decision,
+        "reasons": gate.to_dict()["reasons"],
+        "decided_at": gate.decided_at,
     }
 
 

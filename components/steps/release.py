@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from compat.io import utc_now, write_json_atomic
+from compat.io import write_json_atomic
 from components.deployment import Deployment
 from components.state.run_dir import COMPAT_REPORT_FILE, GATE_FILE, RunDir
 from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, run_params, step
 
-BOOTSTRAP_REASON = {
-    "code": "bootstrap",
-    "message": "no production model yet: the phase-0 model becomes the first production model",
-}
+if TYPE_CHECKING:
+    from components.gate import GateDecision
 
 
 @step("resolve-production")
@@ -78,17 +75,13 @@ def gate_step(
     return decision.decision
 
 
-def bootstrap_gate(run_dir: Path) -> dict[str, Any]:
-    """The gate record of the first model: nothing to be compatible with."""
-    document = {
-        "decision": "pass",
-        "reasons": [BOOTSTRAP_REASON],
-        "checks": [],
-        "bootstrap": True,
-        "decided_at": utc_now(),
-    }
-    write_json_atomic(RunDir(run_dir).gate_file, document)
-    return document
+def bootstrap_gate(run_dir: Path) -> GateDecision:
+    """The gate record of the first model (nothing to be compatible with), written into the run."""
+    from components.gate import GateDecision
+
+    decision = GateDecision.bootstrap_record()
+    decision.write(RunDir(run_dir).gate_file.parent)
+    return decision
 
 
 @step("register")
@@ -96,10 +89,12 @@ def register_step(
     deployment: Deployment, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
 ) -> dict:
     """Log the run to MLflow and register the model as the ``candidate`` version."""
+    from components.gate import GateDecision
+
     method = "bootstrap" if bootstrap else deployment.compat.method
     run = RunDir(run_dir)
     gate_path = run.gate_file
-    gate = json.loads(gate_path.read_text()) if gate_path.is_file() else bootstrap_gate(run_dir)
+    gate = GateDecision.read(gate_path) if gate_path.is_file() else bootstrap_gate(run_dir)
     reports = [run.validation_summary, run.drift_summary, run.drift_report, run.gate_file]
     metrics = run.continual_metrics
     report = run.compat_report

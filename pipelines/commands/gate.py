@@ -44,8 +44,8 @@ def gate(
     else:
         typer.echo(f"gate: {decision.decision.upper()}  ({out / GATE_FILE})")
         for reason in decision.reasons:
-            typer.echo(f"  - [{reason['code']}] {reason['message']}")
-    if any(r["code"] == "gate_error" for r in decision.reasons):
+            typer.echo(f"  - [{reason.code}] {reason.message}")
+    if "gate_error" in decision.reason_codes:
         raise typer.Exit(EXIT_USAGE)
     raise typer.Exit(EXIT_PASS if decision.passed else EXIT_BLOCK)
 

@@ -34,11 +34,11 @@ def test_clear_pass_lists_every_check(tmp_path: Path) -> None:
     decision = _decide(path)
     assert decision.decision == "pass", decision.reasons
     assert decision.reasons == []
-    names = {c["name"] for c in decision.checks}
+    names = {c.name for c in decision.checks}
     for d in ("t2i", "i2t"):
         assert {f"ecc.{d}.R@1", f"ecc_interval.{d}.R@1", f"retention.{d}.R@1"} <= names
     assert {"eval_size.images", "eval_size.captions", "validation", "drift", "policy"} <= names
-    assert all(c["status"] == "pass" for c in decision.checks)
+    assert all(c.status == "pass" for c in decision.checks)
     assert len(decision.report_sha256) == 64
     assert decision.policy["retention"]["reference"] == "auto"
 
@@ -50,11 +50,11 @@ def test_negative_margin_in_one_direction_blocks() -> None:
     report["ecc"]["i2t"]["R@1"] = False
     decision = _decide(report)
     assert decision.decision == "block"
-    margin = [r for r in decision.reasons if r["code"] == "ecc_margin"]
-    assert len(margin) == 1 and margin[0]["direction"] == "i2t" and margin[0]["metric"] == "R@1"
-    assert margin[0]["value"] == pytest.approx(-2.0)
+    margin = [r for r in decision.reasons if r.code == "ecc_margin"]
+    assert len(margin) == 1 and margin[0].direction == "i2t" and margin[0].metric == "R@1"
+    assert margin[0].value == pytest.approx(-2.0)
     assert "report_inconsistent" not in decision.reason_codes
-    assert not any(r.get("direction") == "t2i" for r in decision.reasons)
+    assert not any(r.direction == "t2i" for r in decision.reasons)
 
 
 def test_positive_margin_whose_interval_crosses_zero_blocks() -> None:
@@ -63,7 +63,7 @@ def test_positive_margin_whose_interval_crosses_zero_blocks() -> None:
     decision = _decide(report)
     assert decision.decision == "block"
     assert decision.reason_codes == ["ecc_interval"]
-    assert decision.reasons[0]["direction"] == "t2i"
+    assert decision.reasons[0].direction == "t2i"
     # the same report passes when the policy does not ask for the interval
     assert _decide(report, policy={"require_ci_lower_above_zero": False}).decision == "pass"
 
@@ -76,7 +76,7 @@ def test_nan_blocks_and_names_the_field(tmp_path: Path) -> None:
     decision = _decide(path)
     assert decision.decision == "block"
     assert "non_finite" in decision.reason_codes
-    assert any("retrieval.t2i.new/old.R@1" in r["message"] for r in decision.reasons)
+    assert any("retrieval.t2i.new/old.R@1" in r.message for r in decision.reasons)
     json.dumps(decision.to_dict(), allow_nan=False)  # the decision itself stays valid JSON
     # infinity in an interval bound too
     report = make_report()
@@ -89,15 +89,15 @@ def test_missing_direction_blocks() -> None:
     del report["retrieval"]["i2t"]
     decision = _decide(report)
     assert decision.decision == "block"
-    missing = [r for r in decision.reasons if r["code"] == "missing_field"]
-    assert missing and all(r["direction"] == "i2t" for r in missing)
+    missing = [r for r in decision.reasons if r.code == "missing_field"]
+    assert missing and all(r.direction == "i2t" for r in missing)
     assert "report_invalid" in decision.reason_codes
 
 
 def test_missing_metric_required_by_policy_blocks() -> None:
     decision = _decide(make_report(), policy={"ks": [1, 20]})
     assert decision.decision == "block"
-    assert {r["metric"] for r in decision.reasons if r["code"] == "missing_field"} == {"R@20"}
+    assert {r.metric for r in decision.reasons if r.code == "missing_field"} == {"R@20"}
 
 
 def test_tiny_evaluation_set_blocks() -> None:
@@ -106,7 +106,7 @@ def test_tiny_evaluation_set_blocks() -> None:
     decision = _decide(report)
     assert decision.decision == "block"
     assert decision.reason_codes == ["eval_set_too_small", "eval_set_too_small"]
-    assert decision.reasons[0]["value"] == 12 and decision.reasons[0]["threshold"] == 100
+    assert decision.reasons[0].value == 12 and decision.reasons[0].threshold == 100
 
 
 @pytest.mark.parametrize("content", ["", '{"schema_version": 1, "retrieval": {"t2i": {"old/old": {"R@1": 3'])
@@ -116,7 +116,7 @@ def test_truncated_json_blocks(tmp_path: Path, content: str) -> None:
     decision = _decide(path)
     assert decision.decision == "block"
     assert decision.reason_codes == ["report_malformed"]
-    assert str(path) in decision.reasons[0]["message"]
+    assert str(path) in decision.reasons[0].message
 
 
 def test_missing_report_file_blocks(tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_retention_floor_uses_independent_model_when_present() -> None:
     report["retrieval"]["t2i"]["new/new"]["R@1"] = 38.0  # 92.7% of independent 41.0, but above old/old 30
     decision = _decide(report)
     assert decision.reason_codes == ["retention_floor"]
-    assert decision.reasons[0]["threshold"] == pytest.approx(0.95 * 41.0)
+    assert decision.reasons[0].threshold == pytest.approx(0.95 * 41.0)
     report["independent_new_new"] = None  # without an independent model the reference is old/old
     assert _decide(report).decision == "pass"
     assert "missing_field" in _decide(report, policy={"retention": {"reference": "independent"}}).reason_codes
@@ -148,7 +148,7 @@ def test_invalid_policy_blocks(tmp_path: Path) -> None:
     bad.write_text("min_margn: 1.0\n")  # typo: an unknown key must not relax the gate
     decision = _decide(make_report(), policy=bad)
     assert decision.decision == "block" and decision.reason_codes == ["policy_invalid"]
-    assert "min_margn" in decision.reasons[0]["message"] and decision.policy is None
+    assert "min_margn" in decision.reasons[0].message and decision.policy is None
     bad.write_text("directions: [t2i, x2y]\nretention: {floor: 1.5}\n")
     assert _decide(make_report(), policy=bad).reason_codes == ["policy_invalid"]
     bad.write_text("min_margin: .nan\n")
@@ -167,7 +167,7 @@ def test_partial_policy_merges_over_default(tmp_path: Path) -> None:
     assert policy.min_margin == 5.0 and policy.retention_floor == 0.5
     assert policy.retention_reference == "auto" and policy.directions == ("t2i",)  # the served direction
     decision = _decide(make_report(), policy=path)  # margins are +4 and +3: below 5
-    assert [r["direction"] for r in decision.reasons if r["code"] == "ecc_margin"] == ["t2i"]
+    assert [r.direction for r in decision.reasons if r.code == "ecc_margin"] == ["t2i"]
 
 
 def test_default_policy_judges_the_served_direction_only() -> None:
@@ -184,7 +184,7 @@ def test_drift_too_severe_blocks() -> None:
     drift["verdicts"]["image_embedding"]["severity"] = "high"  # overall says low; the worst verdict counts
     decision = _decide(make_report(), drift=drift, policy={"max_drift_severity": "medium"})
     assert decision.reason_codes == ["drift_too_severe"]
-    assert decision.reasons[0]["value"] == "high" and "image_embedding" in decision.reasons[0]["message"]
+    assert decision.reasons[0].value == "high" and "image_embedding" in decision.reasons[0].message
     assert (
         _decide(make_report(), drift=drift).decision == "pass"
     )  # the default reports drift, never blocks on it
@@ -195,7 +195,7 @@ def test_validation_blocked_blocks() -> None:
     validation = dict(VALIDATION_OK, blocked=True, blocked_reasons=["quarantined 9% > 5%"])
     decision = _decide(make_report(), validation=validation)
     assert decision.reason_codes == ["validation_blocked"]
-    assert "quarantined 9% > 5%" in decision.reasons[0]["message"]
+    assert "quarantined 9% > 5%" in decision.reasons[0].message
 
 
 def test_missing_summaries_block_when_required(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ def test_missing_summaries_block_when_required(tmp_path: Path) -> None:
     assert sorted(decision.reason_codes) == ["drift_missing", "validation_missing"]
     relaxed = decide(make_report(), {"require_drift": False, "require_validation": False})
     assert relaxed.decision == "pass"
-    assert {c["status"] for c in relaxed.checks if c["name"] in ("drift", "validation")} == {"skipped"}
+    assert {c.status for c in relaxed.checks if c.name in ("drift", "validation")} == {"skipped"}
     (tmp_path / "v.json").write_text('{"total": 3')
     assert "validation_invalid" in _decide(make_report(), validation=tmp_path / "v.json").reason_codes
 

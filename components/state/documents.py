@@ -1,0 +1,35 @@
+"""Typed documents: a saved JSON file read back as its pydantic model, or refused with the file, each bad
+field and what to do. The models live with their owners (the gate's decision with the gate); their JSON
+schemas in ``schemas/`` are generated from them (``make schemas``, :mod:`pipelines.documents`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from compat.io import read_json
+
+Document = TypeVar("Document", bound=BaseModel)
+
+
+def field_errors(err: ValidationError) -> list[str]:
+    """Each violation as ``field.path: message`` (``<root>`` for the whole document)."""
+    return [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()]
+
+
+def read_document(model: type[Document], path: str | Path, remedy: str) -> Document:
+    """The document at ``path`` as ``model``; a missing, unreadable, non-JSON or non-matching file raises
+    :class:`schemas.SchemaError` naming the file, each bad field and ``remedy`` (what to do)."""
+    from schemas import SchemaError
+
+    document = read_json(path, lambda why: SchemaError(f"{why}; {remedy}"))
+    if document is None:
+        raise SchemaError(f"{path}: no such file; {remedy}")
+    try:
+        return model.model_validate(document)
+    except ValidationError as err:
+        raise SchemaError(
+            f"{path} is not a valid {model.__name__}:\n  " + "\n  ".join(field_errors(err)) + f"\n{remedy}"
+        ) from None
