@@ -276,18 +276,28 @@ def torchrun_command(
 ) -> list[str]:
     """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node.
 
-    ``training`` is the config's ``training`` section; ``seed`` overrides its seed (the pipeline
-    uses ``seed + phase``). Every rank trains on an equal share of the global batch (DDP with
-    all-gathered features, :mod:`compat.training.ddp`), so the batch must split evenly. Several
-    nodes go through the PyTorchJob in ``manifests/k8s/training/`` instead (see its README).
+    ``training`` is the config's ``training`` section, every setting of it passed as an option
+    (:data:`pipelines.commands.train.SETTING_OPTIONS`); ``seed`` overrides its seed (the pipeline
+    uses ``seed + phase``); ``epochs`` must have been turned into steps. Every rank trains on an equal
+    share of the global batch (DDP with all-gathered features, :mod:`compat.training.ddp`), so the batch
+    must split evenly. Several nodes go through the PyTorchJob in ``manifests/k8s/training/`` instead,
+    which reads the whole section from the deployment config (``--deployment``).
     """
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
+    from components.training.continual import TrainingSettings
+    from pipelines.commands.train import SETTING_OPTIONS
+
     training = TrainingSection.model_validate(training)
-    batch_size = training.batch_size
-    if batch_size % nproc_per_node:
+    if training.epochs is not None:
         raise ValueError(
-            f"training.batch_size {batch_size} does not split evenly over {nproc_per_node} processes"
+            f"training.epochs is {training.epochs}: turn it into steps first "
+            "(components.steps.training.training_budget), as the continual step does"
+        )
+    settings = TrainingSettings.from_section(training, **({} if seed is None else {"seed": seed}))
+    if settings.batch_size % nproc_per_node:
+        raise ValueError(
+            f"training.batch_size {settings.batch_size} does not split evenly over {nproc_per_node} processes"
         )
     command = [
         "torchrun",
@@ -301,18 +311,11 @@ def torchrun_command(
         f"--stream={stream}",
         f"--phase={int(phase)}",
         f"--out={out}",
-        f"--config={training.model_config_name}",
-        f"--method={training.method}",
-        *([f"--alpha={float(training.alpha)}"] if training.method == "modx" else []),  # Mod-X's alone
-        f"--steps={training.steps}",
-        f"--batch-size={batch_size}",
-        f"--lr={float(training.lr)}",
-        f"--warmup-fraction={float(training.warmup_fraction)}",
-        f"--seed={training.seed if seed is None else seed}",
-        f"--replay-buffer-size={training.replay_buffer_size}",
-        f"--replay-rows={training.replay_rows}",
-        f"--device={training.device}",
     ]
+    for setting, option in SETTING_OPTIONS.items():  # every setting of the section (a test holds them all)
+        value = getattr(settings, setting)
+        if value is not None:  # None: the trainer's own default (no alpha but Mod-X's, the model's resize)
+            command.append(f"{option}={value}")
     if production:
         command.append(f"--production={production}")
     command += [f"--train-shard={shard}" for shard in train_shards]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -11,9 +12,50 @@ from pipelines.commands._common import echo_json, fail
 
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
+# Each setting of the deployment's training section (components.training.continual.SECTION_FIELDS) and the
+# option of `compatflow train continual` that sets it: torchrun_command passes every one, none dropped.
+SETTING_OPTIONS: dict[str, str] = {
+    "config_name": "--config",
+    "pretrained": "--pretrained",
+    "weights_dir": "--weights-dir",
+    "resize_mode": "--resize-mode",
+    "method": "--method",
+    "alpha": "--alpha",
+    "replay_buffer_size": "--replay-buffer-size",
+    "replay_rows": "--replay-rows",
+    "steps": "--steps",
+    "checkpoint_every": "--checkpoint-every",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "warmup_fraction": "--warmup-fraction",
+    "device": "--device",
+    "seed": "--seed",
+    "loader_workers": "--loader-workers",
+}
+# The trainer's own settings (no config key) the command also takes.
+TRAINER_OPTIONS: dict[str, str] = {
+    "accum_steps": "--accum-steps",
+    "weight_decay": "--weight-decay",
+    "precision": "--precision",
+}
+
+
+def option_parameter(option: str) -> str:
+    """The parameter name click gives an option (``--batch-size`` -> ``batch_size``)."""
+    return option.removeprefix("--").replace("-", "_")
+
+
+def settings_given(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The training settings the command's options set, from its parsed parameters (the rest left to the
+    section): the trainer's own options (``--accum-steps``, ``--weight-decay``, ``--precision``) included."""
+    options = {**SETTING_OPTIONS, **TRAINER_OPTIONS}
+    chosen = {setting: params.get(option_parameter(option)) for setting, option in options.items()}
+    return {setting: value for setting, value in chosen.items() if value is not None}
+
 
 @train_app.command("continual")
 def continual(
+    ctx: typer.Context,
     stream: Annotated[Path, typer.Option("--stream", help="Stream directory (holds stream.json).")],
     phase: Annotated[int, typer.Option("--phase", min=0, help="Phase to train on.")],
     out: Annotated[Path, typer.Option("--out", help="Output directory (model/, metrics.json, train/).")],
@@ -23,9 +65,27 @@ def continual(
             "--production", help="Production checkpoint (dir or model.json); omit only for phase 0 (CLIP_0)."
         ),
     ] = None,
+    deployment: Annotated[
+        Path | None,
+        typer.Option(
+            "--deployment",
+            help="A deployment config (a pod's $COMPATFLOW_CONFIG): its `training` section gives every "
+            "setting an option leaves out (default: the shipped defaults).",
+        ),
+    ] = None,
     config: Annotated[
         str | None,
         typer.Option("--config", help="Model config for CLIP_0 (phase 0; default: training.model_config)."),
+    ] = None,
+    pretrained: Annotated[
+        str | None,
+        typer.Option("--pretrained", help="CLIP_0's start weights: an open_clip tag or a local file/folder."),
+    ] = None,
+    weights_dir: Annotated[
+        str | None, typer.Option("--weights-dir", help="Where a pretrained tag is looked up first.")
+    ] = None,
+    resize_mode: Annotated[
+        str | None, typer.Option("--resize-mode", help="shortest | longest | squash (default: the model's).")
     ] = None,
     method: Annotated[
         str | None, typer.Option("--method", help="modx | finetune | joint (default: training.method).")
@@ -95,37 +155,25 @@ def continual(
 ) -> None:
     """Train the next model on PHASE, evaluate it on every domain so far, print the summary as JSON.
 
-    An option left out takes the config's default (the `training` section's), as the pipeline's step would.
+    An option left out takes the `training` section's value (--deployment's, else the shipped default), as
+    the pipeline's step would.
     Resumes from OUT/train after an interruption. Under torchrun every rank trains (DDP), rank 0 writes.
     """
     from compat.data.loader import LoaderError
     from compat.data.synth import StreamError
     from compat.models import CheckpointError
     from compat.training import ResumeError
-    from components.deployment import TrainingSection
     from components.training.continual import METRICS_FILE, ContinualError, TrainingSettings, run_continual
 
     try:
-        given = {
-            "config_name": config,
-            "method": method,
-            "alpha": alpha,
-            "steps": steps,
-            "batch_size": batch_size,
-            "accum_steps": accum_steps,
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "warmup_fraction": warmup_fraction,
-            "precision": precision,
-            "checkpoint_every": checkpoint_every,
-            "seed": seed,
-            "replay_buffer_size": replay_buffer_size,
-            "replay_rows": replay_rows,
-            "device": device,
-            "loader_workers": loader_workers,
-        }
-        chosen = {k: v for k, v in given.items() if v is not None}
-        settings = TrainingSettings.from_section(TrainingSection(), **chosen)
+        chosen = settings_given(ctx.params)
+        section = _training_section(deployment)
+        if section.epochs is not None and steps is None:
+            fail(
+                f"training.epochs is {section.epochs} in {deployment}: the pipeline's continual step turns "
+                "epochs into steps from the phase's sample count; give --steps"
+            )
+        settings = TrainingSettings.from_section(section, **chosen)
         doc = run_continual(
             stream,
             phase,
@@ -159,6 +207,25 @@ def continual(
             "r1": {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()},
         }
     )
+
+
+def _training_section(deployment: Path | None) -> Any:
+    """The ``training`` section of the deployment config at ``deployment`` (None: the shipped defaults), its
+    weights folder the workspace's as the pipeline's step takes it (``training.weights_dir``, else
+    ``<workspace>/weights``)."""
+    from components.deployment import TrainingSection
+
+    if deployment is None:
+        return TrainingSection()
+    from components.state.workspace import Workspace
+    from pipelines.config import ConfigError, load_config
+
+    try:
+        loaded = load_config(deployment, local_paths=False)
+    except ConfigError as err:
+        fail(str(err))
+    weights = str(Workspace.of(loaded).weights_dir)
+    return loaded.training.model_copy(update={"weights_dir": weights})
 
 
 def register(app: typer.Typer) -> None:

@@ -507,26 +507,21 @@ def test_torchrun_command_parses_as_torchrun_and_the_training_command(monkeypatc
         "/mnt/compatflow/runs/r/continual",
     )
     assert str(params["production"]) == "/mnt/compatflow/models/v7"
-    assert (params["config"], params["method"], params["alpha"]) == (
-        training["model_config"],
-        training["method"],
-        training["alpha"],
-    )
-    assert (params["steps"], params["batch_size"], params["lr"]) == (training["steps"], 256, training["lr"])
-    assert (params["warmup_fraction"], params["device"], params["seed"]) == (
-        training["warmup_fraction"],
-        training["device"],
-        23,
-    )
     assert (params["train_shard"], params["version"]) == (["/s/a.tar", "/s/b.tar"], "r")
-    assert (params["replay_buffer_size"], params["replay_rows"]) == (
-        training["replay_buffer_size"],
-        training["replay_rows"],
-    )
+    # every rank trains with the section's settings, the seed the pipeline gives: none fall back to defaults
+    from components.deployment import TrainingSection
+    from components.training.continual import TrainingSettings
+    from pipelines.commands.train import settings_given
+
+    section = TrainingSection.model_validate(training)
+    from_command = TrainingSettings.from_section(TrainingSection(), **settings_given(params))
+    assert from_command == TrainingSettings.from_section(section, seed=23)
 
     first = resources.torchrun_command(1, stream="s", phase=0, out="o", training=shipped("local")["training"])
     params = train.make_context("continual", first[first.index("continual") + 1 :]).params
     assert params["production"] is None and params["seed"] == shipped("local")["training"]["seed"]
+    with pytest.raises(ValueError, match="epochs"):  # the step turns epochs into steps; the command cannot
+        resources.torchrun_command(1, stream="s", phase=0, out="o", training=dict(training, epochs=2.0))
     # alpha is Mod-X's weight: the trainer refuses it with another method, so the command leaves it out
     finetune = dict(shipped("local")["training"], method="finetune")
     command = resources.torchrun_command(1, stream="s", phase=0, out="o", training=finetune)
