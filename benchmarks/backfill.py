@@ -196,7 +196,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
         order = np.array([position[i] for i in ranked[0 : len(ranked)]])
         numpy_curve = [p["R@1"] for p in bf.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fr)]
         results[policy] = {
-            "state": state["state"],
+            "status": state["status"],
             "fractions": fr,
             "engine": engine,
             "numpy": numpy_curve,
@@ -432,7 +432,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             if hi > lo
         )
         return {
-            "state": state["state"],
+            "status": state["status"],
             "items_per_s": n_items / writing,
             "staged_items_per_s": n_items / sum(s["seconds"] for s in stages),
             "probe_s": sum(s["seconds"] for s in stages) - writing,
@@ -545,7 +545,7 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
     ]
     for policy, r in b.items():
         lines.append(
-            f"| {policy} | {r['state']} | {r['baseline']:.2f} | "
+            f"| {policy} | {r['status']} | {r['baseline']:.2f} | "
             f"{' / '.join(f'{x:.1f}' for x in r['engine'])} | {' / '.join(f'{x:.1f}' for x in r['numpy'])} | "
             f"{_fmt(r['area_engine'])} | {_fmt(r['area_numpy'])} | {r['seconds']:.1f} | {r['by_version']} |"
         )
@@ -584,7 +584,7 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
             f"| {name} | {r['bare']:.0f} | {r['items_per_s']:.0f} / {r['staged_items_per_s']:.0f} | "
             f"{r['ratio']:.0%} / {r['staged_ratio']:.0%} | {r['probe_s']:.1f} | {r['wall']:.1f} | "
             f"{r['bare_cpu']:.2f} / {r['client_cpu']:.2f} / {r['server_cpu']:.2f} | "
-            f"{r['count']} items, {r['by_version']}, {r['state']} |"
+            f"{r['count']} items, {r['by_version']}, {r['status']} |"
         )
     cpu_ratio = float(np.median([r["bare_cpu"] / r["client_cpu"] for r in rounds]))
     lines += [

@@ -127,7 +127,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time(),
         "peak_rss_mib": peak_rss_mib(),
-        "state": state["state"],
+        "status": state["status"],
         "plan_seconds": state.get("plan_seconds"),
         "stages": [
             {

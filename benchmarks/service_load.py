@@ -213,7 +213,7 @@ def run(
                     doc = json.loads(paths.state.read_text())
                 except (OSError, ValueError):
                     continue
-                if doc.get("new_version") != version or doc.get("state") != "running":
+                if doc.get("new_version") != version or doc.get("status") != "running":
                     continue
                 label = f"stage {doc['stage']}" if doc["mode"] != "blue_green" else "fill"
                 if label != last:
@@ -231,7 +231,7 @@ def run(
         seconds = time.perf_counter() - t0
         ends = [t for _, t in marks[1:]] + [time.time()]
         return {
-            "state": state["state"],
+            "status": state["status"],
             "mode": state["mode"],
             "seconds": seconds,
             "items_per_s": n_items / seconds,
@@ -243,7 +243,7 @@ def run(
         t0 = time.perf_counter()
         state = ro.rollback(paths, index)
         return {
-            "state": state["state"],
+            "status": state["status"],
             "rollback_s": time.perf_counter() - t0,
             "pace": state["rollback"].get("pace"),
         }
@@ -332,9 +332,9 @@ def section(e: dict[str, Any], command: str, backend: str = "milvus-lite server"
         by = ", ".join(f"{v}: {n}" for v, n in sorted(r["versions"].items()))
         facts = ""
         if "items_per_s" in r:
-            facts = f"{r['state']}, {r['mode']}, {r['items_per_s']:.0f} items/s (whole rollout)"
+            facts = f"{r['status']}, {r['mode']}, {r['items_per_s']:.0f} items/s (whole rollout)"
         elif "state" in r:
-            facts = r["state"]
+            facts = r["status"]
         pace = r.get("pace") or {}
         if pace.get("p99_factor"):
             facts += (

@@ -254,12 +254,12 @@ def ingest_op(config: str, run_dir: str, gallery_shards: List[str]) -> int:
 
 @dsl.component(**COMPONENT)
 def rollout_op(config: str, run_dir: str, version: str) -> str:
-    """After a gate pass: staged backfill rollout (resumable), then ``production``; returns its state."""
+    """After a gate pass: staged backfill rollout (resumable), then ``production``; returns its status."""
     from pathlib import Path
 
     from components.steps import rollout_step
 
-    return rollout_step(config, Path(run_dir), version)["rollout"]["state"]
+    return rollout_step(config, Path(run_dir), version)["rollout"]["status"]
 
 
 @dsl.component(**COMPONENT)

@@ -14,6 +14,7 @@ from schemas import SCHEMA_DIR
 # schema name -> "module:Model", the model that owns the document.
 DOCUMENTS = {
     "gate_decision": "components.gate.decision:GateDecision",
+    "rollout_state": "components.state.rollout_document:RolloutState",
 }
 
 

@@ -52,7 +52,7 @@ def collect(
 
 def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     """``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the count) and
-    ``rollout.state`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index."""
+    ``rollout.status`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index."""
     from components.adapters.index import gallery_status
     from components.rollout import RolloutPaths, read_serving
     from components.rollout import status as rollout_status
@@ -161,29 +161,20 @@ def rollout_state(ws: Workspace) -> dict[str, Any] | None:
         path = _newest(ws.runs_dir.glob(f"*/**/{ROLLOUT_STATE_FILE}"))
     if path is None:
         return None
-    doc, error = _read_json(path)
-    if doc is None:
-        return {"path": str(path), "state": "unreadable", "error": error}
-    return {"path": str(path), **doc}
+    from components.state.rollout_document import read_rollout_state
+    from schemas import SchemaError
+
+    try:
+        doc = read_rollout_state(path, ValueError)
+    except (ValueError, SchemaError) as err:
+        log.warning("%s", err)
+        return {"path": str(path), "status": "unreadable", "error": str(err)}
+    return {"path": str(path), **(doc or {})}
 
 
 def _newest(paths: Any) -> Path | None:
     candidates = [p for p in paths if p.is_file()]
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
-
-
-def _read_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The JSON object at ``path``, or None and why (the message names the file)."""
-    from compat.io import read_json
-
-    try:
-        doc = read_json(path, ValueError)
-    except ValueError as err:
-        log.warning("%s", err)
-        return None, str(err)
-    if not isinstance(doc, dict):
-        return None, f"{path}: not a JSON object"
-    return doc, None
 
 
 def _run_id(ws: Workspace, path: Path) -> str | None:

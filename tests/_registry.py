@@ -17,7 +17,7 @@ BLOCK = {
     "reasons": [{"code": "ecc_margin", "message": "i2t R@1: -2.00 pp"}],
     "report_sha256": "b" * 64,
 }
-DONE = {"state": "completed", "stage": 4, "fraction_backfilled": 1.0}
+DONE = {"status": "completed", "stage": 4, "fraction_backfilled": 1.0}
 
 
 def make_checkpoint(directory: Path, seed: int) -> dict[str, str]:

@@ -466,14 +466,16 @@ def _rollout_section(source: Source) -> Section:
     missing = _absent(source, "rollout", "Rollout and backfill", "rollout state")
     if missing:
         return missing
-    doc = source.data or {}
-    state = str(doc.get("state", "unknown"))
-    tone = {"completed": "good", "halted": "bad", "failed": "bad", "rolled_back": "bad"}.get(state, "warn")
-    section = Section("rollout", "Rollout and backfill", state, tone)
+    from components.state.rollout_document import migrated
+
+    doc = migrated(source.data or {})  # a run folder an earlier release wrote reads as this version's
+    status = str(doc.get("status", "unknown"))
+    tone = {"completed": "good", "halted": "bad", "failed": "bad", "rolled_back": "bad"}.get(status, "warn")
+    section = Section("rollout", "Rollout and backfill", status, tone)
     section.items.append(
         Table(
-            ["state", "stage", "backfilled"],
-            [[state, doc.get("stage"), _pct(doc.get("fraction_backfilled"), 1)]],
+            ["status", "stage", "backfilled"],
+            [[status, doc.get("stage"), _pct(doc.get("fraction_backfilled"), 1)]],
         )
     )
     png = plots.backfill_curve(doc)

@@ -52,6 +52,7 @@ from components.rollout.types import (
 )
 from components.rollout.writes import GalleryWriter, previous_rows, reembedded_rows
 from components.serving.record import read_serving, write_serving
+from components.state.rollout_document import SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,9 @@ class Rollout:
                 )
             try:
                 while True:
-                    if state["state"] in ("completed", "rolled_back"):
+                    if state["status"] in ("completed", "rolled_back"):
                         return state
-                    if state["state"] == "halted":
+                    if state["status"] == "halted":
                         if not state["restored"]:
                             self._restore_stage(state)
                         return state
@@ -147,10 +148,10 @@ class Rollout:
         save_state(self.paths.state, state)
 
     def _replace(self, old: dict[str, Any]) -> None:
-        busy = old["state"] in ("pending", "running") or (old["state"] == "halted" and not old["restored"])
+        busy = old["status"] in ("pending", "running") or (old["status"] == "halted" and not old["restored"])
         if busy:
             raise RolloutError(
-                f"rollout {old['rollout_id']} ({old['new_version']}) is {old['state']} at "
+                f"rollout {old['rollout_id']} ({old['new_version']}) is {old['status']} at "
                 f"{self.paths.state}: run it to the end with its own configuration, or roll it back"
             )
 
@@ -186,9 +187,9 @@ class Rollout:
         baseline, floors = probe_floors(idx, source, old_queries, self.probe, c)
         stages = stage_plan(mode, len(ordered), c.fractions)
         state = {
-            "schema_version": 1,
+            "schema_version": SCHEMA_VERSION,
             "rollout_id": rid,
-            "state": "running",
+            "status": "running",
             "mode": mode,
             "created_at": utc_now(),
             "updated_at": utc_now(),
@@ -486,7 +487,7 @@ class Rollout:
     def _stage0(self, state: dict[str, Any]) -> None:
         g, rec = state["gallery"], state["stages"][0]
         rec.setdefault("started_at", utc_now())
-        rec["state"] = "running"
+        rec["status"] = "running"
         if self.adapt:
             self._adapt_copy(state)
         metrics = self._probe(state, g["collection"])
@@ -501,7 +502,7 @@ class Rollout:
             self._save(state)
             return
         self._serve_new(state)
-        rec.update(state="accepted", finished_at=utc_now())
+        rec.update(status="accepted", finished_at=utc_now())
         state["stage"] = 1
         self._save(state)
 
@@ -573,8 +574,8 @@ class Rollout:
         rec = state["stages"][j]
         hi = rec["target_position"]
         rec.setdefault("started_at", utc_now())
-        if rec["state"] != "running":
-            rec["state"] = "running"
+        if rec["status"] != "running":
+            rec["status"] = "running"
             self._save(state)
         g = state["gallery"]
         ids = self._order(state)
@@ -606,9 +607,9 @@ class Rollout:
             self._save(state)
             self._restore_stage(state)
             return
-        rec.update(state="accepted", finished_at=utc_now())
+        rec.update(status="accepted", finished_at=utc_now())
         if last:
-            state["state"] = "completed"
+            state["status"] = "completed"
             state["gallery"]["versions_after"] = self.index.count_by_version(g["collection"])
         else:
             state["stage"] = j + 1
@@ -647,15 +648,15 @@ class Rollout:
             writer.flush()
 
     def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
-        rec.update(state="halted", finished_at=utc_now())
-        state["state"] = "halted"
+        rec.update(status="halted", finished_at=utc_now())
+        state["status"] = "halted"
         state["restored"] = False
         state["halt_reason"] = f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
         log.error("rollout %s halted: %s", state["rollout_id"], state["halt_reason"])
 
     def _restore_stage(self, state: dict[str, Any]) -> None:
         """Give the halted stage's items their previous vectors back (idempotent)."""
-        j = next(r["stage"] for r in state["stages"] if r["state"] == "halted")
+        j = next(r["stage"] for r in state["stages"] if r["status"] == "halted")
         if j > 0 and state["mode"] == "staged":
             lo, hi = state["stages"][j - 1]["target_position"], state["stages"][j]["target_position"]
             last = j == len(state["stages"]) - 1
@@ -681,7 +682,7 @@ class Rollout:
     def _blue_green(self, state: dict[str, Any]) -> None:
         g, rec = state["gallery"], state["stages"][0]
         rec.setdefault("started_at", utc_now())
-        rec["state"] = "running"
+        rec["status"] = "running"
         ids = self._order(state)
         start = state["cursor"]["position"]
         if not self.index.has_collection(g["collection"]):
@@ -721,8 +722,8 @@ class Rollout:
             self._save(state)
             return
         self._serve_new(state)
-        rec.update(state="accepted", finished_at=utc_now())
-        state["state"] = "completed"
+        rec.update(status="accepted", finished_at=utc_now())
+        state["status"] = "completed"
         g["versions_after"] = self.index.count_by_version(g["collection"])
         self._save(state)
 

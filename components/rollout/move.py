@@ -38,9 +38,9 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     if same_index(source_uri, to_uri):
         return {"from": source_uri, "to": to_uri, "collections": {}, "served": served}
     state = load_state(paths.state)
-    if state is not None and state["state"] in UNFINISHED:
+    if state is not None and state["status"] in UNFINISHED:
         raise RolloutError(
-            f"rollout {state['rollout_id']} is {state['state']}: let the run finish it (compatflow run) or "
+            f"rollout {state['rollout_id']} is {state['status']}: let the run finish it (compatflow run) or "
             "roll it back (compatflow rollback) before moving the gallery"
         )
     copied: dict[str, int] = {}

@@ -148,15 +148,15 @@ def stage_plan(mode: str, n: int, fractions: Sequence[float]) -> list[dict[str, 
     from compat.backfill import backfilled_count
 
     if mode == "blue_green":
-        return [{"stage": 1, "fraction": 1.0, "target_position": n, "state": "pending", "kind": "fill"}]
+        return [{"stage": 1, "fraction": 1.0, "target_position": n, "status": "pending", "kind": "fill"}]
     return [
-        {"stage": 0, "fraction": 0.0, "target_position": 0, "state": "pending", "kind": "query_switch"}
+        {"stage": 0, "fraction": 0.0, "target_position": 0, "status": "pending", "kind": "query_switch"}
     ] + [
         {
             "stage": j + 1,
             "fraction": f,
             "target_position": backfilled_count(n, f),
-            "state": "pending",
+            "status": "pending",
             "kind": "backfill",
         }
         for j, f in enumerate(fractions)

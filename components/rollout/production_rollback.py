@@ -93,7 +93,7 @@ def unfinished_rollout(paths: Any) -> dict[str, Any] | None:
     from components.rollout import load_state
 
     current = load_state(paths.state)
-    return current if current is not None and current["state"] in UNFINISHED else None
+    return current if current is not None and current["status"] in UNFINISHED else None
 
 
 def _roll_back_unfinished(paths: Any, index: Any, current: dict[str, Any], why: str) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def _roll_back_unfinished(paths: Any, index: Any, current: dict[str, Any], why: 
 
     state = rollback(paths, index)
     with exclusive(paths.state):
-        state["halt_reason"] = f"{why} while this rollout was {current['state']} at stage {current['stage']}"
+        state["halt_reason"] = f"{why} while this rollout was {current['status']} at stage {current['stage']}"
         save_state(paths.state, state)
     return state
 
@@ -131,7 +131,8 @@ def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict
     """What ``compatflow rollback`` undoes when a candidate's rollout is unfinished: that rollout alone, the
     gallery and query model back to ``production``'s (which stays production, with or without a previous
     version), the item lineage synced. Returns ``{"rollout_id", "candidate", "was", "stage", "production",
-    "state"}``, or None when no rollout is unfinished."""
+    "state"}`` (``was``: its status; ``state``: its rollout state, rolled back), or None when no rollout is
+    unfinished."""
     from components.adapters.lineage import sync_from_index
     from components.rollout import RolloutPaths
     from components.rollout.operations import open_index
@@ -152,7 +153,7 @@ def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict
     return {
         "rollout_id": current["rollout_id"],
         "candidate": str(current["new_version"]),
-        "was": current["state"],
+        "was": current["status"],
         "stage": current["stage"],
         "production": production,
         "state": state,

@@ -92,13 +92,13 @@ def rollback(
         state = load_state(state_path, root)
         if state is None:
             raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
-        if state["state"] == "rolled_back":
+        if state["status"] == "rolled_back":
             return state
         g = state["gallery"]
         own = index is None
         index = index or GalleryIndex(g["uri"], g["alias"])
         try:
-            state["rollback"] = {"started_at": utc_now(), "from_state": state["state"]}
+            state["rollback"] = {"started_at": utc_now(), "from_status": state["status"]}
             save_state(state_path, state, root)
             source = g["source_collection"]
             if g["collection"] == source:  # in place: replay the saved rows of every batch that may have run
@@ -120,7 +120,7 @@ def rollback(
             )
             index.switch_alias(source)
             state.update(
-                state="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
+                status="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
             )
             state["cursor"]["position"] = 0
             state["rollback"]["finished_at"] = utc_now()
@@ -143,7 +143,7 @@ def rollout_of(paths: RolloutPaths, version: str) -> Path:
         if (
             state is not None
             and str(state["model_version"]) == str(version)
-            and state["state"] == "completed"
+            and state["status"] == "completed"
         ):
             return path
     raise RolloutError(

@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from compat.io import atomic_write, read_json, utc_now, write_json_atomic
+from compat.io import atomic_write, utc_now, write_json_atomic
 from components.adapters.index import ROW_FIELDS
 from components.rollout.types import RolloutError
+from components.state.rollout_document import read_rollout_state
 from components.state.workspace import map_paths, resolved_path, stored_path
 
 # Paths a rollout state names, stored relative to the workspace root (see components.state.workspace).
@@ -27,13 +28,12 @@ STATE_PATHS = (
 
 
 def load_state(path: str | os.PathLike[str], root: Path | None = None) -> dict[str, Any] | None:
-    """The rollout state at ``path`` (validated against schemas/rollout_state), or None. Relative paths in
-    it resolve against ``root``, the workspace root (default: the file's folder, where the live one is)."""
-    import schemas
-
+    """The rollout state at ``path`` (checked by its model, an earlier version's brought to this one:
+    :mod:`components.state.rollout_document`), or None. Relative paths in it resolve against ``root``, the
+    workspace root (default: the file's folder, where the live one is)."""
     path = Path(path)
     archive = path.parent / "rollout"
-    doc = read_json(
+    doc = read_rollout_state(
         path,
         lambda why: RolloutError(
             f"{why}; it was damaged: restore it from a backup (a rollout's state is archived in "
@@ -42,7 +42,6 @@ def load_state(path: str | os.PathLike[str], root: Path | None = None) -> dict[s
     )
     if doc is None:
         return None
-    schemas.validate(doc, "rollout_state", str(path))
     base = Path(root) if root is not None else path.resolve().parent
     return map_paths(doc, STATE_PATHS, lambda value: resolved_path(base, value))
 
@@ -135,12 +134,12 @@ def saved_batches(restore_dir: Path, batches: Iterable[Batch], sweep: bool = Tru
 
 
 def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``{"state", "stage", "fraction_backfilled", ...}`` of the rollout at ``state_path`` (or "none")."""
+    """``{"status", "stage", "fraction_backfilled", ...}`` of the rollout at ``state_path`` (or "none")."""
     state = load_state(state_path)
     if state is None:
-        return {"state": "none", "stage": None, "fraction_backfilled": None}
+        return {"status": "none", "stage": None, "fraction_backfilled": None}
     return {
-        "state": state["state"],
+        "status": state["status"],
         "stage": state["stage"],
         "fraction_backfilled": state["fraction_backfilled"],
         "rollout_id": state["rollout_id"],

@@ -79,7 +79,7 @@ def range_done(spec_path: Path, start: int, end: int) -> bool:
 def pending_ranges(state: Mapping[str, Any], work: Path) -> list[Batch]:
     """The rank ranges of ``state``'s running stage whose workers have not finished (none outside a stage
     fanned out to pipeline tasks)."""
-    if state["state"] != "running":
+    if state["status"] != "running":
         return []
     spec = Path(work) / SPEC_FILE
     return [(s, e) for s, e in state["cursor"].get("ranges") or () if not range_done(spec, s, e)]

@@ -56,19 +56,17 @@ class _RolloutCollector:
 
         if self.state_path is None or not self.state_path.is_file():
             return
-        import schemas
-        from compat.io import read_json
+        from components.state.rollout_document import read_rollout_state
 
         try:  # the rollout's own document, read as it is saved (the rollout engine sits above the service)
-            state = read_json(self.state_path, ValueError)
-            schemas.validate(state, "rollout_state", str(self.state_path))
+            state = read_rollout_state(self.state_path, ValueError)
         except Exception as exc:  # noqa: BLE001 - a state being rewritten or damaged: no gauges this scrape
             log.warning("rollout state %s unreadable for metrics: %s", self.state_path, exc)
             return
         if not state:
             return
-        labels = ["rollout_id", "state"]
-        values = [str(state.get("rollout_id", "")), str(state.get("state", ""))]
+        labels = ["rollout_id", "status"]
+        values = [str(state.get("rollout_id", "")), str(state.get("status", ""))]
         stage = GaugeMetricFamily("compatflow_rollout_stage", "Backfill stage of the rollout", labels=labels)
         stage.add_metric(values, float(state.get("stage") or 0))
         yield stage

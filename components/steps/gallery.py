@@ -45,7 +45,7 @@ def serve_first_model_step(
         on_items=lineage,
     )
     record["lineage_recorded"] = lineage.recorded
-    state = {"state": "completed", "model_version": version, "kind": "initial_index"}
+    state = {"status": "completed", "model_version": version, "kind": "initial_index"}
     registry_of(deployment).promote(version, rollout_state=state)
     summary = {**record, "version": version, "promoted": True}
     write_json_atomic(RunDir(run_dir).rollout_summary, summary)
@@ -107,7 +107,7 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
 
     workspace = Workspace.of(deployment)
     undone, state = _roll_out(deployment, workspace, version)
-    if state["state"] == "halted":
+    if state["status"] == "halted":
         # Halt means roll back: the stages accepted before the halted one are undone too and queries go back
         # to the production model, so the gallery holds production's vectors only and production, the
         # serving record and the index agree on what is served (the next upgrade is compatible with it).
@@ -121,7 +121,7 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         "lineage_updated": sync_from_index(
             workspace.lineage_dir, gallery["uri"], gallery["alias"], definition=workspace.lineage_definition
         ),
-        "promoted": state["state"] == "completed",
+        "promoted": state["status"] == "completed",
     }
     run = RunDir(run_dir)
     if summary["promoted"]:
@@ -167,7 +167,7 @@ def rollout_range_step(deployment: Deployment, run_dir: Path | None, rank_range:
         return {"idle": True}
     paths = RolloutPaths.for_workspace(Workspace.of(deployment))
     state = load_state(paths.state)
-    if state is None or state["state"] != "running":
+    if state is None or state["status"] != "running":
         raise RolloutError(f"no rollout is running in {paths.state}: nothing for rank range {rank_range}")
     start, _, end = rank_range.partition("-")
     return run_range(paths.work(state["rollout_id"]) / SPEC_FILE, int(start), int(end))
@@ -203,7 +203,7 @@ def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, An
     state = load_state(paths.state)
     # Halted counts too: one left by `compatflow rollout run` keeps its accepted stages (a mixed gallery
     # queried by its candidate), which the candidate here was not trained to read.
-    unfinished = state is not None and state["state"] in ("pending", "running", "halted")
+    unfinished = state is not None and state["status"] in ("pending", "running", "halted")
     if not unfinished or str(state["model_version"]) == str(version):
         return None
     logger.warning(
@@ -214,7 +214,7 @@ def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, An
     return {
         "rollout_id": state["rollout_id"],
         "model_version": state["model_version"],
-        "state": state["state"],
+        "status": state["status"],
     }
 
 

@@ -122,12 +122,12 @@ def _format_status(doc: dict[str, Any]) -> str:
         )
         lines += [f"              - [{r.get('code')}] {r.get('message')}" for r in gate.get("reasons", [])]
     rollout = doc.get("rollout")
-    if not rollout or rollout.get("state") in (None, "none"):
+    if not rollout or rollout.get("status") in (None, "none"):
         lines.append("rollout     - (no rollout state)")
     else:
         fraction = rollout.get("fraction_backfilled")
         shown = f"{100 * fraction:.1f}%" if isinstance(fraction, int | float) else "?"
-        lines.append(f"rollout     {rollout.get('state')}  stage {rollout.get('stage')}  backfilled {shown}")
+        lines.append(f"rollout     {rollout.get('status')}  stage {rollout.get('stage')}  backfilled {shown}")
     phases = doc.get("phases") or []
     lines.append("phases" + ("      - (no run yet)" if not phases else ""))
     for row in phases:

@@ -198,12 +198,12 @@ def run_cmd(
         echo_json(state)
     else:
         typer.echo(
-            f"rollout {state['rollout_id']}: {state['state']} at stage {state['stage']}, "
+            f"rollout {state['rollout_id']}: {state['status']} at stage {state['stage']}, "
             f"{100 * state['fraction_backfilled']:.0f}% backfilled"
         )
         for point in state["curve"]:
             typer.echo(f"  {100 * point['fraction']:5.1f}%  t2i R@1 {point['t2i_R@1']:.2f}")
-    if state["state"] == "halted":
+    if state["status"] == "halted":
         fail(f"rollout halted: {state['halt_reason']}", code=1)
 
 
@@ -225,7 +225,7 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
     if as_json:
         echo_json(doc)
         return
-    line = f"state {doc['state']}  stage {doc['stage']}  backfilled {doc['fraction_backfilled']}"
+    line = f"state {doc['status']}  stage {doc['stage']}  backfilled {doc['fraction_backfilled']}"
     pace = doc.get("pace") or {}
     if pace.get("p99_factor") and pace.get("idle_p99_ms") is not None:
         last = pace.get("last_p99_ms")

@@ -188,7 +188,7 @@ class KilledRun:
                 state = json.loads((self.ws / "rollout_state.json").read_text())
             except (OSError, ValueError):
                 return False
-            return state["model_version"] == "2" and state["state"] == "running" and state["stage"] >= stage
+            return state["model_version"] == "2" and state["status"] == "running" and state["stage"] >= stage
 
         return ready
 
@@ -244,7 +244,7 @@ def test_the_run_after_every_kill_finishes_the_phase(killed):
     assert done["run_dir"] == killed.kill("validation")["run_dir"]
     assert done["run"]["attempt"] == len(KILLS) + 1
     rollout = done["rollout"]
-    assert rollout["state"] == "completed"
+    assert rollout["status"] == "completed"
     assert rollout["rollout_id"] == killed.kill("backfill stage 3")["rollout"]["rollout_id"]  # resumed
     gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
     assert gallery["by_version"] == {"2": 80} == {"2": gallery["count"]}  # one vector per item

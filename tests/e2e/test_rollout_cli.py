@@ -60,14 +60,14 @@ def test_kill_9_mid_stage_then_resume(tmp_path, backend, request) -> None:
     )
     assert proc.returncode == -signal.SIGKILL
     state = json.loads(paths.state.read_text())
-    assert state["state"] == "running" and state["stage"] == 3
+    assert state["status"] == "running" and state["stage"] == 3
     with GalleryIndex(uri, alias) as index:  # mid-stage: a mixed gallery, nothing lost
         assert index.count() == N and set(index.count_by_version()) == {"v1", "v2"}
 
     rerun = subprocess.run(_cli(ws, "--json"), env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
     final = json.loads(rerun.stdout)
-    assert final["state"] == "completed" and final["rollout_id"] == state["rollout_id"]
+    assert final["status"] == "completed" and final["rollout_id"] == state["rollout_id"]
     assert [p["fraction"] for p in final["curve"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
     with GalleryIndex(uri, alias) as index:
         _assert_gallery(index, UPGRADE.new_gallery, "v2")
@@ -129,7 +129,7 @@ def test_cli_with_real_models_end_to_end(tmp_path) -> None:
     )
     assert result.exit_code == 0, result.output
     state = json.loads(result.output[result.output.index("{") :])
-    assert state["state"] == "completed" and state["query_model"]["uri"] == str(ckpt)
+    assert state["status"] == "completed" and state["query_model"]["uri"] == str(ckpt)
     probe = json.loads((ws / "rollout" / "probe.json").read_text())
     with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
         assert index.count_by_version() == {"v2": 96}

@@ -89,8 +89,8 @@ def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(bootst
     config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, "bct")
     config["rollout"]["floors"] = {"R@1": 100.0}  # no model reaches it: the first stage halts
     halted = cycle.ship(1, probes_can_halt=True)
-    assert not halted["promoted"] and halted["rollout"]["state"] == "rolled_back"
-    assert halted["rollout"]["rollback"]["from_state"] == "halted"
+    assert not halted["promoted"] and halted["rollout"]["status"] == "rolled_back"
+    assert halted["rollout"]["rollback"]["from_status"] == "halted"
     assert_serves(config, "1", 32)  # production serves every item, the candidate nothing
     serving = json.loads((Path(config["workspace"]) / "serving.json").read_text())
     assert serving["query_model"]["version"] == "1"

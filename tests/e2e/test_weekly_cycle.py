@@ -191,7 +191,7 @@ def test_weekly_gate_block_leaves_production_alone_and_serves_the_new_items(week
 def test_weekly_blue_green_upgrade_ships(weekly):
     blue_green = weekly.reach("blue_green")
     rollout = weekly.read(blue_green, "rollout", "rollout.json")
-    assert rollout["rollout"]["state"] == "completed" and rollout["promoted"]
+    assert rollout["rollout"]["status"] == "completed" and rollout["promoted"]
     assert rollout["rollout"]["mode"] == "blue_green"
     before = rollout["rollout"]["gallery"]["source_collection"]
     assert blue_green["gallery"]["collection"] == rollout["rollout"]["gallery"]["collection"] != before
@@ -239,8 +239,8 @@ def test_weekly_halted_rollout_is_rolled_back_whole_and_the_schedule_goes_on(wee
     # Run after the failed one, with the damaged copy deleted as advised: phase 4 runs again.
     halted = weekly.reach("halted")
     rollout = weekly.read(halted, "rollout", "rollout.json")
-    assert rollout["rollout"]["state"] == "rolled_back" and not rollout["promoted"]
-    assert rollout["rollout"]["rollback"]["from_state"] == "halted"
+    assert rollout["rollout"]["status"] == "rolled_back" and not rollout["promoted"]
+    assert rollout["rollout"]["rollback"]["from_status"] == "halted"
     assert "rolled back" in weekly.read(halted, "blocked.json")["reason"]
     assert halted["serving"]["query_model"]["version"] == "4" and halted["aliases"]["production"] == "4"
     # phase 4's items ingested by production, nothing else

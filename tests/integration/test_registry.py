@@ -40,8 +40,8 @@ def test_aliases_after_pass_block_and_rollback(workspace: Workspace, tmp_path: P
     assert aliases(registry) == {"production": v1, "candidate": v1, "previous": None}
 
     v2, files2 = candidate(registry, tmp_path, "run-2", 2, PASS, phase=1)
-    with pytest.raises(PromotionError, match="rollout state is 'backfilling'"):
-        registry.promote(rollout_state={"state": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
+    with pytest.raises(PromotionError, match="rollout status is 'backfilling'"):
+        registry.promote(rollout_state={"status": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
     assert registry.alias_version("production") == v1
     state_file = tmp_path / "rollout_state.json"
     state_file.write_text(json.dumps(DONE))
@@ -191,7 +191,7 @@ def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path) -> None:
 
     doc = collect(tmp_path / "fresh")
     assert doc["registry"]["production"] is None and "no registry yet" in doc["registry"]["note"]
-    assert doc["last_gate"] is None and doc["rollout"]["state"] == "none" and doc["gallery"]["count"] == 0
+    assert doc["last_gate"] is None and doc["rollout"]["status"] == "none" and doc["gallery"]["count"] == 0
     assert not (tmp_path / "fresh").exists()
 
 

@@ -88,7 +88,7 @@ def make_run(root: Path, *, i2t_new_old: float = 33.0) -> Path:
         },
         "evaluate/compat_report.json": report,
         "rollout/rollout_state.json": {
-            "state": "completed",
+            "status": "completed",
             "stage": 4,
             "fraction_backfilled": 1.0,
             "curve": [

@@ -54,22 +54,22 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
     with GalleryIndex(uri) as index:
         UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
         good = synthetic_encoders({"options": OPTS})
-        assert ro.run_rollout(index, paths, _config("v2"), good, PROBE)["state"] == "completed"  # v2 serves
+        assert ro.run_rollout(index, paths, _config("v2"), good, PROBE)["status"] == "completed"  # v2 serves
         with pytest.raises(_Died):  # the next candidate's rollout dies in its first backfill stage
             ro.run_rollout(index, paths, _config("v3"), _dying_encoders(2), PROBE)
         died = ro.status(paths.state)
-        assert died["state"] == "running" and died["stage"] == 1 and died["new_version"] == "v3"
+        assert died["status"] == "running" and died["stage"] == 1 and died["new_version"] == "v3"
 
         on_rollback({"workspace": ws, "from_version": "v2", "to_version": "v1"})  # production v2 -> v1
         after = ro.status(paths.state)
-        assert after["state"] == "rolled_back" and after["new_version"] == "v3"
+        assert after["status"] == "rolled_back" and after["new_version"] == "v3"
         assert "superseded: production rolled back from v2 to v1" in after["halt_reason"]
         assert index.count_by_version() == {"v1": N}
         assert read_serving(paths.serving)["query_model"]["version"] == "v1"
 
         # The next run: the killed run of v3 resumed gets its rolled-back rollout back, touching nothing ...
         again = ro.run_rollout(index, paths, _config("v3"), good, PROBE)
-        assert again["state"] == "rolled_back" and again["rollout_id"] == died["rollout_id"]
+        assert again["status"] == "rolled_back" and again["rollout_id"] == died["rollout_id"]
         assert index.count_by_version() == {"v1": N}
     # ... and a run of another candidate finds nothing unfinished to undo over the restored production.
     assert _undo_unfinished_rollout(Workspace(ws, index_uri=uri), "v4") is None
@@ -112,7 +112,7 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
     )
     assert registry.alias_version("production") == v1 and registry.alias_version("previous") is None
     after = ro.status(paths.state)
-    assert after["state"] == "rolled_back" and "rolled back by compatflow rollback" in after["halt_reason"]
+    assert after["status"] == "rolled_back" and "rolled back by compatflow rollback" in after["halt_reason"]
     assert read_serving(paths.serving)["query_model"]["version"] == "v1"
     with GalleryIndex(uri) as index:
         assert index.count_by_version() == {"v1": N}

@@ -58,8 +58,8 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
         index, paths, _config(order="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
     )
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", str(paths.state))
-    assert state["state"] == "completed" and state["fraction_backfilled"] == 1.0
-    assert [s["state"] for s in state["stages"]] == ["accepted"] * 5
+    assert state["status"] == "completed" and state["fraction_backfilled"] == 1.0
+    assert [s["status"] for s in state["stages"]] == ["accepted"] * 5
     assert [p["fraction"] for p in state["curve"]] == [0.0, 0.1, 0.25, 0.5, 1.0]
     for stage in state["stages"]:
         assert all(stage["probe"][m] >= state["floors"][m] for m in state["floors"])
@@ -69,7 +69,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     record = read_serving(paths.serving)
     assert record["query_model"]["side"] == "new" and record["query_model"]["version"] == "v2"
     summary = ro.status(paths.state)
-    assert (summary["state"], summary["stage"], summary["fraction_backfilled"]) == ("completed", 4, 1.0)
+    assert (summary["status"], summary["stage"], summary["fraction_backfilled"]) == ("completed", 4, 1.0)
     # lineage: new rows carry the rollout id, old rows' source uri is kept
     row = index.fetch(["item-00007"])[0]
     assert row["rollout_id"] == state["rollout_id"] and row["source_uri"] == "shard#item-00007"
@@ -77,30 +77,30 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     assert (
         ro.run_rollout(
             index, paths, _config(order="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
-        )["state"]
+        )["status"]
         == "completed"
     )
 
     back = ro.rollback(paths, index)
-    assert back["state"] == "rolled_back" and back["query_model"]["side"] == "old"
+    assert back["status"] == "rolled_back" and back["query_model"]["side"] == "old"
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
     assert read_serving(paths.serving)["query_model"]["version"] == "v1"
-    assert ro.rollback(paths, index)["state"] == "rolled_back"  # idempotent
+    assert ro.rollback(paths, index)["status"] == "rolled_back"  # idempotent
 
 
 def test_regression_halts_and_restores_the_stage(setup) -> None:
     paths, index = setup
     broken = synthetic_encoders({"options": {**OPTS, "broken": "1"}})
     state = ro.run_rollout(index, paths, _config(), broken, PROBE)
-    assert state["state"] == "halted" and state["restored"]
-    assert state["stages"][0]["state"] == "accepted" and state["stages"][1]["state"] == "halted"
+    assert state["status"] == "halted" and state["restored"]
+    assert state["stages"][0]["status"] == "accepted" and state["stages"][1]["status"] == "halted"
     probe, floors = state["stages"][1]["probe"], state["floors"]
     broken_metrics = [m for m in floors if probe[m] < floors[m]]
     assert broken_metrics and all(m in state["halt_reason"] for m in broken_metrics)
     assert state["fraction_backfilled"] == 0.0 and state["cursor"]["position"] == 0
     _assert_gallery(index, UPGRADE.old_gallery, "v1")  # the stage's items got their old vectors back
     # fail closed: running the same configuration again does not retry the regression
-    assert ro.run_rollout(index, paths, _config(), broken, PROBE)["state"] == "halted"
+    assert ro.run_rollout(index, paths, _config(), broken, PROBE)["status"] == "halted"
     assert index.count_by_version() == {"v1": N}
 
 
@@ -109,7 +109,7 @@ def test_stage0_floor_blocks_the_query_switch(setup) -> None:
     state = ro.run_rollout(
         index, paths, _config(floors={"R@1": 99.0}), synthetic_encoders({"options": OPTS}), PROBE
     )
-    assert state["state"] == "halted" and state["stage"] == 0
+    assert state["status"] == "halted" and state["stage"] == 0
     assert state["floors"]["R@1"] == 99.0  # configured above old/old; R@5's floor: old/old less one SE
     n = len(PROBE.texts)
     assert state["floors"]["R@5"] == pytest.approx(
@@ -140,7 +140,7 @@ def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypat
 
     def flaky_save(path, state):
         calls["n"] += 1
-        if state["cursor"]["position"] == 72 and state["state"] == "running":
+        if state["cursor"]["position"] == 72 and state["status"] == "running":
             raise _Crash("power cut after upsert")
         real_save(path, state)
 
@@ -149,11 +149,11 @@ def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypat
     with pytest.raises(_Crash):
         ro.run_rollout(index, paths, _config(), encoders, PROBE)
     saved = json.loads(paths.state.read_text())
-    assert saved["state"] == "running" and saved["cursor"]["position"] == 40
+    assert saved["status"] == "running" and saved["cursor"]["position"] == 40
     assert index.count_by_version()["v2"] >= 72  # the batch 40..72 is already upserted
     monkeypatch.setattr(engine, "save_state", real_save)
     state = ro.run_rollout(index, paths, _config(), encoders, PROBE)
-    assert state["state"] == "completed"
+    assert state["status"] == "completed"
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
     ro.rollback(paths, index)  # the repeated batch restored the rows it first replaced: the old ones
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
@@ -182,7 +182,7 @@ def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
     with pytest.raises(_Crash):
         ro.run_rollout(index, paths, _config(prefetch=prefetch), bad, PROBE)
     saved = json.loads(paths.state.read_text())
-    assert saved["state"] == "running" and saved["cursor"]["position"] > 0
+    assert saved["status"] == "running" and saved["cursor"]["position"] > 0
     assert index.count_by_version() == {
         "v1": N - saved["cursor"]["position"],
         "v2": saved["cursor"]["position"],
@@ -192,7 +192,7 @@ def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
     other = _config(order="oldest_first")
     with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
         ro.run_rollout(index, paths, other, good, PROBE)
-    assert ro.run_rollout(index, paths, _config(), good, PROBE)["state"] == "completed"
+    assert ro.run_rollout(index, paths, _config(), good, PROBE)["status"] == "completed"
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
 
 
@@ -214,7 +214,7 @@ def test_forward_transform_goes_through_a_new_collection(setup) -> None:
         transform_tag="zero_pad:v2",
     )
     state = ro.run_rollout(index, paths, _config(order="uncertainty"), enc, PROBE)
-    assert state["state"] == "completed"
+    assert state["status"] == "completed"
     target = index.serving_collection()
     assert target != source and index.collection_dim(target) == 40
     _assert_gallery(index, pad(UPGRADE.new_gallery), "v2", target)
@@ -236,7 +236,7 @@ def test_space_change_goes_blue_green(setup) -> None:
         space="s2",
     )
     state = ro.run_rollout(index, paths, _config(), enc, PROBE)
-    assert state["mode"] == "blue_green" and state["state"] == "completed"
+    assert state["mode"] == "blue_green" and state["status"] == "completed"
     target = index.serving_collection()
     assert target.endswith("_s2_1") and index.collection_space(target) == "s2"
     _assert_gallery(index, UPGRADE.new_gallery @ rot, "v2", target)
@@ -281,7 +281,7 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
     assert set(hits[0]) == {"item_id", "score", "model_version", "caption"}
     assert hits[0]["model_version"] == "v2" and hits[0]["caption"] is None  # its rows name no real shard
     result = CliRunner().invoke(app, ["rollout", "status", "--json", "--workspace", str(ws)])
-    assert json.loads(result.output)["state"] == "completed"
+    assert json.loads(result.output)["status"] == "completed"
     refused = CliRunner().invoke(app, ["search", "  ", "--workspace", str(ws)])
     assert refused.exit_code == 2 and "empty query text" in refused.output
 
@@ -290,7 +290,7 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
 
     doc = gallery_part(ws)
     assert doc["gallery"]["count"] == N == sum(doc["gallery"]["by_version"].values())
-    assert doc["rollout"]["fraction_backfilled"] == 1.0 and doc["rollout"]["state"] == "completed"
+    assert doc["rollout"]["fraction_backfilled"] == 1.0 and doc["rollout"]["status"] == "completed"
     with pytest.raises(ro.RolloutError, match="no completed rollout of version 7"):
         on_rollback({"workspace": ws, "from_version": "7"})
     on_rollback({"workspace": ws, "from_version": "v2"})
@@ -340,7 +340,7 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup, monkeypatch) -> None:
         PROBE,
     )
     elapsed = time.perf_counter() - t0
-    assert state["state"] == "completed"
+    assert state["status"] == "completed"
     pace = state["pace"]
     assert pace["idle_p99_ms"] > 0 and pace["last_p99_ms"] is not None and pace["max_items_per_s"] == cap
     assert pace["latency_from"] == "searches"  # no service announced in this workspace
@@ -398,7 +398,7 @@ def test_in_place_batches_save_what_they_replace_and_flushes_bound_unflushed_row
         synthetic_encoders({"options": OPTS}),
         PROBE,
     )
-    assert state["state"] == "completed"
+    assert state["status"] == "completed"
     assert calls.rows("fetch") == N and calls.rows("upsert") == N
     assert 64 <= calls.most_unflushed() < 64 + 32
     files = list(saved_batches(paths.restore_dir(state["rollout_id"]), stage_batches(state)))
@@ -420,7 +420,7 @@ def test_rollback_replays_only_the_batches_that_ran(setup, monkeypatch) -> None:
     assert 0 < position < N
     writes = _Recorder(index, monkeypatch)
     state = ro.rollback(paths, index)
-    assert state["state"] == "rolled_back"
+    assert state["status"] == "rolled_back"
     assert position <= writes.rows("upsert") <= position + 32
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
 

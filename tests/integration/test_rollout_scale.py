@@ -161,7 +161,7 @@ def test_plan_streams_a_collection_larger_than_one_read(tmp_path, monkeypatch) -
         _index_old(paths, index)
         before = _gallery(index)
         state = ro.run_rollout(index, paths, _config(order="oldest_first"), _encoders(), PROBE)
-        assert state["state"] == "completed" and state["n_items"] == N
+        assert state["status"] == "completed" and state["n_items"] == N
         ranked = RankedOrder(state["order"]["path"], expected_digest=state["order"]["digest"])
         assert sorted(ranked[0:N]) == sorted(UPGRADE.item_ids) and len(ranked.manifest["chunks"]) == 7
         assert index.count_by_version() == {"v2": N} and index.count() == N
@@ -199,7 +199,7 @@ def test_two_workers_leave_the_same_gallery_as_one(on_server) -> None:
     two_paths, two = on_server("two")
     a = ro.run_rollout(one, one_paths, _config(), _encoders(), PROBE)
     b = ro.run_rollout(two, two_paths, _config(workers=2), _encoders(), PROBE)
-    assert a["state"] == b["state"] == "completed"
+    assert a["status"] == b["status"] == "completed"
     assert all(len(s["workers"]) == 2 for s in b["stages"][1:])
     assert sum(w["written"] for s in b["stages"][1:] for w in s["workers"]) == N
     ga, gb = _gallery(one), _gallery(two)
@@ -272,7 +272,7 @@ def test_the_rate_cap_is_one_budget_over_two_workers(on_server) -> None:
     paths, index = on_server("ws")
     config = _config(workers=2, fractions=(1.0,), max_items_per_s=400.0, batch_size=20)
     state = ro.run_rollout(index, paths, config, _encoders(), PROBE)
-    assert state["state"] == "completed"
+    assert state["status"] == "completed"
     stage = state["stages"][1]
     assert [w["pace"]["items_per_s_allowed"] for w in stage["workers"]] == [200.0, 200.0]
     assert all(w["written"] == 200 and w["seconds"] >= 0.9 for w in stage["workers"])
@@ -295,5 +295,5 @@ def test_ranges_run_by_pipeline_tasks_one_stage_at_a_time(on_server) -> None:
         for start, end in pending:
             workers.run_range(work / workers.SPEC_FILE, start, end)
     assert handed_out == [[(0, 128), (128, 200)], [(200, 328), (328, 400)]]  # 7 batches of 32 each
-    assert state["state"] == "completed" and [s["state"] for s in state["stages"]] == ["accepted"] * 3
+    assert state["status"] == "completed" and [s["status"] for s in state["stages"]] == ["accepted"] * 3
     assert index.count() == N and index.count_by_version() == {"v2": N}

@@ -319,7 +319,7 @@ def test_blue_green_swap_and_rollback_under_load(gallery, service) -> None:
     try:
         load.wait_for(30)
         state = ro.run_rollout(index, paths, _config(options), encoders, PROBE)
-        assert state["mode"] == "blue_green" and state["state"] == "completed", state.get("halt_reason")
+        assert state["mode"] == "blue_green" and state["status"] == "completed", state.get("halt_reason")
         target = index.serving_collection()
         assert target != source
         n = len(load.answers)
@@ -356,7 +356,7 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
         load.wait_for(20)
         config = _config(OPTS, fractions=(0.5, 1.0), slo_p99_factor=1.5)
         state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE)
-        assert state["state"] == "completed" and state["mode"] != "blue_green"
+        assert state["status"] == "completed" and state["mode"] != "blue_green"
         pace = state["pace"]  # paced on the users' queries the service answered, read from its /metrics
         assert pace["latency_from"] == "service" and pace["idle_p99_ms"] > 0 and pace["last_p99_ms"] > 0
         n = len(load.answers)
@@ -375,8 +375,8 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
     metrics = text.decode()
     client.close()
     rid = state["rollout_id"]
-    assert f'compatflow_rollout_stage{{rollout_id="{rid}",state="completed"}} 2.0' in metrics
-    assert f'compatflow_rollout_fraction_backfilled{{rollout_id="{rid}",state="completed"}} 1.0' in metrics
+    assert f'compatflow_rollout_stage{{rollout_id="{rid}",status="completed"}} 2.0' in metrics
+    assert f'compatflow_rollout_fraction_backfilled{{rollout_id="{rid}",status="completed"}} 1.0' in metrics
     assert "compatflow_rollout_probe_recall_at_1" in metrics
     assert 'version="v2"' in metrics and 'version="v1"' not in metrics
     assert "compatflow_serving_swaps_total 1.0" in metrics
@@ -575,7 +575,7 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
     registry.register_candidate(
         run_id, _checkpoint(tmp_path / "m1", 1), data_phase=0, method="bct", gate=gate
     )
-    registry.promote("1", rollout_state={"state": "completed"})
+    registry.promote("1", rollout_state={"status": "completed"})
     digest = registry.version_info("1")["tags"]["checkpoint.sha256"]
     copy = ws.model_dir("1")
     record = read_serving(paths.serving)

@@ -176,10 +176,11 @@ class Registry(Tracking):
                 f"{decision or 'missing'}{f' ({why})' if why and why != '[]' else ''}"
             )
         state = _load_state(rollout_state)
-        if state.get("state") != ROLLOUT_DONE:
+        status = state.get("status", state.get("state"))  # "state": a rollout state version 1 wrote
+        if status != ROLLOUT_DONE:
             raise PromotionError(
-                f"{self.model_name} version {version} cannot become production: rollout state is "
-                f"{state.get('state')!r}, not {ROLLOUT_DONE!r} (finish `compatflow rollout` first)"
+                f"{self.model_name} version {version} cannot become production: rollout status is "
+                f"{status!r}, not {ROLLOUT_DONE!r} (finish `compatflow rollout` first)"
             )
         named = state.get("model_version", state.get("candidate_version"))
         if named is not None and str(named) != version:

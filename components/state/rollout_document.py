@@ -1,0 +1,184 @@
+"""The rollout state document (``rollout_state.json``): its typed model, from which
+``schemas/rollout_state.schema.json`` is generated (``make schemas``), and the one reader every process uses
+(the rollout engine, the search service, ``compatflow status``), which brings a file an earlier release wrote
+to this version on read.
+
+Written atomically after every batch by :mod:`components.rollout`. Stage 0 is the query-model switch;
+stages 1..k reach the configured fractions of the gallery in the recorded order. Metrics are percentages.
+Version 2 names a rollout's and a stage's progress ``status`` (version 1: ``state``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from compat.io import read_json
+
+SCHEMA_VERSION = 2
+
+Percent = Annotated[float, Field(ge=0, le=100)]
+MetricName = Annotated[str, StringConstraints(pattern=r"^R@[0-9]+$")]
+
+
+def _has_r1(metrics: dict[str, float]) -> dict[str, float]:
+    if "R@1" not in metrics:
+        raise ValueError("R@1 is missing")
+    return metrics
+
+
+Metrics = Annotated[dict[MetricName, Percent], AfterValidator(_has_r1)]
+Status = Literal["pending", "running", "halted", "completed", "rolled_back"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="allow")  # later releases may add fields an earlier reader keeps
+
+
+class ModelRef(_Record):
+    version: str = Field(min_length=1)
+    uri: str | None = None
+    factory: str | None = None
+
+
+class OrderRecord(_Record):
+    policy: Literal["random", "oldest_first", "lambda_orth", "uncertainty"]
+    seed: int
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the ordered item ids")
+    path: str
+    n_clusters: int | None = Field(default=None, ge=1)
+
+
+class Cursor(_Record):
+    position: int = Field(ge=0, description="items of the order upserted so far")
+    batches: int = Field(ge=0)
+    adapt_position: int = Field(default=0, ge=0)
+
+
+class GalleryRecord(_Record):
+    uri: str
+    alias: str
+    source_collection: str
+    source_space: str
+    collection: str = Field(description="Collection the new vectors are written to.")
+    space: str
+    dim: int = Field(ge=1)
+    transform: str | None = None
+    versions_before: dict[str, Annotated[int, Field(ge=0)]]
+    versions_after: dict[str, Annotated[int, Field(ge=0)]] | None = None
+
+
+class StageRecord(_Record):
+    stage: int = Field(ge=0)
+    fraction: float = Field(ge=0, le=1)
+    target_position: int = Field(ge=0)
+    status: Literal["pending", "running", "accepted", "halted"]
+    kind: Literal["query_switch", "backfill", "fill"]
+    probe: Metrics | None = None
+    items_per_s: float | None = Field(default=None, ge=0)
+    seconds: float | None = Field(default=None, ge=0, description="the stage's last run: writes, probe")
+    started_at: str | None = None
+    finished_at: str | None = None
+
+
+class CurvePoint(_Record):
+    fraction: float = Field(ge=0, le=1)
+    t2i_r1: Percent = Field(alias="t2i_R@1")
+
+
+class Pace(_Record):
+    """What the backfill ran at (components.rollout.pacing)."""
+
+    p99_factor: float | None = None
+    max_items_per_s: float | None = None
+    latency_from: Literal["service", "searches"] | None = Field(
+        default=None, description="service: users' queries from the services' /metrics; searches: timed"
+    )
+    idle_p99_ms: float | None = None
+    last_p99_ms: float | None = None
+    items_per_s_allowed: float | None = None
+    slowdowns: int = Field(default=0, ge=0)
+    slept_s: float = Field(default=0.0, ge=0)
+
+
+class RolloutState(_Record):
+    """Durable progress of a gallery rollout (staged partial backfill or blue-green)."""
+
+    model_config = ConfigDict(extra="allow", title="Rollout state")
+    schema_version: Literal[2]
+    rollout_id: str = Field(pattern=r"^[0-9a-f]{12}$")
+    status: Status
+    mode: Literal["staged", "blue_green"]
+    created_at: str | None = None
+    updated_at: str | None = None
+    new_version: str = Field(min_length=1)
+    model_version: str | None = Field(default=None, description="The registry version served (new_version).")
+    stage: int = Field(ge=0)
+    fractions: list[Annotated[float, Field(gt=0, le=1)]] = Field(min_length=1)
+    n_items: int = Field(ge=1)
+    fraction_backfilled: float = Field(ge=0, le=1)
+    batch_size: int = Field(ge=1)
+    order: OrderRecord
+    cursor: Cursor
+    query_model: ModelRef = Field(description="The query model serving now.")
+    previous_query_model: ModelRef
+    new_query_model: ModelRef
+    gallery: GalleryRecord
+    ks: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    baseline: Metrics = Field(description="old/old on the probe set, before the rollout")
+    floors: Metrics
+    probe_tolerance: float | None = Field(default=None, ge=0)
+    stages: list[StageRecord] = Field(min_length=1)
+    curve: list[CurvePoint]
+    restored: bool = Field(description="false while a halted stage still awaits its previous vectors")
+    halt_reason: str | None
+    rollback: dict[str, Any] | None = None
+    pace: Pace | None = None
+
+
+def migrated(document: Any) -> Any:
+    """``document`` brought to :data:`SCHEMA_VERSION` (version 1 named the statuses ``state``); anything else
+    is returned as it is, for validation to refuse."""
+    if not isinstance(document, dict) or document.get("schema_version") != 1:
+        return document
+    document = {**document, "schema_version": SCHEMA_VERSION}
+    if "state" in document:
+        document["status"] = document.pop("state")
+    stages = document.get("stages")
+    if isinstance(stages, list):
+        document["stages"] = [
+            {**{k: v for k, v in s.items() if k != "state"}, "status": s["state"]}
+            if isinstance(s, dict) and "state" in s
+            else s
+            for s in stages
+        ]
+    rollback = document.get("rollback")
+    if isinstance(rollback, dict) and "from_state" in rollback:
+        document["rollback"] = {**{k: v for k, v in rollback.items() if k != "from_state"}}
+        document["rollback"]["from_status"] = rollback["from_state"]
+    return document
+
+
+def checked(document: Any, source: str) -> dict[str, Any]:
+    """``document`` (migrated) when it is a valid rollout state; else :class:`schemas.SchemaError` naming
+    ``source`` and each bad field."""
+    from components.state.documents import field_errors
+    from schemas import SchemaError
+
+    document = migrated(document)
+    try:
+        RolloutState.model_validate(document)
+    except ValidationError as err:
+        problems = "\n  ".join(field_errors(err))
+        raise SchemaError(f"{source} is not a valid rollout state:\n  {problems}") from None
+    return document
+
+
+def read_rollout_state(path: str | Path, damaged: Callable[[str], Exception]) -> dict[str, Any] | None:
+    """The rollout state at ``path`` as this version's document, or None when there is no file; a file that
+    cannot be read or parsed raises ``damaged(reason)``, one that does not match raises SchemaError."""
+    document = read_json(path, damaged)
+    return None if document is None else checked(document, str(path))
