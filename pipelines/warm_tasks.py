@@ -25,14 +25,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import logging
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -40,10 +41,9 @@ from pathlib import Path
 
 from pipelines.task_client import SOCKET_ENV
 
-logger = logging.getLogger(__name__)
-
 ENABLE_ENV = "COMPATFLOW_WARM_TASKS"
 SOCKET_NAME = "task-host.sock"
+SOCKET_PATH_MAX = 100  # bytes: a Unix socket's path must fit sun_path (108 on Linux)
 CLIENT = Path(__file__).with_name("task_client.py")
 
 # What the steps import, in the order the pipeline's tasks come (plan, production, validate, drift, training,
@@ -96,6 +96,9 @@ def warm_task_host(
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o700)
     socket_path = folder / SOCKET_NAME
+    if len(os.fsencode(socket_path)) > SOCKET_PATH_MAX:  # a deep workspace: the socket goes to a short folder
+        short = "/tmp" if os.path.isdir("/tmp") else None  # not $TMPDIR: a run points it into the workspace
+        socket_path = Path(tempfile.mkdtemp(prefix="compatflow-tasks-", dir=short)) / SOCKET_NAME
     socket_path.unlink(missing_ok=True)
     launcher = folder / "task-python"
     launcher.write_text(f"#!/bin/sh\nexec '{sys.executable}' -I -S '{CLIENT}' \"$@\"\n")
@@ -126,6 +129,8 @@ def warm_task_host(
             host.kill()
             host.wait()
         log.close()
+        if socket_path.parent != folder:
+            shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------- host

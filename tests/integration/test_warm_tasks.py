@@ -178,3 +178,25 @@ def test_turned_off_it_starts_nothing(tmp_path, monkeypatch):
     with warm_task_host(tmp_path / "host") as launcher:
         assert launcher is None and sys.executable == python
     assert not (tmp_path / "host").exists()
+
+
+def test_a_workspace_too_deep_for_a_socket_path_is_still_served(tmp_path, monkeypatch):
+    from pipelines.task_client import SOCKET_ENV
+    from pipelines.warm_tasks import warm_task_host
+
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "probe.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(modules))
+    deep = tmp_path.joinpath(*["a-long-folder-name"] * 6)
+    with warm_task_host(deep, tmp_path / "host.log", preload=()) as launcher:
+        socket_path = Path(os.environ[SOCKET_ENV])
+        assert len(str(socket_path)) <= 100 and socket_path.parent != deep
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc = _launch(launcher, "echo", "0")
+        out, err = proc.communicate("x", timeout=60)
+        assert proc.returncode == 0 and int(out.split()[3]) != proc.pid, err
+    assert not socket_path.parent.exists()
