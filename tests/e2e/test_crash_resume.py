@@ -39,7 +39,8 @@ KILLS = (
 CHECKPOINT_EVERY = 5
 
 
-def _start(config_file: Path, log: Path) -> subprocess.Popen:
+def _start(config_file: Path, log: Path, *, warm: bool = True) -> subprocess.Popen:
+    """``compatflow run`` in a session of its own; ``warm`` False: every task a fresh Python, as in a pod."""
     exe = Path(sys.executable).with_name("compatflow")
     with open(log, "w") as out:
         return subprocess.Popen(
@@ -47,6 +48,7 @@ def _start(config_file: Path, log: Path) -> subprocess.Popen:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "COMPATFLOW_WARM_TASKS": "1" if warm else "0"},
         )
 
 
@@ -98,8 +100,10 @@ class KilledRun:
         self.seen: list[dict[str, Any]] = []  # what each kill left, in the order of KILLS
         self.finished: dict[str, Any] | None = None
         self.failed: str | None = None
-        first = _start(self.config_file, root / "run-0.log")
+        # phase 0 with a fresh process per task (kfp.local's own way, a pod's), the kills with warm tasks
+        first = _start(self.config_file, root / "run-0.log", warm=False)
         assert first.wait(timeout=900) == 0, (root / "run-0.log").read_text()[-3000:]
+        assert not (_run_dir(self.ws, 0) / "task-host.log").exists()  # no host served phase 0
 
     def log_of(self, attempt: int) -> Path:
         return self.root / f"run-1-{attempt}.log"
@@ -243,6 +247,8 @@ def test_the_run_after_every_kill_finishes_the_phase(killed):
     assert done["phase"]["status"] == "succeeded" and done["phase"]["run_id"] == done["run"]["run_id"]
     assert done["run_dir"] == killed.kill("validation")["run_dir"]
     assert done["run"]["attempt"] == len(KILLS) + 1
+    host_log = (Path(done["run_dir"]) / "task-host.log").read_text()  # the attempts' tasks were forked warm
+    assert "finish_op" in host_log and "exit 0" in host_log
     rollout = done["rollout"]
     assert rollout["status"] == "completed"
     assert rollout["rollout_id"] == killed.kill("backfill stage 3")["rollout"]["rollout_id"]  # resumed
