@@ -11,11 +11,19 @@ from safetensors.numpy import save_file
 
 from components.adapters.registry import Registry
 
-PASS = {"decision": "pass", "reasons": [], "report_sha256": "a" * 64}
+PASS = {
+    "decision": "pass",
+    "reasons": [],
+    "checks": [],
+    "report_sha256": "a" * 64,
+    "decided_at": "2026-11-22T00:00:00+00:00",
+}
 BLOCK = {
     "decision": "block",
     "reasons": [{"code": "ecc_margin", "message": "i2t R@1: -2.00 pp"}],
+    "checks": [{"name": "ecc", "status": "fail", "code": "ecc_margin", "message": "i2t R@1: -2.00 pp"}],
     "report_sha256": "b" * 64,
+    "decided_at": "2026-11-22T00:00:00+00:00",
 }
 DONE = {"status": "completed", "stage": 4, "fraction_backfilled": 1.0}
 

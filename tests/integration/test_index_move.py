@@ -37,7 +37,7 @@ def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, 
             RolloutSection(), new_version="v2", query_model=query_model, batch_size=64, order="random"
         )
         assert ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE)[
-            "state"
+            "status"
         ] == ("completed")
         before = _vectors(index)
         collections = sorted(index.collections())

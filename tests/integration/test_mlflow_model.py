@@ -27,9 +27,11 @@ def png(seed: int) -> bytes:
 def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A workspace whose production is a plain checkpoint and whose candidate a compatible model (``none``),
     both registered by the pipeline's register step."""
+    from compat.io import utc_now
     from compat.methods.config import MethodConfig
     from compat.methods.none import independent_model
     from compat.models import build_model, save_checkpoint
+    from components.gate import GateDecision
     from components.steps.base import registry_of
     from components.steps.release import register_step
     from pipelines.config import load_config, resolve
@@ -52,8 +54,9 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     wrapped.save(compat)
     run2 = tmp / "ws" / "runs" / "run-2"
-    (run2 / "gate").mkdir(parents=True)
-    (run2 / "gate" / "gate.json").write_text(json.dumps({"decision": "pass", "reasons": []}))
+    GateDecision(decision="pass", reasons=[], checks=[], report_sha256="a" * 64, decided_at=utc_now()).write(
+        run2 / "gate"
+    )
     config = config.with_changes(compat={"method": "none", "options": {}})
     v2 = register_step(config, run2, 1, str(compat))["version"]
     return {"config": config, "registry": registry, "versions": (v1, v2)}
