@@ -71,14 +71,17 @@ def task_start(work: Path, starts: int) -> dict[str, float]:
             ready = work / "host" / "host.log"
             while "preloaded in" not in (ready.read_text() if ready.exists() else ""):
                 time.sleep(0.1)
+            served = {**os.environ}  # now with the host's socket
             warm = []
             for _ in range(starts):
                 start = time.perf_counter()
-                subprocess.run([str(launcher), *argv], env=env, check=True, capture_output=True)
+                subprocess.run([str(launcher), *argv], env=served, check=True, capture_output=True)
                 warm.append(time.perf_counter() - start)
     finally:
         os.environ.pop("PYTHONPATH", None)
     times["warm task host"] = statistics.median(warm)
+    if "task " not in ready.read_text():
+        raise SystemExit(f"the warm host served no task: {ready.read_text()[-2000:]}")
     return times
 
 
