@@ -169,36 +169,34 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         os.environ.setdefault(EVERY_ENV, "2")
     echo.write(f"compatflow: run {plan['run_id']} on phase {plan['phase']} ({plan['domain']})\n")
 
-    # Caching as on the cluster (pipelines.resources.CACHEABLE): a resumed run keeps its run id, so the steps
-    # its killed attempt finished are skipped (cache under <workspace>/kfp/.kfp_cache); a new run never hits.
-    local.init(
-        runner=local.SubprocessRunner(use_venv=False),
-        pipeline_root=str(workspace.kfp_dir),
-        raise_on_error=True,
-        enable_caching=True,
-    )
-    pipeline = build_pipeline(deployment, runner="local")
-    log_path = RunDir(run_dir).pipeline_log
-    # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
-    log = _EchoingLog(open(log_path, "w", buffering=1), echo)
-    broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
-    try:
-        with (
-            warm_task_host(tmp / "task-host", RunDir(run_dir).task_host_log),
-            warnings.catch_warnings(),
-            contextlib.redirect_stdout(log),
-        ):
-            warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-            warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
-            try:
-                pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
-            except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
-                log.write(f"\npipeline failed: {err}\n")
-            except OSError as err:
-                broke = err
-                log.write(f"\npipeline failed: {err}\n")
-    finally:
-        log.close_file()
+    # The warm task host starts importing now, while this process builds the pipeline.
+    with warm_task_host(tmp / "task-host", RunDir(run_dir).task_host_log):
+        # Caching as on the cluster (pipelines.resources.CACHEABLE): a resumed run keeps its run id, so the
+        # steps its killed attempt finished are skipped (cache under <workspace>/kfp/.kfp_cache).
+        local.init(
+            runner=local.SubprocessRunner(use_venv=False),
+            pipeline_root=str(workspace.kfp_dir),
+            raise_on_error=True,
+            enable_caching=True,
+        )
+        pipeline = build_pipeline(deployment, runner="local")
+        log_path = RunDir(run_dir).pipeline_log
+        # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
+        log = _EchoingLog(open(log_path, "w", buffering=1), echo)
+        broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(log):
+                warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+                warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
+                try:
+                    pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
+                except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
+                    log.write(f"\npipeline failed: {err}\n")
+                except OSError as err:
+                    broke = err
+                    log.write(f"\npipeline failed: {err}\n")
+        finally:
+            log.close_file()
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
     status = recorded.get("status", "failed") if recorded.get("run_id") == plan["run_id"] else "failed"
     outputs = {

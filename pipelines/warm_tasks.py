@@ -53,10 +53,14 @@ PRELOAD = (
     "kfp.dsl.executor_main",
     "components.steps",
     "mlflow",
+    "mlflow.store.tracking.sqlalchemy_store",
+    "mlflow.store.model_registry.sqlalchemy_store",
+    "mlflow.pyfunc",
     "components.adapters.registry",
     "great_expectations",
     "components.data.validation",
     "evidently",
+    "plotly.graph_objects",
     "components.data.drift",
     "torch",
     "open_clip",
@@ -70,8 +74,13 @@ PRELOAD = (
     "components.rollout",
     "components.rollout.workers",
     "feast.feature_store",
+    "feast.infra.online_stores.milvus_online_store.milvus",
+    "feast.infra.offline_stores.dask",
+    "milvus_lite",
     "components.adapters.lineage",
     "components.report",
+    "matplotlib.pyplot",
+    "components.report.plots",
 )
 # Environment read when the interpreter starts, not when a module runs: a task whose differs runs plain.
 STARTUP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONHASHSEED")
@@ -179,7 +188,7 @@ def _refusal(request: dict) -> str | None:
 def _run_task(request: dict, fds: list[int], keep: set[int]) -> None:
     """In the forked child: become the task (streams, folder, environment, ``-m MODULE args``), run it and
     exit with its status, as ``python -m MODULE`` would. Never returns."""
-    code = 1
+    code, host_log, preloaded = 1, -1, set(sys.modules)
     try:
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(signum, signal.SIG_DFL)
@@ -187,6 +196,7 @@ def _run_task(request: dict, fds: list[int], keep: set[int]) -> None:
         signal.set_wakeup_fd(-1)
         for fd in keep:
             os.close(fd)
+        host_log = os.dup(1)  # the host's log: what the task imported itself goes there at its end
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -215,7 +225,15 @@ def _run_task(request: dict, fds: list[int], keep: set[int]) -> None:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+            if host_log >= 0:
+                os.write(host_log, _imported_line(os.getpid(), set(sys.modules) - preloaded).encode())
         os._exit(code)
+
+
+def _imported_line(pid: int, modules: set[str]) -> str:
+    """``task PID: imported N modules itself (top-level packages)``: what :data:`PRELOAD` could still hold."""
+    tops = sorted({name.split(".", 1)[0] for name in modules if not name.startswith("ephemeral_component")})
+    return f"task {pid}: imported {len(modules)} modules itself ({', '.join(tops[:12]) or 'none'})\n"
 
 
 class _Host:
