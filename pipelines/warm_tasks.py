@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -110,7 +111,8 @@ def warm_task_host(
         socket_path = Path(tempfile.mkdtemp(prefix="compatflow-tasks-", dir=short)) / SOCKET_NAME
     socket_path.unlink(missing_ok=True)
     launcher = folder / "task-python"
-    launcher.write_text(f"#!/bin/sh\nexec '{sys.executable}' -I -S '{CLIENT}' \"$@\"\n")
+    python, client = shlex.quote(sys.executable), shlex.quote(str(CLIENT))
+    launcher.write_text(f'#!/bin/sh\nexec {python} -I -S {client} "$@"\n')
     launcher.chmod(0o700)
     log = open(log_path or folder / "host.log", "ab")
     host = subprocess.Popen(
