@@ -23,6 +23,7 @@ before forking (the libraries' own thread pools are fork-safe), and a child's gl
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -40,6 +41,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from compat.proc import status_mib
 from pipelines.task_client import SOCKET_ENV
 
 ENABLE_ENV = "COMPATFLOW_WARM_TASKS"
@@ -156,12 +158,6 @@ def _native_threads() -> list[str]:
     return names
 
 
-def _rss_mib() -> float:
-    from compat.proc import status_mib
-
-    return status_mib("VmRSS") or 0.0
-
-
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     conn.settimeout(10)
     _, fds, _, _ = socket.recv_fds(conn, 1, 3)
@@ -213,9 +209,9 @@ def _run_task(request: dict, fds: list[int], keep: set[int]) -> None:
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if not isinstance(exc.code, int) and exc.code is not None:
+        except SystemExit as exc:  # as the interpreter ends: an int is the status, anything else is printed
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if code and not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
@@ -252,10 +248,9 @@ class _Host:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(socket_path))
         self.listener.listen(64)
-        self.wake_r, wake_w = os.pipe()  # SIGCHLD wakes the selector
-        os.set_blocking(wake_w, False)
-        self.wake_w = wake_w
-        signal.set_wakeup_fd(wake_w)
+        self.wake_r, self.wake_w = os.pipe()  # SIGCHLD wakes the selector
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, self._accept)
@@ -281,8 +276,8 @@ class _Host:
             print(f"preload {name}: {time.monotonic() - start:.2f} s", flush=True)
         if not self.pending:
             print(
-                f"preloaded in {time.monotonic() - self.started:.1f} s, {_rss_mib():.0f} MiB resident, "
-                f"threads: {', '.join(_native_threads())}",
+                f"preloaded in {time.monotonic() - self.started:.1f} s, "
+                f"{status_mib('VmRSS') or 0:.0f} MiB resident, threads: {', '.join(_native_threads())}",
                 flush=True,
             )
 
@@ -319,7 +314,7 @@ class _Host:
             os.close(fd)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.tasks[pid] = conn
-        self.selector.register(conn, selectors.EVENT_READ, self._launcher)
+        self.selector.register(conn, selectors.EVENT_READ, functools.partial(self._launcher, pid))
         print(f"task {pid}: {_function_of(request['argv'])} ({len(self.pending)} preloads to go)", flush=True)
 
     def _parent(self, stdin: object) -> None:
@@ -337,12 +332,11 @@ class _Host:
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_r, 4096)
 
-    def _launcher(self, conn: socket.socket) -> None:
-        """A launcher's connection is readable: EOF is its death, and its task dies with it (SIGKILL)."""
+    def _launcher(self, pid: int, conn: socket.socket) -> None:
+        """Task ``pid``'s launcher connection is readable: EOF is its death, and the task dies with it."""
         with contextlib.suppress(OSError):
             if conn.recv(64):
                 return
-        pid = next(p for p, c in self.tasks.items() if c is conn)
         self.selector.unregister(conn)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

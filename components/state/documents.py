@@ -5,7 +5,7 @@ schemas in ``schemas/`` are generated from them (``make schemas``, :mod:`pipelin
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -27,9 +27,18 @@ def read_document(model: type[Document], path: str | Path, remedy: str) -> Docum
     document = read_json(path, lambda why: SchemaError(f"{why}; {remedy}"))
     if document is None:
         raise SchemaError(f"{path}: no such file; {remedy}")
+    return validated(model, document, str(path), remedy)
+
+
+def validated(model: type[Document], document: Any, source: str, remedy: str = "") -> Document:
+    """``document`` as ``model``, or :class:`schemas.SchemaError` naming ``source``, each bad field and
+    ``remedy``."""
+    from schemas import SchemaError
+
     try:
         return model.model_validate(document)
     except ValidationError as err:
+        problems = "\n  ".join(field_errors(err))
         raise SchemaError(
-            f"{path} is not a valid {model.__name__}:\n  " + "\n  ".join(field_errors(err)) + f"\n{remedy}"
+            f"{source} is not a valid {model.__name__}:\n  {problems}\n{remedy}".rstrip()
         ) from None

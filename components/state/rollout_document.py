@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from compat.io import read_json
 
@@ -144,36 +144,28 @@ def migrated(document: Any) -> Any:
     is returned as it is, for validation to refuse."""
     if not isinstance(document, dict) or document.get("schema_version") != 1:
         return document
-    document = {**document, "schema_version": SCHEMA_VERSION}
-    if "state" in document:
-        document["status"] = document.pop("state")
-    stages = document.get("stages")
-    if isinstance(stages, list):
-        document["stages"] = [
-            {**{k: v for k, v in s.items() if k != "state"}, "status": s["state"]}
-            if isinstance(s, dict) and "state" in s
-            else s
-            for s in stages
-        ]
-    rollback = document.get("rollback")
-    if isinstance(rollback, dict) and "from_state" in rollback:
-        document["rollback"] = {**{k: v for k, v in rollback.items() if k != "from_state"}}
-        document["rollback"]["from_status"] = rollback["from_state"]
+    document = _renamed({**document, "schema_version": SCHEMA_VERSION}, "state", "status")
+    if isinstance(document.get("stages"), list):
+        document["stages"] = [_renamed(stage, "state", "status") for stage in document["stages"]]
+    if "rollback" in document:
+        document["rollback"] = _renamed(document["rollback"], "from_state", "from_status")
     return document
+
+
+def _renamed(record: Any, old: str, new: str) -> Any:
+    """``record`` with its key ``old`` named ``new`` (in place in the order); anything else as it is."""
+    if not isinstance(record, dict) or old not in record:
+        return record
+    return {new if key == old else key: value for key, value in record.items()}
 
 
 def checked(document: Any, source: str) -> dict[str, Any]:
     """``document`` (migrated) when it is a valid rollout state; else :class:`schemas.SchemaError` naming
     ``source`` and each bad field."""
-    from components.state.documents import field_errors
-    from schemas import SchemaError
+    from components.state.documents import validated
 
     document = migrated(document)
-    try:
-        RolloutState.model_validate(document)
-    except ValidationError as err:
-        problems = "\n  ".join(field_errors(err))
-        raise SchemaError(f"{source} is not a valid rollout state:\n  {problems}") from None
+    validated(RolloutState, document, source)
     return document
 
 
