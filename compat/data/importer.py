@@ -106,6 +106,8 @@ KEY_HEX = 20
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
 MAX_SIDECAR_BYTES = 1024 * 1024  # a metadata file (the validation policy's max_metadata_bytes)
 MAX_CAPTION_BYTES = 64 * 1024  # one caption, UTF-8; also the validation policy's max_caption_bytes
+MAX_CAPTIONS = 1000  # distinct captions of one picture (COCO and Flickr30k have five)
+MAX_INT_DIGITS = 19  # an integer in a metadata document (a Karpathy entry's imgid, a .json sidecar): 64 bits
 # The most pixels a picture's header may declare for the import to decode it (to resize it): Pillow's
 # decompression-bomb limit (2 x PIL.Image.MAX_IMAGE_PIXELS), above which PIL refuses to open it at all.
 MAX_DECODE_PIXELS = 178_956_970
@@ -160,7 +162,11 @@ REFUSALS: dict[str, str] = {
     "too_many_pixels": "stored as it is, the image would have more pixels than the pipeline's readers decode",
     "image_pixels": "the image header declares more pixels (width x height) than the import's max_pixels "
     "(--max-pixels; Pillow's decompression-bomb limit by default): not decoded",
-    "entry_invalid": "a Karpathy entry without a filename, a list of sentences or a known split",
+    "entry_invalid": "a Karpathy entry without a filename, a list of sentences or a known split, or holding "
+    f"an integer of more than {MAX_INT_DIGITS} digits or text that is not Unicode (a lone surrogate)",
+    "too_many_captions": f"the picture already has {MAX_CAPTIONS} captions, the most one picture may have",
+    "sample_too_large": f"the picture's {{key}}.json (captions, metadata, extra columns) would be over "
+    f"{MAX_SIDECAR_BYTES} bytes, the validation policy's max_metadata_bytes",
 }
 
 
@@ -416,11 +422,37 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
-def _json_array_items(text: str, key: str, where: Path) -> Iterator[Any]:
+class _BoundedJSON(json.JSONDecoder):
+    """A JSON decoder that reads an integer of more than :data:`MAX_INT_DIGITS` digits as 0 and notes it in
+    ``oversized`` (Python refuses to convert one of over 4,300 digits, which would end the whole read)."""
+
+    def __init__(self) -> None:
+        super().__init__(parse_int=self._int)
+        self.oversized: list[int] = []  # the digits of each integer read as 0
+
+    def _int(self, digits: str) -> int:
+        if len(digits.lstrip("-")) <= MAX_INT_DIGITS:
+            return int(digits)
+        self.oversized.append(len(digits.lstrip("-")))
+        return 0
+
+
+def _doc_problem(doc: Any, decoder: _BoundedJSON) -> str | None:
+    """Why a decoded metadata document cannot be stored (None when it can), clearing ``decoder.oversized``."""
+    oversized, decoder.oversized = decoder.oversized, []
+    if oversized:
+        return f"an integer of {oversized[0]:,} digits (at most {MAX_INT_DIGITS})"
+    try:
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"text that is not Unicode ({exc.object[exc.start : exc.end]!r}, a lone surrogate)"
+    return None
+
+
+def _json_array_items(text: str, key: str, where: Path, decoder: json.JSONDecoder) -> Iterator[Any]:
     """The elements of the top-level object's ``key`` array in the JSON ``text``, decoded one at a time: the
     decoded tree of the whole file is never held (COCO's Karpathy file is 140 MB of text, several GB as one
     decoded tree), only the text and one element."""
-    decoder = json.JSONDecoder()
 
     def skip(i: int) -> int:
         match = _JSON_SPACE.match(text, i)
@@ -484,13 +516,15 @@ def _karpathy_candidates(file: Path) -> list[_Candidate]:
         text = file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataImportError(f"{file} cannot be read as a UTF-8 JSON file: {exc}") from exc
-    base, out = file.parent, []
+    base, out, decoder = file.parent, [], _BoundedJSON()
     try:
-        for n, entry in enumerate(_json_array_items(text, "images", file), start=1):
+        for n, entry in enumerate(_json_array_items(text, "images", file, decoder), start=1):
             where = f"{file.name} image {n}"
+            problem = _doc_problem(entry, decoder)
             filename = entry.get("filename") if isinstance(entry, dict) else None
-            if not isinstance(filename, str) or not filename.strip():
-                out.append(_Candidate(where, None, refused=("entry_invalid", f"{where}: no filename")))
+            if problem or not isinstance(filename, str) or not filename.strip():
+                problem = f"{where}: {problem or 'no filename'}"
+                out.append(_Candidate(where, None, refused=("entry_invalid", problem)))
                 continue
             folder = entry.get("filepath")
             rel = (
@@ -500,10 +534,14 @@ def _karpathy_candidates(file: Path) -> list[_Candidate]:
             )
             source = f"{where}: {rel}"
             split, sentences = entry.get("split"), entry.get("sentences")
-            if split not in KARPATHY_SPLITS:
+            if not isinstance(split, str) or split not in KARPATHY_SPLITS:
                 known = ", ".join(KARPATHY_SPLITS)
-                problem = f"{source}: split {split!r} is not one of {known}"
+                problem = f"{source}: split {json.dumps(split)[:80]} is not one of {known}"
                 out.append(_Candidate(source, None, refused=("entry_invalid", problem)))
+                continue
+            if isinstance(sentences, list) and len(sentences) > MAX_CAPTIONS:
+                problem = f"{source}: {len(sentences):,} sentences, at most {MAX_CAPTIONS:,} per picture"
+                out.append(_Candidate(source, None, refused=("too_many_captions", problem)))
                 continue
             texts = [_sentence_text(x) for x in sentences] if isinstance(sentences, list) else None
             if not texts or any(t is None for t in texts):
@@ -822,10 +860,14 @@ def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | Non
     if candidate.metadata_file is None:
         return None
     data = _read_sidecar(candidate.metadata_file, "metadata", MAX_SIDECAR_BYTES, place)
+    decoder = _BoundedJSON()
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = decoder.decode(data.decode(json.detect_encoding(data), "surrogatepass"))  # as json.loads
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not JSON: {exc}") from exc
+    problem = _doc_problem(doc, decoder)
+    if problem:
+        raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} holds {problem}")
     if not isinstance(doc, dict):
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not a JSON object")
     return _json_safe(doc)
@@ -996,12 +1038,23 @@ def _plan(
         for caption in captions:
             if caption in known:
                 duplicates.append({"source": candidate.source, "duplicate_of": first, "caption": caption})
+            elif len(known) >= MAX_CAPTIONS:
+                message = f"{candidate.source}: {first} has {MAX_CAPTIONS:,} captions, the most per picture"
+                refused.append(
+                    {"source": candidate.source, "reason": "too_many_captions", "message": message}
+                )
+                break
             else:
                 known.add(caption)
                 planned["captions"].append(caption)
                 added += 1
         if planned is not item and added:
             grouped += 1
+    for item in [i for i in items if len(_sample_json(i)) > MAX_SIDECAR_BYTES]:
+        items.remove(item)
+        size = len(_sample_json(item))
+        message = f"{item['source']}: its {{key}}.json would be {size:,} bytes, over {MAX_SIDECAR_BYTES:,}"
+        refused.append({"source": item["source"], "reason": "sample_too_large", "message": message})
     shards: dict[str, list[dict[str, Any]]] = {}
     per = settings.samples_per_shard
     for split in SPLITS:
@@ -1073,14 +1126,22 @@ def _spooled(item: dict[str, Any], spool: Path) -> bytes:
 
 
 def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
-    resize = item.get("resize")
     made = item.get("stored")
     if made is not None:  # resized or converted during the scan
         ext, stored = made["ext"], _spooled(item, spool)
+    else:
+        ext, stored = KEPT_FORMATS[item["format"]], _source_bytes(item)
+    members = {ext: stored, "txt": item["captions"][0].encode("utf-8"), "json": _sample_json(item)}
+    return item["key"], members
+
+
+def _sample_json(item: dict[str, Any]) -> bytes:
+    """The sample's ``{key}.json`` member."""
+    resize, made = item.get("resize"), item.get("stored")
+    if made is not None:
         width, height = made["width"], made["height"]
         original = (made["original_width"], made["original_height"])
     else:
-        ext, stored = KEPT_FORMATS[item["format"]], _source_bytes(item)
         width, height = original = item["width"], item["height"]
     meta: dict[str, Any] = {
         "key": item["key"],
@@ -1107,12 +1168,7 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
     if item["source_meta"] is not None:
         meta["source_meta"] = item["source_meta"]
     meta.update(item["extra"])
-    members = {
-        ext: stored,
-        "txt": item["captions"][0].encode("utf-8"),
-        "json": json.dumps(meta, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode("utf-8"),
-    }
-    return item["key"], members
+    return json.dumps(meta, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
 
 def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
