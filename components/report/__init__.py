@@ -3,6 +3,9 @@
 ``render(run_dir, fmt)`` returns the report (``html``: one self-contained file with inline CSS and
 base64 PNG plots; ``md``: a Markdown summary); ``write_reports(run_dir, out_dir)`` writes both;
 ``summary(run_dir)`` is a few lines of plain text for a terminal (the key facts and each section's status).
+The header (:mod:`components.report.header`) says how the run ended, what it changed and how to undo it; each
+report carries its own sha256 over every line but the one that shows it (``grep -v report-sha256 FILE |
+sha256sum`` gives the same).
 Stages that did not run (or whose output is unreadable) are shown as such, never as a failure
 of the report.
 """
@@ -21,8 +24,8 @@ def render(
     link_base: str | Path | None = None,
 ) -> str:
     """The report of the run in ``run_dir``; links are relative to ``link_base`` (default: the run dir)."""
+    from components.report import header, renderers, sections
     from components.report import inputs as run_inputs
-    from components.report import renderers, sections
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown report format {fmt!r}: use one of {', '.join(FORMATS)}")
@@ -30,10 +33,11 @@ def render(
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     loaded = run_inputs.load(run_dir)
-    body = sections.build(loaded, Path(link_base).resolve() if link_base else None)
+    base = Path(link_base).resolve() if link_base else loaded.run_dir
+    body = sections.build(loaded, base)
     title = f"compatflow run {loaded.run_id}"
     writer = renderers.html if fmt == "html" else renderers.markdown
-    return writer(title, sections.header(loaded), body)
+    return header.seal(writer(title, header.build(loaded, base), body))
 
 
 def write_report(run_dir: str | Path, out: str | Path, fmt: str | None = None) -> Path:
@@ -58,12 +62,14 @@ def write_reports(run_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
 def summary(run_dir: str | Path) -> str:
     """Plain text for a terminal: the report's key facts, then one line per section (title, status, and
     its first note when that note is a warning or a failure)."""
+    from components.report import header, sections
     from components.report import inputs as run_inputs
-    from components.report import sections
 
     loaded = run_inputs.load(Path(run_dir))
+    head = header.build(loaded, loaded.run_dir)
     lines = [f"compatflow run {loaded.run_id}"]
-    lines += [f"  {label}: {value}" for label, value in sections.header(loaded)[1:]]
+    lines += [f"  {label}: {value}" for label, value in head.facts if label != "run"]
+    lines.append(f"  next: {head.next}" + (f" {head.command}" if head.command else ""))
     for section in sections.build(loaded):
         lines.append(f"{section.title}: {section.status}")
         notes = [i for i in section.items if isinstance(i, sections.Note) and i.tone in ("bad", "warn")]

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
+from components.report.header import SEAL_MARK, SEAL_SLOT, Header
 from components.report.sections import Figure, Hits, Link, Note, Section, Table
 
 CSS = """
@@ -24,7 +25,9 @@ section{background:#fff;border:1px solid #d0d7de;border-radius:8px;padding:16px 
 .warn .badge,.badge.warn{background:#fff8c5;color:#9a6700}
 .banner{font-size:20px;font-weight:700;padding:10px 16px;border-radius:6px;margin-top:12px}
 .banner.good{background:#dafbe1;color:#1a7f37}.banner.bad{background:#ffebe9;color:#cf222e}
-.banner.muted{background:#eaeef2;color:#57606a}
+.banner.muted{background:#eaeef2;color:#57606a}.banner.warn{background:#fff8c5;color:#9a6700}
+.next{margin:10px 0 0}.next code{display:block;margin-top:4px;padding:6px 10px;background:#1f2328;color:#fff;
+ border-radius:6px;font-size:13px}.links{margin:8px 0 0;display:flex;flex-wrap:wrap;gap:4px 18px}
 table{border-collapse:collapse;margin:10px 0;font-size:13px}
 th,td{border:1px solid #d0d7de;padding:4px 10px;text-align:left;vertical-align:top}
 th{background:#f6f8fa}
@@ -38,23 +41,30 @@ details summary{cursor:pointer;color:#0969da;margin-top:8px}
 """
 
 
-def html(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> str:
-    """The whole report as one HTML document with nothing fetched from elsewhere."""
+TONES = {"succeeded": "good", "blocked": "bad", "rejected": "warn", "failed": "bad"}
+SEAL_HELP = f"check: grep -v {SEAL_MARK} FILE | sha256sum (every line but this one)"
+
+
+def html(title: str, head: Header, sections: list[Section]) -> str:
+    """The whole report as one HTML document with nothing fetched from elsewhere; call
+    :func:`components.report.header.seal` on it to write its hash."""
     gate = next((s for s in sections if s.key == "gate"), None)
-    banner_tone = gate.tone if gate is not None else "muted"
-    banner = (
-        f"Gate: {gate.status.upper()}" if gate is not None and gate.status != "not run" else "Gate: not run"
-    )
+    gate_word = gate.status.upper() if gate is not None and gate.status != "not run" else "not run"
+    banner = f"Outcome: {head.outcome} · Gate: {gate_word}"
+    command = f"<code>{escape(head.command)}</code>" if head.command else ""
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body><main>",
         f"<h1>{escape(title)}</h1>",
+        f'<div class="banner {TONES.get(head.outcome, "muted")}">{escape(banner)}</div>',
         '<div class="facts">'
-        + "".join(f"<span>{escape(k)}: <b>{escape(v)}</b></span>" for k, v in facts)
+        + "".join(f"<span>{escape(k)}: <b>{escape(v)}</b></span>" for k, v in head.facts)
         + "</div>",
-        f'<div class="banner {escape(banner_tone)}">{escape(banner)}</div>',
+        '<div class="links">' + "".join(_html_link(link) for link in head.links) + "</div>",
+        f'<p class="next" id="next"><b>{escape(head.next)}</b>{command}</p>',
+        f'<p class="muted" id="{SEAL_MARK}">report sha256: <b>{SEAL_SLOT}</b> ({escape(SEAL_HELP)})</p>',
     ]
     for section in sections:
         parts.append(f'<section id="{escape(section.key)}" class="{escape(section.tone)}">')
@@ -65,15 +75,18 @@ def html(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> s
     return "\n".join(parts) + "\n"
 
 
+def _html_link(item: Link) -> str:
+    missing = "" if item.exists else ' <span class="badge warn">file not found</span>'
+    return f'<span><a href="{escape(item.href, quote=True)}">{escape(item.text)}</a>{missing}</span>'
+
+
 def _html_item(item: Note | Table | Figure | Link | Hits) -> str:
     if isinstance(item, Hits):
         return "".join(_html_hits(text, hits) for text, hits in item.queries)
     if isinstance(item, Note):
         return f'<p class="{escape(item.tone)}">{escape(item.text)}</p>'
     if isinstance(item, Link):
-        missing = "" if item.exists else ' <span class="badge warn">file not found</span>'
-        anchor = f'<a href="{escape(item.href, quote=True)}">{escape(item.text)}</a>'
-        return f"<p>{anchor} ({escape(item.href)}){missing}</p>"
+        return f"<p>{_html_link(item)} ({escape(item.href)})</p>"
     if isinstance(item, Figure):
         data = base64.b64encode(item.png).decode("ascii")
         return (
@@ -110,9 +123,12 @@ def _score(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, int | float) else "-"
 
 
-def markdown(title: str, facts: list[tuple[str, str]], sections: list[Section]) -> str:
+def markdown(title: str, head: Header, sections: list[Section]) -> str:
     """The same report as Markdown text (plots are named; they live in the HTML report)."""
-    lines = [f"# {title}", "", *(f"- **{k}**: {v}" for k, v in facts), ""]
+    lines = [f"# {title}", "", *(f"- **{k}**: {v}" for k, v in head.facts)]
+    lines += [f"- {_md_item(link)[0]}" for link in head.links]
+    lines += ["", f"**{_md(head.next)}**" + (f" `{head.command}`" if head.command else ""), ""]
+    lines += [f"_{SEAL_MARK}: {SEAL_SLOT} ({SEAL_HELP})_", ""]
     for section in sections:
         lines += [f"## {section.title} — {section.status}", ""]
         for item in section.items:

@@ -125,30 +125,6 @@ def _failure_section(failure: Mapping[str, Any], run_dir: Path) -> Section:
     return Section("failure", "Run failed", "failed", "bad", items)
 
 
-def header(inputs: RunInputs) -> list[tuple[str, str]]:
-    """Key facts for the top of the report."""
-    report = inputs.data("compat_report") or {}
-    gate = inputs.data("gate") or {}
-    facts = [("run", inputs.run_id)]
-    for key, label in (("old_model", "production model"), ("new_model", "candidate model")):
-        ref = report.get(key)
-        if isinstance(ref, Mapping):
-            facts.append(
-                (
-                    label,
-                    " ".join(str(ref[k]) for k in ("name", "version", "config") if ref.get(k) is not None),
-                )
-            )
-    for key in ("method", "scenario", "data_phase"):
-        if key in report:
-            facts.append((key.replace("_", " "), str(report[key])))
-    facts.append(("gate", str(gate.get("decision", "not run")).upper()))
-    failure = inputs.data("failure")
-    if failure:
-        facts.append(("failed step", str(failure.get("step", "?"))))
-    return facts
-
-
 def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
     if source.error:
         return Section(key, title, "unreadable", "bad", [Note(source.error, "bad")])
@@ -199,7 +175,10 @@ def _gate_section(source: Source) -> Section:
                 collapsed=True,
             )
         )
-    details = [f"decided at {gate.get('decided_at')}", f"report sha256 {gate.get('report_sha256') or '-'}"]
+    details = [
+        f"decided at {gate.get('decided_at')}",
+        f"compatibility report sha256 {gate.get('report_sha256') or '-'}",
+    ]
     if gate.get("policy_source"):
         details.append(f"policy {gate['policy_source']}")
     section.items.append(Note("; ".join(details), "muted"))

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from components.gate import run_gate
-from components.report import render, write_report, write_reports
+from components.report import render, summary, write_report, write_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,8 +167,8 @@ def test_full_report_embeds_every_plot(tmp_path: Path) -> None:
     # the gate blocked on i2t (new/old 33 < old/old 35) and drift stayed within policy
     assert "Gate: BLOCK" in text and "ecc_margin" in text and "i2t" in text
     assert "not run" not in text
-    (tmp_path / "shot").mkdir()
-    _screenshot_if_possible(out, tmp_path / "shot" / "report.png")
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        _screenshot_if_possible(out, tmp_path / "report.png")
 
 
 def test_missing_and_unreadable_stages(tmp_path: Path) -> None:
@@ -220,34 +220,144 @@ def test_cli_report(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "neither a directory nor a run" in bad.stderr
 
 
-def _screenshot_if_possible(html_file: Path, png: Path) -> None:
-    """Headless Chromium screenshot of the page when a browser is installed; checks it is a real image."""
+def _chromium(html_file: Path, *args: str) -> subprocess.CompletedProcess:
+    """Headless Chromium on ``html_file`` with ``args`` (skips the test when no browser is installed)."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        return
-    profile = png.parent / "profile"
-    cmd = [
-        browser,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--no-first-run",
-        f"--user-data-dir={profile}",
-        "--hide-scrollbars",
-        "--window-size=1200,3000",
-        f"--screenshot={png}",
-        html_file.as_uri(),
-    ]
-    # Chromium's singleton socket must fit in a unix socket path: give it a short TMPDIR
+        pytest.skip("no chromium installed (apt-get install -y chromium)")
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+    cmd += ["--no-first-run", "--hide-scrollbars", *args, html_file.as_uri()]
+    # Chromium's singleton socket must fit in a unix socket path: give it a short TMPDIR and profile
     with tempfile.TemporaryDirectory(prefix="cf-", dir="/tmp") as short_tmp:
         env = {**os.environ, "TMPDIR": short_tmp}
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert result.returncode == 0 and png.is_file(), result.stderr[-2000:]
+        result = subprocess.run(
+            [*cmd[:1], f"--user-data-dir={short_tmp}/profile", *cmd[1:]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def _screenshot_if_possible(html_file: Path, png: Path) -> None:
+    """Headless Chromium screenshot of the page; checks it is a real image."""
+    _chromium(html_file, "--window-size=1200,3000", f"--screenshot={png}")
     with Image.open(png) as shot:
         assert shot.size == (1200, 3000)
         colours = shot.convert("RGB").resize((60, 150)).getcolors(maxcolors=100000)
         assert colours is not None and len(colours) > 20  # rendered content, not a blank page
+
+
+def _as_ran(run: Path, outcome: str, *, tracking_uri: str = "") -> Path:
+    """``run`` (from :func:`make_run`) completed as the pipeline records a run: plan, step usage, the
+    registered candidate v5 (production was v4) and the outcome."""
+    workspace = run.parent.parent
+    files = {
+        "run.json": {"run_id": run.name, "phase": 3, "job_name": "compatflow-continual-upgrade-x"},
+        "usage/step-validate.json": {"step": "validate", "at": "2026-11-29T01:00:30+00:00", "wall_s": 30.0},
+        "usage/step-rollout.json": {"step": "rollout", "at": "2026-11-29T01:12:05+00:00", "wall_s": 95.0},
+        "register/registered.json": {
+            "mlflow_run_id": "0123abcd",
+            "version": "5",
+            "source": f"file://{workspace}/mlartifacts/0123abcd/artifacts/model",
+            "model_name": "compatflow-clip",
+            "tracking_uri": tracking_uri or f"sqlite:///{workspace}/mlflow.db",
+            "tags": {"method": "lambda_orth"},
+        },
+        "outcome.json": {"status": outcome, "pipeline_state": "SUCCEEDED", "error": None},
+    }
+    for name, doc in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(json.dumps(doc))
+    os.utime(run / "outcome.json", (1795914730, 1795914730))  # 01:12:10 UTC: 12 min 10 s after the start
+    (workspace / "models" / "v5").mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def shipped_run(root: Path, **options: str) -> Path:
+    """A run whose candidate v5 passed the gate and was rolled out: production and serving v4 -> v5."""
+    run = _as_ran(make_run(root, i2t_new_old=37.5), "succeeded", **options)
+    state = {"previous_query_model": {"version": "4"}, "query_model": {"version": "5"}, "status": "completed"}
+    rollout = {"version": "5", "promoted": True, "rollout": state}
+    (run / "rollout" / "rollout.json").write_text(json.dumps(rollout))
+    return run
+
+
+def blocked_run(root: Path) -> Path:
+    """A run whose candidate v5 the gate blocked (i2t new/old below old/old): production v4 stays."""
+    run = make_run(root)
+    (run / "rollout" / "rollout_state.json").unlink()
+    reason = {"step": "gate", "reason": "the release gate blocked the candidate"}
+    (run / "blocked.json").write_text(json.dumps(reason))
+    return _as_ran(run, "rejected")
+
+
+def _page_text(html_file: Path) -> str:
+    """What Chromium shows of the page: its DOM after loading, tags stripped."""
+    import re
+    from html import unescape
+
+    dom = _chromium(html_file, "--dump-dom").stdout
+    assert "<main>" in dom
+    return unescape(re.sub(r"<[^>]+>", "", dom))
+
+
+def _stated_sha256(report: Path, shown: str) -> None:
+    """The sha256 the page shows is what its own check command computes over the file."""
+    import re
+
+    check = subprocess.run(
+        f"grep -v report-sha256 {report} | sha256sum", shell=True, capture_output=True, text=True, check=True
+    )
+    digest = check.stdout.split()[0]
+    assert re.search(rf"report sha256: {digest} \(check: grep -v report-sha256 FILE \| sha256sum", shown)
+
+
+def test_header_of_a_shipped_and_a_blocked_run_in_chromium(tmp_path: Path) -> None:
+    """Opened in headless Chromium, each report's header shows the outcome, run, duration, production and
+    serving before and after, links to the MLflow run and model version, its own sha256 (which the stated
+    command reproduces) and the command that undoes the run, or, for a blocked run, what to do next."""
+    shipped = shipped_run(tmp_path / "a")
+    out = write_report(shipped, shipped / "report" / "report.html")
+    shown = _page_text(out)
+    assert "Outcome: succeeded · Gate: PASS" in shown
+    for fact in ("run: run-42", "phase: 3", "duration: 12 min 10 s", "candidate: v5"):
+        assert fact in shown
+    assert "production: v4 -> v5" in shown and "serving: v4 -> v5" in shown
+    assert f"MLflow run 0123abcd artifacts: {tmp_path}/a/mlartifacts/0123abcd/artifacts" in shown
+    assert f"model compatflow-clip v5: {tmp_path}/a/models/v5" in shown
+    assert "Undo: production v5 back to v4" in shown
+    assert f"compatflow rollback --workspace {tmp_path / 'a'}" in shown
+    _stated_sha256(out, shown)
+    links = parse(out.read_text()).links
+    assert "../../../models/v5" in links and "../../../mlartifacts/0123abcd/artifacts" in links
+    _screenshot_if_possible(out, tmp_path / "shipped.png")
+
+    blocked = blocked_run(tmp_path / "b")
+    out = write_report(blocked, blocked / "report" / "report.html")
+    shown = _page_text(out)
+    assert "Outcome: rejected · Gate: BLOCK" in shown
+    assert "production: v4 (unchanged)" in shown and "serving: v4 (unchanged)" in shown
+    assert "Nothing shipped, nothing to undo: production v4 still serves" in shown
+    assert "compatflow run --phase 3" in shown and "compatflow rollback" not in shown
+    assert "MLflow run 0123abcd" in shown
+    _stated_sha256(out, shown)
+
+
+def test_header_links_to_a_tracking_server_and_markdown_seal(tmp_path: Path) -> None:
+    """With an MLflow server the links are its pages; the Markdown report carries its own checkable sha256."""
+    import hashlib
+
+    run = shipped_run(tmp_path, tracking_uri="http://mlflow.example:5000/")
+    md = render(run, "md")
+    assert "[MLflow run 0123abcd](http://mlflow.example:5000/#/runs/0123abcd)" in md
+    assert "(http://mlflow.example:5000/#/models/compatflow-clip/versions/5)" in md
+    assert "**Undo: production v5 back to v4" in md and "`compatflow rollback --workspace" in md
+    kept = "".join(line + "\n" for line in md.split("\n")[:-1] if "report-sha256" not in line)
+    assert f"_report-sha256: {hashlib.sha256(kept.encode()).hexdigest()} (" in md
+    assert "next: Undo: production v5 back to v4" in summary(run)
 
 
 def test_ungated_direction_and_probe_floor(tmp_path: Path) -> None:

@@ -420,7 +420,12 @@ class Registry(Tracking):
         info = self.register_candidate(
             run_id, checkpoint_dir, data_phase=data_phase, method=method, gate=gate
         )
-        return {"mlflow_run_id": run_id, **info}
+        return {
+            "mlflow_run_id": run_id,
+            "model_name": self.model_name,
+            "tracking_uri": self.tracking_uri,
+            **info,
+        }
 
 
 def _gate_tags(gate: Any) -> dict[str, str]:
