@@ -10,6 +10,7 @@ from pathlib import Path
 import _tiers
 import pytest
 from _milvus import SERVER_BACKENDS, milvus_binaries_cache, server_uri
+from hypothesis import settings as hypothesis_settings
 
 from compat.io import free_loopback_port
 
@@ -28,6 +29,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_threads, "1")
 
+
+# Property-based tests: the same examples on every machine (derandomized), no example database written, no
+# per-example deadline on shared cores; HYPOTHESIS_PROFILE=thorough tries ten times as many.
+_CI = {"deadline": None, "derandomize": True, "database": None}
+hypothesis_settings.register_profile("ci", max_examples=200, **_CI)
+hypothesis_settings.register_profile("thorough", max_examples=2000, **_CI)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _NETNS_NOTE = "not tried"
 

@@ -32,6 +32,8 @@ from components.serving.limits import (
     MAX_BODY_BYTES,
     MAX_DRAIN_BYTES,
     MAX_K,
+    MAX_PHASE,
+    MAX_PHASES,
     MAX_QUERIES,
     MAX_QUERY_CHARS,
 )
@@ -294,7 +296,9 @@ def create_app(
             min_length=1, max_length=MAX_QUERIES, description="Query texts."
         )
         k: int = Field(10, ge=1, le=MAX_K, description="Hits per query.")
-        phases: list[int] | None = Field(None, description="Only items of these data phases.")
+        phases: list[Annotated[int, Field(ge=0, le=MAX_PHASE)]] | None = Field(
+            None, max_length=MAX_PHASES, description="Only items of these data phases."
+        )
         thumbnails: bool = Field(False, description="Add each hit's thumbnail (a JPEG data URI).")
 
         @field_validator("queries")

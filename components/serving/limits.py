@@ -12,6 +12,8 @@ from collections.abc import Sequence
 MAX_K = 1000  # hits per query
 MAX_QUERIES = 256  # query texts per request
 MAX_QUERY_CHARS = 2048  # characters per query text
+MAX_PHASES = 1000  # data phases a search may name
+MAX_PHASE = 2**63 - 1  # a data phase number: the index stores it as a 64-bit integer
 MAX_BODY_BYTES = 1 << 20  # bytes of a POST /search body (413 beyond)
 # A body over MAX_BODY_BYTES is read and discarded before the 413 is sent, so that a client that sends the
 # whole body before reading (urllib, http.client) reads the answer instead of a connection reset; at most

@@ -36,10 +36,11 @@ def test_bad_karpathy_entries_are_refused_one_by_one_as_entry_invalid(tmp_path: 
         entry % (2, '{"train": 1}', '"split an object"', ""),
         entry % (3, '"train"', '"a long imgid"', ', "imgid": ' + "9" * 5000),
         entry % (4, '"train"', '"a lone \\ud800 surrogate"', ""),
-        '{"filename": "5.jpg", "split": "val", "sentences": [%s]}'
-        % ", ".join(f'{{"raw": "sentence {n}"}}' for n in range(200_000)),
+        json.dumps(
+            {"filename": "5.jpg", "split": "val", "sentences": [{"raw": f"s {n}"} for n in range(200_000)]}
+        ),
     ]
-    (tmp_path / "dataset_coco.json").write_text('{"images": [%s]}' % ", ".join(entries))
+    (tmp_path / "dataset_coco.json").write_text('{"images": [' + ", ".join(entries) + "]}")
     out = tmp_path / "out"
     result = import_images(tmp_path / "dataset_coco.json", out, ImportSettings(source_format="karpathy"))
     assert result.imported == 1
