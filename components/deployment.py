@@ -11,6 +11,7 @@ local config's values); ``schemas/pipeline_config.schema.json`` is generated fro
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
@@ -181,6 +182,9 @@ class SloSection(Section):
 
 
 Recall = Literal["R@1", "R@5", "R@10"]
+# Standard errors a probe may fall below old/old: beyond a few the floor is 0 for any probe set, no probe can
+# halt (the report says so), and a larger number only hides a mistyped one.
+MAX_PROBE_TOLERANCE = 1000.0
 
 
 class RolloutSection(Section):
@@ -205,12 +209,25 @@ class RolloutSection(Section):
     probe_tolerance: float = Field(
         1.0,
         ge=0,
+        le=MAX_PROBE_TOLERANCE,
+        allow_inf_nan=False,
         description="standard errors of the probe's old/old R@K a stage may fall below it (0: none)",
     )
     slo: SloSection = Field(
         default_factory=SloSection,
         description="unpaced: e.g. {p99_factor: 1.5} holds query p99 <= 1.5 x idle",
     )
+
+    @field_validator("probe_tolerance", mode="before")
+    @classmethod
+    def _yaml_number(cls, value: Any) -> Any:
+        """A number YAML 1.1 read as text (``1e9``, ``1.0e9``) is refused saying how YAML wants it."""
+        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+            raise ValueError(
+                f"{value!r} is text to YAML, not a number: write the exponent with a dot and a sign "
+                f"(1.0e+9, not 1e9 or 1.0e9), at most {MAX_PROBE_TOLERANCE:g}"
+            )
+        return value
 
 
 CPU_IMAGE = "ghcr.io/compatflow/compatflow-cpu:0.1.0"

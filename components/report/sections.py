@@ -471,6 +471,16 @@ def _rollout_section(source: Source) -> Section:
                 "muted",
             )
         )
+        if all(_num(floor) <= 0 for floor in floors.values()):
+            tolerance = _fmt(doc.get("probe_tolerance"))
+            section.items.append(
+                Note(
+                    f"Warning: every probe floor is 0 (rollout.probe_tolerance {tolerance} standard errors "
+                    "reach below 0): no probe can halt this rollout. "
+                    "Lower rollout.probe_tolerance or set rollout.floors.",
+                    "warn",
+                )
+            )
     curve = doc.get("curve")
     if isinstance(curve, list) and curve:
         section.items.append(
