@@ -184,6 +184,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
         log = _EchoingLog(open(log_path, "w", buffering=1), echo)
         broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
+        failed_task: str | None = None  # the task kfp.local names as failed
         try:
             with warnings.catch_warnings(), contextlib.redirect_stdout(log):
                 warnings.filterwarnings("ignore", message=".*non-Python base image.*")
@@ -192,6 +193,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
                     pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
                 except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
                     log.write(f"\npipeline failed: {err}\n")
+                    failed_task = str(err)
                 except OSError as err:
                     broke = err
                     log.write(f"\npipeline failed: {err}\n")
@@ -206,7 +208,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     }
     unwritten = broke or log.error
     if status == "failed" or broke is not None:
-        status, failure = "failed", _failure_of(run_dir, log_path, unwritten)
+        status, failure = "failed", _failure_of(run_dir, log_path, unwritten, failed_task)
     else:
         failure = None
         if unwritten is not None:
@@ -214,18 +216,18 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs, failure)
 
 
-def _failure_of(run_dir: Path, log_path: Path, unwritten: OSError | None = None) -> dict[str, Any]:
+def _failure_of(
+    run_dir: Path, log_path: Path, unwritten: OSError | None = None, failed_task: str | None = None
+) -> dict[str, Any]:
     """The failed step and its error, with the log line to look at (also written into ``outcome.json`` when
     the disk takes it). ``unwritten``: the error that kept the run's own files (log, kfp's pipeline root)
-    from being written, which explains a failure no step recorded and says what to do."""
+    from being written, which explains a failure no step recorded and says what to do. ``failed_task``:
+    kfp.local's failure (``... Inner task failed: 'train-op' ...``), which names the step when its process
+    ended without recording why (killed, or the warm task host died under it)."""
     from compat.io import write_json_atomic
     from components.runs import disk_full, locate_in_log, next_action, read_failure
 
-    failure = read_failure(run_dir) or {
-        "step": "unknown",
-        "error": {"type": "PipelineError", "message": "no step recorded a failure: see the log"},
-        "next_action": "read the log, then run again",
-    }
+    failure = read_failure(run_dir) or _unrecorded_failure(log_path, failed_task or "")
     if unwritten is not None:
         failure = {**failure, "unwritten": f"{log_path.parent}: {unwritten}"}
         if failure["step"] == "unknown":
@@ -242,3 +244,21 @@ def _failure_of(run_dir: Path, log_path: Path, unwritten: OSError | None = None)
     except (OSError, ValueError) as exc:  # a full disk: the failure is still returned and printed
         logger.warning("could not update %s: %s", outcome_path, exc)
     return failure
+
+
+def _unrecorded_failure(log_path: Path, failed_task: str) -> dict[str, Any]:
+    """A failure no step recorded: the step kfp.local names (``unknown`` when none), and why when the log says
+    (the launcher's line when the warm task host died, :mod:`pipelines.task_client`)."""
+    found = re.search(r"Inner task failed: \W*'([\w-]+)'", re.sub(r"\x1b\[[0-9;]*m", "", failed_task))
+    step = re.sub(r"-op(-\d+)?$", "", found.group(1)) if found else "unknown"
+    try:
+        host_died = "the warm task host ended while task" in log_path.read_text(errors="replace")
+    except OSError:
+        host_died = False
+    if host_died:
+        error = {"type": "TaskHostDied", "message": f"the warm task host ended while {step} ran: see the log"}
+    elif found:
+        error = {"type": "TaskFailed", "message": f"{step} ended without recording its error: see the log"}
+    else:
+        error = {"type": "PipelineError", "message": "no step recorded a failure: see the log"}
+    return {"step": step, "error": error, "next_action": "read the log, then run again"}
