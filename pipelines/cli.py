@@ -38,6 +38,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: paragraphs wrapped to the terminal, no boxes or markup
 )
 
 OFFLINE_DEFAULTS = {
@@ -88,7 +89,9 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 @app.callback()
 def _root(
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug messages."),
+    verbose: int = typer.Option(
+        0, "--verbose", "-v", count=True, help="Log progress messages too (-vv: debug messages)."
+    ),
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="Log warnings and errors only; no progress bars or progress lines."
     ),
@@ -102,11 +105,11 @@ def _root(
         os.environ.setdefault(key, value)
     if quiet:
         os.environ[MODE_ENV] = "quiet"  # task subprocesses inherit it
-    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    level = logging.WARNING if quiet or not verbose else logging.INFO if verbose == 1 else logging.DEBUG
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler])
-    if not verbose:  # libraries' start-up chatter (which faiss build loaded, milvus-lite's port) is debug
+    if verbose < 2:  # libraries' start-up chatter (which faiss build loaded, milvus-lite's port) is debug
         for name in NOISY_LOGGERS:
             logging.getLogger(name).setLevel(max(level, logging.WARNING))
 

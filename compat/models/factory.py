@@ -13,7 +13,9 @@ installed package's model directory at build time; that tower is loaded with its
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -258,6 +260,11 @@ class ClipBundle:
         return self._encode(self.model.encode_text, batches, device, normalize, "texts")
 
 
+class _DropRandomInit(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No pretrained weights loaded")
+
+
 def _build(
     config_name: str,
     *,
@@ -277,7 +284,14 @@ def _build(
         {"preprocess_cfg": {"resize_mode": resize_mode}} if resize_mode else config, where
     )
     _resolve_registered(config_name)
-    with torch.random.fork_rng(devices=[]):
+    # Without pretrained_text the caller loads weights right after: open_clip's "No pretrained weights
+    # loaded ... initialized randomly" (on the root logger) would be false, so it is dropped.
+    quiet = _DropRandomInit() if not pretrained_text else None
+    root = logging.getLogger()
+    with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
+        if quiet is not None:
+            root.addFilter(quiet)
+            stack.callback(root.removeFilter, quiet)
         if seed is not None:
             torch.manual_seed(seed)
         # Built on CPU so that the seed alone fixes the initialisation, then moved.

@@ -47,18 +47,13 @@ class RegistryDigestCheck:
         if not registry.exists():  # a bare index (`compatflow rollout run` on a folder): nothing to check
             log.warning("%s: no registry at %s to verify it against", where, registry.tracking_uri)
             return
-        from mlflow.exceptions import MlflowException
-
         from compat.models.integrity import CheckpointIntegrityError
         from components.adapters.registry import RegistryError
 
         try:
             digest = registry.version_info(version)["tags"].get("checkpoint.sha256")
-        except MlflowException as exc:
-            raise ServingError(
-                f"{where}: {self.model_name} version {version} is not in the registry "
-                f"{registry.tracking_uri} ({type(exc).__name__}); refusing to serve it"
-            ) from exc
+        except RegistryError as exc:
+            raise ServingError(f"{where}: {exc}; refusing to serve it") from exc
         if not digest:
             raise ServingError(
                 f"{where}: the registry records no checkpoint.sha256 for version {version}; "
@@ -71,7 +66,7 @@ class RegistryDigestCheck:
                 registry.local_copy(version)
             else:
                 registry.verify_copy(version, folder)
-        except (CheckpointIntegrityError, RegistryError, MlflowException, OSError, ValueError) as exc:
+        except (CheckpointIntegrityError, RegistryError, OSError, ValueError) as exc:
             fix = (
                 f"delete {folder} to download the registered files again on the next query"
                 if ours

@@ -54,11 +54,12 @@ ConfigOpt = Annotated[
 def config_of(config: str | None) -> Any:
     """The resolved config an operator command reads its defaults from (``local`` when none is given). An
     operator command trains and gates nothing, so the files only a run reads (start weights, gate policy)
-    need not be on this machine (``compatflow run`` checks them)."""
+    need not be on this machine and the method's options are not checked (``compatflow run`` checks
+    both)."""
     from pipelines.config import ConfigError, load_config, resolve
 
     try:
-        return resolve(load_config(config or "local", local_paths=False))
+        return resolve(load_config(config or "local", local_paths=False, methods=False))
     except ConfigError as err:
         fail(str(err))
 

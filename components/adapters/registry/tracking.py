@@ -69,6 +69,11 @@ class Tracking:
             return Path(self.tracking_uri.removeprefix("sqlite:///")).is_file()
         return True
 
+    def sqlite_file(self) -> Path | None:
+        """The embedded store's file when there is one (read directly: :mod:`.sqlite_read`), else None."""
+        path = Path(self.tracking_uri.removeprefix("sqlite:///"))
+        return path if self.tracking_uri.startswith("sqlite:///") and path.is_file() else None
+
     # --- runs ------------------------------------------------------------------------------
 
     def experiment_id(self) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from compat.io import utc_now
 from compat.models.integrity import file_manifest, manifest_digest, verify_checkpoint
+from components.adapters.registry import sqlite_read
 from components.adapters.registry.pyfunc import FILES, MLMODEL
 from components.adapters.registry.tracking import RUN_TAG, RegistryError, Tracking
 
@@ -134,7 +135,20 @@ class Registry(Tracking):
             log.info("deleted %s, the workspace copy of deleted version %s", copy, version)
 
     def version_info(self, version: str | int) -> dict[str, Any]:
-        mv = self.client.get_model_version(self.model_name, str(version))
+        """A version's run, source, creation time, aliases and tags; :class:`RegistryError` when not held."""
+        missing = f"{self.model_name} version {version} is not in the registry {self.tracking_uri}"
+        db = self.sqlite_file()
+        if db is not None:
+            info = sqlite_read.version_info(db, self.model_name, str(version))
+            if info is None:
+                raise RegistryError(missing)
+            return info
+        from mlflow.exceptions import MlflowException
+
+        try:
+            mv = self.client.get_model_version(self.model_name, str(version))
+        except MlflowException as err:
+            raise RegistryError(f"{missing} ({err.error_code})") from err
         return {
             "version": str(mv.version),
             "run_id": mv.run_id,
@@ -148,6 +162,9 @@ class Registry(Tracking):
 
     def alias_version(self, alias: str) -> str | None:
         """The version an alias points at, or None (also when the model is not registered yet)."""
+        db = self.sqlite_file()
+        if db is not None:
+            return sqlite_read.alias_version(db, self.model_name, alias)
         from mlflow.exceptions import MlflowException
 
         try:
@@ -362,12 +379,16 @@ class Registry(Tracking):
     # --- history tag -----------------------------------------------------------------------
 
     def _history(self) -> list[str]:
-        from mlflow.exceptions import MlflowException
+        db = self.sqlite_file()
+        if db is not None:
+            raw = sqlite_read.model_tag(db, self.model_name, HISTORY_TAG) or "[]"
+        else:
+            from mlflow.exceptions import MlflowException
 
-        try:
-            raw = self.client.get_registered_model(self.model_name).tags.get(HISTORY_TAG, "[]")
-        except MlflowException:
-            return []
+            try:
+                raw = self.client.get_registered_model(self.model_name).tags.get(HISTORY_TAG, "[]")
+            except MlflowException:
+                return []
         try:
             return [str(v) for v in json.loads(raw)]
         except (json.JSONDecodeError, TypeError):

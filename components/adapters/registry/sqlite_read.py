@@ -1,0 +1,67 @@
+"""Read-only answers from an embedded MLflow sqlite store: aliases, a version's facts and tags, a registered
+model's tag, read from its tables with :mod:`sqlite3` instead of through MLflow, whose import alone costs
+a second (``compatflow status`` and ``search`` read a few rows). Writes always go through MLflow."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+DELETED = "Deleted_Internal"  # MLflow's stage of a deleted version still in the table
+
+
+@contextlib.contextmanager
+def _connect(db: Path) -> Iterator[sqlite3.Connection]:
+    connection = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+def alias_version(db: Path, model: str, alias: str) -> str | None:
+    """The version ``alias`` points at, or None."""
+    with _connect(db) as c:
+        row = c.execute(
+            "SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?", (model, alias)
+        ).fetchone()
+    return None if row is None else str(row[0])
+
+
+def version_info(db: Path, model: str, version: str) -> dict[str, Any] | None:
+    """What :meth:`~components.adapters.registry.Registry.version_info` returns, or None when not held."""
+    with _connect(db) as c:
+        row = c.execute(
+            "SELECT version, run_id, source, creation_time FROM model_versions "
+            "WHERE name = ? AND version = ? AND current_stage != ?",
+            (model, str(version), DELETED),
+        ).fetchone()
+        if row is None:
+            return None
+        aliases = c.execute(
+            "SELECT alias FROM registered_model_aliases WHERE name = ? AND version = ?", (model, row[0])
+        ).fetchall()
+        tags = c.execute(
+            "SELECT key, value FROM model_version_tags WHERE name = ? AND version = ?", (model, row[0])
+        ).fetchall()
+    return {
+        "version": str(row[0]),
+        "run_id": row[1],
+        "source": row[2],
+        "created_at": datetime.fromtimestamp(row[3] / 1000, UTC).isoformat(timespec="seconds"),
+        "aliases": sorted(a for (a,) in aliases),
+        "tags": dict(tags),
+    }
+
+
+def model_tag(db: Path, model: str, key: str) -> str | None:
+    """A tag of the registered model, or None."""
+    with _connect(db) as c:
+        row = c.execute(
+            "SELECT value FROM registered_model_tags WHERE name = ? AND key = ?", (model, key)
+        ).fetchone()
+    return None if row is None else str(row[0])
