@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import secrets
@@ -90,3 +92,47 @@ def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class LinkedFolderError(ValueError):
+    """A folder the project makes for itself is a symbolic link or not a folder; the message names it."""
+
+
+def own_folder(base: Path | str, *names: str, mode: int = 0o700) -> int:
+    """``base/names...`` made (``mode``) or found, each of ``names`` without following a symbolic link: an
+    open descriptor of the last folder (the caller closes it), on which files are made with ``dir_fd``.
+    Raises :class:`LinkedFolderError` naming a link or a file where a folder should be."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for n, name in enumerate(names):
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise LinkedFolderError(
+                    f"{Path(base, *names[: n + 1])} is a symbolic link or not a folder: compatflow makes "
+                    "this folder for itself and never follows a link there; remove it and run again"
+                ) from exc
+            os.close(fd)
+            fd = inner
+        os.fchmod(fd, mode)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o600) -> None:
+    """Write ``name`` in the folder open as ``folder_fd`` (:func:`own_folder`), replacing what is there (a
+    link itself, never its target)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder_fd)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=folder_fd)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, mode)
+        f.write(data)

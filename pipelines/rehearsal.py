@@ -55,6 +55,8 @@ TASK_UID = TASK_GID = 10001
 TASK_USER = "compatflow"
 PHASES = 2
 STREAM_PHASES = 4
+MARKER = ".compatflow-rehearsal"  # written into a rehearsal folder when a rehearsal makes it
+CHECKOUT = Path(__file__).resolve().parents[1]
 SEARCH_QUERY = "a red circle"
 
 # The cluster config's sizes scaled to a 2-core CPU; everything else stays the cluster's.
@@ -533,7 +535,7 @@ def rehearse(
 ) -> Outcome:
     """Start the services, prepare, ship ``phases`` phases, run the checks; the outcome is also written to
     ``<root>/rehearsal.json``. Stops at the first failed phase (the checks still run)."""
-    rehearsal = Rehearsal(root, milvus_binaries=milvus_binaries, echo=echo)
+    rehearsal = Rehearsal(claim_root(root), milvus_binaries=milvus_binaries, echo=echo)
     outcome = Outcome(str(rehearsal.layout.root))
     started = time.monotonic()
     with rehearsal.services():
@@ -586,11 +588,47 @@ def _last_line(text: str) -> str:
     return lines[-1][:120] if lines else ""
 
 
+def claim_root(root: str | os.PathLike[str], *, fresh: bool = False) -> Path:
+    """The rehearsal folder ``root``, resolved, made (with :data:`MARKER`) unless a rehearsal made it; with
+    ``fresh``, deleted first. Raises :class:`RehearsalError` for the filesystem root, a system or home
+    folder, the checkout or a folder above it, and a folder holding files no rehearsal made (a rehearsal
+    gives its folders to uid 10001 and deletes them with ``--fresh``: only its own)."""
+    import pwd
+
+    from components.state.workspace import SYSTEM_FOLDERS
+
+    path = Path(root).expanduser().resolve()
+    homes = {Path(user.pw_dir).resolve() for user in pwd.getpwall() if user.pw_dir not in ("", "/")}
+    homes |= {Path.home().resolve(), *(p for p in Path("/home").glob("*") if p.is_dir())}
+    if path in SYSTEM_FOLDERS or path in homes or path == CHECKOUT or path in CHECKOUT.parents:
+        raise RehearsalError(
+            f"--root {path} is refused: a rehearsal gives its folder to uid {TASK_UID} and --fresh deletes "
+            "it, so it must be a folder of its own (e.g. ./rehearsal), not the root, a system or home folder "
+            "or the checkout"
+        )
+    made = (path / MARKER).is_file() or (path / "rehearsal.json").is_file()  # the latter: older rehearsals
+    if path.exists() and not made and (not path.is_dir() or any(path.iterdir())):
+        raise RehearsalError(
+            f"--root {path} holds files no rehearsal made (no {MARKER} in it): give a new or empty folder"
+        )
+    if fresh and path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).write_text("made by `compatflow pipeline rehearse`; --fresh deletes this folder\n")
+    return path
+
+
 def _own_tree(folder: Path, uid: int, gid: int, *, read_only: bool = False) -> None:
-    """Give ``folder`` and everything under it to ``uid``:``gid``; ``read_only``: no write bit for anyone."""
-    for path in [folder, *folder.rglob("*")]:
-        os.chown(path, uid, gid)
-        if read_only:
+    """Give ``folder`` and everything under it to ``uid``:``gid``; ``read_only``: no write bit for anyone.
+    A link (a task may leave one in its volume) is given itself, never followed."""
+    if folder.is_symlink():
+        raise RehearsalError(f"{folder} is a symbolic link: the rehearsal makes it itself; remove it")
+    paths = [folder]
+    for here, folders, files in os.walk(folder):  # never into a linked folder
+        paths += [Path(here, name) for name in folders + files]
+    for path in paths:
+        os.chown(path, uid, gid, follow_symlinks=False)
+        if read_only and not path.is_symlink():
             path.chmod(0o555 if path.is_dir() else 0o444)
 
 

@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from compat.io import own_folder, write_in
 from compat.proc import status_mib
 from pipelines.task_client import SOCKET_ENV
 
@@ -105,8 +106,8 @@ def warm_task_host(
         yield None
         return
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    folder.chmod(0o700)
+    folder.parent.parent.mkdir(parents=True, exist_ok=True)
+    folder_fd = own_folder(folder.parent.parent, folder.parent.name, folder.name)  # no link followed there
     socket_path = folder / SOCKET_NAME
     if len(os.fsencode(socket_path)) > SOCKET_PATH_MAX:  # a deep workspace: the socket goes to a short folder
         short = "/tmp" if os.path.isdir("/tmp") else None  # not $TMPDIR: a run points it into the workspace
@@ -114,9 +115,13 @@ def warm_task_host(
     socket_path.unlink(missing_ok=True)
     launcher = folder / "task-python"
     python, client = shlex.quote(sys.executable), shlex.quote(str(CLIENT))
-    launcher.write_text(f'#!/bin/sh\nexec {python} -I -S {client} "$@"\n')
-    launcher.chmod(0o700)
-    log = open(log_path or folder / "host.log", "ab")
+    try:
+        write_in(folder_fd, launcher.name, f'#!/bin/sh\nexec {python} -I -S {client} "$@"\n'.encode(), 0o700)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        log_fd = os.open(os.path.abspath(log_path or folder / "host.log"), flags, 0o600, dir_fd=folder_fd)
+    finally:
+        os.close(folder_fd)
+    log = os.fdopen(log_fd, "ab")
     host = subprocess.Popen(
         [sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(preload)],
         stdin=subprocess.PIPE,

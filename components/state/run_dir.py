@@ -231,3 +231,9 @@ class RunDir:
     def report_file(self, fmt: str = "html") -> Path:
         """The on-call report in ``fmt`` (``html``, ``md``)."""
         return self.report_dir / report_file_name(fmt)
+
+    def holds_a_run(self) -> bool:
+        """Whether the folder holds a run's own files: its plan, outcome or log, or a step's output."""
+        own = (self.plan_file, self.outcome_file, self.pipeline_log)
+        steps = (self.validation_summary, self.gate_file, self.compat_report, self.rollout_state)
+        return any(mark.is_file() for mark in (*own, *steps))

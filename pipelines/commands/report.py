@@ -42,6 +42,11 @@ def report(
         run_dir = ws.run_dir(runs[-1])
     elif Path(run).is_dir():
         run_dir = Path(run)
+        if not RunDir(run_dir).holds_a_run():
+            fail(
+                f"{run_dir.resolve()} is not a run folder (no run.json, outcome, log or step output in it): "
+                "the report is written into the run's own folder; give a run directory or a run id"
+            )
     else:
         try:
             run_dir = ws.run_dir(run)
