@@ -193,18 +193,19 @@ def rehearse(
             "--milvus-binaries", help="Folder to unpack Milvus's binaries into (default: in --root)."
         ),
     ] = None,
-    fresh: Annotated[bool, typer.Option("--fresh", help="Delete the rehearsal folder first.")] = False,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Delete the rehearsal folder first (only one a rehearsal made).")
+    ] = False,
 ) -> None:
     """Rehearse the cluster here (as root): compile the pipeline from the cluster config pointed at a Milvus
     standalone and an MLflow server on loopback, run its tasks from the compiled YAML as the images' user
     (uid 10001) with the config and feature repo read-only, ship PHASES phases, then `status`, `search` and
     `lineage --check`. What a rehearsal cannot show: README, "Running on Kubeflow"."""
     import os
-    import shutil
 
     from components.adapters import milvus_server
     from pipelines.commands._common import fail
-    from pipelines.rehearsal import RehearsalError
+    from pipelines.rehearsal import RehearsalError, claim_root
     from pipelines.rehearsal import rehearse as run_rehearsal
 
     if os.geteuid() != 0:
@@ -212,10 +213,12 @@ def rehearse(
             "the rehearsal runs as root: it makes a private network namespace, root-owned read-only inputs "
             "and runs the tasks as the images' user, uid 10001 (e.g. `sudo make rehearse`)"
         )
+    try:
+        root = claim_root(root, fresh=fresh)
+    except RehearsalError as err:
+        fail(str(err))
     if not milvus_server.loopback_only():
         milvus_server.enter_private_network()
-    if fresh and root.exists():
-        shutil.rmtree(root)
     try:
         outcome = run_rehearsal(root, phases=phases, milvus_binaries=milvus_binaries, echo=typer.echo)
     except RehearsalError as err:
