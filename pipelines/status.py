@@ -1,7 +1,8 @@
 """What ``compatflow status`` shows: registry aliases, the last gate decision, rollout progress, the gallery.
 
 :func:`collect` gathers the document; the gallery part (:func:`gallery_part`) reads the serving record and
-the index.
+the index; :func:`problems` says what is wrong with it and :func:`next_step` what to do. Nothing here loads
+a model: the registry of a local workspace is read from its sqlite file, the served copy checked by hash.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def collect(
 
 def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     """``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the count) and
-    ``rollout.status`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index."""
-    from components.adapters.index import gallery_status
+    ``rollout.status`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index.
+    A milvus-lite folder held by a running ``compatflow serve`` (one process opens it) is not counted."""
+    from components.adapters.index import gallery_status, is_remote
+    from components.adapters.services import live_services
     from components.rollout import RolloutPaths, read_serving
     from components.rollout import status as rollout_status
 
@@ -62,12 +65,53 @@ def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     record = read_serving(paths.serving)
     if record is None:
         doc["gallery"] = {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
-    else:
-        doc["gallery"] = {
-            **gallery_status(record["uri"], record["alias"]),
-            "query_model_version": record["query_model"]["version"],
-        }
+        return doc
+    services = [] if is_remote(record["uri"]) else live_services(Workspace.coerce(workspace).services_dir)
+    counts = (
+        {"count": None, "note": f"not counted: {services[0]} holds {record['uri']}"}
+        if services
+        else gallery_status(record["uri"], record["alias"])
+    )
+    doc["gallery"] = {**counts, "query_model_version": record["query_model"]["version"]}
     return doc
+
+
+UNFINISHED_ROLLOUT = ("pending", "running", "halted")  # the serving record may name the candidate
+
+
+def problems(doc: Mapping[str, Any]) -> list[str]:
+    """Why a status document is not healthy: unreadable files, parts that failed, a served copy that fails
+    its checksum, queries served by another version than the registry's production."""
+    found = [*doc.get("unreadable", []), *(f"{e['part']}: {e['error']}" for e in doc.get("part_errors", []))]
+    check = doc.get("production_check") or {}
+    if check.get("ok") is False:
+        found.append(f"checksum of production v{check['version']} FAILED: {check['message']}")
+    production = (doc.get("registry") or {}).get("production") or {}
+    served = (doc.get("gallery") or {}).get("query_model_version")
+    rollout = (doc.get("rollout") or {}).get("status")
+    if production and served and str(served) != str(production["version"]):
+        if rollout not in UNFINISHED_ROLLOUT:
+            found.append(
+                f"the index and the registry disagree: queries are served by v{served} but production is "
+                f"v{production['version']}, and no rollout is under way"
+            )
+    return found
+
+
+def next_step(doc: Mapping[str, Any], found: list[str]) -> str:
+    """The one command a person runs next, given the status document and its :func:`problems`."""
+    check = doc.get("production_check") or {}
+    if check.get("ok") is False:
+        return "delete the copy named above (it is downloaded again, verified), or `compatflow rollback`"
+    if any("disagree" in problem for problem in found):
+        return "`compatflow rollback` serves production's version again (`compatflow rollout status`: why)"
+    if found:
+        return "restore or remove the file named above (`compatflow state rebuild` rebuilds the phase record)"
+    if (doc.get("rollout") or {}).get("status") in UNFINISHED_ROLLOUT:
+        return "`compatflow run` resumes the rollout, or `compatflow rollback` abandons it"
+    if not (doc.get("registry") or {}).get("production"):
+        return "`compatflow run` trains and serves the first model"
+    return "`compatflow run` runs the next pending phase (`compatflow stream add-phase` adds one)"
 
 
 def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:

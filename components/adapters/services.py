@@ -5,7 +5,8 @@
 Deployment, one pod each, share the workspace volume and the port); a rollout's pace reads the query-latency
 histogram of every live one (:class:`components.rollout.pacing.ServiceLatency`). A file left by a process
 that no longer runs on this host (kill -9) is ignored; one from another host is kept, and a service that
-does not answer its ``/metrics`` is skipped by the reader.
+does not answer its ``/metrics`` is skipped by the reader. ``compatflow search`` asks a live one
+(:func:`ask`) before it loads a model itself.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import json
 import os
 import re
 import socket
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from compat.io import utc_now, write_json_atomic
 
@@ -65,3 +69,24 @@ def live_services(directory: Path) -> list[str]:
         if isinstance(doc, dict) and isinstance(doc.get("url"), str) and _alive(doc):
             urls.append(doc["url"])
     return urls
+
+
+def ask(url: str, texts: Sequence[str], k: int, timeout: float = 10.0) -> list[list[dict[str, Any]]]:
+    """Hits per text (``item_id``, ``score``, ``model_version``, ``caption``) from the service at ``url``
+    (``POST /search``); :class:`ValueError` with its detail when it refuses the query (422), OSError when
+    it does not answer or cannot search (a client falls back to searching itself)."""
+    body = json.dumps({"queries": list(texts), "k": k}).encode()
+    request = urllib.request.Request(
+        f"{url}/search", body, {"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            doc = json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        if err.code != 422:
+            raise
+        raise ValueError(json.loads(err.read() or b"{}").get("detail", f"{url} refused the query")) from err
+    keys = ("score", "model_version", "caption")
+    return [
+        [{"item_id": h["id"], **{key: h.get(key) for key in keys}} for h in row] for row in doc["results"]
+    ]

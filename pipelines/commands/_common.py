@@ -1,20 +1,46 @@
-"""Helpers shared by command modules: fatal errors with a clear message, JSON output."""
+"""Helpers shared by command modules: exit codes declared in the help, fatal errors with a clear message,
+JSON output, the workspace and config a command works on."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+USAGE = 2  # click's own code for a usage error; ``fail`` uses it for every refused argument or config
+DEFAULT_EXIT_CODES = {
+    0: "done",
+    1: "it failed; the message says why",
+    USAGE: "refused before it started: a bad argument or config (the message names it)",
+}
+F = TypeVar("F", bound=Callable[..., Any])
 
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print ``error: message`` to stderr and exit with ``code``."""
+
+def exit_codes(codes: Mapping[int, str] | None = None) -> Callable[[F], F]:
+    """Declare a command's exit codes (``codes`` over :data:`DEFAULT_EXIT_CODES`): its help ends with them
+    as an "Exit codes:" part, and tests read them from the callback's ``exit_codes``."""
+
+    def declare(command: F) -> F:
+        declared = {**DEFAULT_EXIT_CODES, **(codes or {})}
+        rows = "\n".join(f"  {code}  {meaning}" for code, meaning in sorted(declared.items()))
+        command.__doc__ = f"{inspect.cleandoc(command.__doc__ or '')}\n\n\b\nExit codes:\n{rows}"
+        command.exit_codes = declared  # type: ignore[attr-defined]
+        return command
+
+    return declare
+
+
+def fail(message: str, code: int = USAGE, *, next_step: str | None = None) -> NoReturn:
+    """Print ``error: message`` (and ``next: next_step``) to stderr and exit with ``code``."""
     typer.echo(f"error: {message}", err=True)
+    if next_step:
+        typer.echo(f"next: {next_step}", err=True)
     raise typer.Exit(code)
 
 

@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from pipelines.commands._common import exit_codes
+
 compat_app = typer.Typer(
     help="Make a candidate compatible with the production model (BCT, lambda-orth, BT2, ...).",
     no_args_is_help=True,
@@ -36,9 +38,10 @@ def _settings(config: Path | None, assignments: list[str]) -> dict[str, Any]:
 
 
 @compat_app.command("train")
+@exit_codes()
 def train(
     method: Annotated[
-        str, typer.Option(help="bct, lambda_orth, bt2, none, ... (see `compatflow compat methods`).")
+        str, typer.Option(help="bct, lambda_orth, bt2, none, ... (see: compatflow compat methods).")
     ],
     old: Annotated[
         Path, typer.Option(help="Production checkpoint (frozen), or a compatible-model directory.")
@@ -88,6 +91,7 @@ def train(
 
 
 @compat_app.command("methods")
+@exit_codes()
 def methods(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False) -> None:
     """List the registered methods and their default settings."""
     from compat.methods import available_methods, get_method

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, fail
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 data_app = typer.Typer(
     help="Captioned-image data: import images into img2dataset-layout tar shards, synthetic streams.",
@@ -17,6 +17,7 @@ SPLITS = ("train", "eval", "gallery")
 
 
 @data_app.command("generate")
+@exit_codes()
 def generate(
     out: Annotated[Path, typer.Option("--out", help="Output directory of the stream (created if missing).")],
     phases: Annotated[int, typer.Option(min=1, help="Number of phases (one domain each).")] = 5,
@@ -67,6 +68,7 @@ def generate(
 
 
 @data_app.command("import")
+@exit_codes({0: "something was imported", 1: "nothing was imported"})
 def import_(
     src: Annotated[
         Path,
@@ -227,6 +229,7 @@ def import_(
 
 
 @data_app.command("info")
+@exit_codes({1: "shards are missing"})
 def info(stream_dir: Annotated[Path, typer.Argument(help="Directory holding stream.json.")]) -> None:
     """Print phases, domains, shard and sample (picture) counts of a stream as JSON, with its captions per
     phase and split (a picture may carry several) and its vocabulary shift (per phase: new words, share of

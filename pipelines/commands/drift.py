@@ -7,7 +7,10 @@ from typing import Annotated
 
 import typer
 
+from pipelines.commands._common import exit_codes
 
+
+@exit_codes()
 def drift(
     reference: Annotated[str, typer.Option(help="Reference shards: glob, brace pattern or URL.")],
     current: Annotated[str, typer.Option(help="New phase shards: glob, brace pattern or URL.")],

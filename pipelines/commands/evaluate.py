@@ -7,7 +7,10 @@ from typing import Annotated
 
 import typer
 
+from pipelines.commands._common import exit_codes
 
+
+@exit_codes()
 def evaluate(
     old: Annotated[Path, typer.Option(help="Production checkpoint (or compatible-model directory).")],
     new: Annotated[Path, typer.Option(help="Candidate: a compatible-model directory or a plain checkpoint.")],

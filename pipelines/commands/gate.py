@@ -7,13 +7,20 @@ from typing import Annotated
 
 import typer
 
+from pipelines.commands._common import exit_codes
+
 EXIT_PASS, EXIT_BLOCK, EXIT_USAGE = 0, 1, 2
 
 
+@exit_codes(
+    {
+        EXIT_PASS: "pass: the candidate may ship",
+        EXIT_BLOCK: "block: the reasons are printed and in gate.json",
+        EXIT_USAGE: "a bad argument, or an input the gate cannot read (gate.json says block)",
+    }
+)
 def gate(
-    report: Annotated[
-        Path | None, typer.Option(help="compat_report.json from `compatflow evaluate`.")
-    ] = None,
+    report: Annotated[Path | None, typer.Option(help="compat_report.json from compatflow evaluate.")] = None,
     policy: Annotated[
         Path | None, typer.Option(help="Gate policy YAML (merged over the shipped default).")
     ] = None,

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 index_app = typer.Typer(help="The gallery index: run a Milvus standalone server locally, on loopback only.")
 
@@ -26,7 +26,7 @@ def _into_namespace(name: str) -> None:
         fail(
             "Milvus 2.3 listens on every network interface, so compatflow starts it only in a network "
             "namespace with loopback alone, and making one needs root. Run this command as root, or inside "
-            "a container or `unshare --net` namespace whose only interface is lo."
+            "a container or 'unshare --net' namespace whose only interface is lo."
         )
     if name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
         subprocess.run(["ip", "netns", "add", name], check=True)
@@ -43,6 +43,7 @@ def _in_named_namespace(name: str) -> bool:
 
 
 @index_app.command("serve-milvus")
+@exit_codes({0: "stopped by SIGTERM or SIGINT", 2: "a bad argument, or Milvus did not start (its log shown)"})
 def serve_milvus(
     data: Annotated[Path, typer.Option("--data", help="Folder of the server's data, configs and logs.")],
     netns: Annotated[
@@ -50,7 +51,7 @@ def serve_milvus(
         typer.Option(
             "--netns",
             help="Network namespace to run in when this one has interfaces beyond loopback (root; created "
-            "if missing; compatflow commands that use the server run in it too: `ip netns exec NAME ...`).",
+            "if missing; compatflow commands that use the server run in it too: 'ip netns exec NAME ...').",
         ),
     ] = "compatflow",
     binaries: Annotated[
@@ -63,9 +64,9 @@ def serve_milvus(
         int, typer.Option("--graceful-stop", help="Seconds a stop may wait for in-flight work.", min=1)
     ] = 10,
 ) -> None:
-    """Run Milvus standalone (PyPI ``milvus``) on loopback only until SIGTERM or SIGINT.
+    """Run Milvus standalone (PyPI package milvus) on loopback only until SIGTERM or SIGINT.
 
-    Prints the ``index.uri`` to put in a config. Data survives a restart on the same --data folder.
+    Prints the index.uri to put in a config. Data survives a restart on the same --data folder.
     """
     from components.adapters import milvus_server
     from pipelines.commands._common import fail
@@ -100,6 +101,7 @@ def serve_milvus(
 
 
 @index_app.command("move")
+@exit_codes()
 def move(
     to: Annotated[
         str, typer.Option("--to", help="URI of the index to serve the gallery from (e.g. a server).")

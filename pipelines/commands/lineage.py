@@ -13,11 +13,12 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
+@exit_codes({1: "Feast and the index disagree (--check), or no lineage to read"})
 def lineage(
     item_ids: Annotated[list[str], typer.Argument(help="Gallery item ids.", show_default=False)] = None,  # noqa: B006
     check: Annotated[

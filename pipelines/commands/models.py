@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 models_app = typer.Typer(
     help="Model configs (cf-* and open_clip architectures), their pretrained tags and which are on this "
@@ -111,6 +111,7 @@ def _own_tags(folder: Path, arch: str | None) -> list[str]:
 
 
 @models_app.command("fetch")
+@exit_codes({1: "the weights could not be downloaded"})
 def fetch(
     arch: Annotated[str, typer.Argument(help="open_clip architecture, e.g. ViT-B-32.", show_default=False)],
     tag: Annotated[

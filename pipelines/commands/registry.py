@@ -6,42 +6,43 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 ModelOpt = Annotated[str, typer.Option("--model-name", help="Registered model name.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
+@exit_codes({1: "a problem, printed: a file unreadable, checksum FAILED, index and registry disagree"})
 def status(
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     model_name: ModelOpt = "compatflow-clip",
     as_json: JsonOpt = False,
 ) -> None:
-    """Show production, candidate and previous versions, the last gate decision and rollout progress.
+    """Show production, candidate and previous versions, the served model's checksum, the last gate
+    decision, rollout progress, every phase's outcome and the gallery, then what to do next.
 
-    Exits 1 (after printing what it could) when a workspace file cannot be read or a part fails."""
-    from pipelines.commands._common import workspace_of
+    Reads files, the registry and the index only: no model is loaded.
+    """
+    from pipelines.commands._common import echo_json, workspace_of
+    from pipelines.status import collect, next_step, problems
 
-    workspace = workspace_of(config, workspace)
-    from pipelines.commands._common import echo_json
-    from pipelines.status import collect
-
-    doc = collect(workspace, model_name=model_name)
+    doc = collect(workspace_of(config, workspace), model_name=model_name)
+    found = problems(doc)
     if as_json:
-        echo_json(doc)
+        echo_json({**doc, "problems": found, "next": next_step(doc, found)})
     else:
         typer.echo(_format_status(doc))
-    problems = [
-        *doc.get("unreadable", []),
-        *(f"{e['part']}: {e['error']}" for e in doc.get("part_errors", [])),
-    ]
-    if problems:
-        from pipelines.commands._common import fail
-
-        fail("; ".join(problems), code=1)
+        typer.echo(f"next:       {next_step(doc, found)}")
+    if found:
+        for problem in found:
+            typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(1)
 
 
+@exit_codes(
+    {0: "rolled back", 1: "refused or failed: nothing to roll back, the workspace busy, a hook failed"}
+)
 def rollback(
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
@@ -50,7 +51,7 @@ def rollback(
 ) -> None:
     """Undo the newest change to what is served: a candidate's unfinished rollout (killed or failed
     mid-backfill; production stays), else production back to the previous version: registry, serving record,
-    index alias and lineage together, or nothing (see ``Registry.rollback``)."""
+    index alias and lineage together, or nothing."""
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
@@ -59,17 +60,18 @@ def rollback(
     from pipelines.commands._common import echo_json, fail, holding_workspace
 
     registry = Registry(workspace, model_name=model_name)
+    look = "`compatflow status` shows what is served and what ran"
     if not registry.exists():
-        fail(f"no registry at {registry.tracking_uri}: nothing to roll back", code=1)
+        fail(f"no registry at {registry.tracking_uri}: nothing to roll back", code=1, next_step=look)
     try:
         with holding_workspace(registry.workspace, "compatflow rollback"):
             result = rollback_production(registry)
     except RollbackHookError as err:
         if as_json:
             echo_json(err.result)
-        fail(str(err), code=1)
+        fail(str(err), code=1, next_step="fix what the failed hook names, then `compatflow rollback` again")
     except RegistryError as err:
-        fail(str(err), code=1)
+        fail(str(err), code=1, next_step=look)
     if as_json:
         echo_json(result)
         return

@@ -9,9 +9,10 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 
+@exit_codes()
 def report(
     run: Annotated[
         str | None,

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 UriOpt = Annotated[
     str | None,
@@ -43,6 +43,7 @@ def _options(pairs: list[str]) -> dict[str, str]:
 
 
 @rollout_app.command("index")
+@exit_codes()
 def index_cmd(
     model: Annotated[
         Path, typer.Option("--model", help="Model or checkpoint directory that embeds the gallery.")
@@ -80,6 +81,7 @@ def index_cmd(
 
 
 @rollout_app.command("run")
+@exit_codes({0: "the rollout completed", 1: "halted: a probe fell below its floor (the stage was restored)"})
 def run_cmd(
     new_version: Annotated[str, typer.Option("--new-version", help="Version of the model being rolled out.")],
     new_model: Annotated[
@@ -143,10 +145,7 @@ def run_cmd(
     uri: UriOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Roll NEW_VERSION out: switch queries, backfill in stages with probes; resumes after any crash.
-
-    Exit code 0 when completed, 1 when halted (a probe fell below its floor; the stage was restored).
-    """
+    """Roll NEW_VERSION out: switch queries, backfill in stages with probes; resumes after any crash."""
     from pipelines.commands._common import config_of, workspace_of
 
     deployment = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
@@ -208,6 +207,7 @@ def run_cmd(
 
 
 @rollout_app.command("status")
+@exit_codes({1: "the rollout state cannot be read"})
 def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """State, stage and fraction backfilled of the rollout in the workspace."""
     from pipelines.commands._common import workspace_of
@@ -237,6 +237,7 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
 
 
 @rollout_app.command("rollback")
+@exit_codes({1: "nothing to roll back, or it failed"})
 def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Restore the previous gallery (collection or vectors) and the previous query model."""
     from pipelines.commands._common import workspace_of
@@ -259,30 +260,46 @@ def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_js
         )
 
 
+@exit_codes(
+    {
+        0: "hits printed",
+        2: "a bad argument, or nothing to search: no serving record, a query model failing its digest",
+    }
+)
 def search_cmd(
     texts: Annotated[list[str], typer.Argument(help="Query text(s).")],
-    k: Annotated[int, typer.Option("-k", "--k", help="Hits per query.")] = 10,
+    k: Annotated[int, typer.Option("-k", "--k", help="Hits per query (1 to 1000).")] = 10,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     uri: UriOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Search the gallery with the serving query model, through the serving alias; prints each hit's caption
-    (read from the gallery shard its row names). The query model's folder must match the registry's digest
-    of its version."""
-    from pipelines.commands._common import serving_workspace
+    """Search the gallery as it is served and print each hit's score, item, caption and model version.
 
-    workspace, verify = serving_workspace(config, workspace)
-    from components.adapters.index import GalleryIndexError
-    from components.rollout import ServingError
-    from components.serving.search import search
-    from pipelines.commands._common import echo_json, fail
+    A running compatflow serve of the workspace (announced in its services folder) answers when there is
+    one; otherwise the serving record's query model is loaded here, after its folder is checked against the
+    registry's digest of its version, and searches the collection the record names (--uri: another index).
+    """
+    from components.serving.limits import QueryBoundError, check_search
+    from pipelines.commands._common import echo_json, fail, serving_workspace
 
-    paths = _paths(workspace)
     try:
-        hits = search(texts, k, record_path=paths.serving, uri=uri, captions=True, verify=verify)
-    except (ServingError, GalleryIndexError, ValueError) as err:
+        check_search(texts, k)  # before anything heavy is imported
+    except QueryBoundError as err:
         fail(str(err))
+    workspace, verify = serving_workspace(config, workspace)
+    hits = _ask_service(workspace, texts, k) if uri is None else None
+    if hits is None:
+        from components.adapters.index import GalleryIndexError
+        from components.rollout import ServingError
+        from components.serving.search import search
+
+        try:
+            hits = search(
+                texts, k, record_path=_paths(workspace).serving, uri=uri, captions=True, verify=verify
+            )
+        except (ServingError, GalleryIndexError, ValueError) as err:
+            fail(str(err))
     if as_json:
         echo_json(hits[0] if len(texts) == 1 else hits)
         return
@@ -293,6 +310,23 @@ def search_cmd(
             typer.echo(
                 f"  {rank:3d}  {hit['score']:.4f}  {hit['item_id']}  {caption}  ({hit['model_version']})"
             )
+
+
+def _ask_service(workspace: Any, texts: list[str], k: int) -> list[list[dict[str, Any]]] | None:
+    """The hits of the first live compatflow serve of the workspace that answers; None when none does."""
+    import logging
+
+    from components.adapters.services import ask, live_services
+    from pipelines.commands._common import fail
+
+    for url in live_services(workspace.services_dir):
+        try:
+            return ask(url, texts, k)
+        except ValueError as err:  # the service refused the query itself
+            fail(f"{url}: {err}")
+        except OSError as err:
+            logging.getLogger(__name__).warning("%s did not answer (%s): searching here", url, err)
+    return None
 
 
 def register(app: typer.Typer) -> None:

@@ -7,10 +7,25 @@ from typing import Annotated
 
 import typer
 
+from pipelines.commands._common import exit_codes
+
 # succeeded / rejected: the pipeline did its job; blocked: fix the phase's data (as `compatflow validate`).
 EXIT_CODES = {"succeeded": 0, "rejected": 0, "blocked": 3, "failed": 1}
+NEXT = {  # what a person does after each outcome (a failure carries its own next action)
+    "succeeded": "`compatflow status` shows what is served; `compatflow run` runs the next pending phase",
+    "rejected": "read the report's reasons; `compatflow run` goes on with the next phase",
+    "blocked": "fix or replace the phase's shards (quarantine listed in the report), then `compatflow run`",
+    "failed": "read the log, then `compatflow run` resumes the phase",
+}
 
 
+@exit_codes(
+    {
+        0: "succeeded, rejected (production unchanged) or nothing pending",
+        1: "failed (step, error and next action printed), or the workspace is busy",
+        EXIT_CODES["blocked"]: "blocked: validation refused the phase; fix its shards, then run again",
+    }
+)
 def run(
     config: Annotated[
         str, typer.Option("--config", "-c", help="Config file, or a shipped name (local, cluster).")
@@ -31,10 +46,8 @@ def run(
     except (ConfigError, FileNotFoundError, ValueError) as err:
         fail(str(err))
     if result.status == "nothing-to-do":
-        typer.echo(
-            "nothing pending: every phase of the stream has been processed (succeeded or rejected); "
-            "add a phase to the stream, then run again (`compatflow status` shows the history)"
-        )
+        typer.echo("nothing pending: every phase of the stream has been processed (succeeded or rejected)")
+        typer.echo("  next:    `compatflow stream add-phase` adds one; `compatflow status` shows the history")
         return
     typer.echo(f"run {result.run_id}: phase {result.phase} {result.status}")
     if result.failure:
@@ -52,9 +65,12 @@ def run(
     typer.echo(f"  log:     {result.outputs['log']}")
     if result.status == "rejected":  # the gate did its job: production stays, the next run moves on
         typer.echo("  the candidate was not released: production is unchanged (reasons in the report)")
+    if not result.failure:
+        typer.echo(f"  next:    {NEXT[result.status]}")
     raise typer.Exit(EXIT_CODES[result.status])
 
 
+@exit_codes({0: "compiled; the package's path is printed"})
 def compile_(
     out: Annotated[Path | None, typer.Option(help="Output directory (default: pipelines/compiled).")] = None,
     config: Annotated[
@@ -78,6 +94,7 @@ def compile_(
     except ConfigError as err:
         fail(str(err))
     typer.echo(str(path))
+    typer.echo(f"next: compatflow pipeline submit --package {path} --host URL (or schedule)", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
 
 LOOPBACK = "127.0.0.1"
 
@@ -48,6 +48,7 @@ def _server(app: Any, host: str, port: int, log_level: str) -> Any:
     return Server(config)
 
 
+@exit_codes({0: "stopped by SIGTERM or SIGINT", 1: "could not listen or start"})
 def serve(
     port: Annotated[int, typer.Option("--port", "-p", help="TCP port to listen on.", min=1, max=65535)],
     host: Annotated[

@@ -6,10 +6,13 @@ from typing import Annotated
 
 import typer
 
+from pipelines.commands._common import exit_codes
+
 state_app = typer.Typer(help="The workspace's phase record: rebuild it from the run folders.")
 
 
 @state_app.command("rebuild")
+@exit_codes()
 def rebuild(
     config: Annotated[
         str, typer.Option("--config", "-c", help="Config file, or a shipped name (local, cluster).")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, fail
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 stream_app = typer.Typer(
     help="Data streams: the phases a scheduled run picks up (stream.json, schemas/stream.schema.json).",
@@ -79,6 +79,7 @@ def split_shards(shards: Path | None, specs: dict[str, list[str] | None]) -> tup
 
 
 @stream_app.command("add-phase")
+@exit_codes()
 def add_phase(
     stream_dir: Annotated[
         Path, typer.Argument(help="Stream folder (created, with its stream.json, if missing).")
@@ -185,6 +186,7 @@ def show_stream(stream_dir: Path, extra: dict[str, Any] | None = None) -> None:
 
 
 @stream_app.command("show")
+@exit_codes({1: "shards are missing"})
 def show(stream_dir: Annotated[Path, typer.Argument(help="Stream folder (holds stream.json).")]) -> None:
     """Print the stream's phases, domains, sample and shard counts as JSON; exit 1 if shards are missing."""
     show_stream(stream_dir)

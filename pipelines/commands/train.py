@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, fail
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
@@ -54,6 +54,7 @@ def settings_given(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @train_app.command("continual")
+@exit_codes()
 def continual(
     ctx: typer.Context,
     stream: Annotated[Path, typer.Option("--stream", help="Stream directory (holds stream.json).")],
@@ -69,7 +70,7 @@ def continual(
         Path | None,
         typer.Option(
             "--deployment",
-            help="A deployment config (a pod's $COMPATFLOW_CONFIG): its `training` section gives every "
+            help="A deployment config (a pod's $COMPATFLOW_CONFIG): its training section gives every "
             "setting an option leaves out (default: the shipped defaults).",
         ),
     ] = None,
@@ -155,7 +156,7 @@ def continual(
 ) -> None:
     """Train the next model on PHASE, evaluate it on every domain so far, print the summary as JSON.
 
-    An option left out takes the `training` section's value (--deployment's, else the shipped default), as
+    An option left out takes the training section's value (--deployment's, else the shipped default), as
     the pipeline's step would.
     Resumes from OUT/train after an interruption. Under torchrun every rank trains (DDP), rank 0 writes.
     """

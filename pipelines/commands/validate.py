@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import echo_json, fail
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 EXIT_BLOCKED = 3
 
@@ -16,6 +16,7 @@ def register(app: typer.Typer) -> None:
     app.command("validate")(validate)
 
 
+@exit_codes({0: "the phase passes", EXIT_BLOCKED: "the phase is blocked: too many samples quarantined"})
 def validate(
     shards: Annotated[
         list[str],
@@ -52,7 +53,7 @@ def validate(
         bool, typer.Option("--json", help="Print the whole validation.json document.")
     ] = False,
 ) -> None:
-    """Validate shards into OUT; exit 0 when the phase passes, 3 when it is blocked, 2 on bad arguments."""
+    """Validate a phase's shards into OUT, quarantining bad samples; over the threshold it is blocked."""
     from components.data.validation import (
         ShardSpecError,
         ValidationPolicy,
