@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from pipelines.commands._common import exit_codes
 from pipelines.submit import (
     EXPERIMENT,
     NAMESPACE,
@@ -19,7 +20,7 @@ from pipelines.submit import (
 )
 
 pipeline_app = typer.Typer(
-    help="Start the compiled pipeline (`compatflow compile`) on Kubeflow Pipelines: once, or on a schedule.",
+    help="Start the compiled pipeline (compatflow compile) on Kubeflow Pipelines: once, or on a schedule.",
     no_args_is_help=True,
 )
 
@@ -29,7 +30,7 @@ HostOpt = Annotated[
         "--host",
         envvar="KF_PIPELINES_ENDPOINT",
         help="URL of the KFP API, e.g. http://127.0.0.1:8888 after "
-        "`kubectl -n kubeflow port-forward svc/ml-pipeline 8888:8888`.",
+        '"kubectl -n kubeflow port-forward svc/ml-pipeline 8888:8888".',
     ),
 ]
 PackageOpt = Annotated[
@@ -59,6 +60,12 @@ def _package(path: Path | None) -> Any:
 
 
 @pipeline_app.command("submit")
+@exit_codes(
+    {
+        0: "the run started (its ID printed), or --dry-run printed the request",
+        1: "the KFP API refused the request or could not be reached",
+    }
+)
 def submit(
     host: HostOpt,
     phase: Annotated[
@@ -110,6 +117,12 @@ def submit(
 
 
 @pipeline_app.command("schedule")
+@exit_codes(
+    {
+        0: "scheduled, or --dry-run printed the request",
+        1: "the KFP API refused the request or could not be reached",
+    }
+)
 def schedule(
     host: HostOpt,
     cron: Annotated[
@@ -181,6 +194,7 @@ def schedule(
 
 
 @pipeline_app.command("rehearse")
+@exit_codes({1: "a step of the rehearsal failed"})
 def rehearse(
     root: Annotated[
         Path,
@@ -199,8 +213,8 @@ def rehearse(
 ) -> None:
     """Rehearse the cluster here (as root): compile the pipeline from the cluster config pointed at a Milvus
     standalone and an MLflow server on loopback, run its tasks from the compiled YAML as the images' user
-    (uid 10001) with the config and feature repo read-only, ship PHASES phases, then `status`, `search` and
-    `lineage --check`. What a rehearsal cannot show: README, "Running on Kubeflow"."""
+    (uid 10001) with the config and feature repo read-only, ship PHASES phases, then status, search and
+    lineage --check. What a rehearsal cannot show: README, "Running on Kubeflow"."""
     import os
 
     from components.adapters import milvus_server
