@@ -368,17 +368,21 @@ def _read_table(table: Path) -> tuple[list[str], list[dict[str, Any]]]:
     return columns, rows
 
 
-def _not_a_file(source: str, path: Path) -> tuple[str, str]:
-    """Why a listed path that is not a regular file is refused: missing, or something else (a device such as
-    /dev/zero, a FIFO, a folder, a dangling link), which is never opened."""
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        return (
-            "not_a_regular_file",
-            f"{source}: {path} is not a regular file (a device, a FIFO or a broken link)",
-        )
-    if path.is_dir():
+def _not_a_file(source: str, path: Path) -> tuple[str, str] | None:
+    """Why a listed path that is not a regular file is refused (None when it is one): missing, or something
+    else (a device such as /dev/zero, a FIFO, a folder, a dangling link), which is never opened."""
+    try:
+        if path.is_file():
+            return None
+        path.lstat()
+    except FileNotFoundError:
+        return "image_missing", f"{source}: no such file {path}"
+    except (OSError, ValueError) as exc:  # a name too long or holding a NUL, a folder that cannot be searched
+        why = getattr(exc, "strerror", None) or exc
+        return "image_missing", f"{source}: {path} cannot be looked at: {why}"
+    if path.is_dir() and not path.is_symlink():
         return "image_missing", f"{source}: {path} is a folder, not an image file"
-    return "image_missing", f"{source}: no such file {path}"
+    return "not_a_regular_file", f"{source}: {path} is not a regular file (a device, a FIFO or a broken link)"
 
 
 def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]:
@@ -412,8 +416,9 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
         rel = str(cell).strip()
         path = Path(rel) if Path(rel).is_absolute() else base / rel
         source = f"{where}: {rel}"
-        if not path.is_file():
-            out.append(_Candidate(source, path, refused=_not_a_file(source, path)))
+        refused = _not_a_file(source, path)
+        if refused:
+            out.append(_Candidate(source, path, refused=refused))
             continue
         out.append(_Candidate(source, path, caption=caption, extra=extra, listed=rel, row=n))
     return out
@@ -549,8 +554,9 @@ def _karpathy_candidates(file: Path) -> list[_Candidate]:
                 out.append(_Candidate(source, None, refused=("entry_invalid", problem)))
                 continue
             path = Path(rel) if Path(rel).is_absolute() else base / rel
-            if not path.is_file():
-                out.append(_Candidate(source, path, refused=_not_a_file(source, path)))
+            refused = _not_a_file(source, path)
+            if refused:
+                out.append(_Candidate(source, path, refused=refused))
                 continue
             meta = _json_safe({k: v for k, v in entry.items() if k != "sentences"})
             out.append(
