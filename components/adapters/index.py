@@ -63,7 +63,14 @@ META_FIELDS: tuple[str, ...] = (
     "source_uri",
     "transform",
     "rollout_id",
+    "order_key",
+    "key_lambda_orth",
+    "key_uncertainty",
+    "backfill_stage",
 )
+# What orders a backfill, written with each row (components.rollout.keys); older collections lack them.
+ORDER_FIELDS: tuple[str, ...] = ("order_key", "key_lambda_orth", "key_uncertainty", "backfill_stage")
+_FLOAT_FIELDS = ("key_lambda_orth", "key_uncertainty")
 ROW_FIELDS: tuple[str, ...] = ("item_id", "vector", *META_FIELDS)
 _VARCHAR_LEN = {
     "item_id": 512,
@@ -188,6 +195,7 @@ class GalleryIndex:
         self.timeout = timeout
         self.consistency = consistency
         self._loaded: set[str] = set()
+        self._fields: dict[str, tuple[str, ...]] = {}
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not is_remote(self.uri):
             Path(self.uri).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -299,6 +307,8 @@ class GalleryIndex:
         for field in META_FIELDS:
             if field in _VARCHAR_LEN:
                 schema.add_field(field, DataType.VARCHAR, max_length=_VARCHAR_LEN[field])
+            elif field in _FLOAT_FIELDS:
+                schema.add_field(field, DataType.FLOAT)
             else:
                 schema.add_field(field, DataType.INT64)
         index_params = self.client.prepare_index_params()
@@ -328,6 +338,36 @@ class GalleryIndex:
                 f"no gallery collection {name!r} at {self.uri}; known: {', '.join(self.collections())}"
             )
         return name
+
+    def fields(self, name: str) -> tuple[str, ...]:
+        """The fields the rows of collection ``name`` store (an older one lacks :data:`ORDER_FIELDS`)."""
+        if name not in self._fields:
+            described = self.client.describe_collection(self._require(name))["fields"]
+            self._fields[name] = tuple(str(f["name"]) for f in described)
+        return self._fields[name]
+
+    def has_order_keys(self, name: str) -> bool:
+        """Whether the rows of ``name`` carry what orders a backfill (a stage can be a filter on them)."""
+        return set(ORDER_FIELDS) <= set(self.fields(name))
+
+    def _readable(self, name: str, fields: Sequence[str]) -> list[str]:
+        stored = self.fields(name)
+        return [f for f in dict.fromkeys(["item_id", *fields]) if f in stored]
+
+    def _completed(self, rows: Sequence[dict[str, Any]], fields: Sequence[str]) -> list[dict[str, Any]]:
+        """``rows`` with the order fields a collection made before them lacks: the id's ``order_key``, no
+        score, stage 0 (what its rows would carry had they been written now without centres)."""
+        missing = [f for f in ORDER_FIELDS if f in fields and rows and f not in rows[0]]
+        if not missing:
+            return [dict(r) for r in rows]
+        from components.rollout.keys import order_keys
+
+        keys = order_keys([str(r["item_id"]) for r in rows])
+        defaults = {"key_lambda_orth": 0.0, "key_uncertainty": 0.0, "backfill_stage": 0}
+        return [
+            {**r, **{f: int(keys[j]) if f == "order_key" else defaults[f] for f in missing}}
+            for j, r in enumerate(rows)
+        ]
 
     def collection_space(self, name: str) -> str:
         """The space id a collection was created for."""
@@ -419,20 +459,29 @@ class GalleryIndex:
             time.sleep(0.2)
 
     # -- writes --------------------------------------------------------------------------------------------
-    def upsert(self, rows: Sequence[dict[str, Any]], collection: str | None = None) -> int:
-        """Upsert complete rows (idempotent: the primary key is item_id); returns the number written."""
+    def upsert(
+        self, rows: Sequence[dict[str, Any]], collection: str | None = None, *, insert: bool = False
+    ) -> int:
+        """Upsert complete rows (idempotent: the primary key is item_id); returns the number written. With
+        ``insert`` the rows are inserted: cheaper (nothing to delete), for ids the collection does not hold
+        (an insert of an id already there leaves two rows). Fields the collection does not store are left
+        out (a collection made before :data:`ORDER_FIELDS`)."""
         if not rows:
             return 0
         name = self.resolve(collection)
-        missing = [f for f in ROW_FIELDS if f not in rows[0]]
+        stored = self.fields(name)
+        missing = [f for f in stored if f not in rows[0]]
         if missing:
-            raise ValueError(f"gallery rows need the fields {list(ROW_FIELDS)}; missing {missing}")
-        result = self.client.upsert(name, list(rows), timeout=self.timeout)
+            raise ValueError(f"gallery rows need the fields {list(stored)}; missing {missing}")
+        rows = [{f: r[f] for f in stored} for r in rows]
+        write = self.client.insert if insert else self.client.upsert
+        result = write(name, rows, timeout=self.timeout)
         _WRITTEN.add((self.uri, name))
-        written = result.get("upsert_count", len(rows)) if isinstance(result, dict) else len(rows)
+        key = "insert_count" if insert else "upsert_count"
+        written = result.get(key, len(rows)) if isinstance(result, dict) else len(rows)
         if int(written) != len(rows):
             raise GalleryIndexError(
-                f"upsert into {name!r} wrote {written} of {len(rows)} rows; retry the batch"
+                f"write into {name!r} wrote {written} of {len(rows)} rows; retry the batch"
             )
         return len(rows)
 
@@ -450,11 +499,13 @@ class GalleryIndex:
         rollout_id: str = "",
         collection: str | None = None,
         batch_size: int = 1000,
+        centres: np.ndarray | None = None,
     ) -> int:
         """Upsert ``vectors`` of ``version`` in ``space`` for ``ids``, in batches; returns the count written.
 
         The target collection must have been created for ``space`` (a query never meets a vector of a space
-        it was not trained against).
+        it was not trained against). ``centres``: the space's, for the rows' order keys
+        (:mod:`components.rollout.keys`).
         """
         name = self.resolve(collection)
         have = self.collection_space(name)
@@ -474,6 +525,7 @@ class GalleryIndex:
             transform=transform,
             rollout_id=rollout_id,
             dim=self.collection_dim(name),
+            centres=centres,
         )
         written = 0
         for start in range(0, len(rows), batch_size):
@@ -491,6 +543,7 @@ class GalleryIndex:
         output_fields: Sequence[str] = (),
         consistency: str | None = None,
         as_of: float | None = None,
+        layers: Sequence[Sequence[str]] | None = None,
     ) -> list[list[Hit]]:
         """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector and
         the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``).
@@ -498,7 +551,26 @@ class GalleryIndex:
         ``as_of`` (a Unix time) replaces ``consistency``: the search sees at least every write made before
         that time, and waits for nothing once the server has caught up with it (a service reading a
         collection that was complete when its serving pair was loaded).
+
+        ``layers`` (``[(collection, filter), ...]``, newest first) searches a gallery that a rollout is
+        moving from one collection to another (:mod:`components.rollout.engine`): each layer with its own
+        filter (and ``filter``), the hits merged by score, an item met in two layers kept from the newest.
         """
+        if layers:
+            found = [
+                self.search(
+                    query_vectors,
+                    k if i == 0 else 2 * k,
+                    " and ".join(f"({x})" for x in (layer_filter, filter) if x) or None,
+                    name,
+                    ef,
+                    output_fields,
+                    consistency,
+                    as_of,
+                )
+                for i, (name, layer_filter) in enumerate(layers)
+            ]
+            return [_merged([hits[row] for hits in found], k) for row in range(len(found[0]))]
         q = np.atleast_2d(np.asarray(query_vectors, dtype=np.float32))
         if not np.isfinite(q).all():
             raise ValueError("query vectors contain NaN or infinite values")
@@ -558,10 +630,11 @@ class GalleryIndex:
         always current but unordered under a limit, is read through the query iterator.
         """
         name = self.resolve(collection)
-        fields = list(dict.fromkeys(["item_id", *fields]))
+        wanted, fields = list(fields), self._readable(name, fields)
         level = self._level(name, consistency)
         if self.lite:
-            yield from self._iterate_lite(name, fields, filter, batch_size)
+            for batch in self._iterate_lite(name, fields, filter, batch_size):
+                yield self._completed(batch, wanted)
             return
         last: str | None = None
         while True:
@@ -582,7 +655,7 @@ class GalleryIndex:
                     f"the Milvus server at {self.uri} returned a page of {name!r} out of primary-key order; "
                     "paging would skip rows (needs Milvus 2.3 or newer)"
                 )
-            yield [dict(r) for r in page]
+            yield self._completed(page, wanted)
             if len(page) < batch_size:
                 return
             last = keys[-1]
@@ -637,12 +710,12 @@ class GalleryIndex:
         rows = self.client.query(
             name,
             filter=filter,
-            output_fields=list(dict.fromkeys(["item_id", *fields])),
+            output_fields=self._readable(name, fields),
             limit=int(limit),
             consistency_level=self._level(name, consistency),
             timeout=self.timeout,
         )
-        return [dict(r) for r in rows]
+        return self._completed(rows, fields)
 
     def existing_ids(
         self,
@@ -681,16 +754,28 @@ class GalleryIndex:
         found: dict[str, dict[str, Any]] = {}
         ids = [str(i) for i in ids]
         level = self._level(name, consistency)
+        fields = self._readable(name, ROW_FIELDS)
         for start in range(0, len(ids), chunk):
-            for row in self.client.get(
+            rows = self.client.get(
                 name,
                 ids=ids[start : start + chunk],
-                output_fields=list(ROW_FIELDS),
+                output_fields=fields,
                 consistency_level=level,
                 timeout=self.timeout,
-            ):
-                found[str(row["item_id"])] = {f: row[f] for f in ROW_FIELDS}
+            )
+            for row in self._completed([{f: r[f] for f in fields} for r in rows], ROW_FIELDS):
+                found[str(row["item_id"])] = row
         return [found[i] for i in ids if i in found]
+
+
+def _merged(layers: Sequence[Sequence[Hit]], k: int) -> list[Hit]:
+    """The top ``k`` of the layers' hits by score, each item once (from the first layer that has it)."""
+    seen: set[str] = set()
+    hits: list[Hit] = []
+    for layer in layers:
+        hits.extend(h for h in layer if h.item_id not in seen)
+        seen.update(h.item_id for h in layer)
+    return sorted(hits, key=lambda h: -h.score)[:k]
 
 
 def make_rows(
@@ -705,8 +790,13 @@ def make_rows(
     transform: str = "",
     rollout_id: str = "",
     dim: int | None = None,
+    centres: np.ndarray | None = None,
+    backfill_stage: int = 0,
 ) -> list[dict[str, Any]]:
-    """Gallery rows for :meth:`GalleryIndex.upsert`, validating shapes and values."""
+    """Gallery rows for :meth:`GalleryIndex.upsert`, validating shapes and values, with their order keys
+    (against the space's ``centres``: :mod:`components.rollout.keys`)."""
+    from components.rollout.keys import order_keys, order_scores
+
     v = np.asarray(vectors, dtype=np.float32)
     n = len(ids)
     if v.ndim != 2 or v.shape[0] != n:
@@ -733,6 +823,8 @@ def make_rows(
     phases = per_item(phase, "phase", 0)
     uris = per_item(source_uris, "source_uris", "")
     times = per_item(embedded_at, "embedded_at", now_ms())
+    keys = order_keys([str(i) for i in ids])
+    scores = order_scores(v, centres)
     return [
         {
             "item_id": str(i),
@@ -744,6 +836,10 @@ def make_rows(
             "source_uri": str(uris[j]),
             "transform": str(transform),
             "rollout_id": str(rollout_id),
+            "order_key": int(keys[j]),
+            "key_lambda_orth": float(scores["key_lambda_orth"][j]),
+            "key_uncertainty": float(scores["key_uncertainty"][j]),
+            "backfill_stage": int(backfill_stage),
         }
         for j, i in enumerate(ids)
     ]

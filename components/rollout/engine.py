@@ -1,7 +1,8 @@
 """The rollout engine: plans a rollout, runs stage 0, the backfill stages or a blue-green fill, resumes.
 
 One class, the rollout's state machine, kept in one module so that every transition of the state file
-reads in one place; what a plan reads and decides before any write is :mod:`components.rollout.plan`.
+reads in one place; what a plan reads and decides before any write is :mod:`components.rollout.plan`, how a
+stage's slices are written :mod:`components.rollout.workers`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -18,29 +19,19 @@ import numpy as np
 from compat.io import utc_now
 from components.adapters.index import ROW_FIELDS, GalleryIndex, quote
 from components.adapters.services import live_services
-from components.rollout.ahead import Batch, BatchesAhead
-from components.rollout.order import RankedOrder
+from components.rollout import workers
+from components.rollout.keys import Selection, fit_centres, plan_selection
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.plan import (
-    Source,
     check_probe_covers,
     check_vectors,
     probe_floors,
-    rank_gallery,
+    read_sample,
     serving_source,
     stage_plan,
 )
 from components.rollout.probes import broken_floors, probe_metrics
-from components.rollout.rollback import replay_rows
-from components.rollout.state import (
-    batch_grid,
-    exclusive,
-    load_state,
-    restore_path,
-    save_rows,
-    save_state,
-    saved_batches,
-)
+from components.rollout.state import exclusive, load_state, save_state
 from components.rollout.types import (
     ProbeSet,
     RangesPending,
@@ -48,17 +39,25 @@ from components.rollout.types import (
     RolloutEncoders,
     RolloutError,
     RolloutPaths,
-    item_ref,
 )
-from components.rollout.writes import GalleryWriter, previous_rows, reembedded_rows
 from components.serving.record import read_serving, write_serving
 from components.state.rollout_document import SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
+Layers = list[tuple[str, str]]
+
 
 class Rollout:
-    """A rollout of one configuration; :meth:`run` plans it, or resumes it from its state file."""
+    """A rollout of one configuration; :meth:`run` plans it, or resumes it from its state file.
+
+    A release that keeps the serving space writes its vectors into a collection of its own (the *target*),
+    which serves from stage 0 on as the newest of two layers: the target whole, over the source collection
+    less the items of the stages accepted so far (a filter on the keys each row carries). The source is
+    never written, so a halt or a rollback is a switch of the serving record back to it. A release read
+    through a gallery transform fills the target with the transformed source first (stage 0), then re-embeds
+    into it; a space change fills the target whole (blue-green) before it serves.
+    """
 
     def __init__(
         self,
@@ -75,8 +74,7 @@ class Rollout:
             raise ValueError("a gallery_transform needs a transform_tag naming it (recorded in row lineage)")
         self._queries: np.ndarray | None = None
         self.pace = Pace(config.slo_p99_factor, config.max_items_per_s)
-        self._ahead: BatchesAhead[list[dict[str, Any]]] | None = None
-        self._ahead_reads: tuple[str, bool] | None = None  # (collection, keep) its batches read
+        self._pool: workers.WorkerPool | None = None
 
     @property
     def rollout_id(self) -> str:
@@ -85,7 +83,7 @@ class Rollout:
             "new_version": c.new_version,
             "query_model": c.query_model.get("version"),
             "space": self.space,
-            "policy": c.order,  # the stored name (rollout ids and state files keep it)
+            "policy": c.order,
             "seed": c.seed,
             "fractions": list(c.fractions),
             "batch_size": c.batch_size,
@@ -97,7 +95,7 @@ class Rollout:
     # ---- entry point
     def run(self) -> dict[str, Any]:
         """Plan or resume, then run to ``completed`` or ``halted``; returns the final state. With
-        ``config.range_tasks`` it returns earlier, state ``running``, when a stage's rank ranges wait for
+        ``config.range_tasks`` it returns earlier, state ``running``, when a stage's slice ranges wait for
         their pipeline tasks (``cursor.ranges``; :func:`components.rollout.workers.pending_ranges`)."""
         with exclusive(self.paths.state):
             state = load_state(self.paths.state)
@@ -108,84 +106,109 @@ class Rollout:
                 self._measure_idle()
                 state = self._plan()
             else:
+                if "cuts" not in state["order"]:
+                    raise RolloutError(
+                        f"rollout {state['rollout_id']} at {self.paths.state} was planned by an earlier "
+                        "release "
+                        "(it wrote the gallery in place): finish or roll it back with that release"
+                    )
                 self.pace = Pace.resumed(
                     state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
                 )
             try:
-                while True:
-                    if state["status"] in ("completed", "rolled_back"):
-                        return state
-                    if state["status"] == "halted":
-                        if not state["restored"]:
-                            self._restore_stage(state)
-                        return state
-                    if state["mode"] == "blue_green":
-                        self._blue_green(state)
-                    elif state["stage"] == 0:
+                while state["status"] == "running":
+                    if state["stage"] == 0:
                         self._stage0(state)
                     else:
                         self._stage(state, state["stage"])
             except RangesPending as pending:
                 log.info("rollout %s: %s", state["rollout_id"], pending)
-                return state
             finally:
-                self._close_ahead()
+                if self._pool is not None:
+                    self._pool.close()
+                    self._pool = None
+            return state
 
     def _measure_idle(self) -> None:
         """The idle query p99 the SLO is a multiple of, measured before the rollout touches anything: on the
         users' queries of the running services, or on searches of the serving collection with a probe text
-        under the serving query model (the backfill's own source is chosen at its first batch)."""
+        under the serving query model."""
         serving = self.index.serving_collection()
         if self.config.slo_p99_factor is None or serving is None or not self.probe.texts:
             return
-        query = check_vectors(
-            self.encoders.old_query(self.probe.texts[:1]), 1, self.index.collection_dim(serving), "old_query"
+        self.pace.watch(
+            latency_sources(
+                self.index, serving, self._latency_query(serving), live_services(self.paths.services)
+            )
         )
-        self.pace.watch(latency_sources(self.index, serving, query, live_services(self.paths.services)))
         self.pace.latency = None
+
+    def _latency_query(self, collection: str) -> np.ndarray:
+        """A query of the serving space (the old query model's first probe text): what timed searches ask."""
+        dim = self.index.collection_dim(collection)
+        return check_vectors(self.encoders.old_query(self.probe.texts[:1]), 1, dim, "old_query")[0]
 
     def _save(self, state: dict[str, Any]) -> None:
         save_state(self.paths.state, state)
 
     def _replace(self, old: dict[str, Any]) -> None:
-        busy = old["status"] in ("pending", "running") or (old["status"] == "halted" and not old["restored"])
-        if busy:
+        """Archive the finished rollout ``old`` before a new one is planned; the target of one that was rolled
+        back or halted is dropped (nothing serves it)."""
+        if old["status"] in ("pending", "running"):
             raise RolloutError(
                 f"rollout {old['rollout_id']} ({old['new_version']}) is {old['status']} at "
                 f"{self.paths.state}: run it to the end with its own configuration, or roll it back"
             )
+        g = old["gallery"]
+        if old["status"] in ("rolled_back", "halted") and g["collection"] != g["source_collection"]:
+            self._drop_unserved(g["collection"])
+        save_state(self.paths.archived_state(old["rollout_id"]), old, root=self.paths.root)
 
-        archived = self.paths.archived_state(old["rollout_id"])
-        save_state(archived, old, root=self.paths.root)  # archived, then replaced
+    def _drop_unserved(self, collection: str | None) -> None:
+        record = read_serving(self.paths.serving) or {}
+        served = {record.get("collection"), *(name for name, _ in record.get("layers") or ())}
+        if collection and collection not in served and self.index.has_collection(collection):
+            if collection != self.index.serving_collection():
+                self.index.drop(collection)
+                log.info("dropped collection %s (served by no version)", collection)
 
     # ---- planning
     def _plan(self) -> dict[str, Any]:
-        """Read the serving collection, decide the mode, order, floors and stages, write the new state.
-
-        The collection is streamed once into the ranked order on disk (:func:`rank_gallery`): the plan holds
-        a batch of rows and a bounded sort run, never the gallery. An in-place rollout saves each batch's
-        previous rows just before it overwrites them (:meth:`_previous_rows`)."""
+        """Decide the mode, order, floors and stages from the serving collection and a bounded sample of it
+        (:func:`components.rollout.plan.read_sample`): nothing reads the whole gallery."""
         c, idx = self.config, self.index
         t0 = time.perf_counter()
         source = serving_source(idx, read_serving(self.paths.serving), self.paths.serving)
         space = self.space or source.space
-        mode = "staged" if (self.adapt or space == source.space) else "blue_green"
-        in_place = mode == "staged" and not self.adapt  # the batches overwrite the rows this plan reads
+        keyed = idx.has_order_keys(source.collection)
+        mode = "staged" if self.adapt or (space == source.space and keyed) else "blue_green"
+        if space == source.space and not keyed and not self.adapt:
+            log.warning(
+                "collection %s predates per-row order keys: this rollout fills a new collection whole "
+                "(blue-green, once); later rollouts are staged",
+                source.collection,
+            )
         check_probe_covers(self.probe, idx, source.collection)
-        rid = self.rollout_id
-        ordered = rank_gallery(
-            idx,
-            source.collection,
-            c,
-            self.paths.work(rid),
-            transform=self.encoders.gallery_transform if self.adapt else None,
+        n = idx.count(source.collection)
+        if n == 0:
+            raise RolloutError(f"collection {source.collection!r} is empty: nothing to roll out")
+        sample = read_sample(idx, source.collection, n)
+        selection = (
+            plan_selection(c.order, c.fractions, c.seed, sample) if keyed else Selection(c.order, c.fractions)
         )
-        order = {"policy": c.order, "seed": c.seed, "digest": ordered.digest}
+        vectors = np.asarray([r["vector"] for r in sample], dtype=np.float32)
+        if self.adapt:
+            vectors = np.asarray(self.encoders.gallery_transform(vectors), dtype=np.float32)
+        rid = self.rollout_id
+        work = self.paths.work(rid)
+        work.mkdir(parents=True, exist_ok=True)
+        centres = work / "centres.npy"  # of the space the rows are written in (another space: none yet)
+        if mode == "staged":
+            np.save(centres, fit_centres(vectors, c.n_clusters, c.seed))
         old_queries = check_vectors(
             self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
         baseline, floors = probe_floors(idx, source, old_queries, self.probe, c)
-        stages = stage_plan(mode, len(ordered), c.fractions)
         state = {
             "schema_version": SCHEMA_VERSION,
             "rollout_id": rid,
@@ -197,12 +220,19 @@ class Rollout:
             "model_version": c.new_version,
             "stage": 1 if mode == "blue_green" else 0,
             "fractions": list(c.fractions),
-            "n_items": len(ordered),
+            "n_items": n,
             "fraction_backfilled": 0.0,
             "batch_size": c.batch_size,
             "workers": c.workers,
-            "order": {**order, "path": str(ordered.directory), "n_clusters": c.n_clusters},
-            "cursor": {"position": 0, "batches": 0, "adapt_position": 0},
+            "order": {
+                "policy": c.order,
+                "seed": c.seed,
+                **selection.to_record(),
+                "n_clusters": c.n_clusters,
+                "centres": str(centres),
+                "sample": len(sample),
+            },
+            "cursor": {"position": 0, "batches": 0, "ranges": None},
             "query_model": source.record["query_model"],
             "previous_query_model": source.record["query_model"],
             "new_query_model": c.query_model,
@@ -211,17 +241,19 @@ class Rollout:
                 "alias": idx.alias,
                 "source_collection": source.collection,
                 "source_space": source.space,
-                "collection": source.collection if in_place else idx.next_collection_name(space),
+                "collection": idx.next_collection_name(space),
                 "space": space,
-                "dim": self._target_dim(source, ordered[0]),
+                "dim": int(vectors.shape[1]) if self.adapt else source.dim,
+                "keyed": keyed,
                 "transform": self.encoders.transform_tag,
                 "versions_before": idx.count_by_version(source.collection),
+                "source_previous": source.record.get("previous"),  # production's rollback target meanwhile
             },
             "ks": list(c.ks),
             "baseline": baseline,
             "floors": floors,
             "probe_tolerance": c.probe_tolerance,
-            "stages": stages,
+            "stages": stage_plan(mode, n, c.fractions),
             "curve": [],
             "restored": True,
             "halt_reason": None,
@@ -231,37 +263,18 @@ class Rollout:
         }
         self._save(state)
         log.info(
-            "rollout %s planned in %.1f s: %s, %d items, order %s, floors %s",
+            "rollout %s planned in %.1f s: %s, %d items, order %s (sample of %d), floors %s",
             rid,
             state["plan_seconds"],
             mode,
-            len(ordered),
+            n,
             c.order,
+            len(sample),
             floors,
         )
         return state
 
-    def _target_dim(self, source: Source, first_id: str) -> int:
-        """The vector size the rollout writes: the source's, or what the gallery transform makes of it."""
-        if not self.adapt:
-            return source.dim
-        (first,) = self.index.fetch([first_id], source.collection)
-        return int(
-            np.asarray(
-                self.encoders.gallery_transform(np.asarray(first["vector"], dtype=np.float32)[None])
-            ).shape[1]
-        )
-
     # ---- shared pieces
-    def _order(self, state: dict[str, Any]) -> RankedOrder:
-        """The rollout's ranked order on disk (each chunk checked against the manifest as it is read)."""
-        from components.rollout.order import OrderError
-
-        try:
-            return RankedOrder(state["order"]["path"], expected_digest=state["order"]["digest"])
-        except OrderError as exc:
-            raise RolloutError(f"{exc} (rollout state {self.paths.state})") from exc
-
     def _serving_queries(self, dim: int) -> np.ndarray:
         if self._queries is None:
             self._queries = check_vectors(
@@ -272,10 +285,18 @@ class Rollout:
             )
         return self._queries
 
-    def _probe(self, state: dict[str, Any], collection: str) -> dict[str, float]:
-        return probe_metrics(
-            self.index, collection, self._serving_queries(state["gallery"]["dim"]), self.probe, state["ks"]
-        )
+    def _layers(self, state: dict[str, Any], j: int) -> Layers:
+        """What serves once stage ``j`` is accepted: the target whole, over the source less stages 1..j (the
+        target alone once it holds every item: a transformed copy, a fill, the last stage)."""
+        g = state["gallery"]
+        if self.adapt or state["mode"] == "blue_green" or _stage_of(state, j) is state["stages"][-1]:
+            return [(g["collection"], "")]
+        done = Selection.of(state["order"], state["fractions"]).upto(j)
+        return [(g["collection"], ""), (g["source_collection"], f"not ({done})" if j else "")]
+
+    def _probe(self, state: dict[str, Any], layers: Layers) -> dict[str, float]:
+        queries = self._serving_queries(state["gallery"]["dim"])
+        return probe_metrics(self.index, layers[0][0], queries, self.probe, state["ks"], layers=layers)
 
     def _curve_point(self, state: dict[str, Any], fraction: float, metrics: Mapping[str, float]) -> None:
         point = {
@@ -286,88 +307,110 @@ class Rollout:
         state["curve"] = [p for p in state["curve"] if p["fraction"] != point["fraction"]] + [point]
         state["curve"].sort(key=lambda p: p["fraction"])
 
-    def _new_rows(self, state: dict[str, Any], previous: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    def _ensure_target(self, state: dict[str, Any]) -> None:
+        """The rollout's own collection, created at its first stage (its size: the source's, the transform's,
+        or, for a fill in another space, what the gallery encoder makes of one item)."""
         g = state["gallery"]
-        return reembedded_rows(
-            self.encoders,
-            previous,
-            version=state["new_version"],
-            space=g["space"],
-            dim=g["dim"],
-            rollout_id=state["rollout_id"],
+        if self.index.has_collection(g["collection"]):
+            return
+        if state["mode"] == "blue_green":
+            from components.rollout.types import item_ref
+
+            first = self.index.rows_where('item_id != ""', ROW_FIELDS, g["source_collection"], limit=1)
+            made = self.encoders.new_gallery([item_ref(r) for r in first])
+            g["dim"] = check_vectors(made, 1, None, "gallery encoder").shape[1]
+        self.index.create_collection(g["space"], g["dim"], name=g["collection"])
+        self._save(state)
+
+    def _run_stage(self, state: dict[str, Any], j: int, *, whole: bool, action: str) -> None:
+        """Write stage ``j``'s slices (``whole``: every item of the source) into the target, in
+        ``config.workers`` slice ranges (:mod:`components.rollout.workers`); returns once every range is
+        written, or raises :class:`RangesPending` when pipeline tasks run them."""
+        c, g = self.config, state["gallery"]
+        fractions = [0.0, *state["fractions"]]
+        share = 1.0 if whole else fractions[j] - fractions[j - 1]
+        n = workers.n_slices(share * state["n_items"], c.batch_size)
+        ranges = workers.split_ranges(n, c.workers)
+        if c.workers > 1 and not c.range_tasks:
+            self._check_fan_out()
+        state["cursor"]["ranges"] = [list(r) for r in ranges]
+        self._save(state)
+        staged = state["mode"] == "staged"
+        work = self.paths.work(state["rollout_id"])
+        spec = workers.write_spec(
+            work,
+            {
+                "uri": self.index.uri,
+                "alias": self.index.alias,
+                "source": g["source_collection"],
+                "target": g["collection"],
+                "order": state["order"],
+                "fractions": state["fractions"],
+                "stage": j,
+                "n_slices": n,
+                "whole": whole,
+                "keyed": g["keyed"],
+                "action": action,
+                "upsert": self.adapt and action == "reembed",  # over the transformed copy
+                "transform": g["transform"],
+                "row_stage": j + 1,
+                "new_version": state["new_version"],
+                "space": g["space"],
+                "dim": g["dim"],
+                "rollout_id": state["rollout_id"],
+                "centres": state["order"]["centres"],
+                "encoders": self.encoders.recipe,
+                "batch_size": c.batch_size,
+                "flush_rows": c.flush_rows,
+                "pace": self.pace.to_dict(),
+                "workers": len(ranges),
+                "services_dir": str(self.paths.services),
+                "serving": g["source_collection"] if staged else None,
+                "latency_query": self._latency_query(g["source_collection"]).tolist() if staged else None,
+                "lineage": self.paths.lineage_spec(),
+            },
+        )
+        pending = [r for r in ranges if not workers.range_done(work, j, *r)]
+        if pending and c.range_tasks:
+            raise RangesPending(pending)
+        t0 = time.perf_counter()
+        if c.workers > 1:
+            if self._pool is None:
+                self._pool = workers.WorkerPool(c.workers)
+            self._pool.run(spec, pending)
+        else:
+            for start, end in pending:
+                workers.run_range(spec, start, end, encoders=self.encoders, index=self.index, pace=self.pace)
+            state["pace"] = self.pace.to_dict()
+        done = [workers.read_cursor(workers.range_cursor(work, j, *r), r[0]) for r in ranges]
+        written = sum(int(d["written"]) for d in done)
+        _stage_of(state, j)["workers"] = [
+            {
+                "slices": list(r),
+                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "peak_rss_mib")},
+            }
+            for r, d in zip(ranges, done, strict=True)
+        ]
+        state["cursor"].update(
+            position=state["cursor"]["position"] + written,
+            batches=state["cursor"]["batches"] + n,
+            ranges=None,
+        )
+        state["fraction_backfilled"] = fractions[j] if action == "reembed" else 0.0
+        self._save(state)
+        log.info(
+            "rollout %s: stage %d, %d items in %d slices by %d worker(s) (%.0f items/s)",
+            state["rollout_id"],
+            j,
+            written,
+            n,
+            len(ranges),
+            written / max(time.perf_counter() - t0, 1e-9),
         )
 
-    def _previous_rows(
-        self, state: dict[str, Any], ids: Sequence[str], start: int, end: int, collection: str, keep: bool
-    ) -> list[dict[str, Any]]:
-        """Rows the batch replaces; with ``keep`` they are first saved (once) for restore and rollback."""
-        restore = restore_path(self.paths.restore_dir(state["rollout_id"]), start, end) if keep else None
-        return previous_rows(self.index, ids, collection, restore)
-
-    def _run_batches(
-        self,
-        state: dict[str, Any],
-        ids: Sequence[str],
-        batches: Sequence[Batch],
-        source: str,
-        target: str,
-        keep: bool,
-        later: Sequence[Batch] = (),
-    ) -> None:
-        """Re-embed and upsert ``batches`` (start, end) of ``ids`` in order, then prepare ``later`` (the next
-        stages' batches) ahead while this stage is flushed and probed.
-
-        This thread reads the rows a batch replaces (saving them for restore before anything overwrites
-        them) and hands the batch to an encoder thread, keeping up to ``config.prefetch`` batches queued
-        there (:mod:`components.rollout.ahead`), then upserts finished batches and records progress: the
-        encoder never waits on the index.
-        """
-        t0 = time.perf_counter()
-        self._watch_latency(state, ids[batches[0][0]] if batches else None, source)
-        writer = self._writer(target)
-        self.pace.begin()
-        ahead = self._ahead_for(state, ids, source, keep)
-        ahead.plan([*batches, *later])
-        from compat.progress import task
-
-        what = f"backfill stage {state.get('stage', 0)}"
-        with task(what, total=sum(end - start for start, end in batches), unit="items") as progress:
-            for expected in batches:
-                (start, end), rows = ahead.next()
-                if (start, end) != tuple(expected):  # the plan above starts with ``batches``
-                    raise RolloutError(f"batch {start}-{end} prepared where {expected} was due")
-                writer.write(rows)  # paced after every upsert call
-                state["cursor"]["batches"] += 1
-                state["cursor"]["position"] = end
-                state["fraction_backfilled"] = end / state["n_items"]
-                state["pace"] = self.pace.to_dict()
-                self._save(state)
-                progress.advance(end - start, backfilled=f"{100 * state['fraction_backfilled']:.0f}%")
-        if writer.written:
-            rate = writer.written / max(time.perf_counter() - t0, 1e-9)
-            log.info(
-                "rollout %s: %d items re-embedded (%.0f items/s)", state["rollout_id"], writer.written, rate
-            )
-
-    def _fan_out(
-        self,
-        state: dict[str, Any],
-        rec: dict[str, Any],
-        order: RankedOrder,
-        start: int,
-        end: int,
-        source: str,
-        target: str,
-        keep: bool,
-    ) -> None:
-        """Ranks ``[start, end)`` re-embedded by ``config.workers`` processes, one rank range each
-        (:mod:`components.rollout.workers`); returns once every range is written. The ranges go into the
-        state before any worker starts (a rollback then replays every batch they may have written)."""
+    def _check_fan_out(self) -> None:
         from components.adapters.index import is_remote
-        from components.rollout import workers
 
-        if end <= start:
-            return
         if not is_remote(self.index.uri):
             raise RolloutError(
                 f"rollout.workers={self.config.workers} needs the gallery on a server, not the embedded "
@@ -378,242 +421,65 @@ class Rollout:
             raise RolloutError(
                 "backfill workers need the encoders' recipe (factory and arguments) to build them"
             )
-        ranges = workers.split_ranges(start, end, self.config.batch_size, self.config.workers)
-        state["cursor"]["ranges"] = [list(r) for r in ranges]
-        self._save(state)
-        g = state["gallery"]
-        self._watch_latency(state, order[start] if start < end else None, source)
-        spec = workers.write_spec(
-            self.paths.work(state["rollout_id"]),
-            {
-                "uri": self.index.uri,
-                "alias": self.index.alias,
-                "source": source,
-                "target": target,
-                "serving": self.index.serving_collection() or source,
-                "keep": keep,
-                "restore_dir": str(self.paths.restore_dir(state["rollout_id"])),
-                "order": {"path": state["order"]["path"], "digest": state["order"]["digest"]},
-                "batch_size": self.config.batch_size,
-                "flush_rows": self.config.flush_rows,
-                "new_version": state["new_version"],
-                "space": g["space"],
-                "dim": g["dim"],
-                "rollout_id": state["rollout_id"],
-                "encoders": self.encoders.recipe,
-                "pace": self.pace.to_dict(),
-                "workers": len(ranges),
-                "services_dir": str(self.paths.services),
-            },
-        )
-        pending = [r for r in ranges if not workers.range_done(spec, *r)]
-        if pending and self.config.range_tasks:
-            raise RangesPending(pending)
-        t0 = time.perf_counter()
-        workers.run_ranges(spec, pending)
-        done = [workers.read_cursor(workers.range_cursor(spec.parent, *r), r[0]) for r in ranges]
-        rec["workers"] = [
-            {
-                "ranks": list(r),
-                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib")},
-                "pace": d.get("pace"),
-            }
-            for r, d in zip(ranges, done, strict=True)
-        ]
-        state["cursor"].update(
-            position=end, batches=state["cursor"]["batches"] + len(self._batches(start, end)), ranges=None
-        )
-        state["fraction_backfilled"] = end / state["n_items"]
-        self._save(state)
-        log.info(
-            "rollout %s: ranks %d-%d re-embedded by %d workers (%.0f items/s)",
-            state["rollout_id"],
-            start,
-            end,
-            len(ranges),
-            (end - start) / max(time.perf_counter() - t0, 1e-9),
-        )
 
-    def _ahead_for(
-        self, state: dict[str, Any], ids: Sequence[str], source: str, keep: bool
-    ) -> BatchesAhead[list[dict[str, Any]]]:
-        """The pipeline of prepared batches, kept from stage to stage while batches read the same place."""
-        if self._ahead is None or self._ahead_reads != (source, keep):
-            self._close_ahead()
-            self._ahead = BatchesAhead(
-                lambda b: self._previous_rows(state, ids[b[0] : b[1]], b[0], b[1], source, keep),
-                lambda previous: self._new_rows(state, previous),
-                self.config.prefetch,
-            )
-            self._ahead_reads = (source, keep)
-        return self._ahead
-
-    def _close_ahead(self) -> None:
-        if self._ahead is not None:
-            self._ahead.close()
-            self._ahead = self._ahead_reads = None
-
-    def _writer(self, collection: str) -> GalleryWriter:
-        return GalleryWriter.for_pace(self.index, collection, self.pace, self.config.flush_rows)
-
-    def _watch_latency(self, state: dict[str, Any], first_id: str | None, source: str) -> None:
-        """Give the pace its query-latency source (the running services' users' queries, else searches it
-        times itself, with the vector of ``first_id``, the stage's first item) and the idle p99, measured
-        once per rollout before any write. Nothing without an SLO throttle, or in a blue-green fill (users'
-        queries read another space than the rows it writes)."""
-        if first_id is None or self.config.slo_p99_factor is None or self.pace.latency is not None:
-            return  # (the source chosen at the first stage keeps its window of samples)
-        serving = self.index.serving_collection() or source
-        (row,) = self.index.fetch([first_id], source)
-        if len(row["vector"]) != self.index.collection_dim(serving):
-            return
-        sources = latency_sources(
-            self.index, serving, np.asarray(row["vector"]), live_services(self.paths.services)
-        )
-        if self.pace.watch(sources) is not None:
-            state["pace"] = self.pace.to_dict()
-            log.info(
-                "rollout %s: idle query p99 %.1f ms (%s)",
-                state["rollout_id"],
-                self.pace.idle_p99_ms,
-                self.pace.idle_from,
-            )
-
-    def _batches(self, start: int, end: int) -> list[Batch]:
-        """The batches of ranks ``[start, end)`` (one pair per batch: a stage's worth, N / batch_size)."""
-        return list(batch_grid(start, end, self.config.batch_size))
-
-    # ---- stage 0: the query switch (through a transformed copy when the contract needs one)
+    # ---- stage 0: the query switch (after the transformed copy when the contract needs one)
     def _stage0(self, state: dict[str, Any]) -> None:
-        g, rec = state["gallery"], state["stages"][0]
+        rec = state["stages"][0]
         rec.setdefault("started_at", utc_now())
         rec["status"] = "running"
+        self._ensure_target(state)
         if self.adapt:
-            self._adapt_copy(state)
-        metrics = self._probe(state, g["collection"])
+            self._run_stage(state, 0, whole=True, action="transform")
+            self.index.flush(state["gallery"]["collection"], wait_indexed=True)
+        layers = self._layers(state, 0)
+        metrics = self._probe(state, layers)
         rec["probe"] = metrics
         self._curve_point(state, 0.0, metrics)
         broken = broken_floors(metrics, state["floors"])
         if broken:
-            if g["collection"] != g["source_collection"] and self.index.has_collection(g["collection"]):
-                self.index.drop(g["collection"])
             self._halt(state, rec, broken)
-            state["restored"] = True
-            self._save(state)
             return
-        self._serve_new(state)
+        self._serve(state, layers)
         rec.update(status="accepted", finished_at=utc_now())
         state["stage"] = 1
         self._save(state)
 
-    def _adapt_copy(self, state: dict[str, Any]) -> None:
-        g = state["gallery"]
-        if not self.index.has_collection(g["collection"]):
-            self.index.create_collection(g["space"], g["dim"], name=g["collection"])
-        ids = self._order(state)
-        transform = self.encoders.gallery_transform
-        for start, end in self._batches(state["cursor"]["adapt_position"], len(ids)):
-            rows = self.index.fetch(ids[start:end], g["source_collection"])
-            vectors = check_vectors(
-                transform(np.asarray([r["vector"] for r in rows], dtype=np.float32)),
-                len(rows),
-                g["dim"],
-                "gallery_transform",
-            )
-            self.index.upsert(
-                [
-                    {**r, "vector": vectors[j].tolist(), "space_id": g["space"], "transform": g["transform"]}
-                    for j, r in enumerate(rows)
-                ],
-                g["collection"],
-            )
-            state["cursor"]["adapt_position"] = end
-            self._save(state)
-        self.index.flush(g["collection"])
-
-    def _serve_new(self, state: dict[str, Any]) -> None:
-        """Queries go to the new model on the rollout's collection; the record keeps the source (rollback)."""
-        g = state["gallery"]
-        self._switch(
-            state,
-            g["collection"],
-            state["new_query_model"],
-            previous={
-                "collection": g["source_collection"],
-                "space": g["source_space"],
-                "query_model": state["previous_query_model"],
-            },
-        )
-
-    def _switch(
-        self,
-        state: dict[str, Any],
-        collection: str,
-        query_model: Mapping[str, Any],
-        previous: Mapping[str, Any] | None,
-    ) -> None:
-        """Serving record first (it names the collection its query model reads), then the alias."""
-        g = state["gallery"]
-        space = g["space"] if collection == g["collection"] else g["source_space"]
-        write_serving(
-            self.paths.serving,
-            uri=g["uri"],
-            alias=g["alias"],
-            collection=collection,
-            space=space,
-            dim=self.index.collection_dim(collection),
-            query_model=query_model,
-            previous=previous,
-            rollout_id=state["rollout_id"],
-        )
-        self.index.switch_alias(collection)
-        state["query_model"] = dict(query_model)
-
-    # ---- stages 1..k
+    # ---- stages 1..k, or the blue-green fill
     def _stage(self, state: dict[str, Any], j: int) -> None:
-        rec = state["stages"][j]
-        hi = rec["target_position"]
+        rec, g = _stage_of(state, j), state["gallery"]
         rec.setdefault("started_at", utc_now())
         if rec["status"] != "running":
             rec["status"] = "running"
             self._save(state)
-        g = state["gallery"]
-        ids = self._order(state)
+        fill = state["mode"] == "blue_green"
+        if fill:
+            self._ensure_target(state)
         t0 = time.perf_counter()
-        start = state["cursor"]["position"]
-        later = [
-            batch
-            for lo, rec_k in zip(state["stages"][j:], state["stages"][j + 1 :], strict=False)
-            for batch in self._batches(lo["target_position"], rec_k["target_position"])
-        ]
-        if self.config.workers > 1:
-            self._fan_out(state, rec, ids, start, hi, g["collection"], g["collection"], keep=True)
-        else:
-            self._run_batches(
-                state, ids, self._batches(start, hi), g["collection"], g["collection"], keep=True, later=later
-            )
-        last = j == len(state["stages"]) - 1
+        self._run_stage(state, j, whole=fill, action="reembed")
+        last = rec is state["stages"][-1]
         if last:
             self._sweep(state)
-        self.index.flush(g["collection"])
-        if hi > start:
-            rec["items_per_s"] = round((hi - start) / max(time.perf_counter() - t0, 1e-9), 1)
-        metrics = self._probe(state, g["collection"])
+        self.index.flush(g["collection"], wait_indexed=last)  # served whole once accepted
+        rec["items_per_s"] = round(
+            sum(w["written"] or 0 for w in rec.get("workers", [])) / max(time.perf_counter() - t0, 1e-9), 1
+        )
+        layers = self._layers(state, j)
+        metrics = self._probe(state, layers)
         rec["probe"], rec["seconds"] = metrics, round(time.perf_counter() - t0, 3)
-        self._curve_point(state, hi / state["n_items"], metrics)
+        if fill:
+            self._curve_point(state, 0.0, state["baseline"])
+        self._curve_point(state, rec["fraction"], metrics)
         broken = broken_floors(metrics, state["floors"])
         if broken:
             self._halt(state, rec, broken)
-            self._save(state)
-            self._restore_stage(state)
             return
         rec.update(status="accepted", finished_at=utc_now())
         if last:
-            state["status"] = "completed"
-            state["gallery"]["versions_after"] = self.index.count_by_version(g["collection"])
+            self._complete(state)
         else:
+            self._serve(state, layers)
             state["stage"] = j + 1
-        self._save(state)
+            self._save(state)
         log.info(
             "rollout %s: stage %d (%.0f%%) accepted: %s",
             state["rollout_id"],
@@ -623,112 +489,108 @@ class Rollout:
         )
 
     def _sweep(self, state: dict[str, Any]) -> None:
-        """Re-embed items added since the plan (outside the order) so that no old vector is left: a batch of
-        them at a time, until none is left (each write takes its rows out of the filter)."""
+        """Re-embed the target's rows of another version (items indexed by the serving model while the
+        rollout ran), a batch at a time until none is left (each write takes its rows out of the filter)."""
+        from components.rollout.writes import GalleryWriter, new_rows
+
         g = state["gallery"]
         self.index.flush(g["collection"])
         flt = f"model_version != {quote(state['new_version'])}"
-        writer, swept, previous = self._writer(g["collection"]), 0, None
+        spec = {**self._row_spec(state), "action": "reembed", "row_stage": 0}
+        centres = workers.load_centres(state["order"]["centres"])
+        writer, swept, previous = GalleryWriter(self.index, g["collection"]), 0, None
         while rows := self.index.rows_where(flt, ROW_FIELDS, g["collection"], limit=self.config.batch_size):
-            batch = [{f: r[f] for f in ROW_FIELDS} for r in rows]
-            keys = [r["item_id"] for r in batch]
+            keys = [r["item_id"] for r in rows]
             if keys == previous:
                 raise RolloutError(
                     f"the sweep's write of {len(keys)} items to {g['collection']} is not visible to its next "
                     "read; check the index's consistency and run the rollout again (it resumes)"
                 )
-            digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
-            path = self.paths.restore_dir(state["rollout_id"]) / f"sweep-{digest}.npz"
-            if not path.is_file():
-                save_rows(path, batch)
-            writer.write(self._new_rows(state, batch))
-            swept, previous = swept + len(batch), keys
+            writer.write(new_rows(self.encoders, rows, spec, centres))
+            swept, previous = swept + len(rows), keys
         if swept:
             log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], swept)
             writer.flush()
 
-    def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
-        rec.update(status="halted", finished_at=utc_now())
-        state["status"] = "halted"
-        state["restored"] = False
-        state["halt_reason"] = f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
-        log.error("rollout %s halted: %s", state["rollout_id"], state["halt_reason"])
+    def _row_spec(self, state: dict[str, Any]) -> dict[str, Any]:
+        g = state["gallery"]
+        return {
+            "new_version": state["new_version"],
+            "space": g["space"],
+            "dim": g["dim"],
+            "rollout_id": state["rollout_id"],
+            "transform": g["transform"],
+        }
 
-    def _restore_stage(self, state: dict[str, Any]) -> None:
-        """Give the halted stage's items their previous vectors back (idempotent)."""
-        j = next(r["stage"] for r in state["stages"] if r["status"] == "halted")
-        if j > 0 and state["mode"] == "staged":
-            lo, hi = state["stages"][j - 1]["target_position"], state["stages"][j]["target_position"]
-            last = j == len(state["stages"]) - 1
-            files = saved_batches(
-                self.paths.restore_dir(state["rollout_id"]),
-                batch_grid(lo, hi, state["batch_size"]),
-                sweep=last,
-            )
-            replay_rows(
-                self.index,
-                files,
-                state["gallery"]["collection"],
-                self.pace,
-                self.config.flush_rows,
-                live_services(self.paths.services),
-            )
-            state["cursor"]["position"] = lo
-            state["fraction_backfilled"] = lo / state["n_items"]
-        state["restored"] = True
+    # ---- what serves
+    def _serve(self, state: dict[str, Any], layers: Layers) -> None:
+        """The new query model on ``layers`` (the target first); the record keeps the source (rollback)."""
+        g = state["gallery"]
+        write_serving(
+            self.paths.serving,
+            uri=g["uri"],
+            alias=g["alias"],
+            collection=g["collection"],
+            space=g["space"],
+            dim=self.index.collection_dim(g["collection"]),
+            query_model=state["new_query_model"],
+            previous={
+                "collection": g["source_collection"],
+                "space": g["source_space"],
+                "query_model": state["previous_query_model"],
+            },
+            rollout_id=state["rollout_id"],
+            layers=layers if len(layers) > 1 else None,
+        )
+        state["query_model"] = dict(state["new_query_model"])
+
+    def _complete(self, state: dict[str, Any]) -> None:
+        """The target serves alone, behind the alias; the source stays for a rollback, the collection the
+        version before it served is dropped."""
+        g = state["gallery"]
+        self._serve(state, [(g["collection"], "")])
+        self.index.switch_alias(g["collection"])
+        stale = (g.get("source_previous") or {}).get("collection")
+        if stale not in (g["collection"], g["source_collection"]):
+            self._drop_unserved(stale)
+        state["status"] = "completed"
+        state["fraction_backfilled"] = 1.0
+        g["versions_after"] = self.index.count_by_version(g["collection"])
         self._save(state)
 
-    # ---- blue-green
-    def _blue_green(self, state: dict[str, Any]) -> None:
-        g, rec = state["gallery"], state["stages"][0]
-        rec.setdefault("started_at", utc_now())
-        rec["status"] = "running"
-        ids = self._order(state)
-        start = state["cursor"]["position"]
-        if not self.index.has_collection(g["collection"]):
-            first = self.index.fetch(ids[:1], g["source_collection"])
-            dim = check_vectors(
-                self.encoders.new_gallery([item_ref(r) for r in first]), 1, None, "gallery encoder"
-            ).shape[1]
-            self.index.create_collection(g["space"], dim, name=g["collection"])
-        g["dim"] = self.index.collection_dim(g["collection"])
-        t0 = time.perf_counter()
-        if self.config.workers > 1:
-            self._fan_out(
-                state, rec, ids, start, len(ids), g["source_collection"], g["collection"], keep=False
-            )
-        else:
-            self._run_batches(
-                state,
-                ids,
-                self._batches(start, len(ids)),
-                g["source_collection"],
-                g["collection"],
-                keep=False,
-            )
-        self.index.flush(g["collection"], wait_indexed=True)  # served whole once probed
-        if len(ids) > start:
-            rec["items_per_s"] = round((len(ids) - start) / max(time.perf_counter() - t0, 1e-9), 1)
-        metrics = self._probe(state, g["collection"])
-        rec["probe"], rec["seconds"] = metrics, round(time.perf_counter() - t0, 3)
-        self._curve_point(state, 0.0, state["baseline"])
-        self._curve_point(state, 1.0, metrics)
-        broken = broken_floors(metrics, state["floors"])
-        if broken:
-            self._halt(state, rec, broken)
-            self.index.drop(g["collection"])
-            state["restored"] = True
-            state["fraction_backfilled"] = 0.0
-            self._save(state)
-            return
-        self._serve_new(state)
-        rec.update(status="accepted", finished_at=utc_now())
-        state["status"] = "completed"
-        g["versions_after"] = self.index.count_by_version(g["collection"])
+    def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
+        """A stage below its floor: queries go back to the source with the previous query model (a switch)
+        and the target is dropped."""
+        g = state["gallery"]
+        rec.update(status="halted", finished_at=utc_now())
+        state.update(
+            status="halted", halt_reason=f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
+        )
+        log.error("rollout %s halted: %s", state["rollout_id"], state["halt_reason"])
+        write_serving(
+            self.paths.serving,
+            uri=g["uri"],
+            alias=g["alias"],
+            collection=g["source_collection"],
+            space=g["source_space"],
+            dim=self.index.collection_dim(g["source_collection"]),
+            query_model=state["previous_query_model"],
+            previous=g.get("source_previous"),
+            rollout_id=state["rollout_id"],
+        )
+        state["query_model"] = dict(state["previous_query_model"])
+        state["fraction_backfilled"] = 0.0
+        self._drop_unserved(g["collection"])
+        state["restored"] = True
         self._save(state)
 
 
 # ------------------------------------------------------------------------------------------- functions
+def _stage_of(state: dict[str, Any], j: int) -> dict[str, Any]:
+    """The record of stage ``j`` (a blue-green fill has stage 1 alone)."""
+    return next(rec for rec in state["stages"] if rec["stage"] == j)
+
+
 def run_rollout(
     index: GalleryIndex,
     paths: RolloutPaths,

@@ -23,8 +23,7 @@ per second follows additive-increase / multiplicative-decrease on it:
 and ``max_items_per_s`` caps it at all times. The pace is enforced by sleeping after a batch until
 ``items / rate`` seconds have passed since the previous one. What it ran at goes into the rollout state
 (``pace``): the latency source, the idle and last p99, the rate, how often it slowed down and how long it
-slept. A rollback replays its saved rows at the pace its rollout recorded
-(:func:`components.rollout.rollback.replay_rows`).
+slept; each worker of a fanned-out stage starts from it (:mod:`components.rollout.workers`).
 """
 
 from __future__ import annotations

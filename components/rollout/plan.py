@@ -1,29 +1,29 @@
 """Planning a rollout: what it reads from the serving collection and what it decides before any write.
 
 The pieces :meth:`components.rollout.engine.Rollout._plan` assembles into a new rollout state: the source
-collection behind the alias, the probe set's coverage of it, the backfill order (streamed into ranked chunks
-on disk, named by digest in the state), the probe floors and the stage list.
+collection behind the alias, the probe set's coverage of it, a bounded sample of it (where the order's cuts
+lie, and the centres the rows the rollout writes are keyed against: :mod:`components.rollout.keys`), the
+probe floors and the stage list. Nothing here reads the whole collection.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from components.adapters.index import GalleryIndex
-from components.rollout.order import ORDERS_NEEDING_VECTORS, RankedOrder, Spill, build_order
+from components.adapters.index import ORDER_FIELDS, GalleryIndex
 from components.rollout.probes import probe_metrics
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutError
 
 log = logging.getLogger(__name__)
 
-READ_ROWS = 2000  # rows per read of the collection while a plan streams it
+READ_ROWS = 2000  # rows per read of the sample
 
 
 def check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarray:
@@ -79,32 +79,17 @@ def check_probe_covers(probe: ProbeSet, index: GalleryIndex, collection: str) ->
         )
 
 
-def rank_gallery(
-    index: GalleryIndex,
-    collection: str,
-    config: RolloutConfig,
-    work: Path,
-    transform: Callable[[np.ndarray], np.ndarray] | None = None,
-) -> RankedOrder:
-    """The items of ``collection`` in the configured backfill order, as ranked chunks in ``work/order``
-    (:mod:`components.rollout.order`): the collection is streamed once into a spill on disk (its vectors as
-    the new queries read them, through ``transform``, for the orders that need them), ranked, and the spill
-    removed. Refuses an empty collection."""
-    need_vectors = config.order in ORDERS_NEEDING_VECTORS
-    fields = ("embedded_at", *(("vector",) if need_vectors else ()))
-    spill = Spill(work / "spill").write(
-        index.iter_rows(fields, collection, batch_size=READ_ROWS),
-        with_vectors=need_vectors,
-        transform=transform,
-    )
-    try:
-        if spill.n_items == 0:
-            raise RolloutError(f"collection {collection!r} is empty: nothing to roll out")
-        return build_order(
-            spill, work / "order", config.order, seed=config.seed, n_clusters=config.n_clusters
-        )
-    finally:
-        spill.remove()
+def read_sample(index: GalleryIndex, collection: str, n_items: int) -> list[dict[str, Any]]:
+    """About :data:`~components.rollout.keys.SAMPLE_ROWS` rows of ``collection`` with their order keys and
+    vectors: a uniform sample by ``order_key`` (from a collection made before per-row keys: its first rows).
+    Bounded whatever the gallery's size."""
+    from components.rollout.keys import SAMPLE_ROWS, sample_filter
+
+    fields = ("embedded_at", "vector", *ORDER_FIELDS)
+    if not index.has_order_keys(collection):
+        return index.rows_where('item_id != ""', fields, collection, limit=SAMPLE_ROWS)
+    filt = sample_filter(n_items)
+    return [row for page in index.iter_rows(fields, collection, filt, batch_size=READ_ROWS) for row in page]
 
 
 def probe_floors(

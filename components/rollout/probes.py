@@ -30,13 +30,17 @@ def probe_metrics(
     probe: ProbeSet,
     ks: Sequence[int] = DEFAULT_KS,
     chunk: int = 32,
+    layers: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, float]:
-    """R@K of the probe queries against ``collection`` as it is now, searched ``chunk`` queries per call:
+    """R@K of the probe queries against ``collection`` (or the gallery ``layers`` make) as it is now, searched
+    ``chunk`` queries per call:
     Milvus answers calls one at a time, and a call of 256 queries holds users' queries for ~90 ms where one
     of 32 holds them ~18 ms (benchmarks/results/backfill.md, part E)."""
     ranked: list[list[str]] = []
     for start in range(0, len(query_vectors), chunk):
-        rows = index.search(query_vectors[start : start + chunk], k=max(ks), collection=collection)
+        rows = index.search(
+            query_vectors[start : start + chunk], k=max(ks), collection=collection, layers=layers
+        )
         ranked.extend([h.item_id for h in row] for row in rows)
     return recall_from_hits(ranked, probe.positives, ks)
 

@@ -162,9 +162,9 @@ def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict
 
 def complete_gallery(index: Any, leaving: str, state: dict[str, Any], root: Any = None) -> int:
     """After a rolled-back rollout: embed with the restored query model every item of the serving collection
-    written by another version, and every item of the ``leaving`` collection the serving one lacks (a
-    blue-green rollback returns to a collection that never saw later items); relative source URIs lie under
-    ``root``. Returns how many were written."""
+    written by another version, and every item indexed into the ``leaving`` collection since the rollout
+    (the source it returns to never saw them); relative source URIs lie under ``root``. Returns how many
+    were written."""
     import numpy as np
 
     from compat.production import load_encoder
@@ -204,7 +204,8 @@ def _stale_batches(
 ) -> Iterator[list[Any]]:
     """Batches of rows to re-embed with ``version`` into ``target``: its rows of another version (read a batch
     at a time until none is left: each write takes its rows out of the filter), then the rows of the
-    ``leaving`` collection that ``target`` lacks (paged, each page checked by id). Bounded by ``size``."""
+    ``leaving`` collection that no rollout took from ``target`` and ``target`` lacks (paged, each page checked
+    by id). Bounded by ``size``."""
     from components.adapters.index import ROW_FIELDS, quote
 
     flt = f"model_version != {quote(version)}"
@@ -218,7 +219,10 @@ def _stale_batches(
         previous = keys
         yield rows
     if leaving != target and index.has_collection(leaving):
-        for page in index.iter_rows(ROW_FIELDS, leaving, batch_size=size):
+        # rows a rollout did not take from its source (backfill_stage 0: indexed into it since); a collection
+        # made before per-row keys is read whole
+        added = "backfill_stage == 0" if index.has_order_keys(leaving) else ""
+        for page in index.iter_rows(ROW_FIELDS, leaving, filter=added, batch_size=size):
             have = index.existing_ids([r["item_id"] for r in page], target)
             missing = [r for r in page if r["item_id"] not in have]
             if missing:

@@ -1,88 +1,30 @@
-"""Undoing a rollout: previous collection or saved rows, previous query model; finding a version's rollout."""
+"""Undoing a rollout: the source collection and the previous query model back (a switch); finding a version's
+rollout."""
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from compat.io import utc_now
 from components.adapters.index import GalleryIndex
-from components.adapters.services import live_services
-from components.rollout.pacing import Pace, latency_sources
-from components.rollout.state import (
-    Batch,
-    exclusive,
-    load_rows,
-    load_state,
-    save_state,
-    saved_batches,
-    stage_batches,
-)
-from components.rollout.types import DEFAULT_FLUSH_ROWS, RolloutError, RolloutPaths
-from components.rollout.writes import GalleryWriter
+from components.rollout.state import exclusive, load_state, save_state
+from components.rollout.types import RolloutError, RolloutPaths
 from components.serving.record import write_serving
 
 log = logging.getLogger(__name__)
-
-
-def recorded_pace(state: Mapping[str, Any]) -> Pace:
-    """The pace a rollout ran at (its SLO factor, cap and idle p99), for replaying its saved rows."""
-    recorded = state.get("pace") or {}
-    return Pace.resumed(recorded, recorded.get("p99_factor"), recorded.get("max_items_per_s"))
-
-
-def ran_batches(state: Mapping[str, Any]) -> Iterator[Batch]:
-    """The batches of ``state`` that may have written: those up to its cursor (the one in flight at a crash
-    included), and, while a stage runs fanned out over workers, every batch of that stage's ranges."""
-    limit = state["cursor"]["position"] + 1
-    for _, hi in state["cursor"].get("ranges") or ():
-        limit = max(limit, hi)
-    return itertools.takewhile(lambda batch: batch[0] < limit, stage_batches(state))
-
-
-def replay_rows(
-    index: GalleryIndex,
-    files: Iterable[Path],
-    collection: str,
-    pace: Pace | None = None,
-    flush_rows: int = DEFAULT_FLUSH_ROWS,
-    service_urls: Sequence[str] = (),
-) -> int:
-    """Upsert the rows saved in restore ``files`` into ``collection`` (:class:`GalleryWriter`: flushed every
-    ``flush_rows`` rows and at the end), at ``pace`` (with an SLO factor, it watches the query latency of the
-    services at ``service_urls``, or of searches it times, as the backfill does). Idempotent. Returns the
-    number of rows written."""
-    writer: GalleryWriter | None = None
-    for path in files:
-        rows = load_rows(path)
-        if not rows:
-            continue
-        if writer is None:
-            if pace is not None:
-                pace.watch(latency_sources(index, collection, np.asarray(rows[0]["vector"]), service_urls))
-                pace.begin()
-            writer = GalleryWriter.for_pace(index, collection, pace, flush_rows)
-        writer.write(rows)
-    if writer is None:
-        return 0
-    writer.flush()
-    return writer.written
 
 
 def rollback(
     paths: RolloutPaths, index: GalleryIndex | None = None, state_path: Path | None = None
 ) -> dict[str, Any]:
     """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
-    previous collection (or the saved rows) and previous query model.
-
-    In place, the saved rows of every batch up to the cursor (the batch in flight at a crash included) are
-    replayed at the pace the rollout recorded (its SLO throttle and rate cap), flushed every
-    ``DEFAULT_FLUSH_ROWS`` rows so that queries never search thousands of unflushed rows.
+    the serving record and the alias back to its source collection, which the rollout never wrote, and the
+    previous query model. A switch: nothing is read or written per item, whatever the gallery's size. The
+    rollout's own collection stays until the next rollout is planned (a production rollback first copies the
+    items indexed into it since: :func:`components.rollout.production_rollback.complete_gallery`).
 
     Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
     """
@@ -95,18 +37,18 @@ def rollback(
         if state["status"] == "rolled_back":
             return state
         g = state["gallery"]
+        source = g["source_collection"]
+        if g["collection"] == source and state["status"] != "halted":
+            raise RolloutError(
+                f"rollout {state['rollout_id']} ({state_path}) wrote its collection in place (an earlier "
+                "release): its rows cannot be switched back; roll it back with that release"
+            )
         own = index is None
         index = index or GalleryIndex(g["uri"], g["alias"])
         try:
+            t0 = time.perf_counter()
             state["rollback"] = {"started_at": utc_now(), "from_status": state["status"]}
-            save_state(state_path, state, root)
-            source = g["source_collection"]
-            if g["collection"] == source:  # in place: replay the saved rows of every batch that may have run
-                restore = paths.restore_dir(state["rollout_id"])
-                files = saved_batches(restore, ran_batches(state))
-                pace = recorded_pace(state)
-                replay_rows(index, files, source, pace, service_urls=live_services(paths.services))
-                state["rollback"]["pace"] = pace.to_dict()
+            unfinished = state["status"] != "completed"
             write_serving(
                 paths.serving,
                 uri=g["uri"],
@@ -115,7 +57,7 @@ def rollback(
                 space=g["source_space"],
                 dim=index.collection_dim(source),
                 query_model=state["previous_query_model"],
-                previous=None,
+                previous=g.get("source_previous") if unfinished else None,
                 rollout_id=state["rollout_id"],
             )
             index.switch_alias(source)
@@ -123,7 +65,7 @@ def rollback(
                 status="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
             )
             state["cursor"]["position"] = 0
-            state["rollback"]["finished_at"] = utc_now()
+            state["rollback"].update(finished_at=utc_now(), seconds=round(time.perf_counter() - t0, 3))
             state["gallery"]["versions_after"] = index.count_by_version(source)
             save_state(state_path, state, root)
             log.info("rollout %s rolled back: alias %s -> %s", state["rollout_id"], g["alias"], source)

@@ -1,18 +1,15 @@
-"""The rollout state file (schema-checked, paths relative to the workspace), its lock and restore files."""
+"""The rollout state file (schema-checked, paths relative to the workspace) and its lock."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from compat.io import atomic_write, utc_now, write_json_atomic
-from components.adapters.index import ROW_FIELDS
+from compat.io import utc_now, write_json_atomic
 from components.rollout.types import RolloutError
 from components.state.rollout_document import read_rollout_state
 from components.state.workspace import map_paths, resolved_path, stored_path
@@ -20,7 +17,7 @@ from components.state.workspace import map_paths, resolved_path, stored_path
 # Paths a rollout state names, stored relative to the workspace root (see components.state.workspace).
 STATE_PATHS = (
     "gallery.uri",
-    "order.path",
+    "order.centres",
     "query_model.uri",
     "new_query_model.uri",
     "previous_query_model.uri",
@@ -69,68 +66,6 @@ def exclusive(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def save_rows(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Restore file: the complete previous rows of a batch (npz, written atomically, no pickles)."""
-    arrays: dict[str, np.ndarray] = {"vector": np.asarray([r["vector"] for r in rows], dtype=np.float32)}
-    for f in ROW_FIELDS:
-        if f != "vector":
-            arrays[f] = np.asarray(
-                [r[f] for r in rows], dtype=np.int64 if f in ("phase", "embedded_at") else str
-            )
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, **arrays)
-
-    atomic_write(path, write)
-
-
-def load_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows a restore file saved (see :func:`save_rows`)."""
-    with np.load(path, allow_pickle=False) as data:
-        cols = {f: data[f] for f in ROW_FIELDS}
-    n = len(cols["item_id"])
-    return [
-        {f: (cols[f][i].tolist() if f == "vector" else cols[f][i].item()) for f in ROW_FIELDS}
-        for i in range(n)
-    ]
-
-
-Batch = tuple[int, int]  # (start, end) ranks in a rollout's order
-
-
-def batch_grid(start: int, end: int, size: int) -> Iterator[Batch]:
-    """The batches of ranks ``[start, end)``, ``size`` at a time (the last one shorter)."""
-    for s in range(start, end, size):
-        yield s, min(s + size, end)
-
-
-def stage_batches(state: Mapping[str, Any]) -> Iterator[Batch]:
-    """Every batch of every backfill stage of ``state``, in rank order (the grid its restore files follow)."""
-    lo = 0
-    for rec in state["stages"]:
-        if rec["kind"] == "backfill":
-            yield from batch_grid(lo, rec["target_position"], state["batch_size"])
-            lo = rec["target_position"]
-
-
-def restore_path(restore_dir: Path, start: int, end: int) -> Path:
-    """The restore file of the batch of ranks ``[start, end)``."""
-    return Path(restore_dir) / f"{start:09d}-{end:09d}.npz"
-
-
-def saved_batches(restore_dir: Path, batches: Iterable[Batch], sweep: bool = True) -> Iterator[Path]:
-    """Restore files in ``restore_dir`` of ``batches`` that were saved (a batch saves its file before its
-    upsert), in order, then, with ``sweep``, those of items the last stage swept up (``sweep-*``). A
-    generator over the grid: nothing is listed or held per batch."""
-    for start, end in batches:
-        path = restore_path(restore_dir, start, end)
-        if path.is_file():
-            yield path
-    if sweep:
-        yield from sorted(Path(restore_dir).glob("sweep-*.npz"))
 
 
 def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:

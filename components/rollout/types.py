@@ -156,7 +156,6 @@ class RolloutConfig:
     ks: tuple[int, ...] = DEFAULT_KS
     n_clusters: int | None = None
     flush_rows: int = DEFAULT_FLUSH_ROWS  # rows written between flushes (0: at stage ends only)
-    prefetch: int = 2  # batches read and encoded ahead of the upserts (past a stage's end too)
 
     @classmethod
     def from_section(cls, section: RolloutSection, **fields: Any) -> RolloutConfig:
@@ -204,10 +203,6 @@ class RolloutConfig:
             raise ValueError(f"flush_rows must be >= 0 (0: flush at stage ends only), got {self.flush_rows}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1 (processes per backfill stage), got {self.workers}")
-        if self.prefetch < 1:
-            raise ValueError(
-                f"prefetch must be >= 1 (batches prepared ahead of the upserts), got {self.prefetch}"
-            )
         from components.rollout.pacing import Pace
 
         Pace(self.slo_p99_factor, self.max_items_per_s)  # raises ValueError naming a bad setting
@@ -226,6 +221,8 @@ class RolloutPaths:
     work_root: Path
     services: Path
     probe: Path
+    lineage: Path | None = None  # the item lineage repo the rollout's writers record in (None: none)
+    lineage_definition: Path | None = None
 
     @classmethod
     def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
@@ -240,7 +237,16 @@ class RolloutPaths:
             work_root=ws.rollout_dir,
             services=ws.services_dir,
             probe=ws.probe_path,
+            lineage=ws.lineage_dir,
+            lineage_definition=ws.lineage_definition,
         )
+
+    def lineage_spec(self) -> dict[str, str | None] | None:
+        """Where a worker records the lineage of the rows it writes (None: no lineage repo)."""
+        if self.lineage is None:
+            return None
+        definition = str(self.lineage_definition) if self.lineage_definition else None
+        return {"repo": str(self.lineage), "definition": definition}
 
     @property
     def root(self) -> Path:
@@ -255,11 +261,8 @@ class RolloutPaths:
         return self.work(rollout_id) / self.state.name
 
     def work(self, rollout_id: str) -> Path:
-        """One rollout's work files (its order, archived state, restore rows)."""
+        """One rollout's work files (its centres, archived state, workers' spec and cursors)."""
         return self.work_root / rollout_id
-
-    def restore_dir(self, rollout_id: str) -> Path:
-        return self.work(rollout_id) / "restore"
 
 
 def item_ref(row: Mapping[str, Any]) -> ItemRef:

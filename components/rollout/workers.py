@@ -1,69 +1,64 @@
-"""A backfill stage fanned out: its rank ranges re-embedded and written by worker processes.
+"""A stage's slices, re-embedded and written by the rollout's process or by workers that live across stages.
 
-A stage ``[lo, hi)`` of the order splits into ``workers`` contiguous rank ranges on the stage's batch grid
-(:func:`split_ranges`), so a range's batches are the stage's batches and their restore files are the ones a
-rollback replays. Every range is run by :func:`run_range`, the one worker entry point: K processes here
-(:func:`run_ranges`, ``python -m components.rollout.workers``), K parallel pipeline tasks on a cluster
-(:func:`components.kfp_ops.rollout_range_op` in a ``dsl.ParallelFor``). A range is resumable and idempotent:
-its cursor file records the batches written; a batch saves the rows it replaces before its upsert (the
-restore file is kept on a retry), and upserts are keyed by item id, so a worker killed mid-range and run
-again writes no duplicate and misses no item. The stage's probe gate runs in the rollout once every range
-is written.
+A stage is a filter on the keys every row carries (:mod:`components.rollout.keys`), split into ``n`` slices by
+``order_key`` ranges. :func:`run_range` runs the slices ``[start, end)`` of the stage the spec file names:
+each slice is read from the source collection a page at a time (its filter: nothing else is read), re-embedded
+by the new gallery encoder (or, for a transformed copy, mapped by the gallery transform) on a second thread
+while the page before it is written, inserted into the rollout's own collection (upserted when a crash may
+have half-written it), and its items' lineage recorded by the same process. The range's cursor file names the
+slices done. So a range is resumable and idempotent, and it scales with the workers that run it: one rollout
+process (``workers`` 1), a pool of ``workers`` processes started once per rollout (:class:`WorkerPool`), or
+parallel pipeline tasks on a cluster (:func:`components.kfp_ops.rollout_range_op` in a ``dsl.ParallelFor``).
 
-Pace: one budget. Each of K workers paces at 1/K of the rollout's rate cap, and its SLO throttle starts
-from the idle p99 the rollout measured before its first write (recorded in the state) and reacts to the
-same query latency, so the total write rate follows the same additive-increase / multiplicative-decrease
-as one process.
+Pace: one budget. Each of K workers paces at 1/K of the rollout's rate cap, its SLO throttle starting from
+the idle p99 the rollout measured before its first write (recorded in the spec).
 
-Workers share the index through a server: an embedded milvus-lite directory opens in one process only,
-so ``workers > 1`` needs ``index.uri`` on a Milvus server (or ``milvus-lite server``).
+Workers share the index through a server: an embedded milvus-lite directory opens in one process only, so
+``workers > 1`` needs ``index.uri`` on a Milvus server (or ``milvus-lite server``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import signal
-import subprocess
-import sys
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from compat.io import read_json, write_json_atomic
 from compat.proc import peak_rss_mib
-from components.rollout.state import Batch, batch_grid, restore_path
 from components.rollout.types import RolloutError
 
 log = logging.getLogger(__name__)
 
 SPEC_FILE = "workers.json"
 RANGES_DIR = "ranges"
+Range = tuple[int, int]  # (start, end) slice indices of a stage
 
 
-def split_ranges(lo: int, hi: int, batch_size: int, workers: int) -> list[Batch]:
-    """``[lo, hi)`` as up to ``workers`` contiguous ranges of whole batches of the grid starting at ``lo``
-    (the last batch may be shorter), as even as the batches allow."""
-    if workers < 1 or batch_size < 1:
-        raise ValueError(f"workers ({workers}) and batch_size ({batch_size}) must be >= 1")
-    n_batches = math.ceil(max(hi - lo, 0) / batch_size)
-    if n_batches == 0:
-        return []
-    per, extra = divmod(n_batches, min(workers, n_batches))
-    ranges, start = [], lo
-    for i in range(min(workers, n_batches)):
-        end = min(hi, start + (per + (i < extra)) * batch_size)
-        ranges.append((start, end))
-        start = end
-    return ranges
+def split_ranges(n_slices: int, workers: int) -> list[Range]:
+    """Slices ``[0, n_slices)`` as up to ``workers`` contiguous ranges, as even as they divide."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    k = min(workers, n_slices)
+    edges = [n_slices * i // k for i in range(k + 1)] if k else [0]
+    return list(zip(edges, edges[1:], strict=False))
 
 
-def range_cursor(work: Path, start: int, end: int) -> Path:
-    """The cursor file of the range ``[start, end)`` of a rollout's work folder."""
-    return Path(work) / RANGES_DIR / f"{start:09d}-{end:09d}.json"
+def n_slices(items: float, batch_size: int) -> int:
+    """Slices of about ``batch_size`` items for a stage of about ``items``."""
+    return max(1, math.ceil(items / batch_size))
+
+
+def range_cursor(work: Path, stage: int, start: int, end: int) -> Path:
+    """The cursor file of the slices ``[start, end)`` of ``stage``."""
+    return Path(work) / RANGES_DIR / f"stage{stage}-{start:07d}-{end:07d}.json"
 
 
 def read_cursor(path: Path, start: int) -> dict[str, Any]:
@@ -71,182 +66,202 @@ def read_cursor(path: Path, start: int) -> dict[str, Any]:
     return doc if doc is not None else {"position": start, "written": 0, "seconds": 0.0}
 
 
-def range_done(spec_path: Path, start: int, end: int) -> bool:
+def range_done(work: Path, stage: int, start: int, end: int) -> bool:
     """True when the range's cursor reached its end."""
-    return read_cursor(range_cursor(Path(spec_path).parent, start, end), start)["position"] >= end
+    return read_cursor(range_cursor(work, stage, start, end), start)["position"] >= end
 
 
-def pending_ranges(state: Mapping[str, Any], work: Path) -> list[Batch]:
-    """The rank ranges of ``state``'s running stage whose workers have not finished (none outside a stage
-    fanned out to pipeline tasks)."""
+def pending_ranges(state: Mapping[str, Any], work: Path) -> list[Range]:
+    """The slice ranges of ``state``'s running stage whose workers have not finished."""
     if state["status"] != "running":
         return []
-    spec = Path(work) / SPEC_FILE
-    return [(s, e) for s, e in state["cursor"].get("ranges") or () if not range_done(spec, s, e)]
+    return [
+        (s, e) for s, e in state["cursor"].get("ranges") or () if not range_done(work, state["stage"], s, e)
+    ]
 
 
 def write_spec(work: Path, spec: Mapping[str, Any]) -> Path:
-    """The rollout-wide settings every worker reads (index, collections, order, encoders, pace)."""
+    """What every worker of the running stage reads (index, collections, order, encoders, pace, lineage)."""
     path = Path(work) / SPEC_FILE
     write_json_atomic(path, dict(spec))
     return path
 
 
-def run_range(spec_path: Path, start: int, end: int) -> dict[str, Any]:
-    """Re-embed and write the ranks ``[start, end)`` of the rollout described by ``spec_path``, from its
-    cursor on; returns the cursor document (position, items written, seconds, peak RSS)."""
-    import numpy as np
+def stage_filters(spec: Mapping[str, Any]) -> list[str]:
+    """The slice filters of the spec's stage: the order's stage, or (``whole``) every item of the source."""
+    from components.rollout.keys import Selection, whole_slices
+
+    n = int(spec["n_slices"])
+    if spec["whole"]:
+        return whole_slices(n) if spec["keyed"] else [""]
+    return Selection.of(spec["order"], spec["fractions"]).slices(int(spec["stage"]), n)
+
+
+def run_range(
+    spec_path: Path,
+    start: int,
+    end: int,
+    parent: int | None = None,
+    *,
+    encoders: Any = None,
+    index: Any = None,
+    pace: Any = None,
+) -> dict[str, Any]:
+    """Write the slices ``[start, end)`` of the stage described by ``spec_path``, from its cursor on; returns
+    the cursor document (position, items written, seconds, peak RSS). A worker of the rollout process
+    ``parent`` stops when that process is gone (its next run resumes the range). The rollout's own process
+    passes its ``encoders``, ``index`` and ``pace``; a worker builds them from the spec."""
+    import contextlib
 
     from components.adapters.index import GalleryIndex
-    from components.adapters.services import live_services
-    from components.rollout.order import RankedOrder
-    from components.rollout.pacing import Pace, latency_sources
-    from components.rollout.writes import GalleryWriter, previous_rows, reembedded_rows
-    from components.serving.record import import_factory
 
     spec = json.loads(Path(spec_path).read_text())
-    work = Path(spec_path).parent
-    cursor_path = range_cursor(work, start, end)
+    work, stage = Path(spec_path).parent, int(spec["stage"])
+    cursor_path = range_cursor(work, stage, start, end)
     cursor = read_cursor(cursor_path, start)
     if cursor["position"] >= end:
         return cursor
-    encoders = import_factory(spec["encoders"]["factory"])(spec["encoders"]["args"])
-    order = RankedOrder(spec["order"]["path"], expected_digest=spec["order"]["digest"])
-    pace_doc = spec.get("pace") or {}
-    workers = int(spec["workers"])
-    cap = pace_doc.get("max_items_per_s")
-    pace = Pace.resumed(pace_doc, pace_doc.get("p99_factor"), cap / workers if cap else None)
-    restore_dir = Path(spec["restore_dir"]) if spec["keep"] else None
     t0, written0 = time.perf_counter(), int(cursor["written"])
-    with GalleryIndex(spec["uri"], spec["alias"]) as index:
-        if pace.p99_factor is not None:
-            (first,) = index.fetch(order[cursor["position"] : cursor["position"] + 1], spec["source"])
-            pace.watch(
-                latency_sources(
-                    index,
-                    spec["serving"],
-                    np.asarray(first["vector"]),
-                    live_services(Path(spec["services_dir"])),
-                )
-            )
-        writer = GalleryWriter.for_pace(index, spec["target"], pace, int(spec["flush_rows"]))
-        pace.begin()
-        for b_start, b_end in batch_grid(cursor["position"], end, int(spec["batch_size"])):
-            ids = order[b_start:b_end]
-            restore = restore_path(restore_dir, b_start, b_end) if restore_dir else None
-            previous = previous_rows(index, ids, spec["source"], restore)
-            rows = reembedded_rows(
-                encoders,
-                previous,
-                version=spec["new_version"],
-                space=spec["space"],
-                dim=int(spec["dim"]),
-                rollout_id=spec["rollout_id"],
-            )
-            writer.write(rows)
-            cursor = {
-                "position": b_end,
-                "written": int(cursor["written"]) + len(rows),
-                "seconds": round(time.perf_counter() - t0, 3),
-            }
-            write_json_atomic(cursor_path, cursor)
-        writer.flush()
+    with (
+        contextlib.nullcontext(index)
+        if index is not None
+        else GalleryIndex(spec["uri"], spec["alias"]) as index
+    ):
+        slicer = _SliceWriter(spec, index, encoders, pace)
+        resumed = cursor["position"]
+        filters = stage_filters(spec)
+        for i, rows in slicer.encoded(filters, range(cursor["position"], end)):
+            if parent is not None and os.getppid() != parent:
+                raise RolloutError("the rollout process is gone; stopping (its next run resumes this range)")
+            if rows is None:  # slice i is written
+                cursor = {
+                    "position": i + 1,
+                    "written": int(cursor["written"]),
+                    "seconds": round(time.perf_counter() - t0, 3),
+                }
+                write_json_atomic(cursor_path, cursor)
+                continue
+            slicer.write(rows, upsert=spec["upsert"] or i == resumed)
+            cursor["written"] = int(cursor["written"]) + len(rows)
+        slicer.flush()
     seconds = time.perf_counter() - t0
     cursor.update(
         seconds=round(seconds, 3),
         items_per_s=round((int(cursor["written"]) - written0) / max(seconds, 1e-9), 1),
         cpu_seconds=round(time.process_time(), 2),
         peak_rss_mib=peak_rss_mib(),
-        pace=pace.to_dict(),
+        pace=slicer.pace.to_dict(),
     )
     write_json_atomic(cursor_path, cursor)
     return cursor
 
 
-PARENT_ENV = "COMPATFLOW_ROLLOUT_PID"
+class _SliceWriter:
+    """Reads, encodes and writes a stage's slices for :func:`run_range`."""
+
+    def __init__(self, spec: Mapping[str, Any], index: Any, encoders: Any = None, pace: Any = None) -> None:
+        from components.adapters.services import live_services
+        from components.rollout.pacing import Pace, latency_sources
+        from components.rollout.writes import GalleryWriter
+        from components.serving.record import import_factory
+
+        self.spec, self.index = spec, index
+        recipe = spec["encoders"]
+        self.encoders = encoders or import_factory(recipe["factory"])(recipe["args"])
+        self.centres = load_centres(spec.get("centres"))
+        pace_doc = spec.get("pace") or {}
+        cap = pace_doc.get("max_items_per_s")
+        self.pace = pace or Pace.resumed(
+            pace_doc, pace_doc.get("p99_factor"), cap / spec["workers"] if cap else None
+        )
+        if self.pace.p99_factor is not None and self.pace.latency is None and spec.get("serving"):
+            probe = np.asarray(spec["latency_query"], dtype=np.float32)
+            self.pace.watch(
+                latency_sources(index, spec["serving"], probe, live_services(Path(spec["services_dir"])))
+            )
+        self.writer = GalleryWriter.for_pace(index, spec["target"], self.pace, int(spec["flush_rows"]))
+        self.lineage = _lineage(spec.get("lineage"))
+        self.pace.begin()
+
+    def encoded(
+        self, filters: Sequence[str], slices: range
+    ) -> Iterator[tuple[int, list[dict[str, Any]] | None]]:
+        """``(i, rows)`` for each page of each slice ``i`` re-embedded, then ``(i, None)`` when slice ``i`` is
+        done; the next page is encoded on a second thread while the caller writes this one."""
+        from components.adapters.index import ROW_FIELDS
+
+        def pages() -> Iterator[tuple[int, list[dict[str, Any]] | None]]:
+            for i in slices:
+                for page in self.index.iter_rows(
+                    ROW_FIELDS,
+                    self.spec["source"],
+                    filter=filters[i],
+                    batch_size=int(self.spec["batch_size"]),
+                ):
+                    yield i, page
+                yield i, None
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
+            previous: tuple[int, Future[Any] | None] | None = None
+            for i, page in pages():
+                current = (i, pool.submit(self._rows, page) if page is not None else None)
+                if previous is not None:
+                    yield previous[0], previous[1].result() if previous[1] is not None else None
+                previous = current
+            if previous is not None:
+                yield previous[0], previous[1].result() if previous[1] is not None else None
+
+    def _rows(self, previous: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from components.rollout.writes import new_rows
+
+        return new_rows(self.encoders, previous, self.spec, self.centres)
+
+    def write(self, rows: list[dict[str, Any]], *, upsert: bool) -> None:
+        self.writer.write(rows, insert=not upsert)
+        if self.lineage is not None:
+            self.lineage.sync_with_index(rows)
+
+    def flush(self) -> None:
+        if self.writer.written:
+            self.writer.flush()
 
 
-def _die_with_parent() -> None:
-    """In a worker: SIGKILL it when the rollout that started it dies, so a resumed rollout never meets a
-    worker of the one before it writing the same range. Set by the worker itself (the rollout holds gRPC
-    threads: code run between its fork and exec could abort), then checked against a parent already gone."""
-    import ctypes
-    import os
-
-    parent = os.environ.get(PARENT_ENV)
-    if parent is None:
-        return  # run by hand or by a pipeline task: no rollout process to follow
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):
-        os._exit(1)
+def load_centres(path: str | None) -> np.ndarray | None:
+    """The centres a rollout keys the rows it writes against (None: it has none, its rows get no score)."""
+    return np.load(path) if path and Path(path).is_file() else None
 
 
-def run_ranges(spec_path: Path, ranges: Sequence[Batch], poll_s: float = 0.2) -> list[dict[str, Any]]:
-    """Run every range in its own worker process (:func:`run_range`), all at once, and wait for them; returns
-    their cursor documents. A worker that fails fails the stage, naming its range and its last output; the
-    others are stopped (their ranges resume where they were on the next run)."""
-    import os
+def _lineage(spec: Mapping[str, Any] | None) -> Any:
+    """The lineage store a worker records its items in (None: the rollout records none)."""
+    if not spec or not (Path(spec["repo"]) / "feature_store.yaml").is_file():
+        return None
+    from components.adapters.lineage import LineageStore
 
-    work = Path(spec_path).parent
-    root = str(Path(__file__).resolve().parents[2])  # the project: modules a recipe names outside the package
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-        PARENT_ENV: str(os.getpid()),
-    }
-    procs: dict[Batch, subprocess.Popen[bytes]] = {}
-    logs: dict[Batch, Path] = {}
-    try:
-        for start, end in ranges:
-            logs[(start, end)] = range_cursor(work, start, end).with_suffix(".log")
-            logs[(start, end)].parent.mkdir(parents=True, exist_ok=True)
-            with open(logs[(start, end)], "ab") as out:
-                procs[(start, end)] = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "components.rollout.workers",
-                        str(spec_path),
-                        str(start),
-                        str(end),
-                    ],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-        while procs:
-            for key, proc in list(procs.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del procs[key]
-                if code != 0:
-                    tail = logs[key].read_text(errors="replace").strip().splitlines()[-5:]
-                    raise RolloutError(
-                        f"backfill worker for ranks {key[0]}-{key[1]} exited with status {code}: "
-                        + " | ".join(tail)
-                        + f" (log {logs[key]}); run the rollout again: every range resumes from its cursor"
-                    )
-            time.sleep(poll_s)
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
-    return [read_cursor(range_cursor(work, s, e), s) for s, e in ranges]
+    return LineageStore(spec["repo"], definition=spec.get("definition"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Re-embed and write one rank range of a rollout's backfill.")
-    parser.add_argument("spec", type=Path, help="the rollout's workers.json")
-    parser.add_argument("start", type=int)
-    parser.add_argument("end", type=int)
-    args = parser.parse_args(argv)
-    _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cursor = run_range(args.spec, args.start, args.end)
-    print(json.dumps(cursor))
-    return 0
+class WorkerPool:
+    """``workers`` processes (spawned once per rollout, they live across its stages) that run slice ranges."""
 
+    def __init__(self, workers: int) -> None:
+        import multiprocessing
 
-if __name__ == "__main__":
-    sys.exit(main())
+        self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, spec_path: Path, ranges: Sequence[Range]) -> list[dict[str, Any]]:
+        """Run ``ranges`` at once and wait for them; a failed range fails the stage, naming it (the others
+        resume where they were on the next run)."""
+        futures = {r: self.pool.submit(run_range, spec_path, *r, os.getpid()) for r in ranges}
+        done = []
+        for (start, end), future in futures.items():
+            try:
+                done.append(future.result())
+            except Exception as exc:
+                raise RolloutError(
+                    f"backfill worker for slices {start}-{end} failed: {exc}; run the rollout again: every "
+                    "range resumes from its cursor"
+                ) from exc
+        return done
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

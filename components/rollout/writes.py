@@ -1,4 +1,5 @@
-"""How a rollout writes to Milvus: upserts of a bounded size, flushed every so many rows.
+"""How a rollout writes to Milvus: the rows of a stage, written in calls of a bounded size, flushed every so
+many rows.
 
 Milvus answers one call at a time, so a user's query that arrives during a write waits for it: an upsert of
 256 rows holds queries ~24 ms, one of 32 rows ~5 ms, and a flush ~20 ms for 256 unflushed rows, ~55 ms for
@@ -13,8 +14,9 @@ for milvus-lite only (:attr:`components.adapters.index.GalleryIndex.needs_period
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from components.rollout.pacing import Pace
@@ -46,12 +48,13 @@ class GalleryWriter:
         flush = min(flush_rows or PACED_FLUSH_ROWS, PACED_FLUSH_ROWS)
         return cls(index, collection, PACED_UPSERT_ROWS, flush, pace)
 
-    def write(self, rows: Sequence[Mapping[str, Any]]) -> int:
-        """Upsert ``rows`` (complete gallery rows); returns how many."""
+    def write(self, rows: Sequence[Mapping[str, Any]], *, insert: bool = False) -> int:
+        """Upsert (or ``insert``: ids the collection does not hold) ``rows``, complete gallery rows; returns
+        how many."""
         step = self.upsert_rows or len(rows) or 1
         for start in range(0, len(rows), step):
             chunk = list(rows[start : start + step])
-            self.index.upsert(chunk, self.collection)
+            self.index.upsert(chunk, self.collection, insert=insert)
             if self.pace is not None:
                 self.pace.after_batch(len(chunk))
         self.written += len(rows)
@@ -66,50 +69,43 @@ class GalleryWriter:
         self._unflushed = 0
 
 
-def previous_rows(
-    index: Any, ids: Sequence[str], collection: str, restore_file: Path | None
-) -> list[dict[str, Any]]:
-    """The rows a batch replaces. With a ``restore_file`` they are saved there first, once: a batch run again
-    (a crash, a resumed range) reads the rows it first replaced from the file, never the index it already
-    overwrote."""
-    from components.rollout.state import load_rows, save_rows
-
-    if restore_file is not None and restore_file.is_file():
-        return load_rows(restore_file)
-    rows = index.fetch(ids, collection)
-    if restore_file is not None:
-        save_rows(restore_file, rows)
-    return rows
-
-
-def reembedded_rows(
+def new_rows(
     encoders: RolloutEncoders,
     previous: Sequence[Mapping[str, Any]],
-    *,
-    version: str,
-    space: str,
-    dim: int,
-    rollout_id: str,
+    spec: Mapping[str, Any],
+    centres: np.ndarray | None,
 ) -> list[dict[str, Any]]:
-    """``previous`` rows with their vectors re-embedded by the new gallery encoder, stamped with the new
-    version, space and rollout."""
+    """The rows a stage writes for ``previous`` rows: re-embedded by the new gallery encoder
+    (``spec["action"]`` ``reembed``: the new version, embedded now) or their vectors mapped by the gallery transform
+    (``transform``: a transformed copy, version and time kept), in ``spec["space"]``, stamped with the rollout
+    and ``spec["row_stage"]`` (``backfill_stage``: 1 + the stage that wrote a row from the source, 0 for one
+    the rollout did not take from it), their order keys computed against ``centres``."""
     from components.adapters.index import now_ms
+    from components.rollout.keys import order_scores
     from components.rollout.plan import check_vectors
     from components.rollout.types import item_ref
 
-    vectors = check_vectors(
-        encoders.new_gallery([item_ref(r) for r in previous]), len(previous), dim, "gallery encoder"
-    )
-    stamp = now_ms()
+    n, dim = len(previous), int(spec["dim"])
+    if spec["action"] == "transform":
+        old = np.asarray([r["vector"] for r in previous], dtype=np.float32)
+        vectors = check_vectors(encoders.gallery_transform(old), n, dim, "gallery_transform")
+        stamp: dict[str, Any] = {"transform": spec["transform"]}
+    else:
+        vectors = check_vectors(
+            encoders.new_gallery([item_ref(r) for r in previous]), n, dim, "gallery encoder"
+        )
+        stamp = {"model_version": spec["new_version"], "embedded_at": now_ms(), "transform": ""}
+    scores = order_scores(vectors, centres)
     return [
         {
             **r,
+            **stamp,
             "vector": vectors[j].tolist(),
-            "model_version": version,
-            "space_id": space,
-            "embedded_at": stamp,
-            "transform": "",
-            "rollout_id": rollout_id,
+            "space_id": spec["space"],
+            "rollout_id": spec["rollout_id"],
+            "key_lambda_orth": float(scores["key_lambda_orth"][j]),
+            "key_uncertainty": float(scores["key_uncertainty"][j]),
+            "backfill_stage": int(spec["row_stage"]),
         }
         for j, r in enumerate(previous)
     ]

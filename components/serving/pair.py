@@ -11,12 +11,11 @@ run on the old one, so no query is answered by a query model the record no longe
 A record that cannot be loaded leaves the current pair serving and is reported (:attr:`PairFollower.error`)
 until the record changes again.
 
-In-place rollouts (stage 0 switches the query model on the same collection, then the backfill writes new
-vectors into it): a query that started on the old pair and finds, when it ends, that the record moved the
-query model on its collection is run again on the new pair (:meth:`PairFollower.answer`). The record is
-written before any new vector, so an answer that could have met one is never returned from the old query
-model. When the collection changes with the query model (blue-green, a transformed copy, a rollback to the
-source collection), the old pair's collection is not written by the rollout and its answer stands.
+A rollout writes its new vectors into a collection of its own, which the record names with the query switch
+(read with the source collection as layers, :meth:`components.adapters.index.GalleryIndex.search`), so the
+old pair's collection is not written by the rollout and its answer stands. A query that started on the old
+pair and finds, when it ends, that the record moved the query model on its collection (a record written by
+an earlier release, whose rollouts wrote in place) is run again on the new pair (:meth:`PairFollower.answer`).
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ class ServingPair:
             collection=self.collection,
             output_fields=output_fields,
             as_of=self.complete_at,
+            layers=self.record.get("layers"),
         )
 
 
@@ -201,7 +201,8 @@ class PairFollower:
             raise ServingError(f"no serving record at {self.record_path}: index the gallery first")
         index = self._index(self.uri or record["uri"], record["alias"])
         collection = str(record["collection"])
-        index.resolve(collection)  # the collection exists and is loaded before any query reaches it
+        for name, _ in record.get("layers") or [(collection, "")]:
+            index.resolve(name)  # the collections exist and are loaded before any query reaches them
         dim = index.collection_dim(collection)
         if int(record.get("dim") or dim) != dim:
             raise ServingError(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +92,11 @@ def write_serving(
     query_model: Mapping[str, Any],
     previous: Mapping[str, Any] | None = None,
     rollout_id: str = "",
+    layers: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, Any]:
-    """Write the serving record atomically; returns it."""
+    """Write the serving record atomically; returns it. ``layers`` (``[(collection, filter), ...]``, newest
+    first): while a rollout moves the gallery into ``collection``, what each collection serves
+    (:meth:`components.adapters.index.GalleryIndex.search`)."""
     doc = {
         "schema_version": 1,
         "uri": str(uri),
@@ -104,6 +107,7 @@ def write_serving(
         "query_model": dict(query_model),
         "previous": dict(previous) if previous else None,
         "rollout_id": rollout_id,
+        "layers": [[str(name), str(flt)] for name, flt in layers] if layers else None,
         "updated_at": utc_now(),
     }
     root = Path(path).resolve().parent  # the record lives in the workspace root

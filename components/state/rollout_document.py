@@ -45,17 +45,23 @@ class ModelRef(_Record):
 
 
 class OrderRecord(_Record):
+    """A stage as a filter on the keys each row carries (components.rollout.keys)."""
+
     policy: Literal["random", "oldest_first", "lambda_orth", "uncertainty"]
     seed: int
-    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the ordered item ids")
-    path: str
+    offset: int | None = Field(default=None, ge=0, description="random: where the order_key window starts")
+    cuts: list[tuple[float, int] | None] | None = Field(
+        default=None, description="per fraction, the (key, order_key) pair the stages below it end at"
+    )
+    centres: str | None = Field(default=None, description="the centres the written rows are keyed against")
+    sample: int | None = Field(default=None, ge=0, description="rows the plan read to place the cuts")
     n_clusters: int | None = Field(default=None, ge=1)
 
 
 class Cursor(_Record):
-    position: int = Field(ge=0, description="items of the order upserted so far")
-    batches: int = Field(ge=0)
-    adapt_position: int = Field(default=0, ge=0)
+    position: int = Field(ge=0, description="items written so far")
+    batches: int = Field(ge=0, description="slices written so far")
+    ranges: list[tuple[int, int]] | None = Field(default=None, description="the running stage's slice ranges")
 
 
 class GalleryRecord(_Record):
@@ -64,6 +70,8 @@ class GalleryRecord(_Record):
     source_collection: str
     source_space: str
     collection: str = Field(description="Collection the new vectors are written to.")
+    keyed: bool | None = Field(default=None, description="the source's rows carry order keys")
+    source_previous: dict[str, Any] | None = Field(default=None, description="the record's rollback target")
     space: str
     dim: int = Field(ge=1)
     transform: str | None = None

@@ -97,7 +97,8 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
 
     The phase's new gallery items are already indexed with the serving model (:func:`ingest_step` runs
     before it in the pipeline); the rollout switches queries and backfills the whole gallery in stages,
-    probing each (resumable; a rollback restores every item it touched). Lineage follows the index. A
+    probing each (resumable; a rollback switches back to the collection it started from). Its writers record
+    the lineage of the items they write; after a halt the lineage is brought back in line with the index. A
     rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
     ``rejected`` and leaves ``production`` where it was.
     """
@@ -118,7 +119,10 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         "version": version,
         "undone_first": undone,
         "rollout": state,
-        "lineage_updated": sync_from_index(
+        # a completed rollout recorded its items' lineage as it wrote them (components.rollout.workers)
+        "lineage_updated": 0
+        if state["status"] == "completed"
+        else sync_from_index(
             workspace.lineage_dir, gallery["uri"], gallery["alias"], definition=workspace.lineage_definition
         ),
         "promoted": state["status"] == "completed",

@@ -26,8 +26,6 @@ from components.adapters.index import GalleryIndex
 from components.deployment import RolloutSection
 from components.rollout import engine, read_serving
 from components.rollout.plan import probe_margin
-from components.rollout.state import load_rows, saved_batches, stage_batches
-from components.rollout.types import DEFAULT_FLUSH_ROWS
 from components.serving.search import Searcher
 
 
@@ -64,8 +62,11 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     for stage in state["stages"]:
         assert all(stage["probe"][m] >= state["floors"][m] for m in state["floors"])
     assert state["curve"][-1]["t2i_R@1"] > state["curve"][0]["t2i_R@1"] > state["baseline"]["R@1"]
-    assert index.serving_collection() == source  # staged: in place
+    target = index.serving_collection()
+    assert target == state["gallery"]["collection"] != source  # its own collection, behind the alias at the end
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
+    _assert_gallery(index, UPGRADE.old_gallery, "v1", source)  # never written: the rollback's way back
+    assert state["plan_seconds"] < 5 and state["order"]["sample"] == N  # a sample (here the whole small gallery)
     record = read_serving(paths.serving)
     assert record["query_model"]["side"] == "new" and record["query_model"]["version"] == "v2"
     summary = ro.status(paths.state)
@@ -83,6 +84,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
 
     back = ro.rollback(paths, index)
     assert back["status"] == "rolled_back" and back["query_model"]["side"] == "old"
+    assert back["rollback"]["seconds"] < 5 and index.serving_collection() == source  # a switch
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
     assert read_serving(paths.serving)["query_model"]["version"] == "v1"
     assert ro.rollback(paths, index)["status"] == "rolled_back"  # idempotent
@@ -97,8 +99,12 @@ def test_regression_halts_and_restores_the_stage(setup) -> None:
     probe, floors = state["stages"][1]["probe"], state["floors"]
     broken_metrics = [m for m in floors if probe[m] < floors[m]]
     assert broken_metrics and all(m in state["halt_reason"] for m in broken_metrics)
-    assert state["fraction_backfilled"] == 0.0 and state["cursor"]["position"] == 0
-    _assert_gallery(index, UPGRADE.old_gallery, "v1")  # the stage's items got their old vectors back
+    assert state["fraction_backfilled"] == 0.0
+    record = read_serving(paths.serving)  # a switch back to the source, which no stage wrote
+    assert record["collection"] == state["gallery"]["source_collection"] and record["layers"] is None
+    assert record["query_model"]["version"] == "v1"
+    assert not index.has_collection(state["gallery"]["collection"])
+    _assert_gallery(index, UPGRADE.old_gallery, "v1")
     # fail closed: running the same configuration again does not retry the regression
     assert ro.run_rollout(index, paths, _config(), broken, PROBE)["status"] == "halted"
     assert index.count_by_version() == {"v1": N}
@@ -132,16 +138,15 @@ class _Crash(RuntimeError):
     pass
 
 
-def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypatch) -> None:
-    """The batch whose state write failed is upserted again on resume; its restore file keeps the old rows."""
+def test_crash_between_writes_and_state_write_repeats_the_stage_once(setup, monkeypatch) -> None:
+    """A stage whose state write failed after its slices were written resumes from the slices' cursors: no
+    item is written twice, none is lost."""
     paths, index = setup
     real_save = ro.save_state
-    calls = {"n": 0}
 
     def flaky_save(path, state):
-        calls["n"] += 1
-        if state["cursor"]["position"] == 72 and state["status"] == "running":
-            raise _Crash("power cut after upsert")
+        if state["stage"] == 2 and "workers" in state["stages"][2] and state["status"] == "running":
+            raise _Crash("power cut after the stage's writes")
         real_save(path, state)
 
     monkeypatch.setattr(engine, "save_state", flaky_save)
@@ -149,13 +154,15 @@ def test_crash_between_upsert_and_state_write_repeats_the_batch(setup, monkeypat
     with pytest.raises(_Crash):
         ro.run_rollout(index, paths, _config(), encoders, PROBE)
     saved = json.loads(paths.state.read_text())
-    assert saved["status"] == "running" and saved["cursor"]["position"] == 40
-    assert index.count_by_version()["v2"] >= 72  # the batch 40..72 is already upserted
+    assert saved["status"] == "running" and saved["stage"] == 2 and saved["cursor"]["ranges"]
+    target = saved["gallery"]["collection"]
+    written = index.count(target)
+    assert 0 < written < N
     monkeypatch.setattr(engine, "save_state", real_save)
     state = ro.run_rollout(index, paths, _config(), encoders, PROBE)
     assert state["status"] == "completed"
-    _assert_gallery(index, UPGRADE.new_gallery, "v2")
-    ro.rollback(paths, index)  # the repeated batch restored the rows it first replaced: the old ones
+    _assert_gallery(index, UPGRADE.new_gallery, "v2", target)  # N rows: none doubled
+    ro.rollback(paths, index)
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
 
 
@@ -173,26 +180,28 @@ def _failing_encoders(at_call: int) -> ro.RolloutEncoders:
     return ro.RolloutEncoders(good.old_query, good.new_query, failing)
 
 
-@pytest.mark.parametrize("prefetch", [1, 3])
-def test_encoder_failure_resumes_from_the_cursor(setup, prefetch) -> None:
-    """Batches prepared ahead of a failure are never written: the index holds exactly the cursor's prefix."""
+@pytest.mark.parametrize("order", ["random", "oldest_first", "lambda_orth"])
+def test_encoder_failure_resumes_from_the_cursor(setup, order) -> None:
+    """A slice encoded ahead of a failure is never written: the target holds whole slices, each once, and
+    the served gallery still answers with every item once."""
     paths, index = setup
     good = synthetic_encoders({"options": OPTS})
     bad = _failing_encoders(5)
     with pytest.raises(_Crash):
-        ro.run_rollout(index, paths, _config(prefetch=prefetch), bad, PROBE)
+        ro.run_rollout(index, paths, _config(order=order), bad, PROBE)
     saved = json.loads(paths.state.read_text())
-    assert saved["status"] == "running" and saved["cursor"]["position"] > 0
-    assert index.count_by_version() == {
-        "v1": N - saved["cursor"]["position"],
-        "v2": saved["cursor"]["position"],
-    }
-    with pytest.raises(ValueError, match="prefetch"):
-        _config(prefetch=0)
-    other = _config(order="oldest_first")
+    assert saved["status"] == "running" and saved["stage"] >= 1
+    target, source = saved["gallery"]["collection"], saved["gallery"]["source_collection"]
+    assert index.count_by_version(source) == {"v1": N}  # never written
+    written = index.count(target)
+    assert index.count_by_version(target) == {"v2": written} and 0 < written < N
+    record = read_serving(paths.serving)  # the mixed gallery: every item once, new vectors where written
+    hits = index.search(UPGRADE.query_vectors(UPGRADE.query_texts[:5], "new"), k=N, layers=record["layers"])
+    assert all(len({h.item_id for h in row}) == len(row) for row in hits)
+    other = _config(order="random" if order != "random" else "oldest_first")
     with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
         ro.run_rollout(index, paths, other, good, PROBE)
-    assert ro.run_rollout(index, paths, _config(), good, PROBE)["status"] == "completed"
+    assert ro.run_rollout(index, paths, _config(order=order), good, PROBE)["status"] == "completed"
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
 
 
@@ -385,62 +394,41 @@ class _Recorder:
         return most
 
 
-def test_in_place_batches_save_what_they_replace_and_flushes_bound_unflushed_rows(setup, monkeypatch) -> None:
-    """An in-place rollout reads each row once, by its batch, just before overwriting it (saved for restore
-    first: the plan reads no vector), and never leaves more than ``flush_rows`` (+ one batch) unflushed; its
-    rollback restores the old gallery."""
+def test_a_rollout_reads_a_sample_and_its_slices_and_bounds_unflushed_rows(setup, monkeypatch) -> None:
+    """No read by id and no whole read: the plan reads a sample, each stage its slices (every item once in
+    all), written into the target never more than ``flush_rows`` (+ one slice) unflushed; no upsert but the
+    sweep's."""
     paths, index = setup
     calls = _Recorder(index, monkeypatch)
+    reads: list[str] = []
+    real_iter = index.iter_rows
+
+    def iter_rows(fields, collection=None, filter="", **kw):
+        reads.append(filter)
+        for page in real_iter(fields, collection, filter, **kw):
+            calls.calls.append(("read", len(page)))
+            yield page
+
+    monkeypatch.setattr(index, "iter_rows", iter_rows)
     state = ro.run_rollout(
-        index,
-        paths,
-        _config(fractions=(0.5, 1.0), flush_rows=64),
-        synthetic_encoders({"options": OPTS}),
-        PROBE,
+        index, paths, _config(fractions=(0.5, 1.0), flush_rows=64), synthetic_encoders({"options": OPTS}), PROBE
     )
     assert state["status"] == "completed"
-    assert calls.rows("fetch") == N and calls.rows("upsert") == N
-    assert 64 <= calls.most_unflushed() < 64 + 32
-    files = list(saved_batches(paths.restore_dir(state["rollout_id"]), stage_batches(state)))
-    assert len(files) == 2 * 7  # two stages of 200 items in batches of 32
-    saved = [r["item_id"] for f in files for r in load_rows(f)]
-    assert sorted(saved) == sorted(UPGRADE.item_ids)
+    assert calls.rows("fetch") == 0 and calls.rows("upsert") == N
+    assert all(f for f in reads)  # every read is a filter: the sample's, then one per slice
+    assert calls.rows("read") == 2 * N  # the sample (the whole gallery, being small) and the slices
+    assert 64 <= calls.most_unflushed() < 64 + 2 * 32
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
-    ro.rollback(paths, index)
-    _assert_gallery(index, UPGRADE.old_gallery, "v1")
 
 
-def test_rollback_replays_only_the_batches_that_ran(setup, monkeypatch) -> None:
-    """After a failure at the cursor, the rollback writes back the batches up to the cursor (the one in
-    flight included), not the whole saved order, and the gallery is the old one again."""
+def test_rollback_of_an_unfinished_rollout_is_a_switch(setup, monkeypatch) -> None:
+    """After a failure mid-stage the rollback writes no row: the record and alias go back to the source."""
     paths, index = setup
     with pytest.raises(_Crash):
-        ro.run_rollout(index, paths, _config(prefetch=1), _failing_encoders(4), PROBE)
-    position = json.loads(paths.state.read_text())["cursor"]["position"]
-    assert 0 < position < N
+        ro.run_rollout(index, paths, _config(), _failing_encoders(4), PROBE)
     writes = _Recorder(index, monkeypatch)
     state = ro.rollback(paths, index)
-    assert state["status"] == "rolled_back"
-    assert position <= writes.rows("upsert") <= position + 32
-    _assert_gallery(index, UPGRADE.old_gallery, "v1")
-
-
-def test_rollback_replay_keeps_the_rollouts_pace(setup, monkeypatch) -> None:
-    """The replay of saved rows runs at the rate cap its rollout recorded, and flushes as it goes."""
-    paths, index = setup
-    cap = 2000.0
-    state = ro.run_rollout(
-        index,
-        paths,
-        _config(max_items_per_s=cap, flush_rows=100),
-        synthetic_encoders({"options": OPTS}),
-        PROBE,
-    )
-    assert state["pace"]["max_items_per_s"] == cap
-    writes = _Recorder(index, monkeypatch)
-    t0 = time.perf_counter()
-    state = ro.rollback(paths, index)
-    assert time.perf_counter() - t0 >= 0.9 * N / cap
-    assert state["rollback"]["pace"]["max_items_per_s"] == cap
-    assert writes.rows("upsert") == N and writes.most_unflushed() <= DEFAULT_FLUSH_ROWS
+    assert state["status"] == "rolled_back" and state["rollback"]["from_status"] == "running"
+    assert writes.rows("upsert") == 0 and writes.rows("fetch") == 0
+    assert read_serving(paths.serving)["layers"] is None
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
