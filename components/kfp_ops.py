@@ -24,9 +24,20 @@ COMPONENT = {"base_image": IMAGE, "install_kfp_package": False}
 
 
 @dsl.component(**COMPONENT)
-def plan_op(config: str, phase: int, run_id: str, job_name: str) -> NamedTuple(
+def plan_op(
+    config: str,
+    phase: int,
+    run_id: str,
+    job_name: str,
+    training_method: str,
+    training_steps: int,
+    compat_method: str,
+    compat_steps: int,
+    rollout_fractions: list,
+) -> NamedTuple(
     "Plan",
     [
+        ("config", str),
         ("run_dir", str),
         ("phase", int),
         ("stream_dir", str),
@@ -36,13 +47,22 @@ def plan_op(config: str, phase: int, run_id: str, job_name: str) -> NamedTuple(
         ("gallery_shards", List[str]),
     ],
 ):
-    """Plan the run: the phase (-1: next pending), its run directory and the shard lists."""
+    """Plan the run: its config (the run parameters set), the phase (-1: next pending), its run directory and
+    the shard lists."""
     from collections import namedtuple
 
     from components.steps import plan_step
 
-    plan = plan_step(config, phase, run_id, job_name)
+    parameters = {
+        "training_method": training_method,
+        "training_steps": training_steps,
+        "compat_method": compat_method,
+        "compat_steps": compat_steps,
+        "rollout_fractions": rollout_fractions,
+    }
+    plan = plan_step(config, phase, run_id, job_name, parameters)
     fields = [
+        "config",
         "run_dir",
         "phase",
         "stream_dir",

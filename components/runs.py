@@ -327,6 +327,32 @@ def replay_shards(deployment: Deployment, phase: int, per_phase: int | None = No
     return [train_shards_of(deployment, q)[:per_phase] for q in range(phase)]
 
 
+# The settings an operator changes per run, as the pipeline's parameters: name -> (config section, field).
+# One at its empty value ("", 0, []) keeps the config's; a compiled package's defaults are the config's.
+RUN_PARAMETERS: dict[str, tuple[str, str]] = {
+    "training_method": ("training", "method"),
+    "training_steps": ("training", "steps"),
+    "compat_method": ("compat", "method"),
+    "compat_steps": ("compat", "steps"),
+    "rollout_fractions": ("rollout", "fractions"),
+}
+
+
+def run_parameters(deployment: Deployment) -> dict[str, Any]:
+    """The config's value of every run parameter (the compiled pipeline's defaults)."""
+    return {name: getattr(getattr(deployment, s), f) for name, (s, f) in RUN_PARAMETERS.items()}
+
+
+def with_run_parameters(deployment: Deployment, values: Mapping[str, Any]) -> Deployment:
+    """``deployment`` with the run parameters in ``values`` that are not empty (checked as at load)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        if value not in ("", 0, [], None):
+            section, key = RUN_PARAMETERS[name]
+            changes.setdefault(section, {})[key] = value
+    return deployment.with_changes(**changes) if changes else deployment
+
+
 def plan_run(
     config: Deployment | Mapping[str, Any], phase: int = -1, run_id: str = "", job_name: str = ""
 ) -> dict[str, Any] | None:

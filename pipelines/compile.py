@@ -2,8 +2,9 @@
 
 The pipeline is built under the task settings of one config (:mod:`pipelines.resources`): GPU
 requests, node pool, retries, caching and cluster wiring come from that config's values, and the
-config itself becomes the default of the pipeline's ``config`` parameter, so a run or recurring
-run that passes no parameters runs with the config it was compiled for.
+config itself becomes the default of the pipeline's ``config`` parameter, and its values of the run
+parameters (``components.runs.RUN_PARAMETERS``: methods, steps, rollout fractions) the defaults of theirs,
+so a run or recurring run that passes no parameters runs with the config it was compiled for.
 """
 
 from __future__ import annotations
@@ -57,19 +58,45 @@ def default_run_config(config: Deployment | Mapping[str, Any]) -> str:
     return resolved.to_json()
 
 
-def compile_pipeline(out_dir: Path = COMPILED_DIR, config: ConfigRef = None) -> Path:
-    """Write ``continual_upgrade.yaml`` for ``config`` (see ``compile_settings``) into ``out_dir``."""
-    from kfp import compiler
+def pinned(config: ConfigRef, digests: Mapping[str, str]) -> Deployment:
+    """``config``'s deployment with each image kind in ``digests`` (``cpu``, ``gpu``: ``sha256:<64 hex>`` as
+    the image push printed it) pinned, ``REGISTRY/NAME:TAG@sha256:...``; ConfigError: a bad kind or digest."""
+    import re
 
     from pipelines import resources
+    from pipelines.config import ConfigError
 
-    settings = resources.compile_settings(config)
+    deployment = resources.compile_settings(config)["config"]
+    sections: dict[str, Any] = {}
+    for kind, digest in digests.items():
+        if kind not in ("cpu", "gpu") or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+            raise ConfigError(f"--digest {kind}={digest}: give cpu=sha256:<64 hex> and gpu=sha256:<64 hex>")
+        section = getattr(deployment.resources, kind)
+        sections[kind] = {**section.model_dump(), "image": f"{section.image.partition('@')[0]}@{digest}"}
+    return deployment.with_changes(resources={**deployment.resources.model_dump(), **sections})
+
+
+def compile_pipeline(
+    out_dir: Path = COMPILED_DIR, config: ConfigRef = None, digests: Mapping[str, str] | None = None
+) -> Path:
+    """Write ``continual_upgrade.yaml`` for ``config`` (see ``compile_settings``) into ``out_dir``, its images
+    pinned to ``digests`` (:func:`pinned`; ``pipeline submit`` refuses a package with a tag-only image)."""
+    from kfp import compiler
+
+    from components.deployment import Deployment
+    from components.runs import run_parameters
+    from pipelines import resources
+
+    settings = resources.compile_settings(pinned(config, digests) if digests else config)
     pipeline = _build(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / COMPILED_NAME
     compiler.Compiler().compile(
         pipeline_func=pipeline,
         package_path=str(path),
-        pipeline_parameters={"config": default_run_config(settings["config"])},
+        pipeline_parameters={
+            "config": default_run_config(settings["config"]),
+            **run_parameters(Deployment.coerce(settings["config"])),
+        },
     )
     return path

@@ -63,14 +63,37 @@ def _rollout(config: Any, run_dir: Any, version: Any, ingest: dsl.PipelineTask) 
     _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=version).after(after)
 
 
-def continual_upgrade_steps(config: str, phase: int = -1, run_id: str = "") -> None:
+def continual_upgrade_steps(
+    config: str,
+    phase: int = -1,
+    run_id: str = "",
+    training_method: str = "",
+    training_steps: int = 0,
+    compat_method: str = "",
+    compat_steps: int = 0,
+    rollout_fractions: list = [],  # noqa: B006 (KFP reads the default)
+) -> None:
     """The pipeline's graph: ``dsl.pipeline`` of this under a config's task settings is the pipeline
     (:func:`pipelines.compile.build_pipeline`). ``config``: the resolved config as JSON; ``phase`` -1: the
-    next pending one; ``run_id`` "": the KFP job name."""
+    next pending one; ``run_id`` "": the KFP job name; the rest (:data:`components.runs.RUN_PARAMETERS`)
+    override their config field for this run ("", 0, []: the config's; a compiled package's defaults are
+    the config's values, so the KFP UI shows and compares them per run)."""
     job_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
     finish = _task(kfp_ops.finish_op, config=config, run_id=run_id, job_name=job_name)
     with dsl.ExitHandler(finish, name="record-and-report"):
-        plan = _task(kfp_ops.plan_op, config=config, phase=phase, run_id=run_id, job_name=job_name)
+        plan = _task(
+            kfp_ops.plan_op,
+            config=config,
+            phase=phase,
+            run_id=run_id,
+            job_name=job_name,
+            training_method=training_method,
+            training_steps=training_steps,
+            compat_method=compat_method,
+            compat_steps=compat_steps,
+            rollout_fractions=rollout_fractions,
+        )
+        config = plan.outputs["config"]  # the run's: every step below reads the parameters set
         run_dir, phase = plan.outputs["run_dir"], plan.outputs["phase"]
         gallery_shards = plan.outputs["gallery_shards"]
         production = _task(kfp_ops.resolve_production_op, config=config, run_dir=run_dir)

@@ -1,19 +1,22 @@
 """The Kubeflow Pipelines API requests that start the compiled pipeline: one run, or a recurring run.
 
-``compatflow pipeline submit`` and ``compatflow pipeline schedule`` (:mod:`pipelines.commands.pipeline`) send
-them through ``kfp.Client``. Every request body is built here as plain JSON from the compiled package
-(:func:`load_package`) and handed as it is to the client's generated v2beta1 services (``client.runs``,
-``client.recurring_runs``, ``client.experiments``, ``client.healthzs``), so a dry run (:func:`submit_plan`,
-:func:`schedule_plan`) prints exactly the bodies a real call sends, without importing kfp. The client's
-convenience methods are not used: they round-trip the package through protobuf (a body only kfp can predict),
-print links on stdout, and ``create_recurring_run`` cannot see a schedule of the same name.
+``compatflow pipeline submit`` and ``schedule`` (:mod:`pipelines.commands.pipeline`) upload the compiled
+package as a version of the pipeline (the pipeline is created when missing; a package uploaded before is found
+by its version name, which carries the package's sha256) and start a run, or a recurring run, of that version
+(``pipeline_version_reference``) with the run parameters given; the package's defaults fill in the rest. The
+KFP UI then lists the versions, compares runs by parameter and starts a run with other settings.
 
-A recurring run carries the pipeline spec itself, not a reference to an uploaded pipeline version: each tick
-runs exactly the package that was scheduled, and a recompiled package takes effect when it is scheduled again
-with ``replace``. One schedule per name and experiment (a second one is refused unless it replaces the first),
-so ``max_concurrency`` 1 means one cycle at a time on the workspace. KFP reads cron with a leading seconds
-field (robfig/cron v1: five fields would be read as seconds to month); :func:`kfp_cron` takes the standard
-five fields and adds it.
+One function lays the requests out (:func:`send_all`): a dry run (:func:`plan`) records them, with
+placeholders for the IDs the server would answer, and :class:`KfpApi` sends the same requests through
+kfp.Client's generated v2beta1 services, so ``--dry-run`` prints exactly what is sent. The package goes up
+through the upload service (multipart, as ``kfp.Client.upload_pipeline_version`` sends it): the JSON
+create-version call takes only a URL the server downloads. kfp.Client's convenience methods are not used:
+they print links on stdout and ``create_recurring_run`` cannot see a schedule of the same name.
+
+A recurring run runs the version it was created with; after a recompile, schedule again with ``replace``.
+One schedule per name and experiment (a second one is refused unless it replaces the first), and
+``max_concurrency`` 1: one cycle at a time on the workspace. Cron is checked here, field by field, in KFP's
+own forms (:func:`kfp_cron`) before anything is sent.
 
 Importable without kfp (the dry run); :class:`KfpApi` imports it when a request is really sent. Cheap to
 import (the command line reads its defaults at start-up): PyYAML too is imported where a package is read.
@@ -21,9 +24,10 @@ import (the command line reads its defaults at start-up): PyYAML too is imported
 
 from __future__ import annotations
 
+import hashlib
 import json
-import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,12 +41,12 @@ WEEKLY = "0 3 * * 1"  # Mondays 03:00 in the scheduler's time zone (UTC unless K
 MAX_CONCURRENCY = 1  # never two cycles on one workspace at once
 # Each tick: the next pending phase, the KFP job name as run id (a fixed one would reuse one run folder).
 SCHEDULE_PARAMETERS: dict[str, Any] = {"phase": -1, "run_id": ""}
-EXPERIMENT_ID = "<experiment id>"  # in a dry run: the experiment's ID, known once it is looked up or created
+# In a dry run: the IDs the server answers, known once looked up or created.
+EXPERIMENT_ID, PIPELINE_ID, VERSION_ID, OLD_ID = "<experiment id>", "<pipeline id>", "<version id>", "<id>"
 TIMEOUT_S = 30  # per request
 TOKEN_ENV = "COMPATFLOW_KFP_TOKEN"
 
 _EQUALS = 1  # KFP filter operation EQUALS (as kfp.Client sends it)
-_CRON_FIELD = re.compile(r"^[0-9A-Za-z*/,?-]+$")
 _TYPES: dict[str, tuple[type, ...]] = {
     "STRING": (str,),
     "NUMBER_INTEGER": (int,),
@@ -51,6 +55,16 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "STRUCT": (dict,),
     "LIST": (list,),
 }
+# KFP's cron (robfig/cron): seconds first; names and ranges per field; 0 is Sunday and 7 is out of range.
+_CRON_FIELDS = (
+    ("second", 0, 59, ()),
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day of month", 1, 31, ()),
+    ("month", 1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC")),
+    ("day of week", 0, 6, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
+)
+CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
 
 
 class SubmitError(Exception):
@@ -59,14 +73,18 @@ class SubmitError(Exception):
 
 @dataclass(frozen=True)
 class Package:
-    """A compiled pipeline (``compatflow compile``): its name, the ``pipeline_spec`` value of a request (the
-    pipeline spec, with its Kubernetes platform spec when it has one, as kfp.Client sends it) and the
-    parameters its root takes."""
+    """A compiled pipeline (``compatflow compile``): file, name, sha256 and the parameters its root takes."""
 
     path: Path
     name: str
-    spec: dict[str, Any]
+    sha256: str
     parameters: dict[str, dict[str, Any]]
+    images: tuple[str, ...] = ()  # what its tasks run
+
+    @property
+    def version_name(self) -> str:
+        """The pipeline version this package is uploaded as: one per distinct package."""
+        return f"{self.name}-{self.sha256[:12]}"
 
 
 def load_package(path: Path) -> Package:
@@ -79,18 +97,31 @@ def load_package(path: Path) -> Package:
     if not path.is_file():
         raise SubmitError(f"no compiled pipeline at {path}: {redo}, or give --package")
     try:
+        raw = path.read_bytes()
         loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: a 180 KB package in 0.1 s, not 1 s
-        docs = [doc for doc in yaml.load_all(path.read_text(), Loader=loader) if doc]
+        docs = [doc for doc in yaml.load_all(raw.decode(), Loader=loader) if doc]
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise SubmitError(f"{path} cannot be read as a compiled pipeline ({err}): {redo}") from err
     if not docs or not all(isinstance(d, dict) for d in docs) or not {"pipelineInfo", "root"} <= set(docs[0]):
         raise SubmitError(f"{path} is not a compiled KFP pipeline (no pipelineInfo and root): {redo}")
-    pipeline, platform = docs[0], {}
-    for doc in docs[1:]:
-        platform.update(doc)
-    spec = {"pipeline_spec": pipeline, "platform_spec": platform} if platform else pipeline
-    parameters = pipeline["root"].get("inputDefinitions", {}).get("parameters", {})
-    return Package(path, str(pipeline["pipelineInfo"].get("name", "")), spec, parameters)
+    parameters = docs[0]["root"].get("inputDefinitions", {}).get("parameters", {})
+    name = str(docs[0]["pipelineInfo"].get("name", ""))
+    executors = docs[0].get("deploymentSpec", {}).get("executors", {}).values()
+    images = tuple(sorted({str(e.get("container", {}).get("image")) for e in executors if "container" in e}))
+    return Package(path, name, hashlib.sha256(raw).hexdigest(), parameters, images)
+
+
+def check_images(package: Package) -> None:
+    """Refuse a package whose tasks name an image by tag alone: on a cluster a tag can point at another image
+    by the time a task starts, so what runs must be what was built and tested (pinned by its digest)."""
+    loose = [image for image in package.images if "@sha256:" not in image]
+    if loose:
+        raise SubmitError(
+            f"{package.path} runs {', '.join(loose)} by tag only: pin the images by digest when compiling, "
+            "with the digests the image push printed: `compatflow compile --config cluster --digest "
+            "cpu=sha256:<64 hex> --digest gpu=sha256:<64 hex>` (or name them REGISTRY/NAME:TAG@sha256:DIGEST "
+            "in the config's resources.cpu.image and resources.gpu.image)"
+        )
 
 
 def check_parameters(package: Package, parameters: dict[str, Any]) -> None:
@@ -119,15 +150,73 @@ def check_parameters(package: Package, parameters: dict[str, Any]) -> None:
         )
 
 
+def parse_parameters(package: Package, assignments: list[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` pairs as run parameters: a STRING parameter takes VALUE as it is, any other reads it as
+    JSON (``600``, ``[0.5, 1.0]``)."""
+    parameters: dict[str, Any] = {}
+    for assignment in assignments:
+        name, equals, text = assignment.partition("=")
+        if not equals or not name:
+            raise SubmitError(
+                f"--param {assignment!r}: give NAME=VALUE (parameters: {sorted(package.parameters)})"
+            )
+        kind = package.parameters.get(name, {}).get("parameterType")
+        try:
+            parameters[name] = text if kind == "STRING" else json.loads(text)
+        except json.JSONDecodeError:
+            raise SubmitError(f"--param {assignment!r}: {text!r} is not a {kind} (JSON)") from None
+    check_parameters(package, parameters)
+    return parameters
+
+
 def kfp_cron(cron: str) -> str:
-    """KFP's six-field cron (a leading seconds field) for a standard five-field expression."""
-    fields = cron.split()
-    if len(fields) != 5 or not all(_CRON_FIELD.match(f) for f in fields):
+    """``cron`` as KFP reads it (six fields, seconds first), every field checked against its range: five
+    fields get a leading ``0`` seconds field, six pass as they are, a descriptor (``@weekly``) as it is."""
+    text = " ".join(cron.split())
+    if text in CRON_DESCRIPTORS:
+        return text
+    fields = text.split(" ")
+    if len(fields) == 5:
+        fields = ["0", *fields]
+    if len(fields) != 6:
         raise SubmitError(
-            f"--cron {cron!r}: give five fields, minute hour day-of-month month day-of-week (e.g. "
-            f"{WEEKLY!r}: Mondays 03:00); KFP receives them with a leading seconds field"
+            f"--cron {cron!r}: give five fields (minute hour day-of-month month day-of-week, e.g. "
+            f"{WEEKLY!r}: Mondays 03:00), six with seconds first as KFP takes them, or one of "
+            f"{', '.join(CRON_DESCRIPTORS)}"
         )
-    return "0 " + " ".join(fields)
+    for value, (name, low, high, names) in zip(fields, _CRON_FIELDS, strict=True):
+        problem = _cron_field_problem(
+            value.upper(), low, high, names, name in ("day of month", "day of week")
+        )
+        if problem:
+            raise SubmitError(f"--cron {cron!r}: {name} {value!r}: {problem} ({name}: {low}-{high})")
+    return " ".join(fields)
+
+
+def _cron_field_problem(
+    value: str, low: int, high: int, names: tuple[str, ...], may_skip: bool
+) -> str | None:
+    """Why one cron field is wrong, or None: ``*``, ``?`` (day fields), lists, names, ``A-B``, ``/step``."""
+    for part in value.split(","):
+        span, _, step = part.partition("/")
+        if step and not (step.isdigit() and int(step) >= 1):
+            return f"step {step!r} is not a positive number"
+        if span in ("*", "?"):
+            if span == "?" and not may_skip:
+                return "'?' is for the day fields only"
+            continue
+        ends = span.split("-")
+        if len(ends) > 2 or not all(ends):
+            return f"{part!r} is not N, A-B, * or a step"
+        numbers = [names.index(e) + low if e in names else int(e) if e.isdigit() else None for e in ends]
+        if None in numbers:
+            return f"{span!r} is not a number" + (f" or a name ({', '.join(names)})" if names else "")
+        out = [n for n in numbers if not low <= n <= high]
+        if out:
+            return f"{out[0]} is out of range"
+        if len(numbers) == 2 and numbers[0] > numbers[1]:
+            return f"range {span!r} runs backwards"
+    return None
 
 
 def api_host(host: str) -> str:
@@ -141,150 +230,216 @@ def api_host(host: str) -> str:
     return host.rstrip("/")
 
 
+@dataclass
+class Job:
+    """What to start: a run (``cron`` None) or a recurring run of ``package``, and where."""
+
+    package: Package
+    name: str
+    parameters: dict[str, Any]
+    experiment: str = EXPERIMENT
+    namespace: str = NAMESPACE
+    service_account: str = SERVICE_ACCOUNT
+    cron: str | None = None
+    description: str = ""
+    replace: bool = False
+
+
+@dataclass
+class Request:
+    """One API request as printed (method, path, query, body, file, when) and the kfp.Client call that sends
+    it (``call``: service.method; ``args``: its other arguments; ``body_arg``: the body's argument name)."""
+
+    method: str
+    path: str
+    call: str
+    query: dict[str, Any] | None = None
+    body: dict[str, Any] | None = None
+    file: str | None = None
+    when: str | None = None
+    body_arg: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+    dry_answer: dict[str, Any] = field(default_factory=dict)  # what a dry run takes the server to answer
+
+    def printed(self) -> dict[str, Any]:
+        shown = {
+            k: v for k, v in asdict(self).items() if k in ("method", "path", "query", "body", "file", "when")
+        }
+        return {k: v for k, v in shown.items() if v is not None}
+
+
+Send = Callable[[Request], dict[str, Any]]
+
+
+def send_all(send: Send, job: Job) -> dict[str, Any]:
+    """Send ``job``'s requests through ``send``, in order, each built from the answers before it; returns the
+    IDs: experiment, pipeline, version, and the run (or the recurring run and those it replaced)."""
+    package = job.package
+    check_images(package)
+    check_parameters(package, job.parameters)
+    cron = kfp_cron(job.cron) if job.cron is not None else None
+    send(Request("GET", "/healthz", "healthzs.healthz_service_get_healthz"))
+    experiment_id = (
+        _found(send, "experiments", job.experiment, "experiment_id", namespace=job.namespace)
+        or send(
+            Request(
+                "POST",
+                "/experiments",
+                "experiments.experiment_service_create_experiment",
+                body={"display_name": job.experiment, "namespace": job.namespace},
+                body_arg="experiment",
+                when=f"no experiment named {job.experiment!r} exists",
+                dry_answer={"experiment_id": EXPERIMENT_ID},
+            )
+        )["experiment_id"]
+    )
+    pipeline_id = (
+        _found(send, "pipelines", package.name, "pipeline_id", namespace=job.namespace)
+        or send(
+            Request(
+                "POST",
+                "/pipelines",
+                "pipelines.pipeline_service_create_pipeline",
+                body={"name": package.name, "display_name": package.name, "namespace": job.namespace},
+                body_arg="pipeline",
+                when=f"no pipeline named {package.name!r} exists",
+                dry_answer={"pipeline_id": PIPELINE_ID},
+            )
+        )["pipeline_id"]
+    )
+    version = package.version_name
+    version_id = (
+        _found(send, "pipeline_versions", version, "pipeline_version_id", pipeline_id=pipeline_id)
+        or send(
+            Request(
+                "POST",
+                "/pipelines/upload_version",
+                "pipeline_uploads.upload_pipeline_version",
+                query={
+                    "name": version,
+                    "display_name": version,
+                    "pipelineid": pipeline_id,
+                    "description": f"{package.path.name}, sha256 {package.sha256}",
+                },
+                file=str(package.path),
+                when=f"no version named {version!r} exists (this package was not uploaded before)",
+                dry_answer={"pipeline_version_id": VERSION_ID},
+            )
+        )["pipeline_version_id"]
+    )
+    common = {
+        "display_name": job.name,
+        "experiment_id": experiment_id,
+        "pipeline_version_reference": {"pipeline_id": pipeline_id, "pipeline_version_id": version_id},
+        "service_account": job.service_account,
+    }
+    ids = {"experiment_id": experiment_id, "pipeline_id": pipeline_id, "pipeline_version_id": version_id}
+    if cron is None:
+        body = {**common, "runtime_config": {"parameters": job.parameters}}
+        run = send(Request("POST", "/runs", "runs.run_service_create_run", body=body, body_arg="run"))
+        return {**ids, "run_id": run.get("run_id", "<run id>")}
+    return {**ids, **_schedule(send, job, common, cron, experiment_id)}
+
+
+def _schedule(send: Send, job: Job, common: dict[str, Any], cron: str, experiment_id: str) -> dict[str, Any]:
+    """The recurring run: listed first (one per name), created, then the ones it replaces deleted."""
+    found = f"recurring runs named {job.name!r} in the experiment"
+    listing = send(
+        Request(
+            "GET",
+            "/recurringruns",
+            "recurring_runs.recurring_run_service_list_recurring_runs",
+            query={"filter": _name_filter(job.name), "experiment_id": experiment_id, "page_size": 100},
+            when=None if job.replace else f"always; any {found} stops here (give --replace to replace them)",
+            dry_answer={"recurring_runs": [{"recurring_run_id": OLD_ID}]} if job.replace else {},
+        )
+    )
+    existing = [r["recurring_run_id"] for r in listing.get("recurring_runs") or []]
+    if existing and not job.replace:
+        raise SubmitError(
+            f"experiment {job.experiment!r} already has a recurring run named {job.name!r} "
+            f"({', '.join(existing)}): give --replace to replace it (two schedules would run the cycle "
+            "twice), or another --name"
+        )
+    body = {
+        **common,
+        "description": job.description,
+        "mode": "ENABLE",
+        "trigger": {"cron_schedule": {"cron": cron}},
+        "max_concurrency": MAX_CONCURRENCY,
+        "no_catchup": True,
+        "runtime_config": {"parameters": {**SCHEDULE_PARAMETERS, **job.parameters}},
+    }
+    created = send(
+        Request(
+            "POST",
+            "/recurringruns",
+            "recurring_runs.recurring_run_service_create_recurring_run",
+            body=body,
+            body_arg="recurring_run",
+        )
+    )
+    for old in existing:  # after the new one exists: never a moment without a schedule
+        send(
+            Request(
+                "DELETE",
+                f"/recurringruns/{old}",
+                "recurring_runs.recurring_run_service_delete_recurring_run",
+                args={"recurring_run_id": old},
+                when=f"for each of the {found} listed above",
+            )
+        )
+    return {"recurring_run_id": created.get("recurring_run_id", "<recurring run id>"), "replaced": existing}
+
+
 def _name_filter(name: str) -> str:
     return json.dumps({"predicates": [{"operation": _EQUALS, "key": "display_name", "stringValue": name}]})
 
 
-def experiment_query(name: str, namespace: str) -> dict[str, Any]:
-    return {"filter": _name_filter(name), "namespace": namespace, "page_size": 2}
+_LISTS = {  # what a lookup lists: path, kfp.Client call, answer key
+    "experiments": ("/experiments", "experiments.experiment_service_list_experiments"),
+    "pipelines": ("/pipelines", "pipelines.pipeline_service_list_pipelines"),
+    "pipeline_versions": (
+        "/pipelines/{pipeline_id}/versions",
+        "pipelines.pipeline_service_list_pipeline_versions",
+    ),
+}
 
 
-def experiment_body(name: str, namespace: str) -> dict[str, Any]:
-    return {"display_name": name, "namespace": namespace}
-
-
-def run_body(
-    package: Package, *, name: str, experiment_id: str, parameters: dict[str, Any], service_account: str
-) -> dict[str, Any]:
-    check_parameters(package, parameters)
-    return {
-        "display_name": name,
-        "experiment_id": experiment_id,
-        "pipeline_spec": package.spec,
-        "runtime_config": {"parameters": parameters},
-        "service_account": service_account,
+def _found(send: Send, kind: str, name: str, key: str, **scope: str) -> str | None:
+    """The ID (``key``) of the ``kind`` named ``name`` (in ``scope``: a namespace or a parent), or None."""
+    path, call = _LISTS[kind]
+    args = {k: v for k, v in scope.items() if "{" + k + "}" in path}
+    query = {
+        "filter": _name_filter(name),
+        **{k: v for k, v in scope.items() if k not in args},
+        "page_size": 2,
     }
+    answer = send(Request("GET", path.format(**args), call, query=query, args=args))
+    items = answer.get(kind) or []
+    return str(items[0][key]) if items else None
 
 
-def recurring_run_query(name: str, experiment_id: str) -> dict[str, Any]:
-    return {"filter": _name_filter(name), "experiment_id": experiment_id, "page_size": 100}
+def plan(host: str, job: Job) -> dict[str, Any]:
+    """What :meth:`KfpApi.send_all` sends, in order, without sending it (``when``: only then; the IDs the
+    server answers are placeholders)."""
+    requests: list[Request] = []
 
+    def record(request: Request) -> dict[str, Any]:
+        requests.append(request)
+        return request.dry_answer
 
-def recurring_run_body(
-    package: Package, *, name: str, description: str, experiment_id: str, cron: str, service_account: str
-) -> dict[str, Any]:
-    parameters = dict(SCHEDULE_PARAMETERS)
-    check_parameters(package, parameters)
-    return {
-        "display_name": name,
-        "description": description,
-        "experiment_id": experiment_id,
-        "mode": "ENABLE",
-        "trigger": {"cron_schedule": {"cron": kfp_cron(cron)}},
-        "max_concurrency": MAX_CONCURRENCY,
-        "no_catchup": True,
-        "pipeline_spec": package.spec,
-        "runtime_config": {"parameters": parameters},
-        "service_account": service_account,
-    }
-
-
-def _request(
-    method: str, path: str, *, query: dict | None = None, body: dict | None = None, when: str | None = None
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"method": method, "path": API + path}
-    if query is not None:
-        out["query"] = query
-    if body is not None:
-        out["body"] = body
-    if when is not None:
-        out["when"] = when
-    return out
-
-
-def _experiment_requests(experiment: str, namespace: str) -> list[dict[str, Any]]:
-    return [
-        _request("GET", "/healthz"),
-        _request("GET", "/experiments", query=experiment_query(experiment, namespace)),
-        _request(
-            "POST",
-            "/experiments",
-            body=experiment_body(experiment, namespace),
-            when=f"no experiment named {experiment!r} exists",
-        ),
-    ]
-
-
-def submit_plan(
-    host: str,
-    package: Package,
-    *,
-    name: str,
-    parameters: dict[str, Any],
-    experiment: str = EXPERIMENT,
-    namespace: str = NAMESPACE,
-    service_account: str = SERVICE_ACCOUNT,
-) -> dict[str, Any]:
-    """The requests :meth:`KfpApi.submit` sends, in order (``when``: only then)."""
-    body = run_body(
-        package,
-        name=name,
-        experiment_id=EXPERIMENT_ID,
-        parameters=parameters,
-        service_account=service_account,
-    )
+    send_all(record, job)
     return {
         "host": api_host(host),
-        "package": str(package.path),
-        "placeholders": {EXPERIMENT_ID: f"the ID of experiment {experiment!r}, looked up or created first"},
-        "requests": [*_experiment_requests(experiment, namespace), _request("POST", "/runs", body=body)],
-    }
-
-
-def schedule_plan(
-    host: str,
-    package: Package,
-    *,
-    name: str = SCHEDULE_NAME,
-    cron: str = WEEKLY,
-    description: str = "",
-    replace: bool = False,
-    experiment: str = EXPERIMENT,
-    namespace: str = NAMESPACE,
-    service_account: str = SERVICE_ACCOUNT,
-) -> dict[str, Any]:
-    """The requests :meth:`KfpApi.schedule` sends, in order (``when``: only then)."""
-    body = recurring_run_body(
-        package,
-        name=name,
-        description=description,
-        experiment_id=EXPERIMENT_ID,
-        cron=cron,
-        service_account=service_account,
-    )
-    found = f"recurring runs named {name!r} in the experiment"
-    requests = [
-        *_experiment_requests(experiment, namespace),
-        _request(
-            "GET",
-            "/recurringruns",
-            query=recurring_run_query(name, EXPERIMENT_ID),
-            when=None if replace else f"always; any {found} stops here (give --replace to replace them)",
-        ),
-        _request("POST", "/recurringruns", body=body),
-    ]
-    if replace:
-        requests.append(
-            _request("DELETE", "/recurringruns/<id>", when=f"for each of the {found} listed above")
-        )
-    return {
-        "host": api_host(host),
-        "package": str(package.path),
+        "package": str(job.package.path),
         "placeholders": {
-            EXPERIMENT_ID: f"the ID of experiment {experiment!r}, looked up or created first",
-            "<id>": "the ID of a recurring run found by the listing",
+            EXPERIMENT_ID: f"the ID of experiment {job.experiment!r}, looked up or created first",
+            PIPELINE_ID: f"the ID of pipeline {job.package.name!r}, looked up or created",
+            VERSION_ID: f"the ID of version {job.package.version_name!r}, looked up or uploaded",
+            **({OLD_ID: "the ID of a recurring run found by the listing"} if job.replace else {}),
         },
-        "requests": requests,
+        "requests": [{**r.printed(), "path": API + r.path} for r in requests],
     }
 
 
@@ -327,78 +482,20 @@ class KfpApi:
                 "`kubectl -n kubeflow port-forward svc/ml-pipeline 8888:8888`, then --host http://127.0.0.1:8888)"
             ) from err
 
-    def _send(self, what: str, function: Any, **kwargs: Any) -> Any:
-        """One request through a generated v2beta1 service of the client."""
-        return self._call(what, function, _request_timeout=TIMEOUT_S, **kwargs)
+    def send(self, request: Request) -> dict[str, Any]:
+        """One request through the client's generated v2beta1 service; the answer as a plain mapping."""
+        service, method = request.call.split(".")
+        kwargs = {**request.args, **(request.query or {})}
+        if request.body is not None:
+            kwargs[request.body_arg] = request.body
+        if request.file is not None:
+            kwargs["uploadfile"] = request.file
+        what = f"{request.method} {API}{request.path}"
+        answer = self._call(
+            what, getattr(getattr(self.client, service), method), _request_timeout=TIMEOUT_S, **kwargs
+        )
+        return answer.to_dict() if hasattr(answer, "to_dict") else {}
 
-    def experiment_id(self, name: str) -> str:
-        """Check the API answers, then the ID of experiment ``name``, created when there is none."""
-        self._send("the health check", self.client.healthzs.healthz_service_get_healthz)
-        listing = self._send(
-            "the experiment lookup",
-            self.client.experiments.experiment_service_list_experiments,
-            **experiment_query(name, self.namespace),
-        )
-        if listing.experiments:
-            return listing.experiments[0].experiment_id
-        created = self._send(
-            "creating the experiment",
-            self.client.experiments.experiment_service_create_experiment,
-            experiment=experiment_body(name, self.namespace),
-        )
-        return created.experiment_id
-
-    def submit(
-        self, package: Package, *, name: str, parameters: dict[str, Any], experiment: str, **options: Any
-    ):
-        """Start one run of ``package``; returns ``(run id, experiment id)``."""
-        body = run_body(package, name=name, experiment_id=EXPERIMENT_ID, parameters=parameters, **options)
-        experiment_id = self.experiment_id(experiment)
-        run = self._send(
-            "creating the run",
-            self.client.runs.run_service_create_run,
-            run={**body, "experiment_id": experiment_id},
-        )
-        return run.run_id, experiment_id
-
-    def schedule(
-        self,
-        package: Package,
-        *,
-        name: str,
-        cron: str,
-        description: str,
-        replace: bool,
-        experiment: str,
-        **options: Any,
-    ):
-        """Create the recurring run of ``package`` (replacing the ones of the same name when ``replace``);
-        returns ``(recurring run id, experiment id, replaced ids)``."""
-        body = recurring_run_body(
-            package, name=name, description=description, experiment_id=EXPERIMENT_ID, cron=cron, **options
-        )
-        experiment_id = self.experiment_id(experiment)
-        listing = self._send(
-            "the recurring-run lookup",
-            self.client.recurring_runs.recurring_run_service_list_recurring_runs,
-            **recurring_run_query(name, experiment_id),
-        )
-        existing = [r.recurring_run_id for r in listing.recurring_runs or []]
-        if existing and not replace:
-            raise SubmitError(
-                f"experiment {experiment!r} already has a recurring run named {name!r} "
-                f"({', '.join(existing)}): give --replace to replace it (two schedules would run the cycle "
-                "twice), or another --name"
-            )
-        created = self._send(
-            "creating the recurring run",
-            self.client.recurring_runs.recurring_run_service_create_recurring_run,
-            recurring_run={**body, "experiment_id": experiment_id},
-        )
-        for old in existing:  # after the new one exists: never a moment without a schedule
-            self._send(
-                f"deleting the replaced recurring run {old}",
-                self.client.recurring_runs.recurring_run_service_delete_recurring_run,
-                recurring_run_id=old,
-            )
-        return created.recurring_run_id, experiment_id, existing
+    def send_all(self, job: Job) -> dict[str, Any]:
+        """Send ``job`` (see :func:`send_all`); returns the IDs."""
+        return send_all(self.send, job)

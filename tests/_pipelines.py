@@ -211,3 +211,17 @@ def assert_serves(config: dict, version: str, n_items: int) -> None:
     (hits,) = search(["a red circle"], k=3, workspace=config["workspace"], captions=True)
     assert len(hits) == 3 and all(hit["model_version"] == version for hit in hits)
     assert all(isinstance(hit["caption"], str) and hit["caption"] for hit in hits), hits
+
+
+def pinned_package(out_dir: Path) -> Path:
+    """The committed compiled pipeline with its images pinned by a (made-up) digest, as ``compatflow compile
+    --digest`` writes them: what ``pipeline submit`` accepts (the committed one names its images by tag)."""
+    import re
+
+    from pipelines.compile import COMPILED_DIR, COMPILED_NAME
+
+    text = (COMPILED_DIR / COMPILED_NAME).read_text()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / COMPILED_NAME
+    path.write_text(re.sub(r"(\n +image: \S+:[\w.-]+)\n", rf"\1@sha256:{'c' * 64}\n", text))
+    return path

@@ -12,19 +12,23 @@ from components.state.workspace import Workspace
 from components.steps.base import Config, copy_summaries, step
 
 
-def plan_step(config: Config, phase: int, run_id: str, job_name: str = "") -> dict[str, Any]:
-    """The run's plan (see :func:`components.runs.plan_run`); fails when every phase has succeeded."""
-    from components.runs import PlanError, plan_run, record_failure, run_dir_for
+def plan_step(
+    config: Config, phase: int, run_id: str, job_name: str = "", parameters: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The run's plan (see :func:`components.runs.plan_run`) with ``config``: the run's config, the run
+    parameters set (:data:`components.runs.RUN_PARAMETERS`); fails when every phase has succeeded."""
+    from components.runs import PlanError, plan_run, record_failure, run_dir_for, with_run_parameters
 
     deployment = Deployment.coerce(config)
     try:
+        deployment = with_run_parameters(deployment, parameters or {})
         plan = plan_run(deployment, phase, run_id, job_name)
         if plan is None:
             raise PlanError("every phase of the stream has succeeded: nothing to run")
     except Exception as error:
         record_failure(run_dir_for(deployment, run_id or job_name), "plan", error)
         raise
-    return plan
+    return {**plan, "config": deployment.to_json()}
 
 
 @step("validate")

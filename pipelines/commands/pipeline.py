@@ -52,11 +52,40 @@ DryRunOpt = Annotated[
 ]
 
 
+ParamOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--param",
+        help="A run parameter NAME=VALUE, repeatable (e.g. training_steps=600, compat_method=bct, "
+        "rollout_fractions=[0.5,1.0]); the others keep the package's defaults (its config's values).",
+    ),
+]
+
+
 def _package(path: Path | None) -> Any:
     from pipelines.compile import COMPILED_DIR, COMPILED_NAME
     from pipelines.submit import load_package
 
     return load_package(path or COMPILED_DIR / COMPILED_NAME)
+
+
+def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, Any]:
+    """Print the requests (dry run) and exit, or send them; exit 2 for a request that cannot be built, 1 for
+    one the API refused or could not answer."""
+    from pipelines.commands._common import echo_json, fail
+    from pipelines.submit import KfpApi, SubmitError, plan
+
+    try:
+        planned = plan(host, job)  # checks everything before the first request
+    except SubmitError as err:
+        fail(str(err))
+    if dry_run:
+        echo_json(planned)
+        raise typer.Exit(0)
+    try:
+        return {"host": planned["host"], **KfpApi(host, namespace=job.namespace, token=token).send_all(job)}
+    except SubmitError as err:
+        fail(str(err), code=1)
 
 
 @pipeline_app.command("submit")
@@ -79,6 +108,7 @@ def submit(
             "steps are skipped.",
         ),
     ] = None,
+    params: ParamOpt = None,
     name: Annotated[str | None, typer.Option("--name", help="Run name shown by KFP.")] = None,
     package: PackageOpt = None,
     experiment: ExperimentOpt = EXPERIMENT,
@@ -87,32 +117,23 @@ def submit(
     token: TokenOpt = None,
     dry_run: DryRunOpt = False,
 ) -> None:
-    """Start one run of the compiled pipeline; prints the run's ID."""
-    from pipelines.commands._common import echo_json, fail
-    from pipelines.submit import KfpApi, SubmitError, submit_plan
+    """Upload the compiled pipeline as a pipeline version (once per package) and start one run of it with the
+    run parameters given; prints the run's ID."""
+    from pipelines.commands._common import fail
+    from pipelines.submit import Job, SubmitError, parse_parameters
 
-    parameters: dict[str, Any] = {}
-    if phase is not None:
-        parameters["phase"] = phase
-    if run_id is not None:
-        parameters["run_id"] = run_id
     try:
         compiled = _package(package)
-        name = name or f"{compiled.name} {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H-%M-%S}"
-        options = {"experiment": experiment, "service_account": service_account}
-        plan = submit_plan(host, compiled, name=name, parameters=parameters, namespace=namespace, **options)
+        parameters = parse_parameters(compiled, params or [])
     except SubmitError as err:
         fail(str(err))
-    if dry_run:
-        echo_json(plan)
-        return
-    try:
-        api = KfpApi(host, namespace=namespace, token=token)
-        run, experiment_id = api.submit(compiled, name=name, parameters=parameters, **options)
-    except SubmitError as err:
-        fail(str(err), code=1)
+    parameters |= {k: v for k, v in (("phase", phase), ("run_id", run_id)) if v is not None}
+    name = name or f"{compiled.name} {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H-%M-%S}"
+    job = Job(compiled, name, parameters, experiment, namespace, service_account)
+    ids = _start(host, job, token, dry_run)
     typer.echo(
-        f"run {run} started in experiment {experiment!r} ({experiment_id}): {api.host}/#/runs/details/{run}"
+        f"run {ids['run_id']} of {compiled.version_name} started in experiment {experiment!r} "
+        f"({ids['experiment_id']}): {ids['host']}/#/runs/details/{ids['run_id']}"
     )
 
 
@@ -129,8 +150,9 @@ def schedule(
         str,
         typer.Option(
             "--cron",
-            help="Five-field cron: minute hour day-of-month month day-of-week, in the KFP scheduler's time "
-            "zone (UTC unless set otherwise).",
+            help="Cron in the KFP scheduler's time zone (UTC unless set otherwise): five fields (minute hour "
+            "day-of-month month day-of-week), six with seconds first, or @hourly, @daily, @weekly, @monthly, "
+            "@yearly; every field is checked against its range (day of week 0-6, 0 is Sunday).",
         ),
     ] = WEEKLY,
     name: Annotated[
@@ -145,6 +167,7 @@ def schedule(
             "--replace", help="Replace the recurring run of the same name (e.g. after a recompile)."
         ),
     ] = False,
+    params: ParamOpt = None,
     package: PackageOpt = None,
     experiment: ExperimentOpt = EXPERIMENT,
     namespace: NamespaceOpt = NAMESPACE,
@@ -152,44 +175,28 @@ def schedule(
     token: TokenOpt = None,
     dry_run: DryRunOpt = False,
 ) -> None:
-    """Schedule the compiled pipeline: one run per cron tick, at most one at a time, no catch-up.
+    """Schedule the compiled pipeline: upload it as a pipeline version (once per package), then one run of
+    that version per cron tick, at most one at a time, no catch-up.
 
-    Each tick runs the next pending phase. The recurring run carries the package as it is now: after a
+    Each tick runs the next pending phase. The recurring run runs the version it was created with: after a
     recompile, schedule again with --replace.
     """
-    from pipelines.commands._common import echo_json, fail
-    from pipelines.submit import KfpApi, SubmitError, schedule_plan
+    from pipelines.commands._common import fail
+    from pipelines.submit import Job, SubmitError, parse_parameters
 
-    options = {"experiment": experiment, "service_account": service_account}
     try:
         compiled = _package(package)
-        plan = schedule_plan(
-            host,
-            compiled,
-            name=name,
-            cron=cron,
-            description=description,
-            replace=replace,
-            namespace=namespace,
-            **options,
-        )
+        parameters = parse_parameters(compiled, params or [])
     except SubmitError as err:
         fail(str(err))
-    if dry_run:
-        echo_json(plan)
-        return
-    try:
-        api = KfpApi(host, namespace=namespace, token=token)
-        created, experiment_id, replaced = api.schedule(
-            compiled, name=name, cron=cron, description=description, replace=replace, **options
-        )
-    except SubmitError as err:
-        fail(str(err), code=1)
-    if replaced:
-        typer.echo(f"replaced recurring run(s) {', '.join(replaced)}")
+    job = Job(compiled, name, parameters, experiment, namespace, service_account, cron, description, replace)
+    ids = _start(host, job, token, dry_run)
+    if ids["replaced"]:
+        typer.echo(f"replaced recurring run(s) {', '.join(ids['replaced'])}")
     typer.echo(
-        f"recurring run {created} ({name!r}, cron {cron!r}) in experiment {experiment!r} ({experiment_id}): "
-        f"{api.host}/#/recurringrun/details/{created}"
+        f"recurring run {ids['recurring_run_id']} ({name!r}, cron {cron!r}) of {compiled.version_name} in "
+        f"experiment {experiment!r} ({ids['experiment_id']}): {ids['host']}/#/recurringrun/details/"
+        f"{ids['recurring_run_id']}"
     )
 
 

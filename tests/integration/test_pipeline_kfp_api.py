@@ -1,31 +1,31 @@
 """``compatflow pipeline submit`` / ``schedule`` through the real ``kfp.Client``, against a loopback server.
 
 The server here stands in for the Kubeflow Pipelines API server, which does not run here: it answers the
-few v2beta1 REST endpoints the commands call (healthz, experiments, runs, recurring runs) the way the API
-server does, keeps the experiments and recurring runs it was given, and records every request. The tests
-check what arrives: the compiled pipeline spec, the parameters, the cron, max_concurrency, and that the
-requests are, in order, those the command's ``--dry-run`` prints.
+few v2beta1 REST endpoints the commands call (healthz, experiments, pipelines and their versions, the version
+upload, runs, recurring runs) the way the API server does, keeps what it was given, and records every request.
+The tests check what arrives: the package uploaded once as a pipeline version, runs of that version with their
+parameters, the cron, max_concurrency, and that the requests are, in order, those ``--dry-run`` prints.
 """
 
 from __future__ import annotations
 
+import email.parser
+import hashlib
 import json
 import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-import yaml
+from _pipelines import pinned_package
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.compile import COMPILED_DIR, COMPILED_NAME
-from pipelines.submit import EXPERIMENT_ID, MAX_CONCURRENCY, SERVICE_ACCOUNT
-
-PACKAGE = COMPILED_DIR / COMPILED_NAME
+from pipelines.submit import EXPERIMENT_ID, MAX_CONCURRENCY, PIPELINE_ID, SERVICE_ACCOUNT, VERSION_ID
 
 
 class FakeKfpApi(ThreadingHTTPServer):
@@ -36,6 +36,9 @@ class FakeKfpApi(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.requests: list[dict[str, Any]] = []
         self.experiments: list[dict[str, Any]] = []
+        self.pipelines: list[dict[str, Any]] = []
+        self.versions: list[dict[str, Any]] = []
+        self.uploads: list[bytes] = []
         self.runs: list[dict[str, Any]] = []
         self.recurring_runs: list[dict[str, Any]] = []
         self.lock = threading.Lock()
@@ -58,6 +61,28 @@ class FakeKfpApi(ThreadingHTTPServer):
                 "storage_state": "AVAILABLE",
             }
             self.experiments.append(created)
+            return 200, created
+        if (method, path) == ("GET", "/apis/v2beta1/pipelines"):
+            found = [p for p in self.pipelines if p["display_name"] == name]
+            return 200, {"pipelines": found, "total_size": len(found)} if found else {}
+        if (method, path) == ("POST", "/apis/v2beta1/pipelines"):
+            created = {**body, "pipeline_id": f"pl-{len(self.pipelines) + 1}"}
+            self.pipelines.append(created)
+            return 200, created
+        if method == "GET" and path.startswith("/apis/v2beta1/pipelines/") and path.endswith("/versions"):
+            parent = path.split("/")[-2]
+            found = [v for v in self.versions if v["pipeline_id"] == parent and v["display_name"] == name]
+            return 200, {"pipeline_versions": found, "total_size": len(found)} if found else {}
+        if (method, path) == ("POST", "/apis/v2beta1/pipelines/upload_version"):
+            self.uploads.append(body)
+            created = {
+                "pipeline_id": query["pipelineid"],
+                "pipeline_version_id": f"v-{len(self.versions) + 1}",
+                "name": query["name"],
+                "display_name": query["display_name"],
+                "description": query.get("description", ""),
+            }
+            self.versions.append(created)
             return 200, created
         if (method, path) == ("POST", "/apis/v2beta1/runs"):
             created = {**_without_spec(body), "run_id": f"run-{len(self.runs) + 1}", "state": "PENDING"}
@@ -95,6 +120,15 @@ def _without_spec(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "pipeline_spec"}
 
 
+def _uploaded(content_type: str, raw: bytes) -> bytes:
+    """The ``uploadfile`` part of a multipart body (as kfp_server_api's upload service sends it)."""
+    message = email.parser.BytesParser().parsebytes(f"Content-Type: {content_type}\r\n\r\n".encode() + raw)
+    (part,) = [
+        p for p in message.get_payload() if p.get_param("name", header="content-disposition") == "uploadfile"
+    ]
+    return part.get_payload(decode=True)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: FakeKfpApi
 
@@ -102,7 +136,9 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length)) if length else None
+        raw = self.rfile.read(length) if length else b""
+        kind = self.headers.get("Content-Type", "")
+        body = _uploaded(kind, raw) if kind.startswith("multipart/") else json.loads(raw) if raw else None
         with self.server.lock:
             record = {"method": self.command, "path": parts.path, "query": query, "body": body}
             self.server.requests.append(record)
@@ -118,6 +154,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:  # quiet
         pass
+
+
+@pytest.fixture(autouse=True)
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The default package (``--package`` not given): the committed one, its images pinned by digest."""
+    import pipelines.compile
+
+    path = pinned_package(tmp_path / "compiled")
+    monkeypatch.setattr(pipelines.compile, "COMPILED_DIR", path.parent)
+    return path
 
 
 @pytest.fixture
@@ -143,103 +189,119 @@ def _dry_run(*args: str) -> dict[str, Any]:
     return json.loads(result.stdout)
 
 
-def _as_sent(
-    planned: dict[str, Any], experiment_id: str, ids: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """A dry run's request as it goes on the wire: placeholders filled in, query values as strings."""
-    text = json.dumps(planned).replace(json.dumps(EXPERIMENT_ID), json.dumps(experiment_id))
-    for placeholder, value in (ids or {}).items():
+IDS = {EXPERIMENT_ID: "exp-1", PIPELINE_ID: "pl-1", VERSION_ID: "v-1"}  # what the stand-in answers first
+
+
+def _as_sent(planned: dict[str, Any], ids: dict[str, str] | None = None) -> dict[str, Any]:
+    """A dry run's request as it goes on the wire: placeholders filled in, query values as strings, the
+    package file's bytes as the upload's body."""
+    text = json.dumps(planned)
+    for placeholder, value in {**IDS, **(ids or {})}.items():
         text = text.replace(placeholder, value)
     request = json.loads(text)
-    request.pop("when", None)
     return {
         "method": request["method"],
         "path": request["path"],
         "query": {k: str(v) for k, v in request.get("query", {}).items()},
-        "body": request.get("body"),
+        "body": Path(request["file"]).read_bytes() if "file" in request else request.get("body"),
     }
 
 
-def _as_kfp_models_send(body: dict[str, Any], model: str) -> dict[str, Any]:
+def _as_kfp_model(body: dict[str, Any], model: str) -> dict[str, Any]:
     """``body`` as kfp_server_api serializes its ``model`` built from it: unknown keys raise."""
     import kfp_server_api
 
     return kfp_server_api.ApiClient().sanitize_for_serialization(getattr(kfp_server_api, model)(**body))
 
 
-def _compiled() -> tuple[dict[str, Any], dict[str, Any]]:
-    pipeline, platform = list(yaml.safe_load_all(PACKAGE.read_text()))
-    return pipeline, platform
+def _created(kfp_api: FakeKfpApi) -> list[tuple[str, str]]:
+    return [(r["method"], r["path"]) for r in kfp_api.requests if r["method"] != "GET"]
 
 
-def test_submit_sends_the_compiled_pipeline_and_its_parameters(kfp_api: FakeKfpApi) -> None:
+UPLOADED = [
+    ("POST", "/apis/v2beta1/experiments"),
+    ("POST", "/apis/v2beta1/pipelines"),
+    ("POST", "/apis/v2beta1/pipelines/upload_version"),
+]
+
+
+def test_submit_uploads_the_package_once_as_a_version_and_runs_it_with_its_parameters(
+    kfp_api: FakeKfpApi, package: Path
+) -> None:
     args = ("submit", "--host", kfp_api.url, "--phase", "3", "--run-id", "resume-me", "--name", "cycle 3")
-    result = _invoke(*args)
+    result = _invoke(*args, "--param", "training_steps=600")
     assert result.exit_code == 0, result.output
     assert "run-1" in result.stdout and "exp-1" in result.stdout
-    plan = _dry_run(*args)["requests"]
-    assert kfp_api.requests == [_as_sent(r, "exp-1") for r in plan]  # no experiment yet: created first
+    plan = _dry_run(*args, "--param", "training_steps=600")["requests"]
+    assert kfp_api.requests == [
+        _as_sent(r) for r in plan
+    ]  # nothing yet: experiment, pipeline, version created
+    assert _created(kfp_api) == [*UPLOADED, ("POST", "/apis/v2beta1/runs")]
+    assert kfp_api.uploads == [package.read_bytes()]  # the package file itself, as kfp.Client uploads it
+    (version,) = kfp_api.versions
+    digest = hashlib.sha256(package.read_bytes()).hexdigest()
+    assert (
+        version["name"] == f"compatflow-continual-upgrade-{digest[:12]}" and digest in version["description"]
+    )
+    assert _as_kfp_model(version, "V2beta1PipelineVersion") == version  # every key is one of the API's
     run = kfp_api.requests[-1]["body"]
-    pipeline, platform = _compiled()
-    assert run["pipeline_spec"] == {"pipeline_spec": pipeline, "platform_spec": platform}
-    assert run["runtime_config"] == {"parameters": {"phase": 3, "run_id": "resume-me"}}
-    assert _as_kfp_models_send(run, "V2beta1Run") == run  # every key is one of the API's
+    assert run["pipeline_version_reference"] == {"pipeline_id": "pl-1", "pipeline_version_id": "v-1"}
+    assert "pipeline_spec" not in run
+    assert run["runtime_config"] == {"parameters": {"training_steps": 600, "phase": 3, "run_id": "resume-me"}}
+    assert _as_kfp_model(run, "V2beta1Run") == run
     assert (run["display_name"], run["experiment_id"], run["service_account"]) == (
         "cycle 3",
         "exp-1",
         SERVICE_ACCOUNT,
     )
 
-    kfp_api.requests.clear()  # the experiment exists now: looked up, not created again
+    kfp_api.requests.clear()  # experiment, pipeline and version exist now: looked up, not created again
     result = _invoke("submit", "--host", kfp_api.url, "--name", "cycle next")
     assert result.exit_code == 0, result.output
-    assert [(r["method"], r["path"]) for r in kfp_api.requests] == [
-        ("GET", "/apis/v2beta1/healthz"),
-        ("GET", "/apis/v2beta1/experiments"),
-        ("POST", "/apis/v2beta1/runs"),
-    ]
+    assert _created(kfp_api) == [("POST", "/apis/v2beta1/runs")]
     assert kfp_api.requests[-1]["body"]["runtime_config"] == {"parameters": {}}  # the package's defaults
-    assert len(kfp_api.experiments) == 1 and len(kfp_api.runs) == 2
+    assert kfp_api.requests[-1]["body"]["pipeline_version_reference"]["pipeline_version_id"] == "v-1"
+    assert (len(kfp_api.experiments), len(kfp_api.versions), len(kfp_api.runs)) == (1, 1, 2)
 
 
-def test_schedule_creates_one_weekly_recurring_run_and_replaces_it_only_when_asked(
+def test_schedule_creates_one_weekly_recurring_run_of_the_version_and_replaces_it_only_when_asked(
     kfp_api: FakeKfpApi,
 ) -> None:
     args = ("schedule", "--host", kfp_api.url)
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
     plan = _dry_run(*args)["requests"]
-    assert kfp_api.requests == [_as_sent(r, "exp-1") for r in plan]
+    assert kfp_api.requests == [_as_sent(r) for r in plan]
     body = kfp_api.requests[-1]["body"]
-    pipeline, platform = _compiled()
-    assert body["pipeline_spec"] == {"pipeline_spec": pipeline, "platform_spec": platform}
+    assert body["pipeline_version_reference"] == {"pipeline_id": "pl-1", "pipeline_version_id": "v-1"}
     assert body["trigger"] == {"cron_schedule": {"cron": "0 0 3 * * 1"}}  # Mondays 03:00, seconds field first
     assert body["max_concurrency"] == MAX_CONCURRENCY == 1
     assert body["no_catchup"] is True and body["mode"] == "ENABLE"
     assert body["runtime_config"] == {"parameters": {"phase": -1, "run_id": ""}}
     assert body["service_account"] == SERVICE_ACCOUNT
-    assert _as_kfp_models_send(body, "V2beta1RecurringRun") == body
+    assert _as_kfp_model(body, "V2beta1RecurringRun") == body
     (first,) = kfp_api.recurring_runs
 
     kfp_api.requests.clear()
     again = _invoke(*args, "--cron", "30 2 * * *")
     assert again.exit_code == 1
     assert "--replace" in again.output and first["recurring_run_id"] in again.output
-    assert [r["method"] for r in kfp_api.requests] == ["GET", "GET", "GET"]  # nothing created
-    assert kfp_api.recurring_runs == [first]
+    assert _created(kfp_api) == [] and kfp_api.recurring_runs == [first]  # nothing created
 
     kfp_api.requests.clear()
-    replaced = _invoke(*args, "--cron", "30 2 * * *", "--replace")
+    replaced = _invoke(*args, "--cron", "@daily", "--replace")
     assert replaced.exit_code == 0, replaced.output
-    plan = _dry_run(*args, "--cron", "30 2 * * *", "--replace")["requests"]
+    plan = _dry_run(*args, "--cron", "@daily", "--replace")["requests"]
     ids = {"<id>": first["recurring_run_id"]}
-    experiment_created = ("POST", "/apis/v2beta1/experiments")  # not again: it exists
-    assert kfp_api.requests == [
-        _as_sent(r, "exp-1", ids) for r in plan if (r["method"], r["path"]) != experiment_created
-    ]
+    assert kfp_api.requests == [_as_sent(r, ids) for r in plan if (r["method"], r["path"]) not in UPLOADED]
     (now,) = kfp_api.recurring_runs
     assert now["recurring_run_id"] != first["recurring_run_id"]
-    assert now["trigger"] == {"cron_schedule": {"cron": "0 30 2 * * *"}}
+    assert now["trigger"] == {"cron_schedule": {"cron": "@daily"}}
+
+    kfp_api.requests.clear()
+    refused = _invoke(*args, "--cron", "0 3 * * 7", "--replace")
+    assert refused.exit_code == 2 and "day of week '7': 7 is out of range" in refused.output
+    assert kfp_api.requests == []  # checked before anything is sent
 
 
 def test_unreachable_api_and_refusals_say_what_to_do(kfp_api: FakeKfpApi, tmp_path) -> None:

@@ -136,16 +136,19 @@ def test_committed_pipeline_task_settings_reference_the_manifests(rendered) -> N
     assert not violations, "\n".join(violations)
 
 
-def test_schedule_runs_as_the_manifests_runner_weekly_one_at_a_time(rendered) -> None:
+def test_schedule_runs_as_the_manifests_runner_weekly_one_at_a_time(rendered, tmp_path: Path) -> None:
     """What ``compatflow pipeline schedule`` sends by default names the manifests' objects and takes the
-    committed package's parameters."""
+    committed package's parameters (its images pinned by digest, as a cluster's package must be)."""
+    from _pipelines import pinned_package
+
     from pipelines import submit
 
     assert submit.SERVICE_ACCOUNT == PIPELINE_RUNNER and submit.NAMESPACE == NAMESPACE
     for docs in rendered.values():
         assert the(docs, "RoleBinding", PIPELINE_RUNNER)["subjects"][0]["name"] == submit.SERVICE_ACCOUNT
-    package = submit.load_package(COMPILED_DIR / COMPILED_NAME)
-    body = submit.schedule_plan("http://kfp:8888", package)["requests"][-1]["body"]
+    package = submit.load_package(pinned_package(tmp_path))
+    job = submit.Job(package, submit.SCHEDULE_NAME, {}, cron=submit.WEEKLY)
+    body = submit.plan("http://kfp:8888", job)["requests"][-1]["body"]
     assert body["trigger"]["cron_schedule"]["cron"] == "0 0 3 * * 1"  # Mondays 03:00, KFP's seconds first
     assert (body["max_concurrency"], body["no_catchup"]) == (1, True)
     assert body["runtime_config"]["parameters"].keys() <= package.parameters.keys()
