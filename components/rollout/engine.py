@@ -387,7 +387,7 @@ class Rollout:
         _stage_of(state, j)["workers"] = [
             {
                 "slices": list(r),
-                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "peak_rss_mib")},
+                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "peak_rss_mib", "pace")},
             }
             for r, d in zip(ranges, done, strict=True)
         ]

@@ -88,7 +88,7 @@ def read_sample(index: GalleryIndex, collection: str, n_items: int) -> list[dict
     fields = ("embedded_at", "vector", *ORDER_FIELDS)
     if not index.has_order_keys(collection):
         return index.rows_where('item_id != ""', fields, collection, limit=SAMPLE_ROWS)
-    filt = sample_filter(n_items)
+    filt = sample_filter(n_items, SAMPLE_ROWS)
     return [row for page in index.iter_rows(fields, collection, filt, batch_size=READ_ROWS) for row in page]
 
 
