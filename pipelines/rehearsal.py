@@ -18,8 +18,9 @@ What the cluster has, kept:
 - **Read-only mounts and a non-root pod**: the config, the feature repo definition, the stream and the
   compiled package are owned by root and not writable by the tasks, which run as the images' non-root user
   (uid/gid 10001; the workspace, the shared volume, is theirs); a check after the run finds them unchanged.
-  Where this machine's Python sits under a folder others cannot search (``/root`` of a pyenv interpreter), the
-  task user holds the read-search capability alone (:func:`task_launcher`): it reads, it never writes more.
+  The tasks hold no capability: where this machine's Python sits under a folder others cannot search
+  (``/root`` of a pyenv interpreter), each task sees that folder as a view holding only what leads to Python
+  (:func:`task_launcher`), as a pod's image puts Python where its user reads it.
 - **A private network**: the rehearsal runs in a network namespace with loopback alone, so nothing it starts
   is reachable from beyond this machine (Milvus 2.3 listens on every interface).
 
@@ -41,6 +42,7 @@ import contextlib
 import functools
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -146,6 +148,10 @@ class Layout:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def views(self) -> Path:  # root-owned views of the folders the task user cannot search (task_launcher)
+        return self.root / "views"
 
     @property
     def read_only(self) -> tuple[Path, ...]:
@@ -359,6 +365,7 @@ class Rehearsal:
             self.digests[folder.name] = tree_digest(folder)
         for folder in (layout.workspace, layout.object_store, layout.home / "tmp", layout.logs):
             folder.mkdir(parents=True, exist_ok=True)
+        make_views(layout)
         for folder in (layout.workspace, layout.object_store, layout.home):
             _own_tree(folder, TASK_UID, TASK_GID)
         self._reachable()
@@ -397,7 +404,7 @@ class Rehearsal:
         started = time.monotonic()
         with open(log, "w") as out:
             process = subprocess.Popen(
-                [*task_launcher(), *argv],
+                [*task_launcher(self.layout), *argv],
                 cwd=self.layout.home,
                 env=self._task_env(),
                 stdout=out,
@@ -467,7 +474,7 @@ class Rehearsal:
     def _as_task_user(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` as the task user; its stdout and stderr apart."""
         return subprocess.run(
-            [*task_launcher(), *argv],
+            [*task_launcher(self.layout), *argv],
             cwd=self.layout.home,
             env=self._task_env(),
             capture_output=True,
@@ -481,11 +488,10 @@ class Rehearsal:
         return {
             "network_interfaces": milvus_server.interfaces(),
             "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user), no supplementary groups",
-            "task_capabilities": (
-                f"read-search only, because {', '.join(map(str, blocked))} cannot be searched by others"
-                if (blocked := unsearchable_folders())
-                else "none"
-            ),
+            "task_capabilities": "none",
+            "task_views": {
+                str(f): list(names) for f, names in unsearchable_folders(self.layout.root).items()
+            },
             "read_only": [str(f) for f in self.layout.read_only],
         }
 
@@ -494,35 +500,66 @@ _PACKAGE = "continual_upgrade.yaml"
 
 
 @functools.cache
-def unsearchable_folders() -> tuple[Path, ...]:
-    """Folders above this environment's Python and packages that another user cannot search (e.g. ``/root``
-    of a pyenv interpreter): the task user needs the read-search capability to run them."""
+def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
+    """Folders above this environment's Python and packages or the rehearsal folder ``root`` that another user
+    cannot search (e.g. ``/root`` of a pyenv interpreter), deepest first, each with the names in it that lead
+    to them."""
     import compat
 
     targets = [Path(sys.executable).resolve(), Path(sys.prefix).resolve(), Path(compat.__file__).resolve()]
-    blocked = set()
+    targets.append(root.resolve())
+    blocked: dict[Path, set[str]] = {}
     for target in targets:
         for folder in target.parents:
             if not folder.stat().st_mode & 0o001:
-                blocked.add(folder)
-    return tuple(sorted(blocked))
+                blocked.setdefault(folder, set()).add(target.relative_to(folder).parts[0])
+    deepest_first = sorted(blocked, key=lambda folder: (-len(folder.parts), str(folder)))
+    return {folder: tuple(sorted(blocked[folder])) for folder in deepest_first}
 
 
-def task_launcher() -> list[str]:
-    """``setpriv`` to the images' uid and gid with no groups. Where this machine keeps the environment's
-    Python in a folder others cannot search (:func:`unsearchable_folders`), the task user also gets
-    ``CAP_DAC_READ_SEARCH``: it reads and searches any folder but writes only where uid 10001 may, so the
-    read-only inputs stay read-only (a pod's image puts Python where its user reads it, and needs none)."""
-    caps = (
-        ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"] if unsearchable_folders() else []
-    )
+def make_views(layout: Layout) -> None:
+    """``views/N``: for the N-th folder of :func:`unsearchable_folders`, a root-owned folder others may
+    search, holding an empty mount point for each name that leads to Python or the rehearsal."""
+    for n, (folder, names) in enumerate(unsearchable_folders(layout.root).items()):
+        view = layout.views / str(n)
+        view.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if (folder / name).is_dir():
+                (view / name).mkdir(exist_ok=True)
+            else:
+                (view / name).touch()
+        for path in (layout.views, view):
+            path.chmod(0o755)
+
+
+def task_launcher(layout: Layout) -> list[str]:
+    """``setpriv`` to the images' uid and gid with no groups and no capability. Where this machine keeps the
+    environment's Python in a folder others cannot search (:func:`unsearchable_folders`), the task runs in a
+    mount namespace of its own where that folder is its view (:func:`make_views`) with only the names leading
+    to Python bound in: it reads Python, not the rest of the folder (a pod's image needs none of this)."""
+    setpriv = [shutil.which("setpriv") or "setpriv", f"--reuid={TASK_UID}", f"--regid={TASK_GID}"]
+    setpriv += ["--clear-groups", "--"]
+    mounts = []
+    for n, (folder, names) in enumerate(unsearchable_folders(layout.root).items()):
+        view = layout.views / str(n)
+        mounts += [
+            f"mount --rbind {shlex.quote(str(folder / name))} {shlex.quote(str(view / name))}"
+            for name in names
+        ]
+        mounts.append(f"mount --rbind {shlex.quote(str(view))} {shlex.quote(str(folder))}")
+    if not mounts:
+        return setpriv
+    script = " && ".join([*mounts, 'exec "$@"'])
     return [
-        shutil.which("setpriv") or "setpriv",
-        f"--reuid={TASK_UID}",
-        f"--regid={TASK_GID}",
-        "--clear-groups",
-        *caps,
-        "--",
+        shutil.which("unshare") or "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        *setpriv,
     ]
 
 
