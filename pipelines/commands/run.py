@@ -83,14 +83,23 @@ def compile_(
             "the compiled pipeline carries.",
         ),
     ] = "cluster",
+    digest: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--digest",
+            help="Pin an image by the digest its push printed: cpu=sha256:... and gpu=sha256:... (pipeline "
+            "submit and schedule refuse a package whose images are named by tag only).",
+        ),
+    ] = None,
 ) -> None:
     """Compile the pipeline to KFP IR YAML for a cluster."""
     from pipelines.commands._common import fail
     from pipelines.compile import COMPILED_DIR, compile_pipeline
     from pipelines.config import ConfigError
 
+    digests = dict(d.partition("=")[::2] for d in digest or [])
     try:
-        path = compile_pipeline(out or COMPILED_DIR, config=config)
+        path = compile_pipeline(out or COMPILED_DIR, config=config, digests=digests)
     except ConfigError as err:
         fail(str(err))
     typer.echo(str(path))

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from pipelines.compile import COMPILED_DIR, COMPILED_NAME
@@ -82,3 +83,29 @@ def test_local_runner_takes_the_else_branch(tmp_path):
         out.mkdir()
         branches(path=str(out), passes=passes)
         assert [p.name for p in out.iterdir()] == [taken]
+
+
+def test_compile_pins_the_images_by_digest_and_submit_refuses_a_tag(tmp_path):
+    """``compile --digest`` writes REGISTRY/NAME:TAG@sha256:... into every task; the committed package (tags
+    only) is refused for a cluster, naming the images and the option; a malformed digest is refused."""
+    from pipelines.submit import SubmitError, check_images, load_package
+
+    cpu, gpu = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    argv = [sys.executable, "-m", "pipelines.cli", "compile", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [*argv, "--digest", f"cpu={cpu}", "--digest", f"gpu={gpu}"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    package = load_package(tmp_path / COMPILED_NAME)
+    assert set(package.images) == {
+        f"ghcr.io/compatflow/compatflow-cpu:0.1.0@{cpu}",
+        f"ghcr.io/compatflow/compatflow-cuda:0.1.0@{gpu}",
+    }
+    check_images(package)
+    with pytest.raises(SubmitError, match=r"compatflow-cpu:0.1.0.* by tag only.*--digest cpu=sha256:"):
+        check_images(load_package(COMPILED_DIR / COMPILED_NAME))
+    bad = subprocess.run([*argv, "--digest", "cpu=sha256:short"], capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "give cpu=sha256:<64 hex>" in bad.stderr

@@ -85,6 +85,8 @@ def workload_violations(docs: list[dict[str, Any]]) -> list[str]:
                     out.append(f"{cwhere}: capabilities not dropped")
                 if not pinned(container["image"]):
                     out.append(f"{cwhere}: image {container['image']} not pinned to a tag or digest")
+                if "/" not in _split_image(container["image"])[0]:
+                    out.append(f"{cwhere}: image {container['image']} not registry-qualified (REGISTRY/NAME)")
                 for env in container.get("env", []):
                     if "value" in env and SECRET_WORDS.search(env["name"]):
                         out.append(f"{cwhere}: {env['name']} inlined; use a secretKeyRef")
@@ -359,6 +361,12 @@ BROKEN = {
         "Deployment",
         "mlflow",
         lambda d: the_container(d).update(image="x:latest"),
+    ),
+    "bare-image": (
+        "workloads",
+        "Deployment",
+        "mlflow",
+        lambda d: the_container(d).update(image="compatflow-cpu:0.1.0"),
     ),
     "inline-password": (
         "workloads",
