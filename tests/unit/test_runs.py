@@ -180,3 +180,29 @@ def test_a_run_dirs_files_are_where_existing_workspaces_keep_them(tmp_path):
     assert not root.exists()  # naming a path creates nothing
     with pytest.raises(ValueError, match="invalid run id"):
         Workspace(tmp_path / "ws").run("../elsewhere")
+
+
+def test_run_parameters_override_their_config_field_and_are_checked_like_the_config():
+    """The pipeline's run parameters (the KFP UI's per-run settings) set their field for one run; an empty one
+    ("", 0, []) keeps the config's; a bad value is refused naming the field, before any step runs."""
+    from components.deployment import ConfigError
+    from components.runs import RUN_PARAMETERS, run_parameters, with_run_parameters
+
+    config = Deployment()
+    assert set(run_parameters(config)) == set(RUN_PARAMETERS)
+    assert with_run_parameters(config, dict.fromkeys(RUN_PARAMETERS, "")) == config
+    empty = {
+        "training_method": "",
+        "training_steps": 0,
+        "compat_method": "",
+        "compat_steps": 0,
+        "rollout_fractions": [],
+    }
+    assert with_run_parameters(config, empty) == config
+    run = with_run_parameters(
+        config, {**empty, "training_steps": 600, "compat_method": "xbt", "rollout_fractions": [0.5, 1.0]}
+    )
+    assert (run.training.steps, run.compat.method, run.rollout.fractions) == (600, "xbt", [0.5, 1.0])
+    assert (run.training.method, run.compat.steps) == (config.training.method, config.compat.steps)
+    with pytest.raises(ConfigError, match="compat.method"):
+        with_run_parameters(config, {"compat_method": "magic"})
