@@ -427,13 +427,18 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
-class _BoundedJSON(json.JSONDecoder):
-    """A JSON decoder that reads an integer of more than :data:`MAX_INT_DIGITS` digits as 0 and notes it in
-    ``oversized`` (Python refuses to convert one of over 4,300 digits, which would end the whole read)."""
+_SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")  # one as it is, or a JSON escape of one
 
-    def __init__(self) -> None:
+
+class _BoundedJSON(json.JSONDecoder):
+    """A JSON decoder of ``text`` that reads an integer of more than :data:`MAX_INT_DIGITS` digits as 0 and
+    notes it in ``oversized`` (Python refuses to convert one of over 4,300 digits, which would end the whole
+    read)."""
+
+    def __init__(self, text: str) -> None:
         super().__init__(parse_int=self._int)
         self.oversized: list[int] = []  # the digits of each integer read as 0
+        self.surrogates = _SURROGATE.search(text) is not None  # else no decoded string can hold one
 
     def _int(self, digits: str) -> int:
         if len(digits.lstrip("-")) <= MAX_INT_DIGITS:
@@ -447,6 +452,8 @@ def _doc_problem(doc: Any, decoder: _BoundedJSON) -> str | None:
     oversized, decoder.oversized = decoder.oversized, []
     if oversized:
         return f"an integer of {oversized[0]:,} digits (at most {MAX_INT_DIGITS})"
+    if not decoder.surrogates:
+        return None
     try:
         json.dumps(doc, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -521,7 +528,7 @@ def _karpathy_candidates(file: Path) -> list[_Candidate]:
         text = file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataImportError(f"{file} cannot be read as a UTF-8 JSON file: {exc}") from exc
-    base, out, decoder = file.parent, [], _BoundedJSON()
+    base, out, decoder = file.parent, [], _BoundedJSON(text)
     try:
         for n, entry in enumerate(_json_array_items(text, "images", file, decoder), start=1):
             where = f"{file.name} image {n}"
@@ -866,9 +873,10 @@ def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | Non
     if candidate.metadata_file is None:
         return None
     data = _read_sidecar(candidate.metadata_file, "metadata", MAX_SIDECAR_BYTES, place)
-    decoder = _BoundedJSON()
     try:
-        doc = decoder.decode(data.decode(json.detect_encoding(data), "surrogatepass"))  # as json.loads
+        text = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads decodes
+        decoder = _BoundedJSON(text)
+        doc = decoder.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not JSON: {exc}") from exc
     problem = _doc_problem(doc, decoder)
