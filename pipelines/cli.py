@@ -50,6 +50,7 @@ OFFLINE_DEFAULTS = {
 
 
 NOISY_LOGGERS = ("faiss", "milvus_lite")
+PROGRESS_LOGGER = "compat.progress"
 
 
 def version() -> str:
@@ -90,11 +91,14 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 @app.callback()
 def _root(
     verbose: int = typer.Option(
-        0, "--verbose", "-v", count=True, help="Log progress messages too (-vv: debug messages)."
+        0,
+        "--verbose",
+        "-v",
+        count=True,
+        show_default=False,
+        help="Log what each step does too (-vv: debug messages); by default only warnings and errors.",
     ),
-    quiet: bool = typer.Option(
-        False, "--quiet", "-q", help="Log warnings and errors only; no progress bars or progress lines."
-    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or progress lines either."),
     _version: bool = typer.Option(
         False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
     ),
@@ -109,6 +113,8 @@ def _root(
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     logging.basicConfig(level=level, handlers=[handler])
+    if not quiet:  # progress lines (when stderr is no terminal) are INFO records of their own logger
+        logging.getLogger(PROGRESS_LOGGER).setLevel(min(level, logging.INFO))
     if verbose < 2:  # libraries' start-up chatter (which faiss build loaded, milvus-lite's port) is debug
         for name in NOISY_LOGGERS:
             logging.getLogger(name).setLevel(max(level, logging.WARNING))
