@@ -317,11 +317,12 @@ def note_blocked_op(run_dir: str, step: str, reason: str) -> None:
 
 @dsl.component(**COMPONENT)
 def finish_op(
-    config: str, run_id: str, job_name: str, status: PipelineTaskFinalStatus, html: Output[HTML]
+    config: str, run_id: str, job_name: str, job_id: str, status: PipelineTaskFinalStatus, html: Output[HTML]
 ) -> None:
     """Exit handler: record the run's outcome and write the on-call report, whatever happened before."""
     from pathlib import Path
 
     from components.steps import finish_step
 
-    finish_step(config, run_id, status.state, status.error_message or "", Path(html.path), job_name)
+    error = status.error_message or ""
+    finish_step(config, run_id, status.state, error, Path(html.path), job_name, job_id)

@@ -79,7 +79,8 @@ def continual_upgrade_steps(
     override their config field for this run ("", 0, []: the config's; a compiled package's defaults are
     the config's values, so the KFP UI shows and compares them per run)."""
     job_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
-    finish = _task(kfp_ops.finish_op, config=config, run_id=run_id, job_name=job_name)
+    job_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER  # the KFP run's ID: the report links its page
+    finish = _task(kfp_ops.finish_op, config=config, run_id=run_id, job_name=job_name, job_id=job_id)
     with dsl.ExitHandler(finish, name="record-and-report"):
         plan = _task(
             kfp_ops.plan_op,

@@ -132,7 +132,8 @@ CONFIG_MAP_ENV: tuple[str, ...] = (
     "COMPATFLOW_FEAST_REGISTRY_PATH",
     "AWS_DEFAULT_REGION",
 )
-OPTIONAL_CONFIG_MAP_ENV: tuple[str, ...] = ("AWS_ENDPOINT_URL_S3",)  # only where the store is not AWS S3
+# AWS_ENDPOINT_URL_S3: where the store is not AWS S3; COMPATFLOW_KFP_UI_URL: the report links the run page
+OPTIONAL_CONFIG_MAP_ENV: tuple[str, ...] = ("AWS_ENDPOINT_URL_S3", "COMPATFLOW_KFP_UI_URL")
 MILVUS_SECRET = "compatflow-milvus"
 MILVUS_SECRET_ENV = {"token": "COMPATFLOW_MILVUS_TOKEN"}
 OBJECT_STORE_SECRET = "compatflow-object-store"  # optional: absent where pods have workload identity

@@ -60,7 +60,7 @@ def build(inputs: RunInputs, base: Path) -> Header:
     failure = inputs.data("failure")
     if failure:
         facts.append(("failed step", str(failure.get("step", "?"))))
-    header = Header(outcome, facts, _links(registered, plan, run, base))
+    header = Header(outcome, facts, _links(registered, outcome_doc, run, base))
     _next(header, run, plan, outcome, shipped, before, first, failure or {})
     return header
 
@@ -105,7 +105,7 @@ def _next(
         header.next = "The run has not finished (no outcome recorded): see the pipeline's log."
 
 
-def _links(registered: Mapping[str, Any], plan: Mapping[str, Any], run: RunDir, base: Path) -> list[Link]:
+def _links(registered: Mapping[str, Any], outcome: Mapping[str, Any], run: RunDir, base: Path) -> list[Link]:
     """MLflow run and model version (the tracking server's pages, or local paths), the KFP run when known."""
     links: list[Link] = []
     tracking = str(registered.get("tracking_uri") or "").rstrip("/")
@@ -125,7 +125,7 @@ def _links(registered: Mapping[str, Any], plan: Mapping[str, Any], run: RunDir, 
                 _local(f"model {name} v{version}", run.path.parent.parent / "models" / f"v{version}", base)
             )
     links.append(_local("run folder", run.path, base))
-    return links
+    return links + ([Link("KFP run", str(kfp))] if (kfp := outcome.get("kfp_run_url")) else [])
 
 
 def _local(text: str, path: Path, base: Path) -> Link:

@@ -17,15 +17,29 @@ def note_blocked(run_dir: Path, step: str, reason: str) -> None:
 
 
 def finish_step(
-    config: Config, run_id: str, pipeline_state: str, error: str, html_path: Path, job_name: str = ""
+    config: Config,
+    run_id: str,
+    pipeline_state: str,
+    error: str,
+    html_path: Path,
+    job_name: str = "",
+    job_id: str = "",
 ) -> dict:
-    """Exit handler: the run's outcome into the workspace state, then the on-call report."""
+    """Exit handler: the run's outcome into the workspace state, then the on-call report. On a cluster whose
+    ConfigMap names the KFP UI (``$COMPATFLOW_KFP_UI_URL``) the outcome keeps the run's page (``job_id``:
+    the KFP run's ID), for the report's header."""
+    import os
+
     from components.runs import finish_run, run_dir_of_job
 
     deployment = Deployment.coerce(config)
     run_dir = run_dir_of_job(deployment, run_id, job_name)
     run_dir.mkdir(parents=True, exist_ok=True)
     outcome = finish_run(deployment, run_dir, pipeline_state, error)
+    ui = os.environ.get("COMPATFLOW_KFP_UI_URL", "").rstrip("/")
+    if ui and job_id:
+        outcome["kfp_run_url"] = f"{ui}/#/runs/details/{job_id}"
+        write_json_atomic(RunDir(run_dir).outcome_file, outcome)
     end_mlflow_run(deployment, run_dir.name, outcome["status"], pipeline_state)
     paths = report_step(run_dir)
     html_path.parent.mkdir(parents=True, exist_ok=True)

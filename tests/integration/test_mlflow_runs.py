@@ -33,7 +33,7 @@ def _phase(deployment, run_id: str, records: int = 1):
     return run_dir
 
 
-def test_the_run_carries_the_settings_and_ends_with_the_phase(deployment, tmp_path):
+def test_the_run_carries_the_settings_and_ends_with_the_phase(deployment, tmp_path, monkeypatch):
     from components.steps.base import registry_of
     from components.steps.outcome import finish_step
 
@@ -57,9 +57,18 @@ def test_the_run_carries_the_settings_and_ends_with_the_phase(deployment, tmp_pa
     assert outcome["status"] == "failed"
     assert registry.client.get_run(registry.find_run("phase-01-failed")).info.status == "FAILED"
 
-    _phase(deployment, "phase-02-cancelled")
-    finish_step(deployment.to_json(), "phase-02-cancelled", "CANCELED", "", tmp_path / "c.html")
+    _phase(deployment, "phase-02-cancelled")  # on a cluster whose ConfigMap names the KFP UI
+    monkeypatch.setenv("COMPATFLOW_KFP_UI_URL", "https://kubeflow.example.com/pipeline/")
+    outcome = finish_step(
+        deployment.to_json(), "phase-02-cancelled", "CANCELED", "", tmp_path / "c.html", "", "k-9"
+    )
     assert registry.client.get_run(registry.find_run("phase-02-cancelled")).info.status == "KILLED"
+    assert outcome["kfp_run_url"] == "https://kubeflow.example.com/pipeline/#/runs/details/k-9"
+    assert (
+        '<a href="https://kubeflow.example.com/pipeline/#/runs/details/k-9">KFP run</a>'
+        in (tmp_path / "c.html").read_text()
+    )
+    monkeypatch.delenv("COMPATFLOW_KFP_UI_URL")
 
     # A run resumed under the same id is RUNNING again until it ends; a run that logged nothing has no
     # MLflow run to end, and ending it creates none.

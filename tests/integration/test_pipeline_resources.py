@@ -171,7 +171,7 @@ def check_cluster_wiring(k8s: dict[str, Any], config: dict[str, Any], where: str
     }
     assert env_maps == {
         ("compatflow-pipeline-config", False): list(resources.CONFIG_MAP_ENV),
-        ("compatflow-pipeline-config", True): ["AWS_ENDPOINT_URL_S3"],
+        ("compatflow-pipeline-config", True): ["AWS_ENDPOINT_URL_S3", "COMPATFLOW_KFP_UI_URL"],
     }, where
     assert {"COMPATFLOW_WORKSPACE", "COMPATFLOW_TRACKING_URI"} <= set(resources.CONFIG_MAP_ENV)
     secrets = {

@@ -351,7 +351,11 @@ def test_header_links_to_a_tracking_server_and_markdown_seal(tmp_path: Path) -> 
     import hashlib
 
     run = shipped_run(tmp_path, tracking_uri="http://mlflow.example:5000/")
+    outcome = json.loads((run / "outcome.json").read_text())
+    kfp_run = "https://kubeflow.example.com/pipeline/#/runs/details/k-1"  # recorded when it ran on KFP
+    (run / "outcome.json").write_text(json.dumps({**outcome, "kfp_run_url": kfp_run}))
     md = render(run, "md")
+    assert f"[KFP run]({kfp_run})" in md
     assert "[MLflow run 0123abcd](http://mlflow.example:5000/#/runs/0123abcd)" in md
     assert "(http://mlflow.example:5000/#/models/compatflow-clip/versions/5)" in md
     assert "**Undo: production v5 back to v4" in md and "`compatflow rollback --workspace" in md
