@@ -99,8 +99,9 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
         UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
         with pytest.raises(_Died):  # the first upgrade's rollout dies in its first backfill stage
             ro.run_rollout(index, paths, _config("v2"), _dying_encoders(2), PROBE)
-        assert len(index.count_by_version()) == 2  # a mixed gallery, queried by the candidate
-    assert read_serving(paths.serving)["query_model"]["version"] == "v2"
+        record = read_serving(paths.serving)  # a mixed gallery, queried by the candidate
+        assert record["layers"] and list(index.count_by_version(record["collection"])) == ["v2"]
+    assert record["query_model"]["version"] == "v2"
 
     result = rollback_production(registry)
     undone = result["undone_rollout"]
