@@ -8,8 +8,10 @@ the new queries read the old gallery) and sleeps ``--encode-us`` per item, stand
 
 Each rollout, rollback and ``status`` runs in a process of its own, so its peak RSS (VmHWM) is its own; the
 workers' peaks come from the stage records, the Milvus server's from /proc. Plan and stage seconds come
-from the rollout state; disk is what the rollout's work folder holds (order chunks, restore rows). Growth
-exponents are least-squares slopes of log(cost) over log(size).
+from the rollout state; disk is what the rollout's work folder holds (its centres, the workers' cursors).
+After the completed rollout is rolled back, a second rollout is SIGKILLed in its second backfill stage and
+rolled back too. Milvus CPU per row is the server's CPU time over the rollout and its rollback, per item.
+Growth exponents are least-squares slopes of log(cost) over log(size).
 
     .venv/bin/python benchmarks/gallery_scale.py --sizes 10000,40000 --workers 1 --json /tmp/scale.json
 
@@ -55,9 +57,10 @@ def _maps(dim: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def stand_in_vectors(ids: Sequence[str], model: str, dim: int = 64, seed: int = 0) -> np.ndarray:
     """Unit vectors of ``ids`` under the ``old`` or ``new`` stand-in model: a linear map of the 64 bits of a
     hash of the id (vectorised; no state)."""
-    from components.rollout.order import hash_ids
+    from components.rollout.keys import order_keys
 
-    bits = (hash_ids(np.asarray(list(ids)), seed)[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)
+    keys = order_keys([f"{seed}:{i}" for i in ids]).astype(np.uint64)
+    bits = (keys[:, None] >> np.arange(64, dtype=np.uint64)) & np.uint64(1)  # 63 bits and a constant one
     signs = bits.astype(np.float32) * 2 - 1
     v = signs @ _maps(dim, seed)[0 if model == "old" else 1]
     return v / np.linalg.norm(v, axis=1, keepdims=True)
@@ -147,8 +150,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _run_child(args: argparse.Namespace, what: str, **extra: Any) -> dict[str, Any]:
-    cmd = [
+def _child_command(args: argparse.Namespace, what: str) -> list[str]:
+    return [
         sys.executable,
         __file__,
         "--child",
@@ -167,6 +170,12 @@ def _run_child(args: argparse.Namespace, what: str, **extra: Any) -> dict[str, A
         args.order,
         "--batch-size",
         str(args.batch_size),
+    ]
+
+
+def _run_child(args: argparse.Namespace, what: str, **extra: Any) -> dict[str, Any]:
+    cmd = [
+        *_child_command(args, what),
         *[str(x) for kv in extra.items() for x in (f"--{kv[0].replace('_', '-')}", kv[1])],
     ]
     t0 = time.perf_counter()
@@ -240,6 +249,9 @@ def measure_size(
         rollback = _run_child(args, "rollback")
         after = _run_child(args, "status")
         server_peak = peak_rss_mib(server_pid) if server_pid else None
+        server_cpu = cpu_seconds(server_pid) - server_cpu0 if server_pid else None
+        unfinished = _killed_rollout(args, version=f"v3k{k}", k=k)
+        rollback_unfinished = _run_child(args, "rollback")
         records.append(
             {
                 "backend": backend,
@@ -257,12 +269,17 @@ def measure_size(
                     sum(s.get("workers_cpu_seconds") or 0 for s in rollout["stages"]), 1
                 )
                 or None,  # K = 1: no worker process
-                "server_cpu_seconds": round(cpu_seconds(server_pid) - server_cpu0, 1) if server_pid else None,
+                "server_cpu_seconds": round(server_cpu, 1) if server_cpu is not None else None,
+                "milvus_cpu_ms_per_row": round(1000 * server_cpu / size, 3)
+                if server_cpu is not None
+                else None,
                 "workers_peak_rss_mb": max(
                     (s["workers_peak_rss_mib"] or 0 for s in rollout["stages"]), default=0
                 )
                 or None,
-                "rollback_seconds": round(rollback["seconds"], 1),
+                "rollback_seconds": round(rollback["seconds"], 2),
+                "killed_at_stage": unfinished,
+                "rollback_unfinished_seconds": round(rollback_unfinished["seconds"], 2),
                 "rollback_peak_rss_mb": rollback["peak_rss_mib"],
                 "status_peak_rss_mb": status["peak_rss_mib"],
                 "server_peak_rss_mb": server_peak,
@@ -270,6 +287,7 @@ def measure_size(
                 "versions_after_rollout": rollout["versions"],
                 "count_after_rollback": after["count"],
                 "versions_after_rollback": after["by_version"],
+                "versions_after_unfinished_rollback": _run_child(args, "status")["by_version"],
             }
         )
         print(json.dumps(records[-1]), flush=True)
@@ -277,6 +295,24 @@ def measure_size(
             if work.is_dir():
                 shutil.rmtree(work)
     return records
+
+
+def _killed_rollout(args: argparse.Namespace, version: str, k: int) -> int:
+    """A rollout of ``version`` SIGKILLed once its first backfill stage has written; returns that stage."""
+
+    state = args.workspace / "rollout_state.json"
+    cmd = [*_child_command(args, "rollout"), "--version", version, "--k", str(k)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None:
+            doc = json.loads(state.read_text()) if state.is_file() else {}
+            if doc.get("new_version") == version and doc.get("stage", 0) >= 2:
+                return int(doc["stage"])
+            time.sleep(0.05)
+        raise RuntimeError(f"the rollout of {version} ended ({proc.returncode}) before it could be killed")
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
@@ -316,9 +352,11 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
         ("rollout_cpu_seconds", "rollout CPU s"),
         ("workers_cpu_seconds", "workers CPU s"),
         ("server_cpu_seconds", "Milvus CPU s"),
+        ("milvus_cpu_ms_per_row", "Milvus CPU ms/row"),
         ("peak_rss_mb", "rollout peak MB"),
         ("workers_peak_rss_mb", "worker peak MB"),
-        ("rollback_seconds", "rollback s"),
+        ("rollback_seconds", "rollback s (completed)"),
+        ("rollback_unfinished_seconds", "rollback s (killed mid-stage)"),
         ("rollback_peak_rss_mb", "rollback peak MB"),
         ("server_peak_rss_mb", "Milvus peak MB"),
         ("rollout_disk_mb", "rollout files MB"),
@@ -336,8 +374,9 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     growth = [
         "",
-        "| backend | K | sizes | rollout s exponent | plan s exponent | rollout peak RSS exponent |",
-        "|---|---|---|---|---|---|",
+        "| backend | K | sizes | rollout s exponent | plan s exponent | rollback s exponent "
+        "| rollout peak RSS exponent |",
+        "|---|---|---|---|---|---|---|",
     ]
     for backend in sorted({r["backend"] for r in records}):
         for k in sorted({r["workers"] for r in records}):
@@ -347,7 +386,7 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
             sizes = [r["size"] for r in rs]
             ex = [
                 exponent(sizes, [r[c] for r in rs])
-                for c in ("rollout_seconds", "plan_seconds", "peak_rss_mb")
+                for c in ("rollout_seconds", "plan_seconds", "rollback_seconds", "peak_rss_mb")
             ]
             growth.append(
                 f"| {backend} | {k} | {', '.join(f'{s:,}' for s in sizes)} | "
