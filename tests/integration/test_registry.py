@@ -181,9 +181,35 @@ def test_cli_status_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
     assert "production 2 -> 1" in out.stdout
     assert registry.alias_version("production") == "1"
     text = cli("status")
-    assert text.returncode == 0 and "production  v1" in text.stdout
+    assert text.returncode == 0 and "production  v1" in text.stdout and "\nnext:" in text.stdout
     again = cli("rollback")
     assert again.returncode == 1 and "no previous version" in again.stderr
+    assert "next: `compatflow status`" in again.stderr
+
+    copy = registry.local_copy("1")  # the served copy, then tampered with: status says so and exits 1
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    tampered = cli("status")
+    assert tampered.returncode == 1 and "checksum    FAILED" in tampered.stdout, tampered.output
+    assert "checksum of production v1 FAILED" in tampered.stderr and "next:       delete" in tampered.stdout
+
+
+def test_status_names_an_index_that_disagrees_with_the_registry() -> None:
+    from pipelines.status import next_step, problems
+
+    doc = {
+        "registry": {"production": {"version": "2"}},
+        "gallery": {"query_model_version": "1"},
+        "rollout": {"status": "completed"},
+        "production_check": {"version": "2", "ok": True, "message": "ok"},
+    }
+    found = problems(doc)
+    assert found == [
+        "the index and the registry disagree: queries are served by v1 but production is v2, "
+        "and no rollout is under way"
+    ]
+    assert "compatflow rollback" in next_step(doc, found)
+    assert problems({**doc, "rollout": {"status": "running"}}) == []  # mid-rollout the record leads
 
 
 def test_status_of_an_empty_workspace_creates_nothing(tmp_path: Path) -> None:
