@@ -3,8 +3,10 @@
 The indexing and backfill stages call :meth:`LineageStore.write_items` after each upsert, and
 :func:`sync_from_index` after a rollout or a rollback (streamed, bounded by a batch); on-call calls
 :meth:`LineageStore.get_items` and :meth:`LineageStore.check_against_index` (``compatflow lineage``).
-Offline rows are append-only parquet parts (one file per write, renamed into place, so a crash
-never leaves a half-written file); the online store (sqlite by default) holds the newest row per item.
+Rows are pushed through the repo's PushSource (what ``feast apply`` registers from ``items.py``) into the
+online store (sqlite by default), which holds the newest row per item. Offline rows are append-only parquet
+parts of its batch source (one file per write, renamed into place, so a crash never leaves a half-written
+file): Feast's own offline push to a file source rewrites the whole file each time.
 
 The repo written to is the workspace's (:attr:`components.state.workspace.Workspace.lineage_dir`); a repo
 definition configured elsewhere (``lineage.repo``: on a cluster a ConfigMap volume, read-only) is only read:
@@ -114,7 +116,7 @@ class LineageStore:
         from components.adapters.feature_repo import items
 
         self.scaffold()
-        self.store.apply([items.item, items.gallery_items])
+        self.store.apply([items.item, items.items_push, items.gallery_items])
         log.info("feast repo %s applied (feature view %s)", self.repo_dir, items.ITEMS_VIEW)
 
     def write_items(self, items: Any) -> int:
@@ -130,8 +132,10 @@ class LineageStore:
         if frame.empty:
             return 0
         self.items_dir.mkdir(parents=True, exist_ok=True)
-        _write_part(frame, self.items_dir)
-        self.store.write_to_online_store(defs.ITEMS_VIEW, frame)
+        from feast.data_source import PushMode
+
+        _write_part(frame, self.items_dir)  # offline: one append-only part (Feast's file store rewrites)
+        self.store.push(defs.ITEMS_PUSH, frame, to=PushMode.ONLINE)
         log.info(
             "lineage: recorded %d items (versions %s)", len(frame), sorted(frame["model_version"].unique())
         )

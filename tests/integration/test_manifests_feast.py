@@ -51,3 +51,44 @@ def test_feast_server_options_and_feature_store_yaml_load_with_feast(monkeypatch
     (tmp_path / "feature_store.yaml").write_text(text.replace("vector_enabled", "vector_enable"))
     with pytest.raises(Exception, match="vector_enable"):
         load_repo_config(tmp_path, tmp_path / "feature_store.yaml").online_store  # noqa: B018
+
+
+@pytest.mark.filterwarnings("ignore:Field name .vector_enabled.:UserWarning")
+def test_feast_apply_runs_from_the_configmap_files_and_registers_the_push_source(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """The ConfigMap holds ``items.py`` (the shipped one) beside ``feature_store.yaml``: ``feast apply`` run
+    in a folder holding exactly its files (the registry and Milvus pointed here, milvus-lite standing in)
+    registers the PushSource and the feature view fed by it, and lineage pushed through it reads back."""
+    import os
+    import subprocess
+    import sys
+
+    from components.adapters.feature_repo import REPO_TEMPLATE_DIR, items
+    from components.adapters.lineage import LineageStore
+
+    data = the(load_docs(K8S / "feast" / "configmap.yaml"), "ConfigMap", "compatflow-feast-repo")["data"]
+    assert set(data) == {"feature_store.yaml", "items.py"}
+    assert data["items.py"] == (REPO_TEMPLATE_DIR / "items.py").read_text()
+    repo = tmp_path / "configmap"
+    repo.mkdir()
+    for name, text in data.items():
+        (repo / name).write_text(text)
+    monkeypatch.setenv("COMPATFLOW_FEAST_REGISTRY_PATH", str(tmp_path / "registry.db"))
+    monkeypatch.setenv("COMPATFLOW_MILVUS_URI", str(tmp_path / "milvus.db"))
+    monkeypatch.setenv("COMPATFLOW_MILVUS_TOKEN", "")
+    env = dict(os.environ)
+    feast = [sys.executable, "-m", "feast.cli.cli", "--chdir", str(repo)]
+    done = subprocess.run([*feast, "apply"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    listed = subprocess.run(
+        [*feast, "data-sources", "list"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert items.ITEMS_PUSH in listed.stdout and "PushSource" in listed.stdout, listed.stdout + listed.stderr
+
+    lineage = LineageStore(tmp_path / "written", definition=repo)  # as a pod: the mount read, a copy written
+    lineage.apply()
+    row = {"item_id": "a", "model_version": "3", "space_id": "s3", "caption": "a red circle", "phase": 2}
+    lineage.write_items([{**row, "image_uri": "shard.tar#a", "domain": "shapes"}])
+    (row,) = lineage.get_items(["a"])
+    assert (row["model_version"], row["caption"]) == ("3", "a red circle")

@@ -4,18 +4,21 @@ One row per write of an item's vector: ``item_id`` (entity), ``caption``, ``imag
 ``model_version`` and ``space_id`` (the model and embedding space that wrote the vector),
 ``embedded_at`` (when, in epoch microseconds: Feast's Milvus online store has no timestamp type),
 ``phase`` and ``domain`` (where the item came from), and ``written_at``
-(the event timestamp: the newest write is what the online store serves).
-Self-contained (Feast only) so that ``feast apply`` works in a copied repo.
+(the event timestamp: the newest write is what the online store serves). Rows are pushed through the
+PushSource ``gallery_items_push`` (online); the offline rows are the append-only parquet parts of its batch
+source. Self-contained (Feast only) so that ``feast apply`` works in a copied repo (the cluster's ConfigMap
+holds this file: manifests/k8s/feast/configmap.yaml).
 """
 
 from datetime import timedelta
 
-from feast import Entity, FeatureView, Field, FileSource, ValueType
+from feast import Entity, FeatureView, Field, FileSource, PushSource, ValueType
 from feast.types import Int64, String
 
 PROJECT = "compatflow"
 ITEMS_VIEW = "gallery_items"
 ITEMS_SOURCE_DIR = "data/items"  # a directory of parquet parts, relative to the repo
+ITEMS_PUSH = "gallery_items_push"
 
 item = Entity(
     name="item",
@@ -29,6 +32,12 @@ items_source = FileSource(
     path=ITEMS_SOURCE_DIR,
     timestamp_field="written_at",
     description="Append-only parquet parts written by compatflow's indexing and backfill stages.",
+)
+
+items_push = PushSource(
+    name=ITEMS_PUSH,
+    batch_source=items_source,
+    description="Lineage rows pushed by compatflow's indexing, backfill and rollback (online).",
 )
 
 gallery_items = FeatureView(
@@ -45,7 +54,7 @@ gallery_items = FeatureView(
         Field(name="domain", dtype=String),
     ],
     online=True,
-    source=items_source,
+    source=items_push,
     description="Which model version and embedding space wrote each gallery item's current vector, and when.",
     tags={"owner": "compatflow"},
 )
