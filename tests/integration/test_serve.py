@@ -8,6 +8,7 @@ import http.client
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -419,6 +420,27 @@ def test_search_command_prints_captions(gallery, capsys) -> None:
         with pytest.raises(typer.Exit) as refused:
             _check_host(wildcard)
         assert refused.value.exit_code == 2 and "every interface is refused" in capsys.readouterr().err
+
+
+def test_search_command_asks_the_running_service(gallery, service) -> None:
+    """With a compatflow serve of the workspace announced, the command's hits are the service's answer."""
+    paths, index, _ = gallery
+    client = Client(service.port)
+
+    def answered() -> float:
+        metrics = client.request("GET", "/metrics")[1].decode()
+        return float(re.search(r"^compatflow_queries_total (\S+)$", metrics, re.M)[1])
+
+    before, text = answered(), UPGRADE.query_texts[0]
+    argv = [sys.executable, "-m", "pipelines.cli", "search", text, "-k", "3", "--json"]
+    argv += ["--workspace", str(paths.serving.parent)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert [h["item_id"] for h in json.loads(out.stdout)] == _top_ids(
+        index, text, "old", index.serving_collection()
+    )[:3]
+    assert answered() == before + 1
 
 
 def _raw_post(port: int, head: bytes, chunks: list[bytes] = ()) -> bytes:
