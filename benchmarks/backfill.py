@@ -49,7 +49,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE  # noqa: E402
 from benchmarks.synthetic_upgrade import synthetic_upgrade  # noqa: E402
 from compat import backfill as bf  # noqa: E402
-from components.rollout.order import RankedOrder  # noqa: E402
 
 SLO_FACTOR = 1.5
 RESULTS = ROOT / "benchmarks" / "results" / "backfill.md"
@@ -189,11 +188,17 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
             state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": opts}), probe)
             seconds = time.perf_counter() - t0
             by_version = index.count_by_version()
-        fr = [p["fraction"] for p in state["curve"]]
+            # the stage that wrote each item (backfill_stage: 1 + its stage): the order the engine ran
+            written = [
+                (r["backfill_stage"], r["item_id"])
+                for page in index.iter_rows(("backfill_stage",), batch_size=4096)
+                for r in page
+            ]
         engine = [p["t2i_R@1"] for p in state["curve"]]
         position = {item: j for j, item in enumerate(u.item_ids)}
-        ranked = RankedOrder(state["order"]["path"], expected_digest=state["order"]["digest"])
-        order = np.array([position[i] for i in ranked[0 : len(ranked)]])
+        order = np.array([position[i] for _, i in sorted(written)])
+        stages = np.bincount([stage - 1 for stage, _ in written])
+        fr = [0.0, *(np.cumsum(stages[1:]) / len(written)).tolist()]  # each stage's exact share
         numpy_curve = [p["R@1"] for p in bf.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fr)]
         results[policy] = {
             "status": state["status"],

@@ -313,3 +313,60 @@ def backfill_curve(
 ) -> list[dict[str, float]]:
     """[{"fraction": beta, **metric(mixed gallery at beta)}] for each beta in ``fractions``."""
     return [{"fraction": float(b), **metric(mix_gallery(old, new, order, float(b)))} for b in fractions]
+
+
+# ------------------------------------------------------------------------------ keys stored with each row
+# What a gallery index stores with each row so that a backfill stage is a filter on it
+# (components.rollout.keys): a hash of the id, and the lambda-orth / uncertainty keys against centres.
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+        return x ^ (x >> np.uint64(31))
+
+
+def order_keys(ids: Sequence[str]) -> np.ndarray:
+    """Each item id's ``order_key``: FNV-1a over its UTF-8 bytes, then splitmix64, kept to 63 bits (an INT64
+    that is never negative). Vectorised over the ids: one numpy pass per byte of the widest id."""
+    b = np.char.encode(np.asarray(ids, dtype=str), "utf-8") if len(ids) else np.zeros(0, dtype="S1")
+    data = np.frombuffer(b.tobytes(), dtype=np.uint8).reshape(len(b), b.dtype.itemsize)
+    h = np.full(len(b), np.uint64(0xCBF29CE484222325), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(data.shape[1]):
+            col = data[:, j].astype(np.uint64)
+            live = col != 0  # numpy pads shorter ids with NUL bytes, which are not part of the id
+            h = np.where(live, ((h ^ col) * np.uint64(0x100000001B3)) & _MASK64, h)
+    return (_splitmix64(h) >> np.uint64(1)).astype(np.int64)
+
+
+def fit_centres(vectors: np.ndarray, n_clusters: int | None = None, seed: int = 0) -> np.ndarray:
+    """k-means centres of unit ``vectors`` (a bounded sample), float32 ``[k, D]``; k defaults to
+    :func:`compat.backfill.default_n_clusters` of the sample."""
+    x = unit_rows(np.asarray(vectors, dtype=np.float64))
+    k = min(len(x), n_clusters or default_n_clusters(len(x)))
+    if k < 2:
+        return np.asarray(x[:1], dtype=np.float32)
+    centres, _ = kmeans(x, k, seed=seed)
+    return np.asarray(centres, dtype=np.float32)
+
+
+def order_scores(vectors: np.ndarray, centres: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The ``key_lambda_orth`` and ``key_uncertainty`` of each row of ``vectors`` against ``centres`` (zeros
+    without centres: those orders then fall back to ``order_key``, i.e. random)."""
+    n = len(vectors)
+    if centres is None or len(centres) == 0 or n == 0:
+        return {"key_lambda_orth": np.zeros(n, np.float32), "key_uncertainty": np.zeros(n, np.float32)}
+    x = unit_rows(np.asarray(vectors, dtype=np.float64))
+    c = np.asarray(centres, dtype=np.float64)
+    sims = x @ unit_rows(c).T
+    nearest = sims.argmax(1)
+    distance = np.linalg.norm(x - c[nearest], axis=1)
+    top2 = np.sort(sims, axis=1)[:, -2:] if sims.shape[1] > 1 else np.hstack([sims, sims])
+    return {
+        "key_lambda_orth": (-distance).astype(np.float32),
+        "key_uncertainty": (top2[:, 1] - top2[:, 0]).astype(np.float32),
+    }

@@ -68,7 +68,7 @@ META_FIELDS: tuple[str, ...] = (
     "key_uncertainty",
     "backfill_stage",
 )
-# What orders a backfill, written with each row (components.rollout.keys); older collections lack them.
+# What orders a backfill, written with each row (compat.backfill.order_keys); older collections lack them.
 ORDER_FIELDS: tuple[str, ...] = ("order_key", "key_lambda_orth", "key_uncertainty", "backfill_stage")
 _FLOAT_FIELDS = ("key_lambda_orth", "key_uncertainty")
 ROW_FIELDS: tuple[str, ...] = ("item_id", "vector", *META_FIELDS)
@@ -360,7 +360,7 @@ class GalleryIndex:
         missing = [f for f in ORDER_FIELDS if f in fields and rows and f not in rows[0]]
         if not missing:
             return [dict(r) for r in rows]
-        from components.rollout.keys import order_keys
+        from compat.backfill import order_keys
 
         keys = order_keys([str(r["item_id"]) for r in rows])
         defaults = {"key_lambda_orth": 0.0, "key_uncertainty": 0.0, "backfill_stage": 0}
@@ -505,7 +505,7 @@ class GalleryIndex:
 
         The target collection must have been created for ``space`` (a query never meets a vector of a space
         it was not trained against). ``centres``: the space's, for the rows' order keys
-        (:mod:`components.rollout.keys`).
+        (:func:`compat.backfill.order_scores`).
         """
         name = self.resolve(collection)
         have = self.collection_space(name)
@@ -795,7 +795,7 @@ def make_rows(
 ) -> list[dict[str, Any]]:
     """Gallery rows for :meth:`GalleryIndex.upsert`, validating shapes and values, with their order keys
     (against the space's ``centres``: :mod:`components.rollout.keys`)."""
-    from components.rollout.keys import order_keys, order_scores
+    from compat.backfill import order_keys, order_scores
 
     v = np.asarray(vectors, dtype=np.float32)
     n = len(ids)

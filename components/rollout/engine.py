@@ -20,7 +20,7 @@ from compat.io import utc_now
 from components.adapters.index import ROW_FIELDS, GalleryIndex, quote
 from components.adapters.services import live_services
 from components.rollout import workers
-from components.rollout.keys import Selection, fit_centres, plan_selection
+from components.rollout.keys import Selection, fit_centres, load_centres, plan_selection, save_centres
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.plan import (
     check_probe_covers,
@@ -200,11 +200,10 @@ class Rollout:
         if self.adapt:
             vectors = np.asarray(self.encoders.gallery_transform(vectors), dtype=np.float32)
         rid = self.rollout_id
-        work = self.paths.work(rid)
-        work.mkdir(parents=True, exist_ok=True)
-        centres = work / "centres.npy"  # of the space the rows are written in (another space: none yet)
+        target = idx.next_collection_name(space)
+        centres = self.paths.centres(target)  # of the space the rows are written in (another space: none yet)
         if mode == "staged":
-            np.save(centres, fit_centres(vectors, c.n_clusters, c.seed))
+            save_centres(centres, fit_centres(vectors, c.n_clusters, c.seed))
         old_queries = check_vectors(
             self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
@@ -241,7 +240,7 @@ class Rollout:
                 "alias": idx.alias,
                 "source_collection": source.collection,
                 "source_space": source.space,
-                "collection": idx.next_collection_name(space),
+                "collection": target,
                 "space": space,
                 "dim": int(vectors.shape[1]) if self.adapt else source.dim,
                 "keyed": keyed,
@@ -497,7 +496,7 @@ class Rollout:
         self.index.flush(g["collection"])
         flt = f"model_version != {quote(state['new_version'])}"
         spec = {**self._row_spec(state), "action": "reembed", "row_stage": 0}
-        centres = workers.load_centres(state["order"]["centres"])
+        centres = load_centres(state["order"]["centres"])
         writer, swept, previous = GalleryWriter(self.index, g["collection"]), 0, None
         while rows := self.index.rows_where(flt, ROW_FIELDS, g["collection"], limit=self.config.batch_size):
             keys = [r["item_id"] for r in rows]

@@ -45,8 +45,14 @@ def index_gallery(
 ) -> dict[str, Any]:
     """Index a gallery (first run) into the serving collection, creating it and the alias when missing;
     writes the serving record (``query_model`` answers queries). Idempotent; returns the serving record."""
+    from components.rollout.keys import SAMPLE_ROWS, fit_centres, load_centres, save_centres
+
     v = np.asarray(vectors, dtype=np.float32)
     collection = index.serving_collection() or index.create_collection(space, int(v.shape[1]))
+    centres = load_centres(paths.centres(collection))
+    if centres is None:  # the first vectors a collection gets: its centres (its rows' order keys)
+        centres = fit_centres(v[:SAMPLE_ROWS])
+        save_centres(paths.centres(collection), centres)
     index.index_items(
         ids,
         v,
@@ -57,6 +63,7 @@ def index_gallery(
         embedded_at=embedded_at,
         collection=collection,
         batch_size=batch_size,
+        centres=centres,
     )
     index.flush(collection, wait_indexed=True)  # served whole at once
     index.switch_alias(collection)
@@ -113,6 +120,7 @@ def index_new_items(
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
     from compat.production import load_encoder
+    from components.rollout.keys import load_centres
     from components.state.workspace import stored_path
 
     paths = RolloutPaths.for_workspace(workspace)
@@ -167,7 +175,10 @@ def index_new_items(
                 )
                 collection = record["collection"]
             else:
-                index.index_items(ids, vectors, version, space_id, collection=collection, **columns)
+                centres = load_centres(paths.centres(collection))
+                index.index_items(
+                    ids, vectors, version, space_id, collection=collection, centres=centres, **columns
+                )
             sample.offer((items.keys[i], tuple(items.captions[i])) for i in keep)
             n_new += len(rows)
         if collection is None:

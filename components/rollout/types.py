@@ -260,6 +260,10 @@ class RolloutPaths:
     def archived_state(self, rollout_id: str) -> Path:
         return self.work(rollout_id) / self.state.name
 
+    def centres(self, collection: str) -> Path:
+        """The centres the rows of ``collection`` are keyed against (:mod:`components.rollout.keys`)."""
+        return self.work_root / "centres" / f"{collection}.npy"
+
     def work(self, rollout_id: str) -> Path:
         """One rollout's work files (its centres, archived state, workers' spec and cursors)."""
         return self.work_root / rollout_id

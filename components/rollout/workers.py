@@ -168,6 +168,8 @@ class _SliceWriter:
         self.spec, self.index = spec, index
         recipe = spec["encoders"]
         self.encoders = encoders or import_factory(recipe["factory"])(recipe["args"])
+        from components.rollout.keys import load_centres
+
         self.centres = load_centres(spec.get("centres"))
         pace_doc = spec.get("pace") or {}
         cap = pace_doc.get("max_items_per_s")
@@ -224,11 +226,6 @@ class _SliceWriter:
     def flush(self) -> None:
         if self.writer.written:
             self.writer.flush()
-
-
-def load_centres(path: str | None) -> np.ndarray | None:
-    """The centres a rollout keys the rows it writes against (None: it has none, its rows get no score)."""
-    return np.load(path) if path and Path(path).is_file() else None
 
 
 def _lineage(spec: Mapping[str, Any] | None) -> Any:

@@ -75,13 +75,13 @@ def new_rows(
     spec: Mapping[str, Any],
     centres: np.ndarray | None,
 ) -> list[dict[str, Any]]:
-    """The rows a stage writes for ``previous`` rows: re-embedded by the new gallery encoder
-    (``spec["action"]`` ``reembed``: the new version, embedded now) or their vectors mapped by the gallery transform
-    (``transform``: a transformed copy, version and time kept), in ``spec["space"]``, stamped with the rollout
+    """The rows a stage writes for ``previous`` rows: re-embedded by the new gallery encoder (action
+    ``reembed``: the new version, embedded now) or their vectors mapped by the gallery transform (action
+    ``transform``: a transformed copy, version and time kept), in ``spec["space"]``, stamped with the rollout
     and ``spec["row_stage"]`` (``backfill_stage``: 1 + the stage that wrote a row from the source, 0 for one
     the rollout did not take from it), their order keys computed against ``centres``."""
+    from compat.backfill import order_scores
     from components.adapters.index import now_ms
-    from components.rollout.keys import order_scores
     from components.rollout.plan import check_vectors
     from components.rollout.types import item_ref
 
