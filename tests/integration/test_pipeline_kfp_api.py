@@ -244,6 +244,9 @@ def test_submit_uploads_the_package_once_as_a_version_and_runs_it_with_its_param
         version["name"] == f"compatflow-continual-upgrade-{digest[:12]}" and digest in version["description"]
     )
     assert _as_kfp_model(version, "V2beta1PipelineVersion") == version  # every key is one of the API's
+    bodies = {(r["method"], r["path"]): r["body"] for r in kfp_api.requests}
+    for request, model in ((UPLOADED[0], "V2beta1Experiment"), (UPLOADED[1], "V2beta1Pipeline")):
+        assert _as_kfp_model(bodies[request], model) == bodies[request]
     run = kfp_api.requests[-1]["body"]
     assert run["pipeline_version_reference"] == {"pipeline_id": "pl-1", "pipeline_version_id": "v-1"}
     assert "pipeline_spec" not in run
