@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 COMPATFLOW = Path(sys.executable).with_name("compatflow")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -48,3 +49,24 @@ def test_unknown_config_is_a_clear_error(tmp_path):
     )
     assert result.returncode == 2
     assert "nope.yaml" in result.stderr and "neither a file nor a shipped config" in result.stderr
+
+
+HEAVY = ("torch", "open_clip", "mlflow", "pymilvus", "pandas", "transformers")
+
+
+def _modules_after(args: list[str], tmp_path: Path) -> tuple[int, list[str]]:
+    """The exit code of ``compatflow ARGS`` run in a fresh interpreter, and the heavy modules it imported."""
+    code = (
+        f"import sys; from pipelines.cli import main; sys.argv = ['compatflow', *{args!r}]\n"
+        "try:\n    main()\nexcept SystemExit as end:\n"
+        f"    print(end.code, [m for m in {HEAVY!r} if m in sys.modules])"
+    )
+    env = {**os.environ, "COMPATFLOW_WORKSPACE": str(tmp_path / "ws"), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    exit_code, modules = result.stdout.strip().splitlines()[-1].split(" ", 1)
+    return int(exit_code), eval(modules)  # noqa: S307 - the list this test printed
+
+
+def test_one_shot_commands_import_nothing_heavy(tmp_path):
+    assert _modules_after(["search", "-k", "0", "a red circle"], tmp_path) == (2, [])  # refused first
+    assert _modules_after(["status"], tmp_path) == (0, [])  # no registry, no gallery yet: nothing to open
