@@ -129,14 +129,17 @@ def index_new_items(
     sample = _ProbeSample(probe_size, seed, known={p for positives in probe["positives"] for p in positives})
     n_new = 0
     with open_index(workspace) as index:
-        collection = index.serving_collection()
         record = read_serving(paths.serving) or {}
+        # a rollout in progress serves its target over its source: new items go to the target, whichever
+        # collection holds an item already counts
+        collection = record.get("collection") or index.serving_collection()
+        held = [name for name, _ in record.get("layers") or [(collection, "")]] if collection else []
         encoder = None
         for url in expand_urls(gallery):
             encoder = encoder or load_encoder(model)  # its input size bounds the decoded images
             items = load_captioned_set(url, image_size=decode_size(encoder))
             # which of this shard's items the gallery holds: a read by id, bounded by the shard
-            present = index.existing_ids(items.keys, collection) if collection is not None else set()
+            present = set().union(*(index.existing_ids(items.keys, name) for name in held))
             keep = [i for i, key in enumerate(items.keys) if key not in present]
             if not keep:
                 continue
@@ -174,6 +177,7 @@ def index_new_items(
                     **columns,
                 )
                 collection = record["collection"]
+                held = [collection]
             else:
                 centres = load_centres(paths.centres(collection))
                 index.index_items(
