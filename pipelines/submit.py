@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -262,10 +262,8 @@ class Request:
     dry_answer: dict[str, Any] = field(default_factory=dict)  # what a dry run takes the server to answer
 
     def printed(self) -> dict[str, Any]:
-        shown = {
-            k: v for k, v in asdict(self).items() if k in ("method", "path", "query", "body", "file", "when")
-        }
-        return {k: v for k, v in shown.items() if v is not None}
+        keys = ("method", "path", "query", "body", "file", "when")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 Send = Callable[[Request], dict[str, Any]]
@@ -279,53 +277,53 @@ def send_all(send: Send, job: Job) -> dict[str, Any]:
     check_parameters(package, job.parameters)
     cron = kfp_cron(job.cron) if job.cron is not None else None
     send(Request("GET", "/healthz", "healthzs.healthz_service_get_healthz"))
-    experiment_id = (
-        _found(send, "experiments", job.experiment, "experiment_id", namespace=job.namespace)
-        or send(
-            Request(
-                "POST",
-                "/experiments",
-                "experiments.experiment_service_create_experiment",
-                body={"display_name": job.experiment, "namespace": job.namespace},
-                body_arg="experiment",
-                when=f"no experiment named {job.experiment!r} exists",
-                dry_answer={"experiment_id": EXPERIMENT_ID},
-            )
-        )["experiment_id"]
+    experiment_id = _ensure(
+        send,
+        "experiments",
+        job.experiment,
+        Request(
+            "POST",
+            "/experiments",
+            "experiments.experiment_service_create_experiment",
+            body={"display_name": job.experiment, "namespace": job.namespace},
+            body_arg="experiment",
+            dry_answer={"experiment_id": EXPERIMENT_ID},
+        ),
+        namespace=job.namespace,
     )
-    pipeline_id = (
-        _found(send, "pipelines", package.name, "pipeline_id", namespace=job.namespace)
-        or send(
-            Request(
-                "POST",
-                "/pipelines",
-                "pipelines.pipeline_service_create_pipeline",
-                body={"name": package.name, "display_name": package.name, "namespace": job.namespace},
-                body_arg="pipeline",
-                when=f"no pipeline named {package.name!r} exists",
-                dry_answer={"pipeline_id": PIPELINE_ID},
-            )
-        )["pipeline_id"]
+    pipeline_id = _ensure(
+        send,
+        "pipelines",
+        package.name,
+        Request(
+            "POST",
+            "/pipelines",
+            "pipelines.pipeline_service_create_pipeline",
+            body={"name": package.name, "display_name": package.name, "namespace": job.namespace},
+            body_arg="pipeline",
+            dry_answer={"pipeline_id": PIPELINE_ID},
+        ),
+        namespace=job.namespace,
     )
     version = package.version_name
-    version_id = (
-        _found(send, "pipeline_versions", version, "pipeline_version_id", pipeline_id=pipeline_id)
-        or send(
-            Request(
-                "POST",
-                "/pipelines/upload_version",
-                "pipeline_uploads.upload_pipeline_version",
-                query={
-                    "name": version,
-                    "display_name": version,
-                    "pipelineid": pipeline_id,
-                    "description": f"{package.path.name}, sha256 {package.sha256}",
-                },
-                file=str(package.path),
-                when=f"no version named {version!r} exists (this package was not uploaded before)",
-                dry_answer={"pipeline_version_id": VERSION_ID},
-            )
-        )["pipeline_version_id"]
+    version_id = _ensure(
+        send,
+        "pipeline_versions",
+        version,
+        Request(
+            "POST",
+            "/pipelines/upload_version",
+            "pipeline_uploads.upload_pipeline_version",
+            query={
+                "name": version,
+                "display_name": version,
+                "pipelineid": pipeline_id,
+                "description": f"{package.path.name}, sha256 {package.sha256}",
+            },
+            file=str(package.path),
+            dry_answer={"pipeline_version_id": VERSION_ID},
+        ),
+        pipeline_id=pipeline_id,
     )
     common = {
         "display_name": job.name,
@@ -396,28 +394,32 @@ def _name_filter(name: str) -> str:
     return json.dumps({"predicates": [{"operation": _EQUALS, "key": "display_name", "stringValue": name}]})
 
 
-_LISTS = {  # what a lookup lists: path, kfp.Client call, answer key
-    "experiments": ("/experiments", "experiments.experiment_service_list_experiments"),
-    "pipelines": ("/pipelines", "pipelines.pipeline_service_list_pipelines"),
+_LISTS = {  # what a lookup lists: path, kfp.Client call, the ID's key in an item
+    "experiments": ("/experiments", "experiments.experiment_service_list_experiments", "experiment_id"),
+    "pipelines": ("/pipelines", "pipelines.pipeline_service_list_pipelines", "pipeline_id"),
     "pipeline_versions": (
         "/pipelines/{pipeline_id}/versions",
         "pipelines.pipeline_service_list_pipeline_versions",
+        "pipeline_version_id",
     ),
 }
 
 
-def _found(send: Send, kind: str, name: str, key: str, **scope: str) -> str | None:
-    """The ID (``key``) of the ``kind`` named ``name`` (in ``scope``: a namespace or a parent), or None."""
-    path, call = _LISTS[kind]
+def _ensure(send: Send, kind: str, name: str, create: Request, **scope: str) -> str:
+    """The ID of the ``kind`` named ``name`` (in ``scope``: a namespace or a parent): looked up, else made by
+    ``create``."""
+    path, call, key = _LISTS[kind]
     args = {k: v for k, v in scope.items() if "{" + k + "}" in path}
     query = {
         "filter": _name_filter(name),
         **{k: v for k, v in scope.items() if k not in args},
         "page_size": 2,
     }
-    answer = send(Request("GET", path.format(**args), call, query=query, args=args))
-    items = answer.get(kind) or []
-    return str(items[0][key]) if items else None
+    items = send(Request("GET", path.format(**args), call, query=query, args=args)).get(kind) or []
+    if items:
+        return str(items[0][key])
+    create.when = f"no {kind[:-1].replace('_', ' ')} named {name!r} exists"
+    return str(send(create)[key])
 
 
 def plan(host: str, job: Job) -> dict[str, Any]:

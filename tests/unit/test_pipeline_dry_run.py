@@ -89,7 +89,7 @@ def test_submit_dry_run_uploads_a_version_and_runs_it_with_per_run_parameters(pi
         "pipelineid": PIPELINE_ID,
         "description": f"continual_upgrade.yaml, sha256 {digest}",
     }
-    assert Path(upload["file"]) == pinned and "not uploaded before" in upload["when"]
+    assert Path(upload["file"]) == pinned and f"no pipeline version named {version!r}" in upload["when"]
     run = plan["requests"][-1]["body"]
     assert run == {
         "display_name": "cycle 4",
