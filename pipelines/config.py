@@ -36,16 +36,16 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a shipped config ({known})")
 
 
-def load_config(name_or_path: str | Path, *, local_paths: bool = True, methods: bool = True) -> Deployment:
+def load_config(name_or_path: str | Path, *, local_paths: bool = True, training: bool = True) -> Deployment:
     """Read a pipeline config and check all of it, before any step runs.
 
     First the typed model (every field's type and range, unknown keys refused); then the rules each step
     applies when it starts, asked of the code that owns them (:func:`_problems`), so that a mistake costs
     seconds, not a run. Raises :class:`ConfigError` with every problem found, one line each naming the file
     and the field. ``local_paths`` False leaves out the files the config names (``gate.policy``): for a
-    config compiled for a cluster, whose tasks read those paths in their own containers. ``methods`` False
-    leaves out the compatibility method's options (checking them imports torch): for a command that trains
-    nothing.
+    config compiled for a cluster, whose tasks read those paths in their own containers. ``training`` False
+    leaves out what only training reads, the model configs and the compatibility method's options (checking
+    the options imports torch): for a command that trains nothing.
     """
     import yaml
 
@@ -55,25 +55,26 @@ def load_config(name_or_path: str | Path, *, local_paths: bool = True, methods: 
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: cannot read the config: {err}") from err
     deployment = Deployment.parse(document, source=str(path))
-    return check(deployment, source=str(path), local_paths=local_paths, methods=methods)
+    return check(deployment, source=str(path), local_paths=local_paths, training=training)
 
 
 def check(
-    deployment: Deployment, *, source: str, local_paths: bool = True, methods: bool = True
+    deployment: Deployment, *, source: str, local_paths: bool = True, training: bool = True
 ) -> Deployment:
     """``deployment`` when the code that uses its fields accepts them; else :class:`ConfigError`, one line
     per problem, each ``<source>: <field> ...``."""
-    problems = _problems(deployment, local_paths=local_paths, methods=methods)
+    problems = _problems(deployment, local_paths=local_paths, training=training)
     if problems:
         raise ConfigError("\n".join(f"{source}: {problem}" for problem in problems))
     return deployment
 
 
-def _problems(deployment: Deployment, *, local_paths: bool, methods: bool = True) -> list[str]:
+def _problems(deployment: Deployment, *, local_paths: bool, training: bool = True) -> list[str]:
     """What a well-typed config gets wrong, as ``field: why`` sentences, in the config's order."""
     problems = _training_problems(deployment.training)
-    problems += _model_problems(deployment, local_paths=local_paths)
-    problems += _compat_problems(deployment.compat) if methods else []
+    if training:
+        problems += _model_problems(deployment, local_paths=local_paths)
+        problems += _compat_problems(deployment.compat)
     if local_paths:
         problems += _gate_problems(deployment.gate)
     problems += _rollout_problems(deployment.rollout)

@@ -80,12 +80,12 @@ ConfigOpt = Annotated[
 def config_of(config: str | None) -> Any:
     """The resolved config an operator command reads its defaults from (``local`` when none is given). An
     operator command trains and gates nothing, so the files only a run reads (start weights, gate policy)
-    need not be on this machine and the method's options are not checked (``compatflow run`` checks
-    both)."""
+    need not be on this machine, and what only training reads is not checked (``compatflow run`` checks
+    all of it)."""
     from pipelines.config import ConfigError, load_config, resolve
 
     try:
-        return resolve(load_config(config or "local", local_paths=False, methods=False))
+        return resolve(load_config(config or "local", local_paths=False, training=False))
     except ConfigError as err:
         fail(str(err))
 
