@@ -3,10 +3,6 @@ collection) pair atomically when a rollout or a rollback changes the record.
 
 Modules: :mod:`~components.serving.pair` (the immutable pair and the follower that swaps it),
 :mod:`~components.serving.captions` (captions of hits from their gallery shards) and
-:mod:`~components.serving.app` (the FastAPI app and its metrics; imported only by the service).
+:mod:`~components.serving.app` (the FastAPI app and its metrics; imported only by the service). Nothing is
+imported here, so that :mod:`~components.serving.limits` checks a command's arguments before numpy loads.
 """
-
-from components.serving.captions import ShardCaptions
-from components.serving.pair import PairFollower, ServingPair
-
-__all__ = ["PairFollower", "ServingPair", "ShardCaptions"]

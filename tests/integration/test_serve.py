@@ -633,7 +633,7 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
 def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:
     """Stage 0 of an in-place rollout moves the query model on the same collection while a query runs: the
     answer comes from the new query model (the old one could meet the backfill's first new vectors)."""
-    from components.serving import PairFollower
+    from components.serving.pair import PairFollower
     from components.serving.record import read_serving, write_serving
 
     paths, index, _ = gallery
