@@ -11,6 +11,7 @@ workers' peaks come from the stage records, the Milvus server's from /proc. Plan
 from the rollout state; disk is what the rollout's work folder holds (its centres, the workers' cursors).
 After the completed rollout is rolled back, a second rollout is SIGKILLed in its second backfill stage and
 rolled back too. Milvus CPU per row is the server's CPU time over the rollout and its rollback, per item.
+With ``--lineage`` the workspace has a Feast repo and the rollout's writers record each item's lineage.
 Growth exponents are least-squares slopes of log(cost) over log(size).
 
     .venv/bin/python benchmarks/gallery_scale.py --sizes 10000,40000 --workers 1 --json /tmp/scale.json
@@ -236,6 +237,10 @@ def measure_size(
     if backend == "lite":
         args.uri = str(args.workspace / "milvus" / "gallery.db")
     build_s = build_gallery(args.uri, args.alias, args.workspace, size, args.dim)
+    if args.lineage:  # the rollout's writers record their items in the workspace's Feast repo
+        from components.adapters.lineage import LineageStore
+
+        LineageStore(args.workspace / "feast").apply()
     status = _run_child(args, "status")
     for k in args.workers_list:
         if backend == "lite" and k > 1:
@@ -277,6 +282,7 @@ def measure_size(
                     (s["workers_peak_rss_mib"] or 0 for s in rollout["stages"]), default=0
                 )
                 or None,
+                "lineage": bool(args.lineage),
                 "rollback_seconds": round(rollback["seconds"], 2),
                 "killed_at_stage": unfinished,
                 "rollback_unfinished_seconds": round(rollback_unfinished["seconds"], 2),
@@ -343,6 +349,7 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
         ("backend", "backend"),
         ("size", "items"),
         ("workers", "K"),
+        ("lineage", "lineage"),
         ("build_seconds", "index build s"),
         ("status_seconds", "status s"),
         ("plan_seconds", "plan s"),
@@ -405,6 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--encode-us", type=float, default=100.0, help="stand-in encoder time per item")
+    parser.add_argument(
+        "--lineage", action="store_true", help="the rollout records lineage in Feast as it writes"
+    )
     parser.add_argument("--json", type=Path, help="write the records here (a JSON list)")
     parser.add_argument("--table", type=Path, help="write the Markdown table here")
     # one measured operation, in a process of its own
