@@ -76,7 +76,7 @@ def _next(
     failure: Mapping[str, Any],
 ) -> None:
     """The undo command of a run that shipped, else what to do next."""
-    workspace = run.path.parent.parent
+    workspace = _workspace(run).root
     phase = plan.get("phase", "N")
     rerun = f"compatflow run --phase {phase}"
     kept = f"production v{before} still serves" if before else "production is unchanged"
@@ -121,11 +121,16 @@ def _links(registered: Mapping[str, Any], outcome: Mapping[str, Any], run: RunDi
         if run_id and source.startswith("file://"):
             links.append(_local(f"MLflow run {run_id} artifacts", Path(source[7:]).parent, base))
         if version:
-            links.append(
-                _local(f"model {name} v{version}", run.path.parent.parent / "models" / f"v{version}", base)
-            )
+            links.append(_local(f"model {name} v{version}", _workspace(run).model_dir(version), base))
     links.append(_local("run folder", run.path, base))
     return links + ([Link("KFP run", str(kfp))] if (kfp := outcome.get("kfp_run_url")) else [])
+
+
+def _workspace(run: RunDir) -> Any:
+    """The workspace the run folder lies in (``<workspace>/runs/<run_id>``)."""
+    from components.state.workspace import Workspace
+
+    return Workspace(run.path.parent.parent)
 
 
 def _local(text: str, path: Path, base: Path) -> Link:
