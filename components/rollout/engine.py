@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -192,18 +193,15 @@ class Rollout:
         n = idx.count(source.collection)
         if n == 0:
             raise RolloutError(f"collection {source.collection!r} is empty: nothing to roll out")
-        sample = read_sample(idx, source.collection, n)
+        sample = read_sample(idx, source.collection, n, vectors=self.adapt)
         selection = (
             plan_selection(c.order, c.fractions, c.seed, sample) if keyed else Selection(c.order, c.fractions)
         )
-        vectors = np.asarray([r["vector"] for r in sample], dtype=np.float32)
-        if self.adapt:
-            vectors = np.asarray(self.encoders.gallery_transform(vectors), dtype=np.float32)
         rid = self.rollout_id
         target = idx.next_collection_name(space)
-        centres = self.paths.centres(target)  # of the space the rows are written in (another space: none yet)
-        if mode == "staged":
-            save_centres(centres, fit_centres(vectors, c.n_clusters, c.seed))
+        dim = source.dim
+        if self.adapt:
+            dim = int(np.asarray(self.encoders.gallery_transform(np.asarray([sample[0]["vector"]]))).shape[1])
         old_queries = check_vectors(
             self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
@@ -228,7 +226,7 @@ class Rollout:
                 "seed": c.seed,
                 **selection.to_record(),
                 "n_clusters": c.n_clusters,
-                "centres": str(centres),
+                "centres": str(self.paths.centres(target)),
                 "sample": len(sample),
             },
             "cursor": {"position": 0, "batches": 0, "ranges": None},
@@ -242,7 +240,7 @@ class Rollout:
                 "source_space": source.space,
                 "collection": target,
                 "space": space,
-                "dim": int(vectors.shape[1]) if self.adapt else source.dim,
+                "dim": dim,
                 "keyed": keyed,
                 "transform": self.encoders.transform_tag,
                 "versions_before": idx.count_by_version(source.collection),
@@ -308,10 +306,19 @@ class Rollout:
 
     def _ensure_target(self, state: dict[str, Any]) -> None:
         """The rollout's own collection, created at its first stage (its size: the source's, the transform's,
-        or, for a fill in another space, what the gallery encoder makes of one item)."""
+        or, for a fill in another space, what the gallery encoder makes of one item), and the centres its rows
+        are keyed against: fitted on the plan's sample of the source, as the serving contract reads it (a
+        fill in another space has none yet)."""
         g = state["gallery"]
         if self.index.has_collection(g["collection"]):
             return
+        if state["mode"] == "staged":
+            sample = read_sample(self.index, g["source_collection"], state["n_items"], vectors=True)
+            vectors = np.asarray([r["vector"] for r in sample], dtype=np.float32)
+            if self.adapt:
+                vectors = np.asarray(self.encoders.gallery_transform(vectors), dtype=np.float32)
+            c = self.config
+            save_centres(Path(state["order"]["centres"]), fit_centres(vectors, c.n_clusters, c.seed))
         if state["mode"] == "blue_green":
             from components.rollout.types import item_ref
 

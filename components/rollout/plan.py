@@ -79,13 +79,15 @@ def check_probe_covers(probe: ProbeSet, index: GalleryIndex, collection: str) ->
         )
 
 
-def read_sample(index: GalleryIndex, collection: str, n_items: int) -> list[dict[str, Any]]:
-    """About :data:`~components.rollout.keys.SAMPLE_ROWS` rows of ``collection`` with their order keys and
-    vectors: a uniform sample by ``order_key`` (from a collection made before per-row keys: its first rows).
-    Bounded whatever the gallery's size."""
+def read_sample(
+    index: GalleryIndex, collection: str, n_items: int, *, vectors: bool = False
+) -> list[dict[str, Any]]:
+    """About :data:`~components.rollout.keys.SAMPLE_ROWS` rows of ``collection`` with their order keys (and
+    ``vectors``): a uniform sample by ``order_key`` (from a collection made before per-row keys: its first
+    rows). Bounded whatever the gallery's size."""
     from components.rollout.keys import SAMPLE_ROWS, sample_filter
 
-    fields = ("embedded_at", "vector", *ORDER_FIELDS)
+    fields = ("embedded_at", *ORDER_FIELDS, *(("vector",) if vectors else ()))
     if not index.has_order_keys(collection):
         return index.rows_where('item_id != ""', fields, collection, limit=SAMPLE_ROWS)
     filt = sample_filter(n_items, SAMPLE_ROWS)

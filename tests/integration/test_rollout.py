@@ -416,7 +416,9 @@ def test_a_rollout_reads_a_sample_and_its_slices_and_bounds_unflushed_rows(setup
     assert state["status"] == "completed"
     assert calls.rows("fetch") == 0 and calls.rows("upsert") == N
     assert all(f for f in reads)  # every read is a filter: the sample's, then one per slice
-    assert calls.rows("read") == 2 * N  # the sample (the whole gallery, being small) and the slices
+    # the sample twice (the plan's keys, then the vectors the target's centres are fitted on; the whole
+    # gallery, being small) and the slices once
+    assert calls.rows("read") == 3 * N
     assert 64 <= calls.most_unflushed() < 64 + 2 * 32
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
 
