@@ -63,10 +63,14 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
         assert all(stage["probe"][m] >= state["floors"][m] for m in state["floors"])
     assert state["curve"][-1]["t2i_R@1"] > state["curve"][0]["t2i_R@1"] > state["baseline"]["R@1"]
     target = index.serving_collection()
-    assert target == state["gallery"]["collection"] != source  # its own collection, behind the alias at the end
+    assert (
+        target == state["gallery"]["collection"] != source
+    )  # its own collection, behind the alias at the end
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
     _assert_gallery(index, UPGRADE.old_gallery, "v1", source)  # never written: the rollback's way back
-    assert state["plan_seconds"] < 5 and state["order"]["sample"] == N  # a sample (here the whole small gallery)
+    assert (
+        state["plan_seconds"] < 5 and state["order"]["sample"] == N
+    )  # a sample (here the whole small gallery)
     record = read_serving(paths.serving)
     assert record["query_model"]["side"] == "new" and record["query_model"]["version"] == "v2"
     summary = ro.status(paths.state)
@@ -411,7 +415,11 @@ def test_a_rollout_reads_a_sample_and_its_slices_and_bounds_unflushed_rows(setup
 
     monkeypatch.setattr(index, "iter_rows", iter_rows)
     state = ro.run_rollout(
-        index, paths, _config(fractions=(0.5, 1.0), flush_rows=64), synthetic_encoders({"options": OPTS}), PROBE
+        index,
+        paths,
+        _config(fractions=(0.5, 1.0), flush_rows=64),
+        synthetic_encoders({"options": OPTS}),
+        PROBE,
     )
     assert state["status"] == "completed"
     assert calls.rows("fetch") == 0 and calls.rows("upsert") == N

@@ -88,7 +88,7 @@ def test_stages_are_filters_that_partition_the_gallery_near_their_fractions(tmp_
 
 
 def test_order_scores_put_the_far_and_the_uncertain_first() -> None:
-    """lambda-orth's key is minus the distance to the nearest centre; uncertainty's the top-2 similarity gap."""
+    """lambda-orth's key is minus the distance to the nearest centre; uncertainty's the top-2 gap."""
     from components.rollout.keys import order_scores
 
     centres = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
@@ -200,7 +200,8 @@ def test_a_worker_killed_mid_range_resumes_with_nothing_lost_or_doubled(on_serve
     cursor = workers.range_cursor(work, 1, start, end)
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": root}
-    code = f"from components.rollout.workers import run_range; run_range({str(work / workers.SPEC_FILE)!r}, {start}, {end})"
+    spec = str(work / workers.SPEC_FILE)
+    code = f"from components.rollout.workers import run_range; run_range({spec!r}, {start}, {end})"
     cmd = [sys.executable, "-c", code]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120

@@ -26,7 +26,13 @@ def _document(version: int = 2) -> dict:
         "n_items": 10,
         "fraction_backfilled": 0.5,
         "batch_size": 4,
-        "order": {"policy": "random", "seed": 0, "offset": 0, "cuts": [None], "centres": "rollout/x/centres.npy"},
+        "order": {
+            "policy": "random",
+            "seed": 0,
+            "offset": 0,
+            "cuts": [None],
+            "centres": "rollout/x/centres.npy",
+        },
         "cursor": {"position": 5, "batches": 2},
         "query_model": model,
         "previous_query_model": model,
@@ -77,7 +83,9 @@ def test_the_rollout_engines_reader_migrates_too(tmp_path):
     path = tmp_path / "rollout_state.json"
     path.write_text(json.dumps(_document(version=1)))
     state = load_state(path)
-    assert state["status"] == "halted" and state["order"]["centres"] == str(tmp_path / "rollout/x/centres.npy")
+    assert state["status"] == "halted" and state["order"]["centres"] == str(
+        tmp_path / "rollout/x/centres.npy"
+    )
 
 
 @pytest.mark.parametrize(
