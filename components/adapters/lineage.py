@@ -290,10 +290,11 @@ def sync_from_index(
         return store.sync_with_index(index_rows(index))
 
 
-def index_rows(index: Any, batch_size: int = 2000) -> Iterator[dict[str, Any]]:
-    """Every row of the collection ``index`` serves, with the fields lineage compares, read in batches."""
+def index_rows(index: Any, batch_size: int = 2000, collection: str | None = None) -> Iterator[dict[str, Any]]:
+    """Every row of ``collection`` (default: the one ``index`` serves), with the fields lineage compares,
+    read in batches."""
     fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
-    for batch in index.iter_rows(fields, batch_size=batch_size):
+    for batch in index.iter_rows(fields, collection, batch_size=batch_size):
         yield from batch
 
 

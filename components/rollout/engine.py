@@ -505,6 +505,7 @@ class Rollout:
         spec = {**self._row_spec(state), "action": "reembed", "row_stage": 0}
         centres = load_centres(state["order"]["centres"])
         writer, swept, previous = GalleryWriter(self.index, g["collection"]), 0, None
+        lineage = workers.lineage_store(self.paths.lineage_spec())
         while rows := self.index.rows_where(flt, ROW_FIELDS, g["collection"], limit=self.config.batch_size):
             keys = [r["item_id"] for r in rows]
             if keys == previous:
@@ -512,7 +513,10 @@ class Rollout:
                     f"the sweep's write of {len(keys)} items to {g['collection']} is not visible to its next "
                     "read; check the index's consistency and run the rollout again (it resumes)"
                 )
-            writer.write(new_rows(self.encoders, rows, spec, centres))
+            written = new_rows(self.encoders, rows, spec, centres)
+            writer.write(written)
+            if lineage is not None:
+                lineage.sync_with_index(written)
             swept, previous = swept + len(rows), keys
         if swept:
             log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], swept)

@@ -182,7 +182,7 @@ class _SliceWriter:
                 latency_sources(index, spec["serving"], probe, live_services(Path(spec["services_dir"])))
             )
         self.writer = GalleryWriter.for_pace(index, spec["target"], self.pace, int(spec["flush_rows"]))
-        self.lineage = _lineage(spec.get("lineage"))
+        self.lineage = lineage_store(spec.get("lineage"))
         self.pace.begin()
 
     def encoded(
@@ -228,7 +228,7 @@ class _SliceWriter:
             self.writer.flush()
 
 
-def _lineage(spec: Mapping[str, Any] | None) -> Any:
+def lineage_store(spec: Mapping[str, Any] | None) -> Any:
     """The lineage store a worker records its items in (None: the rollout records none)."""
     if not spec or not (Path(spec["repo"]) / "feature_store.yaml").is_file():
         return None
