@@ -13,6 +13,7 @@ import sys
 
 import typer
 
+import pipelines.commands.adopt
 import pipelines.commands.compat
 import pipelines.commands.data
 import pipelines.commands.drift
@@ -121,6 +122,7 @@ def _root(
 
 
 COMMANDS = (  # the command modules, each with ``register(app)``, registered in this order
+    pipelines.commands.adopt,
     pipelines.commands.compat,
     pipelines.commands.data,
     pipelines.commands.drift,

@@ -1,0 +1,397 @@
+"""Adoption: a team's Milvus collection and the model that made it become production version 1.
+
+:func:`prove` re-embeds a seeded sample of the team's items from their images and compares with the stored
+vectors before anything is written; :func:`adopt` then copies every row's vector, unchanged, into a
+collection of compatflow's schema (streamed in pages), records each item's lineage as it goes, registers and
+promotes the model, moves the workspace's alias and serving record to the copy and records phase 0 as
+shipped. The team's collection is only read: no field, index, alias or row of it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compat.io import utc_now, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+QUERY_WINDOW = 16_384  # Milvus serves offset + limit up to this (maxQueryResultWindow): the sample's reach
+FLOAT_VECTOR = 101  # pymilvus DataType.FLOAT_VECTOR
+UNIT_TOLERANCE = 1e-3  # stored vectors this close to unit norm rank the same under IP, L2 and COSINE
+ADOPT_STEP = "adopt"
+SUMMARY_FILE = "adoption.json"
+
+
+class AdoptionRefused(RuntimeError):
+    """The collection or the model cannot be adopted; the message names the field and what to do. Nothing
+    was written."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """The team's collection and where its fields are (their names, not compatflow's)."""
+
+    uri: str
+    collection: str
+    id_field: str
+    vector_field: str
+    image_field: str | None = None
+    image_template: str | None = None  # e.g. "/data/{id}.jpg", when no field holds the image's path
+    caption_field: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image_field and not self.image_template:
+            raise AdoptionRefused(
+                "give --image-field (a field holding each image's path) or --image-template"
+            )
+
+    def image_uri(self, row: dict[str, Any]) -> str:
+        if self.image_field:
+            return str(row.get(self.image_field) or "")
+        return str(self.image_template).format(id=row[self.id_field])
+
+    @property
+    def fields(self) -> list[str]:
+        named = [self.id_field, self.vector_field, self.image_field, self.caption_field]
+        return [f for f in dict.fromkeys(named) if f]
+
+
+@dataclass
+class Proof:
+    """What the sample showed: per-item cosines (stored vs re-embedded) and the unreadable images."""
+
+    threshold: float
+    max_unreadable: float
+    n_sample: int
+    n_unreadable: int
+    cosine_min: float = float("nan")
+    cosine_p5: float = float("nan")
+    cosine_median: float = float("nan")
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.reasons
+
+    def summary(self) -> str:
+        return (
+            f"{self.n_sample} sampled items, {self.n_unreadable} unreadable images; cosine stored vs "
+            f"re-embedded: min {self.cosine_min:.4f}, p5 {self.cosine_p5:.4f}, "
+            f"median {self.cosine_median:.4f} "
+            f"(threshold {self.threshold})"
+        )
+
+
+# -- the team's collection, read only -----------------------------------------------------------------------
+def check_source(client: Any, source: Source, embed_dim: int) -> dict[str, Any]:
+    """The collection's shape, refused before any read: it must exist and be loaded, hold the named fields
+    and a float vector of the model's dimension under a metric compatflow's cosine ranks the same. Returns
+    ``{"dim", "metric", "count"}``."""
+    name = source.collection
+    if not client.has_collection(name):
+        raise AdoptionRefused(f"--collection {name!r} does not exist at {source.uri}")
+    state = str(client.get_load_state(name).get("state", ""))
+    if not state.endswith("Loaded"):
+        raise AdoptionRefused(
+            f"--collection {name!r} is not loaded ({state}): load it as it is served (compatflow does not "
+            "load or change the team's collection)"
+        )
+    fields = {str(f["name"]): f for f in client.describe_collection(name)["fields"]}
+    for option, value in (
+        ("--id-field", source.id_field),
+        ("--vector-field", source.vector_field),
+        ("--image-field", source.image_field),
+        ("--caption-field", source.caption_field),
+    ):
+        if value and value not in fields:
+            raise AdoptionRefused(f"{option} {value!r} is not a field of {name!r} (it has {sorted(fields)})")
+    vector = fields[source.vector_field]
+    if int(vector["type"]) != FLOAT_VECTOR:
+        raise AdoptionRefused(f"--vector-field {source.vector_field!r} is not a FLOAT_VECTOR field")
+    dim = int(vector["params"]["dim"])
+    if dim != int(embed_dim):
+        raise AdoptionRefused(
+            f"--vector-field {source.vector_field!r} holds {dim}-d vectors but the model embeds "
+            f"{embed_dim}-d: "
+            "this model cannot have made them (check --arch and --weights)"
+        )
+    metric = ""
+    for index_name in client.list_indexes(name, field_name=source.vector_field):
+        metric = str(client.describe_index(name, index_name).get("metric_type", ""))
+    count = int(client.query(name, filter="", output_fields=["count(*)"])[0]["count(*)"])
+    return {"dim": dim, "metric": metric or "COSINE", "count": count}
+
+
+def read_sample(client: Any, source: Source, size: int, count: int, seed: int) -> list[dict[str, Any]]:
+    """About ``size`` rows at seeded offsets (8 windows), within the first :data:`QUERY_WINDOW` positions: a
+    bounded read whatever the collection's size."""
+    reach = min(count, QUERY_WINDOW)
+    if reach == 0:
+        return []
+    windows, per = 8, max(1, -(-size // 8))
+    rng = np.random.default_rng(seed)
+    starts = sorted({int(s) for s in rng.integers(0, max(1, reach - per + 1), size=windows)})
+    rows: dict[Any, dict[str, Any]] = {}
+    for start in starts:
+        for row in client.query(
+            source.collection, filter="", output_fields=source.fields, offset=start, limit=per
+        ):
+            rows[row[source.id_field]] = dict(row)
+    return list(rows.values())[:size]
+
+
+def read_image(uri: str, size: int) -> Any:
+    """The RGB image at a local path or ``file://`` URI, decoded as training decodes it."""
+    from compat.data.images import decode_rgb
+
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    if "://" in path:
+        raise OSError(f"only local paths and file:// URIs are read, not {uri!r}")
+    return decode_rgb(Path(path).read_bytes(), size=size)
+
+
+def unit(vectors: np.ndarray) -> np.ndarray:
+    v = np.asarray(vectors, dtype=np.float32)
+    return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+
+
+def prove(
+    bundle: Any,
+    rows: list[dict[str, Any]],
+    source: Source,
+    metric: str,
+    *,
+    threshold: float = 0.99,
+    max_unreadable: float = 0.05,
+) -> Proof:
+    """Re-embed the sample's images with ``bundle`` and compare with their stored vectors (cosine after L2
+    normalisation). Fails when the median or p5 is below ``threshold``, more than ``max_unreadable`` of the
+    images cannot be read, or the metric ranks otherwise than cosine (IP or L2 on vectors off unit norm)."""
+    proof = Proof(threshold, max_unreadable, len(rows), 0)
+    if not rows:
+        proof.reasons.append(f"--collection {source.collection!r} holds no rows to prove the model on")
+        return proof
+    stored = np.asarray([row[source.vector_field] for row in rows], dtype=np.float32)
+    norms = np.linalg.norm(stored, axis=1)
+    if metric.upper() != "COSINE" and np.abs(norms - 1).max() > UNIT_TOLERANCE:
+        proof.reasons.append(
+            f"the collection is searched with {metric} on vectors not of unit norm (norms {norms.min():.3f}"
+            f"..{norms.max():.3f}): compatflow searches by cosine, which would rank them otherwise"
+        )
+    images, kept = [], []
+    for j, row in enumerate(rows):
+        try:
+            images.append(read_image(source.image_uri(row), bundle.image_size))
+            kept.append(j)
+        except Exception as err:  # noqa: BLE001 - counted against the stated fraction, one named in the log
+            log.warning("image of %s unreadable: %s", row[source.id_field], err)
+    proof.n_unreadable = len(rows) - len(kept)
+    if proof.n_unreadable > max_unreadable * len(rows):
+        proof.reasons.append(
+            f"{proof.n_unreadable} of {len(rows)} sampled images cannot be read (more than "
+            f"{max_unreadable:.0%}): check --image-field/--image-template and that this machine reads them"
+        )
+    if kept:
+        fresh = bundle.encode_images(images).numpy()
+        cosines = np.sum(unit(stored[kept]) * unit(fresh), axis=1)
+        proof.cosine_min = float(cosines.min())
+        proof.cosine_p5 = float(np.percentile(cosines, 5))
+        proof.cosine_median = float(np.median(cosines))
+        if proof.cosine_median < threshold or proof.cosine_p5 < threshold:
+            proof.reasons.append(
+                f"the model does not reproduce the stored vectors: median cosine {proof.cosine_median:.4f}, "
+                f"p5 {proof.cosine_p5:.4f}, below {threshold}: check --arch and --weights (and the images)"
+            )
+    return proof
+
+
+def pages(client: Any, source: Source, batch_size: int) -> Iterator[list[dict[str, Any]]]:
+    """Every row of the team's collection (its named fields), a page at a time (pymilvus's query iterator)."""
+    iterator = client.query_iterator(source.collection, batch_size=batch_size, output_fields=source.fields)
+    try:
+        while batch := iterator.next():
+            yield [dict(row) for row in batch]
+    finally:
+        iterator.close()
+
+
+# -- the adoption -------------------------------------------------------------------------------------------
+def _refuse_taken(workspace: Any, target: Any, registry: Any) -> None:
+    """Ownership before the first write: the workspace serves nothing yet, its registry has no production, and
+    the alias it would create is not someone's at that index."""
+    from components.serving.record import read_serving
+
+    if read_serving(workspace.serving_path) is not None:
+        raise AdoptionRefused(
+            f"workspace {workspace.root} already serves a gallery ({workspace.serving_path}): adopt into a "
+            "new workspace"
+        )
+    if registry.exists() and registry.alias_version("production") is not None:
+        raise AdoptionRefused(
+            f"the registry {registry.tracking_uri} already has a production {registry.model_name}: adopt "
+            "into a new workspace or another registry.model_name"
+        )
+    taken = target.serving_collection()
+    if taken is not None:
+        raise AdoptionRefused(
+            f"alias {target.alias!r} at {target.uri} already points at {taken!r}, which this workspace does "
+            "not serve: give the workspace another index.alias"
+        )
+
+
+def adopt(
+    workspace: Any,
+    source: Source,
+    *,
+    arch: str,
+    weights: str,
+    model_name: str,
+    sample_size: int = 256,
+    seed: int = 0,
+    threshold: float = 0.99,
+    max_unreadable: float = 0.05,
+    page_size: int = 1000,
+    on_proof: Any = None,
+) -> dict[str, Any]:
+    """Prove, then adopt (see the module doc); returns the summary also written to the run folder. Raises
+    :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known."""
+    import tempfile
+
+    from compat.backfill import fit_centres
+    from compat.models import build_model, save_checkpoint
+    from components.adapters.index import DEFAULT_ALIAS, GalleryIndex, make_rows
+    from components.adapters.lineage import LineageStore
+    from components.adapters.registry import Registry
+    from components.gate.decision import GateDecision, Reason
+    from components.rollout.keys import save_centres
+    from components.rollout.types import RolloutPaths
+    from components.runs import record_phase
+    from components.serving.record import DEFAULT_FACTORY, write_serving
+
+    try:
+        bundle = build_model(arch, pretrained=weights)
+    except (KeyError, ValueError, OSError) as err:
+        raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
+    started = time.monotonic()
+    source_index = GalleryIndex(source.uri)
+    try:
+        client = source_index.client
+        shape = check_source(client, source, bundle.embed_dim)
+        sample = read_sample(client, source, sample_size, shape["count"], seed)
+        proof = prove(
+            bundle, sample, source, shape["metric"], threshold=threshold, max_unreadable=max_unreadable
+        )
+        if on_proof is not None:
+            on_proof(proof)
+        if not proof.passed:
+            raise AdoptionRefused("; ".join(proof.reasons) + f" ({proof.summary()}); nothing was written")
+        proof_s = time.monotonic() - started
+
+        registry = Registry(workspace, model_name=model_name)
+        target = GalleryIndex(workspace.index_uri, alias=workspace.index_alias or DEFAULT_ALIAS)
+        with target:
+            _refuse_taken(workspace, target, registry)
+            run_id = f"adopt-{time.strftime('%Y%m%d-%H%M%S')}"
+            workspace.tmp_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=workspace.tmp_dir) as tmp:
+                save_checkpoint(bundle, Path(tmp) / "model", version="1", extra={"adopted_from": weights})
+                mlflow_run = registry.start_run(run_id, params={"adopted": True, "arch": arch})
+                gate = GateDecision(
+                    decision="pass",
+                    reasons=[Reason(code="adopted", message=f"adopted: {proof.summary()}")],
+                    checks=[],
+                    bootstrap=True,
+                    decided_at=utc_now(),
+                )
+                info = registry.register_candidate(
+                    mlflow_run,
+                    Path(tmp) / "model",
+                    data_phase=0,
+                    method="bootstrap",
+                    gate=gate,
+                    tags={
+                        "adopted_from": f"{source.uri}#{source.collection}",
+                        "adoption.cosine_median": proof.cosine_median,
+                    },
+                )
+            version = str(info["version"])
+            model_dir = registry.local_copy(version)
+            space = version  # a plain checkpoint's space is its version (compat.production.space_id_of)
+
+            copy_started = time.monotonic()
+            collection = target.create_collection(space, shape["dim"])
+            paths = RolloutPaths.for_workspace(workspace)
+            centres = fit_centres(unit(np.asarray([r[source.vector_field] for r in sample])), seed=seed)
+            save_centres(paths.centres(collection), centres)
+            lineage = LineageStore.of(workspace)
+            lineage.apply()
+            copied = recorded = 0
+            for page in pages(client, source, page_size):
+                ids = [str(r[source.id_field]) for r in page]
+                uris = [source.image_uri(r) for r in page]
+                items = [
+                    {
+                        "item_id": item_id,
+                        "model_version": version,
+                        "space_id": space,
+                        "caption": str(r.get(source.caption_field) or "") if source.caption_field else "",
+                        "image_uri": uri,
+                        "phase": 0,
+                    }
+                    for item_id, uri, r in zip(ids, uris, page, strict=True)
+                ]
+                recorded += lineage.write_items(items)  # lineage first: no copied row lacks it
+                vectors = unit(np.asarray([r[source.vector_field] for r in page]))
+                rows = make_rows(ids, vectors, version, space, source_uris=uris, centres=centres)
+                copied += target.upsert(rows, collection, insert=True)
+            target.flush(collection, wait_indexed=True)
+            if target.count(collection) != shape["count"]:
+                raise RuntimeError(
+                    f"copied {target.count(collection)} rows into {collection!r} but {source.collection!r} "
+                    f"holds {shape['count']}: it changed during the copy; drop {collection!r} and adopt again"
+                )
+            target.switch_alias(collection)
+            record = write_serving(
+                paths.serving,
+                uri=target.uri,
+                alias=target.alias,
+                collection=collection,
+                space=space,
+                dim=shape["dim"],
+                query_model={"version": version, "uri": str(model_dir), "factory": DEFAULT_FACTORY},
+            )
+            copy_s = time.monotonic() - copy_started
+        if source.caption_field:  # the rollout's probes: the sample's captions, each finding its own item
+            probe = [(str(r[source.id_field]), str(r.get(source.caption_field) or "")) for r in sample]
+            write_json_atomic(
+                paths.probe,
+                {"texts": [c for _, c in probe if c], "positives": [[i] for i, c in probe if c]},
+            )
+        registry.promote(version, rollout_state={"status": "completed", "model_version": version})
+        record_phase(workspace, 0, "succeeded", run_id)
+        registry.end_run(mlflow_run)
+    finally:
+        source_index.close()
+    summary = {
+        "run_id": run_id,
+        "adopted_at": utc_now(),
+        "source": asdict(source),
+        "model": {"arch": arch, "weights": weights, "version": version, "dir": str(model_dir)},
+        "proof": {**asdict(proof), "passed": True},
+        "collection": collection,
+        "alias": record["alias"],
+        "n_items": copied,
+        "lineage_recorded": recorded,
+        "seconds": {"proof": proof_s, "copy": copy_s},
+        "seconds_per_item": {"proof": proof_s / max(1, len(sample)), "copy": copy_s / max(1, copied)},
+        "untouched": f"{source.uri}#{source.collection} (read only)",
+    }
+    write_json_atomic(workspace.run_dir(run_id) / ADOPT_STEP / SUMMARY_FILE, summary)
+    return summary
