@@ -224,8 +224,8 @@ def pages(client: Any, source: Source, batch_size: int) -> Iterator[list[dict[st
 
 # -- the adoption -------------------------------------------------------------------------------------------
 def _refuse_taken(workspace: Any, target: Any, registry: Any) -> None:
-    """Ownership before the first write: the workspace serves nothing yet, its registry has no production, and
-    the alias it would create is not someone's at that index."""
+    """Ownership before the first write: the workspace serves nothing yet, its registry holds no version of
+    the model (the adopted one is version 1), and the alias it would create is not someone's at that index."""
     from components.serving.record import read_serving
 
     if read_serving(workspace.serving_path) is not None:
@@ -233,10 +233,11 @@ def _refuse_taken(workspace: Any, target: Any, registry: Any) -> None:
             f"workspace {workspace.root} already serves a gallery ({workspace.serving_path}): adopt into a "
             "new workspace"
         )
-    if registry.exists() and registry.alias_version("production") is not None:
+    name = registry.model_name
+    if registry.exists() and registry.client.search_model_versions(f"name='{name}'", max_results=1):
         raise AdoptionRefused(
-            f"the registry {registry.tracking_uri} already has a production {registry.model_name}: adopt "
-            "into a new workspace or another registry.model_name"
+            f"the registry {registry.tracking_uri} already holds versions of {name}: adopt into a new "
+            "workspace or another registry.model_name"
         )
     taken = target.serving_collection()
     if taken is not None:
@@ -261,16 +262,14 @@ def adopt(
     on_proof: Any = None,
 ) -> dict[str, Any]:
     """Prove, then adopt (see the module doc); returns the summary also written to the run folder. Raises
-    :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known."""
-    import tempfile
+    :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known.
 
-    from compat.backfill import fit_centres
-    from compat.models import build_model, save_checkpoint
-    from components.adapters.index import DEFAULT_ALIAS, GalleryIndex, make_rows
-    from components.adapters.lineage import LineageStore
+    Order: the copy (rows and lineage) into a collection nothing serves yet, then the model's registration,
+    then the alias and the serving record, then ``production`` and the phase record: a failure before the
+    alias moves serves nothing half made."""
+    from compat.models import build_model
+    from components.adapters.index import DEFAULT_ALIAS, GalleryIndex
     from components.adapters.registry import Registry
-    from components.gate.decision import GateDecision, Reason
-    from components.rollout.keys import save_centres
     from components.rollout.types import RolloutPaths
     from components.runs import record_phase
     from components.serving.record import DEFAULT_FACTORY, write_serving
@@ -280,8 +279,11 @@ def adopt(
     except (KeyError, ValueError, OSError) as err:
         raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
     started = time.monotonic()
-    source_index = GalleryIndex(source.uri)
-    try:
+    run_id = f"adopt-{time.strftime('%Y%m%d-%H%M%S')}"
+    version = space = "1"  # a plain checkpoint's space is its version (compat.production.space_id_of)
+    registry = Registry(workspace, model_name=model_name)
+    paths = RolloutPaths.for_workspace(workspace)
+    with GalleryIndex(source.uri) as source_index:
         client = source_index.client
         shape = check_source(client, source, bundle.embed_dim)
         sample = read_sample(client, source, sample_size, shape["count"], seed)
@@ -293,70 +295,18 @@ def adopt(
         if not proof.passed:
             raise AdoptionRefused("; ".join(proof.reasons) + f" ({proof.summary()}); nothing was written")
         proof_s = time.monotonic() - started
-
-        registry = Registry(workspace, model_name=model_name)
-        target = GalleryIndex(workspace.index_uri, alias=workspace.index_alias or DEFAULT_ALIAS)
-        with target:
+        with GalleryIndex(workspace.index_uri, alias=workspace.index_alias or DEFAULT_ALIAS) as target:
             _refuse_taken(workspace, target, registry)
-            run_id = f"adopt-{time.strftime('%Y%m%d-%H%M%S')}"
-            workspace.tmp_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=workspace.tmp_dir) as tmp:
-                save_checkpoint(bundle, Path(tmp) / "model", version="1", extra={"adopted_from": weights})
-                mlflow_run = registry.start_run(run_id, params={"adopted": True, "arch": arch})
-                gate = GateDecision(
-                    decision="pass",
-                    reasons=[Reason(code="adopted", message=f"adopted: {proof.summary()}")],
-                    checks=[],
-                    bootstrap=True,
-                    decided_at=utc_now(),
-                )
-                info = registry.register_candidate(
-                    mlflow_run,
-                    Path(tmp) / "model",
-                    data_phase=0,
-                    method="bootstrap",
-                    gate=gate,
-                    tags={
-                        "adopted_from": f"{source.uri}#{source.collection}",
-                        "adoption.cosine_median": proof.cosine_median,
-                    },
-                )
-            version = str(info["version"])
-            model_dir = registry.local_copy(version)
-            space = version  # a plain checkpoint's space is its version (compat.production.space_id_of)
-
             copy_started = time.monotonic()
-            collection = target.create_collection(space, shape["dim"])
-            paths = RolloutPaths.for_workspace(workspace)
-            centres = fit_centres(unit(np.asarray([r[source.vector_field] for r in sample])), seed=seed)
-            save_centres(paths.centres(collection), centres)
-            lineage = LineageStore.of(workspace)
-            lineage.apply()
-            copied = recorded = 0
-            for page in pages(client, source, page_size):
-                ids = [str(r[source.id_field]) for r in page]
-                uris = [source.image_uri(r) for r in page]
-                items = [
-                    {
-                        "item_id": item_id,
-                        "model_version": version,
-                        "space_id": space,
-                        "caption": str(r.get(source.caption_field) or "") if source.caption_field else "",
-                        "image_uri": uri,
-                        "phase": 0,
-                    }
-                    for item_id, uri, r in zip(ids, uris, page, strict=True)
-                ]
-                recorded += lineage.write_items(items)  # lineage first: no copied row lacks it
-                vectors = unit(np.asarray([r[source.vector_field] for r in page]))
-                rows = make_rows(ids, vectors, version, space, source_uris=uris, centres=centres)
-                copied += target.upsert(rows, collection, insert=True)
-            target.flush(collection, wait_indexed=True)
-            if target.count(collection) != shape["count"]:
-                raise RuntimeError(
-                    f"copied {target.count(collection)} rows into {collection!r} but {source.collection!r} "
-                    f"holds {shape['count']}: it changed during the copy; drop {collection!r} and adopt again"
-                )
+            sample_vectors = np.asarray([r[source.vector_field] for r in sample])
+            collection, copied = copy_rows(
+                client, source, target, workspace, version, sample_vectors, page_size, seed
+            )
+            copy_s = time.monotonic() - copy_started
+            registered = _register(registry, bundle, workspace, run_id, arch, weights, source, proof)
+            if registered["version"] != version:
+                raise RuntimeError(f"the registry numbered the adopted model {registered['version']}, not 1")
+            model_dir = registry.local_copy(version)
             target.switch_alias(collection)
             record = write_serving(
                 paths.serving,
@@ -367,18 +317,14 @@ def adopt(
                 dim=shape["dim"],
                 query_model={"version": version, "uri": str(model_dir), "factory": DEFAULT_FACTORY},
             )
-            copy_s = time.monotonic() - copy_started
-        if source.caption_field:  # the rollout's probes: the sample's captions, each finding its own item
-            probe = [(str(r[source.id_field]), str(r.get(source.caption_field) or "")) for r in sample]
-            write_json_atomic(
-                paths.probe,
-                {"texts": [c for _, c in probe if c], "positives": [[i] for i, c in probe if c]},
-            )
-        registry.promote(version, rollout_state={"status": "completed", "model_version": version})
-        record_phase(workspace, 0, "succeeded", run_id)
-        registry.end_run(mlflow_run)
-    finally:
-        source_index.close()
+    if source.caption_field:  # the rollout's probes: the sample's captions, each finding its own item
+        probe = [(str(r[source.id_field]), str(r.get(source.caption_field) or "")) for r in sample]
+        write_json_atomic(
+            paths.probe, {"texts": [c for _, c in probe if c], "positives": [[i] for i, c in probe if c]}
+        )
+    registry.promote(version, rollout_state={"status": "completed", "model_version": version})
+    registry.end_run(registered["mlflow_run_id"])
+    record_phase(workspace, 0, "succeeded", run_id)
     summary = {
         "run_id": run_id,
         "adopted_at": utc_now(),
@@ -388,10 +334,97 @@ def adopt(
         "collection": collection,
         "alias": record["alias"],
         "n_items": copied,
-        "lineage_recorded": recorded,
         "seconds": {"proof": proof_s, "copy": copy_s},
         "seconds_per_item": {"proof": proof_s / max(1, len(sample)), "copy": copy_s / max(1, copied)},
         "untouched": f"{source.uri}#{source.collection} (read only)",
     }
     write_json_atomic(workspace.run_dir(run_id) / ADOPT_STEP / SUMMARY_FILE, summary)
     return summary
+
+
+def copy_rows(
+    client: Any,
+    source: Source,
+    target: Any,
+    workspace: Any,
+    version: str,
+    sample_vectors: np.ndarray,
+    page_size: int,
+    seed: int,
+) -> tuple[str, int]:
+    """Every row's vector (L2-normalised, never re-embedded) into a new collection of compatflow's schema,
+    a page at a time, each page's lineage written before its rows; the centres (the rows' order keys) fitted
+    on the proof's sample. Returns the collection and the rows copied, checked against the source's count."""
+    from compat.backfill import fit_centres
+    from components.adapters.index import make_rows
+    from components.adapters.lineage import LineageStore
+    from components.rollout.keys import save_centres
+    from components.rollout.types import RolloutPaths
+
+    collection = target.create_collection(version, int(sample_vectors.shape[1]))
+    centres = fit_centres(unit(sample_vectors), seed=seed)
+    save_centres(RolloutPaths.for_workspace(workspace).centres(collection), centres)
+    lineage = LineageStore.of(workspace)
+    lineage.apply()
+    copied = 0
+    for page in pages(client, source, page_size):
+        ids = [str(r[source.id_field]) for r in page]
+        uris = [source.image_uri(r) for r in page]
+        captions = [str(r.get(source.caption_field) or "") if source.caption_field else "" for r in page]
+        lineage.write_items(  # first: no copied row lacks its lineage
+            {"item_id": i, "model_version": version, "space_id": version, "caption": c, "image_uri": u}
+            for i, u, c in zip(ids, uris, captions, strict=True)
+        )
+        vectors = unit(np.asarray([r[source.vector_field] for r in page]))
+        rows = make_rows(ids, vectors, version, version, source_uris=uris, centres=centres)
+        copied += target.upsert(rows, collection, insert=True)
+    target.flush(collection, wait_indexed=True)
+    held = target.count(collection)
+    want = int(client.query(source.collection, filter="", output_fields=["count(*)"])[0]["count(*)"])
+    if held != want or copied != want:
+        raise RuntimeError(
+            f"copied {copied} rows ({held} held) into {collection!r} but {source.collection!r} holds {want}: "
+            f"it changed during the copy; drop {collection!r} and adopt again in a new workspace"
+        )
+    return collection, copied
+
+
+def _register(
+    registry: Any,
+    bundle: Any,
+    workspace: Any,
+    run_id: str,
+    arch: str,
+    weights: str,
+    source: Source,
+    proof: Proof,
+) -> dict[str, Any]:
+    """The model saved as this project's checkpoint and registered (the adoption's record as its gate)."""
+    import tempfile
+
+    from compat.models import save_checkpoint
+    from components.gate.decision import GateDecision, Reason
+
+    workspace.tmp_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=workspace.tmp_dir) as tmp:
+        save_checkpoint(bundle, Path(tmp) / "model", version="1", extra={"adopted_from": weights})
+        mlflow_run = registry.start_run(run_id, params={"adopted": True, "arch": arch})
+        gate = GateDecision(
+            decision="pass",
+            reasons=[Reason(code="adopted", message=f"adopted: {proof.summary()}")],
+            checks=[],
+            bootstrap=True,
+            decided_at=utc_now(),
+        )
+        info = registry.register_candidate(
+            mlflow_run,
+            Path(tmp) / "model",
+            data_phase=0,
+            method="bootstrap",
+            gate=gate,
+            tags={
+                "adopted_from": f"{source.uri}#{source.collection}",
+                "adoption.cosine_median": proof.cosine_median,
+            },
+        )
+    return {**info, "version": str(info["version"]), "mlflow_run_id": mlflow_run}
