@@ -20,8 +20,8 @@ Reads name their consistency deliberately (a Milvus server's default, Bounded, l
 of the last few seconds; milvus-lite is always current):
 
 - ``SESSION`` (the default): the process reads its own writes (the rollout, its probes and cursor, the
-  ingest). A collection this process has not written yet is read ``STRONG`` instead, so a resumed
-  process sees what the one before it wrote.
+  ingest). A collection this process has not written yet is read ``STRONG`` the first time, so a resumed
+  process sees what the one before it wrote, then as of that first read (no wait per read).
 - ``STRONG``: reads of what another process wrote (``status``, :func:`gallery_status`, lineage sync);
   ~one server time tick (~200 ms on Milvus 2.3) per read.
 - ``as_of`` a time (searches only): every write before it is seen, with no wait once the server has
@@ -196,6 +196,7 @@ class GalleryIndex:
         self.consistency = consistency
         self._loaded: set[str] = set()
         self._fields: dict[str, tuple[str, ...]] = {}
+        self._caught_up: dict[str, float] = {}  # collection -> the time its first STRONG read was made
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         if not is_remote(self.uri):
             Path(self.uri).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -234,8 +235,17 @@ class GalleryIndex:
         return level
 
     def _read_args(self, name: str, consistency: str | None, as_of: float | None) -> dict[str, Any]:
+        """The read's consistency arguments. A SESSION read of a collection this process has not written is
+        STRONG the first time (it waits for the server's time tick, ~200 ms on Milvus 2.3); later ones read
+        as of that first read: they see every write before it, with no wait per read."""
         if as_of is None:
-            return {"consistency_level": self._level(name, consistency)}
+            level = self._level(name, consistency)
+            if self.lite or level != STRONG or (consistency or self.consistency) != SESSION:
+                return {"consistency_level": level}
+            as_of = self._caught_up.get(name)
+            if as_of is None:
+                self._caught_up[name] = time.time()
+                return {"consistency_level": level}
         from pymilvus.client.utils import mkts_from_unixtime
 
         return {"consistency_level": "Customized", "guarantee_timestamp": mkts_from_unixtime(float(as_of))}
@@ -609,7 +619,7 @@ class GalleryIndex:
             name,
             filter=filter,
             output_fields=["count(*)"],
-            consistency_level=self._level(name, consistency),
+            **self._read_args(name, consistency, None),
             timeout=self.timeout,
         )
         return int(res[0]["count(*)"])
@@ -631,7 +641,6 @@ class GalleryIndex:
         """
         name = self.resolve(collection)
         wanted, fields = list(fields), self._readable(name, fields)
-        level = self._level(name, consistency)
         if self.lite:
             for batch in self._iterate_lite(name, fields, filter, batch_size):
                 yield self._completed(batch, wanted)
@@ -644,7 +653,7 @@ class GalleryIndex:
                 filter=f"({filter}) and {after}" if filter else after,
                 output_fields=fields,
                 limit=int(batch_size),
-                consistency_level=level,
+                **self._read_args(name, consistency, None),
                 timeout=self.timeout,
             )
             if not page:
@@ -679,7 +688,6 @@ class GalleryIndex:
         process. The versions present are found one query each (a row of a version not counted yet, until
         none is left), so the cost grows with the number of versions, not of rows."""
         name = self.resolve(collection)
-        level = self._level(name, consistency)
         counts: dict[str, int] = {}
         while True:
             others = "model_version not in [" + ", ".join(quote(v) for v in counts) + "]" if counts else ""
@@ -688,13 +696,13 @@ class GalleryIndex:
                 filter=others or 'item_id != ""',
                 output_fields=["model_version"],
                 limit=1,
-                consistency_level=level,
+                **self._read_args(name, consistency, None),
                 timeout=self.timeout,
             )
             if not found:
                 return dict(sorted(counts.items()))
             version = str(found[0]["model_version"])
-            counts[version] = self.count(name, f"model_version == {quote(version)}", consistency=level)
+            counts[version] = self.count(name, f"model_version == {quote(version)}", consistency=consistency)
 
     def rows_where(
         self,
@@ -712,7 +720,7 @@ class GalleryIndex:
             filter=filter,
             output_fields=self._readable(name, fields),
             limit=int(limit),
-            consistency_level=self._level(name, consistency),
+            **self._read_args(name, consistency, None),
             timeout=self.timeout,
         )
         return self._completed(rows, fields)
@@ -726,7 +734,6 @@ class GalleryIndex:
     ) -> set[str]:
         """Those of ``ids`` the collection holds (a get by primary key per ``chunk``; bounded by ``ids``)."""
         name = self.resolve(collection)
-        level = self._level(name, consistency)
         ids = [str(i) for i in ids]
         found: set[str] = set()
         for start in range(0, len(ids), chunk):
@@ -736,7 +743,7 @@ class GalleryIndex:
                     name,
                     ids=ids[start : start + chunk],
                     output_fields=["item_id"],
-                    consistency_level=level,
+                    **self._read_args(name, consistency, None),
                     timeout=self.timeout,
                 )
             )
@@ -753,14 +760,13 @@ class GalleryIndex:
         name = self.resolve(collection)
         found: dict[str, dict[str, Any]] = {}
         ids = [str(i) for i in ids]
-        level = self._level(name, consistency)
         fields = self._readable(name, ROW_FIELDS)
         for start in range(0, len(ids), chunk):
             rows = self.client.get(
                 name,
                 ids=ids[start : start + chunk],
                 output_fields=fields,
-                consistency_level=level,
+                **self._read_args(name, consistency, None),
                 timeout=self.timeout,
             )
             for row in self._completed([{f: r[f] for f in fields} for r in rows], ROW_FIELDS):
