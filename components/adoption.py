@@ -51,6 +51,10 @@ class Source:
             raise AdoptionRefused(
                 "give --image-field (a field holding each image's path) or --image-template"
             )
+        if self.image_template and "{id}" not in self.image_template:
+            raise AdoptionRefused(
+                f"--image-template {self.image_template!r} must name the item's id as {{id}}"
+            )
 
     def image_uri(self, row: dict[str, Any]) -> str:
         if self.image_field:
@@ -119,8 +123,7 @@ def check_source(client: Any, source: Source, embed_dim: int) -> dict[str, Any]:
     if dim != int(embed_dim):
         raise AdoptionRefused(
             f"--vector-field {source.vector_field!r} holds {dim}-d vectors but the model embeds "
-            f"{embed_dim}-d: "
-            "this model cannot have made them (check --arch and --weights)"
+            f"{embed_dim}-d: this model cannot have made them (check --arch and --weights)"
         )
     metric = ""
     for index_name in client.list_indexes(name, field_name=source.vector_field):
