@@ -315,7 +315,11 @@ def _killed_rollout(args: argparse.Namespace, version: str, k: int) -> int:
             if doc.get("new_version") == version and doc.get("stage", 0) >= 2:
                 return int(doc["stage"])
             time.sleep(0.05)
-        raise RuntimeError(f"the rollout of {version} ended ({proc.returncode}) before it could be killed")
+        doc = json.loads(state.read_text()) if state.is_file() else {}
+        raise RuntimeError(
+            f"the rollout of {version} ended ({proc.returncode}, {doc.get('status')}: {doc.get('halt_reason')}) "
+            "before it could be killed"
+        )
     finally:
         proc.kill()
         proc.wait()

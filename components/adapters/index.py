@@ -379,6 +379,10 @@ class GalleryIndex:
             for j, r in enumerate(rows)
         ]
 
+    def written_elsewhere(self, name: str) -> None:
+        """Another process wrote ``name`` since this one read it: its next read waits for the server again."""
+        self._caught_up.pop(name, None)
+
     def collection_space(self, name: str) -> str:
         """The space id a collection was created for."""
         return str(self.client.describe_collection(self._require(name))["properties"].get(SPACE_PROPERTY, ""))

@@ -384,6 +384,7 @@ class Rollout:
             if self._pool is None:
                 self._pool = workers.WorkerPool(c.workers)
             self._pool.run(spec, pending)
+            self.index.written_elsewhere(g["collection"])  # the probe reads what the workers wrote
         else:
             for start, end in pending:
                 workers.run_range(spec, start, end, encoders=self.encoders, index=self.index, pace=self.pace)
