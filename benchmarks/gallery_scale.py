@@ -317,8 +317,8 @@ def _killed_rollout(args: argparse.Namespace, version: str, k: int) -> int:
             time.sleep(0.05)
         doc = json.loads(state.read_text()) if state.is_file() else {}
         raise RuntimeError(
-            f"the rollout of {version} ended ({proc.returncode}, {doc.get('status')}: {doc.get('halt_reason')}) "
-            "before it could be killed"
+            f"the rollout of {version} ended ({proc.returncode}, {doc.get('status')}: "
+            f"{doc.get('halt_reason')}) before it could be killed"
         )
     finally:
         proc.kill()
