@@ -138,9 +138,12 @@ def read_sample(client: Any, source: Source, size: int, count: int, seed: int) -
     reach = min(count, QUERY_WINDOW)
     if reach == 0:
         return []
-    windows, per = 8, max(1, -(-size // 8))
-    rng = np.random.default_rng(seed)
-    starts = sorted({int(s) for s in rng.integers(0, max(1, reach - per + 1), size=windows)})
+    if reach <= size:  # a collection no larger than the sample is read whole
+        starts, per = [0], reach
+    else:
+        per = -(-size // 8)
+        rng = np.random.default_rng(seed)
+        starts = sorted({int(s) for s in rng.integers(0, reach - per + 1, size=8)})
     rows: dict[Any, dict[str, Any]] = {}
     for start in starts:
         for row in client.query(
@@ -296,7 +299,7 @@ def adopt(
         if on_proof is not None:
             on_proof(proof)
         if not proof.passed:
-            raise AdoptionRefused("; ".join(proof.reasons) + f" ({proof.summary()}); nothing was written")
+            raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
         proof_s = time.monotonic() - started
         with GalleryIndex(workspace.index_uri, alias=workspace.index_alias or DEFAULT_ALIAS) as target:
             _refuse_taken(workspace, target, registry)

@@ -119,7 +119,7 @@ def test_adopts_the_collection_and_its_model_as_production_version_1(team, tmp_p
     ws = tmp_path / "ws"
     done = _adopt(ws, team, team["weights"])
     assert done.exit_code == 0, done.output
-    assert "proof: " in done.output and "threshold 0.99" in done.output
+    assert f"proof: {N_ITEMS} sampled items, 0 unreadable" in done.output and "threshold 0.99" in done.output
 
     record = read_serving(ws / "serving.json")
     assert record["query_model"]["version"] == "1" and record["dim"] == 64
