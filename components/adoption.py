@@ -373,25 +373,29 @@ def copy_rows(
     lineage = LineageStore.of(workspace)
     lineage.apply()
     copied = 0
-    for page in pages(client, source, page_size):
-        ids = [str(r[source.id_field]) for r in page]
-        uris = [source.image_uri(r) for r in page]
-        captions = [str(r.get(source.caption_field) or "") if source.caption_field else "" for r in page]
-        lineage.write_items(  # first: no copied row lacks its lineage
-            {"item_id": i, "model_version": version, "space_id": version, "caption": c, "image_uri": u}
-            for i, u, c in zip(ids, uris, captions, strict=True)
-        )
-        vectors = unit(np.asarray([r[source.vector_field] for r in page]))
-        rows = make_rows(ids, vectors, version, version, source_uris=uris, centres=centres)
-        copied += target.upsert(rows, collection, insert=True)
-    target.flush(collection, wait_indexed=True)
-    held = target.count(collection)
-    want = int(client.query(source.collection, filter="", output_fields=["count(*)"])[0]["count(*)"])
-    if held != want or copied != want:
-        raise RuntimeError(
-            f"copied {copied} rows ({held} held) into {collection!r} but {source.collection!r} holds {want}: "
-            f"it changed during the copy; drop {collection!r} and adopt again in a new workspace"
-        )
+    try:
+        for page in pages(client, source, page_size):
+            ids = [str(r[source.id_field]) for r in page]
+            uris = [source.image_uri(r) for r in page]
+            captions = [str(r.get(source.caption_field) or "") if source.caption_field else "" for r in page]
+            lineage.write_items(  # first: no copied row lacks its lineage
+                {"item_id": i, "model_version": version, "space_id": version, "caption": c, "image_uri": u}
+                for i, u, c in zip(ids, uris, captions, strict=True)
+            )
+            vectors = unit(np.asarray([r[source.vector_field] for r in page]))
+            rows = make_rows(ids, vectors, version, version, source_uris=uris, centres=centres)
+            copied += target.upsert(rows, collection, insert=True)
+        target.flush(collection, wait_indexed=True)
+        held = target.count(collection)
+        want = int(client.query(source.collection, filter="", output_fields=["count(*)"])[0]["count(*)"])
+        if held != want or copied != want:
+            raise RuntimeError(
+                f"copied {copied} rows ({held} held) but {source.collection!r} holds {want}: it changed "
+                "during the copy; adopt again once it is still (the copy is dropped)"
+            )
+    except BaseException:  # nothing serves the copy yet: dropped, and a run again starts a new one
+        target.drop(collection)
+        raise
     return collection, copied
 
 

@@ -168,3 +168,30 @@ def test_vectors_of_another_model_are_refused_with_nothing_written(team, tmp_pat
         team["client"].load_collection(TEAM)
     assert released.exit_code == 3 and "is not loaded" in released.output, released.output
     assert not (ws / "serving.json").exists()
+
+
+def test_a_copy_that_fails_is_dropped_and_the_adoption_runs_again(team, tmp_path, monkeypatch):
+    import components.adapters.index as index_module
+    from components.adapters.index import GalleryIndex
+    from components.adoption import Source, adopt
+    from components.state.workspace import Workspace
+
+    real, calls = index_module.make_rows, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full (planted)")
+        return real(*args, **kwargs)
+
+    ws = Workspace(tmp_path / "ws")
+    source = Source(str(team["uri"]), TEAM, "pk", "emb", image_field="url", caption_field="text")
+    monkeypatch.setattr(index_module, "make_rows", failing)
+    with pytest.raises(OSError, match="planted"):
+        adopt(ws, source, arch="cf-tiny", weights=str(team["weights"]), model_name="m", page_size=10)
+    with GalleryIndex(ws.index_uri) as index:
+        assert index.collections() == [] and index.serving_collection() is None
+    assert not ws.serving_path.exists() and not (tmp_path / "ws" / "mlflow.db").exists()
+    monkeypatch.setattr(index_module, "make_rows", real)
+    done = adopt(ws, source, arch="cf-tiny", weights=str(team["weights"]), model_name="m", page_size=10)
+    assert done["n_items"] == N_ITEMS and done["collection"] == "gallery_1_1"
