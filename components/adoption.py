@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from compat.io import utc_now, write_json_atomic
+from compat.io import atomic_write, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ FLOAT_VECTOR = 101  # pymilvus DataType.FLOAT_VECTOR
 UNIT_TOLERANCE = 1e-3  # stored vectors this close to unit norm rank the same under IP, L2 and COSINE
 ADOPT_STEP = "adopt"
 SUMMARY_FILE = "adoption.json"
+REPORT_FILE = "adoption.md"  # the on-call note
 
 
 class AdoptionRefused(RuntimeError):
@@ -344,8 +345,35 @@ def adopt(
         "seconds_per_item": {"proof": proof_s / max(1, len(sample)), "copy": copy_s / max(1, copied)},
         "untouched": f"{source.uri}#{source.collection} (read only)",
     }
-    write_json_atomic(workspace.run_dir(run_id) / ADOPT_STEP / SUMMARY_FILE, summary)
+    folder = workspace.run_dir(run_id) / ADOPT_STEP
+    write_json_atomic(folder / SUMMARY_FILE, summary)
+    atomic_write(folder / REPORT_FILE, lambda tmp: tmp.write_text(on_call_note(summary)))
     return summary
+
+
+def on_call_note(summary: dict[str, Any]) -> str:
+    """The adoption for whoever is on call: what serves now, what the proof saw, what was left alone and how
+    to go back."""
+    source, proof, model = summary["source"], summary["proof"], summary["model"]
+    team = f"{source['uri']}#{source['collection']}"
+    seconds, per_item = summary["seconds"], summary["seconds_per_item"]
+    lines = [
+        f"# Adoption {summary['run_id']} ({summary['adopted_at']})",
+        "",
+        f"- Serving: alias `{summary['alias']}` -> `{summary['collection']}`, {summary['n_items']:,} "
+        f"items, all of model version {model['version']} (production), copied from `{team}` without "
+        "re-embedding.",
+        f"- Model: `{model['arch']}` weights `{model['weights']}`, registered as version "
+        f"{model['version']} (`{model['dir']}`).",
+        f"- Proof: {proof['n_sample']} sampled items, {proof['n_unreadable']} unreadable images; cosine "
+        f"stored vs re-embedded min {proof['cosine_min']:.4f}, p5 {proof['cosine_p5']:.4f}, median "
+        f"{proof['cosine_median']:.4f} (threshold {proof['threshold']}).",
+        f"- Cost: proof {seconds['proof']:.1f} s, copy with lineage {seconds['copy']:.1f} s "
+        f"({1e3 * per_item['copy']:.2f} ms per item).",
+        f"- Untouched: `{team}` (read only: no row, field, index or alias of it changed).",
+        f"- To go back: point the team's service at `{team}` again; it depends on nothing here.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def copy_rows(

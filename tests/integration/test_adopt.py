@@ -137,6 +137,8 @@ def test_adopts_the_collection_and_its_model_as_production_version_1(team, tmp_p
     assert read_state(ws)["phases"]["0"]["status"] == "succeeded"
     summary = json.loads(next(ws.glob("runs/adopt-*/adopt/adoption.json")).read_text())
     assert summary["n_items"] == N_ITEMS and summary["proof"]["cosine_median"] >= 0.99
+    note = next(ws.glob("runs/adopt-*/adopt/adoption.md")).read_text()
+    assert f"{N_ITEMS} items, all of model version 1 (production)" in note and "Untouched: `" in note
 
     checked = CliRunner().invoke(app, ["lineage", "--check", "--workspace", str(ws), "--json"])
     assert checked.exit_code == 0, checked.output
