@@ -10,6 +10,7 @@ shipped. The team's collection is only read: no field, index, alias or row of it
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ FLOAT_VECTOR = 101  # pymilvus DataType.FLOAT_VECTOR
 UNIT_TOLERANCE = 1e-3  # stored vectors this close to unit norm rank the same under IP, L2 and COSINE
 ADOPT_STEP = "adopt"
 SUMMARY_FILE = "adoption.json"
+MLFLOW_SCHEMES = ("models:/", "runs:/")  # --weights read from an MLflow registry or run
 REPORT_FILE = "adoption.md"  # the on-call note
 
 
@@ -131,6 +133,52 @@ def check_source(client: Any, source: Source, embed_dim: int) -> dict[str, Any]:
         metric = str(client.describe_index(name, index_name).get("metric_type", ""))
     count = int(client.query(name, filter="", output_fields=["count(*)"])[0]["count(*)"])
     return {"dim": dim, "metric": metric or "COSINE", "count": count}
+
+
+def scratch(workspace: Any) -> Path:
+    """The workspace's ``tmp`` folder, made without following a link (:func:`compat.io.own_folder`)."""
+    from compat.io import own_folder
+
+    workspace.root.mkdir(parents=True, exist_ok=True)
+    os.close(own_folder(workspace.root, workspace.tmp_dir.name))
+    return workspace.tmp_dir
+
+
+def local_weights(weights: str, tracking_uri: str | None, into: Path) -> str:
+    """``weights`` itself, or for an MLflow ``models:/`` or ``runs:/`` URI the one weights file (a state dict
+    as open_clip or torch saves it, or safetensors) among its artifacts, downloaded into ``into``."""
+    from compat.models.pretrained import WEIGHT_SUFFIXES
+
+    if not weights.startswith(MLFLOW_SCHEMES):
+        return weights
+    import mlflow.artifacts
+    from mlflow import MlflowClient
+
+    try:
+        uri = weights
+        if weights.startswith(
+            "models:/"
+        ):  # resolved here: MLflow's own resolution reads its default registry
+            client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+            name, at, alias = weights[len("models:/") :].partition("@")
+            if at:
+                version = str(client.get_model_version_by_alias(name, alias).version)
+            else:
+                name, _, version = name.rpartition("/")
+            uri = client.get_model_version_download_uri(name, version)
+        folder = mlflow.artifacts.download_artifacts(
+            artifact_uri=uri, dst_path=str(into), tracking_uri=tracking_uri
+        )
+    except Exception as err:  # noqa: BLE001 - MLflow raises many kinds; the refusal names the URI and why
+        raise AdoptionRefused(f"--weights {weights!r}: cannot download it from MLflow ({err})") from err
+    found = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.suffix.lower() in WEIGHT_SUFFIXES)
+    if len(found) != 1:
+        names = ", ".join(str(p.relative_to(folder)) for p in found) or "none"
+        raise AdoptionRefused(
+            f"--weights {weights!r}: its artifacts must hold one weights file ({'/'.join(WEIGHT_SUFFIXES)}), "
+            f"found {names}: name the file's own artifact URI"
+        )
+    return str(found[0])
 
 
 def read_sample(client: Any, source: Source, size: int, count: int, seed: int) -> list[dict[str, Any]]:
@@ -266,14 +314,19 @@ def adopt(
     threshold: float = 0.99,
     max_unreadable: float = 0.05,
     page_size: int = 1000,
+    tracking_uri: str | None = None,
     on_proof: Any = None,
 ) -> dict[str, Any]:
     """Prove, then adopt (see the module doc); returns the summary also written to the run folder. Raises
     :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known.
+    ``weights``: a local file or folder, or an MLflow ``models:/`` or ``runs:/`` URI (:func:`local_weights`,
+    read from ``tracking_uri``).
 
     Order: the copy (rows and lineage) into a collection nothing serves yet, then the model's registration,
     then the alias and the serving record, then ``production`` and the phase record: a failure before the
     alias moves serves nothing half made."""
+    import tempfile
+
     from compat.models import build_model
     from components.adapters.index import DEFAULT_ALIAS, GalleryIndex
     from components.adapters.registry import Registry
@@ -281,10 +334,11 @@ def adopt(
     from components.runs import record_phase
     from components.serving.record import DEFAULT_FACTORY, write_serving
 
-    try:
-        bundle = build_model(arch, pretrained=weights)
-    except (KeyError, ValueError, OSError) as err:
-        raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
+    with tempfile.TemporaryDirectory(dir=scratch(workspace)) as tmp:
+        try:
+            bundle = build_model(arch, pretrained=local_weights(weights, tracking_uri, Path(tmp)))
+        except (KeyError, ValueError, OSError) as err:
+            raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
     started = time.monotonic()
     run_id = f"adopt-{time.strftime('%Y%m%d-%H%M%S')}"
     version = space = "1"  # a plain checkpoint's space is its version (compat.production.space_id_of)
@@ -443,8 +497,7 @@ def _register(
     from compat.models import save_checkpoint
     from components.gate.decision import GateDecision, Reason
 
-    workspace.tmp_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=workspace.tmp_dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch(workspace)) as tmp:
         save_checkpoint(bundle, Path(tmp) / "model", version="1", extra={"adopted_from": weights})
         mlflow_run = registry.start_run(run_id, params={"adopted": True, "arch": arch})
         gate = GateDecision(

@@ -28,7 +28,11 @@ def adopt(
     ],
     weights: Annotated[
         str,
-        typer.Option("--weights", help="The model's weights: a checkpoint file or folder open_clip wrote."),
+        typer.Option(
+            "--weights",
+            help="The model's weights: a checkpoint file or folder open_clip wrote, or an MLflow models:/ or "
+            "runs:/ URI whose artifacts hold one such file.",
+        ),
     ],
     image_field: Annotated[
         str | None,
@@ -52,6 +56,14 @@ def adopt(
         typer.Option("--max-unreadable", min=0.0, max=1.0, help="Largest fraction of unreadable images."),
     ] = 0.05,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sample.")] = 0,
+    weights_tracking_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--weights-tracking-uri",
+            help="The MLflow server (or store) a models:/ or runs:/ --weights is read from "
+            "(default: $MLFLOW_TRACKING_URI).",
+        ),
+    ] = None,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -87,6 +99,7 @@ def adopt(
                 threshold=threshold,
                 max_unreadable=max_unreadable,
                 model_name=model_name,
+                tracking_uri=weights_tracking_uri,
                 on_proof=show,
             )
         except AdoptionRefused as err:

@@ -103,7 +103,7 @@ def team(tmp_path_factory, milvus_lite_server):
     client.close()
 
 
-def _adopt(ws: Path, team: dict, weights: Path, *extra: str):
+def _adopt(ws: Path, team: dict, weights: Path | str, *extra: str):
     args = ["adopt", "--workspace", str(ws), "--uri", str(team["uri"]), "--collection", TEAM]
     args += ["--id-field", "pk", "--vector-field", "emb", "--image-field", "url", "--caption-field", "text"]
     return CliRunner().invoke(app, [*args, "--arch", "cf-tiny", "--weights", str(weights), *extra])
@@ -197,3 +197,23 @@ def test_a_copy_that_fails_is_dropped_and_the_adoption_runs_again(team, tmp_path
     monkeypatch.setattr(index_module, "make_rows", real)
     done = adopt(ws, source, arch="cf-tiny", weights=str(team["weights"]), model_name="m", page_size=10)
     assert done["n_items"] == N_ITEMS and done["collection"] == "gallery_1_1"
+
+
+def test_weights_registered_in_mlflow_are_read_from_their_model_uri(team, tmp_path):
+    """The team's model as its MLflow registry holds it: ``--weights models:/NAME/VERSION``."""
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'team-mlflow.db'}"
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    experiment = client.create_experiment("team", artifact_location=str(tmp_path / "team-artifacts"))
+    run = client.create_run(experiment)
+    client.log_artifact(run.info.run_id, str(team["weights"]), "weights")
+    client.create_registered_model("team-clip")
+    client.create_model_version("team-clip", f"{run.info.artifact_uri}/weights", run_id=run.info.run_id)
+
+    ws = tmp_path / "ws"
+    done = _adopt(ws, team, "models:/team-clip/1", "--weights-tracking-uri", store)
+    assert done.exit_code == 0, done.output
+    assert "median 1.0000" in done.output and (ws / "models" / "v1" / "model.safetensors").is_file()
+    missing = _adopt(tmp_path / "ws2", team, "models:/team-clip/7", "--weights-tracking-uri", store)
+    assert missing.exit_code == 3 and "cannot download it from MLflow" in missing.output
