@@ -778,6 +778,28 @@ class GalleryIndex:
         return [found[i] for i in ids if i in found]
 
 
+KEY_SPACE = 1 << 63  # order_key lies in [0, 2^63)
+
+
+def key_window(start: int, width: int) -> str:
+    """A filter for ``order_key`` in ``[start, start + width)`` modulo 2^63."""
+    start %= KEY_SPACE
+    if width >= KEY_SPACE:
+        return "order_key >= 0"
+    end = start + width
+    if end == KEY_SPACE:  # 2^63 itself is no INT64 literal
+        return f"order_key >= {start}"
+    if end < KEY_SPACE:
+        return f"(order_key >= {start} and order_key < {end})"
+    return f"(order_key >= {start} or order_key < {end - KEY_SPACE})"
+
+
+def key_slices(n: int) -> list[str]:
+    """Every row, as ``n`` disjoint filters by ``order_key`` range (what K processes each read part of)."""
+    edges = [KEY_SPACE * i // n for i in range(n + 1)]
+    return [key_window(a, b - a) for a, b in zip(edges, edges[1:], strict=False)]
+
+
 def _merged(layers: Sequence[Sequence[Hit]], k: int) -> list[Hit]:
     """The top ``k`` of the layers' hits by score, each item once (from the first layer that has it)."""
     seen: set[str] = set()

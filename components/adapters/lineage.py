@@ -1,8 +1,9 @@
 """Gallery-item lineage in Feast: which model version and embedding space wrote each item's vector.
 
 The indexing and backfill stages call :meth:`LineageStore.write_items` after each upsert, and
-:func:`sync_from_index` after a rollout or a rollback (streamed, bounded by a batch); on-call calls
-:meth:`LineageStore.get_items` and :meth:`LineageStore.check_against_index` (``compatflow lineage``).
+:func:`sync_from_index` after a halt or a rollback, and :func:`check_from_index` (``compatflow lineage
+--check``), read the gallery in ``order_key`` slices, fanned out over processes on a Milvus server; the
+rollout's writers record their own items as they write them. On-call calls :meth:`LineageStore.get_items`.
 Rows are pushed through the repo's PushSource (what ``feast apply`` registers from ``items.py``) into the
 online store (sqlite by default), which holds the newest row per item. Offline rows are append-only parquet
 parts of its batch source (one file per write, renamed into place, so a crash never leaves a half-written
@@ -276,25 +277,92 @@ class LineageStore:
         return {str(c["values"]): int(c["counts"]) for c in counts.to_pylist()}
 
 
+SLICE_ROWS = 20_000  # rows a sync or check reads per slice of the gallery
+
+
 def sync_from_index(
-    repo_dir: str | Path, uri: str, alias: str, *, definition: str | Path | None = None
+    repo_dir: str | Path, uri: str, alias: str, *, definition: str | Path | None = None, workers: int = 1
 ) -> int:
     """Bring the lineage in ``repo_dir`` (made from ``definition``, see :class:`LineageStore`) in line with
-    the collection serving ``alias`` at the Milvus ``uri`` (after a backfill, a blue-green switch or a
-    rollback); returns the rows written."""
+    the collection serving ``alias`` at the Milvus ``uri`` (after a halt, a blue-green switch or a rollback);
+    returns the rows written. The gallery is read in ``order_key`` slices, by ``workers`` processes on a
+    Milvus server (:func:`over_slices`)."""
+    LineageStore(repo_dir, definition=definition).apply()
+    return sum(over_slices(_sync_slices, str(repo_dir), definition, uri, alias, workers))
+
+
+def check_from_index(
+    repo_dir: str | Path, uri: str, alias: str, *, definition: str | Path | None = None, workers: int = 1
+) -> dict[str, Any]:
+    """:meth:`LineageStore.check_against_index` of the collection serving ``alias``, read in ``order_key``
+    slices by ``workers`` processes (:func:`over_slices`), their answers added up."""
+    parts = over_slices(_check_slices, str(repo_dir), definition, uri, alias, workers)
+    index: Counter[str] = Counter()
+    lineage: Counter[str] = Counter()
+    for part in parts:
+        index.update(part["index"])
+        lineage.update(part["lineage"])
+    examples = [e for part in parts for e in part["examples"]][:5]
+    disagreeing = sum(part["disagreeing"] for part in parts)
+    return {
+        "index": dict(sorted(index.items())),
+        "lineage": dict(sorted(lineage.items())),
+        "disagreeing": disagreeing,
+        "examples": examples,
+        "agree": disagreeing == 0,
+    }
+
+
+def over_slices(work: Any, repo: str, definition: Any, uri: str, alias: str, workers: int) -> list[Any]:
+    """``work(repo, definition, uri, alias, filters)`` over the serving collection cut into slices of about
+    :data:`SLICE_ROWS` rows by ``order_key``: in this process, or spread over ``workers`` processes when the
+    index is a server (a milvus-lite directory opens in one process only). A collection written before
+    per-row keys is one slice."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from components.adapters.index import GalleryIndex, is_remote, key_slices
+
+    with GalleryIndex(uri, alias) as index:
+        collection = index.serving_collection()
+        if collection is None:
+            return []
+        keyed = index.has_order_keys(collection)
+        n = index.count(collection)
+    filters = key_slices(max(1, n // SLICE_ROWS)) if keyed else [""]
+    if workers <= 1 or len(filters) == 1 or not is_remote(uri):
+        return [work(repo, definition, uri, alias, filters)]
+    shares = [filters[i::workers] for i in range(min(workers, len(filters)))]
+    with ProcessPoolExecutor(len(shares), mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(work, repo, definition, uri, alias, share) for share in shares]
+        return [future.result() for future in futures]
+
+
+def _sync_slices(repo: str, definition: Any, uri: str, alias: str, filters: list[str]) -> int:
     from components.adapters.index import GalleryIndex
 
-    store = LineageStore(repo_dir, definition=definition)
-    store.apply()
+    store = LineageStore(repo, definition=definition)
     with GalleryIndex(uri, alias) as index:
-        return store.sync_with_index(index_rows(index))
+        return sum(store.sync_with_index(index_rows(index, filter=f)) for f in filters)
 
 
-def index_rows(index: Any, batch_size: int = 2000, collection: str | None = None) -> Iterator[dict[str, Any]]:
-    """Every row of ``collection`` (default: the one ``index`` serves), with the fields lineage compares,
-    read in batches."""
+def _check_slices(repo: str, definition: Any, uri: str, alias: str, filters: list[str]) -> dict[str, Any]:
+    from itertools import chain
+
+    from components.adapters.index import GalleryIndex
+
+    store = LineageStore(repo, definition=definition)
+    with GalleryIndex(uri, alias) as index:
+        return store.check_against_index(chain.from_iterable(index_rows(index, filter=f) for f in filters))
+
+
+def index_rows(
+    index: Any, batch_size: int = 2000, collection: str | None = None, filter: str = ""
+) -> Iterator[dict[str, Any]]:
+    """The rows of ``collection`` (default: the one ``index`` serves) that match ``filter``, with the fields
+    lineage compares, read in batches."""
     fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
-    for batch in index.iter_rows(fields, collection, batch_size=batch_size):
+    for batch in index.iter_rows(fields, collection, filter, batch_size=batch_size):
         yield from batch
 
 

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 
 from compat.backfill import fit_centres, order_keys, order_scores
+from components.adapters.index import KEY_SPACE
+from components.adapters.index import key_window as _window  # the index's filter vocabulary
 
 __all__ = [
     "Selection",
@@ -45,7 +47,6 @@ __all__ = [
     "save_centres",
 ]
 
-KEY_SPACE = 1 << 63  # order_key lies in [0, 2^63)
 SAMPLE_ROWS = 4096  # rows a plan reads to place its cuts and fit the centres
 KEY_FIELDS = {
     "oldest_first": "embedded_at",
@@ -70,19 +71,6 @@ def load_centres(path: str | Path | None) -> np.ndarray | None:
 def _literal(value: Any) -> str:
     """A number as a filter literal equal to the stored value (float32 keys read back exactly)."""
     return str(int(value)) if isinstance(value, (int, np.integer)) else repr(float(np.float32(value)))
-
-
-def _window(start: int, width: int) -> str:
-    """``order_key`` in ``[start, start + width)`` modulo 2^63."""
-    start %= KEY_SPACE
-    if width >= KEY_SPACE:
-        return "order_key >= 0"
-    end = start + width
-    if end == KEY_SPACE:  # 2^63 itself is no INT64 literal
-        return f"order_key >= {start}"
-    if end < KEY_SPACE:
-        return f"(order_key >= {start} and order_key < {end})"
-    return f"(order_key >= {start} or order_key < {end - KEY_SPACE})"
 
 
 @dataclass(frozen=True)
@@ -138,11 +126,6 @@ class Selection:
             f"({stage}) and {_window(KEY_SPACE * i // n, KEY_SPACE * (i + 1) // n - KEY_SPACE * i // n)}"
             for i in range(n)
         ]
-
-
-def whole_slices(n: int) -> list[str]:
-    """Every item, as ``n`` filters by ``order_key`` range (a blue-green fill, a transformed copy)."""
-    return [_window(KEY_SPACE * i // n, KEY_SPACE * (i + 1) // n - KEY_SPACE * i // n) for i in range(n)]
 
 
 def sample_filter(n_items: int, rows: int = SAMPLE_ROWS) -> str:

@@ -89,11 +89,12 @@ def write_spec(work: Path, spec: Mapping[str, Any]) -> Path:
 
 def stage_filters(spec: Mapping[str, Any]) -> list[str]:
     """The slice filters of the spec's stage: the order's stage, or (``whole``) every item of the source."""
-    from components.rollout.keys import Selection, whole_slices
+    from components.adapters.index import key_slices
+    from components.rollout.keys import Selection
 
     n = int(spec["n_slices"])
     if spec["whole"]:
-        return whole_slices(n) if spec["keyed"] else [""]
+        return key_slices(n) if spec["keyed"] else [""]
     return Selection.of(spec["order"], spec["fractions"]).slices(int(spec["stage"]), n)
 
 

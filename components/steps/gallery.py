@@ -123,7 +123,11 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         "lineage_updated": 0
         if state["status"] == "completed"
         else sync_from_index(
-            workspace.lineage_dir, gallery["uri"], gallery["alias"], definition=workspace.lineage_definition
+            workspace.lineage_dir,
+            gallery["uri"],
+            gallery["alias"],
+            definition=workspace.lineage_definition,
+            workers=deployment.rollout.workers,
         ),
         "promoted": state["status"] == "completed",
     }

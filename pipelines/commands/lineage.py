@@ -74,10 +74,10 @@ def lineage(
 
 
 def _agreement(ws: Any, store: Any) -> dict[str, Any]:
-    """Every item of the serving collection against its online lineage, streamed in batches
-    (:meth:`~components.adapters.lineage.LineageStore.check_against_index`). With no gallery served, the
-    lineage must be empty."""
-    from components.adapters.lineage import index_rows
+    """Every item of the serving collection against its online lineage, read in slices
+    (:func:`~components.adapters.lineage.check_from_index`). With no gallery served, the lineage must be
+    empty."""
+    from components.adapters.lineage import check_from_index
     from components.rollout import read_serving
     from components.rollout.operations import open_index
 
@@ -86,8 +86,9 @@ def _agreement(ws: Any, store: Any) -> dict[str, Any]:
         if store.has_items():
             agreement.update(agree=False, note="no gallery is served, but the lineage records items")
         return agreement
-    with open_index(ws) as index:
-        return store.check_against_index(index_rows(index))
+    with open_index(ws) as index:  # the index the serving record names (a configured other one is refused)
+        uri, alias = index.uri, index.alias
+    return check_from_index(ws.lineage_dir, uri, alias, definition=ws.lineage_definition)
 
 
 def register(app: typer.Typer) -> None:

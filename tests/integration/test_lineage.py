@@ -191,6 +191,31 @@ def test_a_rollback_on_a_milvus_server_syncs_lineage_from_the_gallery(tmp_path, 
     assert sync_from_index(lineage.repo_dir, uri, alias) == 0
 
 
+def test_the_sync_and_the_check_fan_out_over_order_key_slices(tmp_path, request, monkeypatch) -> None:
+    """Two processes each read half of a gallery's ``order_key`` slices: the sync records every item once,
+    the check adds up their answers and finds the one item written since."""
+    from components.adapters import lineage as lineage_mod
+    from components.adapters.index import GalleryIndex
+    from components.adapters.lineage import check_from_index
+
+    monkeypatch.setattr(lineage_mod, "SLICE_ROWS", 40)  # 300 items: 7 slices
+    store = repo_on(tmp_path / "feast", "sqlite", request)
+    uri, alias = server_uri(request, "milvus-lite"), f"l{uuid.uuid4().hex[:8]}"
+    ids = [f"item-{i}" for i in range(300)]
+    vectors = np.random.default_rng(0).normal(size=(300, 8)).astype(np.float32)
+    with GalleryIndex(uri, alias) as index:
+        name = index.create_collection("s", 8)
+        index.index_items(ids, vectors, "1", "s", collection=name)
+        index.switch_alias(name)
+    assert sync_from_index(store.repo_dir, uri, alias, workers=2) == 300
+    check = check_from_index(store.repo_dir, uri, alias, workers=2)
+    assert check["agree"] and check["index"] == {"1": 300} == check["lineage"]
+    with GalleryIndex(uri, alias) as index:
+        index.index_items(ids[:1], vectors[:1], "2", "s", collection=name)
+    check = check_from_index(store.repo_dir, uri, alias, workers=2)
+    assert not check["agree"] and check["disagreeing"] == 1 and check["examples"] == ["item-0"]
+
+
 def test_the_lineage_command_reads_feast_and_checks_it_against_the_index(tmp_path):
     """On-call's read of the lineage: an item's model version from the online store, and --check failing
     when Feast holds versions the (here empty) index does not."""
