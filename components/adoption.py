@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from compat.data.images import read_image_file
 from compat.io import atomic_write, utc_now, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -202,16 +203,6 @@ def read_sample(client: Any, source: Source, size: int, count: int, seed: int) -
     return list(rows.values())[:size]
 
 
-def read_image(uri: str, size: int) -> Any:
-    """The RGB image at a local path or ``file://`` URI, decoded as training decodes it."""
-    from compat.data.images import decode_rgb
-
-    path = uri[len("file://") :] if uri.startswith("file://") else uri
-    if "://" in path:
-        raise OSError(f"only local paths and file:// URIs are read, not {uri!r}")
-    return decode_rgb(Path(path).read_bytes(), size=size)
-
-
 def unit(vectors: np.ndarray) -> np.ndarray:
     v = np.asarray(vectors, dtype=np.float32)
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
@@ -243,7 +234,7 @@ def prove(
     images, kept = [], []
     for j, row in enumerate(rows):
         try:
-            images.append(read_image(source.image_uri(row), bundle.image_size))
+            images.append(read_image_file(source.image_uri(row), bundle.image_size))
             kept.append(j)
         except Exception as err:  # noqa: BLE001 - counted against the stated fraction, one named in the log
             log.warning("image of %s unreadable: %s", row[source.id_field], err)

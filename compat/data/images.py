@@ -204,6 +204,22 @@ def decode_rgb(
     return rgb
 
 
+def read_image_file(uri: str, size: int | None = None, max_bytes: int = 32 << 20) -> Image.Image:
+    """The RGB image of a file named by a local path or ``file://`` URI (an item's own image, outside any
+    shard), at most ``max_bytes``, decoded by :func:`decode_rgb` to ``size``. Raises :class:`OSError` for a
+    file it cannot read or another scheme, :class:`ImageDecodeError` for one that is not an image."""
+    from pathlib import Path
+
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
+    if "://" in path:
+        raise OSError(f"{uri!r}: only local paths and file:// URIs are read")
+    with Path(path).open("rb") as file:
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ImageDecodeError(f"{path} is over {max_bytes:,} bytes")
+    return decode_rgb(data, size=size)
+
+
 def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     from PIL import Image
 

@@ -38,14 +38,14 @@ def sample(tmp_path, monkeypatch):
     for i in range(N):
         Image.new("RGB", (16, 16), (i, 0, 0)).save(tmp_path / f"{i}.png")
         rows.append({"pk": i, "emb": vectors[i].tolist()})
-    real = adoption.read_image
+    real = adoption.read_image_file
 
-    def read_image(uri, size):
+    def read_image_file(uri, size):
         image = real(uri, size)
         image.info["index"] = int(uri.rsplit("/", 1)[1].split(".")[0])
         return image
 
-    monkeypatch.setattr(adoption, "read_image", read_image)
+    monkeypatch.setattr(adoption, "read_image_file", read_image_file)
     source = Source("team.db", "items", "pk", "emb", image_template=str(tmp_path / "{id}.png"))
     return source, rows, vectors
 
@@ -90,3 +90,15 @@ def test_an_image_must_be_named():
         Source("uri", "items", "pk", "emb")
     with pytest.raises(AdoptionRefused, match=r"as \{id\}"):
         Source("uri", "items", "pk", "emb", image_template="/data/image.jpg")
+
+
+def test_an_items_own_image_file_is_read_by_path_or_file_uri(tmp_path):
+    from compat.data.images import ImageDecodeError, read_image_file
+
+    Image.new("RGB", (40, 20), (10, 20, 30)).save(tmp_path / "a.png")
+    assert read_image_file(str(tmp_path / "a.png"), 10).size == (20, 10)
+    assert read_image_file(f"file://{tmp_path / 'a.png'}").size == (40, 20)
+    with pytest.raises(OSError, match="only local paths"):
+        read_image_file("https://example.com/a.png")
+    with pytest.raises(ImageDecodeError, match="over 10 bytes"):
+        read_image_file(str(tmp_path / "a.png"), max_bytes=10)
