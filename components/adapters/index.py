@@ -301,7 +301,8 @@ class GalleryIndex:
         hnsw_m: int = 16,
         ef_construction: int = 200,
     ) -> str:
-        """Create a collection for ``space`` (dimension ``dim``) with an HNSW index; returns its name."""
+        """Create a collection for ``space`` (dimension ``dim``) with an HNSW index on its vectors and a scalar
+        index on ``order_key``; returns its name."""
         from pymilvus import DataType, MilvusClient
 
         if dim < 1:
@@ -328,6 +329,9 @@ class GalleryIndex:
             metric_type=metric,
             params={"M": hnsw_m, "efConstruction": ef_construction},
         )
+        # a stage's slices are order_key ranges: a scalar index makes each a lookup, not a scan of the column
+        # (milvus-lite 3.2 offers INVERTED only, a 2.3 server STL_SORT, which later servers keep for numbers)
+        index_params.add_index(field_name="order_key", index_type="INVERTED" if self.lite else "STL_SORT")
         self.client.create_collection(
             name,
             schema=schema,
