@@ -23,6 +23,7 @@ def _team_gallery(stream_dir: Path, root: Path, uri: str) -> Path:
     from pymilvus import DataType, MilvusClient
 
     from compat.data.loader import load_captioned_set
+    from components.adapters.index import LITE_GRPC_OPTIONS
 
     torch.manual_seed(7)
     model = open_clip.CLIP(**TINY).eval()
@@ -38,7 +39,7 @@ def _team_gallery(stream_dir: Path, root: Path, uri: str) -> Path:
     with torch.no_grad():
         pixels = torch.stack([preprocess(image) for image in items.images])
         vectors = torch.nn.functional.normalize(model.encode_image(pixels), dim=-1).numpy()
-    client = MilvusClient(uri)
+    client = MilvusClient(uri, grpc_options=dict(LITE_GRPC_OPTIONS))  # as every client of a loopback server
     schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
     schema.add_field("sku", DataType.VARCHAR, is_primary=True, max_length=128)
     schema.add_field("vec", DataType.FLOAT_VECTOR, dim=64)
@@ -104,6 +105,8 @@ def test_the_next_phase_trains_and_is_gated_against_the_adopted_model(
     finally:
         from pymilvus import MilvusClient
 
-        client = MilvusClient(milvus_lite_server)
+        from components.adapters.index import LITE_GRPC_OPTIONS
+
+        client = MilvusClient(milvus_lite_server, grpc_options=dict(LITE_GRPC_OPTIONS))
         client.drop_collection("shop")
         client.close()

@@ -53,13 +53,15 @@ def _team_collection(uri: str, weights: Path, images: list[Path]) -> Any:
     import open_clip
     from pymilvus import DataType, MilvusClient
 
+    from components.adapters.index import LITE_GRPC_OPTIONS
+
     model = open_clip.CLIP(**TINY).eval()
     model.load_state_dict(torch.load(weights, weights_only=True))
     preprocess = open_clip.image_transform(64, is_train=False)
     with torch.no_grad():
         pixels = torch.stack([preprocess(Image.open(p).convert("RGB")) for p in images])
         vectors = torch.nn.functional.normalize(model.encode_image(pixels), dim=-1).numpy()
-    client = MilvusClient(uri)
+    client = MilvusClient(uri, grpc_options=dict(LITE_GRPC_OPTIONS))  # as every client of a loopback server
     schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
     schema.add_field("pk", DataType.INT64, is_primary=True)
     schema.add_field("emb", DataType.FLOAT_VECTOR, dim=64)
