@@ -301,8 +301,8 @@ class GalleryIndex:
         hnsw_m: int = 16,
         ef_construction: int = 200,
     ) -> str:
-        """Create a collection for ``space`` (dimension ``dim``) with an HNSW index on its vectors and a scalar
-        index on ``order_key``; returns its name."""
+        """Create a collection for ``space`` (dimension ``dim``) with an HNSW index on its vectors and a
+        scalar index on ``order_key``; returns its name."""
         from pymilvus import DataType, MilvusClient
 
         if dim < 1:

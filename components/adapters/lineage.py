@@ -219,13 +219,7 @@ class LineageStore:
                     disagreeing += 1
                     if len(examples) < 5:
                         examples.append(str(row["item_id"]))
-        return {
-            "index": dict(sorted(index.items())),
-            "lineage": dict(sorted(lineage.items())),
-            "disagreeing": disagreeing,
-            "examples": examples,
-            "agree": disagreeing == 0,
-        }
+        return _agreement(index, lineage, disagreeing, examples)
 
     def get_items(self, item_ids: Iterable[str]) -> list[dict[str, Any]]:
         """Online lineage of ``item_ids`` in order; unknown items come back with ``None`` features."""
@@ -303,7 +297,10 @@ def check_from_index(
         index.update(part["index"])
         lineage.update(part["lineage"])
     examples = [e for part in parts for e in part["examples"]][:5]
-    disagreeing = sum(part["disagreeing"] for part in parts)
+    return _agreement(index, lineage, sum(part["disagreeing"] for part in parts), examples)
+
+
+def _agreement(index: Counter[str], lineage: Counter[str], disagreeing: int, examples: list[str]) -> dict:
     return {
         "index": dict(sorted(index.items())),
         "lineage": dict(sorted(lineage.items())),

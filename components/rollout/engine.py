@@ -32,6 +32,7 @@ from components.rollout.plan import (
     stage_plan,
 )
 from components.rollout.probes import broken_floors, probe_metrics
+from components.rollout.rollback import serve_source
 from components.rollout.state import exclusive, load_state, save_state
 from components.rollout.types import (
     ProbeSet,
@@ -578,18 +579,7 @@ class Rollout:
             status="halted", halt_reason=f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
         )
         log.error("rollout %s halted: %s", state["rollout_id"], state["halt_reason"])
-        write_serving(
-            self.paths.serving,
-            uri=g["uri"],
-            alias=g["alias"],
-            collection=g["source_collection"],
-            space=g["source_space"],
-            dim=self.index.collection_dim(g["source_collection"]),
-            query_model=state["previous_query_model"],
-            previous=g.get("source_previous"),
-            rollout_id=state["rollout_id"],
-        )
-        state["query_model"] = dict(state["previous_query_model"])
+        serve_source(self.paths, self.index, state, keep_previous=True)
         state["fraction_backfilled"] = 0.0
         self._drop_unserved(g["collection"])
         state["restored"] = True

@@ -48,18 +48,7 @@ def rollback(
         try:
             t0 = time.perf_counter()
             state["rollback"] = {"started_at": utc_now(), "from_status": state["status"]}
-            unfinished = state["status"] != "completed"
-            write_serving(
-                paths.serving,
-                uri=g["uri"],
-                alias=g["alias"],
-                collection=source,
-                space=g["source_space"],
-                dim=index.collection_dim(source),
-                query_model=state["previous_query_model"],
-                previous=g.get("source_previous") if unfinished else None,
-                rollout_id=state["rollout_id"],
-            )
+            serve_source(paths, index, state, keep_previous=state["status"] != "completed")
             index.switch_alias(source)
             state.update(
                 status="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
@@ -73,6 +62,26 @@ def rollback(
         finally:
             if own:
                 index.close()
+
+
+def serve_source(
+    paths: RolloutPaths, index: GalleryIndex, state: dict[str, Any], *, keep_previous: bool
+) -> None:
+    """The serving record back to the rollout's source collection and its previous query model; with
+    ``keep_previous`` (the rollout never completed) the record's rollback target stays what it was."""
+    g = state["gallery"]
+    write_serving(
+        paths.serving,
+        uri=g["uri"],
+        alias=g["alias"],
+        collection=g["source_collection"],
+        space=g["source_space"],
+        dim=index.collection_dim(g["source_collection"]),
+        query_model=state["previous_query_model"],
+        previous=g.get("source_previous") if keep_previous else None,
+        rollout_id=state["rollout_id"],
+    )
+    state["query_model"] = dict(state["previous_query_model"])
 
 
 def rollout_of(paths: RolloutPaths, version: str) -> Path:
