@@ -236,7 +236,7 @@ def prove(
         try:
             images.append(read_image_file(source.image_uri(row), bundle.image_size))
             kept.append(j)
-        except Exception as err:  # noqa: BLE001 - counted against the stated fraction, one named in the log
+        except Exception as err:  # noqa: BLE001 - counted against the stated fraction, each named in the log
             log.warning("image of %s unreadable: %s", row[source.id_field], err)
     proof.n_unreadable = len(rows) - len(kept)
     if proof.n_unreadable > max_unreadable * len(rows):
@@ -269,9 +269,9 @@ def pages(client: Any, source: Source, batch_size: int) -> Iterator[list[dict[st
 
 
 # -- the adoption -------------------------------------------------------------------------------------------
-def _refuse_taken(workspace: Any, target: Any, registry: Any) -> None:
-    """Ownership before the first write: the workspace serves nothing yet, its registry holds no version of
-    the model (the adopted one is version 1), and the alias it would create is not someone's at that index."""
+def _refuse_workspace_taken(workspace: Any, registry: Any) -> None:
+    """Ownership, before the proof: the workspace serves nothing yet and its registry holds no version of the
+    model (the adopted one is version 1)."""
     from components.serving.record import read_serving
 
     if read_serving(workspace.serving_path) is not None:
@@ -285,6 +285,10 @@ def _refuse_taken(workspace: Any, target: Any, registry: Any) -> None:
             f"the registry {registry.tracking_uri} already holds versions of {name}: adopt into a new "
             "workspace or another registry.model_name"
         )
+
+
+def _refuse_alias_taken(target: Any) -> None:
+    """Ownership, before the first write: the alias the workspace would create is not someone's already."""
     taken = target.serving_collection()
     if taken is not None:
         raise AdoptionRefused(
@@ -335,6 +339,7 @@ def adopt(
     version = space = "1"  # a plain checkpoint's space is its version (compat.production.space_id_of)
     registry = Registry(workspace, model_name=model_name)
     paths = RolloutPaths.for_workspace(workspace)
+    _refuse_workspace_taken(workspace, registry)
     with GalleryIndex(source.uri) as source_index:
         client = source_index.client
         shape = check_source(client, source, bundle.embed_dim)
@@ -348,7 +353,7 @@ def adopt(
             raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
         proof_s = time.monotonic() - started
         with GalleryIndex(workspace.index_uri, alias=workspace.index_alias or DEFAULT_ALIAS) as target:
-            _refuse_taken(workspace, target, registry)
+            _refuse_alias_taken(target)
             copy_started = time.monotonic()
             sample_vectors = np.asarray([r[source.vector_field] for r in sample])
             collection, copied = copy_rows(
