@@ -35,9 +35,13 @@ class ShardImages:
         out = []
         for ref in refs:
             url, sep, key = ref.source_uri.rpartition("#")
-            if not sep or not url:
+            if not sep:  # an item of its own image file (an adopted gallery: compatflow adopt)
+                out.append(self._image_file(ref))
+                continue
+            if not url:
                 raise RolloutError(
-                    f"item {ref.item_id!r}: source_uri {ref.source_uri!r} is not '<shard url>#<key>'"
+                    f"item {ref.item_id!r}: source_uri {ref.source_uri!r} is neither '<shard url>#<key>' "
+                    "nor an image file"
                 )
             if url not in self._cache:
                 if len(self._cache) >= self.max_shards:
@@ -49,6 +53,14 @@ class ShardImages:
                 raise RolloutError(f"item {ref.item_id!r}: key {key!r} is not in shard {url}")
             out.append(self._cache[url][key])
         return out
+
+    def _image_file(self, ref: ItemRef) -> Any:
+        from compat.data.images import ImageDecodeError, read_image_file
+
+        try:
+            return read_image_file(ref.source_uri, self.image_size)
+        except (OSError, ImageDecodeError) as exc:
+            raise RolloutError(f"item {ref.item_id!r}: cannot read image {ref.source_uri!r}: {exc}") from exc
 
 
 def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:

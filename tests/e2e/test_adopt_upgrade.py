@@ -1,5 +1,6 @@
 """After ``compatflow adopt``, the weekly cycle goes on from the adopted model: phase 1 trains from it, is
-made compatible with it, evaluated and gated against it, and registered as version 2 beside production 1."""
+made compatible with it, evaluated and gated against it, registered as version 2, rolled out over the adopted
+items (re-embedded from their own image files) and rolled back to them."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def test_the_next_phase_trains_and_is_gated_against_the_adopted_model(
 
     weights = _team_gallery(stream_dir, tmp_path, milvus_lite_server)
     config = chain_config(tmp_path, stream_dir, "bct")
+    # 3 training steps on a few dozen items: the probe of so small a model is noise; what is checked here is
+    # that the rollout reads the adopted items and the rollback returns to them
+    config["rollout"]["probe_tolerance"] = 100.0
     deployment = Deployment.coerce(config)
     source = Source(milvus_lite_server, "shop", "sku", "vec", image_field="path", caption_field="title")
     try:
@@ -102,6 +106,24 @@ def test_the_next_phase_trains_and_is_gated_against_the_adopted_model(
         assert registered["version"] == "2"
         registry = steps.registry_of(config)
         assert registry.alias_version("production") == "1" and registry.alias_version("candidate") == "2"
+
+        # the rollout re-embeds the adopted items from their own image files, then a rollback returns to them
+        from components.adapters.index import gallery_status
+        from components.rollout import read_serving
+
+        ws = Workspace.of(deployment)
+        adopted = read_serving(ws.serving_path)["collection"]
+        shipped = steps.rollout_step(config, run_dir, "2")
+        assert shipped["promoted"], (shipped["rollout"]["status"], shipped["rollout"].get("halt_reason"))
+        served = read_serving(ws.serving_path)
+        assert served["collection"] != adopted and set(
+            gallery_status(served["uri"], served["alias"])["by_version"]
+        ) == {"2"}
+        result = steps.rollback_production(registry)
+        assert registry.alias_version("production") == "1", result
+        back = read_serving(ws.serving_path)
+        assert back["collection"] == adopted
+        assert set(gallery_status(back["uri"], back["alias"])["by_version"]) == {"1"}
     finally:
         from pymilvus import MilvusClient
 
