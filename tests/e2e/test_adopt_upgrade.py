@@ -124,6 +124,10 @@ def test_the_next_phase_trains_and_is_gated_against_the_adopted_model(
         back = read_serving(ws.serving_path)
         assert back["collection"] == adopted
         assert set(gallery_status(back["uri"], back["alias"])["by_version"]) == {"1"}
+        from components.adapters.lineage import check_from_index
+
+        check = check_from_index(ws.lineage_dir, back["uri"], back["alias"], definition=ws.lineage_definition)
+        assert check["agree"] and set(check["lineage"]) == {"1"}, check
     finally:
         from pymilvus import MilvusClient
 
