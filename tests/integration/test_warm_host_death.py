@@ -47,13 +47,15 @@ def test_the_host_dying_mid_task_names_the_failed_step(tmp_path: Path, monkeypat
     from kfp import local
 
     from pipelines.local_runner import _failure_of
-    from pipelines.warm_tasks import ENABLE_ENV, warm_task_host
+    from pipelines.warm_tasks import ENABLE_ENV, SOCKET_ENV, warm_task_host
 
     monkeypatch.setenv(ENABLE_ENV, "1")
     started, log = tmp_path / "started", tmp_path / "pipeline.log"
     with warm_task_host(tmp_path / "ws" / "tmp" / "task-host", preload=()):
-        socket_path = tmp_path / "ws" / "tmp" / "task-host" / "task-host.sock"
+        socket_path = Path(os.environ[SOCKET_ENV])  # a deep temp folder puts it in a short one under /tmp
+        deadline = time.monotonic() + 60
         while not socket_path.exists():  # served by the host, not run plain
+            assert time.monotonic() < deadline, f"the warm host never listened on {socket_path}"
             time.sleep(0.05)
         host = [c.pid for c in psutil.Process().children() if "pipelines.warm_tasks" in c.cmdline()]
         assert len(host) == 1
