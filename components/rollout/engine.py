@@ -359,12 +359,8 @@ class Rollout:
                 "keyed": g["keyed"],
                 "action": action,
                 "upsert": self.adapt and action == "reembed",  # over the transformed copy
-                "transform": g["transform"],
                 "row_stage": j + 1,
-                "new_version": state["new_version"],
-                "space": g["space"],
-                "dim": g["dim"],
-                "rollout_id": state["rollout_id"],
+                **self._row_spec(state),
                 "centres": state["order"]["centres"],
                 "encoders": self.encoders.recipe,
                 "batch_size": c.batch_size,
@@ -525,6 +521,7 @@ class Rollout:
             writer.flush()
 
     def _row_spec(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What :func:`components.rollout.writes.new_rows` stamps on the rows it writes."""
         g = state["gallery"]
         return {
             "new_version": state["new_version"],

@@ -59,8 +59,11 @@ def save_centres(path: Path, centres: np.ndarray) -> None:
     """Keep a collection's centres (``.npy``, written atomically) for the rows written into it later."""
     from compat.io import atomic_write
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: np.save(open(tmp, "wb"), np.asarray(centres, dtype=np.float32)))
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:  # a handle: np.save would add ".npy" to the temporary name
+            np.save(handle, np.asarray(centres, dtype=np.float32))
+
+    atomic_write(path, write)
 
 
 def load_centres(path: str | Path | None) -> np.ndarray | None:
@@ -106,19 +109,23 @@ class Selection:
         field, value = KEY_FIELDS[self.policy], _literal(cut[0])
         return f"({field} < {value} or ({field} == {value} and order_key < {cut[1]}))"
 
+    def _random_window(self, j: int) -> tuple[int, int]:
+        """Where stage ``j``'s ``order_key`` window starts past the offset, and its width (``random``)."""
+        lo = round(self.fractions[j - 2] * KEY_SPACE) if j > 1 else 0
+        return lo, round(self.fractions[j - 1] * KEY_SPACE) - lo
+
     def stage(self, j: int) -> str:
         """A filter for the items of stage ``j`` alone."""
         if self.policy == "random":
-            lo = round(self.fractions[j - 2] * KEY_SPACE) if j > 1 else 0
-            return _window(self.offset + lo, round(self.fractions[j - 1] * KEY_SPACE) - lo)
+            lo, width = self._random_window(j)
+            return _window(self.offset + lo, width)
         return self.upto(j) if j == 1 else f"({self.upto(j)}) and not ({self.upto(j - 1)})"
 
     def slices(self, j: int, n: int) -> list[str]:
         """Stage ``j`` as ``n`` filters that split its items by ``order_key`` (for ``random``: its window cut
         into ``n`` windows), disjoint and together the whole stage."""
         if self.policy == "random":
-            lo = round(self.fractions[j - 2] * KEY_SPACE) if j > 1 else 0
-            width = round(self.fractions[j - 1] * KEY_SPACE) - lo
+            lo, width = self._random_window(j)
             edges = [lo + width * i // n for i in range(n + 1)]
             return [_window(self.offset + a, b - a) for a, b in zip(edges, edges[1:], strict=False)]
         stage = self.stage(j)

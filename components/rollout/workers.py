@@ -162,6 +162,7 @@ class _SliceWriter:
 
     def __init__(self, spec: Mapping[str, Any], index: Any, encoders: Any = None, pace: Any = None) -> None:
         from components.adapters.services import live_services
+        from components.rollout.keys import load_centres
         from components.rollout.pacing import Pace, latency_sources
         from components.rollout.writes import GalleryWriter
         from components.serving.record import import_factory
@@ -169,8 +170,6 @@ class _SliceWriter:
         self.spec, self.index = spec, index
         recipe = spec["encoders"]
         self.encoders = encoders or import_factory(recipe["factory"])(recipe["args"])
-        from components.rollout.keys import load_centres
-
         self.centres = load_centres(spec.get("centres"))
         pace_doc = spec.get("pace") or {}
         cap = pace_doc.get("max_items_per_s")
