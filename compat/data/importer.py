@@ -1,69 +1,36 @@
 """Import captioned images into img2dataset-layout shards split train / eval / gallery.
 
-Sources (:func:`import_images`):
+Sources (:func:`import_images`): ``sidecar``, a folder of images each with a caption file beside it
+(``x.jpg`` + ``x.txt``, an ``x.json`` object kept as ``source_meta``); ``class-folders``, one sub-folder per
+label captioned by a template; ``table``, a ``.csv`` or ``.parquet`` of ``path,caption[,extra columns]``;
+``karpathy``, a Karpathy split file (``dataset_coco.json``): every sentence a caption, the entry without its
+sentences kept as ``source_meta``, its split kept (:data:`KARPATHY_SPLITS`) instead of the hash split.
+Paths of a table or a Karpathy file are relative to it.
 
-* ``sidecar`` -- a folder (searched recursively) of images with a caption file beside each
-  (``x.jpg`` + ``x.txt``; an ``x.json`` object beside them is kept as ``source_meta``);
-* ``class-folders`` -- one sub-folder per label, captioned by a template (``"a photo of a {label}"``);
-* ``table`` -- a ``.csv`` or ``.parquet`` file of ``path,caption[,extra columns]``, paths relative to it;
-* ``karpathy`` -- a Karpathy split file (``dataset_coco.json``, ``dataset_flickr30k.json``: ``{"images":
-  [{"filename", "filepath"?, "sentences": [{"raw"}], "split"}]}``), paths (``filepath/filename``) relative to
-  it; every sentence is a caption, the entry without its sentences is kept as ``source_meta``, and the file's
-  split is kept (:data:`KARPATHY_SPLITS`: ``train`` and ``restval`` train, ``test`` -- the split the
-  retrieval literature reports recall on -- eval, ``val`` gallery) instead of the hash split.
-
-Several captions per picture: the files or rows of one picture (the same bytes) make one sample with every
-distinct caption, in source order (``captions`` in its ``{key}.json``, the first also its ``caption`` and its
-``.txt``); only an exact repeat (same picture, same caption) is dropped, listed in ``duplicate_files``. A
-repeated picture is not decoded again: its bytes are hashed and its captions join the planned sample.
-
-Output::
+One picture (the same bytes) makes one sample with every distinct caption of its files or rows, in source
+order (``captions`` in ``{key}.json``, the first also ``caption`` and ``.txt``); an exact repeat is listed
+in ``duplicate_files``. Output::
 
     DIR/{train,eval,gallery}/NNNNN.tar   members {key}.{jpg|png|webp} / {key}.txt / {key}.json
     DIR/import.json                      pictures and captions per split, duplicates, refused files
 
-JPEG, PNG and WebP files keep their bytes; other images PIL reads (BMP, GIF, TIFF, ...) are stored
-losslessly as PNG (CMYK as JPEG). A sample's key is a prefix and the first 20 hex digits of the SHA-256
-of its image bytes, so items keep their key from import to import and two phases never reuse a key for
-different images; identical bytes are imported once (the first by source order) with the captions of
-every copy; with ``exclude`` (``--exclude-stream``) a picture whose key a stream already holds is left out
-and listed (``in_stream_files``). The split is a seeded, stable hash of the key (a Karpathy file's own
-split), decided once per picture: no caption of an eval or gallery picture is trained on. Every file that is
-not imported is listed with its reason (:data:`REFUSALS`).
+A key is a prefix and the first 20 hex digits of the SHA-256 of the image bytes; with ``exclude`` a picture
+a stream already holds is left out (``in_stream_files``). The split is a seeded, stable hash of the key,
+decided once per picture. Every file not imported is listed with its reason (:data:`REFUSALS`). Every file
+read is a regular file with one name inside SRC (a table's folder): links, devices, FIFOs and paths outside
+are refused unless their real path lies in ``allow_outside``.
 
-Every file read is a regular file with one name inside SRC (a table's folder for a table): a symbolic
-link, a hard link, a device or FIFO, and a table path (``../``, absolute) or link target outside SRC are
-refused, unless the file's real path lies in a folder given as ``allow_outside``. Captions are bounded
-by :data:`MAX_CAPTION_BYTES`, the limit validation applies to a shard's caption members.
+Pictures are stored as img2dataset stores them (``max_side``, ``resize_mode`` of :data:`RESIZE_MODES`, with
+its names and meanings), never enlarged: JPEG, PNG and WebP keep their bytes when not resized, other formats
+become PNG (CMYK: JPEG); a resized picture is stored upright as JPEG quality 95 when it was a JPEG, else
+PNG; transparency is matted on white. ``keep_originals`` keeps the untouched bytes under ``originals/``.
+A picture stored as it is above :data:`compat.data.images.MAX_PIXELS` is refused (``too_many_pixels``);
+one whose header declares more than ``max_pixels`` is refused before decoding (``image_pixels``).
+Each picture is decoded once, during the scan; a converted one waits in ``DIR/.import-spool/``.
 
-Pictures are stored at the size the pipeline needs, as img2dataset stores them (``--image_size``,
-``--resize_mode``): ``max_side`` (default :data:`DEFAULT_MAX_SIDE`) and ``resize_mode`` (:data:`RESIZE_MODES`)
-with img2dataset's names and meanings -- ``keep_ratio``: the shorter side becomes ``max_side``;
-``center_crop``: that, then the centre square ``max_side`` x ``max_side``; ``border``: the longer side
-becomes ``max_side``, padded with black to a square; ``no``: stored as they are. A picture already that
-small is stored untouched (never enlarged); one that is resized is stored upright (EXIF orientation applied,
-transparency on white) as JPEG quality 95 when it was a JPEG, else as PNG. A picture with transparency
-(alpha, or a transparent palette colour) is always stored flat, matted on white as img2dataset stores it
-(PNG, upright): every reader sees it as compatflow's readers do, PIL's ``convert("RGB")`` included.
-``{key}.json`` records the stored and original width and height, the original mode and format, and the
-resize applied. With ``keep_originals`` the untouched bytes are kept too, in a shard set of the same keys
-under ``originals/``.
-A picture with more pixels than any reader decodes (:data:`compat.data.images.MAX_PIXELS`) is refused when
-it would be stored as it is (``too_many_pixels``); one whose header declares more than ``max_pixels``
-(default :data:`MAX_DECODE_PIXELS`, Pillow's decompression-bomb limit) is refused before decoding
-(``image_pixels``, the reason validation gives, with its size and the limit).
-
-Every picture is decoded once, while the source is scanned: a picture that is resized (or converted) is
-decoded at the size it is stored at (a JPEG by libjpeg at 1/2, 1/4 or 1/8 scale, the rest of the way by area
-averaging, as img2dataset downscales) and its stored bytes are
-kept in ``DIR/.import-spool/`` until its shard is written; one stored as it is is decoded to check it (a JPEG
-at 1/8 scale, which reads every byte all the same) and copied from the source when its shard is written.
-
-The same input and settings give byte-identical shards and ``import.json``. The digest of the plan (which
-item goes to which shard) is stored before the first shard; shards are written atomically one by one, so a
-killed import started again rescans the source and, the plan being the same, writes only the shards still
-missing; ``import.json`` is written last. One import at a time writes into a folder: it holds
-``DIR/.import.lock`` (:data:`LOCK`) while it runs, and a second is refused naming the first one's process.
+The same input and settings give byte-identical shards and ``import.json``. The plan's digest is stored
+before the first shard and shards are written atomically, so a killed import started again writes only
+the missing shards. One import at a time writes into a folder (``DIR/.import.lock``, :data:`LOCK`).
 """
 
 from __future__ import annotations
@@ -81,6 +48,7 @@ import re
 import shutil
 import stat
 import time
+from collections import Counter
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -122,25 +90,9 @@ ORIGINALS = "originals"  # the folder of --keep-originals shards
 SPOOL = ".import-spool"  # pictures stored resized or converted, from the scan until their shard is written
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
 # Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
-RESERVED_FIELDS = (
-    "key",
-    "caption",
-    "captions",
-    "source",
-    "width",
-    "height",
-    "original_width",
-    "original_height",
-    "mode",
-    "format",
-    "sha256",
-    "source_sha256",
-    "source_row",
-    "status",
-    "split",
-    "label",
-    "source_meta",
-    "resize",
+RESERVED_FIELDS = tuple(
+    "key caption captions source width height original_width original_height mode format sha256 "
+    "source_sha256 source_row status split label source_meta resize".split()
 )
 
 REFUSALS: dict[str, str] = {
@@ -833,15 +785,11 @@ def _read_captions(candidate: _Candidate, place: _Place) -> tuple[list[str], lis
         return [_read_caption(candidate, place)], []
     kept, skipped = [], []
     for n, raw in enumerate(candidate.captions, start=1):
-        text = raw.strip()
-        if not text:
-            skipped.append((f"sentence {n}", "caption_empty", "the caption is empty"))
-        elif len(text.encode("utf-8")) > MAX_CAPTION_BYTES:
-            skipped.append(
-                (f"sentence {n}", "caption_too_large", f"the caption is over {MAX_CAPTION_BYTES} bytes")
-            )
+        problem = _caption_problem(raw.strip())
+        if problem:
+            skipped.append((f"sentence {n}", *problem))
         else:
-            kept.append(text)
+            kept.append(raw.strip())
     if not kept:
         raise _Refused(skipped[0][1], f"no usable sentence ({'; '.join(m for _, _, m in skipped)})")
     return kept, skipped
@@ -859,12 +807,19 @@ def _read_caption(candidate: _Candidate, place: _Place) -> str:
             raise _Refused("caption_not_utf8", f"{candidate.caption_file.name} is not UTF-8: {exc}") from exc
     else:
         text = candidate.caption or ""
-    text = text.strip()
+    problem = _caption_problem(text.strip())
+    if problem:
+        raise _Refused(*problem)
+    return text.strip()
+
+
+def _caption_problem(text: str) -> tuple[str, str] | None:
+    """Why a stripped caption cannot be stored (reason, message), or None."""
     if not text:
-        raise _Refused("caption_empty", "the caption is empty")
+        return "caption_empty", "the caption is empty"
     if len(text.encode("utf-8")) > MAX_CAPTION_BYTES:
-        raise _Refused("caption_too_large", f"the caption is over {MAX_CAPTION_BYTES} bytes")
-    return text
+        return "caption_too_large", f"the caption is over {MAX_CAPTION_BYTES} bytes"
+    return None
 
 
 def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | None:
@@ -908,13 +863,12 @@ def _inspect(
     candidate: _Candidate,
     settings: ImportSettings,
     place: _Place,
-    spool: Path | None = None,
+    spool: Path,
     planned: Container[str] = (),
 ) -> dict[str, Any]:
-    """The plan item of one candidate (raises ``_Refused``). The picture is decoded once: a picture stored
-    resized, converted or flattened is made here, its bytes written into ``spool`` (:data:`SPOOL`) and its
-    facts kept in the item's ``stored``. A picture whose SHA-256 is in ``planned`` is not decoded again: the
-    item then holds only ``sha256``, ``captions`` and ``skipped_captions`` (it joins the planned sample)."""
+    """The plan item of one candidate (raises ``_Refused``), the facts of its stored picture in ``stored``
+    (:func:`_store`). A picture whose SHA-256 is in ``planned`` is not decoded again: the item then holds
+    only ``sha256``, ``captions`` and ``skipped_captions`` (it joins the planned sample)."""
     if candidate.refused:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
@@ -940,40 +894,8 @@ def _inspect(
             f"{size[0]}x{size[1]} is more than the {MAX_PIXELS:,} pixels readers decode: "
             f"store it smaller (--resize-mode keep_ratio, center_crop or border; --max-side)",
         )
-    made: tuple[str, bytes, dict[str, Any]] | None = None
-    if target is not None:
-        try:
-            made = resize_image(data, info["format"], settings.max_side, settings.resize_mode, size)
-        except ValueError as exc:  # compat.data.images.ImageDecodeError
-            raise _Refused("image_unreadable", str(exc)) from exc
-    elif info["transparent"]:  # matted on white, as img2dataset stores it
-        try:
-            made = flatten_image(data)
-        except ValueError as exc:  # compat.data.images.ImageDecodeError
-            raise _Refused("image_unreadable", str(exc)) from exc
-    elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
-        ext, converted = stored_image(data, info["format"])
-        made = ext, converted, {"width": size[0], "height": size[1], "original_size": size}
-    else:
-        probe_image(data)  # the one decode: the bytes are stored as they are
+    stored = _store(data, sha, info, target, settings, spool)
     captions, skipped = _read_captions(candidate, place)
-    metadata = _read_metadata(candidate, place)
-    stored = None
-    if made is not None:
-        ext, made_bytes, facts = made
-        if spool is None:
-            raise ValueError("_inspect: a picture stored resized or converted needs a spool folder")
-        spool.mkdir(parents=True, exist_ok=True)
-        (spool / f"{sha}.{ext}").write_bytes(made_bytes)
-        stored = {
-            "ext": ext,
-            "sha256": hashlib.sha256(made_bytes).hexdigest(),
-            "size": len(made_bytes),
-            "width": facts["width"],
-            "height": facts["height"],
-            "original_width": facts["original_size"][0],
-            "original_height": facts["original_size"][1],
-        }
     return {
         "key": _key(sha, settings),
         "split": candidate.split or split_of(sha[:KEY_HEX], settings.seed, settings.split),
@@ -987,9 +909,49 @@ def _inspect(
         **info,
         "label": candidate.label,
         "extra": candidate.extra,
-        "source_meta": metadata,
+        "source_meta": _read_metadata(candidate, place),
         "resize": None if target is None else {"mode": settings.resize_mode, "max_side": settings.max_side},
         "stored": stored,
+    }
+
+
+def _store(
+    data: bytes,
+    sha: str,
+    info: dict[str, Any],
+    target: tuple[int, int] | None,
+    settings: ImportSettings,
+    spool: Path,
+) -> dict[str, Any] | None:
+    """Decode the picture once: one stored resized, converted or flattened is made here, its bytes written
+    into ``spool`` (:data:`SPOOL`); returns the facts of what was made (None when stored as it is)."""
+    size = (info["width"], info["height"])
+    made: tuple[str, bytes, dict[str, Any]] | None = None
+    if target is not None or info["transparent"]:  # resized, or matted on white as img2dataset stores it
+        try:
+            if target is not None:
+                made = resize_image(data, info["format"], settings.max_side, settings.resize_mode, size)
+            else:
+                made = flatten_image(data)
+        except ValueError as exc:  # compat.data.images.ImageDecodeError
+            raise _Refused("image_unreadable", str(exc)) from exc
+    elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
+        ext, converted = stored_image(data, info["format"])
+        made = ext, converted, {"width": size[0], "height": size[1], "original_size": size}
+    else:
+        probe_image(data)  # the one decode: the bytes are stored as they are
+        return None
+    ext, made_bytes, facts = made
+    spool.mkdir(parents=True, exist_ok=True)
+    (spool / f"{sha}.{ext}").write_bytes(made_bytes)
+    return {
+        "ext": ext,
+        "sha256": hashlib.sha256(made_bytes).hexdigest(),
+        "size": len(made_bytes),
+        "width": facts["width"],
+        "height": facts["height"],
+        "original_width": facts["original_size"][0],
+        "original_height": facts["original_size"][1],
     }
 
 
@@ -1000,12 +962,12 @@ def _plan(
     progress: Callable[..., Iterator[Any]],
     allowed: tuple[Path, ...] = (),
     exclude: Mapping[str, str] | None = None,
-    spool: Path | None = None,
+    *,
+    spool: Path,
 ) -> dict[str, Any]:
     """Which picture goes to which shard with which captions. The files or rows of one picture (same bytes)
-    are grouped into the first one's item as they come, in source order: besides the item the plan holds
-    anyway (one per picture), grouping keeps each planned picture's captions in a set until the scan ends,
-    so the memory of the scan grows with pictures + distinct captions, never with their bytes."""
+    are grouped into the first one's item as they come, in source order: the memory of the scan grows with
+    pictures + distinct captions, never with their bytes."""
     candidates = _candidates(src, out, settings)
     place = _Place(src.parent if settings.source_format in ("table", "karpathy") else src, allowed)
     items: list[dict[str, Any]] = []
@@ -1017,83 +979,65 @@ def _plan(
     first_of: dict[str, tuple[str, dict[str, Any] | None, set[str]]] = {}
     grouped = 0  # files or rows whose picture an earlier one brought, and that added a caption to it
     for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
+        source = candidate.source
         try:
             item = _inspect(candidate, settings, place, spool, first_of)
         except _Refused as refusal:
             message = (
-                refusal.message
-                if refusal.message.startswith(candidate.source)
-                else (f"{candidate.source}: {refusal.message}")
+                refusal.message if refusal.message.startswith(source) else f"{source}: {refusal.message}"
             )
-            refused.append({"source": candidate.source, "reason": refusal.reason, "message": message})
+            refused.append({"source": source, "reason": refusal.reason, "message": message})
             continue
         for which, reason, message in item.pop("skipped_captions"):
-            source = f"{candidate.source} {which}"
-            refused.append({"source": source, "reason": reason, "message": f"{source}: {message}"})
+            where = f"{source} {which}"
+            refused.append({"source": where, "reason": reason, "message": f"{where}: {message}"})
         sha, captions = item["sha256"], item["captions"]
-        if sha in first_of:  # a picture planned already (or held by the stream): its captions join it
-            first, planned, known = first_of[sha]
-            if planned is None:
-                key = _key(sha, settings)
-                in_stream.append({"source": candidate.source, "key": key, "shard": (exclude or {})[key]})
-                continue
-        else:
-            first, planned, known = candidate.source, item, set()
-            if exclude and item["key"] in exclude:
-                first_of[sha] = (first, None, known)
-                in_stream.append(
-                    {"source": candidate.source, "key": item["key"], "shard": exclude[item["key"]]}
-                )
-                continue
-            first_of[sha] = (first, item, known)
+        new = sha not in first_of
+        if new:
+            held = exclude is not None and item["key"] in exclude
             item["captions"] = []
-            items.append(item)
+            first_of[sha] = (source, None if held else item, set())
+            items += [] if held else [item]
+        first, planned, known = first_of[sha]
+        if planned is None:  # the stream given as ``exclude`` holds the picture
+            key = _key(sha, settings)
+            in_stream.append({"source": source, "key": key, "shard": (exclude or {})[key]})
+            continue
         added = 0
         for caption in captions:
             if caption in known:
-                duplicates.append({"source": candidate.source, "duplicate_of": first, "caption": caption})
+                duplicates.append({"source": source, "duplicate_of": first, "caption": caption})
             elif len(known) >= MAX_CAPTIONS:
-                message = f"{candidate.source}: {first} has {MAX_CAPTIONS:,} captions, the most per picture"
-                refused.append(
-                    {"source": candidate.source, "reason": "too_many_captions", "message": message}
-                )
+                message = f"{source}: {first} has {MAX_CAPTIONS:,} captions, the most per picture"
+                refused.append({"source": source, "reason": "too_many_captions", "message": message})
                 break
             else:
                 known.add(caption)
                 planned["captions"].append(caption)
                 added += 1
-        if planned is not item and added:
-            grouped += 1
+        grouped += not new and added > 0
     for item in [i for i in items if len(_sample_json(i)) > MAX_SIDECAR_BYTES]:
         items.remove(item)
         size = len(_sample_json(item))
         message = f"{item['source']}: its {{key}}.json would be {size:,} bytes, over {MAX_SIDECAR_BYTES:,}"
         refused.append({"source": item["source"], "reason": "sample_too_large", "message": message})
-    shards: dict[str, list[dict[str, Any]]] = {}
     per = settings.samples_per_shard
-    for split in SPLITS:
-        of_split = [i for i in items if i["split"] == split]
-        shards[split] = [
+    shards = {
+        split: [
             {"path": f"{split}/{n:05d}.tar", "items": of_split[start : start + per]}
             for n, start in enumerate(range(0, len(of_split), per))
         ]
-    plan = {
-        "settings": asdict(settings),
-        "shards": shards,
-        "refused": refused,
-        "duplicates": duplicates,
-        "grouped": grouped,
+        for split, of_split in ((s, [i for i in items if i["split"] == s]) for s in SPLITS)
     }
+    plan = {"settings": asdict(settings), "shards": shards, "refused": refused, "duplicates": duplicates}
+    plan["grouped"] = grouped
     if exclude is not None:
         plan["in_stream"] = in_stream
-    content = json.dumps(
-        {
-            "settings": plan["settings"],
-            "shards": {s: [[_portable(i) for i in sh["items"]] for sh in v] for s, v in shards.items()},
-        },
-        sort_keys=True,
-    )
-    plan["digest"] = hashlib.sha256(content.encode()).hexdigest()
+    content = {
+        "settings": plan["settings"],
+        "shards": {s: [[_portable(i) for i in sh["items"]] for sh in v] for s, v in shards.items()},
+    }
+    plan["digest"] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return plan
 
 
@@ -1106,45 +1050,35 @@ def _portable(item: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- write
 
 
-def _source_bytes(item: dict[str, Any]) -> bytes:
-    """The planned file's bytes, read again and checked against the digest taken when planning."""
-    path = Path(item["path"])
+def _checked_bytes(path: Path, size: int, sha: str) -> bytes:
+    """A planned or spooled file's bytes, read again and checked against the digest taken when planning."""
     try:
-        data = read_regular(path, item["size"])
+        data = read_regular(path, size)
     except (OSError, _Refused) as exc:
         raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
-    if data is None or hashlib.sha256(data).hexdigest() != item["sha256"]:
+    if data is None or hashlib.sha256(data).hexdigest() != sha:
         raise DataImportError(f"{path} changed while it was being imported; run the import again")
     return data
 
 
 def _original_members(item: dict[str, Any]) -> tuple[str, dict[str, bytes]]:
     """The ``--keep-originals`` sample: the untouched file and what it is."""
-    data = _source_bytes(item)
+    data = _checked_bytes(Path(item["path"]), item["size"], item["sha256"])
     meta = {"key": item["key"], "source": item["source"], "format": item["format"], "sha256": item["sha256"]}
     ext = KEPT_FORMATS.get(item["format"], str(item["format"]).lower())
     return item["key"], {ext: data, "json": json.dumps(meta, sort_keys=True).encode("utf-8")}
 
 
-def _spooled(item: dict[str, Any], spool: Path) -> bytes:
-    """The stored picture the scan made of ``item``, checked against its digest."""
-    made = item["stored"]
-    path = spool / f"{item['sha256']}.{made['ext']}"
-    try:
-        data = read_regular(path, made["size"])
-    except (OSError, _Refused) as exc:
-        raise DataImportError(f"{path} can no longer be read ({exc}); run the import again") from exc
-    if data is None or hashlib.sha256(data).hexdigest() != made["sha256"]:
-        raise DataImportError(f"{path} changed while the import ran; run the import again")
-    return data
-
-
 def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
     made = item.get("stored")
     if made is not None:  # resized or converted during the scan
-        ext, stored = made["ext"], _spooled(item, spool)
+        path = spool / f"{item['sha256']}.{made['ext']}"
+        ext, stored = made["ext"], _checked_bytes(path, made["size"], made["sha256"])
     else:
-        ext, stored = KEPT_FORMATS[item["format"]], _source_bytes(item)
+        ext, stored = (
+            KEPT_FORMATS[item["format"]],
+            _checked_bytes(Path(item["path"]), item["size"], item["sha256"]),
+        )
     members = {ext: stored, "txt": item["captions"][0].encode("utf-8"), "json": _sample_json(item)}
     return item["key"], members
 
@@ -1190,9 +1124,7 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
     caption_counts = {
         s: sum(len(i["captions"]) for sh in plan["shards"][s] for i in sh["items"]) for s in SPLITS
     }
-    by_reason: dict[str, int] = {}
-    for r in plan["refused"]:
-        by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+    by_reason = Counter(r["reason"] for r in plan["refused"])
     items = [i for s in SPLITS for sh in plan["shards"][s] for i in sh["items"]]
     converted = sum(1 for i in items if i["format"] not in KEPT_FORMATS and not i.get("resize"))
     originals = plan["settings"].get("keep_originals")
@@ -1240,11 +1172,8 @@ def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | N
         except (OSError, json.JSONDecodeError) as exc:
             raise DataImportError(f"{path} is unreadable ({exc}); delete {out} and import again") from exc
 
-    if out.exists() and not out.is_dir():
-        raise DataImportError(f"--out {out} is a file; give a new or empty folder")
     report, pending = read(out / REPORT), read(out / PENDING)
-    ours = (SPOOL, LOCK)
-    if report is None and pending is None and out.is_dir() and any(p.name not in ours for p in out.iterdir()):
+    if report is None and pending is None and any(p.name not in (SPOOL, LOCK) for p in out.iterdir()):
         raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
     return report, pending
 
@@ -1279,12 +1208,9 @@ def import_images(
             raise DataImportError(f"--allow-outside {folder} is not a folder; name an existing folder")
         allowed.append(Path(os.path.realpath(folder)))
 
-    def quiet(items: Any, *_: Any, **__: Any) -> Any:
-        return items
+    def show(items: Any, desc: str, total: int | None = None) -> Any:
+        return track(items, desc, total=total, logger=log) if progress else items
 
-    show = (
-        (lambda items, desc, total=None: track(items, desc, total=total, logger=log)) if progress else quiet
-    )
     if out_path.exists() and not out_path.is_dir():
         raise DataImportError(f"--out {out_path} is a file; give a new or empty folder")
     created = not out_path.exists()
@@ -1351,7 +1277,7 @@ def _import(
 
     spool = out_path / SPOOL
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool)
+    plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool=spool)
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     if report is not None:
         if report.get("plan_sha256") == plan["digest"] and all(
