@@ -152,7 +152,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
 
     from components.runs import plan_run, read_state
     from pipelines.compile import build_pipeline
-    from pipelines.warm_tasks import warm_task_host
+    from pipelines.warm_tasks import on_host, warm_task_host
 
     echo = echo or sys.stderr
     ensure_stream(deployment)
@@ -162,24 +162,27 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     run_dir = Path(plan["run_dir"])
     tmp = workspace.tmp_dir
     tmp.mkdir(exist_ok=True)
-    os.environ["TMPDIR"] = str(tmp)  # kfp.local writes its temp folders there
+    env = {
+        "TMPDIR": str(tmp)
+    }  # the tasks' temp files (kfp's program folder among them) stay in the workspace
     if _isatty(echo):  # tasks write progress lines (their output is a pipe); a terminal shows them live
         from compat.progress import EVERY_ENV
 
-        os.environ.setdefault(EVERY_ENV, "2")
+        env[EVERY_ENV] = os.environ.get(EVERY_ENV, "2")
     echo.write(f"compatflow: run {plan['run_id']} on phase {plan['phase']} ({plan['domain']})\n")
 
     # The warm task host starts importing now, while this process builds the pipeline.
-    with warm_task_host(tmp / "task-host", RunDir(run_dir).task_host_log):
+    with warm_task_host(tmp / "task-host", RunDir(run_dir).task_host_log) as host:
         # Caching as on the cluster (pipelines.resources.CACHEABLE): a resumed run keeps its run id, so the
         # steps its killed attempt finished are skipped (cache under <workspace>/kfp/.kfp_cache).
         local.init(
             runner=local.SubprocessRunner(use_venv=False),
             pipeline_root=str(workspace.kfp_dir),
+            workspace_root=str(tmp),
             raise_on_error=True,
             enable_caching=True,
         )
-        pipeline = build_pipeline(deployment, runner="local")
+        pipeline = on_host(build_pipeline(deployment, runner="local"), host, env)
         log_path = RunDir(run_dir).pipeline_log
         # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
         log = _EchoingLog(open(log_path, "w", buffering=1), echo)

@@ -677,7 +677,7 @@ def _ship_package(package: str, run_id: str = "") -> int:
     from kfp import components, local
 
     from components.state.workspace import Workspace
-    from pipelines.warm_tasks import warm_task_host
+    from pipelines.warm_tasks import on_host, warm_task_host
 
     workspace = Workspace()  # $COMPATFLOW_WORKSPACE, as in a pod
     warnings.filterwarnings("ignore", message=".*non-Python base image.*")
@@ -689,8 +689,8 @@ def _ship_package(package: str, run_id: str = "") -> int:
     )
     pipeline = components.load_component_from_file(package)
     try:
-        with warm_task_host(workspace.tmp_dir / "task-host"):
-            pipeline(**({"run_id": run_id} if run_id else {}))
+        with warm_task_host(workspace.tmp_dir / "task-host") as host:
+            on_host(pipeline, host)(**({"run_id": run_id} if run_id else {}))
     except RuntimeError as err:
         print(f"pipeline failed: {err}", flush=True)
         return 1

@@ -1,6 +1,7 @@
 """The ``python`` a local pipeline task is started with when a warm task host serves the run
-(:mod:`pipelines.warm_tasks`): it hands its arguments, environment, folder and standard streams to the host,
-which forks the task from a process whose imports are done, and exits as the task exits.
+(:mod:`pipelines.warm_tasks`; ``task_client.py SOCKET ARGS...``): it hands its arguments, environment,
+folder and standard streams to the host, which forks the task from a process whose imports are done, and
+exits as the task exits.
 
 Standard library only and run with ``-I -S``: it starts in milliseconds. Whatever the host cannot serve (no
 host, a host that refuses, a command line that is not ``-m MODULE ...``) runs exactly as without it: this
@@ -10,6 +11,7 @@ Signals sent to this process (SIGTERM, SIGINT, SIGHUP) are passed to the task; t
 (SIGKILL) is seen by the host, which kills the task the same way: a task never outlives its process.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +19,6 @@ import socket
 import struct
 import sys
 
-SOCKET_ENV = "COMPATFLOW_TASK_HOST"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -39,9 +40,8 @@ def _read_line(conn: socket.socket) -> dict | None:
     return json.loads(data)
 
 
-def main(argv: list[str]) -> None:
-    path = os.environ.get(SOCKET_ENV)
-    if not path or len(argv) < 2 or argv[0] != "-m":
+def main(path: str, argv: list[str]) -> None:
+    if len(argv) < 2 or argv[0] != "-m":
         _plain(argv)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -60,10 +60,8 @@ def main(argv: list[str]) -> None:
         signal.signal(signum, lambda signum, _frame: os.kill(pid, signum))
     ended = _read_line(conn)
     if ended is None:  # the host went away with the task running: it is ended rather than left alone
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         sys.stderr.write(f"compatflow: the warm task host ended while task {pid} ran; the task was killed\n")
         sys.exit(1)
     code = int(ended["exit"])
@@ -75,4 +73,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(sys.argv[1], sys.argv[2:])

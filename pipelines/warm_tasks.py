@@ -6,7 +6,7 @@ once per run (:data:`PRELOAD`, in the pipeline's order, between tasks) and serve
 itself: still a process of its own (its own memory, exit status, streams, environment and folder;
 ``kill -9`` of the run's process group ends it, as it ends the host), started in milliseconds.
 
-How a task reaches it: :func:`warm_task_host` makes ``kfp.local`` start tasks with a tiny launcher
+How a task reaches it: :func:`on_host` has ``kfp.local`` start a pipeline's tasks with a tiny launcher
 (:mod:`pipelines.task_client`) instead of this Python; the launcher passes its command line, environment,
 folder and standard streams over a Unix socket (the run's temp folder, mode 0700) and exits with the task's
 status. A task that comes before the preloads are done is forked with what is loaded by then and imports the
@@ -23,6 +23,7 @@ before forking (the libraries' own thread pools are fork-safe), and a child's gl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -38,12 +39,12 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from compat.io import own_folder, write_in
 from compat.proc import status_mib
-from pipelines.task_client import SOCKET_ENV
 
 ENABLE_ENV = "COMPATFLOW_WARM_TASKS"
 SOCKET_NAME = "task-host.sock"
@@ -94,14 +95,20 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskHost:
+    launcher: Path  # the ``python`` the tasks are started with (it knows the socket)
+    socket: Path
+
+
 @contextlib.contextmanager
 def warm_task_host(
     folder: Path, log_path: Path | None = None, preload: Sequence[str] = PRELOAD
-) -> Iterator[Path | None]:
-    """Serve this process's ``kfp.local`` tasks from a warm host for the ``with`` body; yields the launcher
-    the tasks are started with (None when turned off). The host is this process's child, in its process
-    group, logging to ``log_path`` (``folder/host.log``); it stops taking tasks when the body ends (or when
-    this process dies) and exits when its last task has."""
+) -> Iterator[TaskHost | None]:
+    """A warm host for the ``with`` body (None when turned off): :func:`on_host` starts a pipeline's tasks
+    with its launcher. The host is this process's child, in its process group, logging to ``log_path``
+    (``folder/host.log``); it stops taking tasks when the body ends (or when this process dies) and exits
+    when its last task has. Nothing of this process (its environment, ``sys``) changes."""
     if not enabled():
         yield None
         return
@@ -114,9 +121,10 @@ def warm_task_host(
         socket_path = Path(tempfile.mkdtemp(prefix="compatflow-tasks-", dir=short)) / SOCKET_NAME
     socket_path.unlink(missing_ok=True)
     launcher = folder / "task-python"
-    python, client = shlex.quote(sys.executable), shlex.quote(str(CLIENT))
+    python, client, sock = (shlex.quote(str(part)) for part in (sys.executable, CLIENT, socket_path))
     try:
-        write_in(folder_fd, launcher.name, f'#!/bin/sh\nexec {python} -I -S {client} "$@"\n'.encode(), 0o700)
+        script = f'#!/bin/sh\nexec {python} -I -S {client} {sock} "$@"\n'
+        write_in(folder_fd, launcher.name, script.encode(), 0o700)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
         log_fd = os.open(os.path.abspath(log_path or folder / "host.log"), flags, 0o600, dir_fd=folder_fd)
     finally:
@@ -128,17 +136,9 @@ def warm_task_host(
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    real_python, previous = sys.executable, os.environ.get(SOCKET_ENV)
-    os.environ[SOCKET_ENV] = str(socket_path)
-    sys.executable = str(launcher)  # kfp.local starts a task with sys.executable (SubprocessRunner, no venv)
     try:
-        yield launcher
+        yield TaskHost(launcher, socket_path)
     finally:
-        sys.executable = real_python
-        if previous is None:
-            os.environ.pop(SOCKET_ENV, None)
-        else:
-            os.environ[SOCKET_ENV] = previous
         assert host.stdin is not None
         host.stdin.close()  # the host stops taking tasks and exits once its last task has
         try:
@@ -149,6 +149,30 @@ def warm_task_host(
         log.close()
         if socket_path.parent != folder:
             shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None = None) -> Any:
+    """``pipeline`` (built, or a loaded package) as ``kfp.local`` runs it with its tasks started by ``host``'s
+    launcher (as is when None) and given ``env``: the executors' command and ``env`` in its spec, as
+    ``set_env_variable`` writes it; kfp.local puts the interpreter it runs in only where a command says
+    ``python3``."""
+    import yaml
+    from google.protobuf import json_format
+    from kfp import components
+
+    spec = json_format.MessageToDict(pipeline.pipeline_spec)
+    for executor in spec["deploymentSpec"]["executors"].values():
+        container = executor.get("container", {})
+        if host is not None:
+            start = f"{shlex.quote(str(host.launcher))} -m kfp.dsl.executor_main"
+            container["command"] = [
+                part.replace("python3 -m kfp.dsl.executor_main", start) for part in container["command"]
+            ]
+        container["env"] = [
+            *container.get("env", []),
+            *({"name": k, "value": v} for k, v in (env or {}).items()),
+        ]
+    return components.load_component_from_text(yaml.safe_dump(spec))
 
 
 # ----------------------------------------------------------------------------------------------------- host
@@ -188,49 +212,39 @@ def _refusal(request: dict) -> str | None:
     return None
 
 
-def _run_task(request: dict, fds: list[int], keep: set[int]) -> None:
-    """In the forked child: become the task (streams, folder, environment, ``-m MODULE args``), run it and
-    exit with its status, as ``python -m MODULE`` would. Never returns."""
-    code, host_log, preloaded = 1, -1, set(sys.modules)
+def _run_task(request: dict, fds: list[int]) -> int:
+    """In the forked child, the host's own files closed: become the task (streams, folder, environment,
+    ``-m MODULE args``) and run it; its exit status, as ``python -m MODULE`` would end with (the caller exits
+    with it, the interpreter's way: exit functions run, streams are flushed)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.set_wakeup_fd(-1)
+    preloaded, host_log = set(sys.modules), os.dup(1)  # the host's log: what the task imported itself
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _reseed()
+    import runpy
+
+    sys.argv = [request["argv"][1], *request["argv"][2:]]
+    code = 1
     try:
-        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.set_wakeup_fd(-1)
-        for fd in keep:
-            os.close(fd)
-        host_log = os.dup(1)  # the host's log: what the task imported itself goes there at its end
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        _reseed()
-        module, args = request["argv"][1], request["argv"][2:]
-        import runpy
-
-        sys.argv = [module, *args]
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:  # as the interpreter ends: an int is the status, anything else is printed
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-            if code and not isinstance(exc.code, int):
-                print(exc.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        import atexit
-
-        atexit._run_exitfuncs()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            if host_log >= 0:
-                os.write(host_log, _imported_line(os.getpid(), set(sys.modules) - preloaded).encode())
-        os._exit(code)
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:  # as the interpreter ends: an int is the status, anything else is printed
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if code and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    with contextlib.suppress(OSError):
+        os.write(host_log, _imported_line(os.getpid(), set(sys.modules) - preloaded).encode())
+        os.close(host_log)
+    return code
 
 
 def _imported_line(pid: int, modules: set[str]) -> str:
@@ -262,11 +276,14 @@ class _Host:
         self.selector.register(sys.stdin, selectors.EVENT_READ, self._parent)
         self.selector.register(self.wake_r, selectors.EVENT_READ, self._woken)
 
-    def run(self) -> None:
+    def run(self) -> tuple[dict, list[int]] | None:
+        """None in the host once it ends; in a forked child, the task to become (the host's files closed)."""
         while self.accepting or self.tasks:
             events = self.selector.select(timeout=0 if self.pending else 1.0)
             for key, _ in events:
-                key.data(key.fileobj)
+                task = key.data(key.fileobj)
+                if task is not None:
+                    return task
             self._reap()
             if self.pending and not events:
                 self._preload_next()
@@ -286,7 +303,7 @@ class _Host:
                 flush=True,
             )
 
-    def _accept(self, _listener: object) -> None:
+    def _accept(self, _listener: object) -> tuple[dict, list[int]] | None:
         import threading
 
         conn, _ = self.listener.accept()
@@ -295,7 +312,7 @@ class _Host:
         except (OSError, ValueError) as exc:
             print(f"refused a launcher: {exc}", flush=True)
             conn.close()
-            return
+            return None
         refusal = _refusal(request)
         # Libraries' own pools (BLAS, jemalloc) are fork-safe by their atfork handlers; a Python thread is not
         # (it may hold a lock the child then waits on forever).
@@ -308,19 +325,22 @@ class _Host:
             conn.close()
             for fd in fds:
                 os.close(fd)
-            return
+            return None
         sys.stdout.flush()
-        keep = {self.listener.fileno(), self.selector.fileno(), self.wake_r, self.wake_w, conn.fileno()}
-        keep.update(c.fileno() for c in self.tasks.values())
         pid = os.fork()
         if pid == 0:
-            _run_task(request, fds, keep)
+            for own in (self.listener, self.selector, conn, *self.tasks.values()):
+                own.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            return request, fds
         for fd in fds:
             os.close(fd)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.tasks[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, functools.partial(self._launcher, pid))
         print(f"task {pid}: {_function_of(request['argv'])} ({len(self.pending)} preloads to go)", flush=True)
+        return None
 
     def _parent(self, stdin: object) -> None:
         if os.read(sys.stdin.fileno(), 4096):
@@ -374,9 +394,11 @@ def _reseed() -> None:
         sys.modules["torch"].seed()
 
 
-def serve(socket_path: Path, preload: Sequence[str] = PRELOAD) -> None:
-    """Serve tasks on ``socket_path`` until stdin closes and the last task has ended."""
-    _Host(socket_path, preload).run()
+def serve(socket_path: Path, preload: Sequence[str] = PRELOAD) -> int:
+    """Serve tasks on ``socket_path`` until stdin closes and the last task has ended (0); in a forked child,
+    run its task: the task's exit status."""
+    task = _Host(socket_path, preload).run()
+    return 0 if task is None else _run_task(*task)
 
 
 def _function_of(argv: list[str]) -> str:
@@ -386,4 +408,4 @@ def _function_of(argv: list[str]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m pipelines.warm_tasks SOCKET MODULE,...  (started by warm_task_host)")
-    serve(Path(sys.argv[1]), [name for name in sys.argv[2].split(",") if name])
+    sys.exit(serve(Path(sys.argv[1]), [name for name in sys.argv[2].split(",") if name]))

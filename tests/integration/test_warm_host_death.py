@@ -47,12 +47,12 @@ def test_the_host_dying_mid_task_names_the_failed_step(tmp_path: Path, monkeypat
     from kfp import local
 
     from pipelines.local_runner import _failure_of
-    from pipelines.warm_tasks import ENABLE_ENV, SOCKET_ENV, warm_task_host
+    from pipelines.warm_tasks import ENABLE_ENV, on_host, warm_task_host
 
     monkeypatch.setenv(ENABLE_ENV, "1")
     started, log = tmp_path / "started", tmp_path / "pipeline.log"
-    with warm_task_host(tmp_path / "ws" / "tmp" / "task-host", preload=()):
-        socket_path = Path(os.environ[SOCKET_ENV])  # a deep temp folder puts it in a short one under /tmp
+    with warm_task_host(tmp_path / "ws" / "tmp" / "task-host", preload=()) as task_host:
+        socket_path = task_host.socket  # a deep temp folder puts it in a short one under /tmp
         deadline = time.monotonic() + 60
         while not socket_path.exists():  # served by the host, not run plain
             assert time.monotonic() < deadline, f"the warm host never listened on {socket_path}"
@@ -63,7 +63,7 @@ def test_the_host_dying_mid_task_names_the_failed_step(tmp_path: Path, monkeypat
         killer = threading.Thread(target=_kill_host_when, args=(started, host))
         killer.start()
         with open(log, "w") as out, contextlib.redirect_stdout(out), pytest.raises(RuntimeError) as failed:
-            sleepy_pipeline(path=str(started))
+            on_host(sleepy_pipeline, task_host)(path=str(started))
         killer.join()
     failure = _failure_of(tmp_path, log, failed_task=str(failed.value))
     assert failure["step"] == "sleeper" and failure["error"]["type"] == "TaskHostDied", failure

@@ -22,6 +22,9 @@ if mode == "echo":
     print(os.getcwd(), os.environ.get("PROBE_VALUE"), sys.stdin.read().strip(), os.getpid(), os.getppid())
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[2]))
+if mode == "atexit":
+    import atexit
+    atexit.register(print, "exit function ran")
 if mode == "raise":
     raise ValueError("the task failed")
 if mode == "random":
@@ -43,8 +46,9 @@ def host(tmp_path, monkeypatch):
     (modules / "probe.py").write_text(PROBE)
     monkeypatch.setenv("PYTHONPATH", str(modules))
     log = tmp_path / "host.log"
-    with warm_task_host(tmp_path / "host", log, preload=("numpy",)) as launcher:
-        socket_path = tmp_path / "host" / "task-host.sock"
+    with warm_task_host(tmp_path / "host", log, preload=("numpy",)) as host:
+        launcher, socket_path = host.launcher, tmp_path / "host" / "task-host.sock"
+        assert host.socket == socket_path
         deadline = time.monotonic() + 60
         while not socket_path.exists():
             assert time.monotonic() < deadline, log.read_text()
@@ -81,7 +85,6 @@ def _alive(pid: int) -> bool:
 
 def test_a_forked_task_has_the_launchers_streams_folder_environment_and_status(host):
     launcher, log, tmp_path = host
-    assert sys.executable == str(launcher)  # what kfp.local starts a task with, inside the block
     work = tmp_path / "work"
     work.mkdir()
     proc = _launch(launcher, "echo", "3", cwd=work, env={**os.environ, "PROBE_VALUE": "seen"})
@@ -100,6 +103,13 @@ def test_a_task_that_raises_prints_its_traceback_and_exits_1(host):
     _, err = proc.communicate("", timeout=60)
     assert proc.returncode == 1
     assert "ValueError: the task failed" in err and "Traceback" in err
+
+
+def test_a_tasks_exit_functions_run_as_it_ends(host):
+    launcher, _, _ = host
+    proc = _launch(launcher, "atexit")
+    out, err = proc.communicate("", timeout=60)
+    assert proc.returncode == 0 and out.strip() == "exit function ran", err
 
 
 def test_forked_tasks_draw_fresh_random_numbers(host):
@@ -145,23 +155,25 @@ def test_a_task_with_another_pythonpath_runs_plain(host):
 
 
 def test_without_a_host_the_launcher_runs_the_task_plain(host):
-    launcher, _, tmp_path = host
-    proc = _launch(launcher, "echo", "5", env={**os.environ, "COMPATFLOW_TASK_HOST": str(tmp_path / "none")})
+    from pipelines.warm_tasks import CLIENT
+
+    _, _, tmp_path = host
+    no_host = tmp_path / "no-host"
+    no_host.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S {CLIENT} {tmp_path / "none"} "$@"\n')
+    no_host.chmod(0o700)
+    proc = _launch(no_host, "echo", "5")
     out, err = proc.communicate("x", timeout=120)
     assert proc.returncode == 5, err
     assert int(out.split()[3]) == proc.pid
 
 
-def test_the_host_stops_when_its_run_ends_and_puts_everything_back(tmp_path, monkeypatch):
-    from pipelines.task_client import SOCKET_ENV
+def test_the_host_stops_when_its_run_ends_and_changes_nothing_of_this_process(tmp_path):
     from pipelines.warm_tasks import warm_task_host
 
-    monkeypatch.delenv(SOCKET_ENV, raising=False)
-    python = sys.executable
-    with warm_task_host(tmp_path / "host", tmp_path / "host.log", preload=()) as launcher:
-        assert os.environ[SOCKET_ENV] == str(tmp_path / "host" / "task-host.sock")
-        assert sys.executable == str(launcher)
-    assert sys.executable == python and SOCKET_ENV not in os.environ
+    python, environment = sys.executable, dict(os.environ)
+    with warm_task_host(tmp_path / "host", tmp_path / "host.log", preload=()) as host:
+        assert host.socket == tmp_path / "host" / "task-host.sock"
+        assert sys.executable == python and dict(os.environ) == environment
     assert not (tmp_path / "host" / "task-host.sock").exists()
     hosts = subprocess.run(
         ["pgrep", "-f", f"pipelines.warm_tasks {tmp_path}"], capture_output=True, text=True
@@ -174,13 +186,12 @@ def test_turned_off_it_starts_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setenv(ENABLE_ENV, "0")
     python = sys.executable
-    with warm_task_host(tmp_path / "host") as launcher:
-        assert launcher is None and sys.executable == python
+    with warm_task_host(tmp_path / "host") as host:
+        assert host is None and sys.executable == python
     assert not (tmp_path / "host").exists()
 
 
 def test_a_workspace_too_deep_for_a_socket_path_is_still_served(tmp_path, monkeypatch):
-    from pipelines.task_client import SOCKET_ENV
     from pipelines.warm_tasks import warm_task_host
 
     modules = tmp_path / "modules"
@@ -188,8 +199,8 @@ def test_a_workspace_too_deep_for_a_socket_path_is_still_served(tmp_path, monkey
     (modules / "probe.py").write_text(PROBE)
     monkeypatch.setenv("PYTHONPATH", str(modules))
     deep = tmp_path.joinpath(*["a-long-folder-name"] * 6)
-    with warm_task_host(deep, tmp_path / "host.log", preload=()) as launcher:
-        socket_path = Path(os.environ[SOCKET_ENV])
+    with warm_task_host(deep, tmp_path / "host.log", preload=()) as host:
+        launcher, socket_path = host.launcher, host.socket
         assert len(str(socket_path)) <= 100 and socket_path.parent != deep
         deadline = time.monotonic() + 60
         while not socket_path.exists():
