@@ -36,6 +36,12 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a shipped config ({known})")
 
 
+def setting_option(setting: str) -> str:
+    """The option of ``compatflow train continual`` that sets a training setting (``batch_size``:
+    ``--batch-size``; the model config: ``--config``); ``torchrun_command`` passes every one."""
+    return "--config" if setting == "config_name" else "--" + setting.replace("_", "-")
+
+
 def load_config(name_or_path: str | Path, *, local_paths: bool = True, training: bool = True) -> Deployment:
     """Read a pipeline config and check all of it, before any step runs.
 

@@ -67,7 +67,7 @@ from kfp.dsl import PipelineTask
 from kfp.dsl.pipeline_task import TaskState
 
 from components.deployment import Deployment, TrainingSection
-from pipelines.config import ConfigError, gpu_errors, load_config
+from pipelines.config import ConfigError, gpu_errors, load_config, setting_option
 
 COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
 DEFAULT_COMPILE_CONFIG = "cluster"
@@ -278,7 +278,7 @@ def torchrun_command(
     """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node.
 
     ``training`` is the config's ``training`` section, every setting of it passed as an option
-    (:data:`pipelines.commands.train.SETTING_OPTIONS`); ``seed`` overrides its seed (the pipeline
+    (:func:`pipelines.config.setting_option`); ``seed`` overrides its seed (the pipeline
     uses ``seed + phase``); ``epochs`` must have been turned into steps. Every rank trains on an equal
     share of the global batch (DDP with all-gathered features, :mod:`compat.training.ddp`), so the batch
     must split evenly. Several nodes go through the PyTorchJob in ``manifests/k8s/training/`` instead,
@@ -286,8 +286,7 @@ def torchrun_command(
     """
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
-    from components.training.continual import TrainingSettings
-    from pipelines.commands.train import SETTING_OPTIONS
+    from components.training.continual import SECTION_FIELDS, TrainingSettings
 
     training = TrainingSection.model_validate(training)
     if training.epochs is not None:
@@ -313,10 +312,10 @@ def torchrun_command(
         f"--phase={int(phase)}",
         f"--out={out}",
     ]
-    for setting, option in SETTING_OPTIONS.items():  # every setting of the section (a test holds them all)
+    for setting in SECTION_FIELDS.values():  # every setting of the section
         value = getattr(settings, setting)
         if value is not None:  # None: the trainer's own default (no alpha but Mod-X's, the model's resize)
-            command.append(f"{option}={value}")
+            command.append(f"{setting_option(setting)}={value}")
     if production:
         command.append(f"--production={production}")
     command += [f"--train-shard={shard}" for shard in train_shards]

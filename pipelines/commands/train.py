@@ -12,44 +12,17 @@ from pipelines.commands._common import echo_json, exit_codes, fail
 
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
-# Each setting of the deployment's training section (components.training.continual.SECTION_FIELDS) and the
-# option of `compatflow train continual` that sets it: torchrun_command passes every one, none dropped.
-SETTING_OPTIONS: dict[str, str] = {
-    "config_name": "--config",
-    "pretrained": "--pretrained",
-    "weights_dir": "--weights-dir",
-    "resize_mode": "--resize-mode",
-    "method": "--method",
-    "alpha": "--alpha",
-    "replay_buffer_size": "--replay-buffer-size",
-    "replay_rows": "--replay-rows",
-    "steps": "--steps",
-    "checkpoint_every": "--checkpoint-every",
-    "batch_size": "--batch-size",
-    "lr": "--lr",
-    "warmup_fraction": "--warmup-fraction",
-    "device": "--device",
-    "seed": "--seed",
-    "loader_workers": "--loader-workers",
-}
-# The trainer's own settings (no config key) the command also takes.
-TRAINER_OPTIONS: dict[str, str] = {
-    "accum_steps": "--accum-steps",
-    "weight_decay": "--weight-decay",
-    "precision": "--precision",
-}
-
-
-def option_parameter(option: str) -> str:
-    """The parameter name click gives an option (``--batch-size`` -> ``batch_size``)."""
-    return option.removeprefix("--").replace("-", "_")
+TRAINER_SETTINGS = ("accum_steps", "weight_decay", "precision")  # the trainer's own: no config key
 
 
 def settings_given(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The training settings the command's options set, from its parsed parameters (the rest left to the
-    section): the trainer's own options (``--accum-steps``, ``--weight-decay``, ``--precision``) included."""
-    options = {**SETTING_OPTIONS, **TRAINER_OPTIONS}
-    chosen = {setting: params.get(option_parameter(option)) for setting, option in options.items()}
+    """The training settings the command's options set (:func:`pipelines.config.setting_option`), from its
+    parsed parameters (the rest left to the section), the trainer's own options included."""
+    from components.training.continual import SECTION_FIELDS
+    from pipelines.config import setting_option
+
+    chosen = {s: params.get(setting_option(s)[2:].replace("-", "_")) for s in SECTION_FIELDS.values()}
+    chosen.update({s: params.get(s) for s in TRAINER_SETTINGS})
     return {setting: value for setting, value in chosen.items() if value is not None}
 
 

@@ -15,14 +15,13 @@ def test_every_setting_of_the_training_section_has_an_option_of_the_command():
 
     from components.training.continual import SECTION_FIELDS
     from pipelines.cli import app
-    from pipelines.commands.train import SETTING_OPTIONS, TRAINER_OPTIONS, option_parameter
+    from pipelines.commands.train import TRAINER_SETTINGS
+    from pipelines.config import setting_option
 
-    assert set(SETTING_OPTIONS) == set(SECTION_FIELDS.values())
     command = typer.main.get_command(app).commands["train"].commands["continual"]
-    names = {param.name for param in command.params}
-    missing = [
-        o for o in [*SETTING_OPTIONS.values(), *TRAINER_OPTIONS.values()] if option_parameter(o) not in names
-    ]
+    options = {option for param in command.params for option in param.opts}
+    settings = [*SECTION_FIELDS.values(), *TRAINER_SETTINGS]
+    missing = [setting_option(s) for s in settings if setting_option(s) not in options]
     assert not missing, f"options the command lacks: {missing}"
 
 
