@@ -53,20 +53,9 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 CHECKPOINT_DIR = "checkpoints"
 LEDGER_FILE = "samples.jsonl"
 # Settings that shape the trajectory: a checkpoint resumes only under the same values.
-_TRAJECTORY_FIELDS = (
-    "steps",
-    "batch_size",
-    "accum_steps",
-    "lr",
-    "min_lr",
-    "weight_decay",
-    "betas",
-    "eps",
-    "warmup_fraction",
-    "alpha",
-    "selective_correction",
-    "seed",
-    "precision",
+_TRAJECTORY_FIELDS = tuple(
+    "steps batch_size accum_steps lr min_lr weight_decay betas eps warmup_fraction alpha "
+    "selective_correction seed precision".split()
 )
 
 
@@ -355,9 +344,7 @@ def train(
     model = student.model
     model.train()
     optimizer = build_optimizer(model, config)
-    teacher_model = None
-    if loss_fn.needs_teacher:
-        teacher_model = teacher.model.eval().requires_grad_(False)
+    teacher_model = teacher.model.eval().requires_grad_(False) if loss_fn.needs_teacher else None
 
     resumed = _start_or_resume(ckpt_root, model, optimizer, scaler, config, dist, resume=resume)
     found, state = resumed or (None, TrainState())
@@ -375,6 +362,8 @@ def train(
     batches = source.batches(state.position)
     from compat.progress import Task
 
+    options = {"dist": dist, "accum_steps": config.accum_steps, "autocast": autocast, "scaler": scaler}
+    saved = {"config": config.to_dict(), "schedule": schedule.state_dict(), "keep": config.keep_checkpoints}
     bar = Task("training", config.steps, "steps", completed=state.step, enabled=dist.is_main)
     try:
         for _ in range(state.step, config.steps):
@@ -385,17 +374,7 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             images = batch.images[rows].to(device, non_blocking=True)
             texts = batch.texts[rows].to(device, non_blocking=True)
-            terms = loss_and_backward(
-                model,
-                images,
-                texts,
-                loss_fn,
-                teacher=teacher_model,
-                dist=dist,
-                accum_steps=config.accum_steps,
-                autocast=autocast,
-                scaler=scaler,
-            )
+            terms = loss_and_backward(model, images, texts, loss_fn, teacher=teacher_model, **options)
             loss_value = float(terms.total)
             if not math.isfinite(loss_value) and scaler is None:
                 raise FloatingPointError(
@@ -414,28 +393,15 @@ def train(
                 on_step(record)
             bar.advance(1, loss=loss_value)
             if config.log_every and state.step % config.log_every == 0:
-                log.info(
-                    "step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e",
-                    state.step,
-                    config.steps,
-                    loss_value,
-                    record["contrastive"],
-                    record["kl"],
-                    lr,
-                )
+                values = (state.step, config.steps, loss_value, record["contrastive"], record["kl"], lr)
+                log.info("step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e", *values)
             due = config.checkpoint_every and state.step % config.checkpoint_every == 0
             if due or state.step == config.steps:
                 last_ckpt = ckpt_root / checkpoint_name(state.step)
                 if dist.is_main:
+                    scaler_state = scaler.state_dict() if scaler else None
                     save_training_checkpoint(
-                        ckpt_root,
-                        student,
-                        optimizer,
-                        state,
-                        config=config.to_dict(),
-                        schedule=schedule.state_dict(),
-                        scaler_state=scaler.state_dict() if scaler else None,
-                        keep=config.keep_checkpoints,
+                        ckpt_root, student, optimizer, state, scaler_state=scaler_state, **saved
                     )
                 barrier(dist)
     finally:
