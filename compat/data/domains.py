@@ -35,6 +35,14 @@ def _regular(n: int, radius: float = 1.0, phase_deg: float = -90.0) -> tuple[tup
     return tuple((radius * math.cos(start + i * step), radius * math.sin(start + i * step)) for i in range(n))
 
 
+def _cross(w: float) -> tuple[tuple[float, float], ...]:
+    """A plus sign of arm half-width ``w``: one arm's three corners, turned a quarter at a time."""
+    points = [(-w, -1), (w, -1), (w, -w)]
+    for _ in range(3):
+        points += [(-y, x) for x, y in points[-3:]]
+    return tuple(points)
+
+
 def _star(points: int, inner: float) -> tuple[tuple[float, float], ...]:
     outer = _regular(points)
     inner_pts = _regular(points, inner, -90.0 + 180.0 / points)
@@ -154,30 +162,7 @@ SIGNS = Domain(
     collective=("symbol", "symbols"),
     kinds=(
         Kind(("star", "pentagram"), ("stars", "pentagrams"), (("poly", _star(5, 0.45), "main"),)),
-        Kind(
-            ("cross", "plus sign"),
-            ("crosses", "plus signs"),
-            (
-                (
-                    "poly",
-                    (
-                        (-0.3, -1),
-                        (0.3, -1),
-                        (0.3, -0.3),
-                        (1, -0.3),
-                        (1, 0.3),
-                        (0.3, 0.3),
-                        (0.3, 1),
-                        (-0.3, 1),
-                        (-0.3, 0.3),
-                        (-1, 0.3),
-                        (-1, -0.3),
-                        (-0.3, -0.3),
-                    ),
-                    "main",
-                ),
-            ),
-        ),
+        Kind(("cross", "plus sign"), ("crosses", "plus signs"), (("poly", _cross(0.3), "main"),)),
         Kind(("ring", "hoop"), ("rings", "hoops"), (("ring", (-1, -1, 1, 1), "main", 0.32),)),
         Kind(
             ("arrow", "pointer"),

@@ -20,6 +20,8 @@ interruption (shards are written atomically), and a complete stream is left unto
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -273,8 +275,9 @@ class ShardJob:
     count: int
 
 
-def _write_job(args: tuple[str, ShardJob, int, int, str, float]) -> int:
-    out_dir, job, seed, image_size, shift, old_word_share = args
+def _write_job(
+    job: ShardJob, out_dir: str, seed: int, image_size: int, shift: str, old_word_share: float
+) -> int:
     samples = (
         make_sample(seed, job.phase, job.split, i, image_size, shift, old_word_share)
         for i in range(job.start, job.start + job.count)
@@ -294,29 +297,6 @@ def plan_phase(phase: int, counts: dict[str, int], samples_per_shard: int) -> li
     return jobs
 
 
-def _settings(
-    seed: int,
-    samples_per_phase: int,
-    eval_per_domain: int,
-    gallery_per_domain: int,
-    image_size: int,
-    samples_per_shard: int,
-    shift: str,
-    old_word_share: float,
-) -> dict[str, Any]:
-    return {
-        "generator_version": GENERATOR_VERSION,
-        "seed": seed,
-        "samples_per_phase": samples_per_phase,
-        "eval_per_domain": eval_per_domain,
-        "gallery_per_domain": gallery_per_domain,
-        "image_size": image_size,
-        "samples_per_shard": samples_per_shard,
-        "shift": shift,
-        **({"old_word_share": old_word_share} if shift == "realistic" else {}),
-    }
-
-
 def _check_settings(found: dict[str, Any], wanted: dict[str, Any], source: Path) -> None:
     found = {"shift": "disjoint", **found}  # streams written before the realistic shift existed
     diff = {k: (found.get(k), v) for k, v in wanted.items() if found.get(k) != v}
@@ -325,6 +305,31 @@ def _check_settings(found: dict[str, Any], wanted: dict[str, Any], source: Path)
         raise StreamError(
             f"{source} was generated with other settings ({detail}); "
             "use another output directory or delete this one"
+        )
+
+
+def _check_existing(out: Path, settings: dict[str, Any], phases: int) -> None:
+    """Refuse a directory generated with other settings, holding more phases, or holding other files."""
+    manifest_path, pending_path = out / MANIFEST, out / PENDING
+    if manifest_path.exists():
+        existing = load_manifest(out)
+        _check_settings(existing.get("generator", {}), settings, manifest_path)
+        if len(existing["phases"]) > phases:
+            raise StreamError(
+                f"{manifest_path} holds {len(existing['phases'])} phases, {phases} asked; "
+                "a stream is only ever extended"
+            )
+    if pending_path.exists():
+        try:
+            pending = json.loads(pending_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise StreamError(
+                f"{pending_path} is not valid JSON ({exc}); delete {out}, generate again"
+            ) from exc
+        _check_settings(pending, settings, pending_path)
+    elif not manifest_path.exists() and out.exists() and any(out.glob("phase-*")):
+        raise StreamError(
+            f"{out} holds phase directories but no {MANIFEST} or {PENDING}; use an empty output directory"
         )
 
 
@@ -337,22 +342,59 @@ def _run_jobs(
     shift: str = "disjoint",
     old_word_share: float = DEFAULT_OLD_WORD_SHARE,
 ) -> None:
-    from compat.progress import track
-
-    args = [(str(out_dir), job, seed, image_size, shift, old_word_share) for job in jobs]
-    total = sum(j.count for j in jobs)
-    desc = f"writing {len(jobs)} shards ({total} samples)"
-    if workers <= 1 or len(jobs) <= 1:
-        for a in track(args, desc, total=len(args), logger=log):
-            _write_job(a)
-        return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for _ in track(pool.map(_write_job, args), desc, total=len(args), logger=log):
+    from compat.progress import track
+
+    write = functools.partial(
+        _write_job,
+        out_dir=str(out_dir),
+        seed=seed,
+        image_size=image_size,
+        shift=shift,
+        old_word_share=old_word_share,
+    )
+    desc = f"writing {len(jobs)} shards ({sum(j.count for j in jobs)} samples)"
+    with contextlib.ExitStack() as stack:
+        run = map
+        if workers > 1 and len(jobs) > 1:  # spawned: the parent may hold torch threads
+            ctx = multiprocessing.get_context("spawn")
+            run = stack.enter_context(ProcessPoolExecutor(max_workers=workers, mp_context=ctx)).map
+        for _ in track(run(write, jobs), desc, total=len(jobs), logger=log):
             pass
+
+
+def _plan_stream(
+    out: Path, settings: dict[str, Any], phases: int
+) -> tuple[dict[str, Any], list[ShardJob], int]:
+    """The manifest of the stream ``settings`` describes, the shard jobs still missing in ``out`` and the
+    number of shards in all."""
+    counts = {"train": settings["samples_per_phase"], "eval": settings["eval_per_domain"]}
+    counts["gallery"] = settings["gallery_per_domain"]
+    entries, todo, n_shards = [], [], 0
+    for phase in range(phases):
+        domain = scene_domain(phase, settings["shift"])
+        jobs = plan_phase(phase, counts, settings["samples_per_shard"])
+        n_shards += len(jobs)
+        todo += [j for j in jobs if not (out / j.path).is_file()]
+        paths = {split: [j.path for j in jobs if j.split == split] for split in SPLITS}
+        entries.append(
+            {
+                "phase": phase,
+                "domain": domain.name,
+                "description": domain.description,
+                **paths,
+                "counts": dict(counts),
+            }
+        )
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "seed": settings["seed"],
+        "image_size": settings["image_size"],
+    }
+    return {**manifest, "generator": settings, "phases": entries}, todo, n_shards
 
 
 def generate_stream(
@@ -396,61 +438,20 @@ def generate_stream(
         raise ValueError(f"old_word_share must be a number in [0, 1], got {old_word_share!r}")
     old_word_share = float(old_word_share)
     out = Path(out_dir)
-    settings = _settings(
-        seed,
-        samples_per_phase,
-        eval_per_domain,
-        gallery_per_domain,
-        image_size,
-        samples_per_shard,
-        shift,
-        old_word_share,
-    )
-    manifest_path, pending_path = out / MANIFEST, out / PENDING
-    if manifest_path.exists():
-        existing = load_manifest(out)
-        _check_settings(existing.get("generator", {}), settings, manifest_path)
-        if len(existing["phases"]) > phases:
-            raise StreamError(
-                f"{manifest_path} holds {len(existing['phases'])} phases, {phases} asked; "
-                "a stream is only ever extended"
-            )
-    if pending_path.exists():
-        try:
-            pending = json.loads(pending_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise StreamError(
-                f"{pending_path} is not valid JSON ({exc}); delete {out}, generate again"
-            ) from exc
-        _check_settings(pending, settings, pending_path)
-    elif not manifest_path.exists() and out.exists() and any(out.glob("phase-*")):
-        raise StreamError(
-            f"{out} holds phase directories but no {MANIFEST} or {PENDING}; use an empty output directory"
-        )
-    counts = {"train": samples_per_phase, "eval": eval_per_domain, "gallery": gallery_per_domain}
-    entries, todo, n_shards = [], [], 0
-    for phase in range(phases):
-        domain = scene_domain(phase, shift)
-        jobs = plan_phase(phase, counts, samples_per_shard)
-        n_shards += len(jobs)
-        todo += [j for j in jobs if not (out / j.path).is_file()]
-        entries.append(
-            {
-                "phase": phase,
-                "domain": domain.name,
-                "description": domain.description,
-                **{split: [j.path for j in jobs if j.split == split] for split in SPLITS},
-                "counts": dict(counts),
-            }
-        )
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
+    settings = {
+        "generator_version": GENERATOR_VERSION,
         "seed": seed,
+        "samples_per_phase": samples_per_phase,
+        "eval_per_domain": eval_per_domain,
+        "gallery_per_domain": gallery_per_domain,
         "image_size": image_size,
-        "generator": settings,
-        "phases": entries,
+        "samples_per_shard": samples_per_shard,
+        "shift": shift,
+        **({"old_word_share": old_word_share} if shift == "realistic" else {}),
     }
+    _check_existing(out, settings, phases)
+    manifest_path, pending_path = out / MANIFEST, out / PENDING
+    manifest, todo, n_shards = _plan_stream(out, settings, phases)
     if not todo and manifest_path.exists() and load_manifest(out) == manifest:
         return manifest  # complete: nothing is written
     out.mkdir(parents=True, exist_ok=True)
