@@ -90,14 +90,7 @@ def expand_urls(spec: str | Sequence[str]) -> list[str]:
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not specs:
         raise LoaderError("no shard spec given")
-    urls: list[str] = []
-    seen: set[str] = set()
-    for s in specs:
-        for url in _expand_one(os.fspath(s)):
-            if url not in seen:
-                seen.add(url)
-                urls.append(url)
-    return urls
+    return list(dict.fromkeys(url for s in specs for url in _expand_one(os.fspath(s))))
 
 
 @dataclass
