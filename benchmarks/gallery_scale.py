@@ -11,7 +11,9 @@ workers' peaks come from the stage records, the Milvus server's from /proc. Plan
 from the rollout state; disk is what the rollout's work folder holds (its centres, the workers' cursors).
 After the completed rollout is rolled back, a second rollout is SIGKILLed in its second backfill stage and
 rolled back too. Milvus CPU per row is the server's CPU time over the rollout and its rollback, per item.
-With ``--lineage`` the workspace has a Feast repo and the rollout's writers record each item's lineage.
+With ``--lineage`` the workspace has a Feast repo, the rollout's writers record each item's lineage, and
+``compatflow lineage --check`` (over K processes) runs after the rollout: ``lineage_seconds``, and whether
+it agrees.
 Growth exponents are least-squares slopes of log(cost) over log(size).
 
     .venv/bin/python benchmarks/gallery_scale.py --sizes 10000,40000 --workers 1 --json /tmp/scale.json
@@ -100,7 +102,7 @@ def _disk_mib(path: Path) -> float:
 
 
 def _child(args: argparse.Namespace) -> dict[str, Any]:
-    """One measured operation in this process: ``rollout``, ``rollback`` or ``status``."""
+    """One measured operation in this process: ``rollout``, ``rollback``, ``status`` or ``lineage``."""
     from components import rollout as ro
     from components.adapters.index import GalleryIndex, gallery_status
     from components.deployment import RolloutSection
@@ -109,6 +111,11 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     if args.child == "status":
         doc = gallery_status(args.uri, args.alias)
+        return {"seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib(), **doc}
+    if args.child == "lineage":  # `compatflow lineage --check`: the gallery against Feast, over K processes
+        from components.adapters.lineage import check_from_index
+
+        doc = check_from_index(args.workspace / "feast", args.uri, args.alias, workers=args.k)
         return {"seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib(), **doc}
     with GalleryIndex(args.uri, args.alias) as index:
         if args.child == "rollback":
@@ -251,6 +258,7 @@ def measure_size(
         rollout = _run_child(args, "rollout", version=f"v2k{k}", k=k)
         rollout_dir = args.workspace / "rollout"
         disk = _disk_mib(rollout_dir)
+        check = _run_child(args, "lineage", k=k) if args.lineage else {}
         rollback = _run_child(args, "rollback")
         after = _run_child(args, "status")
         server_peak = peak_rss_mib(server_pid) if server_pid else None
@@ -283,6 +291,8 @@ def measure_size(
                 )
                 or None,
                 "lineage": bool(args.lineage),
+                "lineage_seconds": round(check["seconds"], 2) if check else None,
+                "lineage_agree": check.get("agree"),
                 "rollback_seconds": round(rollback["seconds"], 2),
                 "killed_at_stage": unfinished,
                 "rollback_unfinished_seconds": round(rollback_unfinished["seconds"], 2),
@@ -366,6 +376,8 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
         ("milvus_cpu_ms_per_row", "Milvus CPU ms/row"),
         ("peak_rss_mb", "rollout peak MB"),
         ("workers_peak_rss_mb", "worker peak MB"),
+        ("lineage_seconds", "lineage --check s"),
+        ("lineage_agree", "lineage agrees"),
         ("rollback_seconds", "rollback s (completed)"),
         ("rollback_unfinished_seconds", "rollback s (killed mid-stage)"),
         ("rollback_peak_rss_mb", "rollback peak MB"),
@@ -380,6 +392,8 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
             cells.append(
                 "/".join(f"{x:.1f}" for x in v)
                 if isinstance(v, list)
+                else ("yes" if v else "no")
+                if isinstance(v, bool)
                 else ("" if v is None else f"{v:,}" if isinstance(v, int) else str(v))
             )
         lines.append("| " + " | ".join(cells) + " |")
@@ -422,7 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the records here (a JSON list)")
     parser.add_argument("--table", type=Path, help="write the Markdown table here")
     # one measured operation, in a process of its own
-    parser.add_argument("--child", choices=["rollout", "rollback", "status"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=["rollout", "rollback", "status", "lineage"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--uri", help=argparse.SUPPRESS)
     parser.add_argument("--alias", help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
