@@ -323,8 +323,9 @@ def adopt(
     import tempfile
 
     from compat.models import build_model
-    from components.adapters.index import DEFAULT_ALIAS, GalleryIndex
+    from components.adapters.index import GalleryIndex
     from components.adapters.registry import Registry
+    from components.rollout.operations import deployment_owner
     from components.rollout.types import RolloutPaths
     from components.runs import record_phase
     from components.serving.record import DEFAULT_FACTORY, write_serving
@@ -352,7 +353,8 @@ def adopt(
         if not proof.passed:
             raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
         proof_s = time.monotonic() - started
-        with GalleryIndex(workspace.index_uri, alias=workspace.index_alias or DEFAULT_ALIAS) as target:
+        owner = deployment_owner(workspace, legacy=False)  # the copy is marked as this deployment's
+        with GalleryIndex(workspace.index_uri, alias=workspace.index_alias, owner=owner) as target:
             _refuse_alias_taken(target)
             copy_started = time.monotonic()
             sample_vectors = np.asarray([r[source.vector_field] for r in sample])

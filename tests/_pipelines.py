@@ -196,17 +196,26 @@ class Cycle:
         return summary
 
 
+def served_gallery(config: dict) -> dict:
+    """:func:`components.adapters.index.gallery_status` of the gallery the workspace's serving record names
+    (its alias is the deployment's own unless the config names one)."""
+    from components.adapters.index import gallery_status
+    from components.serving.record import read_serving
+
+    record = read_serving(Path(config["workspace"]) / "serving.json")
+    return gallery_status(record["uri"], record["alias"])
+
+
 def assert_serves(config: dict, version: str, n_items: int) -> None:
     """Production is ``version``, the gallery holds one vector per item, all written by it, and a text
     search through the serving alias answers with gallery items and their captions (read from the shards
     the rows name)."""
     from components import steps
-    from components.adapters.index import gallery_status
     from components.serving.search import search
 
     registry = steps.registry_of(config)
     assert registry.alias_version("production") == version
-    gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
+    gallery = served_gallery(config)
     assert gallery["by_version"] == {version: n_items}
     (hits,) = search(["a red circle"], k=3, workspace=config["workspace"], captions=True)
     assert len(hits) == 3 and all(hit["model_version"] == version for hit in hits)

@@ -13,6 +13,15 @@ rollout that wrote it ("" for the initial indexing). Physical collections are ``
 queries go through the alias (``gallery`` by default), which :meth:`GalleryIndex.switch_alias` moves
 atomically (Milvus ``alter_alias``).
 
+Ownership: a :class:`GalleryIndex` opened for a deployment (``owner``, an :class:`Owner`) marks every
+collection it creates with the deployment's identity (collection properties :data:`OWNER_PROPERTY` and
+:data:`OWNER_WORKSPACE_PROPERTY`); an alias belongs to the owner of the collection it points to. Before its
+first write into a collection (upsert, alias switch, drop) it checks the mark (:meth:`GalleryIndex.claim`) and
+refuses another deployment's collection or alias, naming both owners. A collection made before marks is this
+deployment's when its serving record or rollout states name it (``Owner.legacy``; marked then), no one's
+otherwise. A milvus-lite directory inside the owner's workspace is its own whatever the marks say (a copied
+workspace carries its index along).
+
 ``uri`` is a milvus-lite directory (``.../gallery.db``; one process at a time), the URI of a
 ``milvus-lite server`` bound to 127.0.0.1 (several processes), or a Milvus server (2.3 or newer).
 
@@ -55,6 +64,8 @@ CONSISTENCY_LEVELS = (SESSION, STRONG, BOUNDED)
 MIN_SERVER_VERSION = (2, 3)
 TOKEN_ENV = "COMPATFLOW_MILVUS_TOKEN"
 SPACE_PROPERTY = "compatflow.space"
+OWNER_PROPERTY = "compatflow.owner"  # the deployment id (components.state.workspace.Workspace.deployment_id)
+OWNER_WORKSPACE_PROPERTY = "compatflow.owner_workspace"  # its workspace folder, named in a refusal
 META_FIELDS: tuple[str, ...] = (
     "model_version",
     "space_id",
@@ -88,6 +99,16 @@ class GalleryIndexError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Owner:
+    """The deployment a :class:`GalleryIndex` writes for (see the module doc): its ``id``, its ``workspace``
+    folder, and ``legacy``, the unmarked collections (made before marks) its serving record names."""
+
+    id: str
+    workspace: str
+    legacy: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Hit:
     """One search result."""
 
@@ -117,6 +138,11 @@ def _is_lite_or_loopback(uri: str) -> bool:
     from urllib.parse import urlparse
 
     return urlparse(str(uri)).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` lies in ``folder`` (both resolved)."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
 def quote(value: str) -> str:
@@ -185,6 +211,7 @@ class GalleryIndex:
         token: str | None = None,
         timeout: float | None = 60.0,
         consistency: str = SESSION,
+        owner: Owner | None = None,
     ) -> None:
         from pymilvus import MilvusClient
 
@@ -201,6 +228,10 @@ class GalleryIndex:
         if not is_remote(self.uri):
             Path(self.uri).expanduser().parent.mkdir(parents=True, exist_ok=True)
         self._local = None if is_remote(self.uri) else os.path.abspath(Path(self.uri).expanduser())
+        self.owner = owner
+        self._claimed: set[str] = set()  # collections this deployment's own, checked once
+        # milvus-lite inside the owner's workspace: nobody else writes there (see the module doc)
+        self._private = bool(owner and self._local and _inside(self._local, owner.workspace))
         extra = {"grpc_options": dict(LITE_GRPC_OPTIONS)} if _is_lite_or_loopback(self.uri) else {}
         try:
             self.client = MilvusClient(uri=self.uri, token=token, timeout=timeout, **extra)
@@ -336,10 +367,12 @@ class GalleryIndex:
             name,
             schema=schema,
             index_params=index_params,
-            properties={SPACE_PROPERTY: str(space)},
+            properties={SPACE_PROPERTY: str(space), **self._marks()},
             timeout=self.timeout,
         )
         self._loaded.add(name)
+        if self.owner is not None:
+            self._claimed.add(name)
         log.info("created gallery collection %s (space %s, dim %d, HNSW %s)", name, space, dim, metric)
         return name
 
@@ -418,8 +451,10 @@ class GalleryIndex:
         return name
 
     def switch_alias(self, collection: str) -> str | None:
-        """Point the alias at ``collection`` atomically; returns the collection it pointed to before."""
+        """Point the alias at ``collection`` atomically; returns the collection it pointed to before. Refuses
+        (before anything moves) a collection or an alias of another deployment (:meth:`claim`)."""
         self._require(collection)
+        self.claim(collection, alias=True)
         previous = self.serving_collection()
         if previous == collection:
             return previous
@@ -430,6 +465,56 @@ class GalleryIndex:
         log.info("alias %s: %s -> %s", self.alias, previous, collection)
         return previous
 
+    # -- ownership -----------------------------------------------------------------------------------------
+    def _marks(self) -> dict[str, str]:
+        """The properties that mark a collection as the owner's (none without an owner)."""
+        if self.owner is None:
+            return {}
+        return {OWNER_PROPERTY: self.owner.id, OWNER_WORKSPACE_PROPERTY: self.owner.workspace}
+
+    def owner_of(self, name: str) -> tuple[str, str]:
+        """``(id, workspace)`` of the deployment that marked collection ``name`` (``("", "")``: unmarked)."""
+        properties = self.client.describe_collection(name, timeout=self.timeout).get("properties") or {}
+        return str(properties.get(OWNER_PROPERTY, "")), str(properties.get(OWNER_WORKSPACE_PROPERTY, ""))
+
+    def claim(self, *names: str, alias: bool = False) -> None:
+        """Refuse, before anything is written, to write into a collection of ``names`` that exists and is not
+        this deployment's, or (``alias``) to move an alias that points to one: :class:`GalleryIndexError`
+        naming both owners. An unmarked collection the owner's serving record names is marked as its own
+        (:class:`Owner`). Nothing is checked without an owner or in the owner's own milvus-lite directory."""
+        if self.owner is None or self._private:
+            return
+        if alias:
+            held = self.serving_collection()
+            if held is not None:
+                self._claim(held, f"alias {self.alias!r} (it serves collection {held!r})")
+        for name in names:
+            if name not in self._claimed and self.client.has_collection(name):
+                self._claim(name, f"collection {name!r}")
+
+    def _claim(self, name: str, what: str) -> None:
+        assert self.owner is not None
+        if name in self._claimed:
+            return
+        mark, workspace = self.owner_of(name)
+        if not mark and name in self.owner.legacy:  # made before marks, named by this deployment's record
+            self.client.alter_collection_properties(name, properties=self._marks(), timeout=self.timeout)
+            log.info("collection %s at %s marked as deployment %s's", name, self.uri, self.owner.id)
+        elif mark != self.owner.id:
+            theirs = (
+                f"deployment {mark} (workspace {workspace or 'not named'})"
+                if mark
+                else "no deployment (it carries no owner mark and this workspace's serving record does not "
+                "name it: made by another deployment before marks, or by hand)"
+            )
+            raise GalleryIndexError(
+                f"{what} at {self.uri} belongs to {theirs}, not to this deployment {self.owner.id} "
+                f"(workspace {self.owner.workspace}): nothing was written. Give this workspace another alias "
+                "(config index.alias, before its first indexing) or serve it from another index; a copy of a "
+                "workspace is another deployment and never writes into the original's gallery"
+            )
+        self._claimed.add(name)
+
     def drop(self, collection: str) -> None:
         """Drop a collection; refuses the one the alias serves (move the alias first)."""
         if collection == self.serving_collection():
@@ -437,6 +522,7 @@ class GalleryIndex:
                 f"collection {collection!r} is served by alias {self.alias!r}; switch the alias "
                 "to another collection before dropping it"
             )
+        self.claim(self._require(collection))
         self.client.drop_collection(self._require(collection), timeout=self.timeout)
         self._loaded.discard(collection)
 
@@ -487,6 +573,7 @@ class GalleryIndex:
         if not rows:
             return 0
         name = self.resolve(collection)
+        self.claim(name)
         stored = self.fields(name)
         missing = [f for f in stored if f not in rows[0]]
         if missing:

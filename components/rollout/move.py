@@ -1,12 +1,17 @@
 """Moving a served gallery to another index (``compatflow index move --to URI``): milvus-lite to a Milvus
 server, or one server to another, with nothing lost.
 
-Every collection of the gallery's alias (the served one and those kept for a rollback) is copied row by row,
-vectors included, in bounded batches (idempotent upserts: a killed move is simply run again), the counts
-are checked, the alias is switched at the target, the rollout states (live and archived) are pointed at
+The gallery's collections (those its serving record and rollout states name: the served one and those kept for
+a rollback; not every collection of the source index) are copied row by row, vectors included, in bounded
+batches (idempotent upserts: a killed move is simply run again), the counts are checked, the alias is switched
+at the target, the rollout states (live and archived) are pointed at
 it, and the serving record is rewritten last: until then everything serves from the source, after it
 everything serves from the target. The source is left as it was (drop it by hand once the target serves).
 Lineage (Feast) names items and versions, not the index, and stays as it is.
+
+Before anything is written at the target, every collection of those names there and the alias there must be
+this deployment's (:meth:`components.adapters.index.GalleryIndex.claim`): a move onto an index where another
+deployment (a copy of this workspace included) serves under the same names is refused, naming both owners.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     ``collections`` is empty when the gallery is already served from ``to_uri``."""
     from components.adapters.index import ROW_FIELDS, GalleryIndex
     from components.rollout import RolloutError, RolloutPaths, load_state
+    from components.rollout.operations import deployment_owner, gallery_collections
     from components.rollout.production_rollback import UNFINISHED
     from components.serving.record import read_serving, same_index, write_serving
     from components.state.workspace import Workspace
@@ -44,9 +50,11 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
             "roll it back (compatflow rollback) before moving the gallery"
         )
     copied: dict[str, int] = {}
-    with GalleryIndex(source_uri, alias) as source, GalleryIndex(to_uri, alias) as target:
-        names = [name for name in source.collections() if name.startswith(f"{alias}_")]
-        for name in sorted(names, key=lambda n: n != served):  # the served one first
+    owner = deployment_owner(ws, legacy=False)  # at the target, only what this deployment marked is its own
+    with GalleryIndex(source_uri, alias) as source, GalleryIndex(to_uri, alias, owner=owner) as target:
+        names = [name for name in gallery_collections(ws) if source.has_collection(name)]  # the served first
+        target.claim(*names, alias=True)  # before the first write: refuses another deployment's names
+        for name in names:
             if not target.has_collection(name):
                 target.create_collection(
                     source.collection_space(name), source.collection_dim(name), name=name

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from components.adapters.index import DEFAULT_ALIAS, GalleryIndex
+from components.adapters.index import GalleryIndex, Owner
 from components.deployment import RolloutSection
 from components.rollout.engine import run_rollout
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutPaths
@@ -80,15 +80,48 @@ def index_gallery(
 
 def open_index(workspace: Any = None) -> GalleryIndex:
     """A workspace's gallery index, where its serving record says it is (the collection being served), else
-    at the workspace's index URI (:attr:`components.state.workspace.Workspace.index_uri`). A configured URI
-    other than the record's is refused (:func:`components.serving.record.check_index_agrees`)."""
+    at the workspace's index URI (:attr:`components.state.workspace.Workspace.index_uri`), opened for the
+    workspace's deployment (:func:`deployment_owner`: a write into another's collection or alias is
+    refused). A configured URI other than the record's is refused
+    (:func:`components.serving.record.check_index_agrees`)."""
     from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
     record = read_serving(ws.serving_path)
     check_index_agrees(ws.configured_index_uri, record, ws.serving_path)
     uri = record["uri"] if record else ws.index_uri
-    return GalleryIndex(uri, alias=record["alias"] if record else ws.index_alias or DEFAULT_ALIAS)
+    alias = record["alias"] if record else ws.index_alias
+    return GalleryIndex(uri, alias=alias, owner=deployment_owner(ws))
+
+
+def deployment_owner(workspace: Any = None, *, legacy: bool = True) -> Owner:
+    """The deployment a workspace writes into an index for (:class:`components.adapters.index.Owner`): its
+    identity, its folder and, with ``legacy``, the collections it names (:func:`gallery_collections`), which
+    are its own when they were made before owner marks (not for an index it has never written to)."""
+    from components.state.workspace import Workspace
+
+    ws = Workspace.coerce(workspace)
+    named = frozenset(gallery_collections(ws)) if legacy else frozenset()
+    return Owner(ws.deployment_id(), str(ws.root), named)
+
+
+def gallery_collections(workspace: Any = None) -> list[str]:
+    """The collections a workspace's gallery is made of, the served one first: those its serving record names
+    (served, previous, a rollout's layers) and those its rollout states name (live and archived: what a
+    rollback switches back to). Empty when nothing is served."""
+    from components.rollout.state import load_state
+
+    paths = RolloutPaths.for_workspace(workspace)
+    record = read_serving(paths.serving)
+    if record is None:
+        return []
+    names = [record["collection"], (record.get("previous") or {}).get("collection")]
+    names += [name for name, _ in record.get("layers") or ()]
+    for path in [paths.state, *paths.archived_states()]:
+        state = load_state(path, paths.root)
+        if state is not None:
+            names += [state["gallery"].get("collection"), state["gallery"].get("source_collection")]
+    return [str(name) for name in dict.fromkeys(names) if name]
 
 
 def index_new_items(

@@ -2,6 +2,8 @@
 
 Layout (the pipeline and every command ask :class:`Workspace` for these; no other module spells them)::
 
+    <root>/deployment.json    the deployment's seed, made once: with the root's path, its identity
+                              (:meth:`Workspace.deployment_id`) that marks what it owns in a shared index
     <root>/state.json         every phase's outcome
     <root>/mlflow.db          MLflow tracking + registry (sqlite) unless a tracking URI is given
     <root>/mlartifacts/       MLflow artifacts (reports, checkpoints)
@@ -24,13 +26,19 @@ The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 from components.state.run_dir import ROLLOUT_STATE_FILE, RunDir
 
 DEFAULT_ROOT = "workspace"
+DEFAULT_ALIAS_PREFIX = "gallery"  # a deployment's default serving alias: gallery_<8 hex of its seed>
+_SEED = re.compile(r"^[0-9a-f]{32}$")
 DEFAULT_MODEL_NAME = "compatflow-clip"
 ENV_ROOT = "COMPATFLOW_WORKSPACE"
 # Folders a workspace may never be (a run writes, archives and deletes below its workspace): the root, the
@@ -68,7 +76,8 @@ SYSTEM_FOLDERS = frozenset(
 
 
 class WorkspaceError(ValueError):
-    """The workspace folder is one that must not be written under (the root or a system folder)."""
+    """The workspace folder is one that must not be written under (the root or a system folder), or its
+    deployment file is damaged."""
 
 
 def check_root(root: str | Path) -> Path:
@@ -106,7 +115,7 @@ class Workspace:
         tracking_uri: str | None = None,
         lineage_repo: str | Path | None = None,
         index_uri: str | None = None,
-        index_alias: str = "gallery",
+        index_alias: str | None = None,
         weights_dir: str | Path | None = None,
     ) -> None:
         chosen = root if root is not None else os.environ.get(ENV_ROOT) or DEFAULT_ROOT
@@ -114,7 +123,7 @@ class Workspace:
         self._tracking_uri = tracking_uri or os.environ.get(ENV_TRACKING_URI) or None
         self._lineage_repo = Path(lineage_repo or os.environ.get(ENV_LINEAGE_REPO) or self.root / "feast")
         self._index_uri = index_uri or os.environ.get(ENV_INDEX_URI) or None
-        self.index_alias = index_alias
+        self._index_alias = index_alias or None
         self._weights_dir = Path(weights_dir).expanduser() if weights_dir else None
 
     @classmethod
@@ -139,7 +148,7 @@ class Workspace:
             tracking_uri=self._tracking_uri,
             lineage_repo=self._lineage_repo,
             index_uri=uri,
-            index_alias=self.index_alias,
+            index_alias=self._index_alias,
             weights_dir=self._weights_dir,
         )
 
@@ -204,6 +213,59 @@ class Workspace:
     def milvus_dir(self) -> Path:
         """milvus-lite's data folder."""
         return self.root / "milvus"
+
+    @property
+    def index_alias(self) -> str:
+        """The serving alias a first indexing creates: the configured one (``index.alias``), else
+        ``gallery_<8 hex of the deployment's seed>``, unique to this deployment (a workspace that serves
+        already keeps the alias its serving record names). Makes the deployment file for the default."""
+        return self._index_alias or f"{DEFAULT_ALIAS_PREFIX}_{self.deployment_seed()[:8]}"
+
+    # ------------------------------------------------------------------------------------------ identity
+    @property
+    def deployment_path(self) -> Path:
+        """The deployment's seed (``{"seed": <32 hex>}``), made once by :meth:`deployment_seed`."""
+        return self.root / "deployment.json"
+
+    def deployment_seed(self) -> str:
+        """The deployment's random seed: read from :attr:`deployment_path`, else made there once (a file
+        created whole and never replaced: processes that start at once agree on the first one written).
+        A copy of the workspace carries it (so its default alias is the original's)."""
+        path = self.deployment_path
+        if not path.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"schema_version": 1, "seed": secrets.token_hex(16)}) + "\n"
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            try:
+                tmp.write_text(text)
+                with open(tmp, "rb") as handle:
+                    os.fsync(handle.fileno())
+                os.link(tmp, path)  # fails when another process made it first: that one is kept
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        try:
+            seed = json.loads(path.read_text(encoding="utf-8")).get("seed")
+            why = "its seed is not 32 hex digits"
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+            seed, why = None, f"{type(exc).__name__}: {exc}"
+        if not isinstance(seed, str) or not _SEED.match(seed):
+            raise WorkspaceError(
+                f"{path} is not a deployment file ({why}): restore it from a backup of this workspace (a new "
+                "one makes this workspace another deployment, refused by the collections it made in a shared "
+                "index)"
+            )
+        return seed
+
+    def deployment_id(self) -> str:
+        """The deployment's identity (16 hex): its seed together with the root's absolute path. It marks every
+        collection a first indexing, a rollout or a move creates in an index, and a write into a collection
+        marked by another identity is refused. A copy of the workspace in another folder is another
+        deployment: it cannot write into the original's collections (a workspace moved to another folder
+        is such a copy, see the README's "Ownership")."""
+        seed = self.deployment_seed()
+        return hashlib.sha256(f"{seed}\0{self.root}".encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------------------------------- state
     @property

@@ -111,9 +111,11 @@ def move(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Rows per copied batch.", min=1)] = 2000,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Move the served gallery (every collection of its alias, vectors included) to the index at --to, then
-    serve from it: a killed move is run again; the source is left as it was. Set index.uri to --to in the
-    config afterwards (a config naming the old index is refused)."""
+    """Move the served gallery (the collections its serving record and rollout states name, vectors
+    included) to the index at --to, then serve from it: a killed move is run again; the source is left as it
+    was. Refused before anything is written when a collection of those names or the alias at --to belongs to
+    another deployment (a copy of this workspace included). Set index.uri to --to in the config afterwards
+    (a config naming the old index is refused)."""
     from pipelines.commands._common import echo_json, fail, holding_workspace, workspace_of
 
     chosen = workspace_of(config, workspace)

@@ -243,13 +243,15 @@ def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_js
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
-    from components.rollout import RolloutError, rollback
+    from components.adapters.index import GalleryIndexError
+    from components.rollout import RolloutError, ServingError, rollback
+    from components.rollout.operations import open_index
     from pipelines.commands._common import echo_json, fail, holding_workspace
 
-    try:
-        with holding_workspace(workspace, "compatflow rollout rollback"):
-            state = rollback(_paths(workspace))
-    except RolloutError as err:
+    try:  # the index opened for this deployment: an alias of another one is never switched
+        with holding_workspace(workspace, "compatflow rollout rollback"), open_index(workspace) as index:
+            state = rollback(_paths(workspace), index)
+    except (RolloutError, ServingError, GalleryIndexError) as err:
         fail(str(err), code=1)
     if as_json:
         echo_json(state)

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from _pipelines import PERMISSIVE_POLICY, local_config
+from _pipelines import PERMISSIVE_POLICY, local_config, served_gallery
 
 # Where phase 1's run is killed, in this order; one more attempt then finishes the phase.
 KILLS = (
@@ -240,8 +240,6 @@ def test_a_rollout_killed_again_in_its_backfill_is_the_same_rollout_resumed(kill
 
 
 def test_the_run_after_every_kill_finishes_the_phase(killed):
-    from components.adapters.index import gallery_status
-
     done = killed.finish()
     config = killed.config
     assert done["phase"]["status"] == "succeeded" and done["phase"]["run_id"] == done["run"]["run_id"]
@@ -252,7 +250,7 @@ def test_the_run_after_every_kill_finishes_the_phase(killed):
     rollout = done["rollout"]
     assert rollout["status"] == "completed"
     assert rollout["rollout_id"] == killed.kill("backfill stage 3")["rollout"]["rollout_id"]  # resumed
-    gallery = gallery_status(config["index"]["uri"], config["index"]["alias"])
+    gallery = served_gallery(config)
     assert gallery["by_version"] == {"2": 80} == {"2": gallery["count"]}  # one vector per item
     versions, aliases = _registered(config)
     assert versions == ["1", "2"] and aliases["production"] == "2"  # nothing orphaned

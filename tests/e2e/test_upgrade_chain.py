@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _pipelines import Cycle, assert_serves, chain_config
+from _pipelines import Cycle, assert_serves, chain_config, served_gallery
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,6 @@ def test_two_shipped_upgrades_then_a_third_trains(bootstrapped, tmp_path, stream
 
 def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(bootstrapped, tmp_path, stream_dir):
     from components import steps
-    from components.adapters.index import gallery_status
 
     config, cycle = _cycle_from(bootstrapped, tmp_path, stream_dir, "bct")
     config["rollout"]["floors"] = {"R@1": 100.0}  # no model reaches it: the first stage halts
@@ -100,7 +99,7 @@ def test_a_halted_rollout_is_rolled_back_whole_and_the_next_upgrade_ships(bootst
     assert shipped["promoted"] and shipped["rollout"]["mode"] == "staged"
     assert_serves(config, "3", 48)
     assert steps.registry_of(config).alias_version("previous") == "1"
-    assert gallery_status(config["index"]["uri"], config["index"]["alias"])["count"] == 48
+    assert served_gallery(config)["count"] == 48
 
 
 def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _pipelines import PERMISSIVE_POLICY, local_config
+from _pipelines import PERMISSIVE_POLICY, local_config, served_gallery
 
 
 class WeeklyCycle:
@@ -59,9 +59,7 @@ class WeeklyCycle:
         return self.seen[name]
 
     def gallery(self) -> dict:
-        from components.adapters.index import gallery_status
-
-        return gallery_status(self.config["index"]["uri"], self.config["index"]["alias"])
+        return served_gallery(self.config)
 
     def aliases(self) -> dict[str, str | None]:
         return {a: self.registry.alias_version(a) for a in ("production", "previous", "candidate")}
