@@ -2,12 +2,14 @@
 
 :func:`components.steps.rollback_production` passes them to
 :meth:`components.adapters.registry.Registry.rollback`.
-``prepare_rollback`` refuses a registry rollback whose gallery part cannot be done, before anything changes;
+``prepare_rollback`` refuses a registry rollback whose gallery part cannot be done, before anything changes
+(the returning model checked against the registry's digest, its workspace copy downloaded again when damaged);
 ``on_rollback`` first rolls back a rollout of a candidate left unfinished in the rollout state (a run killed
-or failed mid-backfill: that candidate was made for the production that is leaving, so no later run may resume
-it), then the rollout of the version that leaves production (previous collection or vectors, previous query
-model; found even when later rollouts were archived), re-embeds with the returning model the items written
-since, and records the restored versions in the item lineage.
+or failed mid-backfill, or killed after its backfill completed but before the promotion: that candidate was
+made for the production that is leaving, so no later run may resume it), then the rollout of the version that
+leaves production (previous collection or vectors, previous query model; found even when later rollouts were
+archived), re-embeds with the returning model the items written since, and records the restored versions in
+the item lineage.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def prepare_rollback(event: dict[str, Any]) -> None:
 
     from components.adapters.index import GalleryIndex
     from components.rollout import RolloutError, RolloutPaths, load_state, read_serving, rollout_of
+    from components.serving.verify import check_returning_model
 
     paths = RolloutPaths.for_workspace(event["workspace"])
     if read_serving(paths.serving) is None:
@@ -38,6 +41,7 @@ def prepare_rollback(event: dict[str, Any]) -> None:
             "model embeds each item: run it with the config that names the deployment's repo (--config)"
         )
     state = load_state(rollout_of(paths, event["from_version"]), paths.root)
+    check_returning_model(_registry(event), state["previous_query_model"])
     model = Path(str(state["previous_query_model"].get("uri", "")))
     if not model.is_dir():
         raise RolloutError(f"the model version {event['to_version']} served from is gone ({model})")
@@ -75,6 +79,14 @@ def on_rollback(event: dict[str, Any]) -> None:
         log.warning("no lineage repo at %s: item lineage not updated", repo)
 
 
+def _registry(event: dict[str, Any]) -> Any:
+    """The registry the rollback event names (its workspace, tracking URI and model)."""
+    from components.adapters.registry import Registry
+
+    uri = event.get("tracking_uri")
+    return Registry(event["workspace"], tracking_uri=uri, model_name=event["model_name"])
+
+
 def _lineage_repo(event: dict[str, Any]) -> Any:
     """The lineage repo the rollback event names, else its workspace's."""
     from pathlib import Path
@@ -87,33 +99,49 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
 UNFINISHED = ("pending", "running", "halted")
 
 
-def unfinished_rollout(paths: Any) -> dict[str, Any] | None:
-    """The rollout state in ``paths.state`` when that rollout is unfinished (pending, running or halted: its
-    run was killed or failed mid-backfill, so its candidate may answer over a mixed gallery), else None."""
+def unfinished_rollout(paths: Any, production: str | None) -> dict[str, Any] | None:
+    """The rollout state in ``paths.state`` when its change is unfinished, else None. A change is unfinished
+    until it is promoted: the rollout is pending, running or halted (its run was killed or failed
+    mid-backfill, so its candidate may answer over a mixed gallery), or it completed for a version that is
+    not ``production`` (its run was killed after the backfill, before the promotion: the candidate answers
+    every query from the rollout's own collection, the source collection kept)."""
     from components.rollout import load_state
 
     current = load_state(paths.state)
-    return current if current is not None and current["status"] in UNFINISHED else None
+    if current is None:
+        return None
+    if current["status"] in UNFINISHED:
+        return current
+    unpromoted = current["status"] == "completed" and str(current["model_version"]) != str(production)
+    return current if unpromoted else None
 
 
-def _roll_back_unfinished(paths: Any, index: Any, current: dict[str, Any], why: str) -> dict[str, Any]:
-    """Undo the unfinished rollout ``current`` (its vectors and query switch), its state ``rolled_back``
-    with ``why`` and where it stood in ``halt_reason``, so that neither ``rollout status`` nor the next run
-    takes it for one in progress (the run that made it, resumed, finds it rolled back and ends rejected)."""
+def _roll_back_unfinished(
+    paths: Any, index: Any, current: dict[str, Any], why: str
+) -> tuple[dict[str, Any], int]:
+    """Undo the unfinished rollout ``current`` (its vectors and query switch; a completed one's items indexed
+    into its collection since are embedded again by the returning model), its state ``rolled_back`` with
+    ``why`` and where it stood in ``halt_reason``, so that neither ``rollout status`` nor the next run takes
+    it for one in progress (the run that made it, resumed, finds it rolled back and ends rejected). Returns
+    the state and how many items were embedded again."""
     from components.rollout import rollback
     from components.rollout.state import exclusive, save_state
 
-    state = rollback(paths, index)
+    completed = current["status"] == "completed"
+    state = rollback(paths, index, promoted=not completed)
+    written = complete_gallery(index, current["gallery"]["collection"], state, paths.root) if completed else 0
+    where = "completed, never promoted" if completed else f"{current['status']} at stage {current['stage']}"
     with exclusive(paths.state):
-        state["halt_reason"] = f"{why} while this rollout was {current['status']} at stage {current['stage']}"
+        state["halt_reason"] = f"{why} while this rollout was {where}"
         save_state(paths.state, state)
-    return state
+    return state, written
 
 
 def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str, Any] | None:
-    """Roll back the rollout in ``paths.state`` when it is unfinished, a production rollback superseding it
-    (see :func:`_roll_back_unfinished`). Returns its final state, or None when there was none."""
-    current = unfinished_rollout(paths)
+    """Roll back the rollout in ``paths.state`` when its change is unfinished (:func:`unfinished_rollout`), a
+    production rollback superseding it (see :func:`_roll_back_unfinished`). Returns its final state, or None
+    when there was none."""
+    current = unfinished_rollout(paths, event["from_version"])
     if current is None:
         return None
     log.warning(
@@ -124,29 +152,33 @@ def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str
         event.get("to_version"),
     )
     why = f"superseded: production rolled back from {event['from_version']} to {event.get('to_version')}"
-    return _roll_back_unfinished(paths, index, current, why)
+    return _roll_back_unfinished(paths, index, current, why)[0]
 
 
-def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict[str, Any] | None:
-    """What ``compatflow rollback`` undoes when a candidate's rollout is unfinished: that rollout alone, the
-    gallery and query model back to ``production``'s (which stays production, with or without a previous
-    version), the item lineage synced. Returns ``{"rollout_id", "candidate", "was", "stage", "production",
-    "state"}`` (``was``: its status; ``state``: its rollout state, rolled back), or None when no rollout is
-    unfinished."""
+def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
+    """What ``compatflow rollback`` undoes when a candidate's change is unfinished (its rollout unfinished, or
+    completed and never promoted: :func:`unfinished_rollout`): that rollout alone, the gallery and query
+    model back to the ``registry``'s production (which stays production, with or without a previous version;
+    no alias moves), the item lineage synced. Production's model is checked against the registry's digest
+    first, its workspace copy downloaded again when damaged; a model that cannot be made to match raises
+    :class:`~components.serving.record.ServingError` with nothing switched. Returns
+    ``{"rollout_id", "candidate", "was", "stage", "production", "state", "reembedded"}`` (``was``: its
+    status; ``state``: its rollout state, rolled back), or None when no change is unfinished."""
     from components.adapters.lineage import sync_from_index
     from components.rollout import RolloutPaths
     from components.rollout.operations import open_index
-    from components.state.workspace import Workspace
+    from components.serving.verify import check_returning_model
 
-    ws = Workspace.coerce(workspace)
+    ws, production = registry.workspace, registry.alias_version("production")
     paths = RolloutPaths.for_workspace(ws)
-    current = unfinished_rollout(paths)
+    current = unfinished_rollout(paths, production)
     if current is None:
         return None
+    check_returning_model(registry, current["previous_query_model"])
     log.warning("rolling back unfinished rollout %s of %s", current["rollout_id"], current["new_version"])
     why = f"rolled back by compatflow rollback (production stays {production})"
     with open_index(ws) as index:
-        state = _roll_back_unfinished(paths, index, current, why)
+        state, written = _roll_back_unfinished(paths, index, current, why)
     gallery = state["gallery"]
     if (ws.lineage_dir / "feature_store.yaml").is_file():
         sync_from_index(ws.lineage_dir, gallery["uri"], gallery["alias"], definition=ws.lineage_definition)
@@ -157,6 +189,7 @@ def roll_back_unfinished_rollout(workspace: Any, production: str | None) -> dict
         "stage": current["stage"],
         "production": production,
         "state": state,
+        "reembedded": written,
     }
 
 

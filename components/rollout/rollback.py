@@ -18,13 +18,19 @@ log = logging.getLogger(__name__)
 
 
 def rollback(
-    paths: RolloutPaths, index: GalleryIndex | None = None, state_path: Path | None = None
+    paths: RolloutPaths,
+    index: GalleryIndex | None = None,
+    state_path: Path | None = None,
+    *,
+    promoted: bool = True,
 ) -> dict[str, Any]:
     """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
     the serving record and the alias back to its source collection, which the rollout never wrote, and the
     previous query model. A switch: nothing is read or written per item, whatever the gallery's size. The
     rollout's own collection stays until the next rollout is planned (a production rollback first copies the
     items indexed into it since: :func:`components.rollout.production_rollback.complete_gallery`).
+    ``promoted=False`` for a completed rollout whose version never became production (its run was killed
+    before the promotion): the record's rollback target goes back to production's, as for an unfinished one.
 
     Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
     """
@@ -48,7 +54,8 @@ def rollback(
         try:
             t0 = time.perf_counter()
             state["rollback"] = {"started_at": utc_now(), "from_status": state["status"]}
-            serve_source(paths, index, state, keep_previous=state["status"] != "completed")
+            keep = state["status"] != "completed" or (not promoted and _target_kept(index, g))
+            serve_source(paths, index, state, keep_previous=keep)
             index.switch_alias(source)
             state.update(
                 status="rolled_back", query_model=state["previous_query_model"], fraction_backfilled=0.0
@@ -82,6 +89,13 @@ def serve_source(
         rollout_id=state["rollout_id"],
     )
     state["query_model"] = dict(state["previous_query_model"])
+
+
+def _target_kept(index: GalleryIndex, gallery: dict[str, Any]) -> bool:
+    """Whether the collection production's record named as its rollback target before the rollout is still
+    there (a rollout that completes drops it)."""
+    previous = (gallery.get("source_previous") or {}).get("collection")
+    return bool(previous) and index.has_collection(previous)
 
 
 def rollout_of(paths: RolloutPaths, version: str) -> Path:

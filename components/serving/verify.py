@@ -5,7 +5,8 @@ whose sidecars and manifest were re-hashed to match passes a check against itsel
 workspace has a registry, a version it does not hold (or holds without a digest) is refused too; a workspace
 with no registry at all (a gallery indexed by ``compatflow rollout run`` alone) has nothing to check against.
 The workspace's own copy of a version (``models/v<version>``) is downloaded from the registry, verified, when
-it is missing (:meth:`components.adapters.registry.Registry.local_copy`).
+it is missing (:meth:`components.adapters.registry.Registry.local_copy`); before a rollback switches queries
+back to a model (:func:`check_returning_model`), a damaged copy is downloaded again too.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ log = logging.getLogger(__name__)
 class RegistryDigestCheck:
     """Callable check of a ``query_model`` mapping against the registry of ``workspace``; raises
     :class:`ServingError` naming the version, the folder and the registered digest. A query model that names
-    no folder (an encoder a factory builds from its options alone) has nothing to verify."""
+    no folder (an encoder a factory builds from its options alone) has nothing to verify. With ``repair``
+    the workspace copy, when it fails the check, is replaced by the registry's files, verified."""
 
-    def __init__(self, workspace: Any, model_name: str | None = None) -> None:
+    def __init__(
+        self, workspace: Any, model_name: str | None = None, *, repair: bool = False, registry: Any = None
+    ) -> None:
         from components.state.workspace import DEFAULT_MODEL_NAME, Workspace
 
         self.workspace = Workspace.coerce(workspace)
         self.model_name = model_name or DEFAULT_MODEL_NAME
-        self._registry: Any = None
+        self.repair = repair
+        self._registry: Any = registry
 
     def __call__(self, query_model: Mapping[str, Any]) -> None:
         uri = str(query_model.get("uri") or "")
@@ -63,16 +68,29 @@ class RegistryDigestCheck:
         ours = folder.resolve() == copy.resolve()  # the workspace copy: downloaded on use when missing
         try:
             if ours:
-                registry.local_copy(version)
+                registry.local_copy(version, replace_damaged=self.repair)
             else:
                 registry.verify_copy(version, folder)
         except (CheckpointIntegrityError, RegistryError, OSError, ValueError) as exc:
-            fix = (
-                f"delete {folder} to download the registered files again on the next query"
-                if ours
-                else "restore the folder"
-            )
-            raise ServingError(
-                f"{where} refused: {exc} (registered digest sha256 {digest}); {fix}, or `compatflow rollback`"
-            ) from exc
+            if self.repair:  # a rollback's returning model: the rollback refuses
+                fix = (
+                    "the registry's own files of that version fail it too: restore the registry's artifacts"
+                    if ours
+                    else "restore the folder"
+                )
+            elif ours:
+                fix = f"delete {folder} to download the registered files again on the next query"
+                fix += ", or `compatflow rollback`"
+            else:
+                fix = "restore the folder, or `compatflow rollback`"
+            raise ServingError(f"{where} refused: {exc} (registered digest sha256 {digest}); {fix}") from exc
         log.info("%s matches the registered digest %s", where, digest)
+
+
+def check_returning_model(registry: Any, query_model: Mapping[str, Any]) -> None:
+    """Before a rollback switches queries back to ``query_model``: its folder must match the digest the
+    ``registry`` (a :class:`~components.adapters.registry.Registry`) recorded for its version; the workspace
+    copy, missing or damaged, is downloaded again from the registry (verified) first. Raises
+    :class:`ServingError` naming the folder and the digest when it cannot be made to match, so the rollback
+    refuses with nothing switched."""
+    RegistryDigestCheck(registry.workspace, registry.model_name, repair=True, registry=registry)(query_model)

@@ -12,22 +12,32 @@ ModelOpt = Annotated[str, typer.Option("--model-name", help="Registered model na
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
-@exit_codes({1: "a problem, printed: a file unreadable, checksum FAILED, index and registry disagree"})
+@exit_codes(
+    {
+        1: "a problem, printed: a file unreadable, checksum FAILED, index and registry disagree",
+        2: "a bad argument or config: one whose index.uri disagrees with the serving record",
+    }
+)
 def status(
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     model_name: ModelOpt = "compatflow-clip",
+    count: Annotated[
+        bool, typer.Option("--count", help="Count the gallery's vectors per model version (opens the index).")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Show production, candidate and previous versions, the served model's checksum, the last gate
-    decision, rollout progress, every phase's outcome and the gallery, then what to do next.
+    decision, rollout progress, every phase's outcome and what the gallery serves, then what to do next.
 
-    Reads files, the registry and the index only: no model is loaded.
+    Reads files and the registry only: no model is loaded, and the index is opened only with --count (a
+    server index is checked to accept connections). A config whose index.uri disagrees with the serving
+    record is refused, as compatflow run refuses it.
     """
-    from pipelines.commands._common import echo_json, workspace_of
+    from pipelines.commands._common import echo_json, reading_workspace
     from pipelines.status import collect, next_step, problems
 
-    doc = collect(workspace_of(config, workspace), model_name=model_name)
+    doc = collect(reading_workspace(config, workspace), model_name=model_name, count=count)
     found = problems(doc)
     if as_json:
         echo_json({**doc, "problems": found, "next": next_step(doc, found)})
@@ -50,8 +60,9 @@ def rollback(
     as_json: JsonOpt = False,
 ) -> None:
     """Undo the newest change to what is served: a candidate's unfinished rollout (killed or failed
-    mid-backfill; production stays), else production back to the previous version: registry, serving record,
-    index alias and lineage together, or nothing."""
+    mid-backfill, or completed but never promoted; production stays), else production back to the previous
+    version: registry, serving record, index alias and lineage together, or nothing. The returning model is
+    checked against the registry's digest first (a damaged workspace copy is downloaded again)."""
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
@@ -77,9 +88,11 @@ def rollback(
         return
     undone = result.get("undone_rollout")
     if undone is not None:
+        completed = undone["was"] == "completed"
+        where = "completed, never promoted" if completed else f"{undone['was']} at stage {undone['stage']}"
         typer.echo(
             f"{model_name}: rolled back the unfinished rollout {undone['rollout_id']} of candidate "
-            f"v{undone['candidate']} ({undone['was']} at stage {undone['stage']}); production stays "
+            f"v{undone['candidate']} ({where}); production stays "
             f"v{result['production']} and answers over its own vectors"
         )
         typer.echo("run `compatflow rollback` again to move production back to its previous version")

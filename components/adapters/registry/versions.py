@@ -299,23 +299,34 @@ class Registry(Tracking):
         manifest is refused); raises :class:`CheckpointIntegrityError`."""
         return verify_checkpoint(directory, self.version_info(version)["tags"].get("checkpoint.sha256"))
 
-    def local_copy(self, version: str) -> Path:
+    def local_copy(self, version: str, *, replace_damaged: bool = False) -> Path:
         """The workspace copy of ``version`` (``models/v<version>``), checked against the registered digest.
 
         A copy that is not there (or holds no manifest: an interrupted download) is downloaded first, into a
         folder beside it, verified, then renamed into place, so no reader sees half a copy; a copy that is
-        there and differs raises :class:`CheckpointIntegrityError` (delete it to download it again)."""
-        from compat.models.integrity import MANIFEST
+        there and differs raises :class:`CheckpointIntegrityError` (delete it to download it again), or, with
+        ``replace_damaged`` (a rollback about to serve it), is replaced the same way by the registry's files
+        once they pass the check (the registry's failing too raises, the copy left as it was)."""
+        from compat.models.integrity import MANIFEST, CheckpointIntegrityError
 
         target = self.workspace.model_dir(version)
+        damaged: CheckpointIntegrityError | None = None
         if (target / MANIFEST).is_file():
-            self.verify_copy(version, target)
-            return target
+            try:
+                self.verify_copy(version, target)
+                return target
+            except CheckpointIntegrityError as exc:
+                if not replace_damaged:
+                    raise
+                damaged = exc
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             self.download(version, staging)  # verified against the registered digest
-            if target.is_dir() and not (target / MANIFEST).is_file():
+            if damaged is not None:
+                log.warning("%s fails its check (%s): the registry's files replace it", target, damaged)
+                _set_aside(target)
+            elif target.is_dir() and not (target / MANIFEST).is_file():
                 log.warning("%s holds no %s (an interrupted download): replacing it", target, MANIFEST)
                 shutil.rmtree(target, ignore_errors=True)
             try:
@@ -447,6 +458,13 @@ class Registry(Tracking):
             "tracking_uri": self.tracking_uri,
             **info,
         }
+
+
+def _set_aside(folder: Path) -> None:
+    """Take a damaged folder out of the way (renamed, then deleted), so its name is free for the good copy."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}-damaged-", dir=folder.parent))
+    folder.rename(aside / folder.name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _gate_tags(gate: Any) -> dict[str, str]:
