@@ -19,11 +19,15 @@ log = logging.getLogger(__name__)
 
 
 def collect(
-    workspace: Workspace | str | Path | None = None, *, model_name: str = DEFAULT_MODEL_NAME
+    workspace: Workspace | str | Path | None = None,
+    *,
+    model_name: str = DEFAULT_MODEL_NAME,
+    count: bool = True,
 ) -> dict[str, Any]:
     """The status document of a workspace (JSON-serialisable; absent parts are ``None``). Files that could
     not be read are listed under ``unreadable`` and a gallery that could not be read under ``part_errors``,
-    each message naming its file or service."""
+    each message naming its file or service. The gallery is counted in the index with ``count``
+    (:func:`gallery_part`); without it, it is described from the serving record alone (:func:`served_part`)."""
     ws = Workspace.coerce(workspace)
     doc: dict[str, Any] = {
         "workspace": str(ws.root),
@@ -45,7 +49,7 @@ def collect(
     if unreadable:
         doc["unreadable"] = unreadable  # `compatflow status` exits non-zero over it
     try:
-        _deep_merge(doc, gallery_part(ws))
+        _deep_merge(doc, gallery_part(ws) if count else served_part(ws))
     except Exception as err:  # noqa: BLE001 - status shows what it can, and names what it could not read
         doc["part_errors"] = [{"part": "gallery", "error": f"{type(err).__name__}: {err}"}]
     return doc
@@ -74,6 +78,59 @@ def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     )
     doc["gallery"] = {**counts, "query_model_version": record["query_model"]["version"]}
     return doc
+
+
+INDEX_CONNECT_S = 3.0  # a server index that accepts no connection within this is named as a problem
+
+
+def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
+    """What :func:`gallery_part` says without opening the index (pymilvus and an embedded milvus-lite cost
+    more than the rest of ``compatflow status``): the serving record's collection and query model version,
+    the workspace's rollout progress, and, for a server index, whether it accepts connections."""
+    from components.serving.record import read_serving
+    from components.state.rollout_document import read_rollout_state
+
+    ws = Workspace.coerce(workspace)
+    state = read_rollout_state(ws.rollout_state_path, ValueError) if ws.rollout_state_path.is_file() else None
+    doc: dict[str, Any] = {
+        "rollout": {
+            "status": state["status"] if state else "none",
+            "stage": state["stage"] if state else None,
+            "fraction_backfilled": state["fraction_backfilled"] if state else None,
+        }
+    }
+    record = read_serving(ws.serving_path)
+    if record is None:
+        doc["gallery"] = {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
+        return doc
+    _check_reachable(record["uri"])
+    doc["gallery"] = {
+        "collection": record["collection"],
+        "query_model_version": record["query_model"]["version"],
+        "count": None,
+        "note": "not counted (`compatflow status --count` counts it)",
+    }
+    return doc
+
+
+def _check_reachable(uri: str) -> None:
+    """Raise OSError naming ``uri`` when it is a server that accepts no TCP connection; a milvus-lite folder
+    must exist."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if "://" not in uri:
+        if not Path(uri).exists():
+            raise FileNotFoundError(f"the serving record's index {uri} does not exist")
+        return
+    if parts.scheme == "unix" or not parts.hostname:
+        return
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 19530)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=INDEX_CONNECT_S).close()
+    except OSError as err:
+        raise OSError(f"the index {uri} accepts no connection ({err})") from None
 
 
 UNFINISHED_ROLLOUT = ("pending", "running", "halted")  # the serving record may name the candidate

@@ -91,8 +91,8 @@ def config_of(config: str | None) -> Any:
 
 
 def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, Any]:
-    """The workspace a query command serves (as :func:`workspace_of`) and the check of its query models
-    against the registry's digests (the config's ``registry.model_name``, the default one with
+    """The workspace a query command serves (as :func:`reading_workspace`) and the check of its query
+    models against the registry's digests (the config's ``registry.model_name``, the default one with
     ``--workspace``)."""
     import os
 
@@ -100,11 +100,30 @@ def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, 
     from components.state.workspace import ENV_ROOT
 
     if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
-        ws = workspace_of(config, workspace)
+        ws = reading_workspace(config, workspace)
         return ws, RegistryDigestCheck(ws)
     deployment = config_of(config)
-    ws = workspace_of(config, workspace, deployment)
+    ws = reading_workspace(config, workspace, deployment)
     return ws, RegistryDigestCheck(ws, deployment.registry.model_name)
+
+
+def reading_workspace(config: str | None, workspace: Path | None, deployment: Any = None) -> Any:
+    """The workspace a read-only command (``status``, ``search``, ``serve``, ``lineage``) answers about, as
+    :func:`workspace_of`, refused (exit 2) as ``compatflow run`` refuses it when the configured index URI
+    disagrees with the serving record: answering from the record's index would describe another gallery
+    than the config names, without a word (:func:`components.serving.record.check_index_agrees`)."""
+    from components.serving.record import ServingError, check_index_agrees, read_serving
+
+    ws = workspace_of(config, workspace, deployment)
+    try:
+        record = read_serving(ws.serving_path)
+    except ServingError:
+        return ws  # a damaged record: each command names it in its own answer
+    try:
+        check_index_agrees(ws.configured_index_uri, record, ws.serving_path)
+    except ServingError as err:
+        fail(str(err))
+    return ws
 
 
 def workspace_of(

@@ -33,12 +33,12 @@ def lineage(
     online store; with --check, whether Feast and the index hold the same versions (exit 1 when not)."""
     import warnings
 
+    from pipelines.commands._common import echo_json, fail, reading_workspace
+
+    ws = reading_workspace(config, workspace)  # before Feast is imported: a disagreeing config costs nothing
     from components.adapters.lineage import LineageError, LineageStore
-    from pipelines.commands._common import echo_json, fail, workspace_of
 
     warnings.filterwarnings("ignore", message='Field name "vector_enabled"')  # feast's own model, on import
-
-    ws = workspace_of(config, workspace)
     if not (ws.lineage_dir / "feature_store.yaml").is_file():
         fail(f"no lineage repo at {ws.lineage_dir} (no gallery indexed yet, or give --config)", code=1)
     if not item_ids and not check:

@@ -265,7 +265,8 @@ def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_js
 @exit_codes(
     {
         0: "hits printed",
-        2: "a bad argument, or nothing to search: no serving record, a query model failing its digest",
+        2: "a bad argument, or nothing to search: no serving record, a query model failing its digest, a "
+        "config whose index.uri disagrees with the serving record",
     }
 )
 def search_cmd(
