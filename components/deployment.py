@@ -126,6 +126,16 @@ class TrainingSection(Section):
         "CPU-trained model on 2 shared cores gains nothing from more: loader.md)",
     )
 
+    @model_validator(mode="after")
+    def _replay_rows_fit_the_batch(self) -> TrainingSection:
+        rows, batch = self.replay_rows, self.batch_size
+        if self.replay_buffer_size > 0 and not 1 <= rows <= batch - 2:
+            raise ValueError(
+                f"replay_rows is {rows}; with a replay buffer it must be in [1, batch_size - 2] = "
+                f"[1, {batch - 2}] (or set replay_buffer_size: 0)"
+            )
+        return self
+
 
 class CompatSection(Section):
     """Compatibility training against the production model."""
@@ -171,11 +181,7 @@ class IndexSection(Section):
     """The Milvus gallery index."""
 
     uri: str | None = Field(None, description="null: milvus-lite inside the workspace")
-    alias: str | None = Field(
-        None,
-        min_length=1,
-        description="null: gallery_<8 hex>, unique to this deployment (a serving workspace keeps its alias)",
-    )
+    alias: str = Field("gallery", min_length=1)
 
 
 class SloSection(Section):
@@ -252,6 +258,29 @@ class TaskResources(Section):
         return qualified_image(value)
 
 
+class Toleration(Section):
+    """A Kubernetes toleration of the GPU pool's taints, as a pod spec writes it (what Kubernetes would refuse
+    or silently ignore is refused here)."""
+
+    model_config = ConfigDict(populate_by_name=False)  # tolerationSeconds by that name only
+
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] | None = None
+    value: str | None = None
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, alias="tolerationSeconds")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if self.operator == "Exists" and self.value not in (None, ""):
+            raise ValueError(f"value must be empty when operator is Exists, got {self.value!r}")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("key is empty: an empty key (every taint) needs operator: Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError(f"tolerationSeconds is set, so effect must be NoExecute (got {self.effect!r})")
+        return self
+
+
 class GpuResources(TaskResources):
     """What a GPU task requests, the node pool it is scheduled on, and the image it runs."""
 
@@ -261,7 +290,19 @@ class GpuResources(TaskResources):
     accelerator: str | None = None
     accelerator_count: int = Field(0, ge=0)
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _accelerator_and_count(self) -> GpuResources:
+        if self.accelerator and self.accelerator_count < 1:
+            raise ValueError("accelerator_count must be at least 1 when accelerator is set")
+        if self.accelerator_count > 0 and not self.accelerator:
+            raise ValueError(
+                f"accelerator_count is {self.accelerator_count} but accelerator is not set: the GPU tasks "
+                "would request no GPU (set the accelerator's resource name, e.g. nvidia.com/gpu, or "
+                "accelerator_count: 0)"
+            )
+        return self
 
 
 class ResourceSection(Section):
@@ -456,6 +497,8 @@ def error_lines(err: ValidationError) -> list[str]:
             lines.append(f"{field}: is required")
         elif problem["type"] == "extra_forbidden":
             lines.append(f"{field}: is not a setting of this section (remove it, or check its spelling)")
+        elif problem["type"] == "value_error":  # a section's own rule: its sentence says what was given
+            lines.append(f"{field}: {problem['ctx']['error']}")
         else:
             lines.append(f"{field}: {problem['msg']} (got {problem['input']!r})")
     return lines

@@ -67,13 +67,13 @@ def pinned(config: ConfigRef, digests: Mapping[str, str]) -> Deployment:
     from pipelines.config import ConfigError
 
     deployment = resources.compile_settings(config)["config"]
-    sections: dict[str, Any] = {}
+    images = {}
     for kind, digest in digests.items():
         if kind not in ("cpu", "gpu") or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
             raise ConfigError(f"--digest {kind}={digest}: give cpu=sha256:<64 hex> and gpu=sha256:<64 hex>")
         section = getattr(deployment.resources, kind)
-        sections[kind] = {**section.model_dump(), "image": f"{section.image.partition('@')[0]}@{digest}"}
-    return deployment.with_changes(resources={**deployment.resources.model_dump(), **sections})
+        images[kind] = section.model_copy(update={"image": f"{section.image.partition('@')[0]}@{digest}"})
+    return deployment.model_copy(update={"resources": deployment.resources.model_copy(update=images)})
 
 
 def compile_pipeline(

@@ -15,7 +15,6 @@ __all__ = [
     "CONFIG_DIR",
     "ConfigError",
     "Deployment",
-    "gpu_errors",
     "load_config",
     "resolve",
     "resolve_config_path",
@@ -76,26 +75,15 @@ def check(
 
 
 def _problems(deployment: Deployment, *, local_paths: bool, training: bool = True) -> list[str]:
-    """What a well-typed config gets wrong, as ``field: why`` sentences, in the config's order."""
-    problems = _training_problems(deployment.training)
+    """What a well-typed config gets wrong by the code that uses it (the sections' own rules are their
+    validators), as ``field: why`` sentences, in the config's order."""
+    problems = []
     if training:
         problems += _model_problems(deployment, local_paths=local_paths)
         problems += _compat_problems(deployment.compat)
     if local_paths:
         problems += _gate_problems(deployment.gate)
-    problems += _rollout_problems(deployment.rollout)
-    problems += gpu_errors(deployment.resources.gpu.model_dump())
-    return problems
-
-
-def _training_problems(training: Any) -> list[str]:
-    rows, batch = training.replay_rows, training.batch_size
-    if training.replay_buffer_size > 0 and not 1 <= rows <= batch - 2:
-        return [
-            f"training.replay_rows is {rows}; with a replay buffer it must be in "
-            f"[1, training.batch_size - 2] = [1, {batch - 2}] (or set replay_buffer_size: 0)"
-        ]
-    return []
+    return problems + _rollout_problems(deployment.rollout)
 
 
 def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list[str]:
@@ -198,51 +186,3 @@ def resolve(config: Deployment | Mapping[str, Any]) -> Deployment:
     if not isinstance(config, Deployment):
         config = check(Deployment.coerce(config), source="<config>")
     return config.resolved()
-
-
-TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
-
-
-def gpu_errors(gpu: Mapping[str, Any]) -> list[str]:
-    """What Kubernetes would refuse, or silently ignore, in a schema-valid ``resources.gpu`` section.
-
-    One sentence per mistake, naming the field; empty when the section is usable (:func:`load_config` runs it
-    on every config it reads; :mod:`pipelines.resources` again before compiling).
-    """
-    errors = []
-    accelerator, count = gpu["accelerator"] or "", gpu["accelerator_count"]
-    if accelerator and count < 1:
-        errors.append(
-            "resources.gpu.accelerator_count must be at least 1 when resources.gpu.accelerator is set"
-        )
-    if count > 0 and not accelerator:
-        errors.append(
-            f"resources.gpu.accelerator_count is {count} but resources.gpu.accelerator is not set: the GPU "
-            "tasks would request no GPU (set the accelerator's resource name, e.g. nvidia.com/gpu, or "
-            "accelerator_count: 0)"
-        )
-    for i, toleration in enumerate(gpu["tolerations"]):
-        where = f"resources.gpu.tolerations[{i}]"
-        unknown = set(toleration) - TOLERATION_FIELDS
-        if unknown:
-            errors.append(
-                f"{where} has unknown fields {sorted(unknown)} (allowed: {sorted(TOLERATION_FIELDS)})"
-            )
-        key, operator, value = toleration.get("key"), toleration.get("operator"), toleration.get("value")
-        effect, seconds = toleration.get("effect"), toleration.get("tolerationSeconds")
-        for name, given in (("key", key), ("value", value)):
-            if given is not None and not isinstance(given, str):
-                errors.append(f"{where}.{name} must be a string, got {given!r} (quote it in YAML)")
-        if operator not in (None, "Equal", "Exists"):
-            errors.append(f"{where}.operator is {operator!r}: use Equal or Exists")
-        if effect not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
-            errors.append(f"{where}.effect is {effect!r}: use NoSchedule, PreferNoSchedule or NoExecute")
-        if operator == "Exists" and value not in (None, ""):
-            errors.append(f"{where}.value must be empty when operator is Exists, got {value!r}")
-        if not key and operator != "Exists":
-            errors.append(f"{where}.key is empty: an empty key (every taint) needs operator: Exists")
-        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)):
-            errors.append(f"{where}.tolerationSeconds must be an integer, got {seconds!r}")
-        elif seconds is not None and effect != "NoExecute":
-            errors.append(f"{where}.tolerationSeconds is set, so effect must be NoExecute (got {effect!r})")
-    return errors

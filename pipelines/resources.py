@@ -67,7 +67,7 @@ from kfp.dsl import PipelineTask
 from kfp.dsl.pipeline_task import TaskState
 
 from components.deployment import Deployment, TrainingSection
-from pipelines.config import ConfigError, gpu_errors, load_config, setting_option
+from pipelines.config import load_config, setting_option
 
 COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
 DEFAULT_COMPILE_CONFIG = "cluster"
@@ -173,9 +173,6 @@ def compile_settings(
     deployment = _validated(config)
     resources = deployment.resources
     gpu = {**resources.gpu.model_dump(), "accelerator": resources.gpu.accelerator or ""}
-    errors = gpu_errors(gpu)
-    if errors:
-        raise ConfigError(f"config {deployment.name!r}: " + "\n  ".join(errors))
     return {
         "name": deployment.name,
         "config": deployment,
@@ -233,15 +230,8 @@ def _configure_gpu(task: PipelineTask, settings: dict[str, Any]) -> None:
         task.set_accelerator_type(gpu["accelerator"]).set_accelerator_limit(gpu["accelerator_count"])
     for key, value in sorted(gpu["node_selector"].items()):
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
-    for toleration in gpu["tolerations"]:
-        kubernetes.add_toleration(
-            task,
-            key=toleration.get("key"),
-            operator=toleration.get("operator"),
-            value=toleration.get("value"),
-            effect=toleration.get("effect"),
-            toleration_seconds=toleration.get("tolerationSeconds"),
-        )
+    for toleration in settings["config"].resources.gpu.tolerations:
+        kubernetes.add_toleration(task, **toleration.model_dump())
     # DataLoader workers and NCCL exchange tensors through /dev/shm (64 MiB by default in a pod);
     # a memory-backed emptyDir counts against, and is bounded by, the task's memory limit.
     kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path=SHM_PATH, medium="Memory")

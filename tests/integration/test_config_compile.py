@@ -20,8 +20,8 @@ def test_a_cluster_compile_leaves_the_policy_path_to_the_task(tmp_path):
     broken = write_local_config(
         tmp_path / "gpu.yaml", lambda d: d["resources"]["gpu"].update(accelerator_count=1)
     )
-    with pytest.raises(ConfigError, match=r"gpu\.yaml: resources\.gpu\.accelerator_count is 1"):
+    with pytest.raises(ConfigError, match=r"gpu\.yaml: resources\.gpu: accelerator_count is 1"):
         resources.compile_settings(broken)
     mapping = yaml.safe_load(broken.read_text())  # one rule, whichever way the config arrives
-    with pytest.raises(ConfigError, match=r"resources\.gpu\.accelerator_count is 1"):
+    with pytest.raises(ConfigError, match=r"resources\.gpu: accelerator_count is 1"):
         resources.compile_settings(mapping)

@@ -83,7 +83,7 @@ def test_replay_rows_must_fit_the_batch(tmp_path):
     document["training"].update(batch_size=16, replay_buffer_size=100, replay_rows=16)
     path = tmp_path / "replay.yaml"
     path.write_text(yaml.safe_dump(document))
-    with pytest.raises(ConfigError, match=r"training.replay_rows is 16.*\[1, 14\]"):
+    with pytest.raises(ConfigError, match=r"training: replay_rows is 16.*\[1, 14\]"):
         load_config(path)
     document["training"]["replay_buffer_size"] = 0  # no buffer: the rows setting is unused
     path.write_text(yaml.safe_dump(document))
@@ -156,21 +156,21 @@ LATE_MISTAKES = {
     ),
     "gpu_count_without_accelerator": (
         lambda d, _: d["resources"]["gpu"].update(accelerator=None, accelerator_count=1),
-        r"resources\.gpu\.accelerator_count is 1 but resources\.gpu\.accelerator is not set",
+        r"resources\.gpu: accelerator_count is 1 but accelerator is not set",
     ),
     "gpu_accelerator_without_count": (
         lambda d, _: d["resources"]["gpu"].update(accelerator="nvidia.com/gpu", accelerator_count=0),
-        r"resources\.gpu\.accelerator_count must be at least 1 when resources\.gpu\.accelerator is set",
+        r"resources\.gpu: accelerator_count must be at least 1 when accelerator is set",
     ),
     "toleration_unknown_field": (
         lambda d, _: d["resources"]["gpu"].update(tolerations=[{"key": "gpu", "toleration_seconds": 5}]),
-        r"resources\.gpu\.tolerations\[0\] has unknown fields \['toleration_seconds'\]",
+        r"resources\.gpu\.tolerations\.0\.toleration_seconds: is not a setting of this section",
     ),
     "toleration_exists_with_value": (
         lambda d, _: d["resources"]["gpu"].update(
             tolerations=[{"key": "gpu", "operator": "Exists", "value": "true", "effect": "NoSchedule"}]
         ),
-        r"resources\.gpu\.tolerations\[0\]\.value must be empty when operator is Exists",
+        r"resources\.gpu\.tolerations\.0: value must be empty when operator is Exists",
     ),
     "toleration_seconds_without_no_execute": (
         lambda d, _: d["resources"]["gpu"].update(
@@ -178,7 +178,7 @@ LATE_MISTAKES = {
                 {"key": "spot", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}
             ]
         ),
-        r"resources\.gpu\.tolerations\[0\]\.tolerationSeconds is set, so effect must be NoExecute",
+        r"resources\.gpu\.tolerations\.0: tolerationSeconds is set, so effect must be NoExecute",
     ),
     "unknown_model_config": (
         lambda d, _: d["training"].update(model_config="cf-nope"),
@@ -198,22 +198,24 @@ def test_late_mistakes_are_refused_at_load(tmp_path, change, message):
 
 
 def test_every_problem_is_reported_together_one_line_each(tmp_path):
+    """The sections' own rules together, then (once the sections hold) the rules of the code using them."""
+
     def change(document):
         document["training"].update(batch_size=16, replay_buffer_size=100, replay_rows=16)
-        document["gate"]["policy"] = str(tmp_path / "missing.yaml")
-        document["rollout"]["fractions"] = [0.5, 0.25]
         document["resources"]["gpu"].update(accelerator=None, accelerator_count=2)
 
-    path = write_local_config(tmp_path / "many.yaml", change)
-    with pytest.raises(ConfigError) as err:
-        load_config(path)
-    lines = str(err.value).splitlines()
-    fields = [
-        "training.replay_rows ",
-        "gate.policy: ",
-        "rollout.fractions ",
-        "resources.gpu.accelerator_count ",
-    ]
-    assert len(lines) == len(fields), lines
-    for line, field in zip(lines, fields, strict=True):
-        assert line.startswith(f"{path}: {field}"), line
+    def later(document):
+        document["gate"]["policy"] = str(tmp_path / "missing.yaml")
+        document["rollout"]["fractions"] = [0.5, 0.25]
+
+    for edit, fields in (
+        (change, ["training: replay_rows ", "resources.gpu: accelerator_count "]),
+        (later, ["gate.policy: ", "rollout.fractions "]),
+    ):
+        path = write_local_config(tmp_path / "many.yaml", edit)
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        lines = str(err.value).splitlines()
+        assert len(lines) == len(fields), lines
+        for line, field in zip(lines, fields, strict=True):
+            assert line.startswith(f"{path}: {field}"), line
