@@ -4,15 +4,18 @@ A shard holds samples as consecutive members ``{key}.{ext}`` (``jpg``, ``txt``, 
 :func:`write_shard` writes byte-identical archives for identical input (fixed mtime, owner and
 mode; USTAR headers) into a temporary file renamed into place, so a shard path either holds a
 complete shard or nothing. :func:`iter_raw_samples` streams the members of a local path or fsspec
-URL through tarfile and webdataset's key grouper, without decoding anything; members of the first
-``skip`` samples are passed over without being read into memory, and a shard cut off anywhere
-(inside a member or between members) is reported, not silently shortened.
+URL through tarfile, grouped by key as webdataset groups them, without decoding anything; members of the
+first ``skip`` samples are passed over without being read into memory, and a shard cut off anywhere
+(inside a member or between members) is reported, not silently shortened. The grouping
+(:func:`_group_by_keys`, :func:`base_plus_ext`) restates webdataset's ``tariterators`` in a few lines because
+importing webdataset imports torch (seconds for a one-shot search that reads a shard's captions).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 import tarfile
 from collections.abc import Iterable, Iterator, Mapping
@@ -129,6 +132,34 @@ def stat_url(url: str) -> tuple[int, int | str]:
 
 
 MAX_MEMBER_BYTES = 256 * 1024 * 1024  # the most one member may declare before it is read
+_STEM_AND_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+def base_plus_ext(name: str) -> tuple[str | None, str | None]:
+    """A member name's key and its extensions (``a/b.seg.jpg`` -> ``a/b``, ``seg.jpg``); ``(None, None)``
+    for a name without one (webdataset's ``base_plus_ext``)."""
+    match = _STEM_AND_EXT.match(name)
+    return (match.group(1), match.group(2)) if match else (None, None)
+
+
+def _group_by_keys(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Consecutive member records of one key as a sample (``__key__``, ``__url__``, one entry per lower-cased
+    extension), as webdataset's ``group_by_keys``; a key repeating an extension raises ValueError."""
+    sample: dict[str, Any] | None = None
+    for record in records:
+        prefix, suffix = base_plus_ext(record["fname"])
+        if prefix is None or suffix is None:
+            continue
+        suffix = suffix.lower()
+        if sample is None or prefix != sample["__key__"]:
+            if sample is not None:
+                yield sample
+            sample = {"__key__": prefix, "__url__": record["__url__"]}
+        if suffix in sample:
+            raise ValueError(f"{record['fname']}: duplicate file name in tar file {suffix} {sample.keys()}")
+        sample[suffix] = record["data"]
+    if sample is not None:
+        yield sample
 
 
 def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -138,8 +169,6 @@ def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) 
     archive must end with its end-of-archive marker: tarfile stops silently at a truncated header,
     so a missing marker is the sign of a cut-off shard. ``state["member"]`` names the last member read.
     """
-    from webdataset.tariterators import base_plus_ext
-
     tar = tarfile.open(fileobj=fileobj, mode="r|*")
     seen, last = 0, None
     for info in tar:
@@ -168,13 +197,11 @@ def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
     Raises :class:`ShardError` naming the shard (and the last member read) when the archive is
     unreadable, truncated, or repeats a member.
     """
-    from webdataset.tariterators import group_by_keys
-
     stream = open_url(url)
     index = skip
     state: dict[str, Any] = {"member": None}
     try:
-        for sample in group_by_keys(_tar_members(url, stream, skip, state)):
+        for sample in _group_by_keys(_tar_members(url, stream, skip, state)):
             key = sample["__key__"]
             members = {k: v for k, v in sample.items() if not k.startswith("__")}
             yield RawSample(key=key, members=members, shard=url, index=index)
@@ -189,8 +216,6 @@ def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
 
 def sample_keys(url: str) -> set[str]:
     """The sample keys of shard ``url`` (reads headers only, decodes nothing)."""
-    from webdataset.tariterators import base_plus_ext
-
     keys = set()
     try:
         with open_url(url) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:

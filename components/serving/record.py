@@ -141,11 +141,18 @@ def load_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
 
 
 def model_query_encoder(query_model: Mapping[str, Any]) -> QueryEncoder:
-    """Text encoder of the model at ``query_model["uri"]``, in its serving space (numpy float32)."""
-    from compat.production import load_encoder
+    """Text encoder of the model at ``query_model["uri"]``, in its serving space (numpy float32): its text
+    tower alone, in numpy, where :mod:`compat.models.text_tower` restates it (no torch imported), else the
+    full model."""
+    from compat.models.text_tower import load_text_tower
 
     if not query_model.get("uri"):
         raise ServingError("the query model has no 'uri' (a model or checkpoint directory) to load")
+    tower = load_text_tower(str(query_model["uri"]))
+    if tower is not None:
+        return tower.encode_texts
+    from compat.production import load_encoder
+
     model = load_encoder(str(query_model["uri"]))
 
     def encode(texts: list[str]) -> np.ndarray:
