@@ -41,6 +41,15 @@ def setting_option(setting: str) -> str:
     return "--config" if setting == "config_name" else "--" + setting.replace("_", "-")
 
 
+def generate_stream_of(stream: Any, out: str | Path | None = None, **options: Any) -> dict[str, Any]:
+    """Write (or complete) the synthetic stream a ``stream`` section describes into ``out`` (its ``uri``);
+    ``options``: how it is written (``samples_per_shard``, ``workers``). Its manifest."""
+    from compat.data.synth import generate_stream
+
+    settings = stream.model_dump(exclude={"uri", "generate_if_missing"})
+    return generate_stream(out or stream.uri, **settings, **options)
+
+
 def load_config(name_or_path: str | Path, *, local_paths: bool = True, training: bool = True) -> Deployment:
     """Read a pipeline config and check all of it, before any step runs.
 

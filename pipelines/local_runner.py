@@ -105,7 +105,8 @@ def _isatty(stream: Any) -> bool:
 
 def ensure_stream(config: Deployment | Mapping[str, Any]) -> Path:
     """The stream directory, generated with the config's defaults when missing and allowed."""
-    from compat.data.synth import generate_stream, load_manifest
+    from compat.data.synth import load_manifest
+    from pipelines.config import generate_stream_of
 
     stream = Deployment.coerce(config).stream
     stream_dir = Path(stream.uri)
@@ -116,17 +117,7 @@ def ensure_stream(config: Deployment | Mapping[str, Any]) -> Path:
                 "point stream.uri at a stream directory or run `compatflow data generate`"
             )
         logger.info("generating the default stream into %s", stream_dir)
-        generate_stream(
-            stream_dir,
-            phases=stream.phases,
-            samples_per_phase=stream.samples_per_phase,
-            seed=stream.seed,
-            eval_per_domain=stream.eval_per_domain,
-            gallery_per_domain=stream.gallery_per_domain,
-            image_size=stream.image_size,
-            shift=stream.shift,
-            old_word_share=stream.old_word_share,
-        )
+        generate_stream_of(stream, stream_dir)
     load_manifest(stream_dir)
     return stream_dir
 

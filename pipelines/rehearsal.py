@@ -50,7 +50,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from components.deployment import Deployment
 
 # The images' user (manifests/docker/Dockerfile.*: USER 10001:10001; the manifests' runAsUser/runAsGroup).
 TASK_UID = TASK_GID = 10001
@@ -189,24 +192,26 @@ class Outcome:
         return "\n".join(lines)
 
 
-def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> dict[str, Any]:
+def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> Deployment:
     """The cluster config as the rehearsal runs it: the shipped ``cluster.yaml``, its sizes :data:`SCALED`,
     its paths and service URIs pointed at this rehearsal's folders and servers."""
     import yaml
 
+    from components.deployment import Deployment
     from pipelines.config import CONFIG_DIR
 
-    config = yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text())
-    for section, values in SCALED.items():
-        config.setdefault(section, {}).update(values)
-    config["name"] = "cluster-rehearsal"
-    config["workspace"] = str(layout.workspace)
-    config["stream"]["uri"] = str(layout.stream)
-    config["registry"]["tracking_uri"] = tracking_uri
-    config["index"]["uri"] = index_uri
-    config["lineage"]["repo"] = str(layout.feature_repo)
-    config.setdefault("gate", {})["policy"] = str(layout.config_dir / "gate-policy.yaml")
-    return config
+    cluster = Deployment.parse(
+        yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text()), source="cluster.yaml"
+    )
+    return cluster.with_changes(
+        **{**SCALED, "stream": {**SCALED["stream"], "uri": str(layout.stream)}},
+        name="cluster-rehearsal",
+        workspace=str(layout.workspace),
+        registry={"tracking_uri": tracking_uri},
+        index={"uri": index_uri},
+        lineage={"repo": str(layout.feature_repo)},
+        gate={"policy": str(layout.config_dir / "gate-policy.yaml")},
+    )
 
 
 def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> dict[str, str]:
@@ -333,8 +338,8 @@ class Rehearsal:
         pipeline from the config; give the tasks their volume and home."""
         import yaml
 
-        from compat.data.synth import generate_stream
         from pipelines.compile import compile_pipeline
+        from pipelines.config import generate_stream_of
 
         if not self.index_uri:
             raise RehearsalError("prepare() needs the services running (inside `with rehearsal.services()`)")
@@ -345,20 +350,11 @@ class Rehearsal:
             if folder.exists():
                 shutil.rmtree(folder)  # root: read-only modes do not stop it
             folder.mkdir(parents=True)
-        layout.config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        layout.config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         (layout.config_dir / "gate-policy.yaml").write_text(GATE_POLICY)
         (layout.feature_repo / "feature_store.yaml").write_text(feature_store_yaml())
         if not (layout.stream / "stream.json").is_file():
-            stream = config["stream"]
-            generate_stream(
-                layout.stream,
-                phases=stream["phases"],
-                samples_per_phase=stream["samples_per_phase"],
-                seed=0,
-                eval_per_domain=stream["eval_per_domain"],
-                gallery_per_domain=stream["gallery_per_domain"],
-                image_size=stream["image_size"],
-            )
+            generate_stream_of(config.stream)
         package = compile_pipeline(layout.compiled, config=layout.config_file)
         for folder in layout.read_only:
             _own_tree(folder, 0, 0, read_only=True)

@@ -16,52 +16,48 @@ data_app = typer.Typer(
 SPLITS = ("train", "eval", "gallery")
 
 
+def _stream(name: str, **limits: Any) -> Any:
+    return typer.Option(help=f"Default: the config's stream.{name}.", **limits)
+
+
 @data_app.command("generate")
 @exit_codes()
 def generate(
     out: Annotated[Path, typer.Option("--out", help="Output directory of the stream (created if missing).")],
-    phases: Annotated[int, typer.Option(min=1, help="Number of phases (one domain each).")] = 5,
-    samples_per_phase: Annotated[int, typer.Option(min=1, help="Train samples per phase.")] = 2000,
-    seed: Annotated[int, typer.Option(help="Seed; the same seed gives byte-identical shards.")] = 0,
-    eval_per_domain: Annotated[int, typer.Option(min=0, help="Eval samples per phase.")] = 200,
-    gallery_per_domain: Annotated[int, typer.Option(min=0, help="Gallery samples per phase.")] = 500,
-    image_size: Annotated[int, typer.Option(min=16, help="Image side in pixels.")] = 64,
+    phases: Annotated[int | None, _stream("phases", min=1)] = None,
+    samples_per_phase: Annotated[int | None, _stream("samples_per_phase", min=1)] = None,
+    seed: Annotated[int | None, _stream("seed")] = None,
+    eval_per_domain: Annotated[int | None, _stream("eval_per_domain", min=0)] = None,
+    gallery_per_domain: Annotated[int | None, _stream("gallery_per_domain", min=0)] = None,
+    image_size: Annotated[int | None, _stream("image_size", min=16)] = None,
+    shift: Annotated[str | None, _stream("shift")] = None,
+    old_word_share: Annotated[float | None, _stream("old_word_share", min=0.0, max=1.0)] = None,
     samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
     workers: Annotated[int, typer.Option(min=1, help="Processes writing shards in parallel.")] = 1,
-    shift: Annotated[
-        str,
-        typer.Option(
-            help="realistic: a core vocabulary shared by every phase, new items per phase; "
-            "disjoint: no word shared between phases (the hard stream)."
-        ),
-    ] = "realistic",
-    old_word_share: Annotated[
-        float,
-        typer.Option(
-            min=0.0, max=1.0, help="realistic: share of a later phase's captions in earlier words only."
-        ),
-    ] = 0.6,
 ) -> None:
-    """Write (or complete, or extend) a synthetic stream; print a summary of its manifest as JSON."""
+    """Write (or complete, or extend) a synthetic stream; print a summary of its manifest as JSON.
+    A setting left out takes the config's default (pipelines/configs/local.yaml); a seed gives
+    byte-identical shards."""
     import time
 
-    from compat.data.synth import StreamError, generate_stream
+    from compat.data.synth import StreamError
+    from components.deployment import StreamSection
+    from pipelines.config import generate_stream_of
 
+    given = {
+        "phases": phases,
+        "samples_per_phase": samples_per_phase,
+        "seed": seed,
+        "eval_per_domain": eval_per_domain,
+        "gallery_per_domain": gallery_per_domain,
+        "image_size": image_size,
+        "shift": shift,
+        "old_word_share": old_word_share,
+    }
+    stream = StreamSection().model_copy(update={k: v for k, v in given.items() if v is not None})
     start = time.perf_counter()
     try:
-        manifest = generate_stream(
-            out,
-            phases,
-            samples_per_phase,
-            seed,
-            eval_per_domain=eval_per_domain,
-            gallery_per_domain=gallery_per_domain,
-            image_size=image_size,
-            samples_per_shard=samples_per_shard,
-            workers=workers,
-            shift=shift,
-            old_word_share=old_word_share,
-        )
+        manifest = generate_stream_of(stream, out, samples_per_shard=samples_per_shard, workers=workers)
     except (StreamError, ValueError) as exc:
         fail(str(exc))
     echo_json({"out": str(out), "seconds": round(time.perf_counter() - start, 2), **_summary(manifest)})

@@ -28,28 +28,30 @@ def test_the_rehearsal_runs_the_cluster_config_with_only_sizes_and_locations_cha
     config = rehearsal_config(
         layout, index_uri="http://127.0.0.1:19530", tracking_uri="http://127.0.0.1:5000"
     )
-    deployment = check(Deployment.parse(config, source="rehearsal"), source="rehearsal", local_paths=False)
-    cluster = yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text())
+    deployment = check(config, source="rehearsal", local_paths=False)
+    cluster = Deployment.parse(yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text()), source="cluster")
     assert deployment.index.uri == "http://127.0.0.1:19530"
     assert deployment.registry.tracking_uri == "http://127.0.0.1:5000"
     assert deployment.lineage.repo == str(layout.feature_repo) and deployment.workspace == str(
         layout.workspace
     )
     assert deployment.stream.uri == str(layout.stream) and not deployment.stream.generate_if_missing
-    changed = {"name", "workspace", "gate"}  # the gate: the rehearsal's permissive policy file
-    for section, values in cluster.items():
-        if section in changed or not isinstance(values, dict):
+    changed = {
+        "name",
+        "workspace",
+        "gate",
+        "resolved_for",
+    }  # the gate: the rehearsal's permissive policy file
+    moved = {("stream", "uri"), ("registry", "tracking_uri"), ("lineage", "repo"), ("index", "uri")}
+    for section in type(cluster).model_fields:
+        if section in changed:
             continue
-        for key, value in values.items():
-            if key in SCALED.get(section, {}) or (section, key) in {
-                ("stream", "uri"),
-                ("registry", "tracking_uri"),
-                ("lineage", "repo"),
-                ("index", "uri"),
-            }:
+        for key, field in type(getattr(cluster, section)).model_fields.items():
+            if (field.alias or key) in SCALED.get(section, {}) or (section, key) in moved:
                 continue
-            assert config[section][key] == value, f"{section}.{key} differs from cluster.yaml"
-    assert config["compat"]["method"] == cluster["compat"]["method"]  # the cluster's method, small
+            given, shipped = getattr(getattr(config, section), key), getattr(getattr(cluster, section), key)
+            assert given == shipped, f"{section}.{key} differs from cluster.yaml"
+    assert config.compat.method == cluster.compat.method  # the cluster's method, small
     assert deployment.rollout.workers == 2  # the backfill's ParallelFor fans out
 
 
