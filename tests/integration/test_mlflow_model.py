@@ -205,6 +205,48 @@ def test_consistently_rewritten_files_are_refused_against_the_models_digest(
         shutil.copytree(saved, files)
 
 
+def test_files_rewritten_with_their_mlmodel_are_refused_against_the_registrys_digest(
+    released: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Other weights, a recomputed manifest and the MLmodel's digest rewritten to match: everything in the
+    model's folder agrees, and a ``models:/`` load still refuses it against the digest the registry recorded
+    for the version."""
+    import shutil
+
+    import mlflow.pyfunc
+    import yaml
+
+    from compat.methods.config import MethodConfig
+    from compat.methods.none import independent_model
+    from compat.models import build_model
+    from compat.models.integrity import MANIFEST, CheckpointIntegrityError, file_manifest, manifest_digest
+
+    registry, version = released["registry"], released["versions"][1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    digest = registry.version_info(version)["tags"]["checkpoint.sha256"]
+    model = registry.local_artifacts(registry.version_info(version)["source"])
+    saved = shutil.copytree(model, tmp_path / "saved")
+    files = model / "data" / "checkpoint"
+    try:
+        shutil.rmtree(files)
+        independent_model(
+            build_model("cf-tiny", seed=6), 64, MethodConfig(version="v2", old_space_id="v1")
+        ).save(files)
+        manifest = file_manifest(files)
+        (files / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        mlmodel = yaml.safe_load((model / "MLmodel").read_text())
+        mlmodel["metadata"]["compatflow"]["checkpoint_sha256"] = manifest_digest(manifest)
+        (model / "MLmodel").write_text(yaml.safe_dump(mlmodel))
+        with pytest.raises(CheckpointIntegrityError, match=f"expected sha256 {digest}") as refused:
+            mlflow.pyfunc.load_model(f"models:/{registry.model_name}/{version}")
+        assert f"the registry's checkpoint.sha256 of {registry.model_name} version {version}" in str(
+            refused.value
+        )
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.copytree(saved, model)
+
+
 def test_a_tracking_server_serves_the_model_and_its_verified_files(
     tmp_path: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,8 +9,10 @@ Each version's source is an MLflow model directory::
                                   or compat.json) and its MANIFEST.sha256.json (the integrity check's input)
 
 ``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`, which
-checks the files against the manifest and the manifest against the digest in MLmodel (so files rewritten
-together with their manifest are refused), and loads them with :func:`compat.production.load_production`
+checks the files against the manifest and the manifest against the digest the registry recorded for the
+version (its ``checkpoint.sha256`` tag: files rewritten together with their manifest and the MLmodel beside
+them are refused); a model loaded from a folder or a run's artifacts, which names no registered version, is
+checked against the digest in its MLmodel. It loads them with :func:`compat.production.load_production`
 (the loader every compatflow step uses), so its embeddings are compatflow's own. ``predict`` takes a
 DataFrame (or dict) with a ``text`` column (captions, queries) and/or an ``image`` column (encoded image
 bytes: JPEG, PNG, WebP): each row gives one; a row with an image is embedded as an image, else as a text.
@@ -20,6 +22,7 @@ It returns one float32 embedding per row, in the serving space.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,19 +131,60 @@ def _as_frame(model_input: Any) -> Any:
 
 def _load_pyfunc(data_path: str) -> EmbeddingModel:
     """MLflow's entry point: check ``data_path`` (``data/checkpoint``) against its manifest and the manifest
-    against the digest in the model's MLmodel (the registry's ``checkpoint.sha256``), then load it."""
+    against the registry's ``checkpoint.sha256`` of the version a ``models:/`` URI names (else the digest in
+    the model's MLmodel: :func:`expected_digest`), then load it."""
     from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
 
-    digest = recorded_digest(data_path)
+    digest, where = expected_digest(data_path)
     try:
         verify_checkpoint(data_path, digest)
     except CheckpointIntegrityError as exc:
         raise CheckpointIntegrityError(
-            f"{exc} (checked against compatflow.checkpoint_sha256 {digest} in the model's MLmodel, the "
-            "version's registered checkpoint.sha256): the model's files were changed after registration; "
+            f"{exc} (checked against {where}): the model's files were changed after registration; "
             "refusing to load them: load another version, or register the intended files again"
         ) from exc
     return EmbeddingModel(data_path)
+
+
+def expected_digest(data_path: str | Path) -> tuple[str, str]:
+    """The manifest digest the files at ``data_path`` must match, and where it was read: the registry's
+    ``checkpoint.sha256`` of the version when the model is loaded through a ``models:/`` URI (the files and
+    the MLmodel beside them can be rewritten together; the registry's record is not theirs), else the
+    MLmodel's own (:func:`recorded_digest`). A ``models:/`` version that records none is refused."""
+    from compat.models.integrity import CheckpointIntegrityError
+
+    uri = _loading_uri()
+    if uri is None or not uri.startswith("models:/"):
+        return recorded_digest(data_path), "compatflow.checkpoint_sha256 in the model's MLmodel"
+    from mlflow import MlflowClient
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
+    from mlflow.tracking import get_registry_uri
+
+    client = MlflowClient(registry_uri=get_registry_uri())
+    found = get_model_name_and_version(client, uri)
+    if len(found) != 2:  # a logged model's id (models:/m-...): no registered version to ask
+        return recorded_digest(data_path), "compatflow.checkpoint_sha256 in the model's MLmodel"
+    name, version = found
+    digest = client.get_model_version(name, str(version)).tags.get("checkpoint.sha256")
+    if not digest:
+        raise CheckpointIntegrityError(
+            f"{name} version {version} ({uri}) records no checkpoint.sha256 in the registry: no digest to "
+            f"verify {data_path} against; refusing to load it (register the model again with compatflow)"
+        )
+    return digest, f"the registry's checkpoint.sha256 of {name} version {version}, not the MLmodel's"
+
+
+def _loading_uri() -> str | None:
+    """The ``model_uri`` of the ``mlflow.pyfunc.load_model`` call this loader runs under, or None. MLflow
+    hands a flavour's loader only the downloaded folder; the URI it was asked for is read from that call's
+    frame, the one place it is kept."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "load_model" and frame.f_globals.get("__name__") == "mlflow.pyfunc":
+            uri = frame.f_locals.get("model_uri")
+            return str(uri) if uri is not None else None
+        frame = frame.f_back
+    return None
 
 
 def recorded_digest(data_path: str | Path) -> str:
