@@ -301,3 +301,38 @@ def test_a_resumed_run_registers_once(workspace: Workspace, tmp_path: Path) -> N
     versions = registry.client.search_model_versions("name='clip-resume'")
     assert [str(v.version) for v in versions] == [changed]
     assert registry.alias_version("candidate") == changed
+
+
+def test_plain_mlflow_on_a_copied_workspace_writes_into_the_copy(tmp_path: Path) -> None:
+    """MLflow keeps absolute artifact URIs: once compatflow has opened a copied workspace's registry, the
+    store names the copy's artifacts, so plain MLflow there logs into the copy and reads the copy's model
+    files, and the original's folder does not change."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    original = Registry(Workspace(tmp_path / "a"), model_name="clip-copied")
+    version, _ = candidate(original, tmp_path, "copied", 40, PASS, phase=0)
+    run_id = original.version_info(version)["run_id"]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    before = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+
+    copy = Registry(Workspace(tmp_path / "b"), model_name="clip-copied")
+    assert copy.alias_version("candidate") == version  # read without MLflow: nothing rewritten yet
+    copy.client  # noqa: B018 - compatflow opens the copy's store
+    plain = MlflowClient(tracking_uri=copy.tracking_uri, registry_uri=copy.tracking_uri)
+    here = (tmp_path / "b" / "mlartifacts").as_uri()
+    assert plain.get_run(run_id).info.artifact_uri.startswith(here + "/")
+    assert plain.get_model_version("clip-copied", version).source.startswith(here + "/")
+    note = tmp_path / "note.txt"
+    note.write_text("logged on the copy")
+    plain.log_artifact(run_id, str(note))
+    assert list((tmp_path / "b" / "mlartifacts").rglob("note.txt"))
+    after = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert after == before and not list((tmp_path / "a").rglob("note.txt"))
+    assert copy.download(version, tmp_path / "dl")  # the copy's files, verified
+    assert (
+        Registry(Workspace(tmp_path / "a"), model_name="clip-copied")
+        .client.get_run(run_id)
+        .info.artifact_uri.startswith((tmp_path / "a" / "mlartifacts").as_uri() + "/")
+    )

@@ -55,11 +55,19 @@ class Tracking:
 
     @property
     def client(self) -> Any:
+        """The MLflow client of the store; a workspace's own store copied from another workspace is first
+        pointed at this workspace's artifacts
+        (:func:`~components.adapters.registry.relocate.rebase_artifacts`)."""
         if self._client is None:
             from mlflow import MlflowClient
 
             if self.tracking_uri.startswith("sqlite:///"):
                 Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            db = self.sqlite_file()
+            if db is not None and db.resolve() == self.workspace.mlflow_store.resolve():
+                from components.adapters.registry.relocate import rebase_artifacts
+
+                rebase_artifacts(db, self.workspace.artifacts_dir, self.experiment)
             self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         return self._client
 
@@ -186,9 +194,10 @@ class Tracking:
     def local_artifacts(self, artifact_uri: str) -> Path | None:
         """Where a ``file:`` artifact URI of a workspace-local store lives in *this* workspace.
 
-        MLflow records absolute artifact locations; the part after ``mlartifacts/`` is resolved under this
-        workspace's artifacts folder, so a copied or restored workspace reads and writes its own artifacts
-        and never the original's. None for a tracking server (its artifact store is not the workspace's).
+        MLflow records absolute artifact locations (:mod:`~components.adapters.registry.relocate` says why);
+        the part after ``mlartifacts/`` is resolved under this workspace's artifacts folder, so a copied or
+        restored workspace reads and writes its own artifacts and never the original's. None for a tracking
+        server (its artifact store is not the workspace's).
         """
         from urllib.parse import unquote, urlparse
 
