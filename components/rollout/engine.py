@@ -297,11 +297,7 @@ class Rollout:
         return probe_metrics(self.index, layers[0][0], queries, self.probe, state["ks"], layers=layers)
 
     def _curve_point(self, state: dict[str, Any], fraction: float, metrics: Mapping[str, float]) -> None:
-        point = {
-            "fraction": round(float(fraction), 6),
-            "t2i_R@1": metrics["R@1"],
-            **{m: v for m, v in metrics.items() if m != "R@1"},
-        }
+        point = {"fraction": round(float(fraction), 6), "t2i_R@1": metrics["R@1"]}  # the stages keep every k
         state["curve"] = [p for p in state["curve"] if p["fraction"] != point["fraction"]] + [point]
         state["curve"].sort(key=lambda p: p["fraction"])
 
@@ -391,7 +387,7 @@ class Rollout:
         _stage_of(state, j)["workers"] = [
             {
                 "slices": list(r),
-                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "peak_rss_mib", "pace")},
+                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib", "pace")},
             }
             for r, d in zip(ranges, done, strict=True)
         ]

@@ -35,13 +35,15 @@ Status = Literal["pending", "running", "halted", "completed", "rolled_back"]
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="allow")  # later releases may add fields an earlier reader keeps
+    model_config = ConfigDict(extra="forbid")  # every key the engine writes is declared here
 
 
 class ModelRef(_Record):
     version: str = Field(min_length=1)
     uri: str | None = None
     factory: str | None = None
+    options: dict[str, Any] | None = None
+    side: Literal["old", "new"] | None = None
 
 
 class OrderRecord(_Record):
@@ -79,24 +81,6 @@ class GalleryRecord(_Record):
     versions_after: dict[str, Annotated[int, Field(ge=0)]] | None = None
 
 
-class StageRecord(_Record):
-    stage: int = Field(ge=0)
-    fraction: float = Field(ge=0, le=1)
-    target_position: int = Field(ge=0)
-    status: Literal["pending", "running", "accepted", "halted"]
-    kind: Literal["query_switch", "backfill", "fill"]
-    probe: Metrics | None = None
-    items_per_s: float | None = Field(default=None, ge=0)
-    seconds: float | None = Field(default=None, ge=0, description="the stage's last run: writes, probe")
-    started_at: str | None = None
-    finished_at: str | None = None
-
-
-class CurvePoint(_Record):
-    fraction: float = Field(ge=0, le=1)
-    t2i_r1: Percent = Field(alias="t2i_R@1")
-
-
 class Pace(_Record):
     """What the backfill ran at (components.rollout.pacing)."""
 
@@ -112,10 +96,41 @@ class Pace(_Record):
     slept_s: float = Field(default=0.0, ge=0)
 
 
+class WorkerRecord(_Record):
+    """One worker's share of a stage: its slice range and what it wrote (components.rollout.workers)."""
+
+    slices: tuple[int, int]
+    written: int | None = Field(default=None, ge=0)
+    seconds: float | None = Field(default=None, ge=0)
+    items_per_s: float | None = Field(default=None, ge=0)
+    cpu_seconds: float | None = Field(default=None, ge=0)
+    peak_rss_mib: float | None = Field(default=None, ge=0)
+    pace: Pace | None = None
+
+
+class StageRecord(_Record):
+    stage: int = Field(ge=0)
+    fraction: float = Field(ge=0, le=1)
+    target_position: int = Field(ge=0)
+    status: Literal["pending", "running", "accepted", "halted"]
+    kind: Literal["query_switch", "backfill", "fill"]
+    probe: Metrics | None = None
+    items_per_s: float | None = Field(default=None, ge=0)
+    seconds: float | None = Field(default=None, ge=0, description="the stage's last run: writes, probe")
+    started_at: str | None = None
+    finished_at: str | None = None
+    workers: list[WorkerRecord] | None = None
+
+
+class CurvePoint(_Record):
+    fraction: float = Field(ge=0, le=1)
+    t2i_r1: Percent = Field(alias="t2i_R@1")
+
+
 class RolloutState(_Record):
     """Durable progress of a gallery rollout (staged partial backfill or blue-green)."""
 
-    model_config = ConfigDict(extra="allow", title="Rollout state")
+    model_config = ConfigDict(extra="forbid", title="Rollout state")
     schema_version: Literal[2]
     rollout_id: str = Field(pattern=r"^[0-9a-f]{12}$")
     status: Status
@@ -129,6 +144,8 @@ class RolloutState(_Record):
     n_items: int = Field(ge=1)
     fraction_backfilled: float = Field(ge=0, le=1)
     batch_size: int = Field(ge=1)
+    workers: int = Field(default=1, ge=1, description="processes a stage's slices are spread over")
+    plan_seconds: float | None = Field(default=None, ge=0, description="reading the sample, placing the cuts")
     order: OrderRecord
     cursor: Cursor
     query_model: ModelRef = Field(description="The query model serving now.")
