@@ -193,12 +193,12 @@ def test_a_copy_that_fails_is_dropped_and_the_adoption_runs_again(team, tmp_path
     monkeypatch.setattr(index_module, "make_rows", failing)
     with pytest.raises(OSError, match="planted"):
         adopt(ws, source, arch="cf-tiny", weights=str(team["weights"]), model_name="m", page_size=10)
-    with GalleryIndex(ws.index_uri) as index:
+    with GalleryIndex(ws.index_uri, ws.index_alias) as index:
         assert index.collections() == [] and index.serving_collection() is None
     assert not ws.serving_path.exists() and not (tmp_path / "ws" / "mlflow.db").exists()
     monkeypatch.setattr(index_module, "make_rows", real)
     done = adopt(ws, source, arch="cf-tiny", weights=str(team["weights"]), model_name="m", page_size=10)
-    assert done["n_items"] == N_ITEMS and done["collection"] == "gallery_1_1"
+    assert done["n_items"] == N_ITEMS and done["collection"] == f"{ws.index_alias}_1_1"
 
 
 def test_weights_registered_in_mlflow_are_read_from_their_model_uri(team, tmp_path):
