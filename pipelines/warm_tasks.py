@@ -157,10 +157,12 @@ def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None 
     ``set_env_variable`` writes it; kfp.local puts the interpreter it runs in only where a command says
     ``python3``."""
     import yaml
-    from google.protobuf import json_format
-    from kfp import components
+    from kfp import compiler, components
 
-    spec = json_format.MessageToDict(pipeline.pipeline_spec)
+    with tempfile.TemporaryDirectory() as folder:  # the package KFP writes, its pipeline spec changed
+        package = Path(folder) / "pipeline.yaml"
+        compiler.Compiler().compile(pipeline, str(package))
+        spec = next(yaml.safe_load_all(package.read_text()))
     for executor in spec["deploymentSpec"]["executors"].values():
         container = executor.get("container", {})
         if host is not None:

@@ -103,7 +103,9 @@ def test_the_trainer_config_takes_every_shared_setting_from_the_training_setting
     """compat's TrainConfig keeps a library's defaults; the step sets each one TrainingSettings also has."""
     shared = {f.name for f in dataclasses.fields(TrainingSettings)} - {"alpha"}
     settings = TrainingSettings.from_section(
-        TrainingSection(steps=7, batch_size=12, lr=0.01, warmup_fraction=0.3, checkpoint_every=3, seed=5),
+        TrainingSection(
+            steps=7, batch_size=12, replay_rows=4, lr=0.01, warmup_fraction=0.3, checkpoint_every=3, seed=5
+        ),
         accum_steps=2,
         weight_decay=0.1,
         precision="fp32",
