@@ -49,7 +49,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,7 @@ class Owner:
     id: str
     workspace: str
     legacy: frozenset[str] = frozenset()
+    moved_from: Callable[[str, str], bool] = lambda mark, folder: False  # (mark, folder): moved from there
 
 
 @dataclass(frozen=True)
@@ -500,6 +501,16 @@ class GalleryIndex:
         if not mark and name in self.owner.legacy:  # made before marks, named by this deployment's record
             self.client.alter_collection_properties(name, properties=self._marks(), timeout=self.timeout)
             log.info("collection %s at %s marked as deployment %s's", name, self.uri, self.owner.id)
+        elif mark != self.owner.id and self.owner.moved_from(mark, workspace):
+            self.client.alter_collection_properties(name, properties=self._marks(), timeout=self.timeout)
+            log.warning(
+                "collection %s at %s was marked by this deployment in %s, which no longer holds it: the "
+                "workspace moved to %s, and the collection is marked as its own there",
+                name,
+                self.uri,
+                workspace,
+                self.owner.workspace,
+            )
         elif mark != self.owner.id:
             theirs = (
                 f"deployment {mark} (workspace {workspace or 'not named'})"

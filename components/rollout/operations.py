@@ -102,7 +102,7 @@ def deployment_owner(workspace: Any = None, *, legacy: bool = True) -> Owner:
 
     ws = Workspace.coerce(workspace)
     named = frozenset(gallery_collections(ws)) if legacy else frozenset()
-    return Owner(ws.deployment_id(), str(ws.root), named)
+    return Owner(ws.deployment_id(), str(ws.root), named, moved_from=ws.moved_from)
 
 
 def gallery_collections(workspace: Any = None) -> list[str]:

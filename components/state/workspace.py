@@ -263,9 +263,21 @@ class Workspace:
         collection a first indexing, a rollout or a move creates in an index, and a write into a collection
         marked by another identity is refused. A copy of the workspace in another folder is another
         deployment: it cannot write into the original's collections (a workspace moved to another folder
-        is such a copy, see the README's "Ownership")."""
+        keeps what it marked before: :meth:`moved_from`)."""
+        return _identity(self.deployment_seed(), str(self.root))
+
+    def moved_from(self, mark: str, folder: str) -> bool:
+        """True when ``mark`` is this deployment's identity in ``folder`` and ``folder`` no longer holds this
+        deployment (gone, or another seed there): the workspace was moved here from it, and what it marked
+        there is its own. A copy leaves the seed in the original folder, so this stays False for a copy."""
         seed = self.deployment_seed()
-        return hashlib.sha256(f"{seed}\0{self.root}".encode()).hexdigest()[:16]
+        if not folder or _identity(seed, folder) != mark:
+            return False
+        try:
+            there = json.loads((Path(folder) / self.deployment_path.name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return True
+        return not isinstance(there, dict) or there.get("seed") != seed
 
     # ------------------------------------------------------------------------------------------- state
     @property
@@ -392,3 +404,8 @@ def map_paths(doc: dict, keys: tuple[str, ...], convert) -> dict:  # noqa: ANN00
         if isinstance(node, dict) and isinstance(node.get(leaf), str):
             node[leaf] = convert(node[leaf])
     return out
+
+
+def _identity(seed: str, folder: str) -> str:
+    """A deployment's identity: 16 hex of the hash of its seed and its workspace folder."""
+    return hashlib.sha256(f"{seed}\0{folder}".encode()).hexdigest()[:16]

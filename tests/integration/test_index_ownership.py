@@ -132,3 +132,23 @@ def test_collections_made_before_owner_marks_stay_their_workspaces(tmp_path) -> 
         with pytest.raises(GalleryIndexError, match="carries no owner mark"):
             index.index_items(["x"], np.ones((1, 8), np.float32), "v", "x", collection=stranger)
     assert deployment_owner(ws).legacy == {record["collection"]}
+
+
+def test_a_workspace_moved_to_another_folder_keeps_its_collections_in_a_shared_index(tmp_path) -> None:
+    """Moved (the old folder gone), the workspace writes on into what it marked there, re-marked as its own
+    in the new folder; a copy whose original still stands stays refused."""
+    original = _served(tmp_path / "a" / "ws")
+    shared = str(tmp_path / "shared" / "gallery.db")
+    assert _move(original, shared).exit_code == 0
+    record = ro.read_serving(original.serving_path)
+    shutil.copytree(original.root, tmp_path / "copy" / "ws", symlinks=True)
+    shutil.move(original.root, tmp_path / "b" / "ws")
+    moved = Workspace(tmp_path / "b" / "ws")
+    vector = np.ones((1, record["dim"]), np.float32)
+    with open_index(moved) as index:
+        index.index_items(["x"], vector, "v1", record["space"], collection=record["collection"])
+        assert index.owner_of(record["collection"]) == (moved.deployment_id(), str(moved.root))
+    copy = Workspace(tmp_path / "copy" / "ws")  # its original (now at b/ws) still holds the seed
+    with open_index(copy) as index, pytest.raises(GalleryIndexError, match=moved.deployment_id()):
+        index.index_items(["y"], vector, "v1", record["space"], collection=record["collection"])
+    assert _counts(shared, record["alias"])[record["collection"]] == N + 1
