@@ -181,7 +181,11 @@ class IndexSection(Section):
     """The Milvus gallery index."""
 
     uri: str | None = Field(None, description="null: milvus-lite inside the workspace")
-    alias: str = Field("gallery", min_length=1)
+    alias: str | None = Field(
+        None,
+        min_length=1,
+        description="null: gallery_<8 hex>, unique to this deployment (a serving workspace keeps its alias)",
+    )
 
 
 class SloSection(Section):
