@@ -136,6 +136,15 @@ def _check_reachable(uri: str) -> None:
 UNFINISHED_ROLLOUT = ("pending", "running", "halted")  # the serving record may name the candidate
 
 
+def unfinished_change(doc: Mapping[str, Any]) -> bool:
+    """A rollout under way, or completed for a version production is not (its run was killed before the
+    promotion): a change that `compatflow run` finishes and `compatflow rollback` undoes."""
+    rollout = doc.get("rollout") or {}
+    production = ((doc.get("registry") or {}).get("production") or {}).get("version")
+    unpromoted = rollout.get("status") == "completed" and str(rollout.get("model_version")) != str(production)
+    return rollout.get("status") in UNFINISHED_ROLLOUT or (bool(production) and unpromoted)
+
+
 def problems(doc: Mapping[str, Any]) -> list[str]:
     """Why a status document is not healthy: unreadable files, parts that failed, a served copy that fails
     its checksum, queries served by another version than the registry's production."""
@@ -145,9 +154,8 @@ def problems(doc: Mapping[str, Any]) -> list[str]:
         found.append(f"checksum of production v{check['version']} FAILED: {check['message']}")
     production = (doc.get("registry") or {}).get("production") or {}
     served = (doc.get("gallery") or {}).get("query_model_version")
-    rollout = (doc.get("rollout") or {}).get("status")
     if production and served and str(served) != str(production["version"]):
-        if rollout not in UNFINISHED_ROLLOUT:
+        if not unfinished_change(doc):
             found.append(
                 f"the index and the registry disagree: queries are served by v{served} but production is "
                 f"v{production['version']}, and no rollout is under way"
@@ -164,8 +172,8 @@ def next_step(doc: Mapping[str, Any], found: list[str]) -> str:
         return "`compatflow rollback` serves production's version again (`compatflow rollout status`: why)"
     if found:
         return "restore or remove the file named above (`compatflow state rebuild` rebuilds the phase record)"
-    if (doc.get("rollout") or {}).get("status") in UNFINISHED_ROLLOUT:
-        return "`compatflow run` resumes the rollout, or `compatflow rollback` abandons it"
+    if unfinished_change(doc):
+        return "`compatflow run` resumes the rollout (and promotes it), or `compatflow rollback` abandons it"
     if not (doc.get("registry") or {}).get("production"):
         return "`compatflow run` trains and serves the first model"
     return "`compatflow run` runs the next pending phase (`compatflow stream add-phase` adds one)"
