@@ -387,7 +387,10 @@ class Rollout:
         _stage_of(state, j)["workers"] = [
             {
                 "slices": list(r),
-                **{k: d.get(k) for k in ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib", "pace")},
+                **{
+                    k: d.get(k)
+                    for k in ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib", "pace")
+                },
             }
             for r, d in zip(ranges, done, strict=True)
         ]

@@ -58,6 +58,7 @@ def on_rollback(event: dict[str, Any]) -> None:
 
     from components.adapters.index import GalleryIndex
     from components.rollout import RolloutPaths, read_serving, rollback, rollout_of
+    from components.rollout.operations import deployment_owner
 
     paths = RolloutPaths.for_workspace(event["workspace"])
     record = read_serving(paths.serving)
@@ -65,7 +66,7 @@ def on_rollback(event: dict[str, Any]) -> None:
         log.info("no gallery indexed in %s: nothing to restore", event["workspace"])
         return
     state_path = rollout_of(paths, event["from_version"])
-    with GalleryIndex(record["uri"], record["alias"]) as index:
+    with GalleryIndex(record["uri"], record["alias"], owner=deployment_owner(paths.root)) as index:
         finish_superseded(paths, index, event)
         state = rollback(paths, index, state_path=state_path)
         written = complete_gallery(index, record["collection"], state, root=paths.root)

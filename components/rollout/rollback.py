@@ -49,8 +49,10 @@ def rollback(
                 f"rollout {state['rollout_id']} ({state_path}) wrote its collection in place (an earlier "
                 "release): its rows cannot be switched back; roll it back with that release"
             )
+        from components.rollout.operations import deployment_owner
+
         own = index is None
-        index = index or GalleryIndex(g["uri"], g["alias"])
+        index = index or GalleryIndex(g["uri"], g["alias"], owner=deployment_owner(paths.root))
         try:
             t0 = time.perf_counter()
             state["rollback"] = {"started_at": utc_now(), "from_status": state["status"]}
