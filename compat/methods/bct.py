@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from compat.losses import clip_loss, matched_rows
 from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
-from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
+from compat.methods.contract import Batch, Encoder
 from compat.methods.layers import truncate, zero_pad
 from compat.methods.none import PlainModel
 from compat.methods.training import (
@@ -57,9 +56,7 @@ from compat.methods.training import (
     texts_of,
 )
 from compat.models import ClipBundle
-from compat.progress import track
 
-log = logging.getLogger(__name__)
 MAX_LOGIT_SCALE = math.log(100.0)
 
 
@@ -161,44 +158,24 @@ def train_new_model(
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     student = dataclasses.replace(new, model=copy.deepcopy(new.model).to(device))
-    student.model.train()
-    for p in student.model.parameters():
-        p.requires_grad_(True)
+    student.model.train().requires_grad_(True)
     freeze(old, device)
     s_old = logit_scale_of(old)
     optimizer, schedule = adamw_cosine(
         student.model.parameters(), config.lr, config.weight_decay, config.steps, config.warmup_fraction
     )
-    history = TrainingLog()
-    steps = track(cycle_batches(batches, config.steps), "bct", total=config.steps, unit="steps")
-    for step, batch in enumerate(steps):
+    history = TrainingLog("bct", config.log_every, f"lr ({config.lr})")
+    for step, batch in history.track(cycle_batches(batches, config.steps), config.steps):
         images = prepare_images(batch.images, student, train=True).to(device)
         tokens = student.tokenizer(texts_of(batch)).to(device)
         old_img, old_txt = frozen_features(old, batch, device, images)
         img = F.normalize(student.model.encode_image(images), dim=-1)
         txt = F.normalize(student.model.encode_text(tokens), dim=-1)
-        terms = bct_loss(
-            img,
-            txt,
-            old_img,
-            old_txt,
-            student.model.logit_scale.exp(),
-            s_old,
-            influence_weight,
-            synthesize_unmatched=config.synthesize_unmatched,
-        )
-        if not torch.isfinite(terms.total):
-            raise CompatError(
-                f"bct: the loss became {terms.total.item()} at step {step}; lower lr ({config.lr})"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        terms.total.backward()
-        optimizer.step()
-        schedule.step()
+        s_new, unmatched = student.model.logit_scale.exp(), config.synthesize_unmatched
+        terms = bct_loss(img, txt, old_img, old_txt, s_new, s_old, influence_weight, unmatched)
+        history.step(optimizer, step, schedule, loss=terms.total, own=terms.own, influence=terms.influence)
         with torch.no_grad():
             student.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
-        history.record(step, config.log_every, loss=terms.total, own=terms.own, influence=terms.influence)
-        steps.set(loss=float(terms.total))
     student.model.eval()
     return student, history.finish()
 
@@ -210,22 +187,8 @@ class BCT(CompatMethod):
     config_class = BCTConfig
     model_class = BCTModel
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: BCTConfig | None = None
-    ) -> BCTModel:
-        config = config or self.make_config()
-        old_dim = int(old.embed_dim)
+    def train(self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: BCTConfig) -> BCTModel:
         trained, info = train_new_model(new, old, batches, config, config.influence_weight)
-        contract = ServingContract(
-            method=self.name,
-            space_id=config.old_space_id,
-            dim=trained.embed_dim,
-            old_vector_rule=old_vector_rule(trained.embed_dim, old_dim),
-            query_model_version=config.version,
-            old_space_id=config.old_space_id,
-            old_dim=old_dim,
-        )
-        model = BCTModel(trained, contract, config)
-        model.trainable_parameters = trained.num_parameters()
-        model.training_info = info
-        return model
+        dim, old_dim = trained.embed_dim, int(old.embed_dim)
+        contract = self.contract(config, dim, old_dim, old_vector_rule(dim, old_dim))
+        return BCTModel(trained, contract, config).trained(trained.num_parameters(), info)

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +49,7 @@ from compat.methods.bct import MAX_LOGIT_SCALE, cross_model_loss
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
 from compat.methods.layers import OrthogonalMatrix
-from compat.methods.model import CompatModel
+from compat.methods.model import CompatModel, Parts, Tensors
 from compat.methods.training import (
     TrainingLog,
     adamw_cosine,
@@ -63,9 +62,6 @@ from compat.methods.training import (
     texts_of,
 )
 from compat.models import ClipBundle
-from compat.progress import track
-
-log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------- head
@@ -142,34 +138,25 @@ def widen_projections(
     grown: dict[str, int] = {}
     for prefix, (owner, attr) in _projection_slots(model).items():
         current = getattr(owner, attr)
-        if isinstance(current, nn.Parameter):  # [in, out], used as x @ P
-            width = current.shape[0]
-            cols = torch.zeros(width, extra, dtype=current.dtype, device=current.device)
-            if generator is not None:
-                cols.copy_(torch.randn(width, extra, generator=generator) * width**-0.5)
-            setattr(owner, attr, nn.Parameter(torch.cat([current.data, cols], dim=1)))
+        linear = isinstance(current, nn.Linear)  # weight [out, in]; a bare parameter is [in, out] (x @ P)
+        weight = current.weight if linear else current
+        axis, width = (0, weight.shape[1]) if linear else (1, weight.shape[0])
+        shape = (extra, width) if linear else (width, extra)
+        cols = torch.zeros(shape) if generator is None else torch.randn(shape, generator=generator)
+        widened = torch.cat([weight.detach(), (cols * width**-0.5).to(weight)], dim=axis)
+        if not linear:
+            setattr(owner, attr, nn.Parameter(widened))
             grown[prefix] = 1
-        else:  # nn.Linear: weight [out, in]
-            layer = nn.Linear(
-                current.in_features, current.out_features + extra, bias=current.bias is not None
-            )
-            layer = layer.to(device=current.weight.device, dtype=current.weight.dtype)
-            with torch.no_grad():
-                rows = torch.zeros(extra, current.in_features)
-                if generator is not None:
-                    rows = (
-                        torch.randn(extra, current.in_features, generator=generator)
-                        * current.in_features**-0.5
-                    )
-                layer.weight.copy_(torch.cat([current.weight, rows.to(layer.weight)], dim=0))
-                if current.bias is not None:
-                    layer.bias.copy_(
-                        torch.cat([current.bias, torch.zeros_like(layer.bias[current.out_features :])])
-                    )
-            setattr(owner, attr, layer)
-            grown[f"{prefix}.weight"] = 0
+            continue
+        layer = nn.Linear(width, widened.shape[0], bias=current.bias is not None).to(weight)
+        with torch.no_grad():
+            layer.weight.copy_(widened)
             if current.bias is not None:
-                grown[f"{prefix}.bias"] = 0
+                layer.bias.copy_(torch.cat([current.bias, current.bias.new_zeros(extra)]))
+        setattr(owner, attr, layer)
+        grown[f"{prefix}.weight"] = 0
+        if current.bias is not None:
+            grown[f"{prefix}.bias"] = 0
     return grown
 
 
@@ -291,13 +278,7 @@ class BT2Model(CompatModel):
         return {**extra, **head, "logit_scale": self._logit_scale.reshape(1)}
 
     @classmethod
-    def restore(
-        cls,
-        parts: dict[str, ClipBundle],
-        adapters: dict[str, torch.Tensor],
-        config: BT2Config,
-        contract: ServingContract,
-    ) -> BT2Model:
+    def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
         backbone = parts["new"]
         m, n = backbone.embed_dim, contract.old_dim
         head = BT2Head(m, n, config.extra_dims, config.scale_c)
@@ -325,10 +306,7 @@ class BT2(CompatMethod):
     config_class = BT2Config
     model_class = BT2Model
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: BT2Config | None = None
-    ) -> BT2Model:
-        config = config or self.make_config()
+    def train(self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: BT2Config) -> BT2Model:
         device = resolve_device(config.device)
         m, n = new.embed_dim, int(old.embed_dim)
         head = BT2Head(m, n, config.extra_dims, config.scale_c).to(device)
@@ -338,18 +316,15 @@ class BT2(CompatMethod):
         freeze(old, device)
         student = dataclasses.replace(new, model=copy.deepcopy(new.model))
         grown = widen_projections(student.model, n, generator)
-        student.model.to(device).train()
-        for p in student.model.parameters():
-            p.requires_grad_(True)
+        student.model.to(device).train().requires_grad_(True)
         logit_scale = nn.Parameter(new.model.logit_scale.detach().clone().float().reshape(()).to(device))
         params = [*student.model.parameters(), *head.parameters(), logit_scale]
         optimizer, schedule = adamw_cosine(
             params, config.lr, config.weight_decay, config.steps, config.warmup_fraction
         )
         s_old = logit_scale_of(old)
-        history = TrainingLog()
-        steps = track(cycle_batches(batches, config.steps), "bt2", total=config.steps, unit="steps")
-        for step, batch in enumerate(steps):
+        history = TrainingLog("bt2", config.log_every, f"lr ({config.lr})")
+        for step, batch in history.track(cycle_batches(batches, config.steps), config.steps):
             images = prepare_images(batch.images, student, train=True).to(device)
             tokens = student.tokenizer(texts_of(batch)).to(device)
             old_img, old_txt = frozen_features(old, batch, device, images)
@@ -359,32 +334,12 @@ class BT2(CompatMethod):
             terms = bt2_losses(
                 out_img, out_txt, ref_img, ref_txt, old_img, old_txt, logit_scale.exp(), s_old, config
             )
-            if not torch.isfinite(terms.total):
-                raise CompatError(
-                    f"bt2: the loss became {terms.total.item()} at step {step}; lower lr ({config.lr})"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            terms.total.backward()
-            optimizer.step()
-            schedule.step()
+            history.step(optimizer, step, schedule, **terms._asdict())
             with torch.no_grad():
                 logit_scale.clamp_(0, MAX_LOGIT_SCALE)
-            history.record(step, config.log_every, **terms._asdict())
-            steps.set(loss=float(terms.total))
         student.model.eval().cpu()
         head.eval().cpu()
-        _, lineage = contract_lineage(old)
-        contract = ServingContract(
-            method=self.name,
-            space_id=config.old_space_id,
-            dim=head.out_dim,
-            old_vector_rule="truncate",
-            query_model_version=config.version,
-            old_space_id=config.old_space_id,
-            old_dim=n,
-            old_dims=lineage or (n,),
-        )
+        lineage = contract_lineage(old)[1] or (n,)
+        contract = self.contract(config, head.out_dim, n, "truncate", lineage)
         model = BT2Model(student, head, grown, logit_scale.detach().cpu(), contract, config)
-        model.trainable_parameters = student.num_parameters() + head.num_trainable() + 1
-        model.training_info = history.finish()
-        return model
+        return model.trained(student.num_parameters() + head.num_trainable() + 1, history.finish())

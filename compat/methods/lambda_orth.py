@@ -31,11 +31,11 @@ Choices where the paper is silent or ambiguous (the digest lists them):
 
 from __future__ import annotations
 
-import logging
+import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +48,11 @@ from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
 from compat.methods.layers import OrthogonalMatrix, truncate
-from compat.methods.model import CompatModel
-from compat.methods.training import TrainingLog, freeze, frozen_features
+from compat.methods.model import CompatModel, Parts, Tensors
+from compat.methods.training import TrainingLog, freeze, frozen_features, minibatches
 from compat.models import ClipBundle
 from compat.progress import track
 
-log = logging.getLogger(__name__)
 VARIANTS = ("strict", "relaxed", "fct")
 
 
@@ -257,14 +256,6 @@ class LambdaOrthConfig(MethodConfig):
             raise ValueError("steps >= 1, batch_size >= 2, lr > 0 and temperature > 0 are required")
 
 
-def fit_adapters(
-    feats: PairedFeatures, config: LambdaOrthConfig, old_dim: int, new_dim: int
-) -> tuple[Adapters, dict[str, Any]]:
-    """Train ``B`` and ``F`` on cached features with Adam (Sec. 4.3); return them and the training log."""
-    with single_threaded():
-        return _fit_adapters(feats, config, old_dim, new_dim)
-
-
 @contextmanager
 def single_threaded() -> Iterator[None]:
     """Run small-matrix work on one CPU thread: on a shared machine, threads only add contention there."""
@@ -276,42 +267,26 @@ def single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _fit_adapters(
+@single_threaded()
+def fit_adapters(
     feats: PairedFeatures, config: LambdaOrthConfig, old_dim: int, new_dim: int
 ) -> tuple[Adapters, dict[str, Any]]:
+    """Train ``B`` and ``F`` on cached features with Adam (Sec. 4.3); return them and the training log."""
     device = resolve_device(config.device)
-    generator = torch.Generator().manual_seed(config.seed)
     adapters = Adapters(config.variant, old_dim, new_dim).to(device)
     feats = PairedFeatures(
         *(t.to(device).float() for t in (feats.old_image, feats.old_text, feats.new_image, feats.new_text))
     )
     optimizer = torch.optim.Adam(adapters.parameters(), lr=config.lr)
-    history = TrainingLog()
-    n, bs = len(feats), min(config.batch_size, len(feats))
-    order, cursor = torch.randperm(n, generator=generator), 0
-    steps = track(range(config.steps), "lambda_orth adapters", unit="steps")
-    for step in steps:
-        if cursor + bs > n:
-            order, cursor = torch.randperm(n, generator=generator), 0
-        idx = order[cursor : cursor + bs].to(device)
-        cursor += bs
+    weights = {k: getattr(config, k) for k in ("w_forward", "w_backward", "w_contrastive", "lam", "alpha")}
+    n = len(feats)
+    batches = minibatches(n, min(config.batch_size, n), torch.Generator().manual_seed(config.seed))
+    history = TrainingLog("lambda_orth adapters", config.log_every, f"lr ({config.lr})")
+    for step, idx in history.track(itertools.islice(batches, config.steps), config.steps):
         terms = lambda_orth_losses(
-            adapters,
-            feats.subset(idx),
-            w_forward=config.w_forward,
-            w_backward=config.w_backward,
-            w_contrastive=config.w_contrastive,
-            lam=config.lam,
-            alpha=config.alpha,
-            temperature=config.temperature,
+            adapters, feats.subset(idx.to(device)), temperature=config.temperature, **weights
         )
-        if not torch.isfinite(terms.total):
-            raise CompatError(f"lambda_orth: the loss became {terms.total.item()} at step {step}; lower lr")
-        optimizer.zero_grad(set_to_none=True)
-        terms.total.backward()
-        optimizer.step()
-        history.record(step, config.log_every, **terms._asdict())
-        steps.set(loss=float(terms.total))
+        history.step(optimizer, step, **terms._asdict())
     adapters.eval().cpu()
     info = history.finish(cached_pairs=n)
     if adapters.backward is not None:
@@ -414,13 +389,7 @@ class LambdaOrthModel(CompatModel):
         return dict(self.adapters.state_dict())
 
     @classmethod
-    def restore(
-        cls,
-        parts: dict[str, ClipBundle],
-        adapters: dict[str, torch.Tensor],
-        config: LambdaOrthConfig,
-        contract: ServingContract,
-    ) -> LambdaOrthModel:
+    def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
         module = Adapters(config.variant, contract.old_dim, parts["new"].embed_dim)
         try:
             module.load_state_dict(adapters, strict=True)
@@ -436,10 +405,9 @@ class LambdaOrth(CompatMethod):
     config_class = LambdaOrthConfig
     model_class = LambdaOrthModel
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: LambdaOrthConfig | None = None
+    def train(
+        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: LambdaOrthConfig
     ) -> LambdaOrthModel:
-        config = config or self.make_config()
         device = resolve_device(config.device)
         freeze(new, device)
         freeze(old, device)
@@ -455,16 +423,5 @@ class LambdaOrth(CompatMethod):
         rule = config.old_vector_rule
         if rule == "as_is" and adapters.old_dim != adapters.dim:
             rule = "truncate"
-        contract = ServingContract(
-            method=self.name,
-            space_id=config.old_space_id,
-            dim=adapters.dim,
-            old_vector_rule=rule,
-            query_model_version=config.version,
-            old_space_id=config.old_space_id,
-            old_dim=adapters.old_dim,
-        )
-        model = LambdaOrthModel(new, adapters, contract, config)
-        model.trainable_parameters = adapters.num_trainable()
-        model.training_info = info
-        return model
+        contract = self.contract(config, adapters.dim, adapters.old_dim, rule)
+        return LambdaOrthModel(new, adapters, contract, config).trained(adapters.num_trainable(), info)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,8 @@ from compat.models.checkpoint import sha256_file
 
 COMPAT_FORMAT = "compatflow-compat-model"
 ADAPTERS_FILE = "adapters.safetensors"
+Parts = dict[str, ClipBundle]  # saved backbones by part name
+Tensors = dict[str, torch.Tensor]
 
 
 class CompatModel(ABC):
@@ -32,12 +34,18 @@ class CompatModel(ABC):
     """
 
     method: ClassVar[str] = ""
+    part_names: ClassVar[tuple[str, ...]] = ("new",)  # the backbones it saves (checkpoint_parts)
 
     def __init__(self, contract: ServingContract, config: MethodConfig) -> None:
         self.contract = contract
         self.config = config
         self.trainable_parameters: int = 0
         self.training_info: dict[str, Any] = {}
+
+    def trained(self, parameters: int, info: dict[str, Any]) -> Self:
+        """Set the count of trained parameters and the training record (saved in ``compat.json``)."""
+        self.trainable_parameters, self.training_info = int(parameters), dict(info)
+        return self
 
     @property
     def embed_dim(self) -> int:
@@ -102,23 +110,17 @@ class CompatModel(ABC):
 
     # ---- persistence
     @abstractmethod
-    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict[str, torch.Tensor] | None]]:
+    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, Tensors | None]]:
         """Backbones to save with ``save_checkpoint``: name -> (bundle, state dict or None for its own)."""
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
+    def adapter_state(self) -> Tensors:
         """Small tensors (adapters, heads) saved in ``adapters.safetensors``."""
         return {}
 
     @classmethod
     @abstractmethod
-    def restore(
-        cls,
-        parts: dict[str, ClipBundle],
-        adapters: dict[str, torch.Tensor],
-        config: MethodConfig,
-        contract: ServingContract,
-    ) -> CompatModel:
-        """Rebuild a saved model from its loaded backbones and adapter tensors."""
+    def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
+        """Rebuild a saved model from its loaded backbones (:attr:`part_names`), adapter tensors, config."""
 
     def save(self, out_dir: Path | str) -> Path:
         """Write the model to ``out_dir`` (backbones, adapters, ``compat.json`` last); return its path."""
@@ -191,6 +193,11 @@ def load_compat_model(path: Path | str, device: str | torch.device = "cpu") -> C
         if key not in doc:
             raise CompatError(f"{doc_path}: missing field {key!r}")
     method = get_method(doc["method"])
+    if sorted(doc["parts"]) != sorted(method.model_class.part_names):
+        raise CompatError(
+            f"{doc_path}: a {method.name} model saves parts {sorted(method.model_class.part_names)}, "
+            f"this one lists {sorted(doc['parts'])}"
+        )
     config = config_from_mapping(method.config_class, doc["config"], f"{doc_path}: config")
     contract = ServingContract.from_dict(doc["contract"], f"{doc_path}: contract")
     recorded = doc.get("parts_sha256") or {}
@@ -201,7 +208,7 @@ def load_compat_model(path: Path | str, device: str | torch.device = "cpu") -> C
                 "the directory mixes two saves"
             )
     parts = {name: load_checkpoint(root / name, device=device) for name in doc["parts"]}
-    adapters: dict[str, torch.Tensor] = {}
+    adapters: Tensors = {}
     if doc.get("adapters"):
         file = root / doc["adapters"]["file"]
         if not file.is_file():
@@ -214,6 +221,4 @@ def load_compat_model(path: Path | str, device: str | torch.device = "cpu") -> C
             )
         adapters = load_file(str(file), device="cpu")
     model = method.model_class.restore(parts, adapters, config, contract)
-    model.trainable_parameters = int(doc.get("trainable_parameters", 0))
-    model.training_info = dict(doc.get("training") or {})
-    return model
+    return model.trained(doc.get("trainable_parameters", 0), doc.get("training") or {})

@@ -9,7 +9,7 @@ release of it must go blue-green. Evaluation still scores its raw vectors agains
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -17,7 +17,7 @@ from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, Encoder, ServingContract
-from compat.methods.model import CompatModel
+from compat.methods.model import CompatModel, Parts, Tensors
 from compat.models import ClipBundle
 
 
@@ -49,13 +49,7 @@ class PlainModel(CompatModel):
         return {"new": (self.new, None)}
 
     @classmethod
-    def restore(
-        cls,
-        parts: dict[str, ClipBundle],
-        adapters: dict[str, torch.Tensor],
-        config: MethodConfig,
-        contract: ServingContract,
-    ) -> PlainModel:
+    def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
         return cls(parts["new"], contract, config)
 
 
@@ -65,7 +59,7 @@ def independent_model(new: ClipBundle, old_dim: int, config: MethodConfig | None
     rule = "as_is" if new.embed_dim == old_dim else "truncate"
     contract = ServingContract(
         method="none",
-        space_id=f"{config.version}",
+        space_id=config.version,
         dim=new.embed_dim,
         old_vector_rule=rule,
         query_model_version=config.version,
@@ -82,10 +76,5 @@ class NoCompatibility(CompatMethod):
     config_class = MethodConfig
     model_class = PlainModel
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: MethodConfig | None = None
-    ) -> PlainModel:
-        config = config or self.make_config()
-        model = independent_model(new, int(old.embed_dim), config)
-        model.training_info = {"steps": 0, "seconds": 0.0, "history": []}
-        return model
+    def train(self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: Any) -> PlainModel:
+        return independent_model(new, int(old.embed_dim), config).trained(0, {"steps": 0, "history": []})

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 
@@ -45,21 +44,21 @@ from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
-from compat.methods.model import CompatModel
+from compat.methods.model import CompatModel, Parts, Tensors
 from compat.methods.training import (
     TrainingLog,
     cycle_batches,
     freeze,
     frozen_features,
     logit_scale_of,
+    on_device,
     prepare_images,
+    seeded,
 )
-from compat.methods.xbt import make_contract, on_device, seeded
 from compat.models import ClipBundle
 from compat.modules.adapters import AdapterHandle, insert_tied_adapters, vision_blocks
 from compat.modules.projection import TwoLayerProjector
 from compat.modules.serving import ProjectedCLIP, original_model, projected_bundle
-from compat.progress import track
 
 
 # ------------------------------------------------------------------------------------------------ losses
@@ -194,6 +193,8 @@ class AdaptedVisual:
 class TaCAModel(CompatModel):
     """Images through the adapted new encoder + projector; texts through the old text encoder."""
 
+    part_names = ("new", "old")
+
     def __init__(
         self, adapted: AdaptedVisual, old: ClipBundle, contract: ServingContract, config: TaCAConfig
     ) -> None:
@@ -235,15 +236,7 @@ class TaCAModel(CompatModel):
         return self.adapted.adapter_state()
 
     @classmethod
-    def restore(
-        cls,
-        parts: dict[str, ClipBundle],
-        adapters: dict[str, torch.Tensor],
-        config: MethodConfig,
-        contract: ServingContract,
-    ) -> TaCAModel:
-        if set(parts) != {"new", "old"}:
-            raise CompatError(f"{cls.method}: expected saved parts 'new' and 'old', got {sorted(parts)}")
+    def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
         new, old = parts["new"], freeze(parts["old"])
         weights = [v for k, v in adapters.items() if k.endswith(".adapter.weight")]
         if not weights:
@@ -269,36 +262,18 @@ def train_taca(
     model.train()
     adapted.projector.train()
     same_input = adapted.bundle.image_size == old.image_size
-    history = TrainingLog()
-    steps = track(cycle_batches(batches, config.steps), "taca", total=config.steps, unit="steps")
-    for step, batch in enumerate(steps):
+    history = TrainingLog("taca", config.log_every, f"lr ({config.lr})")
+    for step, batch in history.track(cycle_batches(batches, config.steps), config.steps):
         images = prepare_images(batch.images, adapted.bundle, train=True).to(device)
         old_batch = SimpleNamespace(images=images, texts=batch.texts) if same_input else batch
         old_image, old_text = frozen_features(old, old_batch, device)
         new_image = adapted.head.encode_image(images, normalize=True)
         terms = taca_loss(new_image, old_image, old_text, logit_scale, config.distill_weight)
-        if not torch.isfinite(terms.total):
-            raise CompatError(
-                f"taca: the loss became {terms.total.item()} at step {step}; lower lr ({config.lr})"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        terms.total.backward()
-        optimizer.step()
-        history.record(
-            step,
-            config.log_every,
-            loss=terms.total.detach(),
-            contra=terms.contra.detach(),
-            distill=terms.distill.detach(),
-        )
-        steps.set(loss=float(terms.total))
-    model.eval()
-    adapted.projector.eval()
-    for p in (*model.parameters(), *adapted.projector.parameters()):
-        p.requires_grad_(False)
-    return history.finish(
-        trainable_parameters=sum(p.numel() for _, p in params), bottleneck=adapted.bottleneck
-    )
+        history.step(optimizer, step, loss=terms.total, contra=terms.contra, distill=terms.distill)
+    model.eval().requires_grad_(False)
+    adapted.projector.eval().requires_grad_(False)
+    trained = sum(p.numel() for _, p in params)
+    return history.finish(trainable_parameters=trained, bottleneck=adapted.bottleneck)
 
 
 @register_method("taca")
@@ -308,10 +283,7 @@ class TaCA(CompatMethod):
     config_class = TaCAConfig
     model_class = TaCAModel
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: TaCAConfig | None = None
-    ) -> TaCAModel:
-        config = config or self.make_config()
+    def train(self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: TaCAConfig) -> TaCAModel:
         # The served text encoder stays production's: a plain network, saved with the model. After an
         # earlier compatible release it is that model's text network (CompatModel.text_bundle).
         text_tower = old if isinstance(old, ClipBundle) else getattr(old, "text_bundle", lambda: None)()
@@ -321,16 +293,11 @@ class TaCA(CompatMethod):
                 f"is a {getattr(old, 'method', type(old).__name__)} model whose text encoder passes through "
                 "adapters; make this upgrade compatible with bct, lambda_orth, bt2 or xbt instead"
             )
-        device = resolve_device(config.device)
+        device, old_dim = resolve_device(config.device), int(old.embed_dim)
         freeze(old)
         config = dataclasses.replace(config, logit_scale=config.logit_scale or logit_scale_of(old))
-        started = time.monotonic()
         with seeded(config.seed, device), on_device(old, device):
-            adapted = AdaptedVisual(new, int(old.embed_dim), config, device)
+            adapted = AdaptedVisual(new, old_dim, config, device)
             info = train_taca(adapted, old, batches, config, config.logit_scale)
-        model = TaCAModel(
-            adapted, freeze(text_tower), make_contract(self.name, config, int(old.embed_dim)), config
-        )
-        model.trainable_parameters = info["trainable_parameters"]
-        model.training_info = {**info, "seconds": round(time.monotonic() - started, 3)}
-        return model
+        model = TaCAModel(adapted, freeze(text_tower), self.contract(config, old_dim, old_dim), config)
+        return model.trained(info["trainable_parameters"], info)

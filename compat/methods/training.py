@@ -9,15 +9,17 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from compat.methods.contract import Batch, CompatError, Encoder
 from compat.methods.model import CompatModel
 from compat.models import ClipBundle
+from compat.progress import Tracked, track
 
 log = logging.getLogger("compat.methods")
+T = TypeVar("T")
 
 
 def logit_scale_of(encoder: Encoder) -> float:
@@ -120,6 +122,43 @@ def freeze(encoder: Encoder, device: torch.device | None = None) -> Encoder:
     return encoder
 
 
+def minibatches(
+    n: int, size: int, generator: torch.Generator | None = None, device: torch.device | None = None
+) -> Iterator[torch.Tensor]:
+    """Endless index minibatches of ``size`` over ``range(n)``: epochs of a random order, each epoch's
+    incomplete last minibatch skipped."""
+    order, cursor = torch.randperm(n, generator=generator, device=device), 0
+    while True:
+        if cursor + size > n:
+            order, cursor = torch.randperm(n, generator=generator, device=device), 0
+        yield order[cursor : cursor + size]
+        cursor += size
+
+
+@contextlib.contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run with ``torch.manual_seed(seed)`` and restore the caller's RNG state afterwards."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextlib.contextmanager
+def on_device(encoder: Encoder, device: torch.device) -> Iterator[None]:
+    """Keep a frozen ``ClipBundle`` on ``device`` for the block (its ``encode_*`` would otherwise move it
+    there and back on every call)."""
+    if not isinstance(encoder, ClipBundle) or encoder.device == device:
+        yield
+        return
+    original = encoder.device
+    encoder.model.to(device)
+    try:
+        yield
+    finally:
+        encoder.model.to(original)
+
+
 def adamw_cosine(
     params: Iterable[torch.nn.Parameter] | list[dict],
     lr: float,
@@ -159,16 +198,45 @@ def step_records(listener: StepListener | None) -> Iterator[None]:
 
 @dataclass
 class TrainingLog:
-    """Loss history and wall time of a fit, stored in ``compat.json`` under ``training``; each step's record
-    also goes to the listener of :func:`step_records`, when one is set."""
+    """A fit's optimisation record: its progress line, each step's update and loss terms (stored in
+    ``compat.json`` under ``training``); each step's record also goes to the listener of
+    :func:`step_records`, when one is set."""
 
+    name: str = ""  # the fit in progress lines and errors ("bct", "xbt stage 1")
+    every: int = 50  # a step kept in ``history`` every ``every`` steps
+    lr: str = "lr"  # the setting to lower when the loss diverges, e.g. "lr (0.0005)"
+    part: str = ""  # names a fit's earlier part in the listener's records (XBT's "stage1."), kept apart
     started: float = field(default_factory=time.monotonic)
     steps: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     listener: StepListener | None = field(default_factory=_listener.get)
-    part: str = ""  # names a fit's earlier part in the listener's records (XBT's "stage1."), kept apart
+    progress: Tracked | None = None
 
-    def record(self, step: int, every: int, **terms: torch.Tensor | float) -> None:
+    def track(self, items: Iterable[T], total: int | None = None) -> Iterator[tuple[int, T]]:
+        """``enumerate(items)``, shown as this fit's progress with the last loss."""
+        self.progress = track(items, self.name, total=total, unit="steps")
+        return enumerate(self.progress)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        schedule: torch.optim.lr_scheduler.LRScheduler | None = None,
+        **terms: torch.Tensor,
+    ) -> None:
+        """Back-propagate the first of ``terms`` (the loss), step ``optimizer`` and ``schedule``, record
+        ``terms``; a loss that is not finite stops the fit with a sentence."""
+        loss = next(iter(terms.values()))
+        if not torch.isfinite(loss):
+            raise CompatError(f"{self.name}: the loss became {loss.item()} at step {step}; lower {self.lr}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if schedule is not None:
+            schedule.step()
+        self.record(step, **terms)
+
+    def record(self, step: int, **terms: torch.Tensor | float) -> None:
         self.steps = step + 1
         self._last = {
             "step": step,
@@ -176,10 +244,12 @@ class TrainingLog:
                 k: round(float(v.detach() if isinstance(v, torch.Tensor) else v), 6) for k, v in terms.items()
             },
         }
+        if self.progress is not None:
+            self.progress.set(loss=self._last[next(iter(terms))])
         if self.listener is not None:
             terms = {f"{self.part}{k}": v for k, v in self._last.items() if k != "step"}
             self.listener({"step": step + 1, **terms})
-        if step == 0 or (every > 0 and step % every == 0):
+        if step == 0 or (self.every > 0 and step % self.every == 0):
             self.history.append(self._last)
             log.info(
                 "step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in self._last.items() if k != "step")

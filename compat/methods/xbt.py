@@ -39,14 +39,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
+import itertools
 import math
-import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -57,17 +55,21 @@ from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
-from compat.methods.model import CompatModel
-from compat.methods.training import TrainingLog, cycle_batches, prepare_images
+from compat.methods.model import CompatModel, Parts, Tensors
+from compat.methods.training import (
+    TrainingLog,
+    cycle_batches,
+    minibatches,
+    on_device,
+    prepare_images,
+    seeded,
+)
 from compat.models import ClipBundle
 from compat.modules.augment import augment_for
 from compat.modules.lora import LoraHandle, attach_lora
 from compat.modules.projection import XBTProjection
 from compat.modules.serving import ProjectedCLIP, original_model, projected_bundle
 from compat.modules.visual_prompts import PromptHandle, insert_visual_prompts
-from compat.progress import track
-
-log = logging.getLogger(__name__)
 
 PAPER_LOG_LOGIT_SCALE = 2.6592  # ln(1/0.07): "temperature ... fixed at 2.6592" (Sec. 4.1)
 
@@ -208,6 +210,10 @@ class AdaptedNewModel:
                 p.requires_grad_(True)
         return groups
 
+    def num_trained(self) -> int:
+        """LoRA + prompts + all of ``phi``: every parameter trained in either stage."""
+        return sum(p.numel() for items in self.trainable_groups("all").values() for _, p in items)
+
     def adapter_state(self) -> dict[str, torch.Tensor]:
         state = {f"new.{n}": t for n, t in self.lora.state_dict().items()}
         state["new.visual.visual_prompts.tokens"] = self.prompts.prompts.tokens.detach()
@@ -286,15 +292,7 @@ class XBTModel(CompatModel):
         return self.adapted.adapter_state()
 
     @classmethod
-    def restore(
-        cls,
-        parts: dict[str, ClipBundle],
-        adapters: dict[str, torch.Tensor],
-        config: MethodConfig,
-        contract: ServingContract,
-    ) -> XBTModel:
-        if "new" not in parts:
-            raise CompatError(f"{cls.method}: the saved model has no 'new' part (parts: {sorted(parts)})")
+    def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
         new = parts["new"]
         phi = XBTProjection(new.embed_dim, contract.dim)
         adapted = AdaptedNewModel(new, phi, config, new.device, copy_model=False)
@@ -305,32 +303,6 @@ class XBTModel(CompatModel):
 
 
 # -------------------------------------------------------------------------------------------- training
-@contextmanager
-def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Run with ``torch.manual_seed(seed)`` and restore the caller's RNG state afterwards."""
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
-@contextmanager
-def on_device(encoder: Encoder, device: torch.device) -> Iterator[None]:
-    """Keep a frozen ``ClipBundle`` on the training device for the duration, then move it back.
-
-    ``ClipBundle.encode_*`` would otherwise move it to ``device`` and back on every call.
-    """
-    if not isinstance(encoder, ClipBundle) or encoder.device == device:
-        yield
-        return
-    original = encoder.device
-    encoder.model.to(device)
-    try:
-        yield
-    finally:
-        encoder.model.to(original)
-
-
 def stage1_texts(batches: Iterable[Batch], config: XBTConfig) -> list[str]:
     """D_T: the lines of ``config.text_corpus`` or the captions of one pass over ``batches``, deduplicated."""
     if config.text_corpus:
@@ -360,7 +332,7 @@ def pretrain_projection(
     new: ClipBundle, old: Encoder, texts: list[str], config: XBTConfig, device: torch.device
 ) -> tuple[XBTProjection, dict[str, Any]]:
     """Stage 1 (Sec. 3.2): train all of ``phi`` on text embeddings of the frozen encoders with Eq. 3."""
-    started = time.monotonic()
+    history = TrainingLog("xbt stage 1 (text-only phi)", config.log_every, "stage1_lr", part="stage1.")
     w_new = new.encode_texts(texts, device=device).to(device)
     w_old = old.encode_texts(texts, device=device).to(device)
     if w_old.shape[-1] != int(old.embed_dim):
@@ -371,29 +343,13 @@ def pretrain_projection(
     phi.train()
     optimizer = torch.optim.AdamW(phi.parameters(), lr=config.stage1_lr, weight_decay=config.weight_decay)
     batch_size = min(config.stage1_batch_size, len(texts))
-    history = TrainingLog(part="stage1.")
-    order = torch.randperm(len(texts), device=device)
-    cursor = 0
-    steps = track(range(config.stage1_steps), "xbt stage 1 (text-only phi)", unit="steps")
-    for step in steps:
-        if cursor + batch_size > len(texts):
-            order, cursor = torch.randperm(len(texts), device=device), 0
-        idx = order[cursor : cursor + batch_size]
-        cursor += batch_size
+    batches = minibatches(len(texts), batch_size, device=device)
+    for step, idx in history.track(itertools.islice(batches, config.stage1_steps), config.stage1_steps):
         loss = stage1_loss(phi, w_new[idx], w_old[idx], config.noise_std, config.logit_scale)
-        if not torch.isfinite(loss):
-            raise CompatError(f"xbt stage 1: the loss became {loss.item()} at step {step}; lower stage1_lr")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        history.record(step, config.log_every, loss=loss.detach())
-        steps.set(loss=float(loss))
+        history.step(optimizer, step, loss=loss)
     phi.eval()
-    info = history.finish(
-        texts=len(texts), batch_size=batch_size, trainable_parameters=sum(p.numel() for p in phi.parameters())
-    )
-    info["seconds"] = round(time.monotonic() - started, 3)
-    return phi, info
+    trained = sum(p.numel() for p in phi.parameters())
+    return phi, history.finish(texts=len(texts), batch_size=batch_size, trainable_parameters=trained)
 
 
 StepLoss = Callable[[Batch, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -407,11 +363,9 @@ def train_adapters(
     phi_part: str,
     description: str,
 ) -> dict[str, Any]:
-    """Train LoRA + prompts + ``phi_part`` of ``phi`` with ``step_loss(batch, v_bar, w_bar)``.
-
-    ``v_bar``/``w_bar`` are the l2-normalised projected embeddings of the batch. Constant learning rates:
-    ``lr`` for LoRA and ``phi``, ``prompt_lr`` for the prompts (Sec. 4.1).
-    """
+    """Train LoRA + prompts + ``phi_part`` of ``phi`` with ``step_loss(batch, v_bar, w_bar)``, ``v_bar`` and
+    ``w_bar`` the l2-normalised projected embeddings of the batch. Constant learning rates: ``lr`` for LoRA
+    and ``phi``, ``prompt_lr`` for the prompts (Sec. 4.1)."""
     device = adapted.bundle.device
     groups = adapted.set_trainable(phi_part)
     optimizer = torch.optim.AdamW(
@@ -425,29 +379,17 @@ def train_adapters(
     augment = augment_for(model.visual, adapted.bundle.image_size) if config.augment else None
     model.train()
     adapted.phi.train()
-    history = TrainingLog()
-    steps = track(cycle_batches(batches, config.steps), description, total=config.steps, unit="steps")
-    for step, batch in enumerate(steps):
+    history = TrainingLog(description, config.log_every, f"lr ({config.lr})")
+    for step, batch in history.track(cycle_batches(batches, config.steps), config.steps):
         images = prepare_images(batch.images, adapted.bundle, train=True).to(device)
         if augment is not None:
             images = augment(images)
         tokens = adapted.bundle.tokenizer(list(batch.texts)).to(device)
         v_bar = adapted.head.encode_image(images, normalize=True)
         w_bar = adapted.head.encode_text(tokens, normalize=True)
-        loss = step_loss(batch, v_bar, w_bar)
-        if not torch.isfinite(loss):
-            raise CompatError(
-                f"{description}: the loss became {loss.item()} at step {step}; lower lr ({config.lr})"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        history.record(step, config.log_every, loss=loss.detach())
-        steps.set(loss=float(loss))
-    model.eval()
-    adapted.phi.eval()
-    for p in (*model.parameters(), *adapted.phi.parameters()):
-        p.requires_grad_(False)
+        history.step(optimizer, step, loss=step_loss(batch, v_bar, w_bar))
+    model.eval().requires_grad_(False)
+    adapted.phi.eval().requires_grad_(False)
     return history.finish(trainable_parameters={k: sum(p.numel() for _, p in v) for k, v in groups.items()})
 
 
@@ -455,34 +397,11 @@ def train_stage2(
     adapted: AdaptedNewModel, batches: Iterable[Batch], config: XBTStage2Config
 ) -> dict[str, Any]:
     """Stage 2 (Sec. 3.3): ``L_X`` (Eq. 5) on LoRA + prompts + phi's LayerNorms. Takes no old model."""
-    scale = config.logit_scale
-    return train_adapters(
-        adapted,
-        batches,
-        config,
-        lambda batch, v_bar, w_bar: xbt_loss(v_bar, w_bar, scale),
-        "layernorm",
-        "xbt stage 2",
-    )
 
+    def loss(batch: Batch, v_bar: torch.Tensor, w_bar: torch.Tensor) -> torch.Tensor:
+        return xbt_loss(v_bar, w_bar, config.logit_scale)
 
-def make_contract(method: str, config: MethodConfig, old_dim: int) -> ServingContract:
-    """The contract of a model whose queries live in the old space: read the old gallery as it is."""
-    return ServingContract(
-        method=method,
-        space_id=config.old_space_id,
-        dim=old_dim,
-        old_vector_rule="as_is",
-        query_model_version=config.version,
-        old_space_id=config.old_space_id,
-        old_dim=old_dim,
-    )
-
-
-def count_trained(adapted: AdaptedNewModel) -> int:
-    """LoRA + prompts + all of ``phi``: every parameter trained in either stage."""
-    groups = adapted.trainable_groups("all")
-    return sum(p.numel() for items in groups.values() for _, p in items)
+    return train_adapters(adapted, batches, config, loss, "layernorm", "xbt stage 2")
 
 
 @register_method("xbt")
@@ -492,19 +411,13 @@ class XBT(CompatMethod):
     config_class = XBTConfig
     model_class = XBTModel
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: XBTConfig | None = None
-    ) -> XBTModel:
-        config = config or self.make_config()
+    def train(self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: XBTConfig) -> XBTModel:
         device = resolve_device(config.device)
-        started = time.monotonic()
         with seeded(config.seed, device):
             texts = stage1_texts(batches, config)
             with on_device(old, device):
                 phi, stage1 = pretrain_projection(new, old, texts, config, device)
             adapted = AdaptedNewModel(new, phi, config, device)
             stage2 = train_stage2(adapted, batches, config)
-        model = XBTModel(adapted, make_contract(self.name, config, int(old.embed_dim)), config)
-        model.trainable_parameters = count_trained(adapted)
-        model.training_info = {**stage2, "seconds": round(time.monotonic() - started, 3), "stage1": stage1}
-        return model
+        model = XBTModel(adapted, self.contract(config, int(old.embed_dim), int(old.embed_dim)), config)
+        return model.trained(adapted.num_trained(), {**stage2, "stage1": stage1})

@@ -8,25 +8,16 @@ Settings are XBT's stage-2 ones (:class:`~compat.methods.xbt.XBTStage2Config`). 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
+
+import torch
 
 from compat.device import resolve_device
 from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.contract import Batch, Encoder
-from compat.methods.training import freeze, frozen_features
-from compat.methods.xbt import (
-    AdaptedNewModel,
-    XBTModel,
-    XBTStage2Config,
-    count_trained,
-    direct_loss,
-    make_contract,
-    on_device,
-    seeded,
-    train_adapters,
-)
+from compat.methods.training import freeze, frozen_features, on_device, seeded
+from compat.methods.xbt import AdaptedNewModel, XBTModel, XBTStage2Config, direct_loss, train_adapters
 from compat.models import ClipBundle
 from compat.modules.projection import XBTProjection
 
@@ -42,25 +33,18 @@ class XBTBase(CompatMethod):
     config_class = XBTStage2Config
     model_class = XBTBaseModel
 
-    def fit(
-        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: XBTStage2Config | None = None
+    def train(
+        self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: XBTStage2Config
     ) -> XBTBaseModel:
-        config = config or self.make_config()
-        device = resolve_device(config.device)
-        if isinstance(old, ClipBundle):
-            freeze(old)
-        scale = config.logit_scale
-        started = time.monotonic()
+        device, old_dim = resolve_device(config.device), int(old.embed_dim)
+        freeze(old)
 
-        def step_loss(batch: Batch, v_bar, w_bar):
+        def step_loss(batch: Batch, v_bar: torch.Tensor, w_bar: torch.Tensor) -> torch.Tensor:
             v_old, w_old = frozen_features(old, batch, device)
-            return direct_loss(v_bar, w_bar, v_old, w_old, scale)
+            return direct_loss(v_bar, w_bar, v_old, w_old, config.logit_scale)
 
         with seeded(config.seed, device), on_device(old, device):
-            phi = XBTProjection(new.embed_dim, int(old.embed_dim))
-            adapted = AdaptedNewModel(new, phi, config, device)
+            adapted = AdaptedNewModel(new, XBTProjection(new.embed_dim, old_dim), config, device)
             info = train_adapters(adapted, batches, config, step_loss, "all", "xbt_base")
-        model = XBTBaseModel(adapted, make_contract(self.name, config, int(old.embed_dim)), config)
-        model.trainable_parameters = count_trained(adapted)
-        model.training_info = {**info, "seconds": round(time.monotonic() - started, 3)}
-        return model
+        model = XBTBaseModel(adapted, self.contract(config, old_dim, old_dim), config)
+        return model.trained(adapted.num_trained(), info)
