@@ -196,18 +196,12 @@ def report_from_hits(
     retrieval = {d: {pair: recalls(hits[pair][d], ks) for pair in PAIRS} for d in DIRECTIONS}
     margins: dict[str, dict[str, Any]] = {}
     ecc: dict[str, dict[str, bool]] = {}
-    for i, direction in enumerate(DIRECTIONS):
-        intervals = paired_bootstrap(
-            hits["new/old"][direction], hits["old/old"][direction], n_bootstrap, confidence, seed + i
-        )
-        margins[direction] = {metric_name(k): iv for k, iv in zip(ks, intervals, strict=True)}
-        ecc[direction] = {
-            metric_name(k): bool(
-                retrieval[direction]["new/old"][metric_name(k)]
-                > retrieval[direction]["old/old"][metric_name(k)]
-            )
-            for k in ks
-        }
+    for i, d in enumerate(DIRECTIONS):
+        pair_hits = hits["new/old"][d], hits["old/old"][d]
+        intervals = paired_bootstrap(*pair_hits, n_bootstrap, confidence, seed + i)
+        margins[d] = {metric_name(k): iv for k, iv in zip(ks, intervals, strict=True)}
+        new_old, old_old = retrieval[d]["new/old"], retrieval[d]["old/old"]
+        ecc[d] = {name: bool(new_old[name] > old_old[name]) for name in map(metric_name, ks)}
     return {
         "retrieval": retrieval,
         "margins": margins,
@@ -249,37 +243,27 @@ def compat_report(
     """
     ks = sorted({int(k) for k in ks})
     captions, counts = flatten_captions(data)
-    old_img = old.encode_images(data.images, batch_size=batch_size, device=device)
-    old_txt = old.encode_texts(captions, batch_size=batch_size, device=device)
-    new_img = new.encode_images(data.images, batch_size=batch_size, device=device)
-    new_txt = new.encode_texts(captions, batch_size=batch_size, device=device)
-    hits = compatibility_hits(old_img, old_txt, new_img, new_txt, counts, new.read_old_gallery, ks)
-    report: dict[str, Any] = {
+
+    def encode(model: Encoder) -> tuple[torch.Tensor, torch.Tensor]:
+        images = model.encode_images(data.images, batch_size=batch_size, device=device)
+        return images, model.encode_texts(captions, batch_size=batch_size, device=device)
+
+    hits = compatibility_hits(*encode(old), *encode(new), counts, new.read_old_gallery, ks)
+    independent_recalls = None
+    if independent is not None:
+        ind_i, ind_t = (F.normalize(x, dim=-1) for x in encode(independent))
+        ind = retrieval_hits(ind_i, ind_t, ind_i, ind_t, counts, ks)
+        independent_recalls = {d: recalls(ind[d], ks) for d in DIRECTIONS}
+    domains = sorted({str(m["domain"]) for m in data.metas if isinstance(m, dict) and m.get("domain")})
+    sizes = {"images": len(data), "captions": len(captions), **({"domains": domains} if domains else {})}
+    return {
         "schema_version": 1,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **(meta or {}),
+        "method": new.contract.method,
+        "serving_contract": new.contract.to_dict(),
+        **report_from_hits(hits, ks, n_bootstrap, confidence, seed),
+        "independent_new_new": independent_recalls,
+        "eval_sizes": sizes,
+        "trainable_parameters": int(new.trainable_parameters),
     }
-    report.update(meta or {})
-    report["method"] = new.contract.method
-    report["serving_contract"] = new.contract.to_dict()
-    report.update(report_from_hits(hits, ks, n_bootstrap, confidence, seed))
-    report["independent_new_new"] = None
-    if independent is not None:
-        ind_img = independent.encode_images(data.images, batch_size=batch_size, device=device)
-        ind_txt = independent.encode_texts(captions, batch_size=batch_size, device=device)
-        ind = retrieval_hits(
-            F.normalize(ind_img, dim=-1),
-            F.normalize(ind_txt, dim=-1),
-            F.normalize(ind_img, dim=-1),
-            F.normalize(ind_txt, dim=-1),
-            counts,
-            ks,
-        )
-        report["independent_new_new"] = {d: recalls(ind[d], ks) for d in DIRECTIONS}
-    domains = sorted({str(m["domain"]) for m in data.metas if isinstance(m, dict) and m.get("domain")})
-    report["eval_sizes"] = {
-        "images": len(data),
-        "captions": len(captions),
-        **({"domains": domains} if domains else {}),
-    }
-    report["trainable_parameters"] = int(new.trainable_parameters)
-    return report

@@ -201,19 +201,10 @@ class Task:
             _DISPLAY.remove(self._bar)
             self._bar = None
         elif self.mode == "plain" and (self._logged or time.monotonic() - self.start >= self.every_s):
-            elapsed = time.monotonic() - self.start
+            done = f"{self.done} {self.unit} in {_duration(time.monotonic() - self.start)}"
+            rate = f"{self.rate():.1f} {self.unit}/s"
             extra = f", {_fields_text(self.fields)}" if self.fields else ""
-            log.info(
-                "%s%s: done, %d %s in %s (%.1f %s/s)%s",
-                LINE_MARK,
-                self.description,
-                self.done,
-                self.unit,
-                _duration(elapsed),
-                self.rate(),
-                self.unit,
-                extra,
-            )
+            log.info("%s%s: done, %s (%s)%s", LINE_MARK, self.description, done, rate, extra)
             self._logged = False
 
 
@@ -235,23 +226,22 @@ class Tracked(Generic[T]):
     def __init__(self, items: Iterable[T], description: str, total: int | None, unit: str) -> None:
         self.items, self.description, self.unit = items, description, unit
         self.total = total if total is not None or not hasattr(items, "__len__") else len(items)  # type: ignore[arg-type]
+        self.fields: dict[str, Any] = {}  # shown from the start, also when set before the iteration
         self._task: Task | None = None
-        self._fields: dict[str, Any] = {}
 
     def set(self, **fields: Any) -> None:
         """Show ``fields`` (e.g. ``loss=0.83``) with the progress."""
-        self._fields.update(fields)
+        self.fields.update(fields)
         if self._task is not None:
             self._task.set(**fields)
 
     def __iter__(self) -> Iterator[T]:
-        with task(self.description, self.total, self.unit) as handle:
-            self._task = handle
-            handle.fields.update(self._fields)
+        with task(self.description, self.total, self.unit) as self._task:
+            self._task.fields.update(self.fields)
             try:
                 for item in self.items:
                     yield item
-                    handle.advance(1)
+                    self._task.advance(1)
             finally:
                 self._task = None
 
