@@ -27,8 +27,6 @@ row is the old model's own image feature of the pair instead (:func:`unmatched_t
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,6 +52,7 @@ from compat.methods.training import (
     logit_scale_of,
     prepare_images,
     texts_of,
+    working_copy,
 )
 from compat.models import ClipBundle
 
@@ -157,7 +156,7 @@ def train_new_model(
     """Train a copy of ``new`` with :func:`bct_loss` (``influence_weight = 0`` is plain fine-tuning)."""
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
-    student = dataclasses.replace(new, model=copy.deepcopy(new.model).to(device))
+    student = working_copy(new, device)
     student.model.train().requires_grad_(True)
     freeze(old, device)
     s_old = logit_scale_of(old)

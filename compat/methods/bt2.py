@@ -31,8 +31,6 @@ average over both modalities.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Self
@@ -60,6 +58,7 @@ from compat.methods.training import (
     logit_scale_of,
     prepare_images,
     texts_of,
+    working_copy,
 )
 from compat.models import ClipBundle
 
@@ -314,9 +313,9 @@ class BT2(CompatMethod):
         generator = torch.Generator().manual_seed(config.seed)
         freeze(new, device)
         freeze(old, device)
-        student = dataclasses.replace(new, model=copy.deepcopy(new.model))
+        student = working_copy(new, device)
         grown = widen_projections(student.model, n, generator)
-        student.model.to(device).train().requires_grad_(True)
+        student.model.train().requires_grad_(True)
         logit_scale = nn.Parameter(new.model.logit_scale.detach().clone().float().reshape(()).to(device))
         params = [*student.model.parameters(), *head.parameters(), logit_scale]
         optimizer, schedule = adamw_cosine(

@@ -372,16 +372,6 @@ class LambdaOrthModel(CompatModel):
         with torch.no_grad():
             return self.adapters(old_vectors.float())
 
-    def backfill_scores(
-        self,
-        old_vectors: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        n_clusters: int | None = None,
-        seed: int = 0,
-    ) -> torch.Tensor:
-        """Per-item backfill priority of old gallery vectors (Sec. 3.6); see :func:`backfill_scores`."""
-        return backfill_scores(self.forward_adapter(old_vectors), labels, n_clusters, seed)
-
     def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict | None]]:
         return {"new": (self.new, None)}
 

@@ -17,6 +17,7 @@ from compat.methods.contract import COMPAT_FILE, CompatError, ServingContract
 from compat.methods.layers import truncate, zero_pad
 from compat.models import ClipBundle, load_checkpoint, read_sidecar, save_checkpoint
 from compat.models.checkpoint import sha256_file
+from compat.modules.serving import original_model
 
 COMPAT_FORMAT = "compatflow-compat-model"
 ADAPTERS_FILE = "adapters.safetensors"
@@ -161,6 +162,38 @@ class CompatModel(ABC):
             "created_at": utc_now(),
         }
         return write_json_atomic(out_dir / COMPAT_FILE, doc)
+
+
+class AdaptedModel(CompatModel):
+    """A model served through removable adapters on a copy of the new model (XBT, TaCA): ``adapted`` has
+    the adapted ``bundle``, its ``serving`` bundle, ``attached``, ``remove()`` and ``adapter_state()``."""
+
+    adapted: Any
+
+    def serving(self) -> ClipBundle:
+        if not self.adapted.attached:
+            raise CompatError(f"the adapters of this {self.method} model were removed (remove_adapters())")
+        return self.adapted.serving
+
+    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
+        return self.serving().encode_images(images, batch_size=batch_size, device=device)
+
+    def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
+        return self.serving().encode_texts(texts, batch_size=batch_size, device=device)
+
+    def original_new_model(self) -> ClipBundle:
+        """A fresh copy of the new model as it was before the adapters (this model is unchanged)."""
+        return original_model(self.adapted.bundle)
+
+    def remove_adapters(self) -> ClipBundle:
+        """The paper's "off" switch: drop the adapters in place and return the original new model."""
+        return self.adapted.remove()
+
+    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, Tensors | None]]:
+        return {"new": (self.original_new_model(), None)}
+
+    def adapter_state(self) -> Tensors:
+        return self.adapted.adapter_state()
 
 
 def is_compat_dir(path: Path | str) -> bool:

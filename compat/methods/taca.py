@@ -29,7 +29,6 @@ Choices where the paper is silent:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
-from compat.methods.model import CompatModel, Parts, Tensors
+from compat.methods.model import AdaptedModel, Parts, Tensors
 from compat.methods.training import (
     TrainingLog,
     cycle_batches,
@@ -54,11 +53,12 @@ from compat.methods.training import (
     on_device,
     prepare_images,
     seeded,
+    working_copy,
 )
 from compat.models import ClipBundle
 from compat.modules.adapters import AdapterHandle, insert_tied_adapters, vision_blocks
 from compat.modules.projection import TwoLayerProjector
-from compat.modules.serving import ProjectedCLIP, original_model, projected_bundle
+from compat.modules.serving import ProjectedCLIP, projected_bundle
 
 
 # ------------------------------------------------------------------------------------------------ losses
@@ -138,8 +138,8 @@ class AdaptedVisual:
         copy_model: bool = True,
         bottleneck: int | None = None,
     ) -> None:
-        model = (copy.deepcopy(new.model) if copy_model else new.model).to(device)
-        self.bundle = dataclasses.replace(new, model=model)
+        self.bundle = working_copy(new, device, copy_model)
+        model = self.bundle.model
         width = vision_blocks(model.visual)[0].mlp.c_proj.weight.shape[0]
         self.bottleneck = bottleneck or config.bottleneck or max(width // 8, 1)
         self.adapters: AdapterHandle = insert_tied_adapters(
@@ -183,6 +183,10 @@ class AdaptedVisual:
                     )
                 param.copy_(tensors[name])
 
+    @property
+    def attached(self) -> bool:
+        return self.adapters.attached
+
     def remove(self) -> ClipBundle:
         """Remove the adapters in place; the bundle is then the original new model."""
         self.adapters.remove()
@@ -190,7 +194,7 @@ class AdaptedVisual:
 
 
 # ----------------------------------------------------------------------------------------- served model
-class TaCAModel(CompatModel):
+class TaCAModel(AdaptedModel):
     """Images through the adapted new encoder + projector; texts through the old text encoder."""
 
     part_names = ("new", "old")
@@ -199,21 +203,11 @@ class TaCAModel(CompatModel):
         self, adapted: AdaptedVisual, old: ClipBundle, contract: ServingContract, config: TaCAConfig
     ) -> None:
         super().__init__(contract, config)
-        self.adapted = adapted
-        self.old = old
+        self.adapted, self.old = adapted, old
 
     @property
     def logit_scale(self) -> float:
-        return (
-            float(self.config.logit_scale)
-            if self.config.logit_scale is not None
-            else logit_scale_of(self.old)
-        )
-
-    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        if not self.adapted.adapters.attached:
-            raise CompatError("the adapters of this TaCA model were removed (remove_adapters())")
-        return self.adapted.serving.encode_images(images, batch_size=batch_size, device=device)
+        return float(self.config.logit_scale or logit_scale_of(self.old))
 
     def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
         return self.old.encode_texts(texts, batch_size=batch_size, device=device)
@@ -221,19 +215,8 @@ class TaCAModel(CompatModel):
     def text_bundle(self) -> ClipBundle:
         return self.old
 
-    def original_new_model(self) -> ClipBundle:
-        """A fresh copy of the new model as it was before TaCA (this model is unchanged)."""
-        return original_model(self.adapted.bundle)
-
-    def remove_adapters(self) -> ClipBundle:
-        """Drop the adapters in place and return the original new model."""
-        return self.adapted.remove()
-
-    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict[str, torch.Tensor] | None]]:
-        return {"new": (self.original_new_model(), None), "old": (self.old, None)}
-
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        return self.adapted.adapter_state()
+    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, Tensors | None]]:
+        return {**super().checkpoint_parts(), "old": (self.old, None)}
 
     @classmethod
     def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:

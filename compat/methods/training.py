@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -120,6 +122,12 @@ def freeze(encoder: Encoder, device: torch.device | None = None) -> Encoder:
         if device is not None:
             encoder.model.to(device)
     return encoder
+
+
+def working_copy(new: ClipBundle, device: torch.device, copy: bool = True) -> ClipBundle:
+    """``new`` on ``device`` for training; its network deep-copied first (``copy``), so the caller's bundle
+    is never modified."""
+    return dataclasses.replace(new, model=(deepcopy(new.model) if copy else new.model).to(device))
 
 
 def minibatches(

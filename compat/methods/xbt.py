@@ -37,8 +37,6 @@ Choices where the paper is silent or ambiguous (digest Sec. 7):
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -55,7 +53,7 @@ from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
-from compat.methods.model import CompatModel, Parts, Tensors
+from compat.methods.model import AdaptedModel, Parts, Tensors
 from compat.methods.training import (
     TrainingLog,
     cycle_batches,
@@ -63,12 +61,13 @@ from compat.methods.training import (
     on_device,
     prepare_images,
     seeded,
+    working_copy,
 )
 from compat.models import ClipBundle
 from compat.modules.augment import augment_for
 from compat.modules.lora import LoraHandle, attach_lora
 from compat.modules.projection import XBTProjection
-from compat.modules.serving import ProjectedCLIP, original_model, projected_bundle
+from compat.modules.serving import ProjectedCLIP, projected_bundle
 from compat.modules.visual_prompts import PromptHandle, insert_visual_prompts
 
 PAPER_LOG_LOGIT_SCALE = 2.6592  # ln(1/0.07): "temperature ... fixed at 2.6592" (Sec. 4.1)
@@ -173,8 +172,8 @@ class AdaptedNewModel:
         device: torch.device,
         copy_model: bool = True,
     ) -> None:
-        model = (copy.deepcopy(new.model) if copy_model else new.model).to(device)
-        self.bundle = dataclasses.replace(new, model=model)
+        self.bundle = working_copy(new, device, copy_model)
+        model = self.bundle.model
         self.lora: LoraHandle = attach_lora(
             model, ("image", "text"), r=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout
         )
@@ -252,8 +251,9 @@ class AdaptedNewModel:
 
 
 # ----------------------------------------------------------------------------------------- served model
-class XBTModel(CompatModel):
-    """New queries ``norm(phi(norm(E_new(x))))`` read the old gallery as it is."""
+class XBTModel(AdaptedModel):
+    """New queries ``norm(phi(norm(E_new(x))))`` read the old gallery as it is; removing LoRA and prompts
+    gives back the original new model."""
 
     def __init__(self, adapted: AdaptedNewModel, contract: ServingContract, config: XBTStage2Config) -> None:
         super().__init__(contract, config)
@@ -262,34 +262,6 @@ class XBTModel(CompatModel):
     @property
     def logit_scale(self) -> float:
         return self.config.logit_scale
-
-    def _serving(self) -> ClipBundle:
-        if not self.adapted.attached:
-            raise CompatError(
-                "the adapters of this XBT model were removed; it now only holds the original "
-                "new model (remove_adapters())"
-            )
-        return self.adapted.serving
-
-    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        return self._serving().encode_images(images, batch_size=batch_size, device=device)
-
-    def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        return self._serving().encode_texts(texts, batch_size=batch_size, device=device)
-
-    def original_new_model(self) -> ClipBundle:
-        """A fresh copy of the new model as it was before XBT (base weights only; this model is unchanged)."""
-        return original_model(self.adapted.bundle)
-
-    def remove_adapters(self) -> ClipBundle:
-        """The paper's "off" switch: drop LoRA and prompts in place and return the original new model."""
-        return self.adapted.remove()
-
-    def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, dict[str, torch.Tensor] | None]]:
-        return {"new": (self.original_new_model(), None)}
-
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        return self.adapted.adapter_state()
 
     @classmethod
     def restore(cls, parts: Parts, adapters: Tensors, config: Any, contract: ServingContract) -> Self:
