@@ -32,9 +32,10 @@ Choices where the paper is silent or ambiguous (the digest lists them):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, NamedTuple, Self
 
 import torch
@@ -71,6 +72,15 @@ def lambda_orth_penalty(W: torch.Tensor, lam: float, alpha: float) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------- adapters
+def prefix_linear(in_dim: int, out_dim: int) -> nn.Linear:
+    """An affine map initialised to the prefix map: identity on the first ``min(in, out)`` coordinates."""
+    layer = nn.Linear(in_dim, out_dim)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(out_dim, in_dim))
+        layer.bias.zero_()
+    return layer
+
+
 class BackwardAdapter(nn.Module):
     """``B``: strict (``exp`` of a skew-symmetric matrix, no bias) or relaxed (affine ``W x + b``), on R^m."""
 
@@ -80,10 +90,7 @@ class BackwardAdapter(nn.Module):
         if strict:
             self.orth = OrthogonalMatrix(dim)
         else:
-            self.linear = nn.Linear(dim, dim)
-            with torch.no_grad():
-                self.linear.weight.copy_(torch.eye(dim))
-                self.linear.bias.zero_()
+            self.linear = prefix_linear(dim, dim)
 
     def weight(self) -> torch.Tensor:
         return self.orth.matrix() if self.strict else self.linear.weight
@@ -95,15 +102,6 @@ class BackwardAdapter(nn.Module):
 
     def num_trainable(self) -> int:
         return self.orth.num_trainable() if self.strict else sum(p.numel() for p in self.linear.parameters())
-
-
-def prefix_linear(in_dim: int, out_dim: int) -> nn.Linear:
-    """An affine map initialised to the prefix map: identity on the first ``min(in, out)`` coordinates."""
-    layer = nn.Linear(in_dim, out_dim)
-    with torch.no_grad():
-        layer.weight.copy_(torch.eye(out_dim, in_dim))
-        layer.bias.zero_()
-    return layer
 
 
 class Adapters(nn.Module):
@@ -153,10 +151,8 @@ class PairedFeatures:
     def __len__(self) -> int:
         return int(self.old_image.shape[0])
 
-    def subset(self, idx: torch.Tensor) -> PairedFeatures:
-        return PairedFeatures(
-            self.old_image[idx], self.old_text[idx], self.new_image[idx], self.new_text[idx]
-        )
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PairedFeatures:
+        return PairedFeatures(fn(self.old_image), fn(self.old_text), fn(self.new_image), fn(self.new_text))
 
 
 class LambdaOrthTerms(NamedTuple):
@@ -274,9 +270,7 @@ def fit_adapters(
     """Train ``B`` and ``F`` on cached features with Adam (Sec. 4.3); return them and the training log."""
     device = resolve_device(config.device)
     adapters = Adapters(config.variant, old_dim, new_dim).to(device)
-    feats = PairedFeatures(
-        *(t.to(device).float() for t in (feats.old_image, feats.old_text, feats.new_image, feats.new_text))
-    )
+    feats = feats.map(lambda t: t.to(device).float())
     optimizer = torch.optim.Adam(adapters.parameters(), lr=config.lr)
     weights = {k: getattr(config, k) for k in ("w_forward", "w_backward", "w_contrastive", "lam", "alpha")}
     n = len(feats)
@@ -284,7 +278,7 @@ def fit_adapters(
     history = TrainingLog("lambda_orth adapters", config.log_every, f"lr ({config.lr})")
     for step, idx in history.track(itertools.islice(batches, config.steps), config.steps):
         terms = lambda_orth_losses(
-            adapters, feats.subset(idx.to(device)), temperature=config.temperature, **weights
+            adapters, feats.map(itemgetter(idx.to(device))), temperature=config.temperature, **weights
         )
         history.step(optimizer, step, **terms._asdict())
     adapters.eval().cpu()

@@ -18,6 +18,7 @@ from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, Encoder, ServingContract
 from compat.methods.model import CompatModel, Parts, Tensors
+from compat.methods.training import logit_scale_of
 from compat.models import ClipBundle
 
 
@@ -34,7 +35,7 @@ class PlainModel(CompatModel):
 
     @property
     def logit_scale(self) -> float:
-        return float(self.new.model.logit_scale.detach().exp().clamp(max=100.0).item())
+        return logit_scale_of(self.new)
 
     def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
         return self.new.encode_images(images, batch_size=batch_size, device=device)

@@ -156,8 +156,8 @@ class AdaptedVisual:
         return adapters + [(f"projector.{n}", p) for n, p in self.projector.named_parameters()]
 
     def set_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        for p in (*self.bundle.model.parameters(), *self.projector.parameters()):
-            p.requires_grad_(False)
+        self.bundle.model.requires_grad_(False)
+        self.projector.requires_grad_(False)
         params = self.trainable()
         for _, p in params:
             p.requires_grad_(True)

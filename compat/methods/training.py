@@ -116,9 +116,7 @@ def frozen_features(
 def freeze(encoder: Encoder, device: torch.device | None = None) -> Encoder:
     """Gradients off, eval mode, moved to ``device`` (a bundle); compatible models stay as they are."""
     if isinstance(encoder, ClipBundle):
-        for p in encoder.model.parameters():
-            p.requires_grad_(False)
-        encoder.model.eval()
+        encoder.model.requires_grad_(False).eval()
         if device is not None:
             encoder.model.to(device)
     return encoder

@@ -201,8 +201,8 @@ class AdaptedNewModel:
 
     def set_trainable(self, phi_part: str) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
         """Freeze everything, then unfreeze the stage-2 groups; returns them."""
-        for p in (*self.bundle.model.parameters(), *self.phi.parameters()):
-            p.requires_grad_(False)
+        self.bundle.model.requires_grad_(False)
+        self.phi.requires_grad_(False)
         groups = self.trainable_groups(phi_part)
         for items in groups.values():
             for _, p in items:
