@@ -150,8 +150,26 @@ def _format_status(doc: dict[str, Any]) -> str:
         lines.append(
             f"  {row['phase']:>3}  {row.get('status', '?'):<9}  run {row.get('run_id')}  {row.get('at')}{why}"
         )
+    gallery = doc.get("gallery")
+    if gallery:
+        served = f"v{gallery['query_model_version']} queries" if gallery.get("query_model_version") else "-"
+        held = gallery.get("by_version")
+        counted = (
+            f"{gallery['count']:,} items ({', '.join(f'v{v}: {n:,}' for v, n in sorted(held.items()))})"
+            if isinstance(gallery.get("count"), int) and held
+            else gallery.get("note") or f"{gallery.get('count')} items"
+        )
+        lines.append(f"gallery     {gallery.get('collection') or '-'}  {served}  {counted}")
     for key, value in doc.items():
-        if key not in {"workspace", "registry", "last_gate", "rollout", "phases", "production_check"}:
+        if key not in {
+            "workspace",
+            "registry",
+            "last_gate",
+            "rollout",
+            "phases",
+            "production_check",
+            "gallery",
+        }:
             shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
             lines.append(f"{key:<11} {shown}")
     return "\n".join(lines)
