@@ -27,7 +27,8 @@ def collect(
     """The status document of a workspace (JSON-serialisable; absent parts are ``None``). Files that could
     not be read are listed under ``unreadable`` and a gallery that could not be read under ``part_errors``,
     each message naming its file or service. The gallery is counted in the index with ``count``
-    (:func:`gallery_part`); without it, it is described from the serving record alone (:func:`served_part`)."""
+    (:func:`gallery_part`); without it, it is described from the serving record alone
+    (:func:`served_part`)."""
     ws = Workspace.coerce(workspace)
     doc: dict[str, Any] = {
         "workspace": str(ws.root),
@@ -141,8 +142,9 @@ def unfinished_change(doc: Mapping[str, Any]) -> bool:
     promotion): a change that `compatflow run` finishes and `compatflow rollback` undoes."""
     rollout = doc.get("rollout") or {}
     production = ((doc.get("registry") or {}).get("production") or {}).get("version")
-    unpromoted = rollout.get("status") == "completed" and str(rollout.get("model_version")) != str(production)
-    return rollout.get("status") in UNFINISHED_ROLLOUT or (bool(production) and unpromoted)
+    version = rollout.get("model_version")
+    unpromoted = rollout.get("status") == "completed" and version is not None and production is not None
+    return rollout.get("status") in UNFINISHED_ROLLOUT or (unpromoted and str(version) != str(production))
 
 
 def problems(doc: Mapping[str, Any]) -> list[str]:

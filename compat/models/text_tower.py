@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import html
+import itertools
 import json
 from collections.abc import Sequence
 from functools import cache
@@ -63,7 +64,9 @@ def text_checkpoint(model_dir: str | Path) -> Path | None:
         part = root / "new"
         recorded = (doc.get("parts_sha256") or {}).get("new")
         if recorded and read_sidecar(part)["sha256"] != recorded:
-            raise ChecksumError(f"{part}: its weights are not the ones {compat} was saved with (sha256 differs)")
+            raise ChecksumError(
+                f"{part}: its weights are not the ones {compat} was saved with (sha256 differs)"
+            )
         return part
     return None
 
@@ -89,7 +92,9 @@ def load_text_tower(model_dir: str | Path) -> TextTower | None:
     from safetensors import safe_open
 
     with safe_open(str(weights), framework="np") as fh:
-        names = [n for n in fh.keys() if not n.startswith("visual.") and n not in ("logit_scale", "logit_bias")]
+        names = [
+            n for n in fh.keys() if not n.startswith("visual.") and n not in ("logit_scale", "logit_bias")
+        ]
         try:
             tensors = {name: fh.get_tensor(name).astype(np.float32) for name in names}
         except (TypeError, ValueError):  # a dtype numpy lacks (bfloat16): the full model reads it
@@ -132,7 +137,8 @@ class TextTower:
         qkv = x @ t[prefix + "attn.in_proj_weight"].T + t[prefix + "attn.in_proj_bias"]
         head = width // self.heads
         q, k, v = (
-            part.reshape(batch, length, self.heads, head).transpose(0, 2, 1, 3) for part in np.split(qkv, 3, -1)
+            part.reshape(batch, length, self.heads, head).transpose(0, 2, 1, 3)
+            for part in np.split(qkv, 3, -1)
         )
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(head) + mask
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -223,7 +229,7 @@ class ClipTokenizer:
         if token in self.cache:
             return self.cache[token]
         word = (*token[:-1], token[-1] + "</w>")
-        pairs = set(zip(word, word[1:]))
+        pairs = set(itertools.pairwise(word))
         if not pairs:
             return token + "</w>"
         while True:
@@ -250,6 +256,6 @@ class ClipTokenizer:
             word = tuple(merged)
             if len(word) == 1:
                 break
-            pairs = set(zip(word, word[1:]))
+            pairs = set(itertools.pairwise(word))
         self.cache[token] = " ".join(word)
         return self.cache[token]

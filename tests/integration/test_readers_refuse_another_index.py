@@ -69,4 +69,4 @@ def test_status_with_the_served_index_configured_answers(disagreeing, tmp_path: 
     assert f"the serving record's index {ws.index_uri} does not exist" in result.output  # named, not opened
     Path(ws.index_uri).mkdir(parents=True)
     result = CliRunner().invoke(app, ["status", "--config", str(agreeing)])
-    assert result.exit_code == 0 and "collection=gallery_s_1" in result.output, result.output
+    assert result.exit_code == 0 and "gallery     gallery_s_1" in result.output, result.output

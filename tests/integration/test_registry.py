@@ -200,7 +200,7 @@ def test_status_names_an_index_that_disagrees_with_the_registry() -> None:
     doc = {
         "registry": {"production": {"version": "2"}},
         "gallery": {"query_model_version": "1"},
-        "rollout": {"status": "completed"},
+        "rollout": {"status": "completed", "model_version": "2"},  # v2's rollout completed and was promoted
         "production_check": {"version": "2", "ok": True, "message": "ok"},
     }
     found = problems(doc)
