@@ -49,12 +49,13 @@ def _served(rehearsal) -> tuple[str, dict]:
     from mlflow import MlflowClient
 
     from components.adapters.index import gallery_status
+    from components.serving.record import read_serving
 
-    name = yaml.safe_load(rehearsal.layout.config_file.read_text())["registry"].get(
-        "model_name", "compatflow-clip"
-    )
+    config = yaml.safe_load(rehearsal.layout.config_file.read_text())
+    name = config["registry"].get("model_name", "compatflow-clip")
     production = MlflowClient(rehearsal.tracking_uri).get_model_version_by_alias(name, "production").version
-    return str(production), gallery_status(rehearsal.index_uri)["by_version"]
+    alias = read_serving(rehearsal.layout.workspace / "serving.json")["alias"]  # the deployment's own
+    return str(production), gallery_status(rehearsal.index_uri, alias)["by_version"]
 
 
 def _tasks(log: str) -> list[str]:

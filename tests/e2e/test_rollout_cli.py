@@ -19,6 +19,7 @@ from _rollouts import PROBE, UPGRADE, N, _assert_gallery, _index_old, _run_args
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
 from components.rollout import workers
+from components.serving.record import read_serving
 
 
 def _cli(ws: Path, *extra: str) -> list[str]:
@@ -137,7 +138,8 @@ def test_cli_with_real_models_end_to_end(tmp_path) -> None:
     state = json.loads(result.output[result.output.index("{") :])
     assert state["status"] == "completed" and state["query_model"]["uri"] == str(ckpt)
     probe = json.loads((ws / "rollout" / "probe.json").read_text())
-    with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
+    alias = read_serving(ws / "serving.json")["alias"]  # the deployment's own
+    with GalleryIndex(str(ws / "milvus" / "gallery.db"), alias) as index:
         assert index.count_by_version() == {"v2": 96}
         key = probe["positives"][0][0]
         row = index.fetch([key])[0]
@@ -148,5 +150,5 @@ def test_cli_with_real_models_end_to_end(tmp_path) -> None:
     assert len(hits) == 3 and {h["model_version"] for h in hits} == {"v2"}
     result = run(app, ["rollout", "rollback", *common])
     assert result.exit_code == 0, result.output
-    with GalleryIndex(str(ws / "milvus" / "gallery.db")) as index:
+    with GalleryIndex(str(ws / "milvus" / "gallery.db"), alias) as index:
         assert index.count_by_version() == {"v1": 96}

@@ -14,7 +14,7 @@ def deployment(tmp_path):
     return resolve(
         load_config("local").with_changes(
             workspace=str(tmp_path / "ws"),
-            training={"lr": 0.001, "alpha": 2.0, "steps": 7, "batch_size": 16},
+            training={"lr": 0.001, "alpha": 2.0, "steps": 7, "batch_size": 16, "replay_rows": 8},
             compat={"method": "bct", "steps": 5, "options": {"synthesize_unmatched": False}},
         )
     )
