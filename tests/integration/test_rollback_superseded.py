@@ -5,43 +5,13 @@ undoes it over the restored production. Real milvus-lite, the synthetic upgrade'
 from __future__ import annotations
 
 import pytest
+from _synthetic_rollout import OPTS, PROBE, UPGRADE, Died, N, dying_encoders, rollout_config
 
-from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
-from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
+from benchmarks.synthetic_upgrade import synthetic_encoders
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
-from components.deployment import RolloutSection
 from components.rollout import read_serving
 from components.rollout.production_rollback import on_rollback
-
-N, Q, SEED = 400, 200, 3
-OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
-UPGRADE = synthetic_upgrade(n_items=N, n_queries=Q, seed=SEED)
-PROBE = ro.ProbeSet(UPGRADE.query_texts, [[UPGRADE.item_ids[p[0]]] for p in UPGRADE.positives])
-
-
-class _Died(Exception):
-    pass
-
-
-def _config(version: str) -> ro.RolloutConfig:
-    query_model = {"factory": f"{SYNTH_MODULE}:synthetic_query_encoder", "options": OPTS, "side": "new"}
-    return ro.RolloutConfig.from_section(
-        RolloutSection(), new_version=version, query_model=query_model, batch_size=32, order="random"
-    )
-
-
-def _dying_encoders(at_call: int) -> ro.RolloutEncoders:
-    good = synthetic_encoders({"options": OPTS})
-    calls = {"n": 0}
-
-    def gallery(refs):
-        calls["n"] += 1
-        if calls["n"] == at_call:
-            raise _Died("the process died here")
-        return good.new_gallery(refs)
-
-    return ro.RolloutEncoders(good.old_query, good.new_query, gallery)
 
 
 def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp_path) -> None:
@@ -54,9 +24,11 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
     with GalleryIndex(uri) as index:
         UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
         good = synthetic_encoders({"options": OPTS})
-        assert ro.run_rollout(index, paths, _config("v2"), good, PROBE)["status"] == "completed"  # v2 serves
-        with pytest.raises(_Died):  # the next candidate's rollout dies in its first backfill stage
-            ro.run_rollout(index, paths, _config("v3"), _dying_encoders(2), PROBE)
+        assert (
+            ro.run_rollout(index, paths, rollout_config("v2"), good, PROBE)["status"] == "completed"
+        )  # v2 serves
+        with pytest.raises(Died):  # the next candidate's rollout dies in its first backfill stage
+            ro.run_rollout(index, paths, rollout_config("v3"), dying_encoders(2), PROBE)
         died = ro.status(paths.state)
         assert died["status"] == "running" and died["stage"] == 1 and died["new_version"] == "v3"
 
@@ -68,7 +40,7 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         assert read_serving(paths.serving)["query_model"]["version"] == "v1"
 
         # The next run: the killed run of v3 resumed gets its rolled-back rollout back, touching nothing ...
-        again = ro.run_rollout(index, paths, _config("v3"), good, PROBE)
+        again = ro.run_rollout(index, paths, rollout_config("v3"), good, PROBE)
         assert again["status"] == "rolled_back" and again["rollout_id"] == died["rollout_id"]
         assert index.count_by_version() == {"v1": N}
     # ... and a run of another candidate finds nothing unfinished to undo over the restored production.
@@ -97,8 +69,8 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
     registry.promote(v1, rollout_state=DONE)
     with GalleryIndex(uri) as index:
         UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
-        with pytest.raises(_Died):  # the first upgrade's rollout dies in its first backfill stage
-            ro.run_rollout(index, paths, _config("v2"), _dying_encoders(2), PROBE)
+        with pytest.raises(Died):  # the first upgrade's rollout dies in its first backfill stage
+            ro.run_rollout(index, paths, rollout_config("v2"), dying_encoders(2), PROBE)
         record = read_serving(paths.serving)  # a mixed gallery, queried by the candidate
         assert record["layers"] and list(index.count_by_version(record["collection"])) == ["v2"]
     assert record["query_model"]["version"] == "v2"

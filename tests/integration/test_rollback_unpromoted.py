@@ -12,45 +12,15 @@ from pathlib import Path
 
 import pytest
 from _registry import DONE, PASS, candidate
+from _synthetic_rollout import OPTS, PROBE, SYNTH_MODULE, UPGRADE, Died, N, dying_encoders, rollout_config
 
-from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE
-from benchmarks.synthetic_upgrade import synthetic_encoders, synthetic_upgrade
+from benchmarks.synthetic_upgrade import synthetic_encoders
 from components import rollout as ro
 from components.adapters.index import GalleryIndex
 from components.adapters.registry import CheckpointIntegrityError, Registry, RegistryError
-from components.deployment import RolloutSection
 from components.rollout import read_serving
 from components.state.workspace import Workspace
 from components.steps import rollback_production
-
-N, Q, SEED = 400, 200, 3
-OPTS = {"n_items": str(N), "n_queries": str(Q), "seed": str(SEED)}
-UPGRADE = synthetic_upgrade(n_items=N, n_queries=Q, seed=SEED)
-PROBE = ro.ProbeSet(UPGRADE.query_texts, [[UPGRADE.item_ids[p[0]]] for p in UPGRADE.positives])
-
-
-class _Died(Exception):
-    pass
-
-
-def _config(version: str) -> ro.RolloutConfig:
-    query_model = {"factory": f"{SYNTH_MODULE}:synthetic_query_encoder", "options": OPTS, "side": "new"}
-    return ro.RolloutConfig.from_section(
-        RolloutSection(), new_version=version, query_model=query_model, batch_size=32, order="random"
-    )
-
-
-def _dying_encoders(at_call: int) -> ro.RolloutEncoders:
-    good = synthetic_encoders({"options": OPTS})
-    calls = {"n": 0}
-
-    def gallery(refs):
-        calls["n"] += 1
-        if calls["n"] == at_call:
-            raise _Died("the process died here")
-        return good.new_gallery(refs)
-
-    return ro.RolloutEncoders(good.old_query, good.new_query, gallery)
 
 
 def _served(tmp_path: Path, name: str) -> tuple[Registry, ro.RolloutPaths, str, str]:
@@ -88,7 +58,9 @@ def _complete(registry: Registry, tmp_path: Path, paths: ro.RolloutPaths, uri: s
     """Register a candidate and run its rollout to ``completed``, as a run does before it promotes."""
     version, _ = candidate(registry, tmp_path, f"run-{seed}", seed, PASS, phase=seed - 1)
     with GalleryIndex(uri) as index:
-        state = ro.run_rollout(index, paths, _config(version), synthetic_encoders({"options": OPTS}), PROBE)
+        state = ro.run_rollout(
+            index, paths, rollout_config(version), synthetic_encoders({"options": OPTS}), PROBE
+        )
     assert state["status"] == "completed"
     return version
 
@@ -141,8 +113,8 @@ def test_the_returning_model_is_downloaded_again_when_its_copy_is_damaged(tmp_pa
 
     registry, paths, uri, v1 = _served(tmp_path, "clip-damaged-copy")
     v2, _ = candidate(registry, tmp_path, "run-2", 2, PASS, phase=1)
-    with GalleryIndex(uri) as index, pytest.raises(_Died):
-        ro.run_rollout(index, paths, _config(v2), _dying_encoders(2), PROBE)
+    with GalleryIndex(uri) as index, pytest.raises(Died):
+        ro.run_rollout(index, paths, rollout_config(v2), dying_encoders(2), PROBE)
     copy = registry.workspace.model_dir(v1)
     _damage(copy)
 
