@@ -134,17 +134,13 @@ def _check_reachable(uri: str) -> None:
         raise OSError(f"the index {uri} accepts no connection ({err})") from None
 
 
-UNFINISHED_ROLLOUT = ("pending", "running", "halted")  # the serving record may name the candidate
-
-
 def unfinished_change(doc: Mapping[str, Any]) -> bool:
-    """A rollout under way, or completed for a version production is not (its run was killed before the
-    promotion): a change that `compatflow run` finishes and `compatflow rollback` undoes."""
-    rollout = doc.get("rollout") or {}
+    """Whether the status document's rollout is a change not yet promoted
+    (:func:`components.state.rollout_document.unpromoted`)."""
+    from components.state.rollout_document import unpromoted
+
     production = ((doc.get("registry") or {}).get("production") or {}).get("version")
-    version = rollout.get("model_version")
-    unpromoted = rollout.get("status") == "completed" and version is not None and production is not None
-    return rollout.get("status") in UNFINISHED_ROLLOUT or (unpromoted and str(version) != str(production))
+    return unpromoted(doc.get("rollout") or {}, production)
 
 
 def problems(doc: Mapping[str, Any]) -> list[str]:

@@ -29,8 +29,8 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     from components.adapters.index import ROW_FIELDS, GalleryIndex
     from components.rollout import RolloutError, RolloutPaths, load_state
     from components.rollout.operations import deployment_owner, gallery_collections
-    from components.rollout.production_rollback import UNFINISHED
     from components.serving.record import read_serving, same_index, write_serving
+    from components.state.rollout_document import UNDER_WAY
     from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
@@ -44,7 +44,7 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     if same_index(source_uri, to_uri):
         return {"from": source_uri, "to": to_uri, "collections": {}, "served": served}
     state = load_state(paths.state)
-    if state is not None and state["status"] in UNFINISHED:
+    if state is not None and state["status"] in UNDER_WAY:
         raise RolloutError(
             f"rollout {state['rollout_id']} is {state['status']}: let the run finish it (compatflow run) or "
             "roll it back (compatflow rollback) before moving the gallery"

@@ -97,9 +97,6 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
     return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).lineage_dir)
 
 
-UNFINISHED = ("pending", "running", "halted")
-
-
 def unfinished_rollout(paths: Any, production: str | None) -> dict[str, Any] | None:
     """The rollout state in ``paths.state`` when its change is unfinished, else None. A change is unfinished
     until it is promoted: the rollout is pending, running or halted (its run was killed or failed
@@ -107,14 +104,10 @@ def unfinished_rollout(paths: Any, production: str | None) -> dict[str, Any] | N
     not ``production`` (its run was killed after the backfill, before the promotion: the candidate answers
     every query from the rollout's own collection, the source collection kept)."""
     from components.rollout import load_state
+    from components.state.rollout_document import unpromoted
 
     current = load_state(paths.state)
-    if current is None:
-        return None
-    if current["status"] in UNFINISHED:
-        return current
-    unpromoted = current["status"] == "completed" and str(current["model_version"]) != str(production)
-    return current if unpromoted else None
+    return current if current is not None and unpromoted(current, production) else None
 
 
 def _roll_back_unfinished(

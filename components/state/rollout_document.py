@@ -10,7 +10,7 @@ Version 2 names a rollout's and a stage's progress ``status`` (version 1: ``stat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -162,6 +162,19 @@ class RolloutState(_Record):
     halt_reason: str | None
     rollback: dict[str, Any] | None = None
     pace: Pace | None = None
+
+
+UNDER_WAY = ("pending", "running", "halted")  # a rollout whose candidate may answer over a mixed gallery
+
+
+def unpromoted(state: Mapping[str, Any], production: str | None) -> bool:
+    """Whether the rollout ``state`` is a change not yet promoted: under way (its run killed or failed
+    mid-backfill), or completed for a version that is not ``production`` (its run killed after the backfill,
+    before the promotion). `compatflow run` finishes such a change and `compatflow rollback` undoes it."""
+    if state.get("status") in UNDER_WAY:
+        return True
+    version = state.get("model_version")
+    return state.get("status") == "completed" and version is not None and str(version) != str(production)
 
 
 def migrated(document: Any) -> Any:
