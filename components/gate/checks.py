@@ -23,18 +23,26 @@ class Checks:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
 
-    def ok(self, name: str, message: str, **fields: Any) -> None:
+    def _add(self, name: str, status: str, code: str | None, message: str, **fields: Any) -> None:
         self.items.append(
-            {"name": name, "status": "pass", "code": None, "message": message, **_clean(fields)}
+            {"name": name, "status": status, "code": code, "message": message, **_clean(fields)}
         )
+
+    def ok(self, name: str, message: str, **fields: Any) -> None:
+        self._add(name, "pass", None, message, **fields)
 
     def skip(self, name: str, message: str) -> None:
-        self.items.append({"name": name, "status": "skipped", "code": None, "message": message})
+        self._add(name, "skipped", None, message)
 
     def fail(self, name: str, code: str, message: str, **fields: Any) -> None:
-        self.items.append(
-            {"name": name, "status": "fail", "code": code, "message": message, **_clean(fields)}
-        )
+        self._add(name, "fail", code, message, **fields)
+
+    def judge(self, passed: bool, name: str, code: str, ok: str, failed: str, **fields: Any) -> None:
+        """A pass saying ``ok``, or a failure with ``code`` saying ``failed``."""
+        if passed:
+            self.ok(name, ok, **fields)
+        else:
+            self.fail(name, code, failed, **fields)
 
     def reasons(self) -> list[dict[str, Any]]:
         keep = ("code", "message", "direction", "metric", "value", "threshold")
@@ -86,20 +94,20 @@ def check_report(doc: dict[str, Any], policy: GatePolicy, checks: Checks) -> Non
     import schemas
 
     errors = schemas.schema_errors(doc, "compat_report")
-    if errors:
-        shown = "; ".join(errors[:8]) + (f"; ... ({len(errors) - 8} more)" if len(errors) > 8 else "")
-        checks.fail(
-            "report_schema", "report_invalid", f"report breaks schemas/compat_report.schema.json: {shown}"
-        )
-    else:
-        checks.ok("report_schema", "report matches schemas/compat_report.schema.json")
+    shown = "; ".join(errors[:8]) + (f"; ... ({len(errors) - 8} more)" if len(errors) > 8 else "")
+    checks.judge(
+        not errors,
+        "report_schema",
+        "report_invalid",
+        "report matches schemas/compat_report.schema.json",
+        f"report breaks schemas/compat_report.schema.json: {shown}",
+    )
     bad = non_finite(doc)
+    shown = ", ".join(f"{p}={v!r}" for p, v in bad[:8])
     if bad:
-        shown = ", ".join(f"{p}={v!r}" for p, v in bad[:8])
         checks.fail("report_finite", "non_finite", f"report has non-finite numbers: {shown}", value=len(bad))
     else:
         checks.ok("report_finite", "every number in the report is finite")
-
     _check_eval_size(doc, policy, checks)
     for direction in policy.directions:
         for k in policy.ks:
@@ -113,22 +121,16 @@ def _check_eval_size(doc: dict[str, Any], policy: GatePolicy, checks: Checks) ->
         value = _number(doc, ("eval_sizes", key), checks, name)
         if value is None:
             continue
-        if value >= minimum:
-            checks.ok(
-                name,
-                f"evaluation set has {value:g} {key} (minimum {minimum})",
-                value=value,
-                threshold=minimum,
-            )
-        else:
-            checks.fail(
-                name,
-                "eval_set_too_small",
-                f"evaluation set has {value:g} {key}, below the policy minimum of {minimum}: "
-                "evaluate on a larger set",
-                value=value,
-                threshold=minimum,
-            )
+        has = f"evaluation set has {value:g} {key}"
+        checks.judge(
+            value >= minimum,
+            name,
+            "eval_set_too_small",
+            f"{has} (minimum {minimum})",
+            f"{has}, below the policy minimum of {minimum}: evaluate on a larger set",
+            value=value,
+            threshold=minimum,
+        )
 
 
 def _check_ecc(doc: dict[str, Any], direction: str, metric: str, policy: GatePolicy, checks: Checks) -> None:
@@ -148,37 +150,37 @@ def _check_ecc(doc: dict[str, Any], direction: str, metric: str, policy: GatePol
             f"new/old {new_old:g} vs old/old {old_old:g}",
             **tags,
         )
-    if margin > policy.min_margin:
-        checks.ok(
-            name,
-            f"{direction} {metric}: new/old {new_old:.2f} - old/old {old_old:.2f} = {margin:+.2f} pp",
-            value=margin,
-            threshold=policy.min_margin,
-            **tags,
-        )
-    else:
-        checks.fail(
-            name,
-            "ecc_margin",
-            f"{direction} {metric}: new/old {new_old:.2f} - old/old {old_old:.2f} = {margin:+.2f} pp, "
-            f"not above the minimum margin {policy.min_margin:g}: new queries read the old gallery worse",
-            value=margin,
-            threshold=policy.min_margin,
-            **tags,
-        )
+    said = f"{direction} {metric}: new/old {new_old:.2f} - old/old {old_old:.2f} = {margin:+.2f} pp"
+    checks.judge(
+        margin > policy.min_margin,
+        name,
+        "ecc_margin",
+        said,
+        f"{said}, not above the minimum margin {policy.min_margin:g}: new queries read the old gallery worse",
+        value=margin,
+        threshold=policy.min_margin,
+        **tags,
+    )
+    _check_interval(doc, direction, metric, margin, policy, checks)
 
-    interval_name = f"ecc_interval.{direction}.{metric}"
+
+def _check_interval(
+    doc: dict[str, Any], direction: str, metric: str, margin: float, policy: GatePolicy, checks: Checks
+) -> None:
+    name = f"ecc_interval.{direction}.{metric}"
+    tags = {"direction": direction, "metric": metric}
     if not policy.require_ci_lower_above_zero:
-        checks.skip(interval_name, "policy does not require the interval's lower bound above zero")
+        checks.skip(name, "policy does not require the interval's lower bound above zero")
         return
-    reported = _number(doc, ("margins", direction, metric, "margin"), checks, interval_name, **tags)
-    low = _number(doc, ("margins", direction, metric, "ci_low"), checks, interval_name, **tags)
-    high = _number(doc, ("margins", direction, metric, "ci_high"), checks, interval_name, **tags)
+    reported, low, high = (
+        _number(doc, ("margins", direction, metric, field), checks, name, **tags)
+        for field in ("margin", "ci_low", "ci_high")
+    )
     if reported is None or low is None or high is None:
         return
     if abs(reported - margin) > MARGIN_TOLERANCE or low > high:
         checks.fail(
-            interval_name,
+            name,
             "report_inconsistent",
             f"margins.{direction}.{metric}: reported margin {reported:g} [{low:g}, {high:g}] does not match "
             f"new/old - old/old = {margin:g} or its bounds are reversed",
@@ -186,25 +188,17 @@ def _check_ecc(doc: dict[str, Any], direction: str, metric: str, policy: GatePol
             threshold=margin,
             **tags,
         )
-    if low > 0:
-        checks.ok(
-            interval_name,
-            f"{direction} {metric}: interval [{low:+.2f}, {high:+.2f}] lies above zero",
-            value=low,
-            threshold=0.0,
-            **tags,
-        )
-    else:
-        checks.fail(
-            interval_name,
-            "ecc_interval",
-            f"{direction} {metric}: the bootstrap interval of the margin "
-            f"[{low:+.2f}, {high:+.2f}] reaches zero: "
-            "the improvement is not significant",
-            value=low,
-            threshold=0.0,
-            **tags,
-        )
+    interval = f"{direction} {metric}: the bootstrap interval of the margin [{low:+.2f}, {high:+.2f}]"
+    checks.judge(
+        low > 0,
+        name,
+        "ecc_interval",
+        f"{direction} {metric}: interval [{low:+.2f}, {high:+.2f}] lies above zero",
+        f"{interval} reaches zero: the improvement is not significant",
+        value=low,
+        threshold=0.0,
+        **tags,
+    )
 
 
 def _check_retention(
@@ -213,11 +207,9 @@ def _check_retention(
     name = f"retention.{direction}.{metric}"
     tags = {"direction": direction, "metric": metric}
     new_new = _number(doc, ("retrieval", direction, "new/new", metric), checks, name, **tags)
-    independent = doc.get("independent_new_new")
-    use_independent = policy.retention_reference == "independent" or (
-        policy.retention_reference == "auto" and independent is not None
-    )
-    if use_independent:
+    if policy.retention_reference == "independent" or (
+        policy.retention_reference == "auto" and doc.get("independent_new_new") is not None
+    ):
         label = "the independent new model's new/new"
         reference = _number(doc, ("independent_new_new", direction, metric), checks, name, **tags)
     else:
@@ -231,17 +223,9 @@ def _check_retention(
         f"{direction} {metric}: new/new {new_new:.2f} is {share} of {label} {reference:.2f} "
         f"(floor {100 * policy.retention_floor:g}%)"
     )
-    if new_new >= threshold:
-        checks.ok(name, text, value=new_new, threshold=threshold, **tags)
-    else:
-        checks.fail(
-            name,
-            "retention_floor",
-            text + ": the candidate's own space regressed",
-            value=new_new,
-            threshold=threshold,
-            **tags,
-        )
+    failed = text + ": the candidate's own space regressed"
+    fields = {"value": new_new, "threshold": threshold, **tags}
+    checks.judge(new_new >= threshold, name, "retention_floor", text, failed, **fields)
 
 
 def check_validation(source: Any, policy: GatePolicy, checks: Checks) -> None:
@@ -256,23 +240,17 @@ def check_validation(source: Any, policy: GatePolicy, checks: Checks) -> None:
             f"validation summary {describe(source)} needs a boolean 'blocked' and finite numbers",
         )
         return
-    if blocked:
-        why = doc.get("blocked_reasons") or []
-        detail = "; ".join(str(r) for r in why) if isinstance(why, list) else str(why)
-        checks.fail(
-            "validation",
-            "validation_blocked",
-            f"data validation blocked the phase: {detail or 'no reason given'}",
-            value=True,
-            threshold=False,
-        )
-    else:
-        checks.ok(
-            "validation",
-            f"data validation passed ({doc.get('passed', '?')} of {doc.get('total', '?')} samples kept)",
-            value=False,
-            threshold=False,
-        )
+    why = doc.get("blocked_reasons") or []
+    detail = "; ".join(str(r) for r in why) if isinstance(why, list) else str(why)
+    checks.judge(
+        not blocked,
+        "validation",
+        "validation_blocked",
+        f"data validation passed ({doc.get('passed', '?')} of {doc.get('total', '?')} samples kept)",
+        f"data validation blocked the phase: {detail or 'no reason given'}",
+        value=blocked,
+        threshold=False,
+    )
 
 
 def check_drift(source: Any, policy: GatePolicy, checks: Checks) -> None:
@@ -296,18 +274,17 @@ def check_drift(source: Any, policy: GatePolicy, checks: Checks) -> None:
         return
     worst = max(severities, key=SEVERITIES.index)
     limit = policy.max_drift_severity
-    if SEVERITIES.index(worst) <= SEVERITIES.index(limit):
-        checks.ok("drift", f"drift severity {worst} within the maximum {limit}", value=worst, threshold=limit)
-    else:
-        drifted = [m for m, v in verdicts.items() if isinstance(v, Mapping) and v.get("severity") == worst]
-        checks.fail(
-            "drift",
-            "drift_too_severe",
-            f"drift severity {worst} exceeds the policy maximum {limit}"
-            + (f" (metrics: {', '.join(map(str, drifted))})" if drifted else ""),
-            value=worst,
-            threshold=limit,
-        )
+    drifted = [m for m, v in verdicts.items() if isinstance(v, Mapping) and v.get("severity") == worst]
+    checks.judge(
+        SEVERITIES.index(worst) <= SEVERITIES.index(limit),
+        "drift",
+        "drift_too_severe",
+        f"drift severity {worst} within the maximum {limit}",
+        f"drift severity {worst} exceeds the policy maximum {limit}"
+        + (f" (metrics: {', '.join(map(str, drifted))})" if drifted else ""),
+        value=worst,
+        threshold=limit,
+    )
 
 
 def _load_summary(source: Any, what: str, required: bool, checks: Checks) -> dict[str, Any] | None:
@@ -335,9 +312,6 @@ def _load_summary(source: Any, what: str, required: bool, checks: Checks) -> dic
         checks.fail(what, f"{what}_invalid", f"{what} summary {source} is not a JSON object")
         return None
     return doc
-
-
-# --- small helpers ---------------------------------------------------------------------------
 
 
 def _get(doc: Any, path: tuple[str, ...]) -> Any:
