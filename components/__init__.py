@@ -9,7 +9,6 @@
 - engines by concept: :mod:`components.serving` (the query service and search), :mod:`components.gate`,
   :mod:`components.training` (continual training, evaluation), :mod:`components.data` (validation, drift);
 - :mod:`components.adapters`: one module per outside service (Milvus, Feast, MLflow);
-- :mod:`components.state`: the workspace's locations, a run folder's layout and the workspace's lock;
-  :mod:`components.sections`: a config section handed to a runtime settings object.
+- :mod:`components.state`: the workspace's locations, a run folder's layout and the workspace's lock.
 
 :mod:`components.registry` only keeps the ``loader_module`` name older MLmodel files give."""

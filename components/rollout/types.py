@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from components.sections import mapped_settings
 from components.serving.record import QueryEncoder
 
 if TYPE_CHECKING:
@@ -115,29 +114,14 @@ class RolloutEncoders:
         return np.asarray(self.query_transform(q), dtype=np.float32) if self.query_transform else q
 
 
-# RolloutConfig's fields that are the deployment's ``rollout`` settings, by their section path: the section
-# owns their defaults and descriptions (:meth:`RolloutConfig.from_section` maps every one of them).
-SECTION_FIELDS: dict[str, str] = {
-    "order": "order",
-    "fractions": "fractions",
-    "batch_size": "batch_size",
-    "workers": "workers",
-    "floors": "floors",
-    "probe_tolerance": "probe_tolerance",
-    "slo_p99_factor": "slo.p99_factor",
-    "max_items_per_s": "slo.max_items_per_s",
-}
-
-
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """What to roll out and how: the deployment's ``rollout`` section (:meth:`from_section`; its fields have
-    no default here, the section owns them) and the run's own settings. ``query_model`` is the serving
-    record's description of the new query encoder (``version``, ``uri``, ``factory``); ``floors`` can only
-    raise the floors the probe's old/old less ``probe_tolerance`` standard errors sets
+    """What to roll out and how: the deployment's ``rollout`` section (:meth:`from_section`: the section owns
+    their defaults) and the run's own settings. ``query_model`` describes the new query encoder (``version``,
+    ``uri``, ``factory``); ``floors`` can only raise the probe's floors
     (:func:`components.rollout.plan.probe_floors`)."""
 
-    # the deployment's rollout section (SECTION_FIELDS)
+    # the deployment's rollout section
     order: str  # the backfill order, one of compat.backfill.ORDERS
     fractions: tuple[float, ...]
     batch_size: int
@@ -159,22 +143,12 @@ class RolloutConfig:
 
     @classmethod
     def from_section(cls, section: RolloutSection, **fields: Any) -> RolloutConfig:
-        """The deployment's ``rollout`` section (every field, :data:`SECTION_FIELDS`), then ``fields``: the
-        run's own (``new_version``, ``query_model``, ``space``, ``seed``, ``range_tasks``), the engine's
-        (``ks``, ``flush_rows``, ...) and any section setting a test or benchmark overrides by its name here
-        (``RolloutConfig.from_section(RolloutSection(), new_version="v2", order="random")``).
-
-        A section field this mapping does not know is refused (TypeError), so a new rollout setting cannot
-        be dropped on its way to the engine."""
-        settings = mapped_settings(
-            section,
-            SECTION_FIELDS,
-            name="rollout",
-            owner="RolloutConfig.from_section",
-            table="components.rollout.types.SECTION_FIELDS (and a RolloutConfig field)",
-        )
-        settings["fractions"] = tuple(settings["fractions"])
-        settings["floors"] = dict(settings["floors"])
+        """The deployment's ``rollout`` section, then ``fields``: the run's own settings, the engine's, and
+        any section setting a test or benchmark overrides by its name here. A section field RolloutConfig
+        lacks is refused (TypeError), so a new rollout setting cannot be dropped on its way to the engine."""
+        slo = section.slo
+        settings = section.model_dump(exclude={"slo"})
+        settings.update(slo_p99_factor=slo.p99_factor, max_items_per_s=slo.max_items_per_s)
         return cls(**{**settings, **fields})
 
     def __post_init__(self) -> None:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.sections import mapped_settings
 from components.state.run_dir import METRICS_FILE
 from components.state.run_dir import SPATIAL_DISORDER_FILE as SD_FILE
 
@@ -132,8 +131,7 @@ def _train_urls(
 
 
 # The deployment's ``training`` section field -> TrainingSettings field: every section field is here or in
-# NOT_CARRIED, so that a new training setting cannot be dropped on its way to the trainer
-# (:meth:`TrainingSettings.from_section`).
+# NOT_CARRIED (a test holds it), so that a new training setting cannot be dropped on its way to the trainer.
 SECTION_FIELDS: dict[str, str] = {
     "model_config_name": "config_name",
     "pretrained": "pretrained",
@@ -197,21 +195,10 @@ class TrainingSettings:
     @classmethod
     def from_section(cls, training: Any, **fields: Any) -> TrainingSettings:
         """The settings a deployment's ``training`` section (:class:`components.deployment.TrainingSection`)
-        names, every field mapped (:data:`SECTION_FIELDS`, :data:`NOT_CARRIED`), then ``fields``: the
-        trainer's own settings and any setting a caller (a command's option, a test) overrides
-        (``TrainingSettings.from_section(TrainingSection(), steps=4)``).
-
-        ``alpha`` is carried for ``modx`` only (every other method trains with alpha 0, and an alpha given
-        to it is refused by :func:`run_continual`). A section field this mapping does not know is refused
-        (TypeError): add it to :data:`SECTION_FIELDS` or :data:`NOT_CARRIED`."""
-        settings = mapped_settings(
-            training,
-            {setting: key for key, setting in SECTION_FIELDS.items()},
-            name="training",
-            owner="TrainingSettings.from_section",
-            table="SECTION_FIELDS or NOT_CARRIED in components.training.continual",
-            not_carried=NOT_CARRIED,
-        )
+        names (:data:`SECTION_FIELDS`), then ``fields``: the trainer's own settings and any setting a caller
+        (a command's option, a test) overrides. ``alpha`` is carried for ``modx`` only (an alpha given to
+        another method is refused by :func:`run_continual`)."""
+        settings = {setting: getattr(training, key) for key, setting in SECTION_FIELDS.items()}
         settings.update(fields)
         if settings["method"] != "modx" and "alpha" not in fields:
             settings["alpha"] = None
@@ -446,21 +433,14 @@ def _batch_source(
 
 
 def _train_config(settings: TrainingSettings, alpha: float) -> Any:
+    """The trainer's config: every setting it shares with ``settings`` (the rest keep the library's
+    defaults), and the run's Mod-X weight."""
+    from dataclasses import fields
+
     from compat.training import TrainConfig
 
-    return TrainConfig(
-        steps=settings.steps,
-        batch_size=settings.batch_size,
-        accum_steps=settings.accum_steps,
-        lr=settings.lr,
-        weight_decay=settings.weight_decay,
-        warmup_fraction=settings.warmup_fraction,
-        alpha=alpha,
-        selective_correction=settings.selective_correction,
-        precision=settings.precision,
-        checkpoint_every=settings.checkpoint_every,
-        seed=settings.seed,
-    )
+    shared = {f.name for f in fields(TrainConfig)} & {f.name for f in fields(settings)}
+    return TrainConfig(**{**{name: getattr(settings, name) for name in shared}, "alpha": alpha})
 
 
 def _eval_sets(stream: Path, manifest: dict[str, Any], phase: int, image_size: int) -> list[EvalSet]:
