@@ -12,10 +12,11 @@ body before reading the answer reads it. ``/metrics`` is Prometheus text: query 
 and errors, the serving model version and collection, pair swaps, and the rollout's stage, fraction
 backfilled and last probe R@1 (read from the rollout state when scraped).
 
-(No ``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's
-annotations, and the model is defined inside :func:`create_app` so that pydantic loads with the service.)
+Only the service imports this module, so FastAPI, pydantic and prometheus_client load with it. (No
+``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's annotations.)
 """
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,18 +26,15 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from components.serving.limits import (
-    BODY_READ_SECONDS,
-    DRAIN_IDLE_SECONDS,
-    DRAIN_SECONDS,
-    MAX_BODY_BYTES,
-    MAX_DRAIN_BYTES,
-    MAX_K,
-    MAX_PHASE,
-    MAX_PHASES,
-    MAX_QUERIES,
-    MAX_QUERY_CHARS,
-)
+import prometheus_client as prometheus
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client.core import GaugeMetricFamily
+from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException
+
+from components.serving import limits
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +52,6 @@ class _RolloutCollector:
         return []
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
-
         if self.state_path is None or not self.state_path.is_file():
             return
         from components.state.rollout_document import read_rollout_state
@@ -67,25 +63,23 @@ class _RolloutCollector:
             return
         if not state:
             return
-        labels = ["rollout_id", "status"]
-        values = [str(state.get("rollout_id", "")), str(state.get("status", ""))]
-        stage = GaugeMetricFamily("compatflow_rollout_stage", "Backfill stage of the rollout", labels=labels)
-        stage.add_metric(values, float(state.get("stage") or 0))
-        yield stage
-        frac = GaugeMetricFamily(
-            "compatflow_rollout_fraction_backfilled", "Fraction of the gallery backfilled", labels=labels
-        )
-        frac.add_metric(values, float(state.get("fraction_backfilled") or 0.0))
-        yield frac
         curve = [p for p in state.get("curve") or [] if isinstance(p, dict) and "t2i_R@1" in p]
         probed = [s.get("probe") for s in state.get("stages") or [] if isinstance(s, dict) and s.get("probe")]
         last = probed[-1].get("R@1") if probed else (curve[-1]["t2i_R@1"] if curve else None)
-        if last is not None:
-            probe = GaugeMetricFamily(
-                "compatflow_rollout_probe_recall_at_1", "R@1 (%) of the last rollout probe", labels=labels
-            )
-            probe.add_metric(values, float(last))
-            yield probe
+        labels = [str(state.get("rollout_id", "")), str(state.get("status", ""))]
+        gauges = {
+            "compatflow_rollout_stage": ("Backfill stage of the rollout", state.get("stage") or 0),
+            "compatflow_rollout_fraction_backfilled": (
+                "Fraction of the gallery backfilled",
+                state.get("fraction_backfilled") or 0.0,
+            ),
+            "compatflow_rollout_probe_recall_at_1": ("R@1 (%) of the last rollout probe", last),
+        }
+        for name, (text, value) in gauges.items():
+            if value is not None:
+                family = GaugeMetricFamily(name, text, labels=["rollout_id", "status"])
+                family.add_metric(labels, float(value))
+                yield family
 
 
 class BodyLimit:
@@ -103,19 +97,17 @@ class BodyLimit:
     def __init__(
         self,
         app: Any,
-        limit: int = MAX_BODY_BYTES,
-        drain_bytes: int = MAX_DRAIN_BYTES,
-        drain_seconds: float = DRAIN_SECONDS,
-        idle_seconds: float = DRAIN_IDLE_SECONDS,
-        body_seconds: float = BODY_READ_SECONDS,
+        limit: int = limits.MAX_BODY_BYTES,
+        drain_bytes: int = limits.MAX_DRAIN_BYTES,
+        drain_seconds: float = limits.DRAIN_SECONDS,
+        idle_seconds: float = limits.DRAIN_IDLE_SECONDS,
+        body_seconds: float = limits.BODY_READ_SECONDS,
     ) -> None:
         self.app, self.limit, self.body_seconds = app, limit, body_seconds
         self.drain_bytes, self.drain_seconds, self.idle_seconds = drain_bytes, drain_seconds, idle_seconds
 
     async def _drain(self, receive: Any, received: int) -> int:
         """Read and discard the body up to its end or a bound; the bytes received by then."""
-        import asyncio
-
         deadline = time.monotonic() + self.drain_seconds
         while received <= self.drain_bytes:
             left = min(self.idle_seconds, deadline - time.monotonic())
@@ -132,11 +124,8 @@ class BodyLimit:
                 break
         return received
 
-    def _detail(self, what: str) -> str:
+    def _too_large(self, what: str) -> str:
         return f"request body {what}, over the limit of {self.limit} bytes: send fewer or shorter queries"
-
-    async def _refuse(self, send: Any, what: str) -> None:
-        await self._answer(send, 413, self._detail(what))
 
     async def _answer(self, send: Any, status: int, detail: str) -> None:
         body = json.dumps({"detail": detail}).encode()
@@ -149,15 +138,13 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        from starlette.exceptions import HTTPException
-
         headers = dict(scope.get("headers") or ())
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             waits = headers.get(b"expect", b"").lower() == b"100-continue"
             if declared.isdigit() and int(declared) <= self.drain_bytes and not waits:
                 await self._drain(receive, 0)
-            await self._refuse(send, f"of {declared.decode(errors='replace')} bytes")
+            await self._answer(send, 413, self._too_large(f"of {declared.decode(errors='replace')} bytes"))
             return
         received, started, body_done = 0, False, False
         deadline = time.monotonic() + self.body_seconds
@@ -166,8 +153,6 @@ class BodyLimit:
             nonlocal received, body_done
             if body_done:  # after the body: a wait for the client's disconnect, unbounded
                 return await receive()
-            import asyncio
-
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
@@ -182,7 +167,7 @@ class BodyLimit:
                 if received > self.limit:  # an HTTPException passes FastAPI's body parsing as it is
                     if message.get("more_body", False):
                         await self._drain(receive, received)
-                    raise HTTPException(413, self._detail(f"of more than {self.limit} bytes"), CLOSE)
+                    raise HTTPException(413, self._too_large(f"of more than {self.limit} bytes"), CLOSE)
             return message
 
         async def watched_send(message: dict[str, Any]) -> None:
@@ -195,10 +180,161 @@ class BodyLimit:
         except HTTPException as exc:  # raised outside a route (no handler answered it)
             if exc.status_code not in (408, 413) or started:
                 raise
-            if exc.status_code == 408:
-                await self._answer(send, 408, exc.detail)
-            else:
-                await self._refuse(send, f"of more than {self.limit} bytes")
+            await self._answer(send, exc.status_code, exc.detail)
+
+
+class SearchRequest(BaseModel):
+    queries: list[Annotated[str, Field(max_length=limits.MAX_QUERY_CHARS)]] = Field(
+        min_length=1, max_length=limits.MAX_QUERIES, description="Query texts."
+    )
+    k: int = Field(10, ge=1, le=limits.MAX_K, description="Hits per query.")
+    phases: list[Annotated[int, Field(ge=0, le=limits.MAX_PHASE)]] | None = Field(
+        None, max_length=limits.MAX_PHASES, description="Only items of these data phases."
+    )
+    thumbnails: bool = Field(False, description="Add each hit's thumbnail (a JPEG data URI).")
+
+    @field_validator("queries")
+    @classmethod
+    def _words(cls, value: list[str]) -> list[str]:
+        empty = [i for i, text in enumerate(value) if not text.strip()]
+        if empty:
+            raise ValueError(f"queries{empty[:5]} empty: give words to search for")
+        return value
+
+
+class _Metrics:
+    """The service's own Prometheus series, in a registry of their own beside the standard collectors."""
+
+    def __init__(self, state_path: Path | None) -> None:
+        self.registry = registry = prometheus.CollectorRegistry()
+        registry.register(prometheus.PROCESS_COLLECTOR)  # process_*
+        registry.register(prometheus.PLATFORM_COLLECTOR)  # python_info
+        registry.register(prometheus.GC_COLLECTOR)  # python_gc_*
+        self.latency = prometheus.Histogram(
+            "compatflow_query_latency_seconds",
+            "Search latency per request (embedding, index search, captions and any thumbnails)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queries = prometheus.Counter("compatflow_queries", "Query texts answered", registry=registry)
+        self.errors = prometheus.Counter(
+            "compatflow_query_errors",
+            "Search requests failed on the server side",
+            ["kind"],
+            registry=registry,
+        )
+        self.serving = prometheus.Gauge(
+            "compatflow_serving_model_info",
+            "1 for the query model version and collection serving now",
+            ["version", "collection"],
+            registry=registry,
+        )
+        self.swaps = prometheus.Counter(
+            "compatflow_serving_swaps", "Query model and collection swaps", registry=registry
+        )
+        registry.register(_RolloutCollector(state_path))
+
+    def on_swap(self, old: Any, new: Any) -> None:
+        """The follower's swap callback: count the swap and move the serving gauge to the new pair."""
+        if old is not None and (old.version, old.collection) == (new.version, new.collection):
+            return
+        if old is not None:
+            self.swaps.inc()
+            with contextlib.suppress(KeyError):
+                self.serving.remove(old.version, old.collection)
+        self.serving.labels(new.version, new.collection).set(1)
+
+
+routes = APIRouter()
+
+
+@routes.post("/search")
+def search(body: SearchRequest, request: Request) -> Any:
+    from components.serving.record import ServingError
+
+    state = request.app.state
+    t0 = time.perf_counter()
+    try:
+        expr = f"phase in {sorted(set(body.phases))}" if body.phases else None
+        hits, pair = state.follower.answer(
+            lambda p: p.search(body.queries, body.k, filter=expr, output_fields=("source_uri",))
+        )
+        uris = [h.fields.get("source_uri") for row in hits for h in row]
+        texts = state.captions.lookup(uris)
+        pictures = state.thumbnails.lookup(uris) if body.thumbnails else None
+    except Exception as exc:
+        kind = type(exc).__name__
+        state.metrics.errors.labels(kind).inc()
+        if isinstance(exc, ServingError):  # no record yet, or a record that cannot be loaded: said once
+            log.warning("search failed: %s", exc)
+        else:
+            log.exception("search failed")
+        return JSONResponse(status_code=503, content={"detail": f"search failed ({kind}): {exc}"})
+    it, shown = iter(texts), iter(pictures or ())
+    results = [
+        [
+            {"id": h.item_id, "score": h.score, "caption": next(it), "model_version": h.model_version}
+            | ({"thumbnail": next(shown)} if pictures is not None else {})
+            for h in row
+        ]
+        for row in hits
+    ]
+    state.metrics.latency.observe(time.perf_counter() - t0)
+    state.metrics.queries.inc(len(body.queries))
+    return {"results": results, "model_version": pair.version, "collection": pair.collection}
+
+
+@routes.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@routes.get("/readyz")
+def readyz(request: Request) -> Any:
+    follow = request.app.state.follower
+    try:
+        pair = follow.current()  # the record as it is now: loaded, or why it cannot be
+    except Exception as exc:  # noqa: BLE001 - nothing to serve yet: not ready, say why
+        return JSONResponse(status_code=503, content={"ready": False, "detail": str(exc)})
+    try:
+        reachable = pair.index.has_collection(pair.collection)
+    except Exception as exc:  # noqa: BLE001 - the index is down: not ready, say why
+        return JSONResponse(status_code=503, content={"ready": False, "detail": f"index unreachable: {exc}"})
+    body = {"ready": reachable, "model_version": pair.version, "collection": pair.collection}
+    if not reachable:
+        body["detail"] = f"collection {pair.collection!r} is gone from {pair.index.uri}"
+    elif follow.error:
+        body.update(ready=False, detail=f"serving record changed but cannot be followed: {follow.error}")
+    return JSONResponse(status_code=200 if body["ready"] else 503, content=body)
+
+
+@routes.get("/metrics")
+def metrics(request: Request) -> Any:
+    return PlainTextResponse(
+        prometheus.generate_latest(request.app.state.metrics.registry),
+        media_type=prometheus.CONTENT_TYPE_LATEST,
+    )
+
+
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A 422 whose detail names each bad field (``phases.0: ...``) in one line."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        problems.append(f"{where}: {err.get('msg', 'invalid')}")
+    return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    follow = app.state.follower
+    try:
+        follow.refresh()
+    except Exception as exc:  # noqa: BLE001 - not ready yet: /readyz says why, the watcher keeps trying
+        log.warning("not ready: %s", exc)
+    follow.watch(app.state.watch_interval_s)
+    yield
+    follow.close()
 
 
 def create_app(
@@ -215,164 +351,22 @@ def create_app(
     checks each query model before it is loaded, see :class:`components.serving.pair.PairFollower`; a hit
     whose gallery shard is not cached yet takes its caption from the Feast repo ``lineage_repo`` when given,
     :mod:`components.serving.captions`)."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse
-    from prometheus_client import (
-        CONTENT_TYPE_LATEST,
-        GC_COLLECTOR,
-        PLATFORM_COLLECTOR,
-        PROCESS_COLLECTOR,
-        CollectorRegistry,
-        Counter,
-        Gauge,
-        Histogram,
-        generate_latest,
-    )
-    from pydantic import BaseModel, Field, field_validator
-
     from components.serving.captions import ShardCaptions, lineage_captions
-    from components.serving.pair import PairFollower, ServingPair
-    from components.serving.record import ServingError
+    from components.serving.pair import PairFollower
     from components.serving.thumbnails import ShardThumbnails
 
-    registry = CollectorRegistry()
-    for standard in (
-        PROCESS_COLLECTOR,
-        PLATFORM_COLLECTOR,
-        GC_COLLECTOR,
-    ):  # process_*, python_info, python_gc_*
-        registry.register(standard)
-    latency = Histogram(
-        "compatflow_query_latency_seconds",
-        "Search latency per request (embedding, index search, captions and any thumbnails)",
-        buckets=LATENCY_BUCKETS,
-        registry=registry,
+    app = FastAPI(title="compatflow search", lifespan=_lifespan)
+    app.add_middleware(BodyLimit, limit=limits.MAX_BODY_BYTES)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.include_router(routes)
+    state = app.state
+    state.metrics = _Metrics(Path(state_path) if state_path else None)
+    state.follower = follower or PairFollower(
+        record_path, uri=uri, on_swap=state.metrics.on_swap, verify=verify
     )
-    queries = Counter("compatflow_queries", "Query texts answered", registry=registry)
-    errors = Counter(
-        "compatflow_query_errors", "Search requests failed on the server side", ["kind"], registry=registry
-    )
-    serving = Gauge(
-        "compatflow_serving_model_info",
-        "1 for the query model version and collection serving now",
-        ["version", "collection"],
-        registry=registry,
-    )
-    swaps = Counter("compatflow_serving_swaps", "Query model and collection swaps", registry=registry)
-    registry.register(_RolloutCollector(Path(state_path) if state_path else None))
-
-    def on_swap(old: ServingPair | None, new: ServingPair) -> None:
-        if old is not None and (old.version, old.collection) == (new.version, new.collection):
-            return
-        if old is not None:
-            swaps.inc()
-            with contextlib.suppress(KeyError):
-                serving.remove(old.version, old.collection)
-        serving.labels(new.version, new.collection).set(1)
-
-    follow = follower or PairFollower(record_path, uri=uri, on_swap=on_swap, verify=verify)
+    state.watch_interval_s = watch_interval_s
     root = Path(record_path).parent  # the workspace: gallery rows name its shards relative to it
     fallback = lineage_captions(str(lineage_repo)) if lineage_repo else None
-    captions = ShardCaptions(fallback=fallback, root=root)
-    thumbnails = ShardThumbnails(root=root)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        try:
-            follow.refresh()
-        except Exception as exc:  # noqa: BLE001 - not ready yet: /readyz says why, the watcher keeps trying
-            log.warning("not ready: %s", exc)
-        follow.watch(watch_interval_s)
-        yield
-        follow.close()
-
-    app = FastAPI(title="compatflow search", lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-    app.state.follower = follow
-
-    class SearchRequest(BaseModel):
-        queries: list[Annotated[str, Field(max_length=MAX_QUERY_CHARS)]] = Field(
-            min_length=1, max_length=MAX_QUERIES, description="Query texts."
-        )
-        k: int = Field(10, ge=1, le=MAX_K, description="Hits per query.")
-        phases: list[Annotated[int, Field(ge=0, le=MAX_PHASE)]] | None = Field(
-            None, max_length=MAX_PHASES, description="Only items of these data phases."
-        )
-        thumbnails: bool = Field(False, description="Add each hit's thumbnail (a JPEG data URI).")
-
-        @field_validator("queries")
-        @classmethod
-        def _words(cls, value: list[str]) -> list[str]:
-            empty = [i for i, text in enumerate(value) if not text.strip()]
-            if empty:
-                raise ValueError(f"queries{empty[:5]} empty: give words to search for")
-            return value
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-        return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
-
-    @app.post("/search")
-    def search(request: SearchRequest) -> Any:
-        t0 = time.perf_counter()
-        try:
-            expr = f"phase in {sorted(set(request.phases))}" if request.phases else None
-            hits, pair = follow.answer(
-                lambda p: p.search(request.queries, request.k, filter=expr, output_fields=("source_uri",))
-            )
-            uris = [h.fields.get("source_uri") for row in hits for h in row]
-            texts = captions.lookup(uris)
-            pictures = thumbnails.lookup(uris) if request.thumbnails else None
-        except Exception as exc:
-            kind = type(exc).__name__
-            errors.labels(kind).inc()
-            if isinstance(exc, ServingError):  # no record yet, or a record that cannot be loaded: said once
-                log.warning("search failed: %s", exc)
-            else:
-                log.exception("search failed")
-            return JSONResponse(status_code=503, content={"detail": f"search failed ({kind}): {exc}"})
-        it, shown = iter(texts), iter(pictures or ())
-        results = [
-            [
-                {"id": h.item_id, "score": h.score, "caption": next(it), "model_version": h.model_version}
-                | ({"thumbnail": next(shown)} if pictures is not None else {})
-                for h in row
-            ]
-            for row in hits
-        ]
-        latency.observe(time.perf_counter() - t0)
-        queries.inc(len(request.queries))
-        return {"results": results, "model_version": pair.version, "collection": pair.collection}
-
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz() -> Any:
-        try:
-            pair = follow.current()  # the record as it is now: loaded, or why it cannot be
-        except Exception as exc:  # noqa: BLE001 - nothing to serve yet: not ready, say why
-            return JSONResponse(status_code=503, content={"ready": False, "detail": str(exc)})
-        try:
-            reachable = pair.index.has_collection(pair.collection)
-        except Exception as exc:  # noqa: BLE001 - the index is down: not ready, say why
-            body = {"ready": False, "detail": f"index unreachable: {exc}"}
-            return JSONResponse(status_code=503, content=body)
-        body = {"ready": reachable, "model_version": pair.version, "collection": pair.collection}
-        if not reachable:
-            body["detail"] = f"collection {pair.collection!r} is gone from {pair.index.uri}"
-        elif follow.error:
-            body.update(ready=False, detail=f"serving record changed but cannot be followed: {follow.error}")
-        return JSONResponse(status_code=200 if body["ready"] else 503, content=body)
-
-    @app.get("/metrics")
-    def metrics() -> Any:
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
+    state.captions = ShardCaptions(fallback=fallback, root=root)
+    state.thumbnails = ShardThumbnails(root=root)
     return app
