@@ -90,6 +90,10 @@ ORIGINALS = "originals"  # the folder of --keep-originals shards
 SPOOL = ".import-spool"  # pictures stored resized or converted, from the scan until their shard is written
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
 # Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
+# The report's counts that `data import` prints, in order.
+SUMMARY_FIELDS = tuple(
+    "imported counts captions caption_counts grouped duplicates in_stream refused refused_by_reason".split()
+)
 RESERVED_FIELDS = tuple(
     "key caption captions source width height original_width original_height mode format sha256 "
     "source_sha256 source_row status split label source_meta resize".split()
@@ -230,6 +234,25 @@ class ImportResult:
     @property
     def imported(self) -> int:
         return int(self.report["imported"])
+
+    def summary(self) -> dict[str, Any]:
+        """What ``compatflow data import`` prints: the report's counts and the shards this run wrote."""
+        return {
+            **{k: self.report[k] for k in SUMMARY_FIELDS if k in self.report},
+            "shards_written": self.written_shards,
+            "shards_already_there": self.reused_shards,
+            "report": str(self.out / REPORT),
+        }
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    """``--split``'s ``train,eval,gallery`` fractions (checked by :meth:`ImportSettings.check`)."""
+    try:
+        return tuple(float(f) for f in text.split(","))  # type: ignore[return-value]
+    except ValueError:
+        raise DataImportError(
+            f"--split {text!r} must be three fractions train,eval,gallery, e.g. 0.8,0.1,0.1"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -998,23 +1021,11 @@ def _plan(
             item["captions"] = []
             first_of[sha] = (source, None if held else item, set())
             items += [] if held else [item]
-        first, planned, known = first_of[sha]
-        if planned is None:  # the stream given as ``exclude`` holds the picture
+        if first_of[sha][1] is None:  # the stream given as ``exclude`` holds the picture
             key = _key(sha, settings)
             in_stream.append({"source": source, "key": key, "shard": (exclude or {})[key]})
             continue
-        added = 0
-        for caption in captions:
-            if caption in known:
-                duplicates.append({"source": source, "duplicate_of": first, "caption": caption})
-            elif len(known) >= MAX_CAPTIONS:
-                message = f"{source}: {first} has {MAX_CAPTIONS:,} captions, the most per picture"
-                refused.append({"source": source, "reason": "too_many_captions", "message": message})
-                break
-            else:
-                known.add(caption)
-                planned["captions"].append(caption)
-                added += 1
+        added = _add_captions(source, captions, first_of[sha], duplicates, refused)
         grouped += not new and added > 0
     for item in [i for i in items if len(_sample_json(i)) > MAX_SIDECAR_BYTES]:
         items.remove(item)
@@ -1039,6 +1050,31 @@ def _plan(
     }
     plan["digest"] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return plan
+
+
+def _add_captions(
+    source: str,
+    captions: list[str],
+    planned: tuple[str, dict[str, Any], set[str]],
+    duplicates: list[dict[str, str]],
+    refused: list[dict[str, str]],
+) -> int:
+    """Add ``source``'s captions to the ``planned`` picture (its first source, item and known captions);
+    returns how many were new. A repeat is listed in ``duplicates``, one past :data:`MAX_CAPTIONS` refused."""
+    first, item, known = planned
+    added = 0
+    for caption in captions:
+        if caption in known:
+            duplicates.append({"source": source, "duplicate_of": first, "caption": caption})
+        elif len(known) >= MAX_CAPTIONS:
+            message = f"{source}: {first} has {MAX_CAPTIONS:,} captions, the most per picture"
+            refused.append({"source": source, "reason": "too_many_captions", "message": message})
+            break
+        else:
+            known.add(caption)
+            item["captions"].append(caption)
+            added += 1
+    return added
 
 
 def _portable(item: dict[str, Any]) -> dict[str, Any]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from compat.data import importer
 from pipelines.commands._common import echo_json, exit_codes, fail
 
 data_app = typer.Typer(
@@ -38,8 +40,6 @@ def generate(
     """Write (or complete, or extend) a synthetic stream; print a summary of its manifest as JSON.
     A setting left out takes the config's default (pipelines/configs/local.yaml); a seed gives
     byte-identical shards."""
-    import time
-
     from compat.data.synth import StreamError
     from components.deployment import StreamSection
     from pipelines.config import generate_stream_of
@@ -63,37 +63,88 @@ def generate(
     echo_json({"out": str(out), "seconds": round(time.perf_counter() - start, 2), **_summary(manifest)})
 
 
+# `data import`'s longer options, named here so that its signature reads as the list of its settings.
+_Source = Annotated[
+    Path,
+    typer.Argument(
+        help="A folder of images (x.jpg + x.txt captions, or class folders), a .csv/.parquet table or a "
+        "Karpathy split .json (dataset_coco.json, dataset_flickr30k.json)."
+    ),
+]
+_Format = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="auto (a folder: sidecar, a .csv/.parquet file: table, a .json file: karpathy) | sidecar | "
+        "class-folders | table | karpathy (keeps the file's splits: train+restval, test as eval, val as "
+        "gallery).",
+    ),
+]
+_Split = Annotated[
+    str,
+    typer.Option(
+        help="train,eval,gallery fractions of the pictures (a seeded hash of each key; not for karpathy)."
+    ),
+]
+_MaxSide = Annotated[
+    int,
+    typer.Option(
+        min=16, help="img2dataset's --image_size: the size --resize-mode stores pictures at (never enlarged)."
+    ),
+]
+_ResizeMode = Annotated[
+    str,
+    typer.Option(
+        help="img2dataset's: keep_ratio (shorter side to --max-side) | center_crop (then the "
+        "centre square) | border (longer side to --max-side, black borders) | no (as they are).",
+    ),
+]
+_KeepOriginals = Annotated[
+    bool,
+    typer.Option(
+        "--keep-originals",
+        help="Also keep the untouched files (transparent ones unmatted), in shards of the same keys "
+        "under OUT/originals/.",
+    ),
+]
+_MaxPixels = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="Pictures whose header declares more pixels are refused undecoded (image_pixels); at most "
+        "Pillow's decompression-bomb limit, the default.",
+    ),
+]
+_AllowOutside = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--allow-outside",
+        help="A folder outside SRC whose files may be read (table paths, symbolic links into it); "
+        "repeatable. Without it every file read must be a regular file inside SRC.",
+    ),
+]
+_ExcludeStream = Annotated[
+    Path | None,
+    typer.Option(
+        "--exclude-stream",
+        help="A stream folder (stream.json): pictures it already holds (same key) are left out and "
+        "listed in import.json's in_stream_files.",
+    ),
+]
+
+
 @data_app.command("import")
 @exit_codes({0: "something was imported", 1: "nothing was imported"})
 def import_(
-    src: Annotated[
-        Path,
-        typer.Argument(
-            help="A folder of images (x.jpg + x.txt captions, or class folders), a .csv/.parquet table or a "
-            "Karpathy split .json (dataset_coco.json, dataset_flickr30k.json)."
-        ),
-    ],
+    src: _Source,
     out: Annotated[
         Path, typer.Option("--out", help="Output folder: {train,eval,gallery}/*.tar and import.json.")
     ],
-    source_format: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="auto (a folder: sidecar, a .csv/.parquet file: table, a .json file: karpathy) | sidecar | "
-            "class-folders | table | karpathy (keeps the file's splits: train+restval, test as eval, val as "
-            "gallery).",
-        ),
-    ] = "auto",
+    source_format: _Format = "auto",
     template: Annotated[
         str, typer.Option(help="class-folders: the caption of each image, {label} being its folder's name.")
-    ] = "a photo of a {label}",
-    split: Annotated[
-        str,
-        typer.Option(
-            help="train,eval,gallery fractions of the pictures (a seeded hash of each key; not for karpathy)."
-        ),
-    ] = "0.8,0.1,0.1",
+    ] = importer.DEFAULT_TEMPLATE,
+    split: _Split = "0.8,0.1,0.1",
     seed: Annotated[int, typer.Option(help="Seed of the split hash.")] = 0,
     samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
     key_prefix: Annotated[
@@ -103,53 +154,13 @@ def import_(
     caption_column: Annotated[str, typer.Option(help="table: the column of captions.")] = "caption",
     max_image_bytes: Annotated[
         int, typer.Option(min=1, help="Larger image files are refused (the validation policy's default).")
-    ] = 32 * 1024 * 1024,
-    max_side: Annotated[
-        int,
-        typer.Option(
-            min=16,
-            help="img2dataset's --image_size: the size --resize-mode stores pictures at (never enlarged).",
-        ),
-    ] = 512,
-    resize_mode: Annotated[
-        str,
-        typer.Option(
-            help="img2dataset's: keep_ratio (shorter side to --max-side) | center_crop (then the "
-            "centre square) | border (longer side to --max-side, black borders) | no (as they are).",
-        ),
-    ] = "keep_ratio",
-    keep_originals: Annotated[
-        bool,
-        typer.Option(
-            "--keep-originals",
-            help="Also keep the untouched files (transparent ones unmatted), in shards of the same keys "
-            "under OUT/originals/.",
-        ),
-    ] = False,
-    max_pixels: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Pictures whose header declares more pixels are refused undecoded (image_pixels); at most "
-            "Pillow's decompression-bomb limit, the default.",
-        ),
-    ] = 178_956_970,
-    allow_outside: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--allow-outside",
-            help="A folder outside SRC whose files may be read (table paths, symbolic links into it); "
-            "repeatable. Without it every file read must be a regular file inside SRC.",
-        ),
-    ] = None,
-    exclude_stream: Annotated[
-        Path | None,
-        typer.Option(
-            "--exclude-stream",
-            help="A stream folder (stream.json): pictures it already holds (same key) are left out and "
-            "listed in import.json's in_stream_files.",
-        ),
-    ] = None,
+    ] = importer.MAX_IMAGE_BYTES,
+    max_side: _MaxSide = importer.DEFAULT_MAX_SIDE,
+    resize_mode: _ResizeMode = importer.DEFAULT_RESIZE_MODE,
+    keep_originals: _KeepOriginals = False,
+    max_pixels: _MaxPixels = importer.MAX_DECODE_PIXELS,
+    allow_outside: _AllowOutside = None,
+    exclude_stream: _ExcludeStream = None,
 ) -> None:
     """Turn images with captions into webdataset shards split train/eval/gallery; print import.json's counts.
 
@@ -157,31 +168,16 @@ def import_(
     shards still missing). The files or rows of one picture (same bytes) make one sample with every distinct
     caption; only exact repeats (same picture, same caption) are dropped and counted as duplicates; pictures
     --exclude-stream already holds are left out; every refused file is listed with its reason in
-    OUT/import.json. Exit 0 when something was
-    imported, 1 when nothing was.
+    OUT/import.json. Exit 0 when something was imported, 1 when nothing was.
     """
-    import time
-
-    from compat.data.importer import DataImportError, ImportSettings, detect_format, import_images
-    from compat.data.manifest import StreamError, stream_keys
-
     start = time.perf_counter()
-    exclude = None
-    if exclude_stream is not None:
-        try:
-            exclude = stream_keys(exclude_stream)
-        except StreamError as exc:
-            fail(f"--exclude-stream: {exc}")
+    exclude = _stream_keys(exclude_stream) if exclude_stream is not None else None
     try:
-        fractions = tuple(float(f) for f in split.split(","))
-    except ValueError:
-        fail(f"--split {split!r} must be three fractions train,eval,gallery, e.g. 0.8,0.1,0.1")
-    try:
-        fmt = detect_format(src) if source_format == "auto" else source_format
-        settings = ImportSettings(
-            source_format=fmt,
+        fractions = importer.parse_split(split)
+        settings = importer.ImportSettings(
+            source_format=importer.detect_format(src) if source_format == "auto" else source_format,
             template=template,
-            split=fractions,  # type: ignore[arg-type]  # checked by ImportSettings.check
+            split=fractions,
             seed=seed,
             samples_per_shard=samples_per_shard,
             key_prefix=key_prefix,
@@ -193,35 +189,31 @@ def import_(
             keep_originals=keep_originals,
             max_pixels=max_pixels,
         )
-        result = import_images(src, out, settings, allow_outside=allow_outside or (), exclude=exclude)
-    except DataImportError as exc:
+        result = importer.import_images(
+            src, out, settings, allow_outside=allow_outside or (), exclude=exclude
+        )
+    except importer.DataImportError as exc:
         fail(str(exc))
-    report = result.report
-    echo_json(
-        {
-            "out": str(result.out),
-            "seconds": round(time.perf_counter() - start, 2),
-            "imported": report["imported"],
-            "counts": report["counts"],
-            "captions": report["captions"],
-            "caption_counts": report["caption_counts"],
-            "grouped": report["grouped"],
-            "duplicates": report["duplicates"],
-            **({"in_stream": report["in_stream"]} if "in_stream" in report else {}),
-            "refused": report["refused"],
-            "refused_by_reason": report["refused_by_reason"],
-            "shards_written": result.written_shards,
-            "shards_already_there": result.reused_shards,
-            "report": str(result.out / "import.json"),
-        }
-    )
+    echo_json({"out": str(result.out), "seconds": round(time.perf_counter() - start, 2), **result.summary()})
     if not result.imported:
-        reasons = ", ".join(f"{n} {r}" for r, n in report["refused_by_reason"].items()) or "no files found"
+        reasons = (
+            ", ".join(f"{n} {r}" for r, n in result.report["refused_by_reason"].items()) or "no files found"
+        )
         fail(
             f"nothing imported from {src} ({reasons}); "
-            f"see {result.out / 'import.json'} for every file's reason",
+            f"see {result.out / importer.REPORT} for every file's reason",
             code=1,
         )
+
+
+def _stream_keys(stream_dir: Path) -> dict[str, str]:
+    """The sample keys --exclude-stream's stream holds, each with its shard."""
+    from compat.data.manifest import StreamError, stream_keys
+
+    try:
+        return stream_keys(stream_dir)
+    except StreamError as exc:
+        fail(f"--exclude-stream: {exc}")
 
 
 @data_app.command("info")
