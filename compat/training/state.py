@@ -50,6 +50,12 @@ class TrainState:
     position: dict[str, Any] | None = None
     history: list[dict[str, float]] = field(default_factory=list)
 
+    def advance(self, samples: int, position: dict[str, Any]) -> None:
+        """One more optimizer step, on ``samples`` more samples, the data stream now at ``position``."""
+        self.step += 1
+        self.samples_seen += samples
+        self.position = position
+
 
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"

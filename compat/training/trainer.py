@@ -124,13 +124,16 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "fp32"
 
 
-def autocast_context(precision: str, device: torch.device):
+def mixed_precision(precision: str, device: torch.device) -> tuple[Any, Any]:
+    """The autocast context of ``precision`` (resolved) and, for fp16, its GradScaler (else None)."""
     import torch
 
+    precision = resolve_precision(precision, device)
     if precision == "fp32":
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(), None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    return torch.autocast(device_type=device.type, dtype=dtype), scaler
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -181,24 +184,18 @@ def clip_features(
     return out[0], out[1], out[2]
 
 
-def teacher_features(
-    teacher: torch.nn.Module,
-    images: torch.Tensor,
-    texts: torch.Tensor,
-    dist: DistInfo,
-    accum_steps: int,
-    autocast,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen teacher's global-batch features, in the same row order as the student's."""
+def _features_no_grad(
+    model: torch.nn.Module, chunks: list, dist: DistInfo, autocast
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each micro-batch's image and text features, gathered over the ranks, without gradients."""
     import torch
 
-    imgs, txts = [], []
+    out = []
     with torch.no_grad(), autocast:
-        for im, tx in zip(images.chunk(accum_steps), texts.chunk(accum_steps), strict=True):
-            f_i, f_t, _ = clip_features(teacher, im, tx)
-            imgs.append(gather_no_grad(f_i.float(), dist))
-            txts.append(gather_no_grad(f_t.float(), dist))
-    return torch.cat(imgs), torch.cat(txts)
+        for im, tx in chunks:
+            f_i, f_t, _ = clip_features(model, im, tx)
+            out.append((gather_no_grad(f_i, dist), gather_no_grad(f_t, dist)))
+    return out
 
 
 def loss_and_backward(
@@ -225,18 +222,15 @@ def loss_and_backward(
     from compat.losses import LossTerms
 
     autocast = autocast if autocast is not None else contextlib.nullcontext()
+    chunks = list(zip(images.chunk(accum_steps), texts.chunk(accum_steps), strict=True))
     old_i = old_t = None
     if loss_fn.needs_teacher:
         if teacher is None:
             raise ValueError("this loss needs the teacher (the frozen production model)")
-        old_i, old_t = teacher_features(teacher, images, texts, dist, accum_steps, autocast)
-    chunks = list(zip(images.chunk(accum_steps), texts.chunk(accum_steps), strict=True))
-    cached: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if accum_steps > 1:
-        with torch.no_grad(), autocast:
-            for im, tx in chunks:
-                f_i, f_t, _ = clip_features(model, im, tx)
-                cached.append((gather_no_grad(f_i, dist), gather_no_grad(f_t, dist)))
+        # the frozen teacher's global-batch features, in the same row order as the student's
+        old = _features_no_grad(teacher, chunks, dist, autocast)
+        old_i, old_t = torch.cat([i.float() for i, _ in old]), torch.cat([t.float() for _, t in old])
+    cached = _features_no_grad(model, chunks, dist, autocast) if accum_steps > 1 else []
     terms = None
     for j, (im, tx) in enumerate(chunks):
         last = j == accum_steps - 1
@@ -320,15 +314,12 @@ def train(
     end); ``workdir/samples.jsonl`` lists the sample keys of every step. With ``alpha > 0`` the loss is Mod-X
     against ``teacher`` (frozen, eval mode); ``alpha = 0`` is plain fine-tuning. Under torchrun (``dist``),
     every rank reads the same global batches and trains on its equal share of rows. ``on_step`` (main rank)
-    receives each step's record as it is made (step, loss, its terms, lr, step time): a tracker logs
-    training as it runs.
-
-    The step loop stays in one piece: the order of a step's effects (state, ledger, record, checkpoint) is
-    what makes a resumed run continue exactly where the killed one stopped.
+    receives each step's record as it is made (step, loss, its terms, lr, step time).
     """
     import torch
 
     from compat.losses import ModXLoss
+    from compat.progress import Task
 
     loss_fn = ModXLoss(config.alpha, config.selective_correction)
     _check_inputs(student, source, config, dist, teacher, needs_teacher=loss_fn.needs_teacher)
@@ -336,81 +327,56 @@ def train(
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / CHECKPOINT_DIR
     device = student.device
-    precision = resolve_precision(config.precision, device)
-    autocast = autocast_context(precision, device)
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    autocast, scaler = mixed_precision(config.precision, device)
     schedule = CosineWarmup.from_fraction(config.lr, config.steps, config.warmup_fraction, config.min_lr)
-
-    model = student.model
-    model.train()
+    model = student.model.train()
     optimizer = build_optimizer(model, config)
     teacher_model = teacher.model.eval().requires_grad_(False) if loss_fn.needs_teacher else None
 
-    resumed = _start_or_resume(ckpt_root, model, optimizer, scaler, config, dist, resume=resume)
-    found, state = resumed or (None, TrainState())
-    resumed_from = state.step if resumed else None
+    last_ckpt, state = _start_or_resume(ckpt_root, model, optimizer, scaler, config, dist, resume=resume)
+    resumed_from = state.step if last_ckpt else None
     if dist.distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
         ids = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=ids)
-
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     ledger = _Ledger(workdir / LEDGER_FILE, state.step, enabled=dist.is_main)
     rows = dist.local_slice(config.batch_size)
-    last_ckpt = found
     step_times: list[float] = []
     batches = source.batches(state.position)
-    from compat.progress import Task
-
     options = {"dist": dist, "accum_steps": config.accum_steps, "autocast": autocast, "scaler": scaler}
     saved = {"config": config.to_dict(), "schedule": schedule.state_dict(), "keep": config.keep_checkpoints}
     bar = Task("training", config.steps, "steps", completed=state.step, enabled=dist.is_main)
-    try:
+    try:  # the order of a step's effects (state, ledger, record, checkpoint) makes a resumed run exact
         for _ in range(state.step, config.steps):
             t0 = time.perf_counter()
             batch = next(batches)
             lr = schedule.lr_at(state.step)
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
-            images = batch.images[rows].to(device, non_blocking=True)
-            texts = batch.texts[rows].to(device, non_blocking=True)
+            images, texts = (t[rows].to(device, non_blocking=True) for t in (batch.images, batch.texts))
             terms = loss_and_backward(model, images, texts, loss_fn, teacher=teacher_model, **options)
-            loss_value = float(terms.total)
-            if not math.isfinite(loss_value) and scaler is None:
-                raise FloatingPointError(
-                    f"loss is {loss_value} at step {state.step + 1}; lower the learning "
-                    f"rate (now {lr:g}) or use fp32"
-                )
-            _optimizer_step(model, optimizer, scaler, config.max_grad_norm)
-            state.step += 1
-            state.samples_seen += len(batch.keys)
-            state.position = batch.position
+            _optimizer_step(model, optimizer, scaler, config.max_grad_norm, terms, state.step + 1, lr)
+            state.advance(len(batch.keys), batch.position)
             step_times.append(time.perf_counter() - t0)
             record = _step_record(state.step, terms, lr, model, step_times[-1])
             state.history.append(record)
             ledger.append(state.step, batch.keys)
             if on_step is not None and dist.is_main:
                 on_step(record)
-            bar.advance(1, loss=loss_value)
+            bar.advance(1, loss=record["loss"])
             if config.log_every and state.step % config.log_every == 0:
-                values = (state.step, config.steps, loss_value, record["contrastive"], record["kl"], lr)
-                log.info("step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e", *values)
+                _log_step(record, config.steps)
             due = config.checkpoint_every and state.step % config.checkpoint_every == 0
             if due or state.step == config.steps:
                 last_ckpt = ckpt_root / checkpoint_name(state.step)
                 if dist.is_main:
-                    scaler_state = scaler.state_dict() if scaler else None
-                    save_training_checkpoint(
-                        ckpt_root, student, optimizer, state, scaler_state=scaler_state, **saved
-                    )
+                    saved["scaler_state"] = scaler.state_dict() if scaler else None
+                    save_training_checkpoint(ckpt_root, student, optimizer, state, **saved)
                 barrier(dist)
     finally:
         bar.close()
         ledger.close()
     assert last_ckpt is not None  # the final step always writes one
-    return TrainResult(
-        state=state, checkpoint=Path(last_ckpt), resumed_from=resumed_from, step_times=step_times
-    )
+    return TrainResult(state, Path(last_ckpt), resumed_from, step_times)
 
 
 def _check_inputs(
@@ -449,10 +415,10 @@ def _start_or_resume(
     dist: DistInfo,
     *,
     resume: bool,
-) -> tuple[Path, TrainState] | None:
+) -> tuple[Path | None, TrainState]:
     """The newest resumable checkpoint loaded into ``model``, ``optimizer`` and ``scaler`` (its path and
-    state), after checking that it was written with this training's settings; None for a fresh start
-    (seeded; ``resume=False`` deletes older checkpoints first)."""
+    state), after checking that it was written with this training's settings; ``(None, TrainState())`` for
+    a fresh start (seeded; ``resume=False`` deletes older checkpoints first)."""
     if dist.is_main:
         if not resume and ckpt_root.exists():
             shutil.rmtree(ckpt_root)  # a fresh start must not leave older checkpoints to resume from
@@ -461,7 +427,7 @@ def _start_or_resume(
     found = latest_checkpoint(ckpt_root) if resume else None
     if found is None:
         seed_everything(config.seed)
-        return None
+        return None, TrainState()
     _check_resumable(read_state_document(found)["config"], config, found)  # before touching the model
     loaded = load_training_checkpoint(found, model, optimizer)
     if scaler is not None and loaded.scaler:
@@ -471,12 +437,23 @@ def _start_or_resume(
 
 
 def _optimizer_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, max_grad_norm: float | None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    max_grad_norm: float | None,
+    terms: LossTerms,
+    step: int,
+    lr: float,
 ) -> None:
     """Apply the accumulated gradients (unscaled first under fp16, clipped when asked), then keep CLIP's
-    logit scale within its bound."""
+    logit scale within its bound. A loss that is not finite stops the run first (fp16's scaler skips it)."""
     import torch
 
+    loss = float(terms.total)
+    if not math.isfinite(loss) and scaler is None:
+        raise FloatingPointError(
+            f"loss is {loss} at step {step}; lower the learning rate (now {lr:g}) or use fp32"
+        )
     if scaler is not None:
         scaler.unscale_(optimizer)
     if max_grad_norm:
@@ -487,6 +464,11 @@ def _optimizer_step(
     else:
         optimizer.step()
     clamp_logit_scale(model)
+
+
+def _log_step(record: dict[str, float], steps: int) -> None:
+    values = (record["step"], steps, record["loss"], record["contrastive"], record["kl"], record["lr"])
+    log.info("step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e", *values)
 
 
 def _step_record(
