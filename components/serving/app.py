@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import prometheus_client as prometheus
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client.core import GaugeMetricFamily
@@ -245,10 +245,6 @@ class _Metrics:
         self.serving.labels(new.version, new.collection).set(1)
 
 
-routes = APIRouter()
-
-
-@routes.post("/search")
 def search(body: SearchRequest, request: Request) -> Any:
     from components.serving.record import ServingError
 
@@ -284,12 +280,10 @@ def search(body: SearchRequest, request: Request) -> Any:
     return {"results": results, "model_version": pair.version, "collection": pair.collection}
 
 
-@routes.get("/healthz")
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@routes.get("/readyz")
 def readyz(request: Request) -> Any:
     follow = request.app.state.follower
     try:
@@ -308,7 +302,6 @@ def readyz(request: Request) -> Any:
     return JSONResponse(status_code=200 if body["ready"] else 503, content=body)
 
 
-@routes.get("/metrics")
 def metrics(request: Request) -> Any:
     return PlainTextResponse(
         prometheus.generate_latest(request.app.state.metrics.registry),
@@ -358,7 +351,9 @@ def create_app(
     app = FastAPI(title="compatflow search", lifespan=_lifespan)
     app.add_middleware(BodyLimit, limit=limits.MAX_BODY_BYTES)
     app.add_exception_handler(RequestValidationError, _invalid)
-    app.include_router(routes)
+    app.add_api_route("/search", search, methods=["POST"])
+    for path, route in (("/healthz", healthz), ("/readyz", readyz), ("/metrics", metrics)):
+        app.add_api_route(path, route, methods=["GET"])
     state = app.state
     state.metrics = _Metrics(Path(state_path) if state_path else None)
     state.follower = follower or PairFollower(
