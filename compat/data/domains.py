@@ -19,7 +19,7 @@ shade of it) or a fixed accent RGB (a stem, a trunk, a wheel).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 RGB = tuple[int, int, int]
 Role = str | RGB
@@ -405,16 +405,11 @@ def domain_for_phase(phase: int) -> Domain:
     s = BASE_DOMAINS[(j + 3 + 3 * cycle) % n]
     if c is k:
         c = BASE_DOMAINS[(j + 4) % n]
-    return Domain(
+    return replace(
+        k,
         name=f"mix-{k.name}-{c.name}-{b.name}-p{phase:02d}",
         description=f"{k.name} kinds in {c.name} colours on {b.name} backgrounds, {s.name} styles",
-        collective=k.collective,
-        kinds=k.kinds,
         colours=c.colours,
-        sizes=k.sizes,
-        rows=k.rows,
-        cols=k.cols,
-        centre=k.centre,
         backgrounds=b.backgrounds,
         tones=b.tones,
         styles=s.styles,
@@ -474,29 +469,22 @@ def realistic_phase(phase: int) -> RealisticPhase:
     """
     if phase < 0:
         raise ValueError(f"phase must be >= 0, got {phase}")
-    g = GEOMETRIC
+    brought_by = BASE_DOMAINS[: min(phase, len(BASE_DOMAINS) - 1) + 1]
     intro: dict[tuple[str, str], int | None] = {}
-    kinds, colours, backgrounds, tones, styles = [], [], [], [], []
-    for q in range(min(phase, len(BASE_DOMAINS) - 1) + 1):
-        src = _novelty_source(q)
-        assert src is not None
-        for kind in src.kinds:
-            intro[("kind", kind.names[0])] = None if kind.names[0] in CORE_KINDS else q
-            kinds.append(kind)
-        for name, rgb in src.colours:
-            intro[("colour", name)] = None if q == 0 else q
-            colours.append((name, rgb))
-        for bg in src.backgrounds:
-            intro[("background", bg.name)] = None if q == 0 else q
-            backgrounds.append(bg)
-        for name, rgb in src.tones:
-            intro[("tone", name)] = None if name in CORE_TONES else q
-            tones.append((name, rgb))
-        for style in src.styles:
-            intro[("style", style.name)] = None if style.name in CORE_STYLES else q
-            styles.append(style)
+    slots: dict[str, list] = {"kind": [], "colour": [], "background": [], "tone": [], "style": []}
+    for q, src in enumerate(brought_by):
+        for slot, items, name_of, core in (
+            ("kind", src.kinds, lambda k: k.names[0], CORE_KINDS),
+            ("colour", src.colours, lambda c: c[0], None),
+            ("background", src.backgrounds, lambda b: b.name, None),
+            ("tone", src.tones, lambda t: t[0], CORE_TONES),
+            ("style", src.styles, lambda s: s.name, CORE_STYLES),
+        ):
+            for item in items:  # the core: geometric's colours and backgrounds, the CORE_* names
+                is_core = name_of(item) in core if core is not None else q == 0
+                intro[(slot, name_of(item))] = None if is_core else q
+                slots[slot].append(item)
     newest = _novelty_source(phase)
-    name = f"r{phase:02d}-{newest.name if newest is not None else 'mix'}"
     brought = (
         f"new: {', '.join(k.names[0] for k in newest.kinds)}; "
         f"{', '.join(c for c, _ in newest.colours)}; "
@@ -505,19 +493,16 @@ def realistic_phase(phase: int) -> RealisticPhase:
         if newest is not None and phase > 0
         else ("the core vocabulary" if phase == 0 else "no new word, a shifted mix")
     )
-    domain = Domain(
-        name=name,
+    domain = replace(
+        GEOMETRIC,  # its sizes and positions are the core's
+        name=f"r{phase:02d}-{newest.name if newest is not None else 'mix'}",
         description=f"core shapes, colours, sizes and positions with what earlier phases brought; {brought}",
         collective=("object", "objects"),
-        kinds=tuple(kinds),
-        colours=tuple(colours),
-        sizes=g.sizes,
-        rows=g.rows,
-        cols=g.cols,
-        centre=g.centre,
-        backgrounds=tuple(backgrounds),
-        tones=tuple(tones),
-        styles=tuple(styles),
-        sources=tuple(d.name for d in BASE_DOMAINS[: min(phase, len(BASE_DOMAINS) - 1) + 1]),
+        kinds=tuple(slots["kind"]),
+        colours=tuple(slots["colour"]),
+        backgrounds=tuple(slots["background"]),
+        tones=tuple(slots["tone"]),
+        styles=tuple(slots["style"]),
+        sources=tuple(d.name for d in brought_by),
     )
     return RealisticPhase(phase, domain, intro)

@@ -323,24 +323,19 @@ def _json_safe(value: Any) -> Any:
 
 def _read_table(table: Path) -> tuple[list[str], list[dict[str, Any]]]:
     suffix = table.suffix.lower()
+    if suffix not in (".csv", ".parquet"):
+        raise DataImportError(f"{table}: a table must be a .csv or .parquet file")
     try:
         if suffix == ".csv":
             with open(table, newline="", encoding="utf-8-sig") as f:
                 reader = csv.DictReader(f)
-                rows = list(reader)
-                columns = list(reader.fieldnames or [])
-        elif suffix == ".parquet":
-            import pyarrow.parquet as pq
+                return list(reader.fieldnames or []), list(reader)
+        import pyarrow.parquet as pq
 
-            data = pq.read_table(table)
-            columns, rows = list(data.column_names), data.to_pylist()
-        else:
-            raise DataImportError(f"{table}: a table must be a .csv or .parquet file")
+        data = pq.read_table(table)
+        return list(data.column_names), data.to_pylist()
     except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
-        if isinstance(exc, DataImportError):
-            raise
         raise DataImportError(f"{table} cannot be read as a {suffix[1:]} table: {exc}") from exc
-    return columns, rows
 
 
 def _not_a_file(source: str, path: Path) -> tuple[str, str] | None:
@@ -503,52 +498,46 @@ def _karpathy_candidates(file: Path) -> list[_Candidate]:
         text = file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataImportError(f"{file} cannot be read as a UTF-8 JSON file: {exc}") from exc
-    base, out, decoder = file.parent, [], _BoundedJSON(text)
+    decoder = _BoundedJSON(text)
     try:
-        for n, entry in enumerate(_json_array_items(text, "images", file, decoder), start=1):
-            where = f"{file.name} image {n}"
-            problem = _doc_problem(entry, decoder)
-            filename = entry.get("filename") if isinstance(entry, dict) else None
-            if problem or not isinstance(filename, str) or not filename.strip():
-                problem = f"{where}: {problem or 'no filename'}"
-                out.append(_Candidate(where, None, refused=("entry_invalid", problem)))
-                continue
-            folder = entry.get("filepath")
-            rel = (
-                f"{folder.strip().rstrip('/')}/{filename.strip()}"
-                if isinstance(folder, str) and folder.strip()
-                else filename.strip()
-            )
-            source = f"{where}: {rel}"
-            split, sentences = entry.get("split"), entry.get("sentences")
-            if not isinstance(split, str) or split not in KARPATHY_SPLITS:
-                known = ", ".join(KARPATHY_SPLITS)
-                problem = f"{source}: split {json.dumps(split)[:80]} is not one of {known}"
-                out.append(_Candidate(source, None, refused=("entry_invalid", problem)))
-                continue
-            if isinstance(sentences, list) and len(sentences) > MAX_CAPTIONS:
-                problem = f"{source}: {len(sentences):,} sentences, at most {MAX_CAPTIONS:,} per picture"
-                out.append(_Candidate(source, None, refused=("too_many_captions", problem)))
-                continue
-            texts = [_sentence_text(x) for x in sentences] if isinstance(sentences, list) else None
-            if not texts or any(t is None for t in texts):
-                problem = f"{source}: 'sentences' must be a non-empty list of {{\"raw\": caption}} objects"
-                out.append(_Candidate(source, None, refused=("entry_invalid", problem)))
-                continue
-            path = Path(rel) if Path(rel).is_absolute() else base / rel
-            refused = _not_a_file(source, path)
-            if refused:
-                out.append(_Candidate(source, path, refused=refused))
-                continue
-            meta = _json_safe({k: v for k, v in entry.items() if k != "sentences"})
-            out.append(
-                _Candidate(
-                    source, path, captions=tuple(texts), listed=rel, split=KARPATHY_SPLITS[split], meta=meta
-                )
-            )
+        return [
+            _karpathy_candidate(file, f"{file.name} image {n}", entry, _doc_problem(entry, decoder))
+            for n, entry in enumerate(_json_array_items(text, "images", file, decoder), start=1)
+        ]
     except (json.JSONDecodeError, RecursionError) as exc:
         raise DataImportError(f"{file} is not valid JSON: {exc}") from exc
-    return out
+
+
+def _karpathy_candidate(file: Path, where: str, entry: Any, problem: str | None) -> _Candidate:
+    """The candidate of one Karpathy entry (``problem``: why its decoded document cannot be stored)."""
+    filename = entry.get("filename") if isinstance(entry, dict) else None
+    if problem or not isinstance(filename, str) or not filename.strip():
+        return _Candidate(where, None, refused=("entry_invalid", f"{where}: {problem or 'no filename'}"))
+    folder = entry.get("filepath")
+    rel = (
+        f"{folder.strip().rstrip('/')}/{filename.strip()}"
+        if isinstance(folder, str) and folder.strip()
+        else filename.strip()
+    )
+    source = f"{where}: {rel}"
+    split, sentences = entry.get("split"), entry.get("sentences")
+    if not isinstance(split, str) or split not in KARPATHY_SPLITS:
+        problem = f"{source}: split {json.dumps(split)[:80]} is not one of {', '.join(KARPATHY_SPLITS)}"
+        return _Candidate(source, None, refused=("entry_invalid", problem))
+    if isinstance(sentences, list) and len(sentences) > MAX_CAPTIONS:
+        problem = f"{source}: {len(sentences):,} sentences, at most {MAX_CAPTIONS:,} per picture"
+        return _Candidate(source, None, refused=("too_many_captions", problem))
+    texts = [_sentence_text(x) for x in sentences] if isinstance(sentences, list) else None
+    if not texts or any(t is None for t in texts):
+        problem = f"{source}: 'sentences' must be a non-empty list of {{\"raw\": caption}} objects"
+        return _Candidate(source, None, refused=("entry_invalid", problem))
+    path = Path(rel) if Path(rel).is_absolute() else file.parent / rel
+    refused = _not_a_file(source, path)
+    if refused:
+        return _Candidate(source, path, refused=refused)
+    meta = _json_safe({k: v for k, v in entry.items() if k != "sentences"})
+    split = KARPATHY_SPLITS[split]
+    return _Candidate(source, path, captions=tuple(texts), listed=rel, split=split, meta=meta)
 
 
 def detect_format(src: Path) -> str:
@@ -643,10 +632,8 @@ def probe_image(data: bytes, *, decode: bool = True, max_pixels: int = MAX_DECOD
 
 
 def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
-    """The member extension and bytes an image is stored as: its own bytes when the pipeline decodes its
-    format, else lossless PNG (CMYK: JPEG quality 95); raises ``_Refused`` for a mode neither can hold."""
-    if fmt in KEPT_FORMATS:
-        return KEPT_FORMATS[fmt], data
+    """The member extension and bytes of an image whose format the pipeline does not decode: lossless PNG
+    (CMYK: JPEG quality 95); raises ``_Refused`` for a mode neither can hold."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
@@ -685,19 +672,15 @@ def resized_size(width: int, height: int, max_side: int, mode: str) -> tuple[int
 
 
 def resize_image(
-    data: bytes, fmt: str, max_side: int, mode: str, size: tuple[int, int] | None = None
+    data: bytes, fmt: str, max_side: int, mode: str, size: tuple[int, int]
 ) -> tuple[str, bytes, dict[str, Any]]:
-    """The member extension, bytes and facts (stored and original upright size) of ``data`` resized by
-    ``mode``; decoded once at the size it needs (a JPEG at a reduced scale). ``size``: the stored size
-    its header declares, when the caller has read it already. Raises
+    """The member extension, bytes and facts (stored and original upright size) of ``data`` (``size`` in
+    its header) resized by ``mode``, decoded once at the size it needs (a JPEG at a reduced scale). Raises
     :class:`compat.data.images.ImageDecodeError` when it does not decode."""
     from PIL import Image
 
     from compat.data.images import decode_rgb
 
-    if size is None:
-        with Image.open(io.BytesIO(data)) as header:
-            size = header.size
     short, long = min(size), max(size)
     need = max_side if mode in ("keep_ratio", "center_crop") else max(1, math.ceil(max_side * short / long))
     # area averaging for the last scaling, as img2dataset downscales (OpenCV's INTER_AREA)
@@ -1121,7 +1104,7 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
 
 def _sample_json(item: dict[str, Any]) -> bytes:
     """The sample's ``{key}.json`` member."""
-    resize, made = item.get("resize"), item.get("stored")
+    resize, made = item["resize"], item.get("stored")
     if made is not None:
         width, height = made["width"], made["height"]
         original = (made["original_width"], made["original_height"])
@@ -1142,9 +1125,8 @@ def _sample_json(item: dict[str, Any]) -> bytes:
         "sha256": made["sha256"] if made is not None else item["sha256"],
         "status": "success",
         "split": item["split"],
+        "resize": {**(resize or {}), "applied": bool(resize)},
     }
-    if "resize" in item:  # plans written before resizing existed have no such field
-        meta["resize"] = {**(resize or {}), "applied": bool(resize)}
     if made is not None:
         meta["source_sha256"] = item["sha256"]
     if item["label"] is not None:

@@ -235,33 +235,33 @@ def make_sample(
     else:
         rng = random.Random(f"compatflow-synth/{seed}/{phase}/{split}/{index}")
         scene = sample_scene(domain, rng)
-    image = render_scene(scene, domain, image_size)
     buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    render_scene(scene, domain, image_size).save(buf, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
     jpg = buf.getvalue()
     captions = scene_captions(scene, domain)
     if split == "train":
         rng.shuffle(captions)
-    key = sample_key(phase, split, index)
-    meta = {
-        "key": key,
-        "caption": captions[0],
-        "captions": captions,
-        "width": image_size,
-        "height": image_size,
-        "sha256": hashlib.sha256(jpg).hexdigest(),
-        "status": "success",
-        "phase": phase,
-        "domain": domain.name,
-        "split": split,
-        "scene": scene,
-    }
-    members = {
-        "jpg": jpg,
-        "txt": captions[0].encode("utf-8"),
-        "json": json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
-    }
-    return key, members
+    return sample_members(
+        sample_key(phase, split, index),
+        jpg,
+        captions,
+        width=image_size,
+        height=image_size,
+        sha256=hashlib.sha256(jpg).hexdigest(),
+        status="success",
+        phase=phase,
+        domain=domain.name,
+        split=split,
+        scene=scene,
+    )
+
+
+def sample_members(key: str, jpg: bytes, captions: list[str], **meta: Any) -> tuple[str, dict[str, bytes]]:
+    """A sample as :func:`write_shard` takes it: the JPEG, the first caption as ``.txt``, and ``.json``
+    holding the key, the captions and ``meta`` (in that order)."""
+    doc = {"key": key, "caption": captions[0], "captions": captions, **meta}
+    encoded = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return key, {"jpg": jpg, "txt": captions[0].encode("utf-8"), "json": encoded}
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ class ShardJob:
 
 
 def _write_job(
-    job: ShardJob, out_dir: str, seed: int, image_size: int, shift: str, old_word_share: float
+    out_dir: str, seed: int, image_size: int, shift: str, old_word_share: float, job: ShardJob
 ) -> int:
     samples = (
         make_sample(seed, job.phase, job.split, i, image_size, shift, old_word_share)
@@ -347,14 +347,7 @@ def _run_jobs(
 
     from compat.progress import track
 
-    write = functools.partial(
-        _write_job,
-        out_dir=str(out_dir),
-        seed=seed,
-        image_size=image_size,
-        shift=shift,
-        old_word_share=old_word_share,
-    )
+    write = functools.partial(_write_job, str(out_dir), seed, image_size, shift, old_word_share)
     desc = f"writing {len(jobs)} shards ({sum(j.count for j in jobs)} samples)"
     with contextlib.ExitStack() as stack:
         run = map
@@ -379,22 +372,11 @@ def _plan_stream(
         n_shards += len(jobs)
         todo += [j for j in jobs if not (out / j.path).is_file()]
         paths = {split: [j.path for j in jobs if j.split == split] for split in SPLITS}
-        entries.append(
-            {
-                "phase": phase,
-                "domain": domain.name,
-                "description": domain.description,
-                **paths,
-                "counts": dict(counts),
-            }
-        )
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "seed": settings["seed"],
-        "image_size": settings["image_size"],
-    }
-    return {**manifest, "generator": settings, "phases": entries}, todo, n_shards
+        entry = {"phase": phase, "domain": domain.name, "description": domain.description}
+        entries.append({**entry, **paths, "counts": dict(counts)})
+    header = {"format": FORMAT, "version": VERSION, "seed": settings["seed"]}
+    manifest = {**header, "image_size": settings["image_size"], "generator": settings, "phases": entries}
+    return manifest, todo, n_shards
 
 
 def generate_stream(
