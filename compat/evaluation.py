@@ -18,7 +18,6 @@ ties count against the query, as in :mod:`compat.metrics.retrieval`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from compat.metrics.retrieval import DEFAULT_KS, caption_owners
+from compat.metrics.retrieval import DEFAULT_KS, retrieval_hits
 
 if TYPE_CHECKING:  # pragma: no cover
     from compat.data.loader import CaptionedSet
@@ -41,64 +40,6 @@ ReadOld = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tens
 
 def metric_name(k: int) -> str:
     return f"R@{k}"
-
-
-# --------------------------------------------------------------------------------------------- hits
-def query_hits(
-    queries: torch.Tensor,
-    gallery: torch.Tensor,
-    positives: Sequence[Sequence[int]],
-    ks: Sequence[int] = DEFAULT_KS,
-    max_block: int = 1 << 24,
-) -> torch.Tensor:
-    """Per-query hits [Q, len(ks)] (bool): query ``i`` is a hit at K when fewer than K non-relevant items
-    score at least as high as its best relevant item (the tie rule of :func:`compat.metrics.recall_at_k`,
-    whose value is ``100 * hits.float().mean(0)``). Scores are dot products; blocks of at most ``max_block``
-    scores are held at once."""
-    if queries.ndim != 2 or gallery.ndim != 2 or queries.shape[1] != gallery.shape[1]:
-        raise ValueError(
-            f"query_hits: queries {tuple(queries.shape)} and gallery {tuple(gallery.shape)} must be "
-            "[N, D] matrices of the same dimension"
-        )
-    if len(positives) != queries.shape[0]:
-        raise ValueError(f"query_hits: {len(positives)} positive lists for {queries.shape[0]} queries")
-    n_q, n_g = queries.shape[0], gallery.shape[0]
-    ks_t = torch.tensor([int(k) for k in ks])
-    out = torch.zeros(n_q, len(ks_t), dtype=torch.bool)
-    chunk = max(1, max_block // max(n_g, 1))
-    gallery = gallery.float()
-    for q0 in range(0, n_q, chunk):
-        q1 = min(q0 + chunk, n_q)
-        scores = queries[q0:q1].float() @ gallery.T
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        rows = [r for r, pos in enumerate(positives[q0:q1]) for _ in pos]
-        cols = [int(p) for pos in positives[q0:q1] for p in pos]
-        if len(set(rows)) != q1 - q0:
-            raise ValueError("query_hits: every query needs at least one relevant gallery item")
-        mask[rows, cols] = True
-        best = scores.masked_fill(~mask, -math.inf).max(dim=1).values
-        competitors = ((scores >= best[:, None]) & ~mask).sum(dim=1)
-        out[q0:q1] = competitors[:, None] < ks_t[None, :]
-    return out
-
-
-def retrieval_hits(
-    query_image: torch.Tensor,
-    query_text: torch.Tensor,
-    gallery_image: torch.Tensor,
-    gallery_text: torch.Tensor,
-    captions_per_image: Sequence[int],
-    ks: Sequence[int] = DEFAULT_KS,
-) -> dict[str, torch.Tensor]:
-    """Per-query hits both ways, multi-caption protocol: ``{"t2i": [C, K], "i2t": [I, K]}``."""
-    owners = caption_owners(list(captions_per_image), query_image.shape[0])
-    captions_of: list[list[int]] = [[] for _ in range(query_image.shape[0])]
-    for c, i in enumerate(owners):
-        captions_of[i].append(c)
-    return {
-        "t2i": query_hits(query_text, gallery_image, [[i] for i in owners], ks),
-        "i2t": query_hits(query_image, gallery_text, captions_of, ks),
-    }
 
 
 def _as_is(queries: torch.Tensor, gallery: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

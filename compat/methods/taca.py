@@ -57,6 +57,7 @@ from compat.methods.training import (
 )
 from compat.models import ClipBundle
 from compat.modules.adapters import AdapterHandle, insert_tied_adapters, vision_blocks
+from compat.modules.lora import load_named_tensors
 from compat.modules.projection import TwoLayerProjector
 from compat.modules.serving import ProjectedCLIP, projected_bundle
 
@@ -167,21 +168,7 @@ class AdaptedVisual:
         return {n: p.detach() for n, p in self.trainable()}
 
     def load_adapter_state(self, tensors: dict[str, torch.Tensor], source: str = "adapters") -> None:
-        own = dict(self.trainable())
-        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-        if missing or unexpected:
-            raise CompatError(
-                f"{source}: TaCA tensors do not fit this model: missing {missing[:4]}, "
-                f"unexpected {unexpected[:4]}"
-            )
-        with torch.no_grad():
-            for name, param in own.items():
-                if tensors[name].shape != param.shape:
-                    raise CompatError(
-                        f"{source}: {name} has shape {tuple(tensors[name].shape)}, expected "
-                        f"{tuple(param.shape)}"
-                    )
-                param.copy_(tensors[name])
+        load_named_tensors(dict(self.trainable()), tensors, f"{source}: TaCA tensors", CompatError)
 
     @property
     def attached(self) -> bool:

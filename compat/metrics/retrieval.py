@@ -48,7 +48,7 @@ def _positive_pairs(
     return torch.tensor(q_idx, dtype=torch.long), torch.tensor(g_idx, dtype=torch.long)
 
 
-def recall_at_k(
+def query_hits(
     queries: torch.Tensor,
     gallery: torch.Tensor,
     positives: Sequence[Sequence[int]],
@@ -56,8 +56,8 @@ def recall_at_k(
     *,
     query_chunk: int = 1024,
     gallery_chunk: int = 16384,
-) -> dict[int, float]:
-    """Recall@K in percent: the share of queries with a relevant gallery item among the top K.
+) -> torch.Tensor:
+    """Per-query hits [Q, len(ks)] (bool, ``ks`` sorted): a relevant gallery item among the top K.
 
     ``queries`` [Q, D] and ``gallery`` [G, D] are L2-normalised (scores are dot products); ``positives[i]``
     lists the gallery indices relevant to query ``i``. Ties count against the query (see the module doc).
@@ -79,8 +79,7 @@ def recall_at_k(
     device = queries.device
     gallery = gallery.to(device=device, dtype=dtype)
     pair_q, pair_g = pair_q.to(device), pair_g.to(device)
-    hits = torch.zeros(len(ks), dtype=torch.long)
-
+    hits = torch.zeros(n_q, len(ks), dtype=torch.bool)
     for q0 in range(0, n_q, query_chunk):
         q1 = min(q0 + query_chunk, n_q)
         q = queries[q0:q1].to(dtype)
@@ -100,9 +99,29 @@ def recall_at_k(
             k = min(k_max, g1 - g0)
             merged = torch.cat([top_neg, scores.topk(k, dim=1).values], dim=1)
             top_neg = merged.topk(k_max, dim=1).values
-        for j, k in enumerate(ks):
-            hits[j] += int((best_pos > top_neg[:, k - 1]).sum())
-    return {k: 100.0 * hits[j].item() / n_q for j, k in enumerate(ks)}
+        hits[q0:q1] = (best_pos[:, None] > top_neg[:, [k - 1 for k in ks]]).cpu()
+    return hits
+
+
+def _percent(hits: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    return {
+        k: 100.0 * int(hits[:, j].sum()) / hits.shape[0] for j, k in enumerate(sorted({int(k) for k in ks}))
+    }
+
+
+def recall_at_k(
+    queries: torch.Tensor,
+    gallery: torch.Tensor,
+    positives: Sequence[Sequence[int]],
+    ks: Sequence[int] = DEFAULT_KS,
+    *,
+    query_chunk: int = 1024,
+    gallery_chunk: int = 16384,
+) -> dict[int, float]:
+    """Recall@K in percent: the share of queries with a relevant gallery item among the top K
+    (:func:`query_hits`)."""
+    chunks = {"query_chunk": query_chunk, "gallery_chunk": gallery_chunk}
+    return _percent(query_hits(queries, gallery, positives, ks, **chunks), ks)
 
 
 def caption_owners(captions_per_image: int | Sequence[int], n_images: int) -> list[int]:
@@ -119,19 +138,15 @@ def caption_owners(captions_per_image: int | Sequence[int], n_images: int) -> li
     return [i for i, c in enumerate(counts) for _ in range(c)]
 
 
-def _named(recalls: dict[int, float]) -> dict[str, float]:
-    return {f"R@{k}": v for k, v in recalls.items()}
-
-
-def cross_model_retrieval(
+def retrieval_hits(
     query_image: torch.Tensor,
     query_text: torch.Tensor,
     gallery_image: torch.Tensor,
     gallery_text: torch.Tensor,
     captions_per_image: int | Sequence[int],
     ks: Sequence[int] = DEFAULT_KS,
-) -> dict[str, dict[str, float]]:
-    """R@K both ways with queries from one model and the gallery from another (pair "query/gallery").
+) -> dict[str, torch.Tensor]:
+    """Per-query hits both ways (:func:`query_hits`), queries from one model and the gallery from another.
 
     Text-to-image: every caption embedded by the query model is a query over the gallery model's images;
     its one relevant image is the one it describes. Image-to-text: every image embedded by the query model is
@@ -151,9 +166,23 @@ def cross_model_retrieval(
     captions_of: list[list[int]] = [[] for _ in range(n_images)]
     for c, i in enumerate(owners):
         captions_of[i].append(c)
-    t2i = recall_at_k(query_text, gallery_image, [[i] for i in owners], ks)
-    i2t = recall_at_k(query_image, gallery_text, captions_of, ks)
-    return {"t2i": _named(t2i), "i2t": _named(i2t)}
+    return {
+        "t2i": query_hits(query_text, gallery_image, [[i] for i in owners], ks),
+        "i2t": query_hits(query_image, gallery_text, captions_of, ks),
+    }
+
+
+def cross_model_retrieval(
+    query_image: torch.Tensor,
+    query_text: torch.Tensor,
+    gallery_image: torch.Tensor,
+    gallery_text: torch.Tensor,
+    captions_per_image: int | Sequence[int],
+    ks: Sequence[int] = DEFAULT_KS,
+) -> dict[str, dict[str, float]]:
+    """R@K both ways of :func:`retrieval_hits` (pair "query/gallery"): ``{"t2i": {"R@1": ...}, ...}``."""
+    hits = retrieval_hits(query_image, query_text, gallery_image, gallery_text, captions_per_image, ks)
+    return {d: {f"R@{k}": v for k, v in _percent(h, ks).items()} for d, h in hits.items()}
 
 
 def retrieval_metrics(

@@ -159,6 +159,22 @@ def read_sidecar(path: Path) -> dict:
     return doc
 
 
+def verified_weights(sidecar_path: Path, doc: dict) -> Path:
+    """The weights file beside a sidecar, once its sha256 matches the sidecar (else ChecksumError)."""
+    weights = Path(sidecar_path).parent / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"checkpoint weights {weights} are missing (sidecar {sidecar_path} refers to them)"
+        )
+    actual = sha256_file(weights)
+    if actual != doc["sha256"]:
+        raise ChecksumError(
+            f"{weights}: sha256 mismatch: expected {doc['sha256']} (from {sidecar_path}), "
+            f"actual {actual}; the file was modified or truncated"
+        )
+    return weights
+
+
 def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> ClipBundle:
     """Load a checkpoint written by :func:`save_checkpoint` (``path`` = directory or model.json).
 
@@ -171,17 +187,7 @@ def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> ClipBu
 
     sidecar_path = _sidecar_path(path)
     doc = read_sidecar(sidecar_path)
-    weights = sidecar_path.parent / WEIGHTS_FILE
-    if not weights.is_file():
-        raise FileNotFoundError(
-            f"checkpoint weights {weights} are missing (sidecar {sidecar_path} refers to them)"
-        )
-    actual = sha256_file(weights)
-    if actual != doc["sha256"]:
-        raise ChecksumError(
-            f"{weights}: sha256 mismatch: expected {doc['sha256']} (from {sidecar_path}), "
-            f"actual {actual}; the file was modified or truncated"
-        )
+    weights = verified_weights(sidecar_path, doc)
     try:
         with safe_open(str(weights), framework="pt") as fh:
             meta = fh.metadata() or {}

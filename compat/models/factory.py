@@ -94,19 +94,15 @@ def read_config(config_name: str) -> dict[str, Any]:
     from schemas import validate
 
     path = config_path(config_name)
-    if is_architecture(config_name):
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        preprocess = config.pop("preprocess_cfg", None) or {}
-        if "resize_mode" in preprocess:
-            config["preprocess_cfg"] = {"resize_mode": preprocess["resize_mode"]}
-        return {**config, "open_clip_model": config_name}
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if is_architecture(config_name):
+        preprocess = config.pop("preprocess_cfg", None) or {}
+        if "resize_mode" in preprocess:
+            config["preprocess_cfg"] = {"resize_mode": preprocess["resize_mode"]}
+        return {**config, "open_clip_model": config_name}
     validate(config, "model_config", source=str(path))
     return config
 

@@ -13,7 +13,6 @@ folder may also hold tags of its own (a team's weights under a name of theirs).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -272,9 +271,7 @@ def load_pretrained(
             f"{where}: weights {path} do not fit the model config ({'; '.join(parts)}); pretrained weights "
             "must come from the same open_clip architecture"
         )
+    from compat.models.checkpoint import sha256_file
+
     model.load_state_dict(state, strict=True)
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return {"spec": spec, "path": str(Path(path).resolve()), "sha256": digest.hexdigest()}
+    return {"spec": spec, "path": str(Path(path).resolve()), "sha256": sha256_file(path)}

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from compat.models.checkpoint import SIDECAR_FILE, WEIGHTS_FILE, ChecksumError, read_sidecar, sha256_file
+from compat.models.checkpoint import SIDECAR_FILE, ChecksumError, read_sidecar, verified_weights
 from compat.models.factory import CLIP_BPE, _open_clip_config_dir, read_config
 
 TEXT_KEYS = frozenset({"context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio"})
@@ -82,13 +82,7 @@ def load_text_tower(model_dir: str | Path) -> TextTower | None:
     config = read_config(sidecar["config_name"])
     if sidecar["tokenizer"] != CLIP_BPE or unsupported(config):
         return None
-    weights = checkpoint / WEIGHTS_FILE
-    actual = sha256_file(weights)
-    if actual != sidecar["sha256"]:
-        raise ChecksumError(
-            f"{weights}: sha256 mismatch: expected {sidecar['sha256']} (from {checkpoint / SIDECAR_FILE}), "
-            f"actual {actual}; the file was modified or truncated"
-        )
+    weights = verified_weights(checkpoint / SIDECAR_FILE, sidecar)
     from safetensors import safe_open
 
     with safe_open(str(weights), framework="np") as fh:

@@ -131,20 +131,7 @@ class LoraHandle:
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load LoRA matrices saved by :meth:`state_dict`; the names must match exactly."""
-        own = dict(self.named_parameters())
-        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"LoRA weights do not fit this model: missing {missing[:4]}, unexpected "
-                f"{unexpected[:4]} ({len(missing)} missing, {len(unexpected)} unexpected)"
-            )
-        with torch.no_grad():
-            for name, param in own.items():
-                if tensors[name].shape != param.shape:
-                    raise ValueError(
-                        f"LoRA weight {name}: shape {tuple(tensors[name].shape)} != {tuple(param.shape)}"
-                    )
-                param.copy_(tensors[name])
+        load_named_tensors(dict(self.named_parameters()), tensors, "LoRA weights")
 
     def remove(self) -> nn.Module:
         """Unload the adapters without merging and restore ``requires_grad`` flags (idempotent)."""
@@ -158,6 +145,29 @@ class LoraHandle:
             if name in self._flags:
                 param.requires_grad_(self._flags[name])
         return self.model
+
+
+def load_named_tensors(
+    own: dict[str, nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+    what: str,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Copy ``tensors`` into the parameters ``own`` of the same names; names and shapes must all match."""
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise error(
+            f"{what} do not fit this model: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]} ({len(missing)} missing, {len(unexpected)} unexpected)"
+        )
+    for name, param in own.items():
+        if tensors[name].shape != param.shape:
+            raise error(
+                f"{what}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in own.items():
+            param.copy_(tensors[name])
 
 
 def attach_lora(

@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 from compat.evaluation import (
     compatibility_hits,
     paired_bootstrap,
-    query_hits,
     report_from_hits,
     retrieval_hits,
 )
 from compat.methods.lambda_orth import LambdaOrthConfig, PairedFeatures, fit_adapters
 from compat.metrics import caption_owners, cross_model_retrieval, recall_at_k
+from compat.metrics.retrieval import query_hits
 from compat.models import build_model, save_checkpoint
 from schemas import schema_errors
 
@@ -38,7 +38,7 @@ def test_query_hits_agree_with_recall_at_k_including_ties():
     gallery = F.normalize(torch.randn(40, 8), dim=-1)
     gallery[7] = gallery[3]  # exact ties between a relevant and a non-relevant item
     positives = [[i % 40] if i % 3 else [i % 40, (i + 5) % 40] for i in range(50)]
-    hits = query_hits(queries, gallery, positives, (1, 5, 10), max_block=97)  # several small blocks
+    hits = query_hits(queries, gallery, positives, (1, 5, 10), query_chunk=7, gallery_chunk=13)
     expected = recall_at_k(queries, gallery, positives, (1, 5, 10))
     for j, k in enumerate((1, 5, 10)):
         assert 100 * hits[:, j].float().mean().item() == pytest.approx(expected[k])
