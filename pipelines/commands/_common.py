@@ -1,11 +1,12 @@
-"""Helpers shared by command modules: exit codes declared in the help, fatal errors with a clear message,
-JSON output, the workspace and config a command works on."""
+"""Helpers shared by command modules: exit codes declared in the help, fatal errors, JSON output, the
+options and the workspace a command works on."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -62,6 +63,7 @@ def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
         fail(str(err), code=1)
 
 
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 WorkspaceOpt = Annotated[
     Path | None,
     typer.Option("--workspace", help="Workspace directory with local services (instead of --config)."),
@@ -78,10 +80,9 @@ ConfigOpt = Annotated[
 
 
 def config_of(config: str | None) -> Any:
-    """The resolved config an operator command reads its defaults from (``local`` when none is given). An
-    operator command trains and gates nothing, so the files only a run reads (start weights, gate policy)
-    need not be on this machine, and what only training reads is not checked (``compatflow run`` checks
-    all of it)."""
+    """The resolved config an operator command reads its defaults from (``local`` when none is given). Files
+    only a run reads (start weights, gate policy) need not be on this machine, and what only training reads
+    is not checked (``compatflow run`` checks all of it)."""
     from pipelines.config import ConfigError, load_config, resolve
 
     try:
@@ -90,21 +91,22 @@ def config_of(config: str | None) -> Any:
         fail(str(err))
 
 
+def _bare_workspace(config: str | None, workspace: Path | None) -> bool:
+    """Whether the command works on a directory (``--workspace`` or $COMPATFLOW_WORKSPACE), not a config."""
+    from components.state.workspace import ENV_ROOT
+
+    return workspace is not None or (config is None and bool(os.environ.get(ENV_ROOT)))
+
+
 def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, Any]:
     """The workspace a query command serves (as :func:`reading_workspace`) and the check of its query
     models against the registry's digests (the config's ``registry.model_name``, the default one with
     ``--workspace``)."""
-    import os
-
     from components.serving.verify import RegistryDigestCheck
-    from components.state.workspace import ENV_ROOT
 
-    if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
-        ws = reading_workspace(config, workspace)
-        return ws, RegistryDigestCheck(ws)
-    deployment = config_of(config)
+    deployment = None if _bare_workspace(config, workspace) else config_of(config)
     ws = reading_workspace(config, workspace, deployment)
-    return ws, RegistryDigestCheck(ws, deployment.registry.model_name)
+    return ws, RegistryDigestCheck(ws, deployment.registry.model_name if deployment else None)
 
 
 def reading_workspace(config: str | None, workspace: Path | None, deployment: Any = None) -> Any:
@@ -130,19 +132,14 @@ def workspace_of(
     config: str | None, workspace: Path | None, deployment: Any = None, *, index_uri: str | None = None
 ) -> Any:
     """The :class:`~components.state.workspace.Workspace` an operator command works on: the config's
-    workspace and
-    service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its local services;
-    ``index_uri`` (a command's ``--uri``) replaces the index URI."""
-    import os
-
-    from components.state.workspace import ENV_ROOT, Workspace
+    workspace and service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its
+    local services; ``index_uri`` (a command's ``--uri``) replaces the index URI."""
+    from components.state.workspace import Workspace, WorkspaceError
 
     if config is not None and workspace is not None:
         fail("give --config or --workspace, not both")
-    from components.state.workspace import WorkspaceError
-
     try:
-        if workspace is not None or (config is None and os.environ.get(ENV_ROOT)):
+        if _bare_workspace(config, workspace):
             return Workspace(workspace, index_uri=index_uri)
         chosen = Workspace.of(deployment if deployment is not None else config_of(config))
         return chosen.with_index_uri(index_uri) if index_uri else chosen

@@ -7,7 +7,18 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import (
+    ConfigOpt,
+    JsonOpt,
+    WorkspaceOpt,
+    config_of,
+    echo_json,
+    exit_codes,
+    fail,
+    holding_workspace,
+    serving_workspace,
+    workspace_of,
+)
 
 UriOpt = Annotated[
     str | None,
@@ -17,22 +28,13 @@ UriOpt = Annotated[
         "<workspace>/milvus/gallery.db).",
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 rollout_app = typer.Typer(
     help="Gallery index rollout: index, staged partial backfill, status, rollback.", no_args_is_help=True
 )
 
 
-def _paths(workspace: Path | None) -> Any:
-    from components.rollout import RolloutPaths
-
-    return RolloutPaths.for_workspace(workspace)
-
-
 def _options(pairs: list[str]) -> dict[str, str]:
-    from pipelines.commands._common import fail
-
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -45,30 +47,21 @@ def _options(pairs: list[str]) -> dict[str, str]:
 @rollout_app.command("index")
 @exit_codes()
 def index_cmd(
-    model: Annotated[
-        Path, typer.Option("--model", help="Model or checkpoint directory that embeds the gallery.")
-    ],
-    version: Annotated[str, typer.Option("--version", help="Model version written with each vector.")],
-    space: Annotated[str, typer.Option("--space", help="Embedding space id of the vectors.")],
-    gallery: Annotated[
-        list[str], typer.Option("--gallery", help="Gallery shard URL(s), globs or brace patterns.")
-    ],
-    probe_size: Annotated[
-        int, typer.Option("--probe-size", help="Captions kept as the rollout probe set.")
-    ] = 500,
+    model: Annotated[Path, typer.Option(help="Model or checkpoint directory that embeds the gallery.")],
+    version: Annotated[str, typer.Option(help="Model version written with each vector.")],
+    space: Annotated[str, typer.Option(help="Embedding space id of the vectors.")],
+    gallery: Annotated[list[str], typer.Option(help="Gallery shard URL(s), globs or brace patterns.")],
+    probe_size: Annotated[int, typer.Option(help="Captions kept as the rollout probe set.")] = 500,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     uri: UriOpt = None,
 ) -> None:
     """Embed a gallery with MODEL and index it behind the serving alias (first run); writes the probe set."""
-    from pipelines.commands._common import workspace_of
-
     workspace = workspace_of(config, workspace, index_uri=uri)
     from components.adapters.index import GalleryIndexError
     from components.rollout import ServingError
     from components.rollout.operations import index_new_items
-    from pipelines.commands._common import fail
 
     try:
         record = index_new_items(workspace, model, version, space, gallery, probe_size=probe_size, seed=seed)
@@ -83,32 +76,27 @@ def index_cmd(
 @rollout_app.command("run")
 @exit_codes({0: "the rollout completed", 1: "halted: a probe fell below its floor (the stage was restored)"})
 def run_cmd(
-    new_version: Annotated[str, typer.Option("--new-version", help="Version of the model being rolled out.")],
+    new_version: Annotated[str, typer.Option(help="Version of the model being rolled out.")],
     new_model: Annotated[
-        str, typer.Option("--new-model", help="New model directory (compatible model or checkpoint).")
+        str, typer.Option(help="New model directory (compatible model or checkpoint).")
     ] = "",
     old_model: Annotated[
-        str,
-        typer.Option("--old-model", help="Serving query model directory (default: the serving record's)."),
+        str, typer.Option(help="Serving query model directory (default: the serving record's).")
     ] = "",
     probe: Annotated[
-        Path | None, typer.Option("--probe", help="Probe set JSON (default: <workspace>/rollout/probe.json).")
+        Path | None, typer.Option(help="Probe set JSON (default: <workspace>/rollout/probe.json).")
     ] = None,
     order: Annotated[
         str | None,
         typer.Option(
-            "--order",
-            help="random | oldest_first | lambda_orth | uncertainty (default: the config's rollout.order).",
+            help="random | oldest_first | lambda_orth | uncertainty (default: the config's rollout.order)."
         ),
     ] = None,
     fractions: Annotated[
-        str | None,
-        typer.Option("--fractions", help="Stage fractions, comma-separated (default: the config's)."),
+        str | None, typer.Option(help="Stage fractions, comma-separated (default: the config's).")
     ] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="Default: the config's training.seed.")] = None,
-    batch_size: Annotated[
-        int | None, typer.Option("--batch-size", help="Default: the config's rollout.batch_size.")
-    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Default: the config's training.seed.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Default: the config's rollout.batch_size.")] = None,
     p99_factor: Annotated[
         float | None,
         typer.Option(
@@ -117,69 +105,42 @@ def run_cmd(
         ),
     ] = None,
     max_items_per_s: Annotated[
-        float | None,
-        typer.Option("--max-items-per-s", help="Backfill rate cap (default: the config's rollout.slo)."),
+        float | None, typer.Option(help="Backfill rate cap (default: the config's rollout.slo).")
     ] = None,
     space: Annotated[
         str | None,
         typer.Option(
-            "--space",
-            help="Target space (default: the contract's or the serving one; another space goes blue-green).",
+            help="Target space (default: the contract's or the serving one; another space goes blue-green)."
         ),
     ] = None,
     floor: Annotated[
         list[str],
-        typer.Option(
-            "--floor", help="Floor METRIC=VALUE over the config's rollout.floors (only raises old/old)."
-        ),
+        typer.Option(help="Floor METRIC=VALUE over the config's rollout.floors (only raises old/old)."),
     ] = [],  # noqa: B006
     encoders: Annotated[
-        str, typer.Option("--encoders", help="Encoder factory module:function.")
+        str, typer.Option(help="Encoder factory module:function.")
     ] = "components.rollout.encoders:model_encoders",
     query_factory: Annotated[
-        str, typer.Option("--query-factory", help="Factory of the serving query encoder recorded for search.")
+        str, typer.Option(help="Factory of the serving query encoder recorded for search.")
     ] = "components.serving.record:model_query_encoder",
-    option: Annotated[list[str], typer.Option("--option", help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
+    option: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     uri: UriOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Roll NEW_VERSION out: switch queries, backfill in stages with probes; resumes after any crash."""
-    from pipelines.commands._common import config_of, workspace_of
-
     deployment = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
     workspace = workspace_of(config, workspace, deployment, index_uri=uri)
-    from pydantic import ValidationError
-
     from components.adapters.index import GalleryIndexError
-    from components.deployment import RolloutSection, error_lines
     from components.rollout import RolloutError, ServingError
     from components.rollout.operations import roll_out
-    from pipelines.commands._common import echo_json, fail
 
-    given = deployment.rollout
-    slo = given.slo.model_copy(
-        update={
-            **({} if p99_factor is None else {"p99_factor": p99_factor or None}),
-            **({} if max_items_per_s is None else {"max_items_per_s": max_items_per_s}),
-        }
-    )
     try:
-        settings = RolloutSection.model_validate(
-            {
-                **given.model_dump(),
-                **({} if order is None else {"order": order}),
-                **({} if fractions is None else {"fractions": [float(f) for f in fractions.split(",") if f]}),
-                **({} if batch_size is None else {"batch_size": batch_size}),
-                "floors": {**given.floors, **{k: float(v) for k, v in _options(floor).items()}},
-                "slo": slo.model_dump(),
-            }
-        )
         state = roll_out(
             workspace,
             new_version,
-            settings,
+            _settings(deployment.rollout, order, fractions, batch_size, floor, p99_factor, max_items_per_s),
             new_model=new_model,
             old_model=old_model,
             probe=probe,
@@ -189,10 +150,13 @@ def run_cmd(
             query_factory=query_factory,
             options=_options(option),
         )
-    except ValidationError as err:
-        fail("; ".join(error_lines(err)))
     except (RolloutError, ServingError, GalleryIndexError, ValueError, OSError) as err:
         fail(str(err))
+    _print_rollout(state, as_json)
+
+
+def _print_rollout(state: dict[str, Any], as_json: bool) -> None:
+    """The rollout's outcome and probe curve; exit 1 when it halted."""
     if as_json:
         echo_json(state)
     else:
@@ -206,20 +170,55 @@ def run_cmd(
         fail(f"rollout halted: {state['halt_reason']}", code=1)
 
 
+def _settings(
+    given: Any,
+    order: str | None,
+    fractions: str | None,
+    batch_size: int | None,
+    floors: list[str],
+    p99_factor: float | None,
+    max_items_per_s: float | None,
+) -> Any:
+    """The config's rollout section with the options given over it, validated as the config is (exit 2
+    naming each bad field)."""
+    from pydantic import ValidationError
+
+    from components.deployment import RolloutSection, error_lines
+
+    slo = given.slo.model_dump()
+    if p99_factor is not None:
+        slo["p99_factor"] = p99_factor or None  # 0: unpaced
+    if max_items_per_s is not None:
+        slo["max_items_per_s"] = max_items_per_s
+    chosen = {
+        "order": order,
+        "fractions": None if fractions is None else [float(f) for f in fractions.split(",") if f],
+        "batch_size": batch_size,
+    }
+    try:
+        return RolloutSection.model_validate(
+            {
+                **given.model_dump(),
+                **{key: value for key, value in chosen.items() if value is not None},
+                "floors": {**given.floors, **{k: float(v) for k, v in _options(floors).items()}},
+                "slo": slo,
+            }
+        )
+    except ValidationError as err:
+        fail("; ".join(error_lines(err)))
+
+
 @rollout_app.command("status")
 @exit_codes({1: "the rollout state cannot be read"})
 def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """State, stage and fraction backfilled of the rollout in the workspace."""
-    from pipelines.commands._common import workspace_of
-
     workspace = workspace_of(config, workspace)
     from components.rollout import status
     from components.rollout.types import RolloutError
-    from pipelines.commands._common import echo_json, fail
     from schemas import SchemaError
 
     try:
-        doc = status(_paths(workspace).state)
+        doc = status(workspace.rollout_state_path)
     except (RolloutError, SchemaError) as err:  # a damaged state file: the message names it
         fail(str(err), code=1)
     if as_json:
@@ -240,17 +239,14 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
 @exit_codes({1: "nothing to roll back, or it failed"})
 def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Restore the previous gallery (collection or vectors) and the previous query model."""
-    from pipelines.commands._common import workspace_of
-
     workspace = workspace_of(config, workspace)
     from components.adapters.index import GalleryIndexError
-    from components.rollout import RolloutError, ServingError, rollback
+    from components.rollout import RolloutError, RolloutPaths, ServingError, rollback
     from components.rollout.operations import open_index
-    from pipelines.commands._common import echo_json, fail, holding_workspace
 
     try:  # the index opened for this deployment: an alias of another one is never switched
         with holding_workspace(workspace, "compatflow rollout rollback"), open_index(workspace) as index:
-            state = rollback(_paths(workspace), index)
+            state = rollback(RolloutPaths.for_workspace(workspace), index)
     except (RolloutError, ServingError, GalleryIndexError) as err:
         fail(str(err), code=1)
     if as_json:
@@ -284,7 +280,6 @@ def search_cmd(
     registry's digest of its version, and searches the collection the record names (--uri: another index).
     """
     from components.serving.limits import QueryBoundError, check_search
-    from pipelines.commands._common import echo_json, fail, serving_workspace
 
     try:
         check_search(texts, k)  # before anything heavy is imported
@@ -298,9 +293,7 @@ def search_cmd(
         from components.serving.search import search
 
         try:
-            hits = search(
-                texts, k, record_path=_paths(workspace).serving, uri=uri, captions=True, verify=verify
-            )
+            hits = search(texts, k, record_path=workspace.serving_path, uri=uri, captions=True, verify=verify)
         except (ServingError, GalleryIndexError, ValueError) as err:
             fail(str(err))
     if as_json:
@@ -320,7 +313,6 @@ def _ask_service(workspace: Any, texts: list[str], k: int) -> list[list[dict[str
     import logging
 
     from components.adapters.services import ask, live_services
-    from pipelines.commands._common import fail
 
     for url in live_services(workspace.services_dir):
         try:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,6 +14,13 @@ from pipelines.commands._common import echo_json, exit_codes, fail
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
 TRAINER_SETTINGS = ("accum_steps", "weight_decay", "precision")  # the trainer's own: no config key
+DeploymentOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="A deployment config (a pod's $COMPATFLOW_CONFIG): its training section gives every setting an "
+        "option leaves out (default: the shipped defaults).",
+    ),
+]
 
 
 def settings_given(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -26,103 +34,67 @@ def settings_given(params: Mapping[str, Any]) -> dict[str, Any]:
     return {setting: value for setting, value in chosen.items() if value is not None}
 
 
+def _setting(name: str, what: str, more: str = "", **limits: Any) -> Any:
+    """The option of training setting ``name``: left out, the training section's value stands."""
+    return typer.Option(help=f"{what} (default: training.{name}{more}).", **limits)
+
+
 @train_app.command("continual")
 @exit_codes()
 def continual(
     ctx: typer.Context,
-    stream: Annotated[Path, typer.Option("--stream", help="Stream directory (holds stream.json).")],
-    phase: Annotated[int, typer.Option("--phase", min=0, help="Phase to train on.")],
-    out: Annotated[Path, typer.Option("--out", help="Output directory (model/, metrics.json, train/).")],
+    stream: Annotated[Path, typer.Option(help="Stream directory (holds stream.json).")],
+    phase: Annotated[int, typer.Option(min=0, help="Phase to train on.")],
+    out: Annotated[Path, typer.Option(help="Output directory (model/, metrics.json, train/).")],
     production: Annotated[
         Path | None,
-        typer.Option(
-            "--production", help="Production checkpoint (dir or model.json); omit only for phase 0 (CLIP_0)."
-        ),
+        typer.Option(help="Production checkpoint (dir or model.json); omit only for phase 0 (CLIP_0)."),
     ] = None,
-    deployment: Annotated[
-        Path | None,
-        typer.Option(
-            "--deployment",
-            help="A deployment config (a pod's $COMPATFLOW_CONFIG): its training section gives every "
-            "setting an option leaves out (default: the shipped defaults).",
-        ),
-    ] = None,
+    deployment: DeploymentOpt = None,
     config: Annotated[
-        str | None,
-        typer.Option("--config", help="Model config for CLIP_0 (phase 0; default: training.model_config)."),
+        str | None, typer.Option(help="Model config for CLIP_0 (phase 0; default: training.model_config).")
     ] = None,
     pretrained: Annotated[
-        str | None,
-        typer.Option("--pretrained", help="CLIP_0's start weights: an open_clip tag or a local file/folder."),
+        str | None, typer.Option(help="CLIP_0's start weights: an open_clip tag or a local file/folder.")
     ] = None,
     weights_dir: Annotated[
-        str | None, typer.Option("--weights-dir", help="Where a pretrained tag is looked up first.")
+        str | None, typer.Option(help="Where a pretrained tag is looked up first.")
     ] = None,
     resize_mode: Annotated[
-        str | None, typer.Option("--resize-mode", help="shortest | longest | squash (default: the model's).")
+        str | None, typer.Option(help="shortest | longest | squash (default: the model's).")
     ] = None,
-    method: Annotated[
-        str | None, typer.Option("--method", help="modx | finetune | joint (default: training.method).")
-    ] = None,
-    alpha: Annotated[
-        float | None, typer.Option("--alpha", min=0.0, help="Mod-X KL weight (default: training.alpha).")
-    ] = None,
-    steps: Annotated[
-        int | None, typer.Option("--steps", min=1, help="Optimizer steps (default: training.steps).")
-    ] = None,
-    batch_size: Annotated[
-        int | None,
-        typer.Option(
-            "--batch-size", min=2, help="Global contrastive batch B (default: training.batch_size)."
-        ),
-    ] = None,
-    accum_steps: Annotated[
-        int | None, typer.Option("--accum-steps", min=1, help="Micro-batches per step.")
-    ] = None,
-    lr: Annotated[
-        float | None, typer.Option("--lr", help="Peak learning rate (default: training.lr).")
-    ] = None,
-    weight_decay: Annotated[float | None, typer.Option("--weight-decay")] = None,
-    warmup_fraction: Annotated[float | None, typer.Option("--warmup-fraction", min=0.0, max=1.0)] = None,
-    precision: Annotated[str | None, typer.Option("--precision", help="auto | fp32 | bf16 | fp16.")] = None,
+    method: Annotated[str | None, _setting("method", "modx | finetune | joint")] = None,
+    alpha: Annotated[float | None, _setting("alpha", "Mod-X KL weight", min=0.0)] = None,
+    steps: Annotated[int | None, _setting("steps", "Optimizer steps", min=1)] = None,
+    batch_size: Annotated[int | None, _setting("batch_size", "Global contrastive batch B", min=2)] = None,
+    accum_steps: Annotated[int | None, typer.Option(min=1, help="Micro-batches per step.")] = None,
+    lr: Annotated[float | None, _setting("lr", "Peak learning rate")] = None,
+    weight_decay: float | None = None,
+    warmup_fraction: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
+    precision: Annotated[str | None, typer.Option(help="auto | fp32 | bf16 | fp16.")] = None,
     checkpoint_every: Annotated[
-        int | None,
-        typer.Option("--checkpoint-every", min=0, help="Resumable checkpoint every N steps (0: end only)."),
+        int | None, typer.Option(min=0, help="Resumable checkpoint every N steps (0: end only).")
     ] = None,
-    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    seed: int | None = None,
     replay_buffer_size: Annotated[
         int | None,
-        typer.Option(
-            "--replay-buffer-size",
-            min=0,
-            help="Pairs of earlier phases kept for replay (default: training.replay_buffer_size; 0: none).",
-        ),
+        _setting("replay_buffer_size", "Pairs of earlier phases kept for replay", "; 0: none", min=0),
     ] = None,
     replay_rows: Annotated[
-        int | None,
-        typer.Option(
-            "--replay-rows",
-            min=0,
-            help="Replayed pairs in every batch, at most batch size - 2 (default: training.replay_rows).",
-        ),
+        int | None, _setting("replay_rows", "Replayed pairs in every batch, at most batch size - 2", min=0)
     ] = None,
     loader_workers: Annotated[
         int | None,
-        typer.Option(
-            "--loader-workers",
-            min=0,
-            help="Processes decoding training images, in order (default: training.loader_workers; 0: this "
-            "process).",
+        _setting(
+            "loader_workers", "Processes decoding training images, in order", "; 0: this process", min=0
         ),
     ] = None,
-    device: Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda.")] = None,
     train_shard: Annotated[
         list[str] | None,
-        typer.Option(
-            "--train-shard", help="Train shard URL/spec (repeatable); default: the phase's train shards."
-        ),
+        typer.Option(help="Train shard URL/spec (repeatable); default: the phase's train shards."),
     ] = None,
-    version: Annotated[str | None, typer.Option("--version", help="Version name of the new model.")] = None,
+    version: Annotated[str | None, typer.Option(help="Version name of the new model.")] = None,
     fresh: Annotated[
         bool, typer.Option("--fresh", help="Ignore checkpoints in OUT/train; start over.")
     ] = False,
@@ -130,24 +102,13 @@ def continual(
     """Train the next model on PHASE, evaluate it on every domain so far, print the summary as JSON.
 
     An option left out takes the training section's value (--deployment's, else the shipped default), as
-    the pipeline's step would.
-    Resumes from OUT/train after an interruption. Under torchrun every rank trains (DDP), rank 0 writes.
-    """
-    from compat.data.loader import LoaderError
-    from compat.data.synth import StreamError
-    from compat.models import CheckpointError
-    from compat.training import ResumeError
-    from components.training.continual import METRICS_FILE, ContinualError, TrainingSettings, run_continual
+    the pipeline's step would. Resumes from OUT/train after an interruption. Under torchrun every rank
+    trains (DDP), rank 0 writes."""
+    from components.training.continual import METRICS_FILE, TrainingSettings, run_continual
 
-    try:
-        chosen = settings_given(ctx.params)
-        section = _training_section(deployment)
-        if section.epochs is not None and steps is None:
-            fail(
-                f"training.epochs is {section.epochs} in {deployment}: the pipeline's continual step turns "
-                "epochs into steps from the phase's sample count; give --steps"
-            )
-        settings = TrainingSettings.from_section(section, **chosen)
+    with _refusing_bad_input():
+        section = _training_section(deployment, steps_given=steps is not None)
+        settings = TrainingSettings.from_section(section, **settings_given(ctx.params))
         doc = run_continual(
             stream,
             phase,
@@ -158,35 +119,37 @@ def continual(
             version=version,
             resume=not fresh,
         )
-    except (
-        ContinualError,
-        StreamError,
-        LoaderError,
-        CheckpointError,
-        ResumeError,
-        FileNotFoundError,
-        KeyError,
-        ValueError,
-    ) as exc:
+    if doc:  # empty on a non-zero DDP rank
+        echo_json(_summary(doc, out / METRICS_FILE))
+
+
+def _summary(doc: Mapping[str, Any], metrics: Path) -> dict[str, Any]:
+    """What the command prints: the phase, the new model and each domain's R@1 both ways."""
+    r1 = {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()}
+    summary = {k: doc[k] for k in ("phase", "domain", "method")}
+    return {**summary, "model": doc["candidate"]["path"], "metrics": str(metrics), "r1": r1}
+
+
+@contextlib.contextmanager
+def _refusing_bad_input() -> Iterator[None]:
+    """Exit 2 naming an input training cannot use: a stream, shard, checkpoint or setting."""
+    from compat.data.loader import LoaderError
+    from compat.data.synth import StreamError
+    from compat.models import CheckpointError
+    from compat.training import ResumeError
+    from components.training.continual import ContinualError
+
+    refused = (ContinualError, StreamError, LoaderError, CheckpointError, ResumeError, FileNotFoundError)
+    try:
+        yield
+    except (*refused, KeyError, ValueError) as exc:
         fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
-    if not doc:  # a non-zero DDP rank
-        return
-    echo_json(
-        {
-            "phase": doc["phase"],
-            "domain": doc["domain"],
-            "method": doc["method"],
-            "model": doc["candidate"]["path"],
-            "metrics": str(out / METRICS_FILE),
-            "r1": {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()},
-        }
-    )
 
 
-def _training_section(deployment: Path | None) -> Any:
+def _training_section(deployment: Path | None, *, steps_given: bool = True) -> Any:
     """The ``training`` section of the deployment config at ``deployment`` (None: the shipped defaults), its
     weights folder the workspace's as the pipeline's step takes it (``training.weights_dir``, else
-    ``<workspace>/weights``)."""
+    ``<workspace>/weights``); refused when it counts epochs and no ``--steps`` is given."""
     from components.deployment import TrainingSection
 
     if deployment is None:
@@ -198,6 +161,11 @@ def _training_section(deployment: Path | None) -> Any:
         loaded = load_config(deployment, local_paths=False)
     except ConfigError as err:
         fail(str(err))
+    if loaded.training.epochs is not None and not steps_given:
+        fail(
+            f"training.epochs is {loaded.training.epochs} in {deployment}: the pipeline's continual step "
+            "turns epochs into steps from the phase's sample count; give --steps"
+        )
     weights = str(Workspace.of(loaded).weights_dir)
     return loaded.training.model_copy(update={"weights_dir": weights})
 
