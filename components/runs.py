@@ -1,10 +1,8 @@
 """Run planning and bookkeeping: which phase a run takes, where its outputs go, how it ended.
 
-The workspace's phase record (:attr:`Workspace.state_path <components.state.workspace.Workspace.state_path>`)
-holds every phase's outcome. A run plans itself from it
-(:func:`plan_run`: the lowest phase not yet succeeded, or an explicit one) and records its end
-(:func:`finish_run`, the pipeline's exit handler), so a scheduled run on a cluster needs no
-parameter but the config, and a local run continues where the last one stopped.
+The workspace's phase record (``Workspace.state_path``) holds every phase's outcome: a run plans itself from
+it (:func:`plan_run`) and records its end (:func:`finish_run`, the pipeline's exit handler), so a scheduled
+run needs no parameter but the config, and a local run continues where the last one stopped.
 """
 
 from __future__ import annotations
@@ -71,23 +69,28 @@ SERVICE_CONNECT_S = 5.0  # a server that accepts no connection within this is re
 _DEFAULT_PORTS = {"http": 80, "https": 443, "tcp": 19530, "grpc": 19530}
 
 
-def _refuse_unreachable_services(deployment: Deployment) -> None:
-    """Each configured server (``index.uri``, ``registry.tracking_uri``) must accept a connection within
-    :data:`SERVICE_CONNECT_S`: found in seconds at the start of the run, naming the field and the URI, not
-    after minutes of validation and training (embedded stores, files and paths are not servers)."""
+def connect(uri: str, timeout: float) -> None:
+    """Open and close a TCP connection to the server ``uri`` names (OSError when it accepts none within
+    ``timeout`` seconds); a URI of no server (a path, an embedded store) is left alone."""
     import socket
     from urllib.parse import urlsplit
 
+    parts = urlsplit(uri)
+    if parts.scheme in _DEFAULT_PORTS and parts.hostname:
+        address = (parts.hostname, parts.port or _DEFAULT_PORTS[parts.scheme])
+        socket.create_connection(address, timeout=timeout).close()
+
+
+def _refuse_unreachable_services(deployment: Deployment) -> None:
+    """Each configured server (``index.uri``, ``registry.tracking_uri``) must accept a connection within
+    :data:`SERVICE_CONNECT_S`: found in seconds at the start of the run, naming the field and the URI, not
+    after minutes of validation and training."""
     for field, uri in (
         ("index.uri", deployment.index.uri),
         ("registry.tracking_uri", deployment.registry.tracking_uri),
     ):
-        parts = urlsplit(uri or "")
-        if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
-            continue
-        address = (parts.hostname, parts.port or _DEFAULT_PORTS[parts.scheme])
         try:
-            socket.create_connection(address, timeout=SERVICE_CONNECT_S).close()
+            connect(uri or "", SERVICE_CONNECT_S)
         except OSError as error:
             raise PlanError(
                 f"{field} {uri} is unreachable ({error}): start that service or correct {field} in the "
@@ -182,13 +185,8 @@ DONE_STATUSES = ("succeeded", "rejected")
 
 
 def next_pending_phase(state: dict[str, Any], n_phases: int) -> int | None:
-    """The lowest phase not yet done.
-
-    Done: ``succeeded`` (the candidate shipped) or ``rejected`` (the gate or a rollout probe refused the
-    candidate: the phase was learnt from and judged; the same seeds would only repeat the verdict, and
-    the next phase's run starts again from production). Retried: ``blocked`` (data validation refused
-    the phase: fix the shards) and ``failed``.
-    """
+    """The lowest phase not yet done: ``succeeded``, or ``rejected`` (judged: the same seeds would only
+    repeat the verdict). ``blocked`` (fix the shards) and ``failed`` phases are retried."""
     for phase in range(n_phases):
         if state["phases"].get(str(phase), {}).get("status") not in DONE_STATUSES:
             return phase
@@ -205,21 +203,11 @@ def run_dir_for(deployment: Deployment, run_id: str) -> Path:
 
 def interrupted_run(deployment: Deployment, phase: int) -> str | None:
     """The newest run of ``phase`` that never finished (killed) or failed: the next run continues it."""
-    runs = Workspace.of(deployment).runs_dir
     found = []
-    for plan_path in runs.glob(f"*/{RUN_FILE}"):
-        try:
-            plan = json.loads(plan_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if plan.get("phase") != phase:
-            continue
-        outcome_path = RunDir(plan_path.parent).outcome_file
-        try:
-            status = json.loads(outcome_path.read_text())["status"] if outcome_path.is_file() else None
-        except (OSError, json.JSONDecodeError, KeyError):
-            status = None
-        if status in RESUMABLE:
+    for plan_path in Workspace.of(deployment).runs_dir.glob(f"*/{RUN_FILE}"):
+        plan = read_json_object_or_none(plan_path) or {}
+        outcome = read_json_object_or_none(RunDir(plan_path.parent).outcome_file) or {}
+        if plan.get("phase") == phase and outcome.get("status") in RESUMABLE:
             found.append((plan_path.stat().st_mtime, plan["run_id"]))
     return max(found)[1] if found else None
 
@@ -354,7 +342,7 @@ def with_run_parameters(deployment: Deployment, values: Mapping[str, Any]) -> De
 
 
 def plan_run(
-    config: Deployment | Mapping[str, Any], phase: int = -1, run_id: str = "", job_name: str = ""
+    deployment: Deployment, phase: int = -1, run_id: str = "", job_name: str = ""
 ) -> dict[str, Any] | None:
     """The plan of a run: its phase, run directory and every shard list the stages read.
 
@@ -364,7 +352,6 @@ def plan_run(
     """
     from compat.data.synth import load_manifest
 
-    deployment = Deployment.coerce(config)
     stream_dir = Path(deployment.stream.uri)
     manifest = load_manifest(stream_dir)
     n_phases = len(manifest["phases"])
@@ -384,16 +371,16 @@ def plan_run(
     run_id = run_id or resumed or job_name or new_run_id(phase)
     run_dir = run_dir_for(deployment, run_id)
     plan_file = RunDir(run_dir).plan_file
+    earlier = read_json_object_or_none(plan_file) or {}
     if resumed:
         attempt = _archive_attempt(run_dir) + 1
         log.info("resuming run %s of phase %d (attempt %d)", run_id, phase, attempt)
     else:  # the pipeline's plan step re-plans the run its runner planned: keep the attempt it recorded
-        earlier = read_json_object_or_none(plan_file) or {}
         resumed, attempt = bool(earlier.get("resumed")), int(earlier.get("attempt", 1))
     plan = {
         "run_id": run_id,
         "run_dir": str(run_dir),
-        "job_name": job_name or (read_json_object_or_none(plan_file) or {}).get("job_name", ""),
+        "job_name": job_name or earlier.get("job_name", ""),
         "resumed": bool(resumed),
         "attempt": attempt,
         "phase": phase,
@@ -549,11 +536,7 @@ def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, 
 
 def read_failure(run_dir: Path) -> dict[str, Any] | None:
     """The run's ``failure.json`` (None when no step recorded a failure or the file is unreadable)."""
-    path = RunDir(run_dir).failure_file
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, json.JSONDecodeError):
-        return None
+    return read_json_object_or_none(RunDir(run_dir).failure_file)
 
 
 def locate_in_log(log_path: Path, failure: dict[str, Any]) -> int | None:

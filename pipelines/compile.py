@@ -25,12 +25,12 @@ COMPILED_NAME = "continual_upgrade.yaml"
 ConfigRef = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-def build_pipeline(config: ConfigRef = None, *, runner: str = "kubernetes") -> GraphComponent:
-    """The continual-upgrade pipeline built under ``compile_settings(config, runner=runner)``, e.g. with
-    ``runner="local"`` for ``kfp.local``."""
+def build_pipeline(deployment: Deployment, *, runner: str = "kubernetes") -> GraphComponent:
+    """The continual-upgrade pipeline built under ``deployment``'s task settings, e.g. with ``runner="local"``
+    for ``kfp.local``."""
     from pipelines import resources
 
-    return _build(resources.compile_settings(config, runner=runner))
+    return _build(resources.task_settings(deployment, runner=runner))
 
 
 def _build(settings: dict[str, Any]) -> GraphComponent:
@@ -43,15 +43,10 @@ def _build(settings: dict[str, Any]) -> GraphComponent:
         return dsl.pipeline(continual_upgrade_steps, name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)
 
 
-def default_run_config(config: Deployment | Mapping[str, Any]) -> str:
-    """The pipeline's default ``config`` parameter: the resolved config as JSON.
-
-    The gate policy stays null when the config leaves it null, so that the task reads the policy
-    shipped with the package it runs (the compiling machine's path means nothing in the image).
-    """
-    from components.deployment import Deployment
-
-    deployment = Deployment.coerce(config)
+def default_run_config(deployment: Deployment) -> str:
+    """The pipeline's default ``config`` parameter: the resolved config as JSON, its gate policy left null
+    when the config leaves it so (the task then reads the policy shipped in its image: the compiling
+    machine's path means nothing there)."""
     resolved = deployment.resolved()
     if deployment.gate.policy is None:
         resolved = resolved.model_copy(update={"gate": deployment.gate})
@@ -83,7 +78,6 @@ def compile_pipeline(
     pinned to ``digests`` (:func:`pinned`; ``pipeline submit`` refuses a package with a tag-only image)."""
     from kfp import compiler
 
-    from components.deployment import Deployment
     from components.runs import run_parameters
     from pipelines import resources
 
@@ -96,7 +90,7 @@ def compile_pipeline(
         package_path=str(path),
         pipeline_parameters={
             "config": default_run_config(settings["config"]),
-            **run_parameters(Deployment.coerce(settings["config"])),
+            **run_parameters(settings["config"]),
         },
     )
     return path

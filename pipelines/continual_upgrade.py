@@ -16,6 +16,7 @@ locally through ``kfp.local.SubprocessRunner`` (:mod:`pipelines.local_runner`) a
 from the compiled YAML (``compatflow compile``).
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from kfp import dsl
@@ -33,34 +34,25 @@ def _task(op: Any, **inputs: Any) -> dsl.PipelineTask:
     return resources.configure(op(**inputs), op.name.replace("-", "_"), resources.compile_settings())
 
 
-def _rollout(config: Any, run_dir: Any, version: Any, ingest: dsl.PipelineTask) -> None:
+def _rollout(step: Any, version: Any, ingest: dsl.PipelineTask) -> None:
     """The rollout after a gate pass. With ``rollout.workers`` > 1 in the config compiled for, every backfill
     stage's rank ranges run as parallel GPU tasks (``dsl.ParallelFor``, parallelism = workers) between
     ``rollout_ranges_op`` calls (each probes the stage before, then returns the next stage's ranges);
-    ``rollout_op`` then finishes the step (and runs, in local processes, any stage a run-time config adds)."""
+    ``rollout_op`` then finishes the step (and runs, in local processes, any stage a run-time config adds).
+    ``step``: an op called with the run's config and run folder."""
     from pipelines import resources
 
-    settings = resources.compile_settings().get("config")
-    rollout = getattr(settings, "rollout", None)
+    rollout = getattr(resources.compile_settings().get("config"), "rollout", None)
     after = ingest
     if rollout is not None and rollout.workers > 1:
-        ranges = _task(kfp_ops.rollout_ranges_op, config=config, run_dir=run_dir, version=version).after(
-            ingest
-        )
+        after = step(kfp_ops.rollout_ranges_op, version=version).after(ingest)
         for stage in range(1, len(rollout.fractions) + 1):
             with dsl.ParallelFor(
-                ranges.output, parallelism=rollout.workers, name=f"backfill-stage-{stage}"
+                after.output, parallelism=rollout.workers, name=f"backfill-stage-{stage}"
             ) as rank:
-                written = _task(kfp_ops.rollout_range_op, config=config, run_dir=run_dir, rank_range=rank)
-            ranges = _task(
-                kfp_ops.rollout_ranges_op,
-                config=config,
-                run_dir=run_dir,
-                version=version,
-                written=dsl.Collected(written.output),
-            )
-        after = ranges
-    _task(kfp_ops.rollout_op, config=config, run_dir=run_dir, version=version).after(after)
+                written = step(kfp_ops.rollout_range_op, rank_range=rank)
+            after = step(kfp_ops.rollout_ranges_op, version=version, written=dsl.Collected(written.output))
+    step(kfp_ops.rollout_op, version=version).after(after)
 
 
 def continual_upgrade_steps(
@@ -94,103 +86,65 @@ def continual_upgrade_steps(
             compat_steps=compat_steps,
             rollout_fractions=rollout_fractions,
         )
-        config = plan.outputs["config"]  # the run's: every step below reads the parameters set
         run_dir, phase = plan.outputs["run_dir"], plan.outputs["phase"]
-        gallery_shards = plan.outputs["gallery_shards"]
-        production = _task(kfp_ops.resolve_production_op, config=config, run_dir=run_dir)
-        validation = _task(
-            kfp_ops.validate_op,
-            config=config,
-            phase=phase,
-            shards=plan.outputs["train_shards"],
-            run_dir=run_dir,
-        )
-        accepted = validation.outputs["accepted"]
+
+        def step(op: Any, **inputs: Any) -> dsl.PipelineTask:
+            """``op`` on the run's config (the plan's: the run parameters set) in its run folder."""
+            return _task(op, config=plan.outputs["config"], run_dir=run_dir, **inputs)
+
+        def blocked(at: str, reason: str) -> None:
+            _task(kfp_ops.note_blocked_op, run_dir=run_dir, step=at, reason=reason)
+
+        production = step(kfp_ops.resolve_production_op)
+        validation = step(kfp_ops.validate_op, phase=phase, shards=plan.outputs["train_shards"])
         with dsl.If(validation.outputs["Output"] == True, name="phase-blocked"):  # noqa: E712 (KFP condition)
-            _task(
-                kfp_ops.note_blocked_op,
-                run_dir=run_dir,
-                step="validate",
-                reason="data validation blocked the phase",
-            )
+            blocked("validate", "data validation blocked the phase")
         with dsl.Else(name="phase-valid"):
-            drift = _task(
-                kfp_ops.drift_op,
-                config=config,
-                run_dir=run_dir,
-                reference_shards=plan.outputs["reference_shards"],
-                current=accepted,
-                production=production.output,
-            )
-            continual = _task(
-                kfp_ops.continual_op,
-                config=config,
-                run_dir=run_dir,
-                phase=phase,
-                stream_dir=plan.outputs["stream_dir"],
-                accepted=accepted,
-                production=production.output,
-            ).after(drift)
-            with dsl.If(production.output == "", name="first-model"):
-                first = _task(
-                    kfp_ops.register_op,
-                    config=config,
-                    run_dir=run_dir,
-                    phase=phase,
-                    model=continual.outputs["candidate"],
-                    bootstrap=True,
-                )
-                _task(
-                    kfp_ops.serve_first_model_op,
-                    config=config,
-                    run_dir=run_dir,
-                    version=first.output,
-                    gallery_shards=gallery_shards,
-                )
-            with dsl.Else(name="upgrade"):
-                ingest = _task(
-                    kfp_ops.ingest_op, config=config, run_dir=run_dir, gallery_shards=gallery_shards
-                )
-                compatible = _task(
-                    kfp_ops.compat_op,
-                    config=config,
-                    run_dir=run_dir,
-                    phase=phase,
-                    candidate=continual.outputs["candidate"],
-                    production=production.output,
-                    accepted=accepted,
-                )
-                evaluation = _task(
-                    kfp_ops.evaluate_op,
-                    config=config,
-                    run_dir=run_dir,
-                    phase=phase,
-                    production=production.output,
-                    compat_model=compatible.outputs["compat_model"],
-                    eval_shards=plan.outputs["eval_shards"],
-                )
-                gate = _task(
-                    kfp_ops.gate_op,
-                    config=config,
-                    run_dir=run_dir,
-                    report=evaluation.outputs["report"],
-                    validation=validation.outputs["summary"],
-                    drift=drift.outputs["summary"],
-                )
-                candidate = _task(
-                    kfp_ops.register_op,
-                    config=config,
-                    run_dir=run_dir,
-                    phase=phase,
-                    model=compatible.outputs["compat_model"],
-                    bootstrap=False,
-                ).after(gate)
-                with dsl.If(gate.outputs["Output"] == "pass", name="gate-passed"):
-                    _rollout(config, run_dir, candidate.output, ingest)
-                with dsl.Else(name="gate-blocked"):  # anything but a pass is a block (fail-closed)
-                    _task(
-                        kfp_ops.note_blocked_op,
-                        run_dir=run_dir,
-                        step="gate",
-                        reason="the release gate blocked the candidate",
-                    )
+            _train_and_ship(step, blocked, plan.outputs, production.output, validation.outputs)
+
+
+def _train_and_ship(
+    step: Any, blocked: Any, plan: Mapping[str, Any], production: Any, validation: Mapping[str, Any]
+) -> None:
+    """A valid phase: drift and continual training, then the first model served, or an upgrade made
+    compatible, evaluated, gated, registered and (on a pass) rolled out. ``plan`` and ``validation``: those
+    tasks' outputs; ``production``: the production model's path ("" before the first model)."""
+    phase, accepted = plan["phase"], validation["accepted"]
+    drift = step(
+        kfp_ops.drift_op, reference_shards=plan["reference_shards"], current=accepted, production=production
+    )
+    continual = step(
+        kfp_ops.continual_op,
+        phase=phase,
+        stream_dir=plan["stream_dir"],
+        accepted=accepted,
+        production=production,
+    ).after(drift)
+    candidate = continual.outputs["candidate"]
+    with dsl.If(production == "", name="first-model"):
+        first = step(kfp_ops.register_op, phase=phase, model=candidate, bootstrap=True)
+        step(kfp_ops.serve_first_model_op, version=first.output, gallery_shards=plan["gallery_shards"])
+    with dsl.Else(name="upgrade"):
+        ingest = step(kfp_ops.ingest_op, gallery_shards=plan["gallery_shards"])
+        compatible = step(
+            kfp_ops.compat_op, phase=phase, candidate=candidate, production=production, accepted=accepted
+        )
+        compat_model = compatible.outputs["compat_model"]
+        evaluation = step(
+            kfp_ops.evaluate_op,
+            phase=phase,
+            production=production,
+            compat_model=compat_model,
+            eval_shards=plan["eval_shards"],
+        )
+        gate = step(
+            kfp_ops.gate_op,
+            report=evaluation.outputs["report"],
+            validation=validation["summary"],
+            drift=drift.outputs["summary"],
+        )
+        registered = step(kfp_ops.register_op, phase=phase, model=compat_model, bootstrap=False).after(gate)
+        with dsl.If(gate.outputs["Output"] == "pass", name="gate-passed"):
+            _rollout(step, registered.output, ingest)
+        with dsl.Else(name="gate-blocked"):  # anything but a pass is a block (fail-closed)
+            blocked("gate", "the release gate blocked the candidate")

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,12 +102,12 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def ensure_stream(config: Deployment | Mapping[str, Any]) -> Path:
+def ensure_stream(deployment: Deployment) -> Path:
     """The stream directory, generated with the config's defaults when missing and allowed."""
     from compat.data.synth import load_manifest
     from pipelines.config import generate_stream_of
 
-    stream = Deployment.coerce(config).stream
+    stream = deployment.stream
     stream_dir = Path(stream.uri)
     if not (stream_dir / "stream.json").is_file():
         if not stream.generate_if_missing:
@@ -122,15 +121,12 @@ def ensure_stream(config: Deployment | Mapping[str, Any]) -> Path:
     return stream_dir
 
 
-def run_local(
-    config: Deployment | Mapping[str, Any], *, phase: int | None = None, echo: Any = None
-) -> RunResult:
-    """Run the pipeline of a resolved deployment (or its mapping) on the next pending phase (or ``phase``)
-    with the local runner, holding the workspace lock (:mod:`components.state.lock`) for the whole run."""
+def run_local(deployment: Deployment, *, phase: int | None = None, echo: Any = None) -> RunResult:
+    """Run the pipeline of a resolved deployment on the next pending phase (or ``phase``) with the local
+    runner, holding the workspace lock (:mod:`components.state.lock`) for the whole run."""
     from components.state.lock import workspace_lock
     from components.state.workspace import Workspace
 
-    deployment = Deployment.coerce(config)
     workspace = Workspace.of(deployment)
     with workspace_lock(workspace, f"compatflow run (phase {'next' if phase is None else phase})"):
         return _run_locked(deployment, workspace, phase, echo)

@@ -1,39 +1,25 @@
 """A rehearsal of the cluster on this machine: ``make rehearse`` (``compatflow pipeline rehearse``).
 
-What the cluster has, kept:
+What the cluster has, kept: the compiled package (compiled from ``pipelines/configs/cluster.yaml``, its
+service URIs pointed here and its sizes scaled to a CPU, :data:`SCALED`), run by ``kfp.local`` task by task
+with the compiled commands (forked from the warm task host of :mod:`pipelines.warm_tasks`), conditions, the
+exit handler, the backfill's ``ParallelFor`` fan-out and every parameter at its compiled default, as a
+recurring run sends it; real services of the cluster's kinds over HTTP on loopback (Milvus standalone, an
+``mlflow server``, Feast configured by the cluster's own ``feature_store.yaml``, its registry on a folder
+standing in for the object store); the pod's environment (every key of the ConfigMap
+``compatflow-pipeline-config`` and the Milvus Secret, set to these servers); read-only root-owned inputs
+(config, feature repo, stream, package; checked unchanged after the run) and tasks that run as the images'
+non-root user (uid/gid 10001) with no capability, seeing a folder others cannot search (``/root`` of a
+pyenv interpreter) only as a view of what leads to Python (:func:`task_launcher`); a private network
+namespace with loopback alone (Milvus 2.3 listens on every interface).
 
-- **The compiled package.** The pipeline is compiled from the cluster config
-  (``pipelines/configs/cluster.yaml``, its service URIs pointed here and its sizes scaled to a CPU,
-  :data:`SCALED`) and run from that YAML: ``kfp.local`` runs each task as its own process with the command of
-  the compiled spec (forked from the warm task host of :mod:`pipelines.warm_tasks`, whose imports are done,
-  as every local run's tasks are), conditions, the exit handler and the backfill's ``ParallelFor`` fan-out
-  (``rollout.workers`` 2) as the KFP backend does, and every parameter at its compiled default, as a recurring
-  run sends it (next pending phase, the job name as run id).
-- **The services, real and of the cluster's kinds, over HTTP on loopback**: Milvus standalone (the gallery
-  index, and Feast's online store), an ``mlflow server`` with artifacts served through it, Feast configured
-  by the cluster's own ``feature_store.yaml`` (the ConfigMap ``compatflow-feast-repo``, ``${VAR}`` read from
-  the environment), its registry on a folder standing in for the object store.
-- **The pod's environment**: every key of the ConfigMap ``compatflow-pipeline-config``
-  (:data:`pipelines.resources.CONFIG_MAP_ENV`) and the Milvus token of its Secret, set to these servers.
-- **Read-only mounts and a non-root pod**: the config, the feature repo definition, the stream and the
-  compiled package are owned by root and not writable by the tasks, which run as the images' non-root user
-  (uid/gid 10001; the workspace, the shared volume, is theirs); a check after the run finds them unchanged.
-  The tasks hold no capability: where this machine's Python sits under a folder others cannot search
-  (``/root`` of a pyenv interpreter), each task sees that folder as a view holding only what leads to Python
-  (:func:`task_launcher`), as a pod's image puts Python where its user reads it.
-- **A private network**: the rehearsal runs in a network namespace with loopback alone, so nothing it starts
-  is reachable from beyond this machine (Milvus 2.3 listens on every interface).
-
-What differs, plainly: no Kubernetes (no scheduler, pods, images, resource limits, node pools, PVC or
-ConfigMap objects: the tasks run this checkout's environment, forked from one process that has imported
-every step's libraries where a pod imports its own step's, and ``kfp.local`` honours the retry policy but
-not the pod settings); no KFP API server (its caching and UI; ``compatflow pipeline submit`` is tested
-against a stand-in), no Training Operator, no object store (the stream and Feast's registry are folders);
-a ``cf-tiny`` model on CPU with a few steps and a small synthetic stream; and a gate policy that passes any
-candidate (:data:`GATE_POLICY`) and probe floors far below old/old (``rollout.probe_tolerance`` 100),
-because a few CPU steps cannot meet the shipped criterion and what is rehearsed is the path a passed
-candidate takes. Running again on the same folder ships the next phases,
-as the weekly schedule does, until the stream is exhausted.
+What differs: no Kubernetes (scheduler, pods, images, limits, node pools, PVC, ConfigMap objects: the tasks
+run this checkout's environment, and ``kfp.local`` honours the retry policy but not the pod settings), no
+KFP API server (``pipeline submit`` is tested against a stand-in), no Training Operator, no object store; a
+``cf-tiny`` model on CPU with a few steps on a small synthetic stream; a gate policy that passes any
+candidate (:data:`GATE_POLICY`) and probe floors far below old/old (``rollout.probe_tolerance`` 100): what
+is rehearsed is the path a passed candidate takes. Running again on the same folder ships the next
+phases, as the weekly schedule does, until the stream is exhausted.
 """
 
 from __future__ import annotations
@@ -105,60 +91,24 @@ class RehearsalError(RuntimeError):
     """The rehearsal cannot run here, or a step of it failed; the message says which and what to do."""
 
 
-@dataclass(frozen=True)
 class Layout:
     """The rehearsal's folders under ``root``: read-only inputs (root-owned), the tasks' volume and home,
     the servers' data and the logs."""
 
-    root: Path
-
-    @property
-    def config_dir(self) -> Path:  # the ConfigMap volume: the config and the gate policy
-        return self.root / "config"
-
-    @property
-    def config_file(self) -> Path:
-        return self.config_dir / "cluster.yaml"
-
-    @property
-    def feature_repo(self) -> Path:  # the ConfigMap compatflow-feast-repo's volume
-        return self.root / "feature-repo"
-
-    @property
-    def stream(self) -> Path:  # stands in for the object store's stream
-        return self.root / "stream"
-
-    @property
-    def compiled(self) -> Path:
-        return self.root / "compiled"
-
-    @property
-    def workspace(self) -> Path:  # the shared ReadWriteMany volume
-        return self.root / "workspace"
-
-    @property
-    def object_store(self) -> Path:  # Feast's registry
-        return self.root / "object-store"
-
-    @property
-    def home(self) -> Path:  # the task user's HOME, TMPDIR and working folder
-        return self.root / "home"
-
-    @property
-    def services(self) -> Path:
-        return self.root / "servers"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def views(self) -> Path:  # root-owned views of the folders the task user cannot search (task_launcher)
-        return self.root / "views"
-
-    @property
-    def read_only(self) -> tuple[Path, ...]:
-        return (self.config_dir, self.feature_repo, self.stream, self.compiled)
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.config_dir = root / "config"  # the ConfigMap volume: the config and the gate policy
+        self.config_file = self.config_dir / "cluster.yaml"
+        self.feature_repo = root / "feature-repo"  # the ConfigMap compatflow-feast-repo's volume
+        self.stream = root / "stream"  # stands in for the object store's stream
+        self.compiled = root / "compiled"
+        self.workspace = root / "workspace"  # the shared ReadWriteMany volume
+        self.object_store = root / "object-store"  # Feast's registry
+        self.home = root / "home"  # the task user's HOME, TMPDIR and working folder
+        self.services = root / "servers"
+        self.logs = root / "logs"
+        self.views = root / "views"  # root-owned views of the folders the task user cannot search
+        self.read_only = (self.config_dir, self.feature_repo, self.stream, self.compiled)
 
 
 @dataclass
@@ -195,14 +145,9 @@ class Outcome:
 def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> Deployment:
     """The cluster config as the rehearsal runs it: the shipped ``cluster.yaml``, its sizes :data:`SCALED`,
     its paths and service URIs pointed at this rehearsal's folders and servers."""
-    import yaml
+    from pipelines.config import load_config
 
-    from components.deployment import Deployment
-    from pipelines.config import CONFIG_DIR
-
-    cluster = Deployment.parse(
-        yaml.safe_load((CONFIG_DIR / "cluster.yaml").read_text()), source="cluster.yaml"
-    )
+    cluster = load_config("cluster", local_paths=False, training=False)
     return cluster.with_changes(
         **{**SCALED, "stream": {**SCALED["stream"], "uri": str(layout.stream)}},
         name="cluster-rehearsal",
@@ -385,6 +330,7 @@ class Rehearsal:
         processes (SIGKILL, as a node loss) when that task starts. The step names the phase, the run and how
         it ended."""
         from components.runs import read_state
+        from pipelines.compile import COMPILED_NAME
 
         before = read_state(self.layout.workspace)["phases"]
         number = sum(1 for p in self.layout.logs.glob("ship-*.log")) + 1
@@ -394,7 +340,7 @@ class Rehearsal:
             "-m",
             "pipelines.rehearsal",
             "ship",
-            str(self.layout.compiled / _PACKAGE),
+            str(self.layout.compiled / COMPILED_NAME),
             run_id,
         ]
         started = time.monotonic()
@@ -492,9 +438,6 @@ class Rehearsal:
         }
 
 
-_PACKAGE = "continual_upgrade.yaml"
-
-
 @functools.cache
 def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
     """Folders above this environment's Python and packages or the rehearsal folder ``root`` that another user
@@ -546,17 +489,8 @@ def task_launcher(layout: Layout) -> list[str]:
     if not mounts:
         return setpriv
     script = " && ".join([*mounts, 'exec "$@"'])
-    return [
-        shutil.which("unshare") or "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        script,
-        "sh",
-        *setpriv,
-    ]
+    unshare = shutil.which("unshare") or "unshare"
+    return [unshare, "--mount", "--propagation", "private", "sh", "-c", script, "sh", *setpriv]
 
 
 def rehearse(

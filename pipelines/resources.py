@@ -9,40 +9,7 @@ carries the caching options alone (setting the rest costs ~2.5 s a build: kfp's 
 ``inspect.stack()``). The cluster's own package runs under ``kfp.local`` in the rehearsal
 (:mod:`pipelines.rehearsal`).
 
-Per step (``STEP_KINDS``, ``RETRYABLE``, ``CACHEABLE``):
-
-=====================  =====  =====  =====  ====================================================
-op                     kind   retry  cache  why
-=====================  =====  =====  =====  ====================================================
-plan_op                cpu    yes    no     reads the workspace state (next pending phase); its
-                                            one write, ``run.json``, is atomic and identical on
-                                            a retry (same run id, same state within a run)
-resolve_production_op  cpu    yes    no     reads the registry's mutable ``production`` alias;
-                                            the download into ``models/v<N>`` is verified
-validate_op            cpu    yes    yes    a function of the (immutable) phase shards; writes
-                                            only its outputs and its summary in the run dir
-drift_op               cpu    yes    yes    same; ``production`` is a versioned path
-continual_op           gpu    yes    yes    deterministic (seeded) training into its own output
-                                            artifact; a retry after a preemption starts over
-compat_op              gpu    yes    yes    same
-evaluate_op            gpu    yes    yes    same
-gate_op                cpu    yes    no     deterministic, but it reads the policy file by path:
-                                            a cache key of inputs would miss a policy edit
-register_op            cpu    no     no     creates an MLflow model version per call
-serve_first_model_op   gpu    yes    no     embeds the gallery; indexing skips items already
-                                            indexed, lineage and promotion are idempotent
-ingest_op              gpu    yes    no     embeds the phase's new gallery items; indexing skips
-                                            items already indexed (lineage records only new ones)
-rollout_op             gpu    yes    no     re-embeds the gallery; the rollout resumes from its
-                                            durable state after any crash; writes live services
-rollout_ranges_op      cpu    yes    no     (rollout.workers > 1) the rollout up to a stage's rank
-                                            ranges, then its probe gate; resumes like rollout_op
-rollout_range_op       gpu    yes    no     one rank range of a stage (ParallelFor, parallelism
-                                            rollout.workers); resumes from its cursor, idempotent
-note_blocked_op        cpu    yes    no     an atomic write; caching would skip the write itself
-finish_op              cpu    yes    no     exit handler: reads and writes the workspace state;
-                                            rewrites the same outcome and report on a retry
-=====================  =====  =====  =====  ====================================================
+Per op, :data:`STEPS` says its kind (image and resources), whether it is retried and cached, and why.
 
 KFP's cache key is the component and its inputs. The run directory is an input of every cached
 step, so a cache hit only happens when a run is submitted again with the same ``run_id``: the
@@ -73,42 +40,40 @@ COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
 DEFAULT_COMPILE_CONFIG = "cluster"
 RUNNERS = ("kubernetes", "local")
 
-STEP_KINDS: dict[str, str] = {
-    "plan_op": "cpu",
-    "resolve_production_op": "cpu",
-    "validate_op": "cpu",
-    "drift_op": "cpu",
-    "continual_op": "gpu",
-    "compat_op": "gpu",
-    "evaluate_op": "gpu",
-    "gate_op": "cpu",
-    "register_op": "cpu",
-    "serve_first_model_op": "gpu",
-    "ingest_op": "gpu",
-    "rollout_op": "gpu",
-    "rollout_ranges_op": "cpu",
-    "rollout_range_op": "gpu",
-    "note_blocked_op": "cpu",
-    "finish_op": "cpu",
+# op: (kind, retried, cached), and why.
+STEPS: dict[str, tuple[str, bool, bool]] = {
+    # reads the workspace state (next pending phase); its one write, run.json, is atomic and identical on a
+    # retry (same run id, same state within a run)
+    "plan_op": ("cpu", True, False),
+    # reads the registry's mutable production alias; the download into models/v<N> is verified
+    "resolve_production_op": ("cpu", True, False),
+    # a function of the (immutable) phase shards; writes only its outputs and its summary in the run dir
+    "validate_op": ("cpu", True, True),
+    "drift_op": ("cpu", True, True),  # same; production is a versioned path
+    # deterministic (seeded) training into its own output artifact; a retry after a preemption starts over
+    "continual_op": ("gpu", True, True),
+    "compat_op": ("gpu", True, True),  # same
+    "evaluate_op": ("gpu", True, True),  # same
+    # deterministic, but it reads the policy file by path: a cache key of inputs would miss a policy edit
+    "gate_op": ("cpu", True, False),
+    "register_op": ("cpu", False, False),  # creates an MLflow model version per call
+    # embeds the gallery; indexing skips items already indexed, lineage and promotion are idempotent
+    "serve_first_model_op": ("gpu", True, False),
+    # embeds the phase's new gallery items; indexing skips items already indexed (lineage: only new ones)
+    "ingest_op": ("gpu", True, False),
+    # re-embeds the gallery; the rollout resumes from its durable state after any crash; writes live services
+    "rollout_op": ("gpu", True, False),
+    # (rollout.workers > 1) the rollout up to a stage's rank ranges, then its probe gate; resumable too
+    "rollout_ranges_op": ("cpu", True, False),
+    # one rank range of a stage (ParallelFor, parallelism: rollout.workers); resumes from its cursor
+    "rollout_range_op": ("gpu", True, False),
+    "note_blocked_op": ("cpu", True, False),  # an atomic write; caching would skip the write itself
+    # exit handler: reads and writes the workspace state; rewrites the same outcome and report on a retry
+    "finish_op": ("cpu", True, False),
 }
-RETRYABLE: set[str] = {
-    "plan_op",
-    "resolve_production_op",
-    "validate_op",
-    "drift_op",
-    "continual_op",
-    "compat_op",
-    "evaluate_op",
-    "gate_op",
-    "serve_first_model_op",
-    "ingest_op",
-    "rollout_op",
-    "rollout_ranges_op",
-    "rollout_range_op",
-    "note_blocked_op",
-    "finish_op",
-}
-CACHEABLE: set[str] = {"validate_op", "drift_op", "continual_op", "compat_op", "evaluate_op"}
+STEP_KINDS: dict[str, str] = {op: kind for op, (kind, _, _) in STEPS.items()}
+RETRYABLE: set[str] = {op for op, (_, retried, _) in STEPS.items() if retried}
+CACHEABLE: set[str] = {op for op, (_, _, cached) in STEPS.items() if cached}
 
 # Pod evictions, spot-node preemptions and brief service outages: two retries, 1 min then 2 min.
 RETRY_POLICY: dict[str, Any] = {
@@ -155,30 +120,37 @@ def compile_settings(
     *,
     runner: str = "kubernetes",
 ) -> dict[str, Any]:
-    """The task settings of the config the pipeline is compiled with (its deployment under ``config``).
+    """The task settings (:func:`task_settings`) of the config the pipeline is compiled with.
 
-    ``config``: a deployment, a config mapping, or a shipped name / YAML path (checked whole). None: the
-    settings made active by :func:`using`, else ``$COMPATFLOW_COMPILE_CONFIG``, else the shipped
-    ``cluster`` config. ``runner`` ``"local"`` drops the retry policy (kfp.local honours it, and a local
-    failure is a bug or bad data that a retry only repeats). Raises ``pipelines.config.ConfigError`` on a
-    bad config.
+    ``config``: a deployment, a config mapping, or a shipped name / YAML path (checked whole, its paths
+    left to the tasks). None: the settings made active by :func:`using`, else ``$COMPATFLOW_COMPILE_CONFIG``,
+    else the shipped ``cluster`` config. Raises ``pipelines.config.ConfigError`` on a bad config.
     """
-    if runner not in RUNNERS:
-        raise ValueError(f"runner {runner!r} is not one of {RUNNERS}")
     if config is None:
         active = _ACTIVE.get()
         if active is not None:
             return active
         config = os.environ.get(COMPILE_CONFIG_ENV) or DEFAULT_COMPILE_CONFIG
-    deployment = _validated(config)
+    if isinstance(config, Mapping):
+        config = Deployment.parse(config, source="<config>")
+    elif not isinstance(config, Deployment):
+        config = load_config(config, local_paths=False)  # the tasks read the config's paths, not this machine
+    return task_settings(config, runner=runner)
+
+
+def task_settings(deployment: Deployment, *, runner: str = "kubernetes") -> dict[str, Any]:
+    """What :func:`configure` applies to every task of a pipeline built for ``deployment``. ``runner``
+    ``"local"`` drops the retry policy (kfp.local honours it, and a local failure is a bug or bad data that a
+    retry only repeats)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner {runner!r} is not one of {RUNNERS}")
     resources = deployment.resources
-    gpu = {**resources.gpu.model_dump(), "accelerator": resources.gpu.accelerator or ""}
     return {
         "name": deployment.name,
         "config": deployment,
         "runner": runner,
         "cpu": resources.cpu.model_dump(),
-        "gpu": gpu,
+        "gpu": {**resources.gpu.model_dump(), "accelerator": resources.gpu.accelerator or ""},
         "retry": dict(RETRY_POLICY) if runner == "kubernetes" else None,
         "workspace_mount": _absolute_path(deployment.workspace),
         "feast_mount": _absolute_path(deployment.lineage.repo),
@@ -312,12 +284,6 @@ def torchrun_command(
     if version:
         command.append(f"--version={version}")
     return command
-
-
-def _validated(config: Deployment | Mapping[str, Any] | str | os.PathLike[str]) -> Deployment:
-    if isinstance(config, Deployment | Mapping):
-        return Deployment.coerce(config)
-    return load_config(config, local_paths=False)  # the tasks read the config's paths, not this machine
 
 
 def _absolute_path(value: str | None) -> str | None:

@@ -117,19 +117,12 @@ def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
 def _check_reachable(uri: str) -> None:
     """Raise OSError naming ``uri`` when it is a server that accepts no TCP connection; a milvus-lite folder
     must exist."""
-    import socket
-    from urllib.parse import urlsplit
+    from components.runs import connect
 
-    parts = urlsplit(uri)
-    if "://" not in uri:
-        if not Path(uri).exists():
-            raise FileNotFoundError(f"the serving record's index {uri} does not exist")
-        return
-    if parts.scheme == "unix" or not parts.hostname:
-        return
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 19530)
+    if "://" not in uri and not Path(uri).exists():
+        raise FileNotFoundError(f"the serving record's index {uri} does not exist")
     try:
-        socket.create_connection((parts.hostname, port), timeout=INDEX_CONNECT_S).close()
+        connect(uri, INDEX_CONNECT_S)
     except OSError as err:
         raise OSError(f"the index {uri} accepts no connection ({err})") from None
 

@@ -1,25 +1,19 @@
 """The Kubeflow Pipelines API requests that start the compiled pipeline: one run, or a recurring run.
 
-``compatflow pipeline submit`` and ``schedule`` (:mod:`pipelines.commands.pipeline`) upload the compiled
-package as a version of the pipeline (the pipeline is created when missing; a package uploaded before is found
-by its version name, which carries the package's sha256) and start a run, or a recurring run, of that version
-(``pipeline_version_reference``) with the run parameters given; the package's defaults fill in the rest. The
-KFP UI then lists the versions, compares runs by parameter and starts a run with other settings.
+``compatflow pipeline submit`` and ``schedule`` upload the compiled package as a version of the pipeline
+(created when missing; a version's name carries the package's sha256, so a package uploaded before is found)
+and start a run, or a recurring run, of that version with the run parameters given; the package's defaults
+fill in the rest, so the KFP UI lists the versions and compares runs by parameter.
 
-One function lays the requests out (:func:`send_all`): a dry run (:func:`plan`) records them, with
-placeholders for the IDs the server would answer, and :class:`KfpApi` sends the same requests through
-kfp.Client's generated v2beta1 services, so ``--dry-run`` prints exactly what is sent. The package goes up
-through the upload service (multipart, as ``kfp.Client.upload_pipeline_version`` sends it): the JSON
-create-version call takes only a URL the server downloads. kfp.Client's convenience methods are not used:
-they print links on stdout and ``create_recurring_run`` cannot see a schedule of the same name.
+:func:`send_all` lays the requests out once: a dry run (:func:`plan`) records them, with placeholders for
+the IDs the server would answer, and :class:`KfpApi` sends them through kfp.Client's generated v2beta1
+services, so ``--dry-run`` prints exactly what is sent. kfp.Client's convenience methods are not used: they
+print links on stdout and ``create_recurring_run`` cannot see a schedule of the same name.
 
-A recurring run runs the version it was created with; after a recompile, schedule again with ``replace``.
-One schedule per name and experiment (a second one is refused unless it replaces the first), and
-``max_concurrency`` 1: one cycle at a time on the workspace. Cron is checked here, field by field, in KFP's
-own forms (:func:`kfp_cron`) before anything is sent.
-
-Importable without kfp (the dry run); :class:`KfpApi` imports it when a request is really sent. Cheap to
-import (the command line reads its defaults at start-up): PyYAML too is imported where a package is read.
+A recurring run runs the version it was created with (after a recompile, schedule again with ``replace``);
+one schedule per name and experiment, ``max_concurrency`` 1. Cron is checked field by field in KFP's own
+forms (:func:`kfp_cron`) before anything is sent. Importable without kfp and cheap to import (the command
+line reads its defaults at start-up): kfp and PyYAML are imported where used.
 """
 
 from __future__ import annotations

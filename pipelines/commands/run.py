@@ -35,12 +35,11 @@ def run(
     """Run the continual-upgrade pipeline locally (kfp.local) on the next pending phase."""
     from components.state.lock import WorkspaceBusy
     from pipelines.commands._common import fail
-    from pipelines.config import ConfigError, load_config, resolve
+    from pipelines.config import ConfigError, load_config
     from pipelines.local_runner import run_local
 
     try:
-        resolved = resolve(load_config(config))
-        result = run_local(resolved, phase=phase)
+        result = run_local(load_config(config).resolved(), phase=phase)
     except WorkspaceBusy as err:
         fail(str(err), code=1)
     except (ConfigError, FileNotFoundError, ValueError) as err:

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from _pipelines import PERMISSIVE_POLICY, local_config, served_gallery
 
+from components.deployment import Deployment
+
 
 class WeeklyCycle:
     """Five runs on one workspace, as a weekly schedule lives them (shared by the ``test_weekly_*`` tests).
@@ -72,7 +74,7 @@ class WeeklyCycle:
         from pipelines.cli import app
         from pipelines.local_runner import run_local
 
-        result = run_local(self.config, echo=io.StringIO())
+        result = run_local(Deployment.coerce(self.config), echo=io.StringIO())
         log = (result.run_dir / "pipeline.log").read_text()[-3000:]
         assert (result.status, result.phase) == (expected, phase), log
         gallery = self.gallery()
@@ -253,7 +255,7 @@ def test_weekly_halted_rollout_is_rolled_back_whole_and_the_schedule_goes_on(wee
     }
     from pipelines.local_runner import run_local
 
-    assert run_local(weekly.config, echo=io.StringIO()).status == "nothing-to-do"
+    assert run_local(Deployment.coerce(weekly.config), echo=io.StringIO()).status == "nothing-to-do"
 
 
 def test_blocked_phase_stops_the_run(tmp_path):
@@ -262,7 +264,7 @@ def test_blocked_phase_stops_the_run(tmp_path):
 
     from pipelines.local_runner import ensure_stream, run_local
 
-    config = local_config(tmp_path, phases=1)
+    config = Deployment.coerce(local_config(tmp_path, phases=1))
     stream_dir = ensure_stream(config)
     shard = next((stream_dir / "phase-00" / "train").glob("*.tar"))
     with tarfile.open(shard, "a") as tar:  # ten samples whose captions are blank

@@ -17,6 +17,7 @@ import yaml
 from kfp import compiler, dsl
 
 from components import kfp_ops
+from components.deployment import Deployment
 from pipelines import resources
 from pipelines.config import ConfigError
 
@@ -428,7 +429,7 @@ def test_full_pipeline_carries_the_stage_settings(tmp_path: Path) -> None:
     path = compile_pipeline(tmp_path, config=config)
     spec, executors = load_compiled(path)
     default = spec["root"]["inputDefinitions"]["parameters"]["config"]["defaultValue"]
-    assert default == default_run_config(config)
+    assert default == default_run_config(Deployment.coerce(config))
     ops = check_task_settings(path, config)
     assert ops == set(resources.STEP_KINDS), f"stages without settings: {set(resources.STEP_KINDS) - ops}"
 
@@ -438,12 +439,13 @@ def test_default_run_config_is_portable() -> None:
 
     from pipelines.compile import default_run_config
 
-    cluster = json.loads(default_run_config(shipped("cluster")))
+    cluster = json.loads(default_run_config(Deployment.coerce(shipped("cluster"))))
     assert cluster["gate"]["policy"] is None  # the image's own shipped policy, not this machine's path
     assert cluster["workspace"] == "/mnt/compatflow" and cluster["stream"]["uri"].startswith("s3://")
     chosen = shipped("cluster")
     chosen["gate"]["policy"] = "/etc/compatflow/gate.yaml"
-    assert json.loads(default_run_config(chosen))["gate"]["policy"] == "/etc/compatflow/gate.yaml"
+    chosen_json = default_run_config(Deployment.coerce(chosen))
+    assert json.loads(chosen_json)["gate"]["policy"] == "/etc/compatflow/gate.yaml"
 
 
 def test_compile_command_takes_a_config(tmp_path: Path, monkeypatch) -> None:

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from _runs import _config, _finished_run
 
+from components.deployment import Deployment
+
 
 def test_an_emptied_state_over_a_production_model_is_refused(tmp_path):
     """``{"schema_version": 1, "phases": {}}`` while the registry serves a production model and no run
@@ -28,8 +30,8 @@ def test_an_emptied_state_over_a_production_model_is_refused(tmp_path):
     registry.promote(version["version"], rollout_state={"status": "completed"})
     (tmp_path / "ws" / "state.json").write_text('{"schema_version": 1, "phases": {}}')
     with pytest.raises(StateError, match=r"records no phase but .* serves production version 1.*rebuild"):
-        plan_run(config)
+        plan_run(Deployment.coerce(config))
     _finished_run(
         tmp_path / "ws", "phase-00-x", 0, None
     )  # killed before its outcome: the next run resumes it
-    assert plan_run(config)["run_id"] == "phase-00-x"
+    assert plan_run(Deployment.coerce(config))["run_id"] == "phase-00-x"

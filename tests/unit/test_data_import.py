@@ -19,6 +19,7 @@ from compat.data.images import decode_rgb
 from compat.data.importer import PENDING, REPORT, DataImportError, ImportSettings, import_images, split_of
 from compat.data.manifest import StreamError, add_phase, load_manifest, phase_urls
 from compat.data.shards import write_shard
+from components.deployment import Deployment
 from pipelines.cli import app
 from schemas import schema_errors
 
@@ -387,12 +388,12 @@ def test_add_phase_appends_a_schema_valid_phase_and_the_phase_picker_takes_it(tm
     config = resolve(load_config("local")).to_dict()
     config["workspace"] = str(tmp_path / "ws")
     config["stream"].update(uri=str(stream), generate_if_missing=False)
-    assert ensure_stream(config) == stream
-    plan = plan_run(config)
+    assert ensure_stream(Deployment.coerce(config)) == stream
+    plan = plan_run(Deployment.coerce(config))
     assert plan["phase"] == 0 and plan["domain"] == "drop-1"
     assert plan["gallery_shards"] == phase_urls(stream, 0, "gallery")
     record_phase(Path(config["workspace"]), 0, "succeeded", plan["run_id"])
-    assert plan_run(config) is None  # nothing pending until the next phase lands
+    assert plan_run(Deployment.coerce(config)) is None  # nothing pending until the next phase lands
 
     added = runner.invoke(app, ["stream", "add-phase", str(stream), "--shards", str(drop2)])
     assert added.exit_code == 0, added.output
@@ -404,7 +405,7 @@ def test_add_phase_appends_a_schema_valid_phase_and_the_phase_picker_takes_it(tm
         assert all(u.startswith(str((stream / "phase-01").resolve())) for u in urls)
         assert sum(len(read_tar(Path(u))) for u in urls) == manifest["phases"][1]["counts"][split]
         assert all(os.stat(u).st_nlink == 2 for u in urls)  # hard links, not copies
-    plan = plan_run(config)
+    plan = plan_run(Deployment.coerce(config))
     assert plan["phase"] == 1 and plan["domain"] == "drop2"
     assert plan["train_shards"] == phase_urls(stream, 1, "train")
     assert plan["eval_shards"] == phase_urls(stream, 0, "eval") + phase_urls(stream, 1, "eval")

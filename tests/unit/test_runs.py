@@ -57,19 +57,19 @@ def test_state_file_errors_name_the_file_and_a_lost_state_is_refused(tmp_path):
     _finished_run(ws, "phase-01-a", 1, "failed")
     _finished_run(ws, "phase-01-b", 1, "rejected")
     with pytest.raises(StateError, match="missing but the workspace holds: finished runs"):
-        plan_run(config)
+        plan_run(Deployment.coerce(config))
     (ws / "state.json").write_text('{"schema_version": 1, "phases": {}}')  # present, but emptied
     with pytest.raises(StateError, match=r"(?s)does not record what the workspace holds.*state rebuild"):
-        plan_run(config)
+        plan_run(Deployment.coerce(config))
     (ws / "state.json").write_text(
         '{"schema_version": 1, "phases": {"0": {"status": "succeeded", "run_id": "phase-00-a", "at": "x"}}}'
     )
     with pytest.raises(StateError, match=r"finished runs in .* of phase\(s\) 1"):  # stale: phase 1 lost
-        plan_run(config)
+        plan_run(Deployment.coerce(config))
     rebuilt = rebuild_state(ws)
     assert {k: v["status"] for k, v in rebuilt["phases"].items()} == {"0": "succeeded", "1": "rejected"}
     assert read_state(ws) == rebuilt
-    assert plan_run(config) is None  # both phases done: nothing pending
+    assert plan_run(Deployment.coerce(config)) is None  # both phases done: nothing pending
 
 
 def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
@@ -77,21 +77,21 @@ def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
 
     config = {**_config(tmp_path), "drift": {"reference_phase": "previous"}}
     config["registry"] = {"tracking_uri": f"sqlite:///{tmp_path}/ws/mlflow.db"}
-    first = plan_run(config)
+    first = plan_run(Deployment.coerce(config))
     assert first["phase"] == 0 and not first["resumed"] and first["attempt"] == 1
     run_dir = tmp_path / "ws" / "runs" / first["run_id"]
     (run_dir / "pipeline.log").write_text("killed\n")  # no outcome.json: the run was killed
-    again = plan_run(config)
+    again = plan_run(Deployment.coerce(config))
     assert again["run_id"] == first["run_id"] and again["resumed"] and again["attempt"] == 2
     assert (run_dir / "attempts" / "1" / "pipeline.log").read_text() == "killed\n"
     (run_dir / "outcome.json").write_text(json.dumps({"status": "failed"}))
     (run_dir / "failure.json").write_text("{}")
     record_phase(tmp_path / "ws", 0, "failed", first["run_id"])
-    third = plan_run(config)
+    third = plan_run(Deployment.coerce(config))
     assert third["run_id"] == first["run_id"] and third["attempt"] == 3
     assert not (run_dir / "failure.json").exists() and (run_dir / "attempts" / "2" / "failure.json").is_file()
     (run_dir / "outcome.json").write_text(json.dumps({"status": "blocked"}))  # blocked: a new run
-    assert plan_run(config)["run_id"] != first["run_id"]
+    assert plan_run(Deployment.coerce(config))["run_id"] != first["run_id"]
 
 
 def test_training_budget_by_steps_or_epochs_warns_when_a_small_phase_repeats():
