@@ -616,20 +616,15 @@ class GalleryIndex:
         version: str,
         space: str,
         *,
-        phase: int | Sequence[int] = 0,
-        source_uris: Sequence[str] | None = None,
-        embedded_at: int | Sequence[int] | None = None,
-        transform: str = "",
-        rollout_id: str = "",
         collection: str | None = None,
         batch_size: int = 1000,
-        centres: np.ndarray | None = None,
+        **fields: Any,
     ) -> int:
         """Upsert ``vectors`` of ``version`` in ``space`` for ``ids``, in batches; returns the count written.
+        ``fields``: the other keywords of :func:`make_rows` (phase, source URIs, order-key centres...).
 
         The target collection must have been created for ``space`` (a query never meets a vector of a space
-        it was not trained against). ``centres``: the space's, for the rows' order keys
-        (:func:`compat.backfill.order_scores`).
+        it was not trained against).
         """
         name = self.resolve(collection)
         have = self.collection_space(name)
@@ -638,19 +633,7 @@ class GalleryIndex:
                 f"collection {name!r} holds space {have!r}, not {space!r}: vectors of another "
                 "space go into a new collection (blue-green)"
             )
-        rows = make_rows(
-            ids,
-            vectors,
-            version,
-            space,
-            phase=phase,
-            source_uris=source_uris,
-            embedded_at=embedded_at,
-            transform=transform,
-            rollout_id=rollout_id,
-            dim=self.collection_dim(name),
-            centres=centres,
-        )
+        rows = make_rows(ids, vectors, version, space, dim=self.collection_dim(name), **fields)
         written = 0
         for start in range(0, len(rows), batch_size):
             written += self.upsert(rows[start : start + batch_size], name)
