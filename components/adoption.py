@@ -314,30 +314,21 @@ def adopt(
 ) -> dict[str, Any]:
     """Prove, then adopt (see the module doc); returns the summary also written to the run folder. Raises
     :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known.
-    ``weights``: a local file or folder, or an MLflow ``models:/`` or ``runs:/`` URI (:func:`local_weights`,
-    read from ``tracking_uri``).
+    ``weights``: a local file or folder, or an MLflow ``models:/`` or ``runs:/`` URI (from ``tracking_uri``).
 
     Order: the copy (rows and lineage) into a collection nothing serves yet, then the model's registration,
     then the alias and the serving record, then ``production`` and the phase record: a failure before the
     alias moves serves nothing half made."""
-    import tempfile
-
-    from compat.models import build_model
     from components.adapters.index import GalleryIndex
     from components.adapters.registry import Registry
     from components.rollout.operations import deployment_owner
     from components.rollout.types import RolloutPaths
     from components.runs import record_phase
-    from components.serving.record import DEFAULT_FACTORY, write_serving
 
-    with tempfile.TemporaryDirectory(dir=scratch(workspace)) as tmp:
-        try:
-            bundle = build_model(arch, pretrained=local_weights(weights, tracking_uri, Path(tmp)))
-        except (KeyError, ValueError, OSError) as err:
-            raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
+    bundle = _built_model(workspace, arch, weights, tracking_uri)
     started = time.monotonic()
     run_id = f"adopt-{time.strftime('%Y%m%d-%H%M%S')}"
-    version = space = "1"  # a plain checkpoint's space is its version (compat.production.space_id_of)
+    version = "1"
     registry = Registry(workspace, model_name=model_name)
     paths = RolloutPaths.for_workspace(workspace)
     _refuse_workspace_taken(workspace, registry)
@@ -348,10 +339,7 @@ def adopt(
         proof = prove(
             bundle, sample, source, shape["metric"], threshold=threshold, max_unreadable=max_unreadable
         )
-        if on_proof is not None:
-            on_proof(proof)
-        if not proof.passed:
-            raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
+        _refuse_unproven(proof, on_proof)
         proof_s = time.monotonic() - started
         owner = deployment_owner(workspace, legacy=False)  # the copy is marked as this deployment's
         with GalleryIndex(workspace.index_uri, alias=workspace.index_alias, owner=owner) as target:
@@ -366,21 +354,9 @@ def adopt(
             if registered["version"] != version:
                 raise RuntimeError(f"the registry numbered the adopted model {registered['version']}, not 1")
             model_dir = registry.local_copy(version)
-            target.switch_alias(collection)
-            record = write_serving(
-                paths.serving,
-                uri=target.uri,
-                alias=target.alias,
-                collection=collection,
-                space=space,
-                dim=shape["dim"],
-                query_model={"version": version, "uri": str(model_dir), "factory": DEFAULT_FACTORY},
-            )
-    if source.caption_field:  # the rollout's probes: the sample's captions, each finding its own item
-        probe = [(str(r[source.id_field]), str(r.get(source.caption_field) or "")) for r in sample]
-        write_json_atomic(
-            paths.probe, {"texts": [c for _, c in probe if c], "positives": [[i] for i, c in probe if c]}
-        )
+            record = _serve(target, paths.serving, collection, version, shape["dim"], model_dir)
+    if source.caption_field:
+        _write_probe(paths.probe, source, sample)
     registry.promote(version, rollout_state={"status": "completed", "model_version": version})
     registry.end_run(registered["mlflow_run_id"])
     record_phase(workspace, 0, "succeeded", run_id)
@@ -401,6 +377,51 @@ def adopt(
     write_json_atomic(folder / SUMMARY_FILE, summary)
     atomic_write(folder / REPORT_FILE, lambda tmp: tmp.write_text(on_call_note(summary)))
     return summary
+
+
+def _built_model(workspace: Any, arch: str, weights: str, tracking_uri: str | None) -> Any:
+    """The team's model, ``arch`` with ``weights`` (:func:`local_weights`), or a refusal."""
+    import tempfile
+
+    from compat.models import build_model
+
+    with tempfile.TemporaryDirectory(dir=scratch(workspace)) as tmp:
+        try:
+            return build_model(arch, pretrained=local_weights(weights, tracking_uri, Path(tmp)))
+        except (KeyError, ValueError, OSError) as err:
+            raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
+
+
+def _serve(
+    target: Any, serving: Path, collection: str, version: str, dim: int, model_dir: Path
+) -> dict[str, Any]:
+    """The alias and the serving record moved to the copy, the adopted model answering queries."""
+    from components.serving.record import DEFAULT_FACTORY, write_serving
+
+    target.switch_alias(collection)
+    return write_serving(
+        serving,
+        uri=target.uri,
+        alias=target.alias,
+        collection=collection,
+        space=version,  # a plain checkpoint's space is its version (compat.production.space_id_of)
+        dim=dim,
+        query_model={"version": version, "uri": str(model_dir), "factory": DEFAULT_FACTORY},
+    )
+
+
+def _refuse_unproven(proof: Proof, on_proof: Any) -> None:
+    """``on_proof(proof)``, then a refusal naming every reason when the proof failed."""
+    if on_proof is not None:
+        on_proof(proof)
+    if not proof.passed:
+        raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
+
+
+def _write_probe(path: Path, source: Source, sample: list[dict[str, Any]]) -> None:
+    """The rollout's probe set: the sample's captions, each finding its own item."""
+    probe = [(str(r[source.id_field]), str(r.get(source.caption_field) or "")) for r in sample]
+    write_json_atomic(path, {"texts": [c for _, c in probe if c], "positives": [[i] for i, c in probe if c]})
 
 
 def on_call_note(summary: dict[str, Any]) -> str:

@@ -138,17 +138,14 @@ def index_new_items(
     """Index the gallery items of ``gallery`` that the serving collection does not hold yet, shard by shard.
 
     The first call embeds every item with ``model``; its first shard creates the collection in ``space``
-    behind the serving alias and writes the serving record. Later calls (a new data phase brings new
-    gallery items) embed only the new items with ``model`` (the serving model) into the serving collection,
-    in its space, and leave the serving record alone. Each shard's new items are handed to ``on_items``
-    (lineage rows: item id, caption, image URI, phase, domain, model version, space) before their vectors
-    are written, so a crash never leaves an indexed item without its lineage; one shard is held at a time.
+    behind the serving alias and writes the serving record. Later calls (a new data phase) embed only the new
+    items with ``model`` (the serving model) into the serving collection, in its space, and leave the record
+    alone. Each shard's new items are handed to ``on_items`` (their lineage rows) before their vectors are
+    written, so a crash never leaves an indexed item without its lineage; one shard is held at a time.
     Each call adds up to ``probe_size`` of the new pictures to the probe set (a seeded reservoir sample),
-    every caption of a picture a query whose relevant item is that picture (t2i as the evaluation counts
-    it; the floors' tolerance, :func:`components.rollout.plan.probe_floors`, absorbs an index's near-ties).
-    Idempotent: a crashed call is simply run again. Returns the serving record plus ``n_items`` (gallery
-    size), ``n_new`` and ``probe`` (the probe file).
-    """
+    each caption a query whose relevant item is its picture (t2i as the evaluation counts it). Idempotent: a
+    crashed call is simply run again. Returns the serving record plus ``n_items`` (gallery size), ``n_new``
+    and ``probe`` (the probe file)."""
     from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
@@ -157,8 +154,7 @@ def index_new_items(
     from components.state.workspace import stored_path
 
     paths = RolloutPaths.for_workspace(workspace)
-    probe_file = paths.probe
-    probe = json.loads(probe_file.read_text()) if probe_file.is_file() else {"texts": [], "positives": []}
+    probe = json.loads(paths.probe.read_text()) if paths.probe.is_file() else {"texts": [], "positives": []}
     sample = _ProbeSample(probe_size, seed, known={p for positives in probe["positives"] for p in positives})
     n_new = 0
     with open_index(workspace) as index:
@@ -178,39 +174,17 @@ def index_new_items(
                 continue
             vectors = encoder.encode_images([items.images[i] for i in keep]).numpy()
             space_id = index.collection_space(collection) if collection is not None else space
-            rows = [
-                {
-                    "item_id": items.keys[i],
-                    "caption": items.captions[i][0],
-                    # a shard inside the workspace named relative to it: a copy reads its own
-                    "image_uri": f"{stored_path(paths.root, url)}#{items.keys[i]}",
-                    "phase": int((items.metas[i] or {}).get("phase", 0)),
-                    "domain": (items.metas[i] or {}).get("domain"),
-                    "model_version": str(version),
-                    "space_id": str(space_id),
-                }
-                for i in keep
-            ]
+            rows = _lineage_rows(items, keep, stored_path(paths.root, url), str(version), str(space_id))
             if on_items is not None:
                 on_items(rows)
-            columns = {
-                "phase": [row["phase"] for row in rows],
-                "source_uris": [row["image_uri"] for row in rows],
-            }
             ids = [row["item_id"] for row in rows]
+            columns = {"phase": [r["phase"] for r in rows], "source_uris": [r["image_uri"] for r in rows]}
             if collection is None:
+                first = {"uri": str(model), "factory": DEFAULT_FACTORY}
                 record = index_gallery(
-                    index,
-                    paths,
-                    ids,
-                    vectors,
-                    version=version,
-                    space=space,
-                    query_model={"uri": str(model), "factory": DEFAULT_FACTORY},
-                    **columns,
+                    index, paths, ids, vectors, version=version, space=space, query_model=first, **columns
                 )
-                collection = record["collection"]
-                held = [collection]
+                collection, held = record["collection"], [record["collection"]]
             else:
                 centres = load_centres(paths.centres(collection))
                 index.index_items(
@@ -224,11 +198,29 @@ def index_new_items(
             index.flush(collection)
         n_items = index.count()
     for item_id, captions in sample.picked():
-        for caption in captions:
-            probe["texts"].append(caption)
-            probe["positives"].append([item_id])
-    write_json_atomic(probe_file, probe)
-    return {**record, "n_items": n_items, "n_new": n_new, "probe": str(probe_file)}
+        probe["texts"] += captions
+        probe["positives"] += [[item_id] for _ in captions]
+    write_json_atomic(paths.probe, probe)
+    return {**record, "n_items": n_items, "n_new": n_new, "probe": str(paths.probe)}
+
+
+def _lineage_rows(
+    items: Any, keep: list[int], shard: str, version: str, space_id: str
+) -> list[dict[str, Any]]:
+    """The lineage rows of a shard's new items (positions ``keep``); ``shard`` as the workspace names it (a
+    shard inside it relative to it: a copy of the workspace reads its own)."""
+    return [
+        {
+            "item_id": items.keys[i],
+            "caption": items.captions[i][0],
+            "image_uri": f"{shard}#{items.keys[i]}",
+            "phase": int((items.metas[i] or {}).get("phase", 0)),
+            "domain": (items.metas[i] or {}).get("domain"),
+            "model_version": version,
+            "space_id": space_id,
+        }
+        for i in keep
+    ]
 
 
 class _ProbeSample:

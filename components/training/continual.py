@@ -108,13 +108,27 @@ def _mean_of(history: list[dict[str, float]], key: str) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
 
-def _phase_entry(manifest: dict[str, Any], stream: Path, phase: int) -> dict[str, Any]:
+def _checked_phase(
+    settings: TrainingSettings, stream: Path, phase: int, production: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The stream's manifest and ``phase``'s entry in it; refuses an unknown method, a phase the stream lacks,
+    and a later phase without the production model."""
+    from compat.data.synth import load_manifest
+
+    if settings.method not in METHODS:
+        raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {settings.method!r}")
+    manifest = load_manifest(stream)
     phases = manifest["phases"]
     if not 0 <= phase < len(phases):
         raise ContinualError(
             f"{stream / 'stream.json'} has phases 0..{len(phases) - 1}; --phase {phase} asked"
         )
-    return phases[phase]
+    if production is None and phase != 0:
+        raise ContinualError(
+            f"phase {phase} needs the production model (--production CKPT); only phase 0 "
+            "trains CLIP_0 from scratch"
+        )
+    return manifest, phases[phase]
 
 
 def _train_urls(
@@ -221,51 +235,31 @@ def run_continual(
 ) -> dict[str, Any]:
     """Run the step and return the metrics document (also written to ``out_dir/metrics.json``).
 
-    ``train_urls`` replaces the phase's train shards from the manifest (the validation step's accepted
-    shards). ``production`` is the production checkpoint (directory or model.json): the teacher and the
-    student's start for ``modx``/``finetune``, the start for ``joint``. Without it only phase 0 can run
-    (CLIP_0 from scratch). Interrupted runs resume from ``train_dir`` (default ``out_dir/train``: resumable
-    checkpoints and the sample ledger) unless ``resume=False``. ``replay_urls`` (one shard list per earlier
-    phase; the pipeline passes the validated ones) replaces the manifest's for the replay buffer. ``on_step``
-    receives each training step's record as it is made (:func:`compat.training.train`).
-    """
-    from compat.data.synth import load_manifest
+    ``train_urls`` / ``replay_urls`` (one list per earlier phase) replace the manifest's shards (the pipeline
+    passes the validated ones). ``production`` (directory or model.json) is the teacher and the student's
+    start; without it only phase 0 runs (CLIP_0 from scratch). An interrupted run resumes from ``train_dir``
+    (default ``out_dir/train``) unless ``resume=False``; ``on_step`` receives each step's record."""
     from compat.io import write_json_atomic
-    from compat.models import save_checkpoint
     from compat.production import load_production
     from compat.training import init_distributed, shutdown_distributed, train
 
-    if settings.method not in METHODS:
-        raise ContinualError(f"method must be one of {', '.join(METHODS)}, got {settings.method!r}")
     stream, out_dir = Path(stream), Path(out_dir)
-    manifest = load_manifest(stream)
-    entry = _phase_entry(manifest, stream, phase)
-    if production is None and phase != 0:
-        raise ContinualError(
-            f"phase {phase} needs the production model (--production CKPT); only phase 0 "
-            "trains CLIP_0 from scratch"
-        )
+    manifest, entry = _checked_phase(settings, stream, phase, production)
     method_used, alpha_used = _method_and_alpha(settings, bootstrap=production is None)
     dist = init_distributed()
     dev = _device(settings.device, dist)
-    # Whatever method produced production (a plain checkpoint or a compatible model), the student and the
-    # Mod-X teacher are its backbone network; the serving encoder is the start model evaluated below.
     parent = None if production is None else load_production(production, device=dev)
     student, teacher = _student_and_teacher(settings, parent, method_used, dev)
     _say_when_resized(manifest, student)
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = settings.replay_buffer_size > 0 and method_used in ("modx", "finetune")
     earlier = (replay_urls or _earlier_train_urls(stream, manifest, phase)) if replay else None
-    source = _batch_source(settings, student, urls, earlier)
     config = _train_config(settings, alpha_used)
-    log.info(
-        "phase %d (%s): %s",
-        phase,
-        entry["domain"],
-        _plan_line(settings, method_used, alpha_used, urls, replay),
-    )
+    plan = _plan_line(settings, method_used, alpha_used, urls, replay)
+    log.info("phase %d (%s): %s", phase, entry["domain"], plan)
     t0 = time.perf_counter()
     workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
+    source = _batch_source(settings, student, urls, earlier)
     result = train(
         student, source, config, workdir, teacher=teacher, dist=dist, resume=resume, on_step=on_step
     )
@@ -273,31 +267,16 @@ def run_continual(
     if not dist.is_main:
         shutdown_distributed()
         return {}
-
     version = version or f"phase-{phase:02d}-{method_used}"
     replay_doc = (
         {"buffer_size": settings.replay_buffer_size, "rows": settings.replay_rows} if replay else None
     )
     run = {"phase": phase, "domain": entry["domain"], "method": method_used, "alpha": alpha_used}
-    extra = {
-        **run,
-        "steps": settings.steps,
-        "batch_size": settings.batch_size,
-        "replay": replay_doc,
-        "seed": settings.seed,
-        "stream_seed": manifest.get("seed"),  # synthetic streams only
-        "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
-    }
-    sidecar = save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
+    sidecar = _save_candidate(
+        student, out_dir, version, settings, {**run, "replay": replay_doc}, manifest, parent
+    )
     sets = _eval_sets(stream, manifest, phase, student.image_size)
-    candidate, cand_emb = evaluate_domains(student, sets, dev, settings.eval_batch_size)
-    start_metrics, sd_doc = None, None
-    if parent is not None:
-        start_metrics, start_emb = evaluate_domains(parent.encoder, sets, dev, settings.eval_batch_size)
-        sd_doc = _spatial_disorder(start_emb, cand_emb, entry["domain"], phase, parent.version, version)
-        if sd_doc is not None:
-            write_json_atomic(out_dir / SD_FILE, sd_doc)
-
+    candidate, start_metrics, sd_doc = _evaluate(student, parent, sets, dev, settings, run, version, out_dir)
     doc = {
         "step": "continual",
         **run,
@@ -306,10 +285,7 @@ def run_continual(
         "production": None if parent is None else parent.describe(),
         "training": {
             **config.to_dict(),
-            "train_shards": len(urls),
-            "replay": replay_doc,
-            "world_size": dist.world_size,
-            "device": dev,
+            **{"train_shards": len(urls), "replay": replay_doc, "world_size": dist.world_size, "device": dev},
             "wall_s": round(train_wall, 3),
             **_trained(result),
         },
@@ -322,6 +298,52 @@ def run_continual(
     write_json_atomic(out_dir / METRICS_FILE, doc)
     shutdown_distributed()
     return doc
+
+
+def _save_candidate(
+    student: ClipBundle,
+    out_dir: Path,
+    version: str,
+    settings: TrainingSettings,
+    run: dict[str, Any],
+    manifest: dict[str, Any],
+    parent: Any,
+) -> Path:
+    """The candidate's checkpoint, its sidecar recording the run, the settings and the model it started from;
+    returns the sidecar."""
+    from compat.models import save_checkpoint
+
+    extra = {
+        **run,
+        **{"steps": settings.steps, "batch_size": settings.batch_size, "seed": settings.seed},
+        "stream_seed": manifest.get("seed"),  # synthetic streams only
+        "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
+    }
+    return save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
+
+
+def _evaluate(
+    student: ClipBundle,
+    parent: Any,
+    sets: list[EvalSet],
+    device: str,
+    settings: TrainingSettings,
+    run: dict[str, Any],
+    version: str,
+    out_dir: Path,
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """The candidate's metrics on every domain so far; with a production model, its metrics and the Spatial
+    Disorder of the newest domain between the two (written to ``out_dir``; None without one)."""
+    from compat.io import write_json_atomic
+
+    candidate, cand_emb = evaluate_domains(student, sets, device, settings.eval_batch_size)
+    if parent is None:
+        return candidate, None, None
+    start_metrics, start_emb = evaluate_domains(parent.encoder, sets, device, settings.eval_batch_size)
+    sd_doc = _spatial_disorder(start_emb, cand_emb, run["domain"], run["phase"], parent.version, version)
+    if sd_doc is not None:
+        write_json_atomic(out_dir / SD_FILE, sd_doc)
+    return candidate, start_metrics, sd_doc
 
 
 def _plan_line(settings: TrainingSettings, method: str, alpha: float, urls: list[str], replay: bool) -> str:
@@ -362,7 +384,8 @@ def _student_and_teacher(
     settings: TrainingSettings, parent: Any, method: str, device: str
 ) -> tuple[ClipBundle, ClipBundle | None]:
     """The model to train and Mod-X's frozen teacher (None for every other method): CLIP_0 from its config
-    (and its pretrained start); a foundation swap from the new config; else production's backbone."""
+    (and its pretrained start); a foundation swap from the new config; else production's backbone network,
+    whatever method produced production (the serving encoder is the start model the step evaluates)."""
     from compat.models import build_model
 
     if parent is None:
