@@ -1,17 +1,11 @@
 """Streaming, resumable reads of img2dataset-style shards (``{key}.jpg`` / ``.txt`` / ``.json``).
 
-Shards come from local paths, globs, brace patterns or fsspec URLs (:func:`expand_urls`). A
-:class:`ShardStream` visits them in a deterministic per-(seed, epoch) order, reads them with
-tarfile and webdataset's key grouper (:func:`compat.data.shards.iter_raw_samples`) and decodes
-samples with webdataset's decoder (images to 8-bit RGB by :func:`compat.data.images.decode_rgb`, with
-transparency on a white background unless told otherwise, at most :data:`compat.data.images.MAX_PIXELS`
-and no larger than the ``image_size`` the reader asks for; ``.txt`` and ``.json`` only; nothing is ever
-unpickled), in this process or in ``workers`` processes that hand the samples back in stream order.
-Its :attr:`ShardStream.position` is the position after the last
-sample yielded; a stream built with that position continues with exactly the next sample,
-passing over the already-consumed members of the current shard without decoding them.
-:func:`iter_batches` applies the image transform where the samples are decoded, its random draws seeded
-per (seed, epoch, key), so batches do not depend on the number of workers.
+A :class:`ShardStream` visits shards (:func:`expand_urls`) in a per-(seed, epoch) order and decodes their
+samples with webdataset's decoder (images by :func:`compat.data.images.decode_rgb`; ``.txt`` and ``.json``
+only, nothing unpickled), here or in ``workers`` processes that hand samples back in stream order. Its
+:attr:`ShardStream.position` is the position after the last sample yielded: a stream built with it
+continues with exactly the next sample. :func:`iter_batches` applies the image transform where samples are
+decoded, seeded per (seed, epoch, key), so batches do not depend on the number of workers.
 
 The loader expects validated shards: a sample without an image or a caption, or an undecodable
 member, raises :class:`LoaderError` naming the shard and the key.
@@ -82,10 +76,9 @@ def _expand_one(spec: str) -> list[str]:
 def expand_urls(spec: str | Sequence[str]) -> list[str]:
     """Shard URLs from a spec or a list of specs, in order, without duplicates.
 
-    A spec is a local path, a directory (its ``*.tar`` files), a glob (``shards/*.tar``; ``**`` spans
-    folders; files only), a brace pattern (``shard-{00000..00009}.tar``) or an fsspec URL (``file://``,
-    ``s3://``, ``gs://``, ``memory://``, ...; remote globs are listed through fsspec). Training, evaluation
-    and validation all expand shards here. A local spec that matches nothing raises :class:`LoaderError`.
+    A spec is a local path, a directory (its ``*.tar`` files), a glob (``**`` spans folders), a brace
+    pattern (``shard-{00000..00009}.tar``) or an fsspec URL (remote globs listed through fsspec). A local
+    spec that matches nothing raises :class:`LoaderError`.
     """
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not specs:
@@ -95,8 +88,7 @@ def expand_urls(spec: str | Sequence[str]) -> list[str]:
 
 @dataclass
 class Sample:
-    """A decoded sample: PIL RGB image, its caption (``.txt``), all captions, the ``.json`` metadata, and the
-    upright size of the stored image (the image itself may be decoded smaller)."""
+    """A decoded sample; ``original_size`` is the stored image's upright size (``image`` may be smaller)."""
 
     key: str
     image: Image.Image
@@ -109,8 +101,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class StreamPosition:
-    """Where a :class:`ShardStream` stands: after ``sample_offset`` samples of the ``shard_index``-th
-    shard (in the epoch's shard order) of ``epoch``, ``samples_seen`` samples in all."""
+    """After ``sample_offset`` samples of the ``shard_index``-th shard (in the epoch's order) of ``epoch``."""
 
     epoch: int = 0
     shard_index: int = 0
@@ -122,7 +113,7 @@ class StreamPosition:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> StreamPosition:
-        """Build from :meth:`to_dict` output; raise ``ValueError`` naming a missing or bad field."""
+        """From :meth:`to_dict` output; raise ``ValueError`` naming a missing or bad field."""
         values = {}
         for name in ("epoch", "shard_index", "sample_offset", "samples_seen"):
             value = doc.get(name) if isinstance(doc, dict) else None
@@ -204,9 +195,8 @@ CHUNKS_AHEAD = 2  # per worker: tasks queued or done but not yet consumed (memor
 
 @dataclass
 class _Item:
-    """One step of a stream walk, in stream order: a sample to decode (``raw``) or already decoded
-    (``sample``, from the cache), or a marker: the end of a cacheable shard (``end_of``) or of an epoch,
-    or a barrier (every item before it must be consumed first: the next shard is still being cached)."""
+    """One step of a stream walk: a sample to decode (``raw``) or cached (``sample``), or a marker: the end of
+    a cacheable shard (``end_of``) or of an epoch, or a barrier (the next shard is still being cached)."""
 
     url: str | None
     position: StreamPosition | None
@@ -225,8 +215,8 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_start(decode_settings: tuple[Any, ...], prepare: Callable[[Sample, int], Any] | None) -> None:
-    """A decoding worker's set-up: one torch thread (the pool is the parallelism), its decoder and step, and
-    a watch that ends the worker when the process that started it is gone (killed, it cannot say so)."""
+    """A decoding worker's set-up: one torch thread, its decoder and step, and a watch that ends the worker
+    when its parent is gone (killed, it cannot say so)."""
     import threading
     import time
 
@@ -254,8 +244,7 @@ def _work(
 
 
 class _TensorData:
-    """A tensor crossing to another process as plain bytes: pickled as is, torch would move each tensor into
-    a shared-memory segment of its own, which costs far more per small tensor than copying its bytes."""
+    """A tensor crossing processes as plain bytes (torch would give each one a shared-memory segment)."""
 
     def __init__(self, tensor: Any) -> None:
         self.array = tensor.numpy()
@@ -268,7 +257,7 @@ class _TensorData:
 
 def _work_chunk(items: list[_Item]) -> tuple[list[tuple[Sample, Any]], LoaderError | None]:
     """A worker's task: the chunk's samples decoded and prepared, up to the first that cannot be (its error
-    comes back beside the samples before it, which the stream still yields, as in one process)."""
+    comes back beside the samples before it, which the stream still yields)."""
     import torch
 
     done: list[tuple[Sample, Any]] = []
@@ -284,19 +273,14 @@ def _work_chunk(items: list[_Item]) -> tuple[list[tuple[Sample, Any]], LoaderErr
 class ShardStream:
     """Iterable of :class:`Sample` over shards, with a deterministic shard order and a resumable position.
 
-    ``epochs=None`` repeats forever. Images are decoded by :func:`compat.data.images.decode_rgb`
-    (transparency onto ``background``), to ``image_size`` on the short side when larger (None: full size;
-    a JPEG is decoded at a reduced scale), refused above ``max_pixels``. With a ``cache``
-    (:class:`compat.data.cache.SampleCache`) a local shard read to its end is kept decoded, and later reads
-    of it (the next epoch, another stream sharing the cache) decode nothing. Shard order is
-    :func:`shard_order` per (seed, epoch); samples keep their order inside a shard. Iterating again (a
-    second ``iter()``) continues from :attr:`position`; build a new stream with ``position=`` to resume
-    in another process.
+    ``epochs=None`` repeats forever. Images are decoded by :func:`compat.data.images.decode_rgb` to
+    ``image_size`` on the short side (None: full size). With a ``cache`` (:class:`~.cache.SampleCache`) a
+    local shard read to its end is kept decoded for later reads. Iterating again continues from
+    :attr:`position`; build a new stream with ``position=`` to resume in another process.
 
-    ``workers`` > 0 decodes in that many processes: this process reads the shards (undecoded bytes, in
-    order) and hands them out ``chunk`` samples at a time, at most :data:`CHUNKS_AHEAD` chunks per worker
-    ahead; results come back in stream order, so the samples, their order and every :attr:`position` are
-    those of ``workers=0``.
+    ``workers`` > 0 decodes in that many processes, ``chunk`` samples per task, at most
+    :data:`CHUNKS_AHEAD` chunks per worker ahead; the samples and every :attr:`position` are those of
+    ``workers=0``.
     """
 
     def __init__(
@@ -346,8 +330,7 @@ class ShardStream:
 
     def prepared(self, prepare: Callable[[Sample, int], Any] | None = None) -> Iterator[tuple[Sample, Any]]:
         """``(sample, prepare(sample, epoch))`` for each sample in stream order (``None`` without
-        ``prepare``), decoded and prepared in the :attr:`workers` processes when there are any. ``prepare``
-        must be picklable for workers (a module-level function or an object of a module-level class)."""
+        ``prepare``), in the :attr:`workers` processes when there are any (then ``prepare`` must pickle)."""
         self._filling: set[Any] = set()  # cache keys of shards read to their end, not yet put in the cache
         items = self._walk()
         if self.workers == 0:
@@ -420,9 +403,9 @@ class ShardStream:
     def _in_workers(
         self, items: Iterator[_Item], prepare: Callable[[Sample, int], Any] | None
     ) -> Iterator[tuple[_Item, Sample | None, Any]]:
-        """``items`` decoded (and prepared) by a pool of :attr:`workers` processes, in order, at most
-        ``CHUNKS_AHEAD * workers`` chunks ahead of the consumer, and not past a barrier until everything
-        before it is consumed. A read error ends the stream after the samples before it."""
+        """``items`` decoded (and prepared) by a pool of :attr:`workers` processes, in order, not past a
+        barrier until everything before it is consumed. A read error ends the stream after the samples
+        before it."""
         import multiprocessing
         from collections import deque
         from concurrent.futures import ProcessPoolExecutor
@@ -498,11 +481,8 @@ class Batch:
 
 
 def pick_caption(sample: Sample, choice: Literal["first", "random"], seed: int, epoch: int) -> str:
-    """The caption to train on: the ``.txt`` one, or one of ``captions`` fixed by (seed, key, epoch).
-
-    The random pick hashes its inputs instead of drawing from a generator, so a resumed stream
-    picks the same captions as an uninterrupted one.
-    """
+    """The caption to train on: the ``.txt`` one, or one of ``captions`` fixed by hashing (seed, key, epoch),
+    so that a resumed stream picks the same captions as an uninterrupted one."""
     if choice == "first":
         return sample.caption
     if choice != "random":
@@ -512,9 +492,8 @@ def pick_caption(sample: Sample, choice: Literal["first", "random"], seed: int, 
 
 
 class SeededTransform:
-    """``transform(sample.image)`` with torch's random generator seeded by (seed, epoch, key): a random
-    augmentation draws the same for a sample whichever process prepares it, and whether or not the run was
-    resumed. The caller's generator state is left as it was."""
+    """``transform(sample.image)`` with torch's generator seeded by (seed, epoch, key), whichever process
+    prepares it; the caller's generator state is left as it was."""
 
     def __init__(self, transform: Callable[[Any], Any], seed: int) -> None:
         self.transform, self.seed = transform, seed
@@ -543,12 +522,9 @@ def iter_batches(
 ) -> Iterator[Batch]:
     """Collate ``stream`` into :class:`Batch` es of ``batch_size``.
 
-    ``image_transform`` maps a PIL image to a ``[C, H, W]`` tensor, under torch's generator seeded per sample
-    (:class:`SeededTransform`), in the stream's decoding workers when it has any (then it must be picklable);
-    ``tokenizer`` maps a list of captions to a ``[B, L]`` tensor (an open_clip tokenizer does). The last,
-    smaller batch is yielded unless ``drop_last``; a dropped tail counts as not consumed: each batch's
-    ``position`` is the stream position right after its last sample, so resuming from the last batch
-    trained on replays the dropped samples.
+    ``image_transform`` maps a PIL image to a ``[C, H, W]`` tensor (:class:`SeededTransform`, in the stream's
+    workers when it has any); ``tokenizer`` maps captions to a ``[B, L]`` tensor. Each batch's ``position``
+    is the one right after its last sample, so a tail dropped by ``drop_last`` is replayed on resume.
     """
     import torch
 
@@ -599,21 +575,13 @@ def load_captioned_set(
     image_size: int | None = None,
     max_pixels: int | None = MAX_PIXELS,
 ) -> CaptionedSet:
-    """Read every sample of ``urls`` (in spec order, shards unshuffled) into a :class:`CaptionedSet`
-    (images decoded by :func:`compat.data.images.decode_rgb`, transparency onto ``background``, to
-    ``image_size`` on the short side when larger: give the model input so the set holds no more).
-
-    Raises :class:`LoaderError` on a duplicate key.
-    """
+    """Every sample of ``urls`` (in spec order) in a :class:`CaptionedSet`, images decoded to ``image_size``
+    on the short side (give the model input so the set holds no more); :class:`LoaderError` on a duplicate
+    key."""
     out = CaptionedSet([], [], [], [])
     seen: dict[str, str] = {}
     stream = ShardStream(
-        urls,
-        shuffle_shards=False,
-        epochs=1,
-        background=background,
-        image_size=image_size,
-        max_pixels=max_pixels,
+        urls, shuffle_shards=False, background=background, image_size=image_size, max_pixels=max_pixels
     )
     for sample in stream:
         if sample.key in seen:

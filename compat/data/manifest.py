@@ -9,8 +9,7 @@ A stream is a directory whose ``stream.json`` lists, phase by phase, the tar sha
 
 Shard paths are relative to the stream directory (or absolute, for shards referenced in place).
 The synthetic generator (:mod:`compat.data.synth`) adds ``seed``, ``image_size`` and ``generator``;
-phases added with :func:`add_phase` carry ``source``, ``added`` and ``repeats_skipped`` (samples of the
-added shards that the stream already held, left out) instead. Both are read by :func:`load_manifest`.
+phases added with :func:`add_phase` carry ``source``, ``added`` and ``repeats_skipped`` instead.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ class StreamError(ValueError):
 
 
 def manifest_path(directory: str | os.PathLike[str]) -> Path:
-    """Where the manifest of the stream in ``directory`` lives."""
     return Path(directory) / MANIFEST
 
 
@@ -120,9 +118,7 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")  # the members that make a sample
 
 def content_digest(members: Mapping[str, bytes]) -> str:
     """SHA-256 of a sample's picture members (of every member when it has none): what a key names.
-
-    Captions and metadata are left out: a repeat of a picture in a later drop may sit under another file
-    name (``{key}.json`` records it) and still be the same sample."""
+    Captions and metadata are left out: a repeat of a picture under another file name is the same sample."""
     import hashlib
 
     names = sorted(e for e in members if e in IMAGE_MEMBERS) or sorted(members)
@@ -134,9 +130,8 @@ def content_digest(members: Mapping[str, bytes]) -> str:
 
 
 def check_shards(urls: Sequence[str], split: str) -> dict[str, tuple[str, str]]:
-    """Read every shard of ``split`` to its end; return its sample keys, each with its shard and
-    :func:`content_digest`. Raise :class:`StreamError` naming the shard when one is unreadable, truncated
-    or empty, or repeats a key."""
+    """Every sample key of ``split``'s shards (each read to its end), with its shard and
+    :func:`content_digest`; :class:`StreamError` for an unreadable, truncated or empty shard or a repeat."""
     from compat.data.shards import ShardError, iter_raw_samples
 
     keys: dict[str, tuple[str, str]] = {}
@@ -158,8 +153,8 @@ def check_shards(urls: Sequence[str], split: str) -> dict[str, tuple[str, str]]:
 
 
 def stream_keys(directory: str | os.PathLike[str], manifest: dict[str, Any] | None = None) -> dict[str, str]:
-    """Every sample key of the stream in ``directory``, each with the shard holding it (reads tar headers
-    only); raise :class:`StreamError` naming the phase and shard when one cannot be read."""
+    """Every sample key of the stream in ``directory``, each with its shard (tar headers only); raise
+    :class:`StreamError` naming the phase and shard when one cannot be read."""
     from compat.data.shards import ShardError, sample_keys
 
     root = Path(directory)
@@ -178,8 +173,8 @@ def stream_keys(directory: str | os.PathLike[str], manifest: dict[str, Any] | No
 
 
 def _repeats(root: Path, manifest: dict[str, Any], new: Mapping[str, tuple[str, str]]) -> set[str]:
-    """The keys of the new phase that the stream already holds with the same picture bytes. A key it holds
-    for other bytes is refused: evaluation, validation and the gallery index key samples by it."""
+    """The keys of the new phase that the stream already holds with the same picture bytes (a key it holds
+    for other bytes is refused: evaluation, validation and the gallery key samples by it)."""
     from compat.data.shards import ShardError, iter_raw_samples
 
     held = stream_keys(root, manifest)
@@ -216,39 +211,16 @@ def add_phase(
 ) -> dict[str, Any]:
     """Append the next phase to the stream in ``directory`` (created with its manifest when missing).
 
-    ``shards`` gives each split's local tar paths. Every shard is read to its end (counts computed, a
-    truncated or unreadable shard refused) before anything is written. A sample whose key the stream
-    already holds with the same picture bytes (:func:`content_digest`) is a repeat: it is left out and
-    counted per split in the entry's ``repeats_skipped``. Refused: a key the stream holds for other bytes,
-    a key two of the new shards share, and a phase with nothing new (or a split under :data:`MIN_COUNTS`)
-    once repeats are left out. The shards are hard-linked (or copied; rewritten without their repeats
-    when they hold some) to ``phase-PP/{split}/shard-NNNNN.tar`` in a temporary folder renamed into place,
-    then the manifest is replaced atomically; ``in_place`` lists them where they are instead (refused when
-    there are repeats). Returns the entry.
+    ``shards`` gives each split's local tar paths, each read to its end before anything is written. A
+    sample the stream already holds (same key, same :func:`content_digest`) is left out and counted in
+    ``repeats_skipped``. Refused: a key held for other bytes or shared by two new shards, and a phase with
+    nothing new or a split under :data:`MIN_COUNTS`. The shards are hard-linked (or copied, or rewritten
+    without repeats) to ``phase-PP/{split}/shard-NNNNN.tar`` in a folder renamed into place, then the
+    manifest replaced atomically; ``in_place`` lists them where they are instead. Returns the entry.
     """
     if not isinstance(domain, str) or not domain.strip():
         raise StreamError("the phase's domain must be a non-empty name (--domain)")
-    unknown = sorted(set(shards) - set(SPLITS))
-    if unknown:
-        raise StreamError(f"unknown split(s) {', '.join(unknown)}; splits are {', '.join(SPLITS)}")
-    urls = {split: [str(Path(u).resolve()) for u in shards.get(split, ())] for split in SPLITS}
-    for split in SPLITS:
-        for url in urls[split]:
-            if not Path(url).is_file():
-                raise StreamError(f"{split} shard {url} is not a file")
-        dupes = {u for u in urls[split] if urls[split].count(u) > 1}
-        if dupes:
-            raise StreamError(f"{split} lists {sorted(dupes)[0]} more than once")
-    keys = {split: check_shards(urls[split], split) for split in SPLITS}
-    every: dict[str, tuple[str, str]] = {}
-    for split in SPLITS:
-        for key, seen in keys[split].items():
-            if key in every:
-                raise StreamError(
-                    f"sample key {key!r} is in two splits of the new phase ({every[key][0]} and {seen[0]}): "
-                    "a key names one sample of the stream"
-                )
-            every[key] = seen
+    urls, keys, every = _read_new_shards(shards)
     root = Path(directory)
     if manifest_path(root).is_file():
         load_manifest(root)  # a malformed manifest is refused before anything is written
@@ -279,6 +251,35 @@ def add_phase(
             **({"source": source} if source else {}),
         }
         return _append_locked(root, urls, entry, in_place, repeats)
+
+
+def _read_new_shards(
+    shards: Mapping[str, Sequence[str]],
+) -> tuple[dict[str, list[str]], dict[str, dict[str, tuple[str, str]]], dict[str, tuple[str, str]]]:
+    """A new phase's shard paths and keys per split (:func:`check_shards`), and all its keys; refuses an
+    unknown split, a path that is no file or is listed twice, and a key in two splits."""
+    unknown = sorted(set(shards) - set(SPLITS))
+    if unknown:
+        raise StreamError(f"unknown split(s) {', '.join(unknown)}; splits are {', '.join(SPLITS)}")
+    urls = {split: [str(Path(u).resolve()) for u in shards.get(split, ())] for split in SPLITS}
+    for split in SPLITS:
+        for url in urls[split]:
+            if not Path(url).is_file():
+                raise StreamError(f"{split} shard {url} is not a file")
+        dupes = {u for u in urls[split] if urls[split].count(u) > 1}
+        if dupes:
+            raise StreamError(f"{split} lists {sorted(dupes)[0]} more than once")
+    keys = {split: check_shards(urls[split], split) for split in SPLITS}
+    every: dict[str, tuple[str, str]] = {}
+    for split in SPLITS:
+        for key, seen in keys[split].items():
+            if key in every:
+                raise StreamError(
+                    f"sample key {key!r} is in two splits of the new phase ({every[key][0]} and {seen[0]}): "
+                    "a key names one sample of the stream"
+                )
+            every[key] = seen
+    return urls, keys, every
 
 
 def _check_counts(counts: Mapping[str, int], skipped: Mapping[str, int]) -> None:
@@ -353,8 +354,8 @@ def _relative_or_absolute(url: str, root: Path) -> str:
 
 
 def _copy_without(src: Path, dst: Path, skip: set[str]) -> bool:
-    """Put shard ``src`` at ``dst``: linked when it holds no key of ``skip``, else rewritten without those
-    samples (nothing written when none is left). Returns whether ``dst`` was written."""
+    """Put shard ``src`` at ``dst``, linked, or rewritten without the keys of ``skip``; whether it was written
+    (not when no sample is left)."""
     from compat.data.shards import iter_raw_samples, sample_keys, write_shard
 
     if not skip or not (sample_keys(str(src)) & skip):
