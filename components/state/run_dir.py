@@ -87,27 +87,22 @@ class RunDir:
     # ------------------------------------------------------------------------------------ the run's own
     @property
     def plan_file(self) -> Path:
-        """The run's plan: its phase, run id and shard lists."""
         return self.path / RUN_FILE
 
     @property
     def outcome_file(self) -> Path:
-        """How the run ended (succeeded, blocked, rejected, failed)."""
         return self.path / OUTCOME_FILE
 
     @property
     def failure_file(self) -> Path:
-        """The first step that raised, its exception and the next action."""
         return self.path / FAILURE_FILE
 
     @property
     def blocked_file(self) -> Path:
-        """The step that stopped the run and why."""
         return self.path / BLOCKED_FILE
 
     @property
     def pipeline_log(self) -> Path:
-        """The local runner's log of every task."""
         return self.path / PIPELINE_LOG
 
     @property
@@ -116,11 +111,9 @@ class RunDir:
 
     @property
     def usage_dir(self) -> Path:
-        """One usage file per step."""
         return self.path / USAGE_DIR
 
     def usage_file(self, step: str) -> Path:
-        """What ``step`` cost (wall and CPU seconds, peak memory)."""
         return self.usage_dir / f"step-{step}.json"
 
     @property
@@ -130,42 +123,34 @@ class RunDir:
 
     @property
     def attempts_dir(self) -> Path:
-        """Earlier attempts of a resumed run, one numbered folder each."""
         return self.path / ATTEMPTS_DIR
 
     def attempt_dir(self, number: int) -> Path:
-        """``attempts/<number>/``: an earlier attempt's outcome, failure and log."""
         return self.attempts_dir / str(number)
 
     # ------------------------------------------------------------------------------------ step outputs
     @property
     def validation_summary(self) -> Path:
-        """The validate step's summary."""
         return self.step_dir("validate") / VALIDATION_FILE
 
     @property
     def drift_dir(self) -> Path:
-        """The drift step's working folder."""
         return self.step_dir("drift")
 
     @property
     def drift_summary(self) -> Path:
-        """The drift step's summary."""
         return self.drift_dir / DRIFT_FILE
 
     @property
     def drift_report(self) -> Path:
-        """The drift step's HTML report."""
         return self.drift_dir / DRIFT_REPORT_FILE
 
     @property
     def continual_dir(self) -> Path:
-        """The continual step's folder (its summaries, checkpoints and rank logs)."""
         return self.step_dir("continual")
 
     @property
     def continual_metrics(self) -> Path:
-        """The candidate's training metrics and curve."""
         return self.continual_dir / METRICS_FILE
 
     @property
@@ -175,7 +160,6 @@ class RunDir:
 
     @property
     def compat_model_dir(self) -> Path:
-        """The compatible model the compat step trained."""
         return self.step_dir("compat") / "model"
 
     @property
@@ -185,51 +169,41 @@ class RunDir:
 
     @property
     def compat_report(self) -> Path:
-        """The evaluate step's compatibility report."""
         return self.step_dir("evaluate") / COMPAT_REPORT_FILE
 
     @property
     def gate_file(self) -> Path:
-        """The release gate's decision."""
         return self.step_dir("gate") / GATE_FILE
 
     @property
     def registered_file(self) -> Path:
-        """The registered version."""
         return self.step_dir("register") / REGISTERED_FILE
 
     @property
     def ingest_summary(self) -> Path:
-        """The phase's new gallery items indexed."""
         return self.step_dir("ingest") / INGEST_FILE
 
     @property
     def rollout_dir(self) -> Path:
-        """The rollout step's folder (also the first model's index)."""
         return self.step_dir("rollout")
 
     @property
     def rollout_summary(self) -> Path:
-        """The rollout step's summary."""
         return self.rollout_dir / ROLLOUT_FILE
 
     @property
     def rollout_state(self) -> Path:
-        """The rollout's final state, kept for the report."""
         return self.rollout_dir / ROLLOUT_STATE_FILE
 
     @property
     def examples_file(self) -> Path:
-        """Retrieval examples as the gallery is served after the run."""
         return self.rollout_dir / EXAMPLES_FILE
 
     @property
     def report_dir(self) -> Path:
-        """The on-call report's folder."""
         return self.step_dir("report")
 
     def report_file(self, fmt: str = "html") -> Path:
-        """The on-call report in ``fmt`` (``html``, ``md``)."""
         return self.report_dir / report_file_name(fmt)
 
     def holds_a_run(self) -> bool:

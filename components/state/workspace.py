@@ -26,6 +26,7 @@ The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -44,33 +45,10 @@ ENV_ROOT = "COMPATFLOW_WORKSPACE"
 # Folders a workspace may never be (a run writes, archives and deletes below its workspace): the root, the
 # system folders and the folder that holds every user's home.
 SYSTEM_FOLDERS = frozenset(
-    Path(p)
-    for p in (
-        "/",
-        "/bin",
-        "/boot",
-        "/dev",
-        "/etc",
-        "/home",
-        "/lib",
-        "/lib32",
-        "/lib64",
-        "/opt",
-        "/proc",
-        "/root",
-        "/run",
-        "/sbin",
-        "/srv",
-        "/sys",
-        "/tmp",
-        "/usr",
-        "/usr/bin",
-        "/usr/lib",
-        "/usr/local",
-        "/var",
-        "/var/lib",
-        "/var/log",
-        "/var/tmp",
+    map(
+        Path,
+        "/ /bin /boot /dev /etc /home /lib /lib32 /lib64 /opt /proc /root /run /sbin /srv /sys /tmp /usr "
+        "/usr/bin /usr/lib /usr/local /var /var/lib /var/log /var/tmp".split(),
     )
 )
 
@@ -143,14 +121,9 @@ class Workspace:
 
     def with_index_uri(self, uri: str) -> Workspace:
         """The same workspace with its gallery index at ``uri`` (a command's ``--uri``)."""
-        return Workspace(
-            self.root,
-            tracking_uri=self._tracking_uri,
-            lineage_repo=self._lineage_repo,
-            index_uri=uri,
-            index_alias=self._index_alias,
-            weights_dir=self._weights_dir,
-        )
+        moved = copy.copy(self)
+        moved._index_uri = uri or os.environ.get(ENV_INDEX_URI) or None
+        return moved
 
     @classmethod
     def coerce(cls, value: Workspace | str | Path | None) -> Workspace:
@@ -160,7 +133,6 @@ class Workspace:
     # ---------------------------------------------------------------------------------------- services
     @property
     def mlflow_store(self) -> Path:
-        """The embedded MLflow store (tracking and registry, sqlite)."""
         return self.root / "mlflow.db"
 
     @property
@@ -170,7 +142,6 @@ class Workspace:
 
     @property
     def artifacts_dir(self) -> Path:
-        """MLflow artifacts of the embedded store (reports, checkpoints)."""
         return self.root / "mlartifacts"
 
     @property
@@ -211,7 +182,6 @@ class Workspace:
 
     @property
     def milvus_dir(self) -> Path:
-        """milvus-lite's data folder."""
         return self.root / "milvus"
 
     @property
@@ -282,71 +252,57 @@ class Workspace:
     # ------------------------------------------------------------------------------------------- state
     @property
     def state_path(self) -> Path:
-        """Every phase's outcome (:mod:`components.runs`)."""
         return self.root / "state.json"
 
     @property
     def serving_path(self) -> Path:
-        """The serving record: which collection and query model answer queries."""
         return self.root / "serving.json"
 
     @property
     def rollout_state_path(self) -> Path:
-        """Progress of the rollout in flight."""
         return self.root / ROLLOUT_STATE_FILE
 
     @property
     def rollout_dir(self) -> Path:
-        """The probe set and each rollout's work files (restore rows, archived states)."""
         return self.root / "rollout"
 
     @property
     def probe_path(self) -> Path:
-        """The probe set the gallery's first indexing writes."""
         return self.rollout_dir / "probe.json"
 
     @property
     def services_dir(self) -> Path:
-        """One file per running search service (``compatflow serve``), read by rollouts."""
         return self.root / "services"
 
     @property
     def lock_path(self) -> Path:
-        """The workspace lock: one process at a time (:mod:`components.state.lock`)."""
         return self.root / ".compatflow.lock"
 
     @property
     def steps_lock_path(self) -> Path:
-        """Shared by the running steps (tasks) of the run in progress."""
         return self.root / ".compatflow.steps.lock"
 
     # ---------------------------------------------------------------------------------------- folders
     @property
     def models_dir(self) -> Path:
-        """Verified local copies of registered models, one folder per version."""
         return self.root / "models"
 
     def model_dir(self, version: str | int) -> Path:
-        """``<root>/models/v<version>``: the local copy of a registered version."""
         return self.models_dir / f"v{version}"
 
     @property
     def validated_root(self) -> Path:
-        """The accepted shards of every validated phase."""
         return self.root / "validated"
 
     def validated_dir(self, phase: int) -> Path:
-        """``<root>/validated/phase-NNN``: the accepted shards of ``phase`` (replay, drift reference)."""
         return self.validated_root / f"phase-{phase:03d}"
 
     @property
     def tmp_dir(self) -> Path:
-        """Scratch space of the local runner (on the workspace's filesystem, so renames are atomic)."""
         return self.root / "tmp"
 
     @property
     def kfp_dir(self) -> Path:
-        """The KFP local runner's pipeline root (task outputs)."""
         return self.root / "kfp"
 
     @property
@@ -360,7 +316,6 @@ class Workspace:
         return self.runs_dir / run_id
 
     def run(self, run_id: str) -> RunDir:
-        """The layout of run ``run_id``'s folder (:meth:`run_dir`)."""
         return RunDir(self.run_dir(run_id))
 
     def run_ids(self) -> list[str]:
@@ -393,8 +348,6 @@ def resolved_path(root: Path, value: str) -> str:
 
 def map_paths(doc: dict, keys: tuple[str, ...], convert) -> dict:  # noqa: ANN001 - (root-bound) str -> str
     """A copy of ``doc`` with ``convert`` applied to each dotted ``key`` present (``"a.b"``: doc[a][b])."""
-    import copy
-
     out = copy.deepcopy(doc)
     for key in keys:
         *parents, leaf = key.split(".")
