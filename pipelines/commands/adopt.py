@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import (
+    ConfigOpt,
+    WorkspaceOpt,
+    config_of,
+    echo_json,
+    exit_codes,
+    fail,
+    holding_workspace,
+    workspace_of,
+)
 
 REFUSED = 3
 
@@ -19,49 +28,38 @@ REFUSED = 3
     }
 )
 def adopt(
-    uri: Annotated[str, typer.Option("--uri", help="The team's Milvus URI or milvus-lite path.")],
-    collection: Annotated[str, typer.Option("--collection", help="The team's collection (only read).")],
-    id_field: Annotated[str, typer.Option("--id-field", help="Its primary key field.")],
-    vector_field: Annotated[str, typer.Option("--vector-field", help="Its float vector field.")],
-    arch: Annotated[
-        str, typer.Option("--arch", help="The model: an open_clip architecture or a cf-* config name.")
-    ],
+    uri: Annotated[str, typer.Option(help="The team's Milvus URI or milvus-lite path.")],
+    collection: Annotated[str, typer.Option(help="The team's collection (only read).")],
+    id_field: Annotated[str, typer.Option(help="Its primary key field.")],
+    vector_field: Annotated[str, typer.Option(help="Its float vector field.")],
+    arch: Annotated[str, typer.Option(help="The model: an open_clip architecture or a cf-* config name.")],
     weights: Annotated[
         str,
         typer.Option(
-            "--weights",
             help="The model's weights: a checkpoint file or folder open_clip wrote, or an MLflow models:/ or "
-            "runs:/ URI whose artifacts hold one such file.",
+            "runs:/ URI whose artifacts hold one such file."
         ),
     ],
     image_field: Annotated[
-        str | None,
-        typer.Option("--image-field", help="The field holding each item's image path or file:// URI."),
+        str | None, typer.Option(help="The field holding each item's image path or file:// URI.")
     ] = None,
     image_template: Annotated[
-        str | None,
-        typer.Option("--image-template", help="Each item's image path from its id, e.g. /data/{id}.jpg."),
+        str | None, typer.Option(help="Each item's image path from its id, e.g. /data/{id}.jpg.")
     ] = None,
-    caption_field: Annotated[
-        str | None, typer.Option("--caption-field", help="A field holding each item's caption.")
-    ] = None,
-    sample: Annotated[
-        int, typer.Option("--sample", min=1, max=4096, help="Items re-embedded to prove the model.")
-    ] = 256,
+    caption_field: Annotated[str | None, typer.Option(help="A field holding each item's caption.")] = None,
+    sample: Annotated[int, typer.Option(min=1, max=4096, help="Items re-embedded to prove the model.")] = 256,
     threshold: Annotated[
-        float, typer.Option("--threshold", min=0.0, max=1.0, help="Least median and p5 cosine accepted.")
+        float, typer.Option(min=0.0, max=1.0, help="Least median and p5 cosine accepted.")
     ] = 0.99,
     max_unreadable: Annotated[
-        float,
-        typer.Option("--max-unreadable", min=0.0, max=1.0, help="Largest fraction of unreadable images."),
+        float, typer.Option(min=0.0, max=1.0, help="Largest fraction of unreadable images.")
     ] = 0.05,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the sample.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 0,
     weights_tracking_uri: Annotated[
         str | None,
         typer.Option(
-            "--weights-tracking-uri",
             help="The MLflow server (or store) a models:/ or runs:/ --weights is read from "
-            "(default: $MLFLOW_TRACKING_URI).",
+            "(default: $MLFLOW_TRACKING_URI)."
         ),
     ] = None,
     workspace: WorkspaceOpt = None,
@@ -75,7 +73,6 @@ def adopt(
     from components.adoption import AdoptionRefused, Source
     from components.adoption import adopt as run_adoption
     from components.state.workspace import DEFAULT_MODEL_NAME
-    from pipelines.commands._common import config_of, echo_json, fail, holding_workspace, workspace_of
 
     model_name = config_of(config).registry.model_name if config else DEFAULT_MODEL_NAME
     ws = workspace_of(config, workspace)
@@ -83,10 +80,6 @@ def adopt(
         source = Source(uri, collection, id_field, vector_field, image_field, image_template, caption_field)
     except AdoptionRefused as err:
         fail(str(err))
-
-    def show(proof: object) -> None:
-        typer.echo(f"proof: {proof.summary()}")  # type: ignore[attr-defined]
-
     with holding_workspace(ws, "adopt"):
         try:
             summary = run_adoption(
@@ -100,7 +93,7 @@ def adopt(
                 max_unreadable=max_unreadable,
                 model_name=model_name,
                 tracking_uri=weights_tracking_uri,
-                on_proof=show,
+                on_proof=_show_proof,
             )
         except AdoptionRefused as err:
             fail(str(err), code=REFUSED)
@@ -109,6 +102,10 @@ def adopt(
         f"served from {summary['collection']!r} (alias {summary['alias']!r}); {collection!r} is unchanged"
     )
     echo_json({k: summary[k] for k in ("run_id", "collection", "n_items", "seconds_per_item")})
+
+
+def _show_proof(proof: Any) -> None:
+    typer.echo(f"proof: {proof.summary()}")
 
 
 def register(app: typer.Typer) -> None:

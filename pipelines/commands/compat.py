@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import exit_codes
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 compat_app = typer.Typer(
     help="Make a candidate compatible with the production model (BCT, lambda-orth, BT2, ...).",
@@ -16,9 +16,8 @@ compat_app = typer.Typer(
 
 
 def _settings(config: Path | None, assignments: list[str]) -> dict[str, Any]:
+    """The method settings of ``--config`` (a YAML mapping) with each ``--set KEY=VALUE`` over them."""
     import yaml
-
-    from pipelines.commands._common import fail
 
     values: dict[str, Any] = {}
     if config is not None:
@@ -63,13 +62,8 @@ def train(
     max_samples: Annotated[int | None, typer.Option(help="Read at most N samples per epoch.")] = None,
 ) -> None:
     """Fit METHOD with OLD frozen, starting from NEW; save the compatible model to OUT."""
-    from pipelines.commands._common import fail
-
     values = _settings(config, set_ or [])
-    if steps is not None:
-        values["steps"] = steps
-    if device is not None:
-        values["device"] = device
+    values.update({k: v for k, v in (("steps", steps), ("device", device)) if v is not None})
     from compat.compat_training import train_compat
 
     try:
@@ -78,12 +72,11 @@ def train(
         )
     except (FileNotFoundError, ValueError, KeyError) as exc:
         fail(str(exc))
-    info = model.training_info
+    info, c = model.training_info, model.contract
     typer.echo(
         f"{method}: {info.get('steps', 0)} steps in {info.get('seconds', 0):.1f} s, "
         f"{model.trainable_parameters:,} trainable parameters -> {out}"
     )
-    c = model.contract
     typer.echo(
         f"serving contract: space {c.space_id!r}, dim {c.dim}, old vectors {c.old_vector_rule} "
         f"(old dims {list(c.old_dims)}){'' if c.keeps_space else ' -- new space: blue-green rollout'}"
@@ -95,7 +88,6 @@ def train(
 def methods(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False) -> None:
     """List the registered methods and their default settings."""
     from compat.methods import available_methods, get_method
-    from pipelines.commands._common import echo_json
 
     doc = {name: get_method(name).make_config().to_dict() for name in available_methods()}
     if as_json:

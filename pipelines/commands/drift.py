@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import exit_codes
+from pipelines.commands._common import exit_codes, fail
 
 
 @exit_codes()
@@ -24,7 +24,6 @@ def drift(
     """Write a drift report (HTML) and a JSON summary with a verdict and severity per signal."""
     from components.data.drift import run_drift
     from components.state.run_dir import DRIFT_REPORT_FILE
-    from pipelines.commands._common import fail
 
     try:
         summary = run_drift(

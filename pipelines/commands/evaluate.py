@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import exit_codes
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 
 @exit_codes()
@@ -29,8 +29,6 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
 ) -> None:
     """Write OUT/compat_report.json (retrieval old/old, new/old, new/new; margins with intervals; ECC)."""
-    from pipelines.commands._common import echo_json, fail
-
     if bootstrap < 1 or not 0 < confidence < 1:
         fail(f"--bootstrap must be >= 1 and --confidence in (0, 1), got {bootstrap} and {confidence}")
     if out.exists() and not out.is_dir():

@@ -45,23 +45,20 @@ def _in_named_namespace(name: str) -> bool:
 @index_app.command("serve-milvus")
 @exit_codes({0: "stopped by SIGTERM or SIGINT", 2: "a bad argument, or Milvus did not start (its log shown)"})
 def serve_milvus(
-    data: Annotated[Path, typer.Option("--data", help="Folder of the server's data, configs and logs.")],
+    data: Annotated[Path, typer.Option(help="Folder of the server's data, configs and logs.")],
     netns: Annotated[
         str,
         typer.Option(
-            "--netns",
             help="Network namespace to run in when this one has interfaces beyond loopback (root; created "
-            "if missing; compatflow commands that use the server run in it too: 'ip netns exec NAME ...').",
+            "if missing; compatflow commands that use the server run in it too: 'ip netns exec NAME ...')."
         ),
     ] = "compatflow",
     binaries: Annotated[
         Path | None,
-        typer.Option(
-            "--binaries", help="Folder to unpack the server's binaries into (~250 MB; default: --data)."
-        ),
+        typer.Option(help="Folder to unpack the server's binaries into (~250 MB; default: --data)."),
     ] = None,
     graceful_stop: Annotated[
-        int, typer.Option("--graceful-stop", help="Seconds a stop may wait for in-flight work.", min=1)
+        int, typer.Option(help="Seconds a stop may wait for in-flight work.", min=1)
     ] = 10,
 ) -> None:
     """Run Milvus standalone (PyPI package milvus) on loopback only until SIGTERM or SIGINT.
@@ -103,12 +100,10 @@ def serve_milvus(
 @index_app.command("move")
 @exit_codes()
 def move(
-    to: Annotated[
-        str, typer.Option("--to", help="URI of the index to serve the gallery from (e.g. a server).")
-    ],
+    to: Annotated[str, typer.Option(help="URI of the index to serve the gallery from (e.g. a server).")],
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Rows per copied batch.", min=1)] = 2000,
+    batch_size: Annotated[int, typer.Option(help="Rows per copied batch.", min=1)] = 2000,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Move the served gallery (the collections its serving record and rollout states name, vectors

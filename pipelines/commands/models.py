@@ -40,7 +40,7 @@ def _weights_dir(config: str | None, workspace: Path | None, weights_dir: Path |
 def models(
     ctx: typer.Context,
     arch: Annotated[
-        list[str] | None, typer.Option("--arch", help="Only these configs / architectures (repeatable).")
+        list[str] | None, typer.Option(help="Only these configs / architectures (repeatable).")
     ] = None,
     cached_only: Annotated[bool, typer.Option("--cached", help="Only tags whose weights are here.")] = False,
     weights_dir: WeightsOpt = None,
@@ -120,9 +120,8 @@ def fetch(
     to: Annotated[
         Path | None,
         typer.Option(
-            "--to",
             help="Weights folder (written as TO/ARCH/TAG/); default: the config's weights folder, which the "
-            "pipeline reads.",
+            "pipeline reads."
         ),
     ] = None,
     workspace: WorkspaceOpt = None,

@@ -9,21 +9,15 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import exit_codes
-from pipelines.submit import (
-    EXPERIMENT,
-    NAMESPACE,
-    SCHEDULE_NAME,
-    SERVICE_ACCOUNT,
-    TOKEN_ENV,
-    WEEKLY,
-)
+from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.submit import EXPERIMENT, NAMESPACE, SCHEDULE_NAME, SERVICE_ACCOUNT, TOKEN_ENV, WEEKLY
 
 pipeline_app = typer.Typer(
     help="Start the compiled pipeline (compatflow compile) on Kubeflow Pipelines: once, or on a schedule.",
     no_args_is_help=True,
 )
 
+API_FAILED = "the KFP API refused the request or could not be reached"
 HostOpt = Annotated[
     str,
     typer.Option(
@@ -34,8 +28,7 @@ HostOpt = Annotated[
     ),
 ]
 PackageOpt = Annotated[
-    Path | None,
-    typer.Option("--package", help="Compiled pipeline (default: pipelines/compiled/continual_upgrade.yaml)."),
+    Path | None, typer.Option(help="Compiled pipeline (default: pipelines/compiled/continual_upgrade.yaml).")
 ]
 ExperimentOpt = Annotated[str, typer.Option("--experiment", help="KFP experiment (created when missing).")]
 NamespaceOpt = Annotated[str, typer.Option("--namespace", help="KFP namespace (multi-user: the profile's).")]
@@ -47,11 +40,8 @@ TokenOpt = Annotated[
     typer.Option("--token", envvar=TOKEN_ENV, help="Bearer token for the KFP API, when it asks for one."),
 ]
 DryRunOpt = Annotated[
-    bool,
-    typer.Option("--dry-run", help="Print the requests as JSON, in order, and send nothing."),
+    bool, typer.Option("--dry-run", help="Print the requests as JSON, in order, and send nothing.")
 ]
-
-
 ParamOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -62,17 +52,22 @@ ParamOpt = Annotated[
 ]
 
 
-def _package(path: Path | None) -> Any:
+def _package(path: Path | None, params: list[str] | None) -> tuple[Any, dict[str, Any]]:
+    """The compiled pipeline at ``path`` (default: the one ``compatflow compile`` writes) and the run
+    parameters ``--param`` gives it; exit 2 naming what is wrong with either."""
     from pipelines.compile import COMPILED_DIR, COMPILED_NAME
-    from pipelines.submit import load_package
+    from pipelines.submit import SubmitError, load_package, parse_parameters
 
-    return load_package(path or COMPILED_DIR / COMPILED_NAME)
+    try:
+        compiled = load_package(path or COMPILED_DIR / COMPILED_NAME)
+        return compiled, parse_parameters(compiled, params or [])
+    except SubmitError as err:
+        fail(str(err))
 
 
 def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, Any]:
     """Print the requests (dry run) and exit, or send them; exit 2 for a request that cannot be built, 1 for
     one the API refused or could not answer."""
-    from pipelines.commands._common import echo_json, fail
     from pipelines.submit import KfpApi, SubmitError, plan
 
     try:
@@ -89,27 +84,19 @@ def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, A
 
 
 @pipeline_app.command("submit")
-@exit_codes(
-    {
-        0: "the run started (its ID printed), or --dry-run printed the request",
-        1: "the KFP API refused the request or could not be reached",
-    }
-)
+@exit_codes({0: "the run started (its ID printed), or --dry-run printed the request", 1: API_FAILED})
 def submit(
     host: HostOpt,
-    phase: Annotated[
-        int | None, typer.Option("--phase", help="Run this phase (default: the next pending one).")
-    ] = None,
+    phase: Annotated[int | None, typer.Option(help="Run this phase (default: the next pending one).")] = None,
     run_id: Annotated[
         str | None,
         typer.Option(
-            "--run-id",
             help="Run id (default: the KFP job name). A failed run's id resumes it: its finished cached "
-            "steps are skipped.",
+            "steps are skipped."
         ),
     ] = None,
     params: ParamOpt = None,
-    name: Annotated[str | None, typer.Option("--name", help="Run name shown by KFP.")] = None,
+    name: Annotated[str | None, typer.Option(help="Run name shown by KFP.")] = None,
     package: PackageOpt = None,
     experiment: ExperimentOpt = EXPERIMENT,
     namespace: NamespaceOpt = NAMESPACE,
@@ -119,14 +106,9 @@ def submit(
 ) -> None:
     """Upload the compiled pipeline as a pipeline version (once per package) and start one run of it with the
     run parameters given; prints the run's ID."""
-    from pipelines.commands._common import fail
-    from pipelines.submit import Job, SubmitError, parse_parameters
+    from pipelines.submit import Job
 
-    try:
-        compiled = _package(package)
-        parameters = parse_parameters(compiled, params or [])
-    except SubmitError as err:
-        fail(str(err))
+    compiled, parameters = _package(package, params)
     parameters |= {k: v for k, v in (("phase", phase), ("run_id", run_id)) if v is not None}
     name = name or f"{compiled.name} {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H-%M-%S}"
     job = Job(compiled, name, parameters, experiment, namespace, service_account)
@@ -138,28 +120,20 @@ def submit(
 
 
 @pipeline_app.command("schedule")
-@exit_codes(
-    {
-        0: "scheduled, or --dry-run printed the request",
-        1: "the KFP API refused the request or could not be reached",
-    }
-)
+@exit_codes({0: "scheduled, or --dry-run printed the request", 1: API_FAILED})
 def schedule(
     host: HostOpt,
     cron: Annotated[
         str,
         typer.Option(
-            "--cron",
             help="Cron in the KFP scheduler's time zone (UTC unless set otherwise): five fields (minute hour "
             "day-of-month month day-of-week), six with seconds first, or @hourly, @daily, @weekly, @monthly, "
-            "@yearly; every field is checked against its range (day of week 0-6, 0 is Sunday).",
+            "@yearly; every field is checked against its range (day of week 0-6, 0 is Sunday)."
         ),
     ] = WEEKLY,
-    name: Annotated[
-        str, typer.Option("--name", help="Recurring run name (one per experiment).")
-    ] = SCHEDULE_NAME,
+    name: Annotated[str, typer.Option(help="Recurring run name (one per experiment).")] = SCHEDULE_NAME,
     description: Annotated[
-        str, typer.Option("--description", help="Description shown by KFP.")
+        str, typer.Option(help="Description shown by KFP.")
     ] = "Weekly continual upgrade on the newest data phase (validate to rollout).",
     replace: Annotated[
         bool,
@@ -181,14 +155,9 @@ def schedule(
     Each tick runs the next pending phase. The recurring run runs the version it was created with: after a
     recompile, schedule again with --replace.
     """
-    from pipelines.commands._common import fail
-    from pipelines.submit import Job, SubmitError, parse_parameters
+    from pipelines.submit import Job
 
-    try:
-        compiled = _package(package)
-        parameters = parse_parameters(compiled, params or [])
-    except SubmitError as err:
-        fail(str(err))
+    compiled, parameters = _package(package, params)
     job = Job(compiled, name, parameters, experiment, namespace, service_account, cron, description, replace)
     ids = _start(host, job, token, dry_run)
     if ids["replaced"]:
@@ -204,15 +173,11 @@ def schedule(
 @exit_codes({1: "a step of the rehearsal failed"})
 def rehearse(
     root: Annotated[
-        Path,
-        typer.Option("--root", help="Rehearsal folder (kept: a second rehearsal ships the next phases)."),
+        Path, typer.Option(help="Rehearsal folder (kept: a second rehearsal ships the next phases).")
     ] = Path("rehearsal"),
-    phases: Annotated[int, typer.Option("--phases", help="Phases to ship.", min=1)] = 2,
+    phases: Annotated[int, typer.Option(help="Phases to ship.", min=1)] = 2,
     milvus_binaries: Annotated[
-        Path | None,
-        typer.Option(
-            "--milvus-binaries", help="Folder to unpack Milvus's binaries into (default: in --root)."
-        ),
+        Path | None, typer.Option(help="Folder to unpack Milvus's binaries into (default: in --root).")
     ] = None,
     fresh: Annotated[
         bool, typer.Option("--fresh", help="Delete the rehearsal folder first (only one a rehearsal made).")
@@ -225,7 +190,6 @@ def rehearse(
     import os
 
     from components.adapters import milvus_server
-    from pipelines.commands._common import fail
     from pipelines.rehearsal import RehearsalError, claim_root
     from pipelines.rehearsal import rehearse as run_rehearsal
 

@@ -19,7 +19,7 @@ def report(
         typer.Argument(help="Run directory, or a run id under WORKSPACE/runs (default: the newest run)."),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Write the report here (default: RUN/report/report.html).")
+        Path | None, typer.Option(help="Write the report here (default: RUN/report/report.html).")
     ] = None,
     fmt: Annotated[
         str | None, typer.Option("--format", help="html or md (default: from --out's suffix, else html).")

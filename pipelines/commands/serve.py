@@ -52,24 +52,19 @@ def _server(app: Any, host: str, port: int, log_level: str) -> Any:
 def serve(
     port: Annotated[int, typer.Option("--port", "-p", help="TCP port to listen on.", min=1, max=65535)],
     host: Annotated[
-        str,
-        typer.Option(
-            "--host", help="Address to bind (loopback by default; another one only when given here)."
-        ),
+        str, typer.Option(help="Address to bind (loopback by default; another one only when given here).")
     ] = LOOPBACK,
     uri: Annotated[
         str | None,
         typer.Option(
-            "--uri",
             help="Milvus URI instead of the serving record's (e.g. a milvus-lite server while a rollout "
-            "runs in another process: an embedded .db directory is held by one process only).",
+            "runs in another process: an embedded .db directory is held by one process only)."
         ),
     ] = None,
     watch_interval: Annotated[
-        float,
-        typer.Option("--watch-interval", help="Seconds between checks of the serving record.", min=0.05),
+        float, typer.Option(help="Seconds between checks of the serving record.", min=0.05)
     ] = 0.25,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
 ) -> None:

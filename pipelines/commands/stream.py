@@ -18,7 +18,7 @@ SplitOpt = Annotated[
     list[str] | None,
     typer.Option(
         help="This split's shards: a folder of .tar files, a glob or a brace pattern (repeatable); "
-        "overrides the split's folder under --shards.",
+        "overrides the split's folder under --shards."
     ),
 ]
 
@@ -90,8 +90,7 @@ def add_phase(
     ] = None,
     train: SplitOpt = None,
     eval_: Annotated[
-        list[str] | None,
-        typer.Option("--eval", help="The eval split's shards (as --train)."),
+        list[str] | None, typer.Option("--eval", help="The eval split's shards (as --train).")
     ] = None,
     gallery: Annotated[
         list[str] | None, typer.Option(help="The gallery split's shards (as --train).")

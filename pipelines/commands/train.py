@@ -18,7 +18,7 @@ DeploymentOpt = Annotated[
     Path | None,
     typer.Option(
         help="A deployment config (a pod's $COMPATFLOW_CONFIG): its training section gives every setting an "
-        "option leaves out (default: the shipped defaults).",
+        "option leaves out (default: the shipped defaults)."
     ),
 ]
 

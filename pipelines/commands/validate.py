@@ -21,19 +21,15 @@ def validate(
     shards: Annotated[
         list[str],
         typer.Option(
-            "--shards",
             help="Glob, brace pattern, folder or fsspec URL (s3://, gs://, file://...) of the phase's tar "
             "shards, expanded as training expands them; repeat for several. Quote it so the shell does not "
-            "expand it.",
+            "expand it."
         ),
     ],
-    out: Annotated[
-        Path, typer.Option("--out", help="Output directory: validation.json, accepted/, quarantine/.")
-    ],
+    out: Annotated[Path, typer.Option(help="Output directory: validation.json, accepted/, quarantine/.")],
     max_quarantined_fraction: Annotated[
         float | None,
         typer.Option(
-            "--max-quarantined-fraction",
             min=0.0,
             max=1.0,
             help="Block the phase when more than this fraction is quarantined "
