@@ -89,11 +89,11 @@ DEFAULT_MAX_SIDE = 512
 ORIGINALS = "originals"  # the folder of --keep-originals shards
 SPOOL = ".import-spool"  # pictures stored resized or converted, from the scan until their shard is written
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
-# Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
 # The report's counts that `data import` prints, in order.
 SUMMARY_FIELDS = tuple(
     "imported counts captions caption_counts grouped duplicates in_stream refused refused_by_reason".split()
 )
+# Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
 RESERVED_FIELDS = tuple(
     "key caption captions source width height original_width original_height mode format sha256 "
     "source_sha256 source_row status split label source_meta resize".split()
@@ -588,47 +588,29 @@ def _too_many_pixels(pixels: int | None, limit: int, size: tuple[int, int] | Non
     )
 
 
-def probe_image(data: bytes, *, decode: bool = True, max_pixels: int = MAX_DECODE_PIXELS) -> dict[str, Any]:
-    """Format, mode, size and transparency of an encoded image after decoding it fully (JPEG at 1/8 scale,
-    which reads every byte all the same; ``decode=False``: its header only); raises ``_Refused`` when it is
-    not an image, its header declares more than ``max_pixels`` (``image_pixels``, nothing decoded) or it does
-    not decode."""
-    import warnings
+def _header(data: bytes, max_pixels: int) -> dict[str, Any]:
+    """Format, mode, size and transparency an image's header declares (nothing decoded); raises ``_Refused``
+    when it is not an image or declares more than ``max_pixels`` (``image_pixels``)."""
+    from PIL import UnidentifiedImageError
 
-    from PIL import Image, UnidentifiedImageError
-
-    from compat.data.images import has_transparency
+    from compat.data.images import ImageDecodeError, ImageTooLargeError, read_header
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # max_pixels is the bound here
-            image = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError as exc:
-        raise _Refused("not_an_image", "not an image PIL can identify") from exc
-    except Image.DecompressionBombError as exc:  # "Image size (N pixels) exceeds limit of M pixels ..."
-        found = re.search(r"\((\d+) pixels\)", str(exc))
-        raise _too_many_pixels(int(found.group(1)) if found else None, max_pixels) from exc
+        return asdict(read_header(data, formats=None, max_pixels=max_pixels))
+    except ImageTooLargeError as exc:
+        raise _too_many_pixels(exc.pixels, max_pixels, exc.size) from exc
+    except ImageDecodeError as exc:
+        if isinstance(exc.__cause__, UnidentifiedImageError):
+            raise _Refused("not_an_image", "not an image PIL can identify") from exc
+        raise _Refused("image_unreadable", str(exc)) from exc
+
+
+def _load(image: Any) -> None:
+    """Decode an opened image fully; raises ``_Refused`` (``image_unreadable``) when it does not decode."""
+    try:
+        image.load()
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise _Refused("image_unreadable", f"cannot open the image: {exc}") from exc
-    with image:
-        if image.width * image.height > max_pixels:
-            raise _too_many_pixels(image.width * image.height, max_pixels, image.size)
-        info = {
-            "format": image.format,
-            "mode": image.mode,
-            "width": image.width,
-            "height": image.height,
-            "transparent": has_transparency(image),
-        }
-        if not decode:
-            return info
-        try:
-            if image.format in ("JPEG", "MPO"):
-                image.draft(None, (1, 1))
-            image.load()
-        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
-            raise _Refused("image_unreadable", f"cannot decode the image: {exc}") from exc
-    return info
+        raise _Refused("image_unreadable", f"cannot decode the image: {exc}") from exc
 
 
 def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
@@ -637,10 +619,7 @@ def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
-        try:
-            image.load()
-        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
-            raise _Refused("image_unreadable", f"cannot decode the image: {exc}") from exc
+        _load(image)
         buf = io.BytesIO()
         try:
             image.save(buf, format="PNG")
@@ -891,7 +870,7 @@ def _inspect(
     if sha in planned:
         captions, skipped = _read_captions(candidate, place)
         return {"sha256": sha, "captions": captions, "skipped_captions": skipped}
-    info = probe_image(data, decode=False, max_pixels=settings.max_pixels)
+    info = _header(data, settings.max_pixels)
     size = (info["width"], info["height"])
     target = resized_size(*size, settings.max_side, settings.resize_mode)
     if target is None and size[0] * size[1] > MAX_PIXELS:
@@ -944,8 +923,13 @@ def _store(
     elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
         ext, converted = stored_image(data, info["format"])
         made = ext, converted, {"width": size[0], "height": size[1], "original_size": size}
-    else:
-        probe_image(data)  # the one decode: the bytes are stored as they are
+    else:  # the one decode: the bytes are stored as they are
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format in ("JPEG", "MPO"):
+                image.draft(None, (1, 1))  # 1/8 scale, which reads every byte all the same
+            _load(image)
         return None
     ext, made_bytes, facts = made
     spool.mkdir(parents=True, exist_ok=True)
@@ -1181,16 +1165,12 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
 
 def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The finished report and the pending plan found in ``out`` (refuses a folder that holds other files)."""
+    from compat.io import read_json
 
-    def read(path: Path) -> dict[str, Any] | None:
-        if not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise DataImportError(f"{path} is unreadable ({exc}); delete {out} and import again") from exc
+    def damaged(why: str) -> DataImportError:
+        return DataImportError(f"{why}; delete {out} and import again")
 
-    report, pending = read(out / REPORT), read(out / PENDING)
+    report, pending = read_json(out / REPORT, damaged), read_json(out / PENDING, damaged)
     if report is None and pending is None and any(p.name not in (SPOOL, LOCK) for p in out.iterdir()):
         raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
     return report, pending
