@@ -17,6 +17,12 @@ from PIL import Image, ImageDraw, ImageFilter
 from compat.data.domains import BLACK, RGB, WHITE, Domain, Kind
 
 SUPERSAMPLE = 2
+_STROKES: dict[str, dict[str, Any]] = {  # how a style outlines its objects
+    "outlined": {"outline": BLACK, "width_frac": 0.1},
+    "sticker": {"outline": WHITE, "width_frac": 0.16},
+    "stencil": {"outline_only": True, "width_frac": 0.22},
+    "neon": {"outline_only": True, "width_frac": 0.3},
+}
 
 
 def shade(rgb: RGB, factor: float) -> RGB:
@@ -174,16 +180,7 @@ def render_scene(scene: dict[str, Any], domain: Domain, size: int) -> Image.Imag
         kind = kinds[obj["kind"]]
         box = tuple(c * res for c in obj["box"])
         main: RGB = tuple(obj["rgb"])  # type: ignore[assignment]
-        if effect == "outlined":
-            _draw_kind(draw, kind, box, main, effect, outline=BLACK, width_frac=0.1)
-        elif effect == "sticker":
-            _draw_kind(draw, kind, box, main, effect, outline=WHITE, width_frac=0.16)
-        elif effect == "stencil":
-            _draw_kind(draw, kind, box, main, effect, outline_only=True, width_frac=0.22)
-        elif effect == "neon":
-            _draw_kind(draw, kind, box, main, effect, outline_only=True, width_frac=0.3)
-        else:
-            _draw_kind(draw, kind, box, main, effect)
+        _draw_kind(draw, kind, box, main, effect, **_STROKES.get(effect, {}))
     if effect == "pixel":
         cells = max(8, size // 3)
         return img.resize((cells, cells), Image.BOX).resize((size, size), Image.NEAREST)
