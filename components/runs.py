@@ -99,10 +99,9 @@ def _refuse_unreachable_services(deployment: Deployment) -> None:
 
 
 def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
-    """The phase record must account for the work the workspace holds: a phase with a finished run folder that
-    the state does not record (a missing, emptied or stale phase record), or a production model in the
-    registry while the state records no phase and no run folder is left, is refused with how to rebuild it. (A
-    run killed before it recorded its outcome is not finished: the next run resumes it.)"""
+    """Refuse a phase record that misses the workspace's work (a finished run folder of a phase it does not
+    record, or a production model while it records no phase and no run folder is left), saying how to
+    rebuild it. A run killed before recording its outcome is not finished: the next run resumes it."""
     ws = Workspace.of(deployment)
     path = ws.state_path
     recorded = state["phases"]
@@ -244,20 +243,15 @@ def keep_validated(
     accepted: Sequence[str | Path],
     splits: dict[str, Sequence[str | Path]] | None = None,
 ) -> list[str]:
-    """Copy a phase's accepted shards into the workspace (atomically replacing an earlier copy).
-
-    Later runs replay and compare against these, never the raw stream, whose rejected samples stay in
-    quarantine. ``splits`` (e.g. eval, gallery) are kept in subdirectories of the same name, created even
-    when a split accepted nothing (see :func:`validated_shards`). Returns the kept training shard paths.
-    """
+    """Copy a phase's accepted shards into the workspace (atomically replacing an earlier copy): later runs
+    read these, never the raw stream's quarantined samples. ``splits`` (eval, gallery) go into folders of
+    their name, made even when empty (:func:`validated_shards`). Returns the kept training shards."""
     final = Workspace.coerce(workspace).validated_dir(phase)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for shard in accepted:
-        shutil.copyfile(shard, tmp / Path(shard).name)
-    for split, shards in (splits or {}).items():
-        (tmp / split).mkdir()
+    for split, shards in {"": accepted, **(splits or {})}.items():
+        (tmp / split).mkdir(exist_ok=True)
         for shard in shards:
             shutil.copyfile(shard, tmp / split / Path(shard).name)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -269,10 +263,9 @@ def keep_validated(
 
 
 def validated_shards(deployment: Deployment, shards: Sequence[str], split: str) -> list[str]:
-    """``shards`` (raw stream shards of ``split``, of any phases) with each phase's replaced by what its
-    validation accepted and kept (:func:`keep_validated`), so quarantined items are never read; a phase
-    validated before its ``split`` was kept keeps its raw shards (with a warning). Shards of no phase of
-    the stream pass through unchanged."""
+    """``shards`` (raw shards of ``split``) with each phase's replaced by what its validation kept
+    (:func:`keep_validated`), so quarantined items are never read; raw ones where nothing was kept (with a
+    warning), and shards of no phase of the stream, pass through."""
     from compat.data.manifest import load_manifest, phase_urls
 
     ws, stream_dir = Workspace.of(deployment), Path(deployment.stream.uri)
@@ -298,7 +291,7 @@ def validated_shards(deployment: Deployment, shards: Sequence[str], split: str) 
 
 def train_shards_of(deployment: Deployment, phase: int, manifest: dict[str, Any] | None = None) -> list[str]:
     """The validated training shards of a finished ``phase``; its raw stream shards (with a warning) when
-    the workspace holds no validated copy (a workspace from before copies were kept)."""
+    the workspace holds no validated copy."""
     kept_dir = Workspace.of(deployment).validated_dir(phase)
     kept = sorted(str(p) for p in kept_dir.glob("*.tar"))
     if kept:
@@ -344,12 +337,9 @@ def with_run_parameters(deployment: Deployment, values: Mapping[str, Any]) -> De
 def plan_run(
     deployment: Deployment, phase: int = -1, run_id: str = "", job_name: str = ""
 ) -> dict[str, Any] | None:
-    """The plan of a run: its phase, run directory and every shard list the stages read.
-
-    ``phase`` -1 takes the next pending phase. ``run_id`` "" continues the phase's interrupted run (killed,
-    or failed: :func:`interrupted_run`) under its own id, else makes a new id (``job_name``, the KFP job's,
-    when given). Returns None when every phase has succeeded. Writes ``<run_dir>/run.json``.
-    """
+    """The plan of a run, written to ``<run_dir>/run.json``: its phase, run folder and every shard list the
+    steps read; None when every phase is done. ``phase`` -1: the next pending one. ``run_id`` "": the phase's
+    interrupted run (:func:`interrupted_run`) continued, else ``job_name`` (the KFP job's), else a new id."""
     from compat.data.synth import load_manifest
 
     stream_dir = Path(deployment.stream.uri)
@@ -432,9 +422,7 @@ def read_blocked(run_dir: Path) -> dict[str, Any] | None:
 
 def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:
     """Record the run's outcome in the workspace state and in ``<run_dir>/outcome.json``."""
-    run_dir = Path(run_dir)
     run = RunDir(run_dir)
-    plan_path = run.plan_file
     outcome = {
         "status": run_outcome(run_dir, pipeline_state),
         "pipeline_state": pipeline_state,
@@ -451,8 +439,8 @@ def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error
     write_json_atomic(run.outcome_file, outcome)
     if outcome["status"] not in RESUMABLE:  # nothing left to resume: drop the training checkpoints
         shutil.rmtree(run.training_dir / "checkpoints", ignore_errors=True)
-    if plan_path.is_file():
-        plan = json.loads(plan_path.read_text())
+    if run.plan_file.is_file():
+        plan = json.loads(run.plan_file.read_text())
         record_phase(Workspace.of(deployment), plan["phase"], outcome["status"], plan["run_id"])
     return outcome
 
@@ -507,10 +495,8 @@ def next_action(step: str, error_type: str, error: BaseException | None = None) 
 
 
 def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, Any]:
-    """Write ``<run_dir>/failure.json``: the step that raised, the exception and what to do next.
-
-    The first failure of a run is kept (a later step failing because of it would only hide the cause).
-    """
+    """Write ``<run_dir>/failure.json``: the step that raised, the exception and what to do next. The first
+    failure of a run is kept (a later step failing because of it would only hide the cause)."""
     import traceback
 
     path = RunDir(run_dir).failure_file
@@ -540,17 +526,16 @@ def read_failure(run_dir: Path) -> dict[str, Any] | None:
 
 
 def locate_in_log(log_path: Path, failure: dict[str, Any]) -> int | None:
-    """The 1-based line of ``log_path`` where the failure's exception is printed (its last traceback line)."""
+    """The 1-based line of ``log_path`` where the failure's exception is first printed."""
     if not log_path.is_file():
         return None
     needle = f"{failure['error']['type']}: "
     first_line = failure["error"]["message"].splitlines()[0] if failure["error"]["message"] else ""
-    found = None
     with open(log_path, errors="replace") as fh:
         for number, line in enumerate(fh, start=1):
             if needle in line and first_line in line:
-                found = found or number
-    return found
+                return number
+    return None
 
 
 def record_usage(run_dir: Path, step: str, usage: dict[str, Any]) -> Path | None:

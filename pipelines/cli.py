@@ -77,9 +77,6 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is at each record, so log lines go above live progress bars
     (rich redirects stderr while it draws them) instead of through them."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @property  # type: ignore[override]
     def stream(self) -> object:
         return sys.stderr

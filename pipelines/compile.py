@@ -1,10 +1,8 @@
 """Compile the pipeline to KFP IR YAML (what a cluster runs, committed under ``pipelines/compiled/``).
 
-The pipeline is built under the task settings of one config (:mod:`pipelines.resources`): GPU
-requests, node pool, retries, caching and cluster wiring come from that config's values, and the
-config itself becomes the default of the pipeline's ``config`` parameter, and its values of the run
-parameters (``components.runs.RUN_PARAMETERS``: methods, steps, rollout fractions) the defaults of theirs,
-so a run or recurring run that passes no parameters runs with the config it was compiled for.
+The pipeline is built under the task settings of one config (:mod:`pipelines.resources`), and that config
+and its values of the run parameters (``components.runs.RUN_PARAMETERS``) become the defaults of the
+pipeline's parameters: a run that passes none runs with the config it was compiled for.
 """
 
 from __future__ import annotations

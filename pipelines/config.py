@@ -11,15 +11,6 @@ from typing import Any
 
 from components.deployment import ConfigError, Deployment
 
-__all__ = [
-    "CONFIG_DIR",
-    "ConfigError",
-    "Deployment",
-    "load_config",
-    "resolve",
-    "resolve_config_path",
-]
-
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -51,15 +42,13 @@ def generate_stream_of(stream: Any, out: str | Path | None = None, **options: An
 
 
 def load_config(name_or_path: str | Path, *, local_paths: bool = True, training: bool = True) -> Deployment:
-    """Read a pipeline config and check all of it, before any step runs.
+    """Read a pipeline config and check all of it before any step runs: the typed model, then the rules each
+    step applies when it starts (:func:`_problems`), so that a mistake costs seconds, not a run.
 
-    First the typed model (every field's type and range, unknown keys refused); then the rules each step
-    applies when it starts, asked of the code that owns them (:func:`_problems`), so that a mistake costs
-    seconds, not a run. Raises :class:`ConfigError` with every problem found, one line each naming the file
-    and the field. ``local_paths`` False leaves out the files the config names (``gate.policy``): for a
-    config compiled for a cluster, whose tasks read those paths in their own containers. ``training`` False
-    leaves out what only training reads, the model configs and the compatibility method's options (checking
-    the options imports torch): for a command that trains nothing.
+    Raises :class:`ConfigError` with every problem found, one line each naming the file and the field.
+    ``local_paths`` False leaves out the files the config names (``gate.policy``: a cluster's tasks read it in
+    their containers); ``training`` False leaves out what only training reads (the model configs and the
+    method's options, whose check imports torch).
     """
     import yaml
 
@@ -84,8 +73,7 @@ def check(
 
 
 def _problems(deployment: Deployment, *, local_paths: bool, training: bool = True) -> list[str]:
-    """What a well-typed config gets wrong by the code that uses it (the sections' own rules are their
-    validators), as ``field: why`` sentences, in the config's order."""
+    """What a well-typed config gets wrong by the code that uses it, as ``field: why`` sentences."""
     problems = []
     if training:
         problems += _model_problems(deployment, local_paths=local_paths)
@@ -166,11 +154,8 @@ def _gate_problems(gate: Any) -> list[str]:
 
 
 def _rollout_problems(rollout: Any) -> list[str]:
-    """Each rollout setting by the rule :class:`components.rollout.RolloutConfig` applies at rollout time.
-
-    One setting at a time (the others left at their defaults), so that every mistake is reported, each
-    under its own field.
-    """
+    """Each rollout setting by the rule :class:`components.rollout.RolloutConfig` applies at rollout time, one
+    at a time (the others at their defaults), so that every mistake is reported under its own field."""
     from components.deployment import RolloutSection
     from components.rollout import RolloutConfig
 
@@ -189,9 +174,8 @@ def _rollout_problems(rollout: Any) -> list[str]:
 
 
 def resolve(config: Deployment | Mapping[str, Any]) -> Deployment:
-    """The config with every default made explicit (:meth:`Deployment.resolved`); a mapping is parsed and
-    checked first. KFP parameters cannot carry nulls, and an explicit config is what a run records, so the
-    pipeline always receives the resolved form."""
+    """The config with every default made explicit (:meth:`Deployment.resolved`: what a run records and KFP
+    parameters, which carry no nulls, take); a mapping is parsed and checked first."""
     if not isinstance(config, Deployment):
         config = check(Deployment.coerce(config), source="<config>")
     return config.resolved()

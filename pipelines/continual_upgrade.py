@@ -8,12 +8,11 @@ One run takes the next data phase through every step::
                     lineage, production)
 
 Validation and the gate are ``dsl.If``/``dsl.Else`` pairs: nothing downstream runs when the phase is
-blocked or the candidate fails the gate (the candidate is still registered, tagged with the
-gate's decision and reasons, so on-call can see what was refused). An exit handler writes the
-on-call report whatever happened. Every task gets the resources, scheduling, retries and caching
-of the config the pipeline is built under (:mod:`pipelines.resources`). The same definition runs
-locally through ``kfp.local.SubprocessRunner`` (:mod:`pipelines.local_runner`) and on a cluster
-from the compiled YAML (``compatflow compile``).
+blocked or the candidate fails the gate (the candidate is still registered, tagged with the gate's
+decision, so on-call can see what was refused). An exit handler writes the on-call report whatever
+happened. Every task gets the settings of the config the pipeline is built under
+(:mod:`pipelines.resources`); the same definition runs locally (:mod:`pipelines.local_runner`) and on a
+cluster from the compiled YAML (``compatflow compile``).
 """
 
 from collections.abc import Mapping

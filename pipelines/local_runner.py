@@ -1,11 +1,8 @@
-"""Run the pipeline on this machine with ``kfp.local.SubprocessRunner``.
+"""Run the pipeline on this machine with ``kfp.local.SubprocessRunner`` (``compatflow run``, ``make run``).
 
-``run_local`` is what ``compatflow run`` (and ``make run``) calls. It makes sure the data
-stream exists (generating the default one on a first run), picks the next pending phase from
-the workspace state, runs the pipeline on it, records the outcome and returns where the
-outputs are. Each task is a subprocess of this Python, exactly the code a cluster runs in
-the compatflow image; the verbose task logs go to ``<run_dir>/pipeline.log`` and only task
-start/finish lines and the steps' progress lines (live, in place, on a terminal) are echoed.
+:func:`run_local` makes sure the data stream exists, plans the next pending phase, runs the pipeline on it
+and returns how it ended and where the outputs are. The task logs go to ``<run_dir>/pipeline.log``; only
+task start/finish lines and the steps' progress lines (live, in place, on a terminal) are echoed.
 """
 
 from __future__ import annotations
@@ -43,10 +40,8 @@ class RunResult:
 
 class _EchoingLog(io.TextIOBase):
     """Writes everything to the log file and echoes task start/finish lines and the steps' progress lines
-    (:mod:`compat.progress`) to the terminal; on a terminal each progress line replaces the one before.
-
-    A log file that cannot be written (a full disk) never fails the run by itself: the first error is kept
-    in ``error``, the file is written no more, and the terminal still gets its lines."""
+    (:mod:`compat.progress`) to the terminal, where each progress line replaces the one before. A log file
+    that cannot be written (a full disk) fails nothing: its first error is kept in ``error``."""
 
     def __init__(self, log_file: io.TextIOBase, terminal: Any) -> None:
         from compat.progress import LINE_MARK
@@ -210,10 +205,9 @@ def _failure_of(
     run_dir: Path, log_path: Path, unwritten: OSError | None = None, failed_task: str | None = None
 ) -> dict[str, Any]:
     """The failed step and its error, with the log line to look at (also written into ``outcome.json`` when
-    the disk takes it). ``unwritten``: the error that kept the run's own files (log, kfp's pipeline root)
-    from being written, which explains a failure no step recorded and says what to do. ``failed_task``:
-    kfp.local's failure (``... Inner task failed: 'train-op' ...``), which names the step when its process
-    ended without recording why (killed, or the warm task host died under it)."""
+    the disk takes it). ``unwritten``: the error that kept the run's own files from being written.
+    ``failed_task``: kfp.local's failure, which names the step when its process ended without recording
+    why (killed, or the warm task host died under it)."""
     from compat.io import write_json_atomic
     from components.runs import disk_full, locate_in_log, next_action, read_failure
 

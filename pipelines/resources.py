@@ -1,23 +1,15 @@
 """Task-level Kubernetes settings of the compiled pipeline: resources, GPUs, retries, caching, wiring.
 
-The pipeline calls :func:`configure` on every task with the settings of the config it is compiled
-with (:func:`compile_settings`): the ``resources`` section of ``pipelines/configs/<name>.yaml`` plus
-the names of the cluster objects under ``manifests/k8s/`` (``tests/unit/test_manifests_services.py`` keeps
-the two in step). ``kfp.local`` runs the same graph: it ignores resources, images and the Kubernetes
-platform spec (with a warning) but honours retry policies and caching, so a local build (``runner="local"``)
-carries the caching options alone (setting the rest costs ~2.5 s a build: kfp's setters call
-``inspect.stack()``). The cluster's own package runs under ``kfp.local`` in the rehearsal
-(:mod:`pipelines.rehearsal`).
+The pipeline calls :func:`configure` on every task with the settings of the config it is compiled with
+(:func:`compile_settings`): its ``resources`` section plus the names of the cluster objects under
+``manifests/k8s/`` (``tests/unit/test_manifests_services.py`` keeps the two in step). ``kfp.local`` ignores
+resources, images and the platform spec but honours retries and caching, so a local build
+(``runner="local"``) carries the caching options alone (the rest costs ~2.5 s a build: kfp's setters call
+``inspect.stack()``). Per op, :data:`STEPS` says its kind, whether it is retried and cached, and why.
 
-Per op, :data:`STEPS` says its kind (image and resources), whether it is retried and cached, and why.
-
-KFP's cache key is the component and its inputs. The run directory is an input of every cached
-step, so a cache hit only happens when a run is submitted again with the same ``run_id``: the
-steps that completed are skipped (their summaries are already in that run directory). ``compatflow run``
-turns ``kfp.local``'s cache on too, so a run continued after a kill (it keeps its run id) skips them alike.
-
-Importable with kfp, PyYAML and the standard library only (the pipeline module reads
-:func:`compile_settings` while it is built).
+KFP's cache key is the component and its inputs, the run directory among them: a cache hit only happens
+when a run is submitted again with the same ``run_id`` (or, under ``compatflow run``, continued after a
+kill), and the steps it completed are skipped.
 """
 
 from __future__ import annotations
@@ -168,11 +160,8 @@ def using(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> PipelineTask:
-    """Apply the step's resources, scheduling, retry, caching and cluster wiring to ``task``.
-
-    A task kfp.local has already executed (a component called outside a pipeline) is returned
-    as is: there is nothing left to configure.
-    """
+    """Apply the step's resources, scheduling, retry, caching and cluster wiring to ``task`` (one kfp.local
+    has already executed, a component called outside a pipeline, is returned as is)."""
     if op_name not in STEP_KINDS:
         raise ValueError(
             f"pipeline op {op_name!r} has no entry in pipelines.resources.STEP_KINDS: "
@@ -237,14 +226,10 @@ def torchrun_command(
     version: str | None = None,
     seed: int | None = None,
 ) -> list[str]:
-    """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node.
-
-    ``training`` is the config's ``training`` section, every setting of it passed as an option
-    (:func:`pipelines.config.setting_option`); ``seed`` overrides its seed (the pipeline
-    uses ``seed + phase``); ``epochs`` must have been turned into steps. Every rank trains on an equal
-    share of the global batch (DDP with all-gathered features, :mod:`compat.training.ddp`), so the batch
-    must split evenly. Several nodes go through the PyTorchJob in ``manifests/k8s/training/`` instead,
-    which reads the whole section from the deployment config (``--deployment``).
+    """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node, every
+    setting of the ``training`` section an option (:func:`pipelines.config.setting_option`); ``seed``
+    overrides its seed; ``epochs`` must have been turned into steps, and the batch must split evenly over
+    the ranks (DDP, :mod:`compat.training.ddp`). Several nodes: the PyTorchJob of ``manifests/k8s/training/``.
     """
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")

@@ -24,11 +24,11 @@ def collect(
     model_name: str = DEFAULT_MODEL_NAME,
     count: bool = True,
 ) -> dict[str, Any]:
-    """The status document of a workspace (JSON-serialisable; absent parts are ``None``). Files that could
-    not be read are listed under ``unreadable`` and a gallery that could not be read under ``part_errors``,
-    each message naming its file or service. The gallery is counted in the index with ``count``
-    (:func:`gallery_part`); without it, it is described from the serving record alone
-    (:func:`served_part`)."""
+    """The status document of a workspace (JSON-serialisable; absent parts are ``None``; files that could not
+    be read under ``unreadable``, a gallery under ``part_errors``). ``count``: the gallery counted in the
+    index (:func:`gallery_part`), else described from the serving record (:func:`served_part`)."""
+    from components.runs import StateError
+
     ws = Workspace.coerce(workspace)
     doc: dict[str, Any] = {
         "workspace": str(ws.root),
@@ -36,17 +36,13 @@ def collect(
         "last_gate": last_gate(ws),
         "rollout": rollout_state(ws),
     }
-    from components.runs import StateError
-
+    unreadable = [part["error"] for part in (doc["last_gate"], doc["rollout"]) if part and part.get("error")]
     try:
         doc["phases"] = phase_history(ws)
     except (StateError, OSError, ValueError) as err:  # a damaged phase record or run file: named below
-        doc["phases"], state_error = [], str(err)
-    else:
-        state_error = None
+        doc["phases"] = []
+        unreadable.append(str(err))
     doc["production_check"] = production_check(ws, model_name, doc["registry"])
-    unreadable = [part["error"] for part in (doc["last_gate"], doc["rollout"]) if part and part.get("error")]
-    unreadable += [state_error] if state_error else []
     if unreadable:
         doc["unreadable"] = unreadable  # `compatflow status` exits non-zero over it
     try:
@@ -69,8 +65,7 @@ def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     doc: dict[str, Any] = {"rollout": rollout_status(paths.state)}
     record = read_serving(paths.serving)
     if record is None:
-        doc["gallery"] = {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
-        return doc
+        return {**doc, "gallery": _no_gallery()}
     services = [] if is_remote(record["uri"]) else live_services(Workspace.coerce(workspace).services_dir)
     counts = (
         {"count": None, "note": f"not counted: {services[0]} holds {record['uri']}"}
@@ -81,29 +76,26 @@ def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     return doc
 
 
+def _no_gallery() -> dict[str, Any]:
+    return {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
+
+
 INDEX_CONNECT_S = 3.0  # a server index that accepts no connection within this is named as a problem
 
 
 def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """What :func:`gallery_part` says without opening the index (pymilvus and an embedded milvus-lite cost
-    more than the rest of ``compatflow status``): the serving record's collection and query model version,
-    the workspace's rollout progress, and, for a server index, whether it accepts connections."""
+    """What :func:`gallery_part` says without opening the index (which costs more than the rest of
+    ``compatflow status``), and, for a server index, whether it accepts connections."""
     from components.serving.record import read_serving
     from components.state.rollout_document import read_rollout_state
 
     ws = Workspace.coerce(workspace)
     state = read_rollout_state(ws.rollout_state_path, ValueError) if ws.rollout_state_path.is_file() else None
-    doc: dict[str, Any] = {
-        "rollout": {
-            "status": state["status"] if state else "none",
-            "stage": state["stage"] if state else None,
-            "fraction_backfilled": state["fraction_backfilled"] if state else None,
-        }
-    }
+    state = state or {"status": "none", "stage": None, "fraction_backfilled": None}
+    doc: dict[str, Any] = {"rollout": {k: state[k] for k in ("status", "stage", "fraction_backfilled")}}
     record = read_serving(ws.serving_path)
     if record is None:
-        doc["gallery"] = {"count": 0, "by_version": {}, "collection": None, "query_model_version": None}
-        return doc
+        return {**doc, "gallery": _no_gallery()}
     _check_reachable(record["uri"])
     doc["gallery"] = {
         "collection": record["collection"],
@@ -178,7 +170,7 @@ def registry_status(ws: Workspace, model_name: str = DEFAULT_MODEL_NAME) -> dict
     empty = {
         "model": model_name,
         "tracking_uri": registry.tracking_uri,
-        **{a: None for a in ALIASES},
+        **dict.fromkeys(ALIASES),
         "history": [],
     }
     if not registry.exists():
@@ -216,8 +208,7 @@ def phase_history(ws: Workspace) -> list[dict[str, Any]]:
     for phase, entry in sorted(read_state(ws)["phases"].items(), key=lambda kv: int(kv[0])):
         run_dir = ws.runs_dir / str(entry.get("run_id", ""))
         row = {"phase": int(phase), **entry, "why": None}
-        blocked = read_blocked(run_dir)
-        failure = read_failure(run_dir)
+        failure, blocked = read_failure(run_dir), read_blocked(run_dir)
         if failure:
             row["why"] = f"step {failure['step']}: {failure['error']['type']}: {failure['error']['message']}"
         elif blocked:
@@ -240,9 +231,9 @@ def last_gate(ws: Workspace) -> dict[str, Any] | None:
         log.warning("%s", err)
         return {
             "path": str(path),
+            "run_id": _run_id(ws, path),
             "decision": "unreadable",
             "reasons": [],
-            "run_id": _run_id(ws, path),
             "error": str(err),
         }
     return {

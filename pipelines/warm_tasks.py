@@ -1,23 +1,18 @@
 """A warm task host for the local runner: each pipeline task forked from a process whose imports are done.
 
 Under ``kfp.local`` every task is a new Python that imports torch, open_clip, Evidently, Great Expectations,
-Feast or MLflow before its first line of work: seconds a task, most of a small run. The host imports them
-once per run (:data:`PRELOAD`, in the pipeline's order, between tasks) and serves each task as a fork of
-itself: still a process of its own (its own memory, exit status, streams, environment and folder;
-``kill -9`` of the run's process group ends it, as it ends the host), started in milliseconds.
+Feast or MLflow first: seconds a task, most of a small run. The host imports them once per run
+(:data:`PRELOAD`, in the pipeline's order, between tasks) and serves each task as a fork of itself: still a
+process of its own (memory, exit status, streams, environment, folder; ``kill -9`` of the run's process
+group ends it), started in milliseconds.
 
-How a task reaches it: :func:`on_host` has ``kfp.local`` start a pipeline's tasks with a tiny launcher
-(:mod:`pipelines.task_client`) instead of this Python; the launcher passes its command line, environment,
-folder and standard streams over a Unix socket (the run's temp folder, mode 0700) and exits with the task's
-status. A task that comes before the preloads are done is forked with what is loaded by then and imports the
-rest itself; one the host cannot serve (no host, a command that is not ``python -m``, a different
-``PYTHONPATH``) runs as a plain process, so the host only ever saves time. ``COMPATFLOW_WARM_TASKS=0`` turns
-it off. A cluster never uses it: there each task is its own pod.
-
-What a fork shares: the modules and their memory (copy-on-write, counted in a step's resident memory:
-its usage record keeps ``rss_at_start_mib``) and nothing else: the host runs no Python thread and no work
-before forking (the libraries' own thread pools are fork-safe), and a child's global random generators
-(``random``, numpy's, torch's) are seeded afresh, as a new process's are.
+:func:`on_host` has ``kfp.local`` start the tasks with a tiny launcher (:mod:`pipelines.task_client`) that
+passes its command line, environment, folder and standard streams over a Unix socket (mode 0700) and exits
+with the task's status. A task the host cannot serve (no host, not ``python -m``, another ``PYTHONPATH``)
+runs as a plain process, so the host only ever saves time; ``COMPATFLOW_WARM_TASKS=0`` turns it off, and a
+cluster never uses it. A fork shares the modules' memory (copy-on-write: a step's usage record keeps
+``rss_at_start_mib``) and nothing else: the host runs no Python thread before forking, and a child's global
+random generators are seeded afresh, as a new process's are.
 """
 
 from __future__ import annotations
@@ -105,10 +100,9 @@ class TaskHost:
 def warm_task_host(
     folder: Path, log_path: Path | None = None, preload: Sequence[str] = PRELOAD
 ) -> Iterator[TaskHost | None]:
-    """A warm host for the ``with`` body (None when turned off): :func:`on_host` starts a pipeline's tasks
-    with its launcher. The host is this process's child, in its process group, logging to ``log_path``
-    (``folder/host.log``); it stops taking tasks when the body ends (or when this process dies) and exits
-    when its last task has. Nothing of this process (its environment, ``sys``) changes."""
+    """A warm host for the ``with`` body (None when turned off), this process's child logging to ``log_path``
+    (``folder/host.log``); it stops taking tasks when the body ends (or this process dies) and exits when its
+    last task has."""
     if not enabled():
         yield None
         return
@@ -152,10 +146,8 @@ def warm_task_host(
 
 
 def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None = None) -> Any:
-    """``pipeline`` (built, or a loaded package) as ``kfp.local`` runs it with its tasks started by ``host``'s
-    launcher (as is when None) and given ``env``: the executors' command and ``env`` in its spec, as
-    ``set_env_variable`` writes it; kfp.local puts the interpreter it runs in only where a command says
-    ``python3``."""
+    """``pipeline`` (built, or a loaded package) with its tasks started by ``host``'s launcher (as is when
+    None) and given ``env``, written into its executors' spec as ``set_env_variable`` writes it."""
     import yaml
     from kfp import compiler, components
 
@@ -170,9 +162,8 @@ def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None 
             container["command"] = [
                 part.replace("python3 -m kfp.dsl.executor_main", start) for part in container["command"]
             ]
-        container["env"] = [
-            *container.get("env", []),
-            *({"name": k, "value": v} for k, v in (env or {}).items()),
+        container["env"] = container.get("env", []) + [
+            {"name": k, "value": v} for k, v in (env or {}).items()
         ]
     return components.load_component_from_text(yaml.safe_dump(spec))
 
@@ -182,11 +173,12 @@ def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None 
 
 def _native_threads() -> list[str]:
     """The names of this process's threads, Python's and the libraries' own (BLAS pools, jemalloc)."""
-    names = []
     with contextlib.suppress(OSError):
-        for tid in sorted(os.listdir("/proc/self/task")):
-            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
-    return names
+        return [
+            Path(f"/proc/self/task/{t}/comm").read_text().strip()
+            for t in sorted(os.listdir("/proc/self/task"))
+        ]
+    return []
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -208,10 +200,8 @@ def _closed() -> bytes:
 
 
 def _refusal(request: dict) -> str | None:
-    for name in STARTUP_ENV:
-        if request["env"].get(name) != os.environ.get(name):
-            return f"{name} differs from the host's"
-    return None
+    differs = [name for name in STARTUP_ENV if request["env"].get(name) != os.environ.get(name)]
+    return f"{differs[0]} differs from the host's" if differs else None
 
 
 def _run_task(request: dict, fds: list[int]) -> int:
