@@ -24,6 +24,7 @@ from components.rollout import workers
 from components.rollout.keys import Selection, fit_centres, load_centres, plan_selection, save_centres
 from components.rollout.pacing import Pace, latency_sources
 from components.rollout.plan import (
+    Source,
     check_probe_covers,
     check_vectors,
     probe_floors,
@@ -183,13 +184,7 @@ class Rollout:
         source = serving_source(idx, read_serving(self.paths.serving), self.paths.serving)
         space = self.space or source.space
         keyed = idx.has_order_keys(source.collection)
-        mode = "staged" if self.adapt or (space == source.space and keyed) else "blue_green"
-        if space == source.space and not keyed and not self.adapt:
-            log.warning(
-                "collection %s predates per-row order keys: this rollout fills a new collection whole "
-                "(blue-green, once); later rollouts are staged",
-                source.collection,
-            )
+        mode = self._mode(source, space, keyed)
         check_probe_covers(self.probe, idx, source.collection)
         n = idx.count(source.collection)
         if n == 0:
@@ -200,9 +195,6 @@ class Rollout:
         )
         rid = self.rollout_id
         target = idx.next_collection_name(space)
-        dim = source.dim
-        if self.adapt:
-            dim = int(np.asarray(self.encoders.gallery_transform(np.asarray([sample[0]["vector"]]))).shape[1])
         old_queries = check_vectors(
             self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
@@ -234,19 +226,7 @@ class Rollout:
             "query_model": source.record["query_model"],
             "previous_query_model": source.record["query_model"],
             "new_query_model": c.query_model,
-            "gallery": {
-                "uri": idx.uri,
-                "alias": idx.alias,
-                "source_collection": source.collection,
-                "source_space": source.space,
-                "collection": target,
-                "space": space,
-                "dim": dim,
-                "keyed": keyed,
-                "transform": self.encoders.transform_tag,
-                "versions_before": idx.count_by_version(source.collection),
-                "source_previous": source.record.get("previous"),  # production's rollback target meanwhile
-            },
+            "gallery": self._gallery_record(source, target, space, keyed, sample),
             "ks": list(c.ks),
             "baseline": baseline,
             "floors": floors,
@@ -271,6 +251,40 @@ class Rollout:
             floors,
         )
         return state
+
+    def _mode(self, source: Source, space: str, keyed: bool) -> str:
+        """``staged``; or ``blue_green`` (the target filled whole before it serves) for a space change or a
+        source without per-row keys."""
+        if self.adapt or (space == source.space and keyed):
+            return "staged"
+        if space == source.space:
+            log.warning(
+                "collection %s predates per-row order keys: this rollout fills a new collection whole "
+                "(blue-green, once); later rollouts are staged",
+                source.collection,
+            )
+        return "blue_green"
+
+    def _gallery_record(
+        self, source: Source, target: str, space: str, keyed: bool, sample: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The state's ``gallery``: the source, the target and its vectors' size (a transform's output)."""
+        dim = source.dim
+        if self.adapt:
+            dim = int(np.asarray(self.encoders.gallery_transform(np.asarray([sample[0]["vector"]]))).shape[1])
+        return {
+            "uri": self.index.uri,
+            "alias": self.index.alias,
+            "source_collection": source.collection,
+            "source_space": source.space,
+            "collection": target,
+            "space": space,
+            "dim": dim,
+            "keyed": keyed,
+            "transform": self.encoders.transform_tag,
+            "versions_before": self.index.count_by_version(source.collection),
+            "source_previous": source.record.get("previous"),  # production's rollback target meanwhile
+        }
 
     # ---- shared pieces
     def _serving_queries(self, dim: int) -> np.ndarray:
@@ -338,37 +352,8 @@ class Rollout:
             self._check_fan_out()
         state["cursor"]["ranges"] = [list(r) for r in ranges]
         self._save(state)
-        staged = state["mode"] == "staged"
         work = self.paths.work(state["rollout_id"])
-        spec = workers.write_spec(
-            work,
-            {
-                "uri": self.index.uri,
-                "alias": self.index.alias,
-                "source": g["source_collection"],
-                "target": g["collection"],
-                "order": state["order"],
-                "fractions": state["fractions"],
-                "stage": j,
-                "n_slices": n,
-                "whole": whole,
-                "keyed": g["keyed"],
-                "action": action,
-                "upsert": self.adapt and action == "reembed",  # over the transformed copy
-                "row_stage": j + 1,
-                **self._row_spec(state),
-                "centres": state["order"]["centres"],
-                "encoders": self.encoders.recipe,
-                "batch_size": c.batch_size,
-                "flush_rows": c.flush_rows,
-                "pace": self.pace.to_dict(),
-                "workers": len(ranges),
-                "services_dir": str(self.paths.services),
-                "serving": g["source_collection"] if staged else None,
-                "latency_query": self._latency_query(g["source_collection"]).tolist() if staged else None,
-                "lineage": self.paths.lineage_spec(),
-            },
-        )
+        spec = workers.write_spec(work, self._stage_spec(state, j, n, whole, action, len(ranges)))
         pending = [r for r in ranges if not workers.range_done(work, j, *r)]
         if pending and c.range_tasks:
             raise RangesPending(pending)
@@ -410,6 +395,39 @@ class Rollout:
             len(ranges),
             written / max(time.perf_counter() - t0, 1e-9),
         )
+
+    def _stage_spec(
+        self, state: dict[str, Any], j: int, n: int, whole: bool, action: str, n_ranges: int
+    ) -> dict[str, Any]:
+        """What every worker of stage ``j`` reads (:func:`components.rollout.workers.write_spec`)."""
+        c, g = self.config, state["gallery"]
+        staged = state["mode"] == "staged"
+        return {
+            "uri": self.index.uri,
+            "alias": self.index.alias,
+            "source": g["source_collection"],
+            "target": g["collection"],
+            "order": state["order"],
+            "fractions": state["fractions"],
+            "stage": j,
+            "n_slices": n,
+            "whole": whole,
+            "keyed": g["keyed"],
+            "action": action,
+            "upsert": self.adapt and action == "reembed",  # over the transformed copy
+            "row_stage": j + 1,
+            **self._row_spec(state),
+            "centres": state["order"]["centres"],
+            "encoders": self.encoders.recipe,
+            "batch_size": c.batch_size,
+            "flush_rows": c.flush_rows,
+            "pace": self.pace.to_dict(),
+            "workers": n_ranges,
+            "services_dir": str(self.paths.services),
+            "serving": g["source_collection"] if staged else None,
+            "latency_query": self._latency_query(g["source_collection"]).tolist() if staged else None,
+            "lineage": self.paths.lineage_spec(),
+        }
 
     def _check_fan_out(self) -> None:
         from components.adapters.index import is_remote
