@@ -22,6 +22,19 @@ CAPTION_EXTENSION = "txt"
 METADATA_EXTENSION = "json"
 _PIL_FORMATS = ("JPEG", "PNG", "WEBP")
 _CHECK_SIZE = 64  # the short side a within-bounds image is decoded to when checked
+SAMPLE_FACTS = (  # facts of a sample's members, None until a check finds them
+    "image_member",
+    "image_bytes",
+    "width",
+    "height",
+    "image_transparent",
+    "caption_member",
+    "caption",
+    "caption_chars",
+    "caption_tokens",
+    "metadata_member",
+    "metadata_key",
+)
 
 REASONS: dict[str, str] = {
     # Python checks (this module)
@@ -80,35 +93,10 @@ def inspect_sample(
     """Check one sample; return its facts (one DataFrame row for the suites) and the reasons found here."""
     timings = timings if timings is not None else CheckTimings()
     start = time.perf_counter()
-    reasons: list[Reason] = []
     members = group.members
-    for member in members:
-        problem = unsafe_member_problem(member)
-        if problem:
-            reasons.append(Reason("unsafe_member", f"member {member.name!r} {problem}"))
-        if member.unread:
-            reasons.append(Reason("member_too_large", f"member {member.name!r} {member.unread}; not read"))
-        elif member.truncated:
-            reasons.append(
-                Reason(
-                    "truncated",
-                    f"member {member.name!r} is cut off: "
-                    f"{len(member.data)} of {member.info.size} bytes in the shard",
-                )
-            )
+    reasons = _member_reasons(members)
     # Safe regular files count as present; a cut-off one is present but its content is not checked.
     present = [m for m in members if m.is_file and not m.unread and not unsafe_member_problem(m)]
-    seen: dict[str, str] = {}
-    for member in members:
-        if member.ext in seen:
-            reasons.append(
-                Reason(
-                    "duplicate_member",
-                    f"members {seen[member.ext]!r} and {member.name!r} share the extension .{member.ext}",
-                )
-            )
-        seen.setdefault(member.ext, member.name)
-
     images = [m for m in present if m.ext in IMAGE_EXTENSIONS]
     captions = [m for m in present if m.ext == CAPTION_EXTENSION]
     metadata = [m for m in present if m.ext == METADATA_EXTENSION]
@@ -119,17 +107,7 @@ def inspect_sample(
         "sample_index": group.index,
         "key": group.key,
         "members": len(members),
-        "image_member": None,
-        "image_bytes": None,
-        "width": None,
-        "height": None,
-        "image_transparent": None,
-        "caption_member": None,
-        "caption": None,
-        "caption_chars": None,
-        "caption_tokens": None,
-        "metadata_member": None,
-        "metadata_key": None,
+        **dict.fromkeys(SAMPLE_FACTS),
     }
     if len(images) > 1:
         reasons.append(
@@ -137,25 +115,13 @@ def inspect_sample(
         )
     if captions:
         facts["caption_member"] = captions[0].name
-    if captions and not captions[0].truncated:
-        try:
-            caption = captions[0].data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            reasons.append(
-                Reason(
-                    "caption_not_utf8",
-                    f"caption {captions[0].name!r} is not valid UTF-8 (byte {exc.start}: {exc.reason})",
-                )
-            )
-        else:
-            facts["caption"], facts["caption_chars"] = caption, len(caption)
-            facts["caption_tokens"] = caption_tokens(caption)
+        if not captions[0].truncated:
+            reasons += _read_caption(captions[0], facts)
     if metadata:
         facts["metadata_member"] = metadata[0].name
-    if metadata and not metadata[0].truncated:
-        facts["metadata_key"], problem = _check_metadata(metadata[0])
-        if problem:
-            reasons.append(problem)
+        if not metadata[0].truncated:
+            facts["metadata_key"], problem = _check_metadata(metadata[0])
+            reasons += [problem] if problem else []
     timings.other_s += time.perf_counter() - start
     if images:
         start = time.perf_counter()
@@ -163,10 +129,41 @@ def inspect_sample(
         facts["image_member"], facts["image_bytes"] = image.name, len(image.data)
         if not image.truncated:
             facts["width"], facts["height"], problem, facts["image_transparent"] = _check_image(image, policy)
-            if problem:
-                reasons.append(problem)
+            reasons += [problem] if problem else []
         timings.decode_s += time.perf_counter() - start
     return facts, reasons
+
+
+def _member_reasons(members: list[Member]) -> list[Reason]:
+    """Unsafe, unread (too large) and cut-off members, and members of one sample sharing an extension."""
+    reasons: list[Reason] = []
+    for member in members:
+        problem = unsafe_member_problem(member)
+        if problem:
+            reasons.append(Reason("unsafe_member", f"member {member.name!r} {problem}"))
+        if member.unread:
+            reasons.append(Reason("member_too_large", f"member {member.name!r} {member.unread}; not read"))
+        elif member.truncated:
+            cut = f"{len(member.data)} of {member.info.size} bytes in the shard"
+            reasons.append(Reason("truncated", f"member {member.name!r} is cut off: {cut}"))
+    seen: dict[str, str] = {}
+    for member in members:
+        if member.ext in seen:
+            shared = f"members {seen[member.ext]!r} and {member.name!r} share the extension .{member.ext}"
+            reasons.append(Reason("duplicate_member", shared))
+        seen.setdefault(member.ext, member.name)
+    return reasons
+
+
+def _read_caption(member: Member, facts: dict[str, Any]) -> list[Reason]:
+    """Decode the caption into ``facts`` (text, characters, tokens); a reason when it is not UTF-8."""
+    try:
+        caption = member.data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        why = f"caption {member.name!r} is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+        return [Reason("caption_not_utf8", why)]
+    facts.update(caption=caption, caption_chars=len(caption), caption_tokens=caption_tokens(caption))
+    return []
 
 
 @lru_cache(maxsize=1)

@@ -61,45 +61,11 @@ class ValidationSummary:
     timings: dict[str, float] = field(default_factory=dict)
     reused: bool = False
 
-    @property
-    def total(self) -> int:
-        return self.document["total"]
-
-    @property
-    def passed(self) -> int:
-        return self.document["passed"]
-
-    @property
-    def quarantined(self) -> int:
-        return self.document["quarantined"]
-
-    @property
-    def quarantined_fraction(self) -> float:
-        return self.document["quarantined_fraction"]
-
-    @property
-    def by_reason(self) -> dict[str, int]:
-        return self.document["by_reason"]
-
-    @property
-    def blocked(self) -> bool:
-        return self.document["blocked"]
-
-    @property
-    def blocked_reasons(self) -> list[str]:
-        return self.document["blocked_reasons"]
-
-    @property
-    def shards(self) -> list[dict[str, Any]]:
-        return self.document["shards"]
-
-    @property
-    def expectations(self) -> list[dict[str, Any]]:
-        return self.document["expectations"]
-
-    @property
-    def problems(self) -> list[dict[str, Any]]:
-        return self.document["problems"]
+    def __getattr__(self, name: str) -> Any:
+        """The document's fields read as attributes (``total``, ``passed``, ``blocked``, ``shards``, ...)."""
+        if name != "document" and name in self.__dict__.get("document", {}):
+            return self.document[name]
+        raise AttributeError(name)
 
     @property
     def path(self) -> Path:
@@ -266,19 +232,18 @@ def _write_outputs(
         accepted = AtomicTarWriter(out_dir / accepted_name(shard.index))
         quarantine = AtomicTarWriter(out_dir / quarantine_name(shard.index))
         reader = ShardReader(shard.url, shard.name, policy.member_limits())
+        changed = f"{shard.name} changed while it was being validated; rerun the validation"
         try:
             for group in reader:
                 row = first_row + group.index
                 if group.index >= stat["samples"] or facts[row]["key"] != group.key:
-                    raise RuntimeError(
-                        f"{shard.name} changed while it was being validated; rerun the validation"
-                    )
+                    raise RuntimeError(changed)
                 if row in reasons:
                     quarantine_sample(quarantine, group, shard.name, reasons[row])
                 else:
                     accepted.add_sample(group)
             if reader.samples != stat["samples"]:
-                raise RuntimeError(f"{shard.name} changed while it was being validated; rerun the validation")
+                raise RuntimeError(changed)
         except BaseException:
             accepted.abort()
             quarantine.abort()
@@ -306,17 +271,7 @@ def _summary_document(
     total, quarantined = len(facts), len(reasons)
     fraction = quarantined / total if total else 0.0
     by_reason = Counter(code for found in reasons.values() for code in dict.fromkeys(r.code for r in found))
-    problems = [
-        {
-            "shard": facts[row]["shard"],
-            "key": facts[row]["key"],
-            "sample_index": facts[row]["sample_index"],
-            "reason": r.code,
-            "message": f"{facts[row]['shard']}: key {facts[row]['key']}: {r.message}",
-        }
-        for row in sorted(reasons)
-        for r in reasons[row]
-    ]
+    problems = _problems(facts, reasons, policy.max_problems_listed)
     blocked_reasons = [
         f"{shard.name}: shard is not fully readable "
         f"({stat['samples']} samples read before the damage): {stat['error']}"
@@ -328,54 +283,9 @@ def _summary_document(
             f"quarantined fraction {fraction:.2%} ({quarantined} of {total} samples) exceeds "
             f"the threshold {policy.max_quarantined_fraction:.2%}"
         )
-    for record in records:
-        target = f"{record['type']}({record['column']})" if record["column"] else record["type"]
-        if record["exception"]:
-            blocked_reasons.append(
-                f"{record['suite']} expectation {target} could not run: {record['exception']}"
-            )
-        elif record["suite"] == "phase" and not record["success"]:
-            blocked_reasons.append(
-                f"phase expectation {target} failed on the accepted samples: observed "
-                f"{json.dumps(record['observed_value'])}, expected {json.dumps(record['kwargs'])}"
-            )
-    for problem in problems[: policy.max_problems_listed]:
-        logger.warning("%s", problem["message"])
-    if len(problems) > policy.max_problems_listed:
-        logger.warning(
-            "... and %d more problems (all listed in the reason.json members of the quarantine shards)",
-            len(problems) - policy.max_problems_listed,
-        )
-    accepted_tokens = [
-        f["caption_tokens"]
-        for row, f in enumerate(facts)
-        if row not in reasons and f["caption_tokens"] is not None
-    ]
-    captions = {
-        "context_tokens": policy.max_caption_tokens,
-        "over_context": sum(t > policy.max_caption_tokens for t in accepted_tokens),
-        "max_tokens": max(accepted_tokens, default=None),
-    }
-    if captions["over_context"]:
-        logger.warning(
-            "%d of %d accepted captions are longer than the %d-token context (the tokenizer cuts them)",
-            captions["over_context"],
-            len(accepted_tokens),
-            policy.max_caption_tokens,
-        )
-    transparent = [
-        f["key"] for row, f in enumerate(facts) if row not in reasons and f.get("image_transparent")
-    ]
-    images = {"transparent": len(transparent), "transparent_keys": transparent[:TRANSPARENT_KEYS_LISTED]}
-    if transparent:  # readers here matte it on white; a reader converting to RGB shows what lies beneath
-        logger.warning(
-            "%d of %d accepted pictures are stored with transparency (e.g. key %s): readers that convert "
-            "them to RGB without a background see black; import them with `compatflow data import`, which "
-            "stores them matted on white",
-            len(transparent),
-            total - quarantined,
-            transparent[0],
-        )
+    blocked_reasons += _expectation_failures(records)
+    accepted = [f for row, f in enumerate(facts) if row not in reasons]
+    stat_keys = ("samples", "members", "passed", "quarantined", "error", "accepted", "quarantine")
     return {
         "schema_version": 1,
         "shard_spec": [
@@ -386,21 +296,12 @@ def _summary_document(
         "quarantined": quarantined,
         "quarantined_fraction": fraction,
         "by_reason": dict(sorted(by_reason.items())),
-        "captions": captions,
-        "images": images,
+        "captions": _caption_facts(accepted, policy.max_caption_tokens),
+        "images": _image_facts(accepted),
         "blocked": bool(blocked_reasons),
         "blocked_reasons": blocked_reasons,
         "shards": [
-            {
-                "name": shard.name,
-                "samples": stat["samples"],
-                "members": stat["members"],
-                "passed": stat["passed"],
-                "quarantined": stat["quarantined"],
-                "error": stat["error"],
-                "accepted": stat["accepted"],
-                "quarantine": stat["quarantine"],
-            }
+            {"name": shard.name, **{k: stat[k] for k in stat_keys}}
             for shard, stat in zip(shards, stats, strict=True)
         ],
         "expectations": records,
@@ -411,6 +312,75 @@ def _summary_document(
         "quarantine_shards": outputs["quarantine"],
         "fingerprint": fingerprint,
     }
+
+
+def _problems(
+    facts: list[dict[str, Any]], reasons: dict[int, list[Reason]], listed: int
+) -> list[dict[str, Any]]:
+    """One entry per reason of each quarantined sample; the first ``listed`` are logged."""
+    problems = [
+        {
+            "shard": facts[row]["shard"],
+            "key": facts[row]["key"],
+            "sample_index": facts[row]["sample_index"],
+            "reason": r.code,
+            "message": f"{facts[row]['shard']}: key {facts[row]['key']}: {r.message}",
+        }
+        for row in sorted(reasons)
+        for r in reasons[row]
+    ]
+    for problem in problems[:listed]:
+        logger.warning("%s", problem["message"])
+    if len(problems) > listed:
+        logger.warning(
+            "... and %d more problems (all listed in the reason.json members of the quarantine shards)",
+            len(problems) - listed,
+        )
+    return problems
+
+
+def _expectation_failures(records: list[dict[str, Any]]) -> list[str]:
+    """An expectation that could not run, or a phase expectation that failed, as a blocking reason."""
+    blocked = []
+    for record in records:
+        target = f"{record['type']}({record['column']})" if record["column"] else record["type"]
+        if record["exception"]:
+            blocked.append(f"{record['suite']} expectation {target} could not run: {record['exception']}")
+        elif record["suite"] == "phase" and not record["success"]:
+            blocked.append(
+                f"phase expectation {target} failed on the accepted samples: observed "
+                f"{json.dumps(record['observed_value'])}, expected {json.dumps(record['kwargs'])}"
+            )
+    return blocked
+
+
+def _caption_facts(accepted: list[dict[str, Any]], context: int) -> dict[str, Any]:
+    """How many accepted captions the text context cuts (logged when any)."""
+    tokens = [f["caption_tokens"] for f in accepted if f["caption_tokens"] is not None]
+    over = sum(t > context for t in tokens)
+    if over:
+        logger.warning(
+            "%d of %d accepted captions are longer than the %d-token context (the tokenizer cuts them)",
+            over,
+            len(tokens),
+            context,
+        )
+    return {"context_tokens": context, "over_context": over, "max_tokens": max(tokens, default=None)}
+
+
+def _image_facts(accepted: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accepted pictures stored with transparency (logged when any)."""
+    transparent = [f["key"] for f in accepted if f.get("image_transparent")]
+    if transparent:  # readers here matte it on white; a reader converting to RGB shows what lies beneath
+        logger.warning(
+            "%d of %d accepted pictures are stored with transparency (e.g. key %s): readers that convert "
+            "them to RGB without a background see black; import them with `compatflow data import`, which "
+            "stores them matted on white",
+            len(transparent),
+            len(accepted),
+            transparent[0],
+        )
+    return {"transparent": len(transparent), "transparent_keys": transparent[:TRANSPARENT_KEYS_LISTED]}
 
 
 def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:

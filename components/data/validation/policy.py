@@ -6,6 +6,7 @@ Bounds reach the expectation suites as GX suite parameters (``{"$PARAMETER": nam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -18,13 +19,13 @@ def _default_quantile_ranges() -> dict[str, list]:
     return {"quantiles": [0.05, 0.5, 0.95], "value_ranges": [[1, None], [3, 500], [None, 1000]]}
 
 
-_READ_LIMITS = (
-    "max_caption_bytes",
-    "max_metadata_bytes",
-    "max_image_bytes",
-    "max_other_member_bytes",
-    "max_expansion",
-)
+_READ_LIMITS = {  # policy field -> the shard reader's bound (shard_reader.MemberLimits)
+    "max_caption_bytes": "caption_bytes",
+    "max_metadata_bytes": "metadata_bytes",
+    "max_image_bytes": "image_bytes",
+    "max_other_member_bytes": "other_bytes",
+    "max_expansion": "max_expansion",
+}
 
 
 @dataclass(frozen=True)
@@ -79,17 +80,9 @@ class ValidationPolicy:
 
     def suite_parameters(self) -> dict[str, Any]:
         """Values for the ``$PARAMETER`` placeholders of the expectation suites."""
-        parameters = {
-            k: v
-            for k, v in self.to_dict().items()
-            if k
-            not in (
-                "max_quarantined_fraction",
-                "max_problems_listed",
-                "max_over_context_fraction",
-                *_READ_LIMITS,
-            )
-        }
+        judged_elsewhere = ("max_quarantined_fraction", "max_problems_listed", "max_over_context_fraction")
+        skip = (*judged_elsewhere, *_READ_LIMITS)
+        parameters = {k: v for k, v in self.to_dict().items() if k not in skip}
         parameters["min_within_context_fraction"] = 1.0 - self.max_over_context_fraction
         return parameters
 
@@ -97,16 +90,10 @@ class ValidationPolicy:
         """The shard reader's bounds (:class:`components.data.validation.shard_reader.MemberLimits`)."""
         from components.data.validation.shard_reader import MemberLimits
 
-        return MemberLimits(
-            caption_bytes=self.max_caption_bytes,
-            metadata_bytes=self.max_metadata_bytes,
-            image_bytes=self.max_image_bytes,
-            other_bytes=self.max_other_member_bytes,
-            max_expansion=self.max_expansion,
-        )
+        return MemberLimits(**{bound: getattr(self, name) for name, bound in _READ_LIMITS.items()})
 
     def replace(self, **changes: Any) -> ValidationPolicy:
-        return ValidationPolicy(**{**self.to_dict(), **changes})
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_dict(cls, document: dict[str, Any], source: str = "validation policy") -> ValidationPolicy:

@@ -180,11 +180,8 @@ class ShardReader:
                 stream.allow(self.limits.header_bytes, _headers_of(self.members + 1))
                 try:
                     info = tar.next()
-                except ShardRefused as exc:
-                    self.error = f"refused after {self.members} members: {exc}"
-                    return
-                except _DAMAGE as exc:
-                    self.error = f"damaged after {self.members} members: {_first_line(exc)}"
+                except (ShardRefused, *_DAMAGE) as exc:
+                    self.error = _stopped(exc, f"after {self.members} members")
                     return
                 tar.members.clear()  # tarfile keeps every header it read; a stream needs none
                 if sum(len(k) + len(v) for k, v in tar.pax_headers.items()) > self.limits.header_bytes:
@@ -338,10 +335,8 @@ def _check_end_marker(stream, offset: int, members: int) -> str | None:
     try:
         stream.seek(offset)
         tail = stream.read(BLOCK)
-    except ShardRefused as exc:
-        return f"refused at the end of the archive: {exc}"
-    except _DAMAGE as exc:
-        return f"damaged at the end of the archive: {_first_line(exc)}"
+    except (ShardRefused, *_DAMAGE) as exc:
+        return _stopped(exc, "at the end of the archive")
     if len(tail) == BLOCK and not tail.strip(b"\0"):
         return None
     if not tail:
@@ -349,6 +344,13 @@ def _check_end_marker(stream, offset: int, members: int) -> str | None:
     if len(tail) < BLOCK:
         return f"truncated: a member header is cut off after {members} members"
     return f"damaged: an unreadable member header follows member {members} (offset {offset})"
+
+
+def _stopped(exc: BaseException, where: str) -> str:
+    """Why reading stopped ``where``: a read the limits refuse, or damage."""
+    if isinstance(exc, ShardRefused):
+        return f"refused {where}: {exc}"
+    return f"damaged {where}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -46,13 +46,7 @@ def validate_splits(
     if TRAIN not in splits:
         raise ValueError(f"validate_splits needs the train split; got {sorted(splits)}")
     for name in splits:
-        if (
-            not name
-            or name in (".", "..")
-            or "/" in name
-            or "\\" in name
-            or name in ("accepted", "quarantine")
-        ):
+        if name in ("", ".", "..", "accepted", "quarantine") or "/" in name or "\\" in name:
             raise ValueError(f"split name {name!r} must be a plain directory name (not accepted/quarantine)")
     policy = policy or ValidationPolicy()
     out_dir = Path(out_dir)
@@ -112,31 +106,21 @@ def _split_entry(
     policy: ValidationPolicy,
     prefixes: tuple[str, ...],
 ) -> dict[str, Any]:
-    if result is None:
-        return {
-            "dir": os.path.relpath(split_dir(out_dir, name), out_dir),
-            "total": 0,
-            "passed": 0,
-            "quarantined": 0,
-            "quarantined_fraction": 0.0,
-            "by_reason": {},
-            "captions": {"context_tokens": policy.max_caption_tokens, "over_context": 0, "max_tokens": None},
-            "images": {"transparent": 0, "transparent_keys": []},
-            "blocked": False,
-            "blocked_reasons": [],
-            "accepted_shards": [],
-            "quarantine_shards": [],
-        }
-    doc = result.document
+    no_samples = {  # a split with no shards
+        **dict.fromkeys(("total", "passed", "quarantined"), 0),
+        "quarantined_fraction": 0.0,
+        "by_reason": {},
+        "captions": {"context_tokens": policy.max_caption_tokens, "over_context": 0, "max_tokens": None},
+        "blocked_reasons": [],
+        "accepted_shards": [],
+        "quarantine_shards": [],
+    }
+    doc = result.document if result is not None else no_samples
     own_reasons = [r for r in doc["blocked_reasons"] if not r.startswith(prefixes)]
+    counts = ("total", "passed", "quarantined", "quarantined_fraction", "by_reason", "captions")
     return {
         "dir": os.path.relpath(split_dir(out_dir, name), out_dir),
-        "total": doc["total"],
-        "passed": doc["passed"],
-        "quarantined": doc["quarantined"],
-        "quarantined_fraction": doc["quarantined_fraction"],
-        "by_reason": doc["by_reason"],
-        "captions": doc["captions"],
+        **{k: doc[k] for k in counts},
         "images": doc.get("images", {"transparent": 0, "transparent_keys": []}),
         "blocked": bool(own_reasons),
         "blocked_reasons": own_reasons,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,6 @@ class SuiteRun:
     records: list[dict[str, Any]] = field(default_factory=list)
     row_reasons: dict[int, list[Reason]] = field(default_factory=dict)
 
-    @property
-    def failed(self) -> list[dict[str, Any]]:
-        return [r for r in self.records if not r["success"]]
-
 
 def facts_frame(rows: list[dict[str, Any]]):
     """The per-sample facts as a pandas DataFrame with stable (nullable) dtypes, also when empty."""
@@ -85,17 +81,34 @@ def load_suite(name: str):
         raise ValueError(f"expectation suite {path} cannot be loaded: {exc}") from exc
 
 
+@contextmanager
+def _quiet_gx_logging() -> Iterator[None]:
+    """GX logs dozens of INFO lines on import and context creation; keep its warnings and errors only.
+
+    ``great_expectations.data_context.types.base`` sets its own level to INFO on import, so it is
+    raised after the import as well.
+    """
+    loggers = [logging.getLogger(name) for name in _GX_LOGGERS]
+    previous = [log.level for log in loggers]
+    loggers[0].setLevel(max(previous[0], logging.WARNING))
+    try:
+        import great_expectations  # noqa: F401
+
+        for log in loggers:
+            log.setLevel(max(log.level, logging.WARNING))
+        yield
+    finally:
+        for log, level in zip(loggers, previous, strict=True):
+            log.setLevel(level)
+
+
+@_quiet_gx_logging()
 def run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
     """Validate ``frame`` against suite ``name`` in an ephemeral context and collect every result.
 
     Unexpected rows (by the ``row`` id column) of expectations whose ``meta.reason`` is set become
     :class:`Reason` s with the meta message filled from the row's facts and ``parameters``.
     """
-    with _quiet_gx_logging():
-        return _run_suite(name, frame, parameters)
-
-
-def _run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
     import great_expectations as gx
 
     context = _ephemeral_context()
@@ -115,7 +128,7 @@ def _run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
     )
     run = SuiteRun(suite=name)
     by_row = frame.set_index(ROW_ID, drop=False) if len(frame) else frame
-    key_locations = _KeyLocations(frame)
+    locations = cache(lambda: _key_locations(frame))  # only a duplicate_key message needs them
     for item in result.results:
         record, rows = _record(name, item)
         run.records.append(record)
@@ -124,10 +137,7 @@ def _run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
             continue
         template = (item.expectation_config.meta or {}).get("message", reason)
         for row in rows:
-            context_values = _MessageContext(by_row.loc[row].to_dict(), parameters, key_locations)
-            message = _PLACEHOLDER.sub(
-                lambda m, c=context_values: c.get_text(m.group(1), m.group(0)), template
-            )
+            message = _message(template, by_row.loc[row].to_dict(), parameters, locations)
             reasons = run.row_reasons.setdefault(row, [])
             if Reason(reason, message) not in reasons:
                 reasons.append(Reason(reason, message))
@@ -170,36 +180,30 @@ def _exception_text(info: dict | None) -> str | None:
     return "; ".join(messages) or None
 
 
-class _KeyLocations:
-    """``shard#sample_index`` of every occurrence of a key, computed once on first use."""
-
-    def __init__(self, frame) -> None:
-        self._frame = frame
-        self._index: dict[str, list[str]] | None = None
-
-    def __call__(self, key: str) -> list[str]:
-        if self._index is None:
-            dup = self._frame[self._frame["key"].duplicated(keep=False)]
-            self._index = {}
-            for shard, index, k in zip(dup["shard"], dup["sample_index"], dup["key"], strict=True):
-                self._index.setdefault(k, []).append(f"{shard}#{index}")
-        return self._index.get(key, [])
+def _key_locations(frame) -> dict[str, list[str]]:
+    """``shard#sample_index`` of every occurrence of each key that occurs more than once."""
+    dup = frame[frame["key"].duplicated(keep=False)]
+    found: dict[str, list[str]] = {}
+    for shard, index, key in zip(dup["shard"], dup["sample_index"], dup["key"], strict=True):
+        found.setdefault(key, []).append(f"{shard}#{index}")
+    return found
 
 
-class _MessageContext:
-    """Placeholder values for a reason message: the row's facts, the suite parameters, key locations."""
+def _message(template: str, facts: dict[str, Any], parameters: dict[str, Any], locations: Any) -> str:
+    """A reason's message: each ``{name}`` of ``template`` filled from the row's facts, the suite parameters,
+    or (``key_count``, ``key_locations``) where the row's key occurs."""
 
-    def __init__(self, facts: dict[str, Any], parameters: dict[str, Any], locations: _KeyLocations) -> None:
-        self.facts, self.parameters, self.locations = facts, parameters, locations
-
-    def get_text(self, name: str, default: str) -> str:
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
         if name in ("key_count", "key_locations"):
-            found = self.locations(self.facts["key"])
+            found = locations().get(facts["key"], [])
             if name == "key_count":
                 return str(len(found))
             return ", ".join(found[:5]) + (f", ... {len(found) - 5} more" if len(found) > 5 else "")
-        value = self.facts.get(name, self.parameters.get(name, default))
+        value = facts.get(name, parameters.get(name, match.group(0)))
         return "null" if value is None or _is_missing(value) else str(value)
+
+    return _PLACEHOLDER.sub(fill, template)
 
 
 def _is_missing(value: Any) -> bool:
@@ -229,27 +233,6 @@ def jsonable(value: Any) -> Any:
     if _is_missing(value):
         return None
     return str(value)
-
-
-@contextmanager
-def _quiet_gx_logging() -> Iterator[None]:
-    """GX logs dozens of INFO lines on import and context creation; keep its warnings and errors only.
-
-    ``great_expectations.data_context.types.base`` sets its own level to INFO on import, so it is
-    raised after the import as well.
-    """
-    loggers = [logging.getLogger(name) for name in _GX_LOGGERS]
-    previous = [log.level for log in loggers]
-    loggers[0].setLevel(max(previous[0], logging.WARNING))
-    try:
-        import great_expectations  # noqa: F401
-
-        for log in loggers:
-            log.setLevel(max(log.level, logging.WARNING))
-        yield
-    finally:
-        for log, level in zip(loggers, previous, strict=True):
-            log.setLevel(level)
 
 
 def _ephemeral_context():
