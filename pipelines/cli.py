@@ -141,12 +141,8 @@ COMMANDS = (  # the command modules, each with ``register(app)``, registered in 
 )
 
 
-def _register_commands() -> None:
-    for module in COMMANDS:
-        module.register(app)
-
-
-_register_commands()
+for _module in COMMANDS:
+    _module.register(app)
 
 
 def main() -> None:

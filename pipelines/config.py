@@ -177,5 +177,5 @@ def resolve(config: Deployment | Mapping[str, Any]) -> Deployment:
     """The config with every default made explicit (:meth:`Deployment.resolved`: what a run records and KFP
     parameters, which carry no nulls, take); a mapping is parsed and checked first."""
     if not isinstance(config, Deployment):
-        config = check(Deployment.coerce(config), source="<config>")
+        config = check(Deployment.parse(config, source="<config>"), source="<config>")
     return config.resolved()

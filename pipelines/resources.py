@@ -246,19 +246,9 @@ def torchrun_command(
         raise ValueError(
             f"training.batch_size {settings.batch_size} does not split evenly over {nproc_per_node} processes"
         )
-    command = [
-        "torchrun",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc_per_node}",
-        "--no-python",
-        "compatflow",
-        "train",
-        "continual",
-        f"--stream={stream}",
-        f"--phase={int(phase)}",
-        f"--out={out}",
-    ]
+    command = ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc_per_node}", "--no-python"]
+    command += ["compatflow", "train", "continual", f"--stream={stream}", f"--phase={int(phase)}"]
+    command.append(f"--out={out}")
     for setting in SECTION_FIELDS.values():  # every setting of the section
         value = getattr(settings, setting)
         if value is not None:  # None: the trainer's own default (no alpha but Mod-X's, the model's resize)
