@@ -335,14 +335,8 @@ class Rehearsal:
         before = read_state(self.layout.workspace)["phases"]
         number = sum(1 for p in self.layout.logs.glob("ship-*.log")) + 1
         log = self.layout.logs / f"ship-{number}.log"
-        argv = [
-            sys.executable,
-            "-m",
-            "pipelines.rehearsal",
-            "ship",
-            str(self.layout.compiled / COMPILED_NAME),
-            run_id,
-        ]
+        package = str(self.layout.compiled / COMPILED_NAME)
+        argv = [sys.executable, "-m", "pipelines.rehearsal", "ship", package, run_id]
         started = time.monotonic()
         with open(log, "w") as out:
             process = subprocess.Popen(
@@ -361,15 +355,11 @@ class Rehearsal:
         if stopped:
             return Step(name, seconds, True, f"phase {phase}: stopped at {stop_at}", str(log), run)
         if record == before.get(str(phase)) or record.get("run_id") != run:
-            return Step(
-                name, seconds, False, f"no outcome recorded (exit {process.returncode})", str(log), run
-            )
-        status = record.get("status", "?")
-        ok = process.returncode == 0 and status in ("succeeded", "rejected")
-        detail = f"phase {phase}: {status}" + (
-            "" if process.returncode == 0 else f" (exit {process.returncode})"
-        )
-        return Step(name, seconds, ok, detail, str(log), run)
+            detail = f"no outcome recorded (exit {process.returncode})"
+            return Step(name, seconds, False, detail, str(log), run)
+        status, code = record.get("status", "?"), process.returncode
+        detail = f"phase {phase}: {status}" + ("" if code == 0 else f" (exit {code})")
+        return Step(name, seconds, code == 0 and status in ("succeeded", "rejected"), detail, str(log), run)
 
     def _newest_run(self) -> tuple[int, str]:
         """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
@@ -431,9 +421,7 @@ class Rehearsal:
             "network_interfaces": milvus_server.interfaces(),
             "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user), no supplementary groups",
             "task_capabilities": "none",
-            "task_views": {
-                str(f): list(names) for f, names in unsearchable_folders(self.layout.root).items()
-            },
+            "task_views": {str(f): list(n) for f, n in unsearchable_folders(self.layout.root).items()},
             "read_only": [str(f) for f in self.layout.read_only],
         }
 
