@@ -1,21 +1,11 @@
 """Make ``import torchvision`` work on a CPU-only torch.
 
-The only torchvision wheel matching torch 2.13 is a CUDA build whose compiled
-extension cannot load against the CPU torch, so ``import torchvision`` raises
-``RuntimeError: operator torchvision::nms does not exist``. open_clip and timm
-import torchvision, so every process that builds a model must repair this.
-
-The repair (measured in ENVIRONMENT.md): drop the half-imported torchvision
-modules, register the schemas of the two missing operators with
-``torch.library.Library("torchvision", "DEF")``, keep that library object alive,
-and import again. Transforms and models work; only the compiled detection ops
-(which CLIP never calls) stay unavailable.
-
-:func:`install` puts a meta-path finder in front of the import system that
-applies the repair the first time anything imports torchvision. It costs
-nothing until then, so ``import compat`` stays cheap. The environment's
-``.pth`` start-up hook calls it too, covering processes that import open_clip
-without importing ``compat`` first.
+The only torchvision wheel matching torch 2.13 is a CUDA build whose compiled extension cannot load against
+the CPU torch (``RuntimeError: operator torchvision::nms does not exist``); open_clip and timm import it. The
+repair (ENVIRONMENT.md): drop the half-imported modules, register the two missing operator schemas with a
+``torch.library.Library("torchvision", "DEF")`` kept alive, import again; only the compiled detection ops
+(which CLIP never calls) stay unavailable. :func:`install` applies it lazily, on the first import of
+torchvision, through a meta-path finder; the environment's ``.pth`` start-up hook calls it too.
 """
 
 from __future__ import annotations

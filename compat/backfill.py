@@ -28,7 +28,6 @@ nothing touches an index.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -229,15 +228,6 @@ def compute_order(
     if len(ranking) != n:
         raise ValueError(f"order {order!r} ranked {len(ranking)} items, expected {n}")
     return np.asarray(ranking, dtype=np.int64)
-
-
-def order_digest(item_ids: Sequence[str]) -> str:
-    """sha256 of the ordered item ids (one per line): identifies an order in durable state."""
-    h = hashlib.sha256()
-    for item_id in item_ids:
-        h.update(str(item_id).encode())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 def backfilled_count(n: int, fraction: float) -> int:

@@ -1,55 +1,27 @@
 """The production model, whatever produced it: one loading contract for every use of "production".
 
-A promoted model directory is either a plain checkpoint (``model.json`` + ``model.safetensors``: the first
-model, trained by bootstrap) or a compatible model (``compat.json`` + parts, written by
-:meth:`compat.methods.model.CompatModel.save` for bct, lambda_orth, bt2, xbt, xbt_base, taca or none).
-:func:`load_production` reads either into a :class:`ProductionModel`, which every stage uses the same way:
+A promoted model directory is a plain checkpoint (``model.json`` + ``model.safetensors``: the first model,
+trained by bootstrap) or a compatible model (``compat.json`` + parts, :meth:`CompatModel.save`).
+:func:`load_production` reads either into a :class:`ProductionModel`:
 
-============================  ==============================================================================
-use                           what it takes
-============================  ==============================================================================
-serving query encoder,        ``encoder``: texts and images into the serving space (a compatible model's
-gallery encoder               encoders, or the plain bundle)
-old side of compat training   ``encoder`` (a compat method reads a ``CompatModel`` as its frozen old model;
-and of the evaluation         its contract carries the gallery dimensions it reads, BT^2's series)
-drift embeddings              ``encoder`` (what production would write into the gallery)
-init and teacher of the next  ``backbone()``: a fresh trainable copy of the network underneath the encoder
-continual (Mod-X) phase       (the plain checkpoint, or the compatible model's ``new`` part: the candidate
-                              network before any adapter), loaded twice: student and frozen teacher
-============================  ==============================================================================
+- ``encoder`` embeds queries and gallery items in the serving space; it is the frozen old model of compat
+  training and evaluation (its contract carries the gallery dimensions it reads, BT^2's series) and what
+  drift embeds;
+- ``backbone()`` is a fresh trainable copy of the network underneath (the checkpoint, or a compatible
+  model's ``new`` part before any adapter), loaded twice by the next continual (Mod-X) phase: student and
+  frozen teacher. Mod-X distils the previous model's own similarity structure into a student that starts
+  from it, so init and teacher are the same network; adapters and heads are not trained further, and the
+  next compat step trains against the full serving ``encoder``, so compatibility is always with what is
+  served.
 
-Mod-X distils the previous model's own similarity structure into a student that starts from it (the
-student's first step has zero KL), so the init and the teacher are the same network, the backbone. The
-adapters or heads a compat method put on top (lambda_orth's ``B``, BT^2's head and extra dimensions, XBT's
-LoRA, prompts and projection, TaCA's adapters) are not trained further; the next compat stage trains the
-next candidate against the full serving ``encoder``, so compatibility is always with what is served.
-
-Which space the gallery lives in, per method, and what the next upgrade must read
----------------------------------------------------------------------------------
-After a completed rollout (staged, the method keeps the space):
-
-- bootstrap: every item holds the first model's vector; the space is that checkpoint's version.
-- bct, xbt, xbt_base, taca: every item holds the candidate's vector, written into the space the gallery was
-  in (``space_id == old_space_id``: the first model's space, carried from release to release). The next
-  upgrade is trained against this model's ``encoder``, so it reads these vectors.
-- lambda_orth: stage 0 filled a copy of the collection with ``F(old)`` vectors, the backfill wrote
-  ``B(new)`` vectors; every item then holds a candidate vector. Same rule for the next upgrade.
-- bt2: every item holds the candidate's wider vector (old dim + extra). Its contract's ``old_dims`` lists
-  every earlier dimension it reads by truncation, and the next BT^2 model inherits them
-  (:func:`compat.methods.training.contract_lineage`): a gallery that still holds v1 vectors when v3 arrives
-  (a partial backfill) stays readable.
-
-After a blue-green rollout (none, or any method declaring a new space): a new collection holds every item
-in the candidate's own space and the alias moved to it; the old collection stays for rollback. The next
-upgrade must read the new space (its old model is this one).
-
-After a halted rollout: the pipeline rolls it back whole (every stage's rows and the query model go back),
-so the gallery holds production's vectors only and production is unchanged; the next upgrade is trained
-against production, as if the refused candidate never existed. A rollout halted under ``compatflow
-rollout run`` (the operator's tool) keeps its accepted stages: the gallery is mixed, production's vectors
-and the candidate's in the one space (bt2: two dimensions), queried by the candidate, which reads both by
-its contract; the next scheduled rollout rolls it back first (``components.steps.gallery``), since the new
-candidate was trained against production, not against the halted one.
+The gallery after a rollout: staged (the method keeps the space), every item holds the candidate's vector in
+the space the gallery was in (lambda_orth: ``F(old)`` vectors first, then ``B(new)``; bt2: the wider vector,
+its contract's ``old_dims`` listing every earlier dimension it reads by truncation,
+:func:`compat.methods.training.contract_lineage`); blue-green (none, or a new space), a new collection in
+the candidate's space behind the moved alias. Either way the next upgrade reads this model's space. A halted
+rollout is rolled back whole by the pipeline (the next upgrade trains against production); one halted under
+``compatflow rollout run`` keeps its accepted stages (a mixed gallery the candidate reads by its contract)
+until the next scheduled rollout rolls it back (``components.steps.gallery``).
 """
 
 from __future__ import annotations
@@ -167,25 +139,11 @@ class ProductionModel:
         return load_checkpoint(backbone_path(self.path), device=device)
 
     def describe(self) -> dict[str, str]:
-        return {
-            "path": str(self.path),
-            "version": self.version,
-            "method": self.method,
-            "sha256": self.sha256,
-            "space_id": self.space_id,
-        }
+        return {name: str(value) for name, value in vars(self).items() if name != "encoder"}
 
 
 def load_production(path: str | Path, device: Any = "cpu") -> ProductionModel:
     """Load the model at ``path`` (whatever method produced it) for every use of "production"."""
     root = model_root(path)
     encoder = load_encoder(root, device=device)
-    ident = identity(root)
-    return ProductionModel(
-        path=root,
-        version=ident["version"],
-        method=ident["method"],
-        sha256=ident["sha256"],
-        space_id=space_id_of(root, encoder),
-        encoder=encoder,
-    )
+    return ProductionModel(root, **identity(root), space_id=space_id_of(root, encoder), encoder=encoder)

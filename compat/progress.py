@@ -208,16 +208,11 @@ class Task:
             self._logged = False
 
 
-@contextlib.contextmanager
 def task(
     description: str, total: int | None = None, unit: str = "items", completed: int = 0
-) -> Iterator[Task]:
+) -> contextlib.closing[Task]:
     """Report a long step while the block runs: ``with task("indexing", total=n) as t: ... t.advance(k)``."""
-    handle = Task(description, total, unit, completed)
-    try:
-        yield handle
-    finally:
-        handle.close()
+    return contextlib.closing(Task(description, total, unit, completed))
 
 
 class Tracked(Generic[T]):

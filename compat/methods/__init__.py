@@ -1,14 +1,8 @@
 """Compatibility methods behind one contract (:mod:`compat.methods.base`), registered by name.
 
-:data:`METHODS` lists every method: its name (what ``compat.method`` in the pipeline config names) and the
-module that defines it, one file per method. That module's class is decorated with
-:func:`register_method`, which refuses a name :data:`METHODS` does not list under that module, so the list
-and the classes cannot drift apart. Importing this package is cheap: a method's module (and torch) is
-imported when the method is first asked for.
-
-    method = get_method("lambda_orth")
-    model = method.fit(new_bundle, old_bundle, batches, method.make_config({"steps": 500}))
-    model.save("out/compat")
+:data:`METHODS` maps each method's name (``compat.method`` in the pipeline config) to its one module, whose
+class :func:`register_method` registers (refusing a name or module the list does not hold, so the two cannot
+drift apart). A method's module (and torch) is imported when the method is first asked for.
 """
 
 from __future__ import annotations

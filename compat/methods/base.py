@@ -1,19 +1,9 @@
-"""The contract every compatibility method implements.
+"""The contract every compatibility method implements: ``get_method("bct").fit(new, old, batches, config)``.
 
-A :class:`CompatMethod` fits a compatible model with the production ("old") model frozen::
-
-    model = get_method("bct").fit(new, old, batches, config)
-
-- ``new`` is a :class:`~compat.models.ClipBundle` (the candidate, or the independently trained new model);
-- ``old`` is the frozen production encoder: a ``ClipBundle`` or, after an earlier compatible release, a
-  :class:`CompatModel` (anything with ``encode_images`` / ``encode_texts`` / ``embed_dim``);
-- ``batches`` is a re-iterable of batches with ``images`` (preprocessed tensor or PIL list) and ``texts``;
-- ``config`` is the method's :class:`MethodConfig` dataclass (``method.make_config(mapping)`` builds it).
-
-The resulting :class:`CompatModel` encodes queries (and re-embedded gallery items) into the serving space,
-reads old gallery vectors by the rule of its :class:`ServingContract`, counts its trainable parameters and
-saves itself as ``compat.json`` + backbone checkpoint(s) (``compat.models.checkpoint``) +
-``adapters.safetensors``.
+``new`` is the candidate :class:`~compat.models.ClipBundle`; ``old`` the frozen production encoder (a bundle
+or, after an earlier compatible release, a :class:`CompatModel`); ``batches`` a re-iterable of batches with
+``images`` and raw ``texts``; ``config`` the method's :class:`MethodConfig` (``method.make_config(mapping)``).
+The result is a :class:`CompatModel` (serving encoders, the old-gallery rule of its contract, persistence).
 """
 
 from __future__ import annotations

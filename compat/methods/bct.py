@@ -27,7 +27,6 @@ row is the old model's own image feature of the pair instead (:func:`unmatched_t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,8 +54,7 @@ from compat.methods.training import (
     working_copy,
 )
 from compat.models import ClipBundle
-
-MAX_LOGIT_SCALE = math.log(100.0)
+from compat.training.trainer import clamp_logit_scale
 
 
 def match_old_dim(old: torch.Tensor, new_dim: int) -> torch.Tensor:
@@ -173,8 +171,7 @@ def train_new_model(
         s_new, unmatched = student.model.logit_scale.exp(), config.synthesize_unmatched
         terms = bct_loss(img, txt, old_img, old_txt, s_new, s_old, influence_weight, unmatched)
         history.step(optimizer, step, schedule, loss=terms.total, own=terms.own, influence=terms.influence)
-        with torch.no_grad():
-            student.model.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+        clamp_logit_scale(student.model)
     student.model.eval()
     return student, history.finish()
 

@@ -43,7 +43,7 @@ from compat.device import resolve_device
 from compat.losses import clip_loss
 from compat.methods import register_method
 from compat.methods.base import CompatMethod
-from compat.methods.bct import MAX_LOGIT_SCALE, cross_model_loss
+from compat.methods.bct import cross_model_loss
 from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, CompatError, Encoder, ServingContract
 from compat.methods.layers import OrthogonalMatrix
@@ -61,6 +61,7 @@ from compat.methods.training import (
     working_copy,
 )
 from compat.models import ClipBundle
+from compat.training.trainer import LOGIT_SCALE_MAX
 
 
 # ------------------------------------------------------------------------------------------------- head
@@ -335,7 +336,7 @@ class BT2(CompatMethod):
             )
             history.step(optimizer, step, schedule, **terms._asdict())
             with torch.no_grad():
-                logit_scale.clamp_(0, MAX_LOGIT_SCALE)
+                logit_scale.clamp_(0, LOGIT_SCALE_MAX)
         student.model.eval().cpu()
         head.eval().cpu()
         lineage = contract_lineage(old)[1] or (n,)

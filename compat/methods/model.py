@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Self
 import torch
 import torch.nn.functional as F
 
-from compat.io import utc_now
+from compat.io import read_json, utc_now
 from compat.methods.config import MethodConfig, config_from_mapping
 from compat.methods.contract import COMPAT_FILE, CompatError, ServingContract
 from compat.methods.layers import truncate, zero_pad
@@ -216,10 +216,7 @@ def load_compat_model(path: Path | str, device: str | torch.device = "cpu") -> C
             "written by `compatflow compat train`"
         )
     root = doc_path.parent
-    try:
-        doc = json.loads(doc_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CompatError(f"{doc_path}: not valid JSON ({exc})") from exc
+    doc = read_json(doc_path, CompatError)
     if not isinstance(doc, dict) or doc.get("format") != COMPAT_FORMAT:
         raise CompatError(f"{doc_path}: field 'format' must be {COMPAT_FORMAT!r}")
     for key in ("method", "contract", "config", "parts"):

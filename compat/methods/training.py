@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -173,15 +172,10 @@ def adamw_cosine(
     warmup_fraction: float,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with linear warm-up over ``warmup_fraction`` of ``steps`` then cosine decay to zero."""
+    from compat.training.schedule import CosineWarmup
+
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    warmup = max(int(round(warmup_fraction * steps)), 0)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(steps - warmup, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
+    factor = CosineWarmup.from_fraction(1.0, steps, warmup_fraction).lr_at
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 

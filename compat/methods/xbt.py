@@ -65,7 +65,7 @@ from compat.methods.training import (
 )
 from compat.models import ClipBundle
 from compat.modules.augment import augment_for
-from compat.modules.lora import LoraHandle, attach_lora
+from compat.modules.lora import LoraHandle, attach_lora, load_named_tensors
 from compat.modules.projection import XBTProjection
 from compat.modules.serving import ProjectedCLIP, projected_bundle
 from compat.modules.visual_prompts import PromptHandle, insert_visual_prompts
@@ -209,39 +209,18 @@ class AdaptedNewModel:
                 p.requires_grad_(True)
         return groups
 
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """LoRA + prompts + all of ``phi`` by saved name: every parameter trained in either stage."""
+        return {n: p for items in self.trainable_groups("all").values() for n, p in items}
+
     def num_trained(self) -> int:
-        """LoRA + prompts + all of ``phi``: every parameter trained in either stage."""
-        return sum(p.numel() for items in self.trainable_groups("all").values() for _, p in items)
+        return sum(p.numel() for p in self.trained_parameters().values())
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        state = {f"new.{n}": t for n, t in self.lora.state_dict().items()}
-        state["new.visual.visual_prompts.tokens"] = self.prompts.prompts.tokens.detach()
-        state.update({f"phi.{n}": t for n, t in self.phi.state_dict().items()})
-        return state
+        return {n: p.detach() for n, p in self.trained_parameters().items()}
 
     def load_adapter_state(self, tensors: dict[str, torch.Tensor], source: str = "adapters") -> None:
-        prompt_key = "new.visual.visual_prompts.tokens"
-        lora = {k[len("new.") :]: v for k, v in tensors.items() if k.startswith("new.") and k != prompt_key}
-        phi = {k[len("phi.") :]: v for k, v in tensors.items() if k.startswith("phi.")}
-        other = sorted(set(tensors) - {prompt_key} - {f"new.{k}" for k in lora} - {f"phi.{k}" for k in phi})
-        if prompt_key not in tensors or other:
-            raise CompatError(
-                f"{source}: expected LoRA ('new.*'), prompt ({prompt_key}) and phi ('phi.*') tensors; "
-                f"missing prompt: {prompt_key not in tensors}, unexpected: {other[:4]}"
-            )
-        try:
-            self.lora.load_state_dict(lora)
-            self.phi.load_state_dict(phi, strict=True)
-        except (ValueError, RuntimeError) as exc:
-            raise CompatError(f"{source}: {exc}") from exc
-        tokens = tensors[prompt_key]
-        if tokens.shape != self.prompts.prompts.tokens.shape:
-            raise CompatError(
-                f"{source}: prompt tokens of shape {tuple(tokens.shape)} do not fit "
-                f"{tuple(self.prompts.prompts.tokens.shape)} (num_prompts x vision width)"
-            )
-        with torch.no_grad():
-            self.prompts.prompts.tokens.copy_(tokens)
+        load_named_tensors(self.trained_parameters(), tensors, f"{source}: XBT tensors", CompatError)
 
     def remove(self) -> ClipBundle:
         """Remove LoRA and prompts in place; the bundle is then the original new model."""

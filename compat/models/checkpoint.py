@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from compat.io import atomic_write, utc_now
+from compat.io import atomic_write, read_json, utc_now
 from compat.models.factory import ClipBundle, _build, config_path, read_config, tokenizer_name_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,10 +124,7 @@ def _sidecar_path(path: Path) -> Path:
 def read_sidecar(path: Path) -> dict:
     """Read and validate a checkpoint sidecar (``path`` = checkpoint directory or its model.json)."""
     path = _sidecar_path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    doc = read_json(path, CheckpointError)
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     missing = [k for k in REQUIRED_FIELDS if k not in doc]

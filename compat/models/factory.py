@@ -14,7 +14,6 @@ installed package's model directory at build time; that tower is loaded with its
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from compat.io import read_json
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -94,10 +95,7 @@ def read_config(config_name: str) -> dict[str, Any]:
     from schemas import validate
 
     path = config_path(config_name)
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    config = read_json(path, ValueError)
     if is_architecture(config_name):
         preprocess = config.pop("preprocess_cfg", None) or {}
         if "resize_mode" in preprocess:
@@ -192,13 +190,9 @@ class ClipBundle:
 
         from compat.progress import task
 
-        device = torch.device(device) if device is not None else self.device
-        was_training = self.model.training
-        moved = device != self.device
-        original = self.device
-        if moved:
-            self.model.to(device)
-        self.model.eval()
+        original, was_training = self.device, self.model.training
+        device = torch.device(device) if device is not None else original
+        self.model.to(device).eval()
         try:
             out = []
             total = sum(len(batch) for batch in batches)
@@ -213,9 +207,7 @@ class ClipBundle:
                 return torch.empty(0, self.embed_dim)
             return torch.cat(out)
         finally:
-            self.model.train(was_training)
-            if moved:
-                self.model.to(original)
+            self.model.train(was_training).to(original)
 
     def encode_images(
         self,
@@ -231,15 +223,12 @@ class ClipBundle:
         """
         import torch
 
-        def batches():
-            for i in range(0, len(images), batch_size):
-                chunk = images[i : i + batch_size]
-                if isinstance(chunk, torch.Tensor):
-                    yield chunk
-                else:
-                    yield torch.stack([self.preprocess_eval(im) for im in chunk])
-
-        return self._encode(self.model.encode_image, list(batches()), device, normalize, "images")
+        chunks = [images[i : i + batch_size] for i in range(0, len(images), batch_size)]
+        batches = [
+            c if isinstance(c, torch.Tensor) else torch.stack([self.preprocess_eval(i) for i in c])
+            for c in chunks
+        ]
+        return self._encode(self.model.encode_image, batches, device, normalize, "images")
 
     def encode_texts(
         self,

@@ -230,19 +230,11 @@ class ClipTokenizer:
             bigram = min(pairs, key=lambda pair: self.ranks.get(pair, float("inf")))
             if bigram not in self.ranks:
                 break
-            first, second = bigram
             merged: list[str] = []
             i = 0
             while i < len(word):
-                try:
-                    j = word.index(first, i)
-                except ValueError:
-                    merged.extend(word[i:])
-                    break
-                merged.extend(word[i:j])
-                i = j
-                if word[i] == first and i < len(word) - 1 and word[i + 1] == second:
-                    merged.append(first + second)
+                if word[i : i + 2] == bigram:
+                    merged.append(word[i] + word[i + 1])
                     i += 2
                 else:
                     merged.append(word[i])

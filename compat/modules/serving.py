@@ -68,19 +68,13 @@ def projected_bundle(bundle: ClipBundle, model: ProjectedCLIP, out_dim: int) -> 
     return dataclasses.replace(bundle, model=model, embed_dim=int(out_dim))
 
 
-def is_adapter_key(key: str) -> bool:
-    """True for state-dict entries that belong to inserted adapters, not to the original model."""
-    segments = key.split(".")
-    return any(s.startswith("lora_") for s in segments) or bool(_ADAPTER_SEGMENTS.intersection(segments))
-
-
 def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The original model's state dict read from an adapted ``model`` (adapter entries dropped)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
-        if is_adapter_key(key):
-            continue
-        out[".".join(s for s in key.split(".") if s != "base_layer")] = value
+        segments = key.split(".")
+        if not any(s.startswith("lora_") or s in _ADAPTER_SEGMENTS for s in segments):
+            out[".".join(s for s in segments if s != "base_layer")] = value
     return out
 
 

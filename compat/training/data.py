@@ -164,12 +164,10 @@ class ReplayBuffer:
             kept: list[tuple[int, Any]] = []
             stream = ShardStream(urls, shuffle_shards=False, epochs=1, image_size=image_size)
             for seen, sample in enumerate(stream):
-                slot = seen if seen < share else rng.randrange(seen + 1)
-                if slot < share:
-                    if seen < share:
-                        kept.append((seen, sample))
-                    else:
-                        kept[slot] = (seen, sample)
+                if seen < share:
+                    kept.append((seen, sample))
+                elif (slot := rng.randrange(seen + 1)) < share:
+                    kept[slot] = (seen, sample)
             for _, sample in sorted(kept, key=lambda item: item[0]):
                 out.keys.append(sample.key)
                 out.images.append(sample.image)

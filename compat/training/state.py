@@ -204,15 +204,6 @@ def save_training_checkpoint(
     return final
 
 
-@dataclass
-class LoadedCheckpoint:
-    path: Path
-    state: TrainState
-    config: dict[str, Any]
-    schedule: dict[str, Any]
-    scaler: dict[str, Any] | None
-
-
 def read_state_document(path: Path) -> dict[str, Any]:
     """``progress.json`` of a checkpoint, checked for format and version (nothing else is read)."""
     path = Path(path)
@@ -230,8 +221,9 @@ def read_state_document(path: Path) -> dict[str, Any]:
 
 def load_training_checkpoint(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> LoadedCheckpoint:
-    """Load weights, optimizer and RNG states from ``path`` into the given objects; return the rest.
+) -> tuple[TrainState, dict[str, Any] | None]:
+    """Load weights, optimizer and RNG states from ``path`` into the given objects; return the training
+    state and the GradScaler's.
 
     Weights are checked against the sidecar's sha256; nothing is unpickled.
     """
@@ -252,10 +244,5 @@ def load_training_checkpoint(
     optimizer.load_state_dict(_optimizer_from_files(opt_tensors, doc["optimizer"]))
     restore_rng(load_file(str(path / RNG_FILE)), doc["rng"])
     s = doc["state"]
-    state = TrainState(
-        step=int(s["step"]),
-        samples_seen=int(s["samples_seen"]),
-        position=s["position"],
-        history=list(s["history"]),
-    )
-    return LoadedCheckpoint(path, state, doc["config"], doc["schedule"], doc["scaler"])
+    state = TrainState(int(s["step"]), int(s["samples_seen"]), s["position"], list(s["history"]))
+    return state, doc["scaler"]

@@ -429,11 +429,11 @@ def _start_or_resume(
         seed_everything(config.seed)
         return None, TrainState()
     _check_resumable(read_state_document(found)["config"], config, found)  # before touching the model
-    loaded = load_training_checkpoint(found, model, optimizer)
-    if scaler is not None and loaded.scaler:
-        scaler.load_state_dict(loaded.scaler)
-    log.info("resuming from %s (step %d of %d)", found, loaded.state.step, config.steps)
-    return found, loaded.state
+    state, scaler_state = load_training_checkpoint(found, model, optimizer)
+    if scaler is not None and scaler_state:
+        scaler.load_state_dict(scaler_state)
+    log.info("resuming from %s (step %d of %d)", found, state.step, config.steps)
+    return found, state
 
 
 def _optimizer_step(

@@ -134,11 +134,6 @@ def test_curve_area_is_the_trapezoid_mean_over_beta() -> None:
     assert bf.fraction_to_reach([0, 1], [10, 20], 30) is None
 
 
-def test_order_digest_depends_on_order() -> None:
-    assert bf.order_digest(["a", "b"]) == bf.order_digest(["a", "b"])
-    assert bf.order_digest(["a", "b"]) != bf.order_digest(["b", "a"])
-
-
 def test_synthetic_upgrade_curves() -> None:
     """Known structure: old/old < new/old < new/new, and ordering by distance to the class mean
     (noisy, far-from-centre items first) has a larger curve area than a random order."""
