@@ -1,16 +1,13 @@
 """KFP v2 components (ops): one per pipeline step.
 
-Each component is a thin, typed wrapper around a function of :mod:`components.steps`: it
-imports it inside its body (KFP ships the function's source to the task), runs it on its input
-artifacts and fills its typed output artifacts. Step summaries also land in the run directory
-(``<workspace>/runs/<run_id>/<step>/``) where the exit-handler report and ``compatflow status``
-read them. Locally the tasks run through ``kfp.local.SubprocessRunner``; on a cluster in the
-compatflow images the config names (``resources.cpu.image``, ``resources.gpu.image``: set on every task by
-:func:`pipelines.resources.configure`; ``IMAGE`` is only the components' default), which already hold the
-package and kfp, so nothing is installed at task start.
+Each component is a thin, typed wrapper around a function of :mod:`components.steps`, imported inside its
+body (KFP ships the function's source to the task), run on its input artifacts to fill its typed outputs.
+Step summaries also land in the run directory (``<workspace>/runs/<run_id>/<step>/``) where the report and
+``compatflow status`` read them. Tasks run in the compatflow images the config names (set on every task by
+:func:`pipelines.resources.configure`; ``IMAGE`` is only the default), which hold the package and kfp.
 
-The resolved config travels as a JSON string: KFP's struct parameters turn every number into a
-float. No ``from __future__ import annotations`` here: KFP reads the annotations at runtime.
+The resolved config travels as a JSON string: KFP's struct parameters turn every number into a float. No
+``from __future__ import annotations`` here: KFP reads the annotations at runtime.
 """
 
 from typing import List, NamedTuple
@@ -49,8 +46,6 @@ def plan_op(
 ):
     """Plan the run: its config (the run parameters set), the phase (-1: next pending), its run directory and
     the shard lists."""
-    from collections import namedtuple
-
     from components.steps import plan_step
 
     parameters = {
@@ -61,17 +56,8 @@ def plan_op(
         "rollout_fractions": rollout_fractions,
     }
     plan = plan_step(config, phase, run_id, job_name, parameters)
-    fields = [
-        "config",
-        "run_dir",
-        "phase",
-        "stream_dir",
-        "train_shards",
-        "reference_shards",
-        "eval_shards",
-        "gallery_shards",
-    ]
-    return namedtuple("Plan", fields)(*(plan[f] for f in fields))
+    shards = ("train_shards", "reference_shards", "eval_shards", "gallery_shards")
+    return tuple(plan[f] for f in ("config", "run_dir", "phase", "stream_dir", *shards))  # Plan's fields
 
 
 @dsl.component(**COMPONENT)
@@ -120,15 +106,8 @@ def drift_op(
 
     from components.steps import drift_step
 
-    return drift_step(
-        config,
-        Path(run_dir),
-        reference_shards,
-        current.path,
-        production,
-        Path(report.path),
-        Path(summary.path),
-    )
+    outputs = Path(report.path), Path(summary.path)
+    return drift_step(config, Path(run_dir), reference_shards, current.path, production, *outputs)
 
 
 @dsl.component(**COMPONENT)
@@ -174,15 +153,8 @@ def compat_op(
 
     from components.steps import compat_step
 
-    compat_step(
-        config,
-        Path(run_dir),
-        phase,
-        str(Path(candidate.path) / "model"),
-        production,
-        accepted.path,
-        Path(compat_model.path),
-    )
+    checkpoint = str(Path(candidate.path) / "model")
+    compat_step(config, Path(run_dir), phase, checkpoint, production, accepted.path, Path(compat_model.path))
 
 
 @dsl.component(**COMPONENT)
@@ -232,14 +204,8 @@ def gate_op(
     from components.state.run_dir import COMPAT_REPORT_FILE
     from components.steps import gate_step
 
-    return gate_step(
-        config,
-        Path(run_dir),
-        str(Path(report.path) / COMPAT_REPORT_FILE),
-        validation.path,
-        drift.path,
-        Path(decision.path),
-    )
+    report_file = str(Path(report.path) / COMPAT_REPORT_FILE)
+    return gate_step(config, Path(run_dir), report_file, validation.path, drift.path, Path(decision.path))
 
 
 @dsl.component(**COMPONENT)

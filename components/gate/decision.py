@@ -180,10 +180,7 @@ def block_decision(code: str, message: str, *, report: str | Path | None = None)
         decision="block",
         reasons=[Reason(code=code, message=message)],
         checks=[CheckResult(name="gate", status="fail", code=code, message=message)],
-        policy=None,
-        policy_source=None,
         report_path=str(report) if report is not None else None,
-        report_sha256=None,
         decided_at=utc_now(),
     )
 

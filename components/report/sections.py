@@ -79,24 +79,19 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     if examples is not None:
         sections.append(examples)
     failure = inputs.data("failure")
-    stopped_by = (
-        f"step {failure.get('step', '?')} failed before it"
-        if failure
-        else f"{blocked.get('step', blocked.get('stage', '?'))} stopped the run"
-        if blocked
-        else None
-    )
-    if stopped_by:
+    blocked_at = blocked.get("step", blocked.get("stage", "?")) if blocked else None
+    if failure or blocked:
+        stopped_by = (
+            f"step {failure.get('step', '?')} failed before it"
+            if failure
+            else f"{blocked_at} stopped the run"
+        )
         for section in sections:
             if section.status == "not run":
                 section.items = [Note(f"The step did not run: {stopped_by}.", "muted")]
     if blocked:
-        stop = Note(
-            f"The run stopped at step {blocked.get('step', blocked.get('stage', '?'))}: "
-            f"{blocked.get('reason', 'no reason given')}",
-            "bad",
-        )
-        sections[0].items.insert(0, stop)
+        stop = f"The run stopped at step {blocked_at}: {blocked.get('reason', 'no reason given')}"
+        sections[0].items.insert(0, Note(stop, "bad"))
     if failure:
         sections.insert(0, _failure_section(failure, inputs.run_dir))
     usage = _usage_section(inputs.run_dir)
@@ -149,22 +144,12 @@ def _gate_section(source: Source) -> Section:
         section.items.append(
             Note(f"The candidate was blocked for {len(gate.get('reasons', []))} reason(s):", "bad")
         )
-        section.items.append(
-            Table(
-                ["code", "direction", "metric", "value", "threshold", "message"],
-                [
-                    [
-                        r.get("code"),
-                        r.get("direction", ""),
-                        r.get("metric", ""),
-                        _fmt(r.get("value")),
-                        _fmt(r.get("threshold")),
-                        r.get("message"),
-                    ]
-                    for r in gate.get("reasons", [])
-                ],
-            )
-        )
+        rows = [
+            [r.get("code"), r.get("direction", ""), r.get("metric", ""), _fmt(r.get("value"))]
+            + [_fmt(r.get("threshold")), r.get("message")]
+            for r in gate.get("reasons", [])
+        ]
+        section.items.append(Table(["code", "direction", "metric", "value", "threshold", "message"], rows))
     checks = gate.get("checks", [])
     if checks:
         section.items.append(
@@ -195,59 +180,34 @@ def _validation_section(source: Source) -> Section:
         "validation", "Data validation", "blocked" if blocked else "ok", "bad" if blocked else "good"
     )
     splits = doc.get("splits")
+    counts = ["samples", "passed", "quarantined", "quarantined %"]
     if isinstance(splits, Mapping) and splits:  # every split validated: one row each (quarantined = not used)
         rows, reasons = [], []
         for name, entry in splits.items():
             entry = entry if isinstance(entry, Mapping) else {}
-            captions = entry.get("captions") if isinstance(entry.get("captions"), Mapping) else {}
-            rows.append(
-                [
-                    name,
-                    entry.get("total"),
-                    entry.get("passed"),
-                    entry.get("quarantined"),
-                    _pct(entry.get("quarantined"), entry.get("total")),
-                    captions.get("over_context"),
-                    "yes" if entry.get("blocked") else "no",
-                ]
-            )
-            by_reason = entry.get("by_reason")
-            if isinstance(by_reason, Mapping):
-                reasons += [[name, str(k), v] for k, v in by_reason.items()]
-        context = (
-            (doc.get("captions") or {}).get("context_tokens")
-            if isinstance(doc.get("captions"), Mapping)
-            else None
-        )
+            over = _sub(entry, "captions").get("over_context")
+            rows.append([name, *_counts(entry), over, "yes" if entry.get("blocked") else "no"])
+            reasons += [[name, str(k), v] for k, v in _sub(entry, "by_reason").items()]
+        context = _sub(doc, "captions").get("context_tokens")
         over = f"captions over {context} tokens" if context else "captions over context"
-        section.items.append(
-            Table(["split", "samples", "passed", "quarantined", "quarantined %", over, "blocked"], rows)
-        )
+        section.items.append(Table(["split", *counts, over, "blocked"], rows))
         if reasons:
             reasons.sort(key=lambda r: -_num(r[2]))
             section.items.append(Table(["split", "quarantine reason", "samples"], reasons))
     else:
-        section.items.append(
-            Table(
-                ["samples", "passed", "quarantined", "quarantined %", "phase blocked"],
-                [
-                    [
-                        doc.get("total"),
-                        doc.get("passed"),
-                        doc.get("quarantined"),
-                        _pct(doc.get("quarantined"), doc.get("total")),
-                        "yes" if blocked else "no",
-                    ]
-                ],
-            )
-        )
-        by_reason = doc.get("by_reason")
-        if isinstance(by_reason, Mapping) and by_reason:
+        section.items.append(Table([*counts, "phase blocked"], [[*_counts(doc), "yes" if blocked else "no"]]))
+        by_reason = _sub(doc, "by_reason")
+        if by_reason:
             rows = sorted(([str(k), v] for k, v in by_reason.items()), key=lambda r: -_num(r[1]))
             section.items.append(Table(["quarantine reason", "samples"], rows))
-    for reason in doc.get("blocked_reasons") or []:
-        section.items.append(Note(f"blocked: {reason}", "bad"))
+    section.items += [Note(f"blocked: {reason}", "bad") for reason in doc.get("blocked_reasons") or []]
     return section
+
+
+def _counts(entry: Mapping[str, Any]) -> list[Any]:
+    """Samples, passed, quarantined and the quarantined share of a validation document or split entry."""
+    total, quarantined = entry.get("total"), entry.get("quarantined")
+    return [total, entry.get("passed"), quarantined, _pct(quarantined, total)]
 
 
 def _drift_section(source: Source, base: Path) -> Section:
@@ -263,18 +223,10 @@ def _drift_section(source: Source, base: Path) -> Section:
         rows = []
         for name, verdict in verdicts.items():
             v = verdict if isinstance(verdict, Mapping) else {}
+            scores = [_fmt(v.get(k)) for k in ("score", "noise_floor", "calibrated_score", "threshold")]
+            drift = "yes" if v.get("drift") else "no"
             rows.append(
-                [
-                    name,
-                    v.get("kind", "-"),
-                    v.get("method", "-"),
-                    _fmt(v.get("score")),
-                    _fmt(v.get("noise_floor")),
-                    _fmt(v.get("calibrated_score")),
-                    _fmt(v.get("threshold")),
-                    "yes" if v.get("drift") else "no",
-                    v.get("severity", "-"),
-                ]
+                [name, v.get("kind", "-"), v.get("method", "-"), *scores, drift, v.get("severity", "-")]
             )
         header = ["metric", "kind", "method", "score", "noise floor", "above noise", "threshold", "drift"]
         section.items.append(Table([*header, "severity"], rows))
@@ -327,15 +279,14 @@ NOT_GATED = "measured, not gated"
 
 def _gated_directions(gate: Mapping[str, Any] | None) -> tuple[str, ...] | None:
     """The directions the release gate judges (its policy's), None when no gate ran."""
-    policy = (gate or {}).get("policy")
-    directions = policy.get("directions") if isinstance(policy, Mapping) else None
+    directions = _sub(gate or {}, "policy").get("directions")
     return tuple(str(d) for d in directions) if isinstance(directions, list | tuple) else None
 
 
 def _ecc_verdict(report: Mapping[str, Any], gated: tuple[str, ...] | None) -> tuple[bool | None, list[str]]:
     """Whether the ECC holds over the gated directions (all of them when no gate ran), and the measured
     directions the gate does not judge."""
-    ecc = report.get("ecc") if isinstance(report.get("ecc"), Mapping) else {}
+    ecc = _sub(report, "ecc")
     if gated is None or not ecc:
         return report.get("ecc_passed"), []
     verdicts = [v for d in gated if isinstance(ecc.get(d), Mapping) for v in ecc[d].values()]
@@ -368,9 +319,9 @@ def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Se
     if png:
         section.items.append(Figure("Query model x gallery model, R@1", png))
     rows = []
-    retrieval = report.get("retrieval") if isinstance(report.get("retrieval"), Mapping) else {}
+    retrieval = _sub(report, "retrieval")
     for direction in plots.DIRECTIONS:
-        pairs = retrieval.get(direction) if isinstance(retrieval.get(direction), Mapping) else {}
+        pairs = _sub(retrieval, direction)
         for pair, values in pairs.items():
             if isinstance(values, Mapping):
                 label = f"{direction} ({NOT_GATED})" if direction in ungated else direction
@@ -402,37 +353,23 @@ def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
     if missing:
         return missing
     report = source.data or {}
-    policy = (gate or {}).get("policy") or {}
-    min_margin = policy.get("min_margin", 0.0) if isinstance(policy, Mapping) else 0.0
+    min_margin = _sub(gate or {}, "policy").get("min_margin", 0.0)
     section = Section("margins", "ECC margins", "see intervals", "plain")
     png = plots.ecc_margins(report, min_margin if plots._finite(min_margin) else 0.0)
     if png:
         section.items.append(Figure("new/old - old/old with bootstrap intervals", png))
     rows = []
-    margins = report.get("margins") if isinstance(report.get("margins"), Mapping) else {}
-    ecc = report.get("ecc") if isinstance(report.get("ecc"), Mapping) else {}
-    gated = _gated_directions(gate)
+    margins, ecc, gated = _sub(report, "margins"), _sub(report, "ecc"), _gated_directions(gate)
     for direction in plots.DIRECTIONS:
-        per_metric = margins.get(direction) if isinstance(margins.get(direction), Mapping) else {}
-        for metric, entry in per_metric.items():
-            if isinstance(entry, Mapping):
-                verdict = (
-                    (ecc.get(direction) or {}).get(metric)
-                    if isinstance(ecc.get(direction), Mapping)
-                    else None
-                )
-                rows.append(
-                    [
-                        direction,
-                        metric,
-                        _fmt(entry.get("margin")),
-                        _fmt(entry.get("ci_low")),
-                        _fmt(entry.get("ci_high")),
-                        NOT_GATED
-                        if gated is not None and direction not in gated
-                        else {True: "holds", False: "fails"}.get(verdict, "-"),
-                    ]
-                )
+        verdicts = _sub(ecc, direction)
+        for metric, entry in _sub(margins, direction).items():
+            if not isinstance(entry, Mapping):
+                continue
+            bounds = [_fmt(entry.get(k)) for k in ("margin", "ci_low", "ci_high")]
+            verdict = {True: "holds", False: "fails"}.get(verdicts.get(metric), "-")
+            rows.append(
+                [direction, metric, *bounds, verdict if gated is None or direction in gated else NOT_GATED]
+            )
     if rows:
         section.items.append(Table(["direction", "metric", "margin (pp)", "CI low", "CI high", "ECC"], rows))
         weak = [f"{r[0]} {r[1]}" for r in rows if not (_num(r[3]) > 0) and r[5] != NOT_GATED]
@@ -460,39 +397,28 @@ def _rollout_section(source: Source) -> Section:
     png = plots.backfill_curve(doc)
     if png:
         section.items.append(Figure("Backfill curve", png))
-    floors = doc.get("floors") if isinstance(doc.get("floors"), Mapping) else {}
-    baseline = doc.get("baseline") if isinstance(doc.get("baseline"), Mapping) else {}
+    floors = _sub(doc, "floors")
+    baseline = _sub(doc, "baseline")
     if floors:
-        section.items.append(
-            Note(
-                f"Every stage's probe must stay at or above its floor: R@1 {_fmt(floors.get('R@1'))} "
-                f"(the probe set's old/old is {_fmt(baseline.get('R@1'))}{_tolerance(doc)}; the evaluation "
-                "set's figures in the compatibility matrix come from other queries and are not this floor).",
-                "muted",
-            )
+        about = (
+            f"Every stage's probe must stay at or above its floor: R@1 {_fmt(floors.get('R@1'))} "
+            f"(the probe set's old/old is {_fmt(baseline.get('R@1'))}{_tolerance(doc)}; the evaluation "
+            "set's figures in the compatibility matrix come from other queries and are not this floor)."
         )
+        section.items.append(Note(about, "muted"))
         if all(_num(floor) <= 0 for floor in floors.values()):
             tolerance = _fmt(doc.get("probe_tolerance"))
-            section.items.append(
-                Note(
-                    f"Warning: every probe floor is 0 (rollout.probe_tolerance {tolerance} standard errors "
-                    "reach below 0): no probe can halt this rollout. "
-                    "Lower rollout.probe_tolerance or set rollout.floors.",
-                    "warn",
-                )
+            warning = (
+                f"Warning: every probe floor is 0 (rollout.probe_tolerance {tolerance} standard errors "
+                "reach below 0): no probe can halt this rollout. Lower rollout.probe_tolerance or set "
+                "rollout.floors."
             )
+            section.items.append(Note(warning, "warn"))
     curve = doc.get("curve")
     if isinstance(curve, list) and curve:
-        section.items.append(
-            Table(
-                ["backfilled", "t2i R@1", "i2t R@1"],
-                [
-                    [_pct(p.get("fraction"), 1), _fmt(p.get("t2i_R@1")), _fmt(p.get("i2t_R@1"))]
-                    for p in curve
-                    if isinstance(p, Mapping)
-                ],
-            )
-        )
+        points = [p for p in curve if isinstance(p, Mapping)]
+        rows = [[_pct(p.get("fraction"), 1), _fmt(p.get("t2i_R@1")), _fmt(p.get("i2t_R@1"))] for p in points]
+        section.items.append(Table(["backfilled", "t2i R@1", "i2t R@1"], rows))
     if source.path is not None and source.path.parent.name != "rollout":
         section.items.append(Note(f"from {source.path}", "muted"))
     return section
@@ -514,14 +440,11 @@ def _examples_section(source: Source) -> Section | None:
     ]
     found = sum(1 for text, hits in queries if hits and hits[0].get("caption") == text)
     section = Section("examples", "Retrieval examples", f"{found}/{len(queries)} first hits captioned alike")
-    section.items.append(
-        Note(
-            "Captions of the newest gallery items, searched as the gallery is served after this run; the "
-            "first hit should carry the query's caption.",
-            "muted",
-        )
+    about = (
+        "Captions of the newest gallery items, searched as the gallery is served after this run; the "
+        "first hit should carry the query's caption."
     )
-    section.items.append(Hits(queries))
+    section.items += [Note(about, "muted"), Hits(queries)]
     return section
 
 
@@ -533,41 +456,25 @@ def _usage_section(run_dir: Path) -> Section | None:
     steps = read_usage(run_dir)
     if not steps:
         return None
+    own = ("wall_s", "cpu_s", "peak_rss_mib", "rss_at_start_mib")
+    workers = ("workers_cpu_s", "workers_peak_rss_mib")  # "-" for a step that waited for no worker
     rows = [
-        [
-            u.get("step"),
-            u.get("outcome"),
-            _fmt(u.get("wall_s")),
-            _fmt(u.get("cpu_s")),
-            _fmt(u.get("peak_rss_mib")),
-            _fmt(u.get("rss_at_start_mib")) if u.get("rss_at_start_mib") is not None else "-",
-            _fmt(u.get("workers_cpu_s")) if u.get("workers_cpu_s") else "-",
-            _fmt(u.get("workers_peak_rss_mib")) if u.get("workers_cpu_s") else "-",
-        ]
+        [u.get("step"), u.get("outcome"), *(_fmt(u.get(k)) for k in own)]
+        + [_fmt(u.get(k)) if u.get("workers_cpu_s") else "-" for k in workers]
         for u in steps
     ]
     peaks = [p for p in (_num(u.get("peak_rss_mib")) for u in steps) if math.isfinite(p)]
-    headers = [
-        "step",
-        "outcome",
-        "wall s",
-        "CPU s",
-        "peak RSS MiB",
-        "at start MiB",
-        "workers CPU s",
-        "workers peak MiB",
-    ]
+    headers = ["step", "outcome", "wall s", "CPU s", "peak RSS MiB", "at start MiB"]
+    headers += ["workers CPU s", "workers peak MiB"]
     section = Section("usage", "Resources per step", f"peak {max(peaks):.0f} MiB" if peaks else "recorded")
     section.items.append(Table(headers, rows))
-    section.items.append(
-        Note(
-            "Peak RSS is each step's own process (VmHWM); at start is what it held before its work (locally, "
-            "the warm task host's preloaded modules, shared with every task: a pod imports only its step's); "
-            "workers are the processes a step waited for (the training loader's), each up to this peak: a "
-            "pod's memory limit holds their sum.",
-            "muted",
-        )
+    about = (
+        "Peak RSS is each step's own process (VmHWM); at start is what it held before its work (locally, "
+        "the warm task host's preloaded modules, shared with every task: a pod imports only its step's); "
+        "workers are the processes a step waited for (the training loader's), each up to this peak: a "
+        "pod's memory limit holds their sum."
     )
+    section.items.append(Note(about, "muted"))
     return section
 
 
@@ -615,15 +522,15 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float):
-        return (
-            f"{value:.3g}"
-            if abs(value) < 1e-3 and value != 0
-            else f"{value:.2f}"
-            if math.isfinite(value)
-            else str(value)
-        )
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.3g}" if abs(value) < 1e-3 and value != 0 else f"{value:.2f}"
     return str(value)
+
+
+def _sub(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``doc[key]`` when it is a mapping, else an empty one."""
+    value = doc.get(key)
+    return value if isinstance(value, Mapping) else {}
 
 
 def _num(value: Any) -> float:
