@@ -1,11 +1,8 @@
 """A bounded in-memory cache of decoded shards, so that training epochs after the first decode nothing.
 
-A :class:`SampleCache` holds the decoded samples (images already at the size the reader asked for) of whole
-shards, keyed by the SHA-256 of the shard's bytes with the decode settings (image size, background, pixel
-bound): a shard rewritten in place gets a new digest and is decoded again, and the same bytes under two paths
-are held once. The digest of a local file is computed once per (path, size, modification time). Shards
-that would take the cache past ``max_bytes`` are evicted oldest first; a shard larger than the whole
-budget is not kept (it is decoded every epoch, as without a cache). Remote shards are not cached.
+A :class:`SampleCache` holds the decoded samples of whole local shards, keyed by the SHA-256 of the shard's
+bytes (computed once per path, size and mtime) with the decode settings: a shard rewritten in place is
+decoded again. Shards past ``max_bytes`` are evicted oldest first; one larger than the budget is not kept.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Domains of the synthetic captioned-image stream: vocabulary, object kinds, backgrounds, styles.
 
-Each phase of the stream draws its scenes from one :class:`Domain`. The five base domains share
-nothing but the 3x3 position grid: object kinds, colour names (and hues), size words, background
-textures and tones, rendering styles and the collective noun all change from one phase to the next,
-so a model trained on a later phase meets new words and new image statistics. Phases past the base
-domains recombine parts of them (kinds of one, colours of another, ...) under distinct names.
-
-A second plan, the *realistic* shift (:class:`RealisticPhase`, :func:`realistic_phase`), shares a core
-vocabulary (the geometric colours, sizes, positions, the circle, square and triangle) across every phase
-and lets each phase bring the kinds, colours, backgrounds, tones and styles of one more base domain,
-while what earlier phases brought grows rarer: real streams shift like that.
+Each phase of the stream draws its scenes from one :class:`Domain`. The five base domains share nothing
+but the 3x3 position grid, so a later phase brings new words and new image statistics; phases past them
+recombine their parts. The *realistic* shift (:func:`realistic_phase`) shares a core vocabulary across
+every phase and lets each phase bring one more base domain's items while earlier ones grow rarer.
 
 Object kinds are drawn from primitives in a unit box ``[-1, 1]^2`` (y grows downwards); each
 primitive is filled with a colour *role*: ``main`` (the object's named colour), ``dark`` (a darker
@@ -386,12 +380,9 @@ BASE_DOMAINS: tuple[Domain, ...] = (GEOMETRIC, SIGNS, ORCHARD, TOWN, REEF)
 
 
 def domain_for_phase(phase: int) -> Domain:
-    """The domain of ``phase``: a base domain for the first five, then distinct recombinations.
-
-    Phase ``5 + j`` takes its kinds, collective noun, size and position words from base domain
-    ``j % 5``, its colours, backgrounds with tones, and styles from three other base domains (offsets
-    that change every five phases), and is named ``mix-<kinds>-<colours>-<backgrounds>-p<phase>``.
-    """
+    """The domain of ``phase``: a base domain for the first five; phase ``5 + j`` then takes its kinds and
+    words from base domain ``j % 5`` and its colours, backgrounds and styles from three others (offsets
+    that change every five phases)."""
     if phase < 0:
         raise ValueError(f"phase must be >= 0, got {phase}")
     n = len(BASE_DOMAINS)
@@ -452,20 +443,12 @@ class RealisticPhase:
         return self.intro[(slot, name)] == self.phase and self.phase > 0
 
 
-def _novelty_source(phase: int) -> Domain | None:
-    """The base domain whose items phase ``phase`` brings: geometric's extras at 0, one base domain each
-    for phases 1-4; none after (later phases only shift the mix)."""
-    return BASE_DOMAINS[phase] if phase < len(BASE_DOMAINS) else None
-
-
 def realistic_phase(phase: int) -> RealisticPhase:
-    """The realistic plan of ``phase``: core vocabulary plus the novelty of every phase up to it.
+    """The realistic plan of ``phase``: the core vocabulary plus the novelty of every phase up to it.
 
-    Phase 0 is the geometric domain (circle, square, triangle, its colours, sizes, positions, plain
-    backgrounds in white/gray/black and the flat style are the core; diamond, beige and outlined fade
-    like any novelty). Phases 1-4 each bring the kinds, colours, backgrounds, tones and styles of the next
-    base domain (signs, orchard, town, reef), named in its own words; their sizes and positions are the
-    core's. Phases past 4 bring nothing new: the mix keeps shifting towards the core and the newest items.
+    Phase 0 is the geometric domain (diamond, beige and outlined fade like any novelty); phases 1-4 each
+    bring the kinds, colours, backgrounds, tones and styles of the next base domain, with the core's sizes
+    and positions; later phases bring nothing new, the mix shifting towards the core and the newest items.
     """
     if phase < 0:
         raise ValueError(f"phase must be >= 0, got {phase}")
@@ -484,7 +467,7 @@ def realistic_phase(phase: int) -> RealisticPhase:
                 is_core = name_of(item) in core if core is not None else q == 0
                 intro[(slot, name_of(item))] = None if is_core else q
                 slots[slot].append(item)
-    newest = _novelty_source(phase)
+    newest = BASE_DOMAINS[phase] if phase < len(BASE_DOMAINS) else None  # the base domain it brings
     brought = (
         f"new: {', '.join(k.names[0] for k in newest.kinds)}; "
         f"{', '.join(c for c, _ in newest.colours)}; "

@@ -1,19 +1,13 @@
 """Image decoding to RGB, one bounded way for every reader (validation, drift, training, indexing, search).
 
-:func:`decode_rgb` turns the bytes of any image PIL reads into an 8-bit RGB image: EXIF orientation applied,
-transparency (RGBA, LA, PA, palette or single-colour ``tRNS`` transparency) composited onto a background
-(white by default), 16-bit and 32-bit integer greyscale scaled to 8 bits (not clipped), CMYK, palette,
-bilevel and greyscale converted.
+:func:`decode_rgb` turns any image PIL reads into 8-bit RGB: EXIF orientation applied, transparency
+composited onto a background (white by default), deep greyscale scaled (not clipped), other modes converted.
+It is bounded in memory: the header's size is checked before a pixel is decoded (:data:`MAX_PIXELS`), and a
+caller that needs ``size`` pixels on the short side gets no more (a JPEG decoded by libjpeg at a reduced
+scale). The original's upright size is kept in the result's ``info["original_size"]``.
 
-It is bounded in memory: the size the header declares is checked before a pixel is decoded (above
-``max_pixels``, default :data:`MAX_PIXELS`, :class:`ImageTooLargeError`), and a caller that needs only
-``size`` pixels on the short side gets no more: a JPEG is decoded by libjpeg at 1/2, 1/4 or 1/8 scale
-(``draft``: every byte is still read, so a truncated file still fails), any other format is decoded once and
-scaled down. The upright size of the original is kept in the result's ``info["original_size"]``.
-
-Resizing to the model input belongs to the model's preprocessing; :data:`RESIZE_MODES` are open_clip's own
-(``open_clip.transform.image_transform``), :data:`DEFAULT_RESIZE_MODE` keeps the shortest-side resize and
-centre crop CLIP models were always trained with here.
+:data:`RESIZE_MODES` (to the model input, in the model's preprocessing) are open_clip's own;
+:data:`DEFAULT_RESIZE_MODE` is the shortest-side resize and centre crop CLIP models were trained with here.
 """
 
 from __future__ import annotations
@@ -73,10 +67,6 @@ class ImageHeader:
     height: int
     transparent: bool = False  # an alpha channel or a transparent colour (:func:`has_transparency`)
 
-    @property
-    def pixels(self) -> int:
-        return self.width * self.height
-
 
 def _open(data: bytes, formats: Sequence[str] | None, max_pixels: int | None) -> Image.Image:
     """Open ``data`` lazily (header only); raise :class:`ImageTooLargeError` above ``max_pixels``."""
@@ -108,9 +98,8 @@ def read_header(
 
 
 def has_transparency(image: Image.Image) -> bool:
-    """Whether ``image`` (opened, not necessarily loaded) carries transparency: an alpha channel (RGBA, LA,
-    PA, ...) or a transparent colour (``tRNS`` of a palette, greyscale or RGB picture). A reader that converts
-    it to RGB without a background (PIL's ``convert("RGB")``) shows what lies under it, often black."""
+    """Whether ``image`` (opened, not necessarily loaded) has an alpha channel or a transparent colour
+    (``tRNS``): converted to RGB without a background, it would show what lies under it, often black."""
     return image.mode in _TRANSPARENT_MODES or (
         image.mode in ("P", "L", "RGB", "1") and "transparency" in image.info
     )
@@ -147,13 +136,12 @@ def decode_rgb(
     max_pixels: int | None = MAX_PIXELS,
     resample: int | None = None,
 ) -> Image.Image:
-    """Decode image bytes (or convert an opened, not yet loaded PIL image) to 8-bit RGB (see the module doc).
+    """Decode image bytes (or an opened, not yet loaded PIL image) to 8-bit RGB (see the module doc).
 
-    ``size``: the short side the caller needs (the model input; None: full size); a larger image comes back
-    with exactly that short side, a smaller one as it is. ``max_pixels`` bounds the header's size before
-    decoding (None: PIL's own limit). ``formats`` limits the decoders PIL may try (None: any it has).
-    ``resample``: the PIL filter of the last scaling to ``size`` (None: bicubic).
-    Raises :class:`ImageTooLargeError` above ``max_pixels``, :class:`ImageDecodeError` for anything else.
+    ``size``: the short side the caller needs (None: full size; a smaller image comes back as it is).
+    ``max_pixels``: None is PIL's own limit. ``formats``: the decoders PIL may try (None: any).
+    ``resample``: the filter of the last scaling (None: bicubic). Raises :class:`ImageTooLargeError` above
+    ``max_pixels``, :class:`ImageDecodeError` for anything else.
     """
     from PIL import Image, ImageOps
 
@@ -241,12 +229,8 @@ def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image
 
 
 def _deep_to_l(image: Image.Image) -> Image.Image:
-    """16-bit (``I;16*``), 32-bit integer (``I``) or float (``F``) greyscale as 8-bit ``L``, scaled.
-
-    ``I;16*`` spans 0..65535; ``I`` is PIL's container for 16-bit PNG and TIFF data, so it is read as 16-bit
-    when any value exceeds 255 and as 8-bit otherwise; ``F`` is read as 0..1 when its maximum is at most 1,
-    else as 0..255.
-    """
+    """16-bit, 32-bit integer or float greyscale as 8-bit ``L``, scaled: ``I`` (PIL's container for 16-bit
+    PNG and TIFF) is 16-bit when a value exceeds 255; ``F`` is 0..1 when its maximum is at most 1."""
     import numpy as np
     from PIL import Image
 

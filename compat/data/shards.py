@@ -1,14 +1,10 @@
 """Tar shards in img2dataset layout: deterministic atomic writing, and raw streaming reads.
 
-A shard holds samples as consecutive members ``{key}.{ext}`` (``jpg``, ``txt``, ``json``, ...).
-:func:`write_shard` writes byte-identical archives for identical input (fixed mtime, owner and
-mode; USTAR headers) into a temporary file renamed into place, so a shard path either holds a
-complete shard or nothing. :func:`iter_raw_samples` streams the members of a local path or fsspec
-URL through tarfile, grouped by key as webdataset groups them, without decoding anything; members of the
-first ``skip`` samples are passed over without being read into memory, and a shard cut off anywhere
-(inside a member or between members) is reported, not silently shortened. The grouping
-(:func:`_group_by_keys`, :func:`base_plus_ext`) restates webdataset's ``tariterators`` in a few lines because
-importing webdataset imports torch (seconds for a one-shot search that reads a shard's captions).
+A shard holds samples as consecutive members ``{key}.{ext}``. :func:`write_shard` writes byte-identical
+archives for identical input (fixed mtime, owner and mode; USTAR) atomically. :func:`iter_raw_samples`
+streams a local path or fsspec URL grouped by key, decoding nothing; a cut-off shard is reported, not
+silently shortened. The grouping restates webdataset's ``tariterators`` in a few lines because importing
+webdataset imports torch (seconds for a one-shot search that reads a shard's captions).
 """
 
 from __future__ import annotations
@@ -90,10 +86,7 @@ def refuse_pipe(url: str) -> None:
 
 
 def open_url(url: str) -> BinaryIO:
-    """Open a shard for streaming reads: local paths directly, other URLs through fsspec.
-
-    ``pipe:`` URLs (shell commands) are refused.
-    """
+    """Open a shard for streaming reads: local paths directly, other URLs through fsspec (not ``pipe:``)."""
     refuse_pipe(url)
     try:
         if is_local(url):
@@ -106,9 +99,8 @@ def open_url(url: str) -> BinaryIO:
 
 
 def stat_url(url: str) -> tuple[int, int | str]:
-    """The size in bytes of the shard at ``url`` and a token that changes when the shard does: the
-    modification time in ns for a local path or ``file://`` URL, fsspec's ``ukey`` (an ETag on object stores)
-    for other URLs. Raises :class:`ShardError` when it is missing or not a file."""
+    """The size of the shard at ``url`` and a token that changes with it (a local file's mtime in ns, else
+    fsspec's ``ukey``); raises :class:`ShardError` when it is missing or not a file."""
     refuse_pipe(url)
     try:
         if is_local(url):
@@ -163,12 +155,9 @@ def _group_by_keys(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]
 
 
 def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Regular members of the tar stream as webdataset file records (``fname``, ``data``, ``__url__``).
-
-    Members of the first ``skip`` samples (runs of one name stem) are passed over unread. The
-    archive must end with its end-of-archive marker: tarfile stops silently at a truncated header,
-    so a missing marker is the sign of a cut-off shard. ``state["member"]`` names the last member read.
-    """
+    """Regular members of the tar stream as webdataset file records, those of the first ``skip`` samples
+    passed over unread; ``state["member"]`` names the last member read. The archive must end with its
+    end-of-archive marker (tarfile stops silently at a truncated header)."""
     tar = tarfile.open(fileobj=fileobj, mode="r|*")
     seen, last = 0, None
     for info in tar:
@@ -192,11 +181,8 @@ def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) 
 
 
 def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
-    """Stream the samples of shard ``url`` undecoded, starting after its first ``skip`` samples.
-
-    Raises :class:`ShardError` naming the shard (and the last member read) when the archive is
-    unreadable, truncated, or repeats a member.
-    """
+    """The samples of shard ``url`` undecoded, after its first ``skip``; raises :class:`ShardError` naming the
+    shard and the last member read when the archive is unreadable, truncated or repeats a member."""
     stream = open_url(url)
     index = skip
     state: dict[str, Any] = {"member": None}
@@ -226,8 +212,3 @@ def sample_keys(url: str) -> set[str]:
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise ShardError(f"shard {url} is malformed: {exc}") from exc
     return keys
-
-
-def count_samples(url: str) -> int:
-    """Number of samples in shard ``url`` (reads headers only, decodes nothing)."""
-    return len(sample_keys(url))

@@ -1,21 +1,18 @@
 """A synthetic, learnable captioned-image stream in img2dataset layout, one domain per phase.
 
 Each sample is a scene of one to three objects (kind, colour, size, grid position) on a textured
-background in a rendering style, drawn with PIL/numpy and described by five template captions
-(:mod:`compat.data.captions`). Two shifts (``shift``): ``disjoint`` draws each phase from its own domain
-(:mod:`compat.data.domains`), sharing no word but the position grid (the hard case); ``realistic`` keeps a
-core vocabulary in every phase and lets each phase bring new kinds, colours, backgrounds and styles while
-earlier ones fade, a share ``old_word_share`` of its scenes told in earlier words only (measured by
-:func:`compat.data.shift.earlier_word_shares`).
+background in a rendering style, described by five template captions (:mod:`compat.data.captions`). Two
+shifts: ``disjoint`` draws each phase from its own domain (:mod:`compat.data.domains`), sharing no word but
+the position grid; ``realistic`` keeps a core vocabulary and lets each phase bring new items while earlier
+ones fade, ``old_word_share`` of its scenes told in earlier words only.
 
 Layout written by :func:`generate_stream`::
 
     DIR/stream.json                                  manifest (:mod:`compat.data.manifest`)
     DIR/phase-PP/{train,eval,gallery}/shard-NNNNN.tar members {key}.jpg / {key}.txt / {key}.json
 
-Keys are ``p{PP}-{split}-{index:06d}``. Every sample is a pure function of (seed, phase, split,
-index): rerunning gives byte-identical shards, generation resumes shard by shard after an
-interruption (shards are written atomically), and a complete stream is left untouched.
+Every sample is a pure function of (seed, phase, split, index): rerunning gives byte-identical shards,
+generation resumes shard by shard, and a complete stream is left untouched.
 """
 
 from __future__ import annotations
@@ -121,12 +118,10 @@ def sample_scene(domain: Domain, rng: random.Random) -> dict[str, Any]:
 def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_share: float) -> dict[str, Any]:
     """Draw a scene of the realistic stream at ``plan.phase``.
 
-    From phase 1 on, a scene is *familiar* with probability ``old_word_share``: every item comes from the
-    core or an earlier phase, so its captions use earlier words only. Otherwise it is *novel*: one slot
-    (the first object's kind or colour, or the background's tone: words every caption template names)
-    takes an item the phase brings, the others are drawn from everything available, new backgrounds and
-    styles included. Items are weighted by
-    :meth:`RealisticPhase.weight`, so the newest items are common and older ones fade.
+    From phase 1 on, a scene is *familiar* with probability ``old_word_share`` (every item from the core or
+    an earlier phase). Otherwise it is *novel*: one slot every caption names (the first object's kind or
+    colour, or the tone) takes an item the phase brings, the others are drawn from everything available.
+    Items are weighted by :meth:`RealisticPhase.weight`, so the newest are common and older ones fade.
     """
     domain = plan.domain
     pools: dict[str, list[tuple[str, Any]]] = {
@@ -223,11 +218,8 @@ def make_sample(
     shift: str = "disjoint",
     old_word_share: float = DEFAULT_OLD_WORD_SHARE,
 ) -> tuple[str, dict[str, bytes]]:
-    """Build sample ``index`` of ``split`` in ``phase``: its key and its ``jpg``/``txt``/``json`` members.
-
-    Eval and gallery samples list their five captions in template order; train samples in a
-    per-sample shuffled order, so the ``.txt`` caption varies in phrasing across the train split.
-    """
+    """Sample ``index`` of ``split`` in ``phase``: its key and members. Train samples shuffle their five
+    captions (so the ``.txt`` one varies in phrasing); eval and gallery keep template order."""
     domain = scene_domain(phase, shift)
     if shift == "realistic":
         rng = random.Random(f"compatflow-synth-realistic/{seed}/{old_word_share!r}/{phase}/{split}/{index}")
@@ -393,16 +385,9 @@ def generate_stream(
     shift: str = "disjoint",
     old_word_share: float = DEFAULT_OLD_WORD_SHARE,
 ) -> dict[str, Any]:
-    """Write (or complete) the stream in ``out_dir`` and return its manifest.
-
-    ``shift`` is ``disjoint`` (one domain per phase, no shared word: the hard stream, kept byte for byte)
-    or ``realistic`` (a shared core vocabulary, new items per phase, ``old_word_share`` of each later
-    phase's scenes in earlier words only); the pipeline's default stream is realistic.
-
-    A complete stream with the same settings is left as it is; missing shards of an interrupted run are
-    written; asking for more phases than a stream holds extends it. Other settings than those a directory
-    was generated with raise :class:`StreamError`.
-    """
+    """Write (or complete, or extend with more ``phases``) the stream in ``out_dir``; return its manifest.
+    ``shift``: see the module doc. Other settings than those a directory was generated with raise
+    :class:`StreamError`."""
     for name, value, low in (
         ("phases", phases, 1),
         ("samples_per_phase", samples_per_phase, 1),
