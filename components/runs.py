@@ -143,16 +143,12 @@ def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
     runs: dict[str, tuple[float, dict[str, Any]]] = {}
     for outcome_path in ws.runs_dir.glob(f"*/{OUTCOME_FILE}"):
         plan = read_json_object_or_none(RunDir(outcome_path.parent).plan_file)
-        outcome = read_json_object_or_none(outcome_path)
-        if (
-            not plan
-            or not outcome
-            or outcome.get("status") not in ("succeeded", "rejected", "blocked", "failed")
-        ):
+        status = (read_json_object_or_none(outcome_path) or {}).get("status")
+        if not plan or status not in ("succeeded", "rejected", "blocked", "failed"):
             continue
         when = outcome_path.stat().st_mtime
         entry = {
-            "status": outcome["status"],
+            "status": status,
             "run_id": plan["run_id"],
             "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
         }
