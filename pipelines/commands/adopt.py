@@ -7,16 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import (
-    ConfigOpt,
-    WorkspaceOpt,
-    config_of,
-    echo_json,
-    exit_codes,
-    fail,
-    holding_workspace,
-    workspace_of,
-)
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, echo_json, exit_codes, fail
 
 REFUSED = 3
 
@@ -73,6 +64,7 @@ def adopt(
     from components.adoption import AdoptionRefused, Source
     from components.adoption import adopt as run_adoption
     from components.state.workspace import DEFAULT_MODEL_NAME
+    from pipelines.commands._common import config_of, holding_workspace, workspace_of
 
     model_name = config_of(config).registry.model_name if config else DEFAULT_MODEL_NAME
     ws = workspace_of(config, workspace)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import exit_codes
+from pipelines.commands._common import echo_json, exit_codes, fail
 
 EXIT_PASS, EXIT_BLOCK, EXIT_USAGE = 0, 1, 2
 
@@ -32,18 +32,15 @@ def gate(
     """Decide pass or block for a candidate; writes OUT/gate.json. Fails closed."""
     from components.gate import block_decision, run_gate
     from components.state.run_dir import GATE_FILE
-    from pipelines.commands._common import echo_json
 
     if report is None or out is None:
         missing = " and ".join(opt for opt, value in (("--report", report), ("--out", out)) if value is None)
         message = f"{missing} is required: compatflow gate --report compat_report.json --out DIR"
         if out is not None:
             block_decision("usage_error", message).write(out)
-        typer.echo(f"error: {message}", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        fail(message, EXIT_USAGE)
     if out.exists() and not out.is_dir():
-        typer.echo(f"error: --out {out} exists and is not a directory", err=True)
-        raise typer.Exit(EXIT_USAGE)
+        fail(f"--out {out} exists and is not a directory", EXIT_USAGE)
 
     decision = run_gate(report, out, policy=policy, validation=validation, drift=drift)
     if as_json:

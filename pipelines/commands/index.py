@@ -13,15 +13,13 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
 
 index_app = typer.Typer(help="The gallery index: run a Milvus standalone server locally, on loopback only.")
 
 
 def _into_namespace(name: str) -> None:
     """Re-run this command inside the named network namespace (created with loopback up if missing)."""
-    from pipelines.commands._common import fail
-
     if os.geteuid() != 0:
         fail(
             "Milvus 2.3 listens on every network interface, so compatflow starts it only in a network "
@@ -66,7 +64,6 @@ def serve_milvus(
     Prints the index.uri to put in a config. Data survives a restart on the same --data folder.
     """
     from components.adapters import milvus_server
-    from pipelines.commands._common import fail
 
     if not milvus_server.loopback_only():
         _into_namespace(netns)
@@ -104,14 +101,14 @@ def move(
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     batch_size: Annotated[int, typer.Option(help="Rows per copied batch.", min=1)] = 2000,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Move the served gallery (the collections its serving record and rollout states name, vectors
     included) to the index at --to, then serve from it: a killed move is run again; the source is left as it
     was. Refused before anything is written when a collection of those names or the alias at --to belongs to
     another deployment (a copy of this workspace included). Set index.uri to --to in the config afterwards
     (a config naming the old index is refused)."""
-    from pipelines.commands._common import echo_json, fail, holding_workspace, workspace_of
+    from pipelines.commands._common import holding_workspace, workspace_of
 
     chosen = workspace_of(config, workspace)
     from components.adapters.index import GalleryIndexError

@@ -1,11 +1,6 @@
-"""``compatflow lineage``: which model embedded a gallery item, read from Feast, and whether Feast agrees with
-the index.
-
-Feast's online store is the lineage's source of truth (:mod:`components.adapters.lineage`): the pipeline
-writes it
-after every indexing, rollout and rollback; on-call reads it here. Searches do not read it (a query would pay
-a feature lookup for what the hit's own row already says: README, "The search service").
-"""
+"""``compatflow lineage``: which model embedded a gallery item, read from Feast's online store (the lineage's
+source of truth, :mod:`components.adapters.lineage`), and whether Feast agrees with the index. Searches do
+not read it: README, "The search service"."""
 
 from __future__ import annotations
 
@@ -13,9 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
 
 
 @exit_codes({1: "Feast and the index disagree (--check), or no lineage to read"})
@@ -33,7 +26,7 @@ def lineage(
     online store; with --check, whether Feast and the index hold the same versions (exit 1 when not)."""
     import warnings
 
-    from pipelines.commands._common import echo_json, fail, reading_workspace
+    from pipelines.commands._common import reading_workspace
 
     ws = reading_workspace(config, workspace)  # before Feast is imported: a disagreeing config costs nothing
     from components.adapters.lineage import LineageError, LineageStore

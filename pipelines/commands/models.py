@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
 
 models_app = typer.Typer(
     help="Model configs (cf-* and open_clip architectures), their pretrained tags and which are on this "
@@ -31,9 +31,7 @@ WeightsOpt = Annotated[
 def _weights_dir(config: str | None, workspace: Path | None, weights_dir: Path | None) -> Path:
     from pipelines.commands._common import workspace_of
 
-    if weights_dir is not None:
-        return weights_dir
-    return workspace_of(config, workspace).weights_dir
+    return weights_dir if weights_dir is not None else workspace_of(config, workspace).weights_dir
 
 
 @models_app.callback()
@@ -46,7 +44,7 @@ def models(
     weights_dir: WeightsOpt = None,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """List the model configs (the project's cf-* and every open_clip architecture) with their pretrained
     tags, and for each tag where its weights are on this machine (the weights folder, then the Hugging Face
@@ -55,7 +53,6 @@ def models(
         return
     from compat.models.factory import list_architectures, list_configs, read_config
     from compat.models.pretrained import find_cached
-    from pipelines.commands._common import echo_json, fail
 
     folder = _weights_dir(config, workspace, weights_dir)
     own, architectures = list_configs(), list_architectures()
@@ -132,7 +129,6 @@ def fetch(
     from compat.models.factory import is_architecture
     from compat.models.pretrained import PretrainedError
     from compat.models.pretrained import fetch as fetch_weights
-    from pipelines.commands._common import fail
 
     if not is_architecture(arch):
         fail(f"{arch!r} is not an open_clip architecture (`compatflow models` lists them)")

@@ -6,10 +6,10 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
 
 ModelOpt = Annotated[str, typer.Option("--model-name", help="Registered model name.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+SHOWN_ABOVE = {"workspace", "registry", "last_gate", "rollout", "phases", "production_check", "gallery"}
 
 
 @exit_codes(
@@ -34,7 +34,7 @@ def status(
     server index is checked to accept connections). A config whose index.uri disagrees with the serving
     record is refused, as compatflow run refuses it.
     """
-    from pipelines.commands._common import echo_json, reading_workspace
+    from pipelines.commands._common import reading_workspace
     from pipelines.status import collect, next_step, problems
 
     doc = collect(reading_workspace(config, workspace), model_name=model_name, count=count)
@@ -63,12 +63,11 @@ def rollback(
     mid-backfill, or completed but never promoted; production stays), else production back to the previous
     version: registry, serving record, index alias and lineage together, or nothing. The returning model is
     checked against the registry's digest first (a damaged workspace copy is downloaded again)."""
-    from pipelines.commands._common import workspace_of
+    from pipelines.commands._common import holding_workspace, workspace_of
 
     workspace = workspace_of(config, workspace)
     from components.adapters.registry import Registry, RegistryError, RollbackHookError
     from components.steps import rollback_production
-    from pipelines.commands._common import echo_json, fail, holding_workspace
 
     registry = Registry(workspace, model_name=model_name)
     look = "`compatflow status` shows what is served and what ran"
@@ -161,15 +160,7 @@ def _format_status(doc: dict[str, Any]) -> str:
         )
         lines.append(f"gallery     {gallery.get('collection') or '-'}  {served}  {counted}")
     for key, value in doc.items():
-        if key not in {
-            "workspace",
-            "registry",
-            "last_gate",
-            "rollout",
-            "phases",
-            "production_check",
-            "gallery",
-        }:
+        if key not in SHOWN_ABOVE:
             shown = ", ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
             lines.append(f"{key:<11} {shown}")
     return "\n".join(lines)

@@ -7,18 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import (
-    ConfigOpt,
-    JsonOpt,
-    WorkspaceOpt,
-    config_of,
-    echo_json,
-    exit_codes,
-    fail,
-    holding_workspace,
-    serving_workspace,
-    workspace_of,
-)
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
 
 UriOpt = Annotated[
     str | None,
@@ -58,6 +47,8 @@ def index_cmd(
     uri: UriOpt = None,
 ) -> None:
     """Embed a gallery with MODEL and index it behind the serving alias (first run); writes the probe set."""
+    from pipelines.commands._common import workspace_of
+
     workspace = workspace_of(config, workspace, index_uri=uri)
     from components.adapters.index import GalleryIndexError
     from components.rollout import ServingError
@@ -130,6 +121,8 @@ def run_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Roll NEW_VERSION out: switch queries, backfill in stages with probes; resumes after any crash."""
+    from pipelines.commands._common import config_of, workspace_of
+
     deployment = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
     workspace = workspace_of(config, workspace, deployment, index_uri=uri)
     from components.adapters.index import GalleryIndexError
@@ -212,6 +205,8 @@ def _settings(
 @exit_codes({1: "the rollout state cannot be read"})
 def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """State, stage and fraction backfilled of the rollout in the workspace."""
+    from pipelines.commands._common import workspace_of
+
     workspace = workspace_of(config, workspace)
     from components.rollout import status
     from components.rollout.types import RolloutError
@@ -239,6 +234,8 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
 @exit_codes({1: "nothing to roll back, or it failed"})
 def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Restore the previous gallery (collection or vectors) and the previous query model."""
+    from pipelines.commands._common import holding_workspace, workspace_of
+
     workspace = workspace_of(config, workspace)
     from components.adapters.index import GalleryIndexError
     from components.rollout import RolloutError, RolloutPaths, ServingError, rollback
@@ -280,6 +277,7 @@ def search_cmd(
     registry's digest of its version, and searches the collection the record names (--uri: another index).
     """
     from components.serving.limits import QueryBoundError, check_search
+    from pipelines.commands._common import serving_workspace
 
     try:
         check_search(texts, k)  # before anything heavy is imported

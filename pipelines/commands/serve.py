@@ -6,19 +6,16 @@ import contextlib
 import ipaddress
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes, fail, serving_workspace
 
 LOOPBACK = "127.0.0.1"
 
 
 def _check_host(host: str) -> None:
-    from pipelines.commands._common import fail
-
     if host == "localhost":
         return
     try:
@@ -75,27 +72,23 @@ def serve(
     announced in the workspace (services/<hostname>-<port>.json): a rollout with an SLO throttle paces its
     backfill on the latency of these users' queries.
     """
-    from pipelines.commands._common import fail, serving_workspace
-
     _check_host(host)
     ws, verify = serving_workspace(config, workspace)
+    from components.adapters.services import announced
     from components.serving.app import create_app
 
-    record: Path = ws.serving_path
-    if not record.is_file():
-        typer.echo(f"no serving record at {record} yet: /readyz answers 503 until one is written", err=True)
-    from components.adapters.services import announced
-
-    lineage = (
-        ws.lineage_dir if (ws.lineage_dir / "feature_store.yaml").is_file() else None
-    )  # captions of cold shards
+    if not ws.serving_path.is_file():
+        typer.echo(
+            f"no serving record at {ws.serving_path} yet: /readyz answers 503 until one is written", err=True
+        )
+    has_lineage = (ws.lineage_dir / "feature_store.yaml").is_file()  # captions of cold shards
     app = create_app(
-        record,
+        ws.serving_path,
         state_path=ws.rollout_state_path,
         uri=uri,
         watch_interval_s=watch_interval,
         verify=verify,
-        lineage_repo=lineage,
+        lineage_repo=ws.lineage_dir if has_lineage else None,
     )
     server = _server(app, host, port, log_level)
     try:

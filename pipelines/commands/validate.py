@@ -32,8 +32,8 @@ def validate(
         typer.Option(
             min=0.0,
             max=1.0,
-            help="Block the phase when more than this fraction is quarantined "
-            "(default: the policy's value, 0.05).",
+            help="Block the phase when more than this fraction is quarantined (default: the policy's value, "
+            "0.05).",
         ),
     ] = None,
     policy_file: Annotated[
