@@ -15,22 +15,19 @@ in ``duplicate_files``. Output::
     DIR/import.json                      pictures and captions per split, duplicates, refused files
 
 A key is a prefix and the first 20 hex digits of the SHA-256 of the image bytes; with ``exclude`` a picture
-a stream already holds is left out (``in_stream_files``). The split is a seeded, stable hash of the key,
-decided once per picture. Every file not imported is listed with its reason (:data:`REFUSALS`). Every file
-read is a regular file with one name inside SRC (a table's folder): links, devices, FIFOs and paths outside
-are refused unless their real path lies in ``allow_outside``.
+a stream already holds is left out (``in_stream_files``). The split is a seeded hash of the key. Every file
+not imported is listed with its reason (:data:`REFUSALS`). Every file read is a regular file with one name
+inside SRC (a table's folder), unless its real path lies in ``allow_outside``.
 
-Pictures are stored as img2dataset stores them (``max_side``, ``resize_mode`` of :data:`RESIZE_MODES`, with
-its names and meanings), never enlarged: JPEG, PNG and WebP keep their bytes when not resized, other formats
-become PNG (CMYK: JPEG); a resized picture is stored upright as JPEG quality 95 when it was a JPEG, else
-PNG; transparency is matted on white. ``keep_originals`` keeps the untouched bytes under ``originals/``.
-A picture stored as it is above :data:`compat.data.images.MAX_PIXELS` is refused (``too_many_pixels``);
-one whose header declares more than ``max_pixels`` is refused before decoding (``image_pixels``).
-Each picture is decoded once, during the scan; a converted one waits in ``DIR/.import-spool/``.
+Pictures are stored as img2dataset stores them (``max_side``, :data:`RESIZE_MODES`), never enlarged: JPEG,
+PNG and WebP keep their bytes when not resized, other formats become PNG (CMYK: JPEG); a resized picture is
+stored upright as JPEG quality 95 when it was a JPEG, else PNG; transparency is matted on white.
+``keep_originals`` keeps the untouched bytes under ``originals/``. Each picture is decoded once, during the
+scan; a converted one waits in ``DIR/.import-spool/``.
 
 The same input and settings give byte-identical shards and ``import.json``. The plan's digest is stored
 before the first shard and shards are written atomically, so a killed import started again writes only
-the missing shards. One import at a time writes into a folder (``DIR/.import.lock``, :data:`LOCK`).
+the missing shards. One import at a time writes into a folder (:data:`LOCK`).
 """
 
 from __future__ import annotations
@@ -339,8 +336,7 @@ def _read_table(table: Path) -> tuple[list[str], list[dict[str, Any]]]:
 
 
 def _not_a_file(source: str, path: Path) -> tuple[str, str] | None:
-    """Why a listed path that is not a regular file is refused (None when it is one): missing, or something
-    else (a device such as /dev/zero, a FIFO, a folder, a dangling link), which is never opened."""
+    """Why a listed path that is not a regular file is refused (None when it is one); it is never opened."""
     try:
         if path.is_file():
             return None
@@ -401,9 +397,8 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")  # one as it is, o
 
 
 class _BoundedJSON(json.JSONDecoder):
-    """A JSON decoder of ``text`` that reads an integer of more than :data:`MAX_INT_DIGITS` digits as 0 and
-    notes it in ``oversized`` (Python refuses to convert one of over 4,300 digits, which would end the whole
-    read)."""
+    """A JSON decoder that reads an integer of more than :data:`MAX_INT_DIGITS` digits as 0, noted in
+    ``oversized`` (Python refuses one of over 4,300 digits, which would end the whole read)."""
 
     def __init__(self, text: str) -> None:
         super().__init__(parse_int=self._int)
@@ -432,9 +427,8 @@ def _doc_problem(doc: Any, decoder: _BoundedJSON) -> str | None:
 
 
 def _json_array_items(text: str, key: str, where: Path, decoder: json.JSONDecoder) -> Iterator[Any]:
-    """The elements of the top-level object's ``key`` array in the JSON ``text``, decoded one at a time: the
-    decoded tree of the whole file is never held (COCO's Karpathy file is 140 MB of text, several GB as one
-    decoded tree), only the text and one element."""
+    """The elements of the top-level object's ``key`` array in ``text``, decoded one at a time (COCO's
+    Karpathy file is 140 MB of text, several GB as one decoded tree)."""
 
     def skip(i: int) -> int:
         match = _JSON_SPACE.match(text, i)
@@ -492,8 +486,7 @@ def _sentence_text(sentence: Any) -> str | None:
 
 
 def _karpathy_candidates(file: Path) -> list[_Candidate]:
-    """One candidate per image entry of a Karpathy split file, read entry by entry (the file's text and one
-    candidate per entry are held, as a table's rows are)."""
+    """One candidate per image entry of a Karpathy split file, decoded entry by entry."""
     try:
         text = file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
@@ -686,9 +679,8 @@ def resize_image(
 
 
 def flatten_image(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
-    """A picture with transparency as img2dataset stores it: composited on white, upright (EXIF orientation
-    applied), as lossless PNG; with the facts :func:`resize_image` gives. Raises
-    :class:`compat.data.images.ImageDecodeError` when it does not decode."""
+    """A picture with transparency as img2dataset stores it: on white, upright, as PNG, with the facts
+    :func:`resize_image` gives; :class:`compat.data.images.ImageDecodeError` when it does not decode."""
     from compat.data.images import decode_rgb
 
     image = decode_rgb(data, formats=None, max_pixels=None)
@@ -706,8 +698,7 @@ class _Place:
     allowed: tuple[Path, ...] = ()
 
     def check(self, path: Path, what: str = "the file") -> Path:
-        """The real path of ``path``; raises ``_Refused`` for a symbolic link or a path outside the
-        root, unless its real path lies in an allowed folder."""
+        """The real path of ``path``; ``_Refused`` for a link or a path outside the root, unless allowed."""
         real = Path(os.path.realpath(path))
         if any(real.is_relative_to(a) for a in self.allowed):
             return real
@@ -727,9 +718,8 @@ class _Place:
 
 
 def read_regular(path: Path, limit: int, what: str = "the file") -> bytes | None:
-    """The bytes of ``path``, or None when it holds more than ``limit`` (never more is read), read only
-    when it is a regular file with one name (opened without following a symbolic link, so a FIFO or a
-    device cannot block or exhaust memory); raises ``_Refused`` otherwise."""
+    """The bytes of ``path`` (None when over ``limit``, never more read), opened without following a link
+    and read only when it is a regular file with one name (``_Refused`` otherwise)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
@@ -764,8 +754,8 @@ def _read_sidecar(path: Path, what: str, limit: int, place: _Place) -> bytes:
 
 
 def _read_captions(candidate: _Candidate, place: _Place) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """The candidate's captions, and the ones left out, each as (which, reason, message): a Karpathy entry's
-    empty or oversized sentence is left out alone; raises ``_Refused`` when no caption remains."""
+    """The candidate's captions, and a Karpathy entry's sentences left out as (which, reason, message);
+    ``_Refused`` when no caption remains."""
     if candidate.captions is None:
         return [_read_caption(candidate, place)], []
     kept, skipped = [], []
@@ -851,9 +841,8 @@ def _inspect(
     spool: Path,
     planned: Container[str] = (),
 ) -> dict[str, Any]:
-    """The plan item of one candidate (raises ``_Refused``), the facts of its stored picture in ``stored``
-    (:func:`_store`). A picture whose SHA-256 is in ``planned`` is not decoded again: the item then holds
-    only ``sha256``, ``captions`` and ``skipped_captions`` (it joins the planned sample)."""
+    """The plan item of one candidate (raises ``_Refused``), its stored picture's facts in ``stored``. A
+    picture already ``planned`` is not decoded again: the item then holds only its SHA-256 and captions."""
     if candidate.refused:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
@@ -908,8 +897,8 @@ def _store(
     settings: ImportSettings,
     spool: Path,
 ) -> dict[str, Any] | None:
-    """Decode the picture once: one stored resized, converted or flattened is made here, its bytes written
-    into ``spool`` (:data:`SPOOL`); returns the facts of what was made (None when stored as it is)."""
+    """Decode the picture once, making the resized, converted or flattened one into ``spool``; returns the
+    facts of what was made (None when stored as it is)."""
     size = (info["width"], info["height"])
     made: tuple[str, bytes, dict[str, Any]] | None = None
     if target is not None or info["transparent"]:  # resized, or matted on white as img2dataset stores it
@@ -955,9 +944,8 @@ def _plan(
     *,
     spool: Path,
 ) -> dict[str, Any]:
-    """Which picture goes to which shard with which captions. The files or rows of one picture (same bytes)
-    are grouped into the first one's item as they come, in source order: the memory of the scan grows with
-    pictures + distinct captions, never with their bytes."""
+    """Which picture goes to which shard with which captions: the files or rows of one picture join the first
+    one's item, in source order (the scan holds pictures and distinct captions, never their bytes)."""
     candidates = _candidates(src, out, settings)
     place = _Place(src.parent if settings.source_format in ("table", "karpathy") else src, allowed)
     items: list[dict[str, Any]] = []
@@ -1045,8 +1033,7 @@ def _add_captions(
 
 
 def _portable(item: dict[str, Any]) -> dict[str, Any]:
-    """An item without its absolute path (the digest and the report do not depend on where SRC lies) and
-    without the facts of its stored picture (they follow from its bytes and the settings)."""
+    """An item without its absolute path (SRC may move) and its stored picture (its bytes decide it)."""
     return {k: v for k, v in item.items() if k not in ("path", "stored")}
 
 
@@ -1078,45 +1065,34 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
         path = spool / f"{item['sha256']}.{made['ext']}"
         ext, stored = made["ext"], _checked_bytes(path, made["size"], made["sha256"])
     else:
-        ext, stored = (
-            KEPT_FORMATS[item["format"]],
-            _checked_bytes(Path(item["path"]), item["size"], item["sha256"]),
-        )
-    members = {ext: stored, "txt": item["captions"][0].encode("utf-8"), "json": _sample_json(item)}
-    return item["key"], members
+        ext = KEPT_FORMATS[item["format"]]
+        stored = _checked_bytes(Path(item["path"]), item["size"], item["sha256"])
+    return item["key"], {ext: stored, "txt": item["captions"][0].encode("utf-8"), "json": _sample_json(item)}
 
 
 def _sample_json(item: dict[str, Any]) -> bytes:
     """The sample's ``{key}.json`` member."""
     resize, made = item["resize"], item.get("stored")
-    if made is not None:
-        width, height = made["width"], made["height"]
-        original = (made["original_width"], made["original_height"])
-    else:
-        width, height = original = item["width"], item["height"]
+    width, height = item["width"], item["height"]
+    stored = made or {"width": width, "height": height, "original_width": width, "original_height": height}
     meta: dict[str, Any] = {
         "key": item["key"],
         "caption": item["captions"][0],
         "captions": item["captions"],
         "source": item["source"],
-        **({"source_row": item["row"]} if item["row"] is not None else {}),
-        "width": width,
-        "height": height,
-        "original_width": original[0],
-        "original_height": original[1],
+        **{k: stored[k] for k in ("width", "height", "original_width", "original_height")},
         "mode": item["mode"],
         "format": item["format"],
         "sha256": made["sha256"] if made is not None else item["sha256"],
         "status": "success",
         "split": item["split"],
         "resize": {**(resize or {}), "applied": bool(resize)},
+        "source_row": item["row"],
+        "source_sha256": item["sha256"] if made is not None else None,
+        "label": item["label"],
+        "source_meta": item["source_meta"],
     }
-    if made is not None:
-        meta["source_sha256"] = item["sha256"]
-    if item["label"] is not None:
-        meta["label"] = item["label"]
-    if item["source_meta"] is not None:
-        meta["source_meta"] = item["source_meta"]
+    meta = {k: v for k, v in meta.items() if v is not None}  # the optional fields only when they apply
     meta.update(item["extra"])
     return json.dumps(meta, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
@@ -1187,11 +1163,9 @@ def import_images(
 ) -> ImportResult:
     """Import ``src`` into shards under ``out`` (see the module docstring); resumes a killed import.
 
-    Raises :class:`DataImportError` for a bad source, settings or output folder, or an ``out`` that holds
-    a finished import of other input. Nothing imported is not an error here: see ``ImportResult.imported``.
-    ``allow_outside``: folders whose files may be read although they lie outside SRC (or are reached
-    through a symbolic link). ``exclude``: sample keys left out because a stream already holds them, each
-    with the shard that does (:func:`compat.data.manifest.stream_keys`); listed in ``in_stream_files``.
+    Raises :class:`DataImportError` for a bad source, settings or output folder, or an ``out`` holding a
+    finished import of other input. ``allow_outside``: folders outside SRC whose files may be read.
+    ``exclude``: keys a stream holds, each with its shard (:func:`compat.data.manifest.stream_keys`).
     """
     from compat.progress import track
 
@@ -1227,8 +1201,7 @@ def import_images(
 
 @contextlib.contextmanager
 def _out_lock(out: Path) -> Iterator[None]:
-    """Hold ``out/.import.lock`` (:data:`LOCK`, released by the OS when the holder dies, removed when it
-    ends): a second import into the same folder is refused at once, naming the first one's process."""
+    """Hold :data:`LOCK` in ``out`` (removed when done): a second import is refused, naming its process."""
     import fcntl
 
     path = out / LOCK
