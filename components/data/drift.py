@@ -1,34 +1,21 @@
-"""Drift stage: the new data phase against a reference phase, with Evidently (0.7 API).
+"""Drift step: the new data phase against a reference phase, with Evidently (0.7 API).
 
-Three families of signals, each compared per column between reference and current:
+Signals, each compared per column between reference and current: caption statistics (characters, words, and
+the share of words the reference captions never use, over every caption of every sampled picture), image
+statistics (size, brightness, contrast, saturation, edge density, dominant hue) and, when a production model
+exists, both towers' embeddings (Evidently's domain-classifier drift: ROC AUC of a classifier told to separate
+the sides). Scores are 0 for "same distribution": normalised Wasserstein distance for numbers, Jensen-Shannon
+distance for categories, ROC AUC for embeddings (0.5), the unseen-word rate for the vocabulary.
 
-* caption statistics — characters and words of each sample's first caption, and the share of words the
-  reference captions never use, over every caption of every sampled picture (new vocabulary is the first
-  sign of a domain shift; ``captions`` counts them per side);
-* image statistics — size, brightness, contrast, saturation, edge density, dominant hue;
-* embeddings under the production model, when one exists — image and text towers,
-  Evidently's domain-classifier embedding drift (ROC AUC of a classifier told to separate
-  reference from current vectors).
+Two samples of one distribution never score 0, so each signal is calibrated on the reference itself:
+:func:`noise_floors` scores ``NOISE_SPLITS`` random halves of the reference against each other and the
+largest score is the signal's noise floor; only the excess over it counts, banded by the fixed
+:data:`SEVERITY_BANDS`, so a phase against a fresh sample of itself reads "none" on any data. Outputs:
+``drift.json`` (``schemas/drift_summary.schema.json``) and a self-contained ``drift_report.html``.
 
-Every column gets a score on a scale where 0 means "same distribution": normalised
-Wasserstein distance for numbers, Jensen-Shannon distance for categories, classifier
-ROC AUC for embeddings (0.5), and the unseen-word rate for the caption vocabulary.
-
-Scores carry sampling noise (two samples of one distribution never score 0; a caption vocabulary with a
-long tail of rare words gives every fresh sample unseen words), so each signal is calibrated on the
-reference itself: :func:`noise_floors` scores ``NOISE_SPLITS`` random halves of the reference sample against
-each other, and the largest such score is the signal's noise floor (conservative: halves are smaller, so
-noisier, than the samples compared). Only the excess over the floor counts: the calibrated score is the
-no-drift score plus ``max(0, score - floor)``, banded by the fixed :data:`SEVERITY_BANDS`, so a phase
-against a fresh sample of itself reads "none" on any data and a verdict means the same from run to run.
-Outputs: ``drift.json`` (schema ``schemas/drift_summary.schema.json``) and a self-contained
-``drift_report.html``.
-
-Evidently is used through its public 0.7 API (``Report``, ``Dataset``, ``DataDefinition``, ``ValueDrift``,
-``EmbeddingsDrift`` and the ``ModelDriftMethod`` it exports), in one adapter (:func:`evidently_scores`,
-:func:`embedding_drift_method`); the noise-floor splits call the function ``ValueDrift`` itself calls
-(:func:`column_scores`: the same scores without a report's widgets, held equal by a test).
-:func:`check_evidently_version` refuses another release series with a sentence, and a test pins the series.
+Evidently is used through one adapter (:func:`evidently_scores`, :func:`embedding_drift_method`); the
+noise-floor splits call the function ``ValueDrift`` itself calls (:func:`column_scores`, held equal by a
+test). :func:`check_evidently_version` refuses another release series with a sentence.
 """
 
 from __future__ import annotations
@@ -37,7 +24,6 @@ import colorsys
 import logging
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,29 +41,15 @@ SEVERITY_BANDS: dict[str, tuple[float, float, float]] = {
     "model": (0.55, 0.7, 0.85),
     "oov_rate": (0.01, 0.05, 0.15),
 }
-NUMERIC_COLUMNS = {
-    "caption_chars": "caption",
-    "caption_words": "caption",
-    "image_width": "image",
-    "image_height": "image",
-    "image_brightness": "image",
-    "image_contrast": "image",
-    "image_saturation": "image",
-    "image_edge_density": "image",
+NUMERIC_COLUMNS = {  # numeric column -> its signal family
+    **dict.fromkeys(("caption_chars", "caption_words"), "caption"),
+    **dict.fromkeys(("image_width", "image_height", "image_brightness", "image_contrast"), "image"),
+    **dict.fromkeys(("image_saturation", "image_edge_density"), "image"),
 }
 CATEGORICAL_COLUMNS = {"image_dominant_hue": "image"}
 HUE_NAMES = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "magenta", "grey")
 NO_DRIFT_SCORE = {"wasserstein": 0.0, "jensenshannon": 0.0, "model": 0.5, "oov_rate": 0.0}
 NOISE_SPLITS = 10  # random halves of the reference scored against each other, per signal
-
-
-@dataclass(frozen=True)
-class SampleStats:
-    """What the drift stage knows about one sample."""
-
-    key: str
-    caption: str
-    features: dict[str, Any]
 
 
 STATISTICS_IMAGE_SIZE = 128  # short side the image statistics are computed at (larger pictures scaled down)
@@ -242,11 +214,6 @@ def _words(caption: str) -> list[str]:
     return [w.strip(".,;:!?\"'()").lower() for w in caption.split() if w.strip(".,;:!?\"'()")]
 
 
-def caption_statistics(caption: str) -> dict[str, Any]:
-    """Length of a caption in characters and words."""
-    return {"caption_chars": len(caption), "caption_words": len(_words(caption))}
-
-
 def vocabulary_verdict(reference: Sequence[Any], current: Sequence[Any]) -> dict[str, Any]:
     """Share of the current captions' words that no reference caption uses (new vocabulary).
 
@@ -296,10 +263,12 @@ def _frame(samples: Iterable[Any]) -> Any:
 
     rows = []
     for sample in samples:
-        row = {"key": sample.key}
-        row.update(caption_statistics(sample.caption))
-        row.update(image_statistics(sample.image, getattr(sample, "original_size", None)))
-        rows.append(row)
+        row = {
+            "key": sample.key,
+            "caption_chars": len(sample.caption),
+            "caption_words": len(_words(sample.caption)),
+        }
+        rows.append(row | image_statistics(sample.image, getattr(sample, "original_size", None)))
     return pd.DataFrame(rows)
 
 

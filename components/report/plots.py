@@ -100,9 +100,8 @@ def compat_heatmap(report: Mapping[str, Any], metric: str = "R@1") -> bytes | No
             for j in range(2):
                 text = "n/a" if math.isnan(grid[i, j]) else f"{grid[i, j]:.1f}"
                 light = not math.isnan(grid[i, j]) and grid[i, j] < 0.6 * vmax
-                ax.text(
-                    j, i, text, ha="center", va="center", fontsize=13, color="white" if light else "black"
-                )
+                color = "white" if light else "black"
+                ax.text(j, i, text, ha="center", va="center", fontsize=13, color=color)
         ax.set_xticks([0, 1], [f"{m} gallery" for m in MODELS])
         ax.set_yticks([0, 1], [f"{m} query" for m in MODELS])
         ax.set_title(f"{DIRECTION_TITLES[direction]}  {metric} (%)")
@@ -133,24 +132,10 @@ def ecc_margins(report: Mapping[str, Any], min_margin: float = 0.0) -> bytes | N
     ax = fig.add_subplot(1, 1, 1)
     for y, (_label, margin, low, high) in enumerate(rows):
         color = PASS_COLOR if low > 0 and margin > min_margin else FAIL_COLOR
-        ax.errorbar(
-            margin,
-            y,
-            xerr=[[max(margin - low, 0)], [max(high - margin, 0)]],
-            fmt="o",
-            color=color,
-            ecolor=color,
-            capsize=4,
-            markersize=6,
-        )
-        ax.annotate(
-            f"{margin:+.2f} [{low:+.2f}, {high:+.2f}]",
-            (high, y),
-            xytext=(6, -3),
-            textcoords="offset points",
-            fontsize=8,
-            color=NEUTRAL,
-        )
+        error = [[max(margin - low, 0)], [max(high - margin, 0)]]
+        ax.errorbar(margin, y, xerr=error, fmt="o", color=color, ecolor=color, capsize=4, markersize=6)
+        label = f"{margin:+.2f} [{low:+.2f}, {high:+.2f}]"
+        ax.annotate(label, (high, y), xytext=(6, -3), textcoords="offset points", fontsize=8, color=NEUTRAL)
     ax.axvline(0.0, color="black", linewidth=1)
     if min_margin:
         ax.axvline(min_margin, color=NEUTRAL, linestyle="--", linewidth=1, label=f"min margin {min_margin:g}")
@@ -189,13 +174,8 @@ def backfill_curve(rollout: Mapping[str, Any]) -> bytes | None:
         if not xy:
             continue
         plotted = True
-        ax.plot(
-            [x for x, _ in xy],
-            [y for _, y in xy],
-            marker="o",
-            color=colors[direction],
-            label=f"{direction} R@1, probe (mixed gallery)",
-        )
+        label = f"{direction} R@1, probe (mixed gallery)"
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", color=colors[direction], label=label)
         if direction != "t2i":
             continue  # the probe's floors and baseline are text-to-image figures
         floor = floors.get("R@1")

@@ -121,12 +121,12 @@ def _failure_section(failure: Mapping[str, Any], run_dir: Path) -> Section:
 
 
 def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
+    """The section saying why ``source`` is not there (not run, or unreadable); None when it is."""
     if source.error:
         return Section(key, title, "unreadable", "bad", [Note(source.error, "bad")])
     if not source.present:
-        return Section(
-            key, title, "not run", "muted", [Note(f"No {what} for this run: the step did not run.", "muted")]
-        )
+        note = Note(f"No {what} for this run: the step did not run.", "muted")
+        return Section(key, title, "not run", "muted", [note])
     return None
 
 
@@ -141,9 +141,8 @@ def _gate_section(source: Source) -> Section:
     if passed:
         section.items.append(Note("The candidate passed every check of the release gate.", "good"))
     else:
-        section.items.append(
-            Note(f"The candidate was blocked for {len(gate.get('reasons', []))} reason(s):", "bad")
-        )
+        blocked = f"The candidate was blocked for {len(gate.get('reasons', []))} reason(s):"
+        section.items.append(Note(blocked, "bad"))
         rows = [
             [r.get("code"), r.get("direction", ""), r.get("metric", ""), _fmt(r.get("value"))]
             + [_fmt(r.get("threshold")), r.get("message")]
@@ -152,14 +151,9 @@ def _gate_section(source: Source) -> Section:
         section.items.append(Table(["code", "direction", "metric", "value", "threshold", "message"], rows))
     checks = gate.get("checks", [])
     if checks:
-        section.items.append(
-            Table(
-                ["check", "status", "message"],
-                [[c.get("name"), c.get("status"), c.get("message")] for c in checks],
-                caption=f"All {len(checks)} checks",
-                collapsed=True,
-            )
-        )
+        rows = [[c.get("name"), c.get("status"), c.get("message")] for c in checks]
+        caption = f"All {len(checks)} checks"
+        section.items.append(Table(["check", "status", "message"], rows, caption=caption, collapsed=True))
     details = [
         f"decided at {gate.get('decided_at')}",
         f"compatibility report sha256 {gate.get('report_sha256') or '-'}",
@@ -307,30 +301,23 @@ def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Se
     section = Section(
         "compat", "Compatibility matrix", status, {True: "good", False: "bad"}.get(passed, "plain")
     )
+    judged = ", ".join(gated or ()) or "no direction"
     for direction in ungated:
-        section.items.append(
-            Note(
-                f"{direction}: {NOT_GATED} (the gate judges {', '.join(gated or ()) or 'no direction'}; "
-                f"its figures are shown for information).",
-                "muted",
-            )
-        )
+        note = f"{direction}: {NOT_GATED} (the gate judges {judged}; its figures are shown for information)."
+        section.items.append(Note(note, "muted"))
     png = plots.compat_heatmap(report)
     if png:
         section.items.append(Figure("Query model x gallery model, R@1", png))
     rows = []
     retrieval = _sub(report, "retrieval")
     for direction in plots.DIRECTIONS:
-        pairs = _sub(retrieval, direction)
-        for pair, values in pairs.items():
+        label = f"{direction} ({NOT_GATED})" if direction in ungated else direction
+        for pair, values in _sub(retrieval, direction).items():
             if isinstance(values, Mapping):
-                label = f"{direction} ({NOT_GATED})" if direction in ungated else direction
                 rows.append([label, pair, *(_fmt(values.get(m)) for m in plots.METRICS)])
-    independent = report.get("independent_new_new")
-    if isinstance(independent, Mapping):
-        for direction, values in independent.items():
-            if isinstance(values, Mapping):
-                rows.append([direction, "independent new/new", *(_fmt(values.get(m)) for m in plots.METRICS)])
+    for direction, values in _sub(report, "independent_new_new").items():
+        if isinstance(values, Mapping):
+            rows.append([direction, "independent new/new", *(_fmt(values.get(m)) for m in plots.METRICS)])
     if rows:
         section.items.append(
             Table(["direction", "query/gallery", *plots.METRICS], rows, caption="Recall (%)")
@@ -338,12 +325,9 @@ def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Se
     sizes = report.get("eval_sizes")
     if isinstance(sizes, Mapping):
         domains = ", ".join(map(str, sizes.get("domains") or [])) or "-"
+        images, captions = sizes.get("images"), sizes.get("captions")
         section.items.append(
-            Note(
-                f"Evaluation set: {sizes.get('images')} images, {sizes.get('captions')} captions; "
-                f"domains: {domains}.",
-                "muted",
-            )
+            Note(f"Evaluation set: {images} images, {captions} captions; domains: {domains}.", "muted")
         )
     return section
 

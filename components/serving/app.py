@@ -2,15 +2,11 @@
 
 ``POST /search`` takes ``{"queries": [...], "k": N, "phases": [...]?, "thumbnails": false?}`` and answers
 ``{"results": [[{"id", "score", "caption", "model_version"}, ...], ...], "model_version", "collection"}``: one
-list per query, best first (with ``"thumbnails": true`` each hit also has ``"thumbnail"``, a small JPEG data
-URI read from its gallery shard, :mod:`components.serving.thumbnails`), every query of a request answered by
-the same serving pair (:mod:`components.serving.pair`). Bad input is a 422 whose ``detail`` names the field;
-the bounds (:mod:`components.serving.limits`) are 422s too, and a body over ``MAX_BODY_BYTES`` is a 413
-(a ``Content-Length`` over it, or the bytes received passing it), answered once the rest of the body is read
-and discarded within bounds (``MAX_DRAIN_BYTES``, ``DRAIN_SECONDS``), so that a client that sends its whole
-body before reading the answer reads it. ``/metrics`` is Prometheus text: query latency histogram, queries
-and errors, the serving model version and collection, pair swaps, and the rollout's stage, fraction
-backfilled and last probe R@1 (read from the rollout state when scraped).
+list per query, best first (``"thumbnails": true`` adds each hit's ``"thumbnail"``, a JPEG data URI), every
+query of a request answered by one serving pair (:mod:`components.serving.pair`). Bad input and the bounds of
+:mod:`components.serving.limits` are 422s whose ``detail`` names the field; a body over ``MAX_BODY_BYTES`` is
+a 413 (:class:`BodyLimit`). ``/metrics`` is Prometheus text: query latency, queries and errors, the serving
+version and collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1.
 
 Only the service imports this module, so FastAPI, pydantic and prometheus_client load with it. (No
 ``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's annotations.)

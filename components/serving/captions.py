@@ -1,16 +1,11 @@
 """Captions of gallery items, read from the gallery shards their rows point to.
 
-Every gallery row carries ``source_uri = "<shard url>#<key>"`` (written by indexing and kept by every
-backfill), so a hit's caption is the ``<key>.txt`` member of that shard (or the ``caption`` of its
-``.json``), exactly what the item was indexed from. Once cached it is the cheapest source (no other
-service, no schema change to the index). A shard is read once, captions only (images are not decoded), and
-kept in a bounded LRU cache; a shard that cannot be read gives ``None`` captions, never a failed query.
-
-A shard not cached yet costs a read of the whole shard (~110 ms for 1,000 small pictures,
-``benchmarks/results/lineage.md``): after a start, or for a gallery of more shards than the cache holds, a
-request of 10 random hits would wait about a second. With a ``fallback`` (the service passes the lineage
-store's online read, :func:`lineage_captions`, ~5 ms for the request's misses together) the misses are
-answered from it and their shards are read in the background, so the next requests find them cached.
+Every gallery row carries ``source_uri = "<shard url>#<key>"``, so a hit's caption is the ``<key>.txt``
+member of that shard (or the ``caption`` of its ``.json``), what the item was indexed from. A shard is read
+once, captions only, into a bounded LRU cache; one that cannot be read gives ``None`` captions, never a failed
+query. An uncached shard costs a read of the whole shard (~110 ms for 1,000 pictures,
+benchmarks/results/lineage.md); with a ``fallback`` (the lineage store's online read,
+:func:`lineage_captions`, ~5 ms) the misses are answered from it and their shards read in the background.
 """
 
 from __future__ import annotations

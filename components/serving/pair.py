@@ -1,21 +1,13 @@
 """The serving pair: one immutable (query model, collection) pair, and the follower that swaps it as the
 serving record (:mod:`components.serving.record`) changes.
 
-A query takes one reference, :meth:`PairFollower.current`, and runs entirely on that pair: the query model
-embeds the texts and the search goes to the collection the same record names (never through the alias,
-which a rollout moves after the record). A record change (stage 0's query switch, a blue-green swap, a
-rollback) is seen by a ``stat`` of the record per query and by a watcher thread: the new pair is loaded
-(query model built, collection loaded) while the old one keeps answering the queries already running, then
-the one reference is replaced. Queries that arrive after the record changed wait for the new pair rather than
-run on the old one, so no query is answered by a query model the record no longer pairs with its gallery.
-A record that cannot be loaded leaves the current pair serving and is reported (:attr:`PairFollower.error`)
-until the record changes again.
-
-A rollout writes its new vectors into a collection of its own, which the record names with the query switch
-(read with the source collection as layers, :meth:`components.adapters.index.GalleryIndex.search`), so the
-old pair's collection is not written by the rollout and its answer stands. A query that started on the old
-pair and finds, when it ends, that the record moved the query model on its collection (a record written by
-an earlier release, whose rollouts wrote in place) is run again on the new pair (:meth:`PairFollower.answer`).
+A query takes one reference (:meth:`PairFollower.current`) and runs entirely on that pair: embedded by its
+query model, searched in the collection the same record names (never through the alias, which a rollout
+moves after the record). A record change is seen by a ``stat`` per query and by a watcher thread; the new
+pair is loaded while the old one answers the queries already running, then the reference is replaced, and
+queries arriving meanwhile wait for it. A record that cannot be loaded leaves the current pair serving,
+reported in :attr:`PairFollower.error`. A query that finds, when it ends, that the record moved the query
+model on its own collection (an earlier release's in-place rollouts) is run again on the new pair.
 """
 
 from __future__ import annotations
@@ -184,13 +176,8 @@ class PairFollower:
             self._pair = new  # the one reference: queries from here on run on the new pair
             if pair is None or (pair.version, pair.collection) != (new.version, new.collection):
                 self.swaps += pair is not None
-                log.info(
-                    "serving %s on %s (was %s on %s)",
-                    new.version,
-                    new.collection,
-                    pair.version if pair else "-",
-                    pair.collection if pair else "-",
-                )
+                was = f"{pair.version} on {pair.collection}" if pair else "- on -"
+                log.info("serving %s on %s (was %s)", new.version, new.collection, was)
             if self._on_swap is not None:
                 self._on_swap(pair, new)
             return new

@@ -1,20 +1,11 @@
 """The serving record: which collection and query model answer queries, and the code it names.
 
-The serving record (:attr:`components.state.workspace.Workspace.serving_path`, written atomically by indexing
-and rollout) says::
-
-    {"uri": ..., "alias": "gallery", "collection": "gallery_<space>_<n>", "space": ..., "dim": ...,
-     "query_model": {"version": ..., "uri": ..., "factory": "module:function"},
-     "previous": {"collection": ..., "space": ..., "query_model": {...}} | null, "rollout_id": ...}
-
-A query is embedded with the serving query model and searched through the alias. During an alias
-switch the record is written first, so when the alias and the record disagree the record's
-collection (the one whose space the query model writes into) is searched.
-
-Query encoders are built by a factory ``module:function`` taking the ``query_model`` mapping; the
-default (:func:`model_query_encoder`) loads a compatible-model directory or a plain checkpoint.
-Factories are imported only from the project's packages or from modules listed in
-``$COMPATFLOW_TRUSTED_MODULES`` (comma-separated), since the record names code to run.
+The record (:attr:`components.state.workspace.Workspace.serving_path`, written atomically by indexing and
+rollout) holds ``uri``, ``alias``, ``collection``, ``space``, ``dim``, ``query_model`` (``version``, ``uri``,
+``factory``), ``previous`` and ``rollout_id``. It is written before the alias moves, so when they disagree the
+record's collection is searched. Query encoders are built by a ``module:function`` factory (default
+:func:`model_query_encoder`) imported only from the project's packages or ``$COMPATFLOW_TRUSTED_MODULES``,
+since the record names code to run.
 """
 
 from __future__ import annotations

@@ -12,28 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from components.serving.limits import check_search
+from components.serving.pair import PairFollower
 from components.serving.record import QueryEncoder, ServingError
 
 
-class Searcher:
+class Searcher(PairFollower):
     """A long-lived query server: keeps the index connection and the query encoder, and swaps both when the
     serving record changes (a rollout's query switch or a rollback takes effect live)."""
 
-    def __init__(
-        self,
-        record_path: str | os.PathLike[str],
-        *,
-        uri: str | None = None,
-        index: Any = None,
-        encoder: QueryEncoder | None = None,
-        verify: Callable[[Mapping[str, Any]], None] | None = None,
-    ) -> None:
-        from components.serving.pair import PairFollower
-
-        self.record_path = Path(record_path)
-        self._follower = PairFollower(record_path, uri=uri, index=index, encoder=encoder, verify=verify)
-        self._captions: Any = None
-        self._thumbnails: Any = None
+    _captions: Any = None
+    _thumbnails: Any = None
 
     def search(
         self,
@@ -56,7 +44,7 @@ class Searcher:
         check_search(texts, k)  # k, number and length of queries: the service's bounds
         fields = ("source_uri",) if captions or thumbnails else ()
         texts = list(texts)
-        hits, _ = self._follower.answer(lambda p: p.search(texts, k, filter=filter, output_fields=fields))
+        hits, _ = self.answer(lambda p: p.search(texts, k, filter=filter, output_fields=fields))
         rows = [[h.to_dict() for h in row] for row in hits]
         uris = [h.fields.get("source_uri") for row in hits for h in row]
         if captions:
@@ -74,11 +62,7 @@ class Searcher:
     @property
     def query_model(self) -> dict[str, Any]:
         """The serving query model the last search used."""
-        pair = self._follower.pair
-        return dict(pair.record["query_model"]) if pair is not None else {}
-
-    def close(self) -> None:
-        self._follower.close()
+        return dict(self.pair.record["query_model"]) if self.pair is not None else {}
 
 
 def _fill(rows: list[list[dict[str, Any]]], key: str, values: Sequence[Any]) -> None:
@@ -102,16 +86,9 @@ def search(
     thumbnails: bool = False,
     verify: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> list[list[dict[str, Any]]]:
-    """Hits (``item_id``, ``score``, ``model_version``; ``caption`` when ``captions``) per text, served as
-    the serving record says.
-
-    ``record_path`` defaults to the workspace's serving record; ``uri`` overrides the record's index URI
-    (e.g. a server URI while another process holds the embedded directory); ``encoder`` and ``index``
-    replace the record's query model and a freshly opened index. Captions come from the gallery shards each
-    hit's row names (:mod:`components.serving.captions`); ``verify`` checks the query model before it is
-    loaded (:class:`components.serving.verify.RegistryDigestCheck`). A long-lived server uses
-    :class:`Searcher`.
-    """
+    """Hits per text (see :meth:`Searcher.search`) from a one-off :class:`Searcher` of the serving record
+    (by default the workspace's); ``uri``, ``index``, ``encoder`` and ``verify`` as for
+    :class:`~components.serving.pair.PairFollower`."""
     from components.state.workspace import Workspace
 
     path = Path(record_path) if record_path is not None else Workspace.coerce(workspace).serving_path

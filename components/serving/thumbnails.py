@@ -1,13 +1,9 @@
 """Thumbnails of gallery items, read from the gallery shards their rows point to (``"thumbnails": true``).
 
-Like captions (:mod:`components.serving.captions`), a hit's picture is the image member of ``<key>`` in the
-shard its ``source_uri = "<shard url>#<key>"`` names. It goes through the one bounded decode path
-(:func:`compat.data.images.decode_rgb`): the header is checked against ``max_pixels`` before a pixel is
-decoded, a JPEG is decoded by libjpeg at a reduced scale, and only the thumbnail's size is materialised. Only
-the hits' own members are decoded (one pass over each shard, stopped once its wanted keys are found), and the
-encoded thumbnails are kept in a bounded LRU cache. A thumbnail is a ``data:image/jpeg;base64,...`` URI, at
-most ``side`` pixels on its longer side; a hit whose shard or picture cannot be read has ``None``, never a
-failed query.
+As for captions (:mod:`components.serving.captions`), a hit's picture is the image member of ``<key>`` in the
+shard its ``source_uri`` names, decoded through the one bounded path (:func:`compat.data.images.decode_rgb`),
+one pass per shard stopped once its wanted keys are found, and kept in a bounded LRU cache as a
+``data:image/jpeg;base64,...`` URI; a hit whose picture cannot be read has ``None``, never a failed query.
 """
 
 from __future__ import annotations

@@ -23,17 +23,8 @@ METADATA_EXTENSION = "json"
 _PIL_FORMATS = ("JPEG", "PNG", "WEBP")
 _CHECK_SIZE = 64  # the short side a within-bounds image is decoded to when checked
 SAMPLE_FACTS = (  # facts of a sample's members, None until a check finds them
-    "image_member",
-    "image_bytes",
-    "width",
-    "height",
-    "image_transparent",
-    "caption_member",
-    "caption",
-    "caption_chars",
-    "caption_tokens",
-    "metadata_member",
-    "metadata_key",
+    *("image_member", "image_bytes", "width", "height", "image_transparent"),
+    *("caption_member", "caption", "caption_chars", "caption_tokens", "metadata_member", "metadata_key"),
 )
 
 REASONS: dict[str, str] = {

@@ -165,16 +165,9 @@ def validate_phase(
         logger.info("removed %d output shards of an earlier run: %s", len(removed), ", ".join(removed))
     timings["write_s"] = time.perf_counter() - start
 
+    records = sample_run.records + phase_run.records
     document = _summary_document(
-        shard_spec,
-        shards,
-        policy,
-        fingerprint,
-        facts,
-        reasons,
-        shard_stats,
-        sample_run.records + phase_run.records,
-        outputs,
+        shard_spec, shards, policy, fingerprint, facts, reasons, shard_stats, records, outputs
     )
     from schemas import validate
 

@@ -1,16 +1,11 @@
-"""Output shards of the validation stage, written atomically with members unchanged.
+"""Output shards of the validation step, written atomically with members unchanged.
 
-Accepted samples go to ``accepted/shard-NNNNN.tar``; rejected ones to
-``quarantine/quarantine-NNNNN.tar`` together with a ``{key}.reason.json`` member. ``NNNNN`` is
-the index of the input shard in the sorted list of matched shards, so reruns write the same files.
-
-A quarantine shard never holds more than the reader read: a member left unread (its header declares more
-than the policy's limit, or it lies past the decompression cap) is kept as an empty member of the same
-name, and the ``member_too_large`` reason in ``{key}.reason.json`` gives its declared size and the limit;
-a cut-off member keeps the bytes that were there (a ``truncated`` reason). A member that is not a regular file
-(a symbolic or hard link, a device, a FIFO, a folder) is kept as an empty regular file of the same name: what
-it was and where it pointed are recorded as metadata under ``links`` in ``{key}.reason.json``, so no
-quarantine shard carries a link that an extraction would follow.
+Accepted samples go to ``accepted/shard-NNNNN.tar``, rejected ones to ``quarantine/quarantine-NNNNN.tar``
+with a ``{key}.reason.json`` member (``NNNNN``: the input shard's index, so reruns write the same files).
+A quarantine shard never holds more than the reader read: an unread member is kept empty (its reason gives
+the declared size and the limit), a cut-off one keeps its bytes, and one that is not a regular file is kept
+as an empty regular file, what it was recorded under ``links`` in the reason file: no quarantine shard
+carries a link that an extraction would follow.
 """
 
 from __future__ import annotations

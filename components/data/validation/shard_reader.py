@@ -1,29 +1,21 @@
 """A robust reader of webdataset tar shards that groups members into samples.
 
-Unlike ``tarfile`` iteration (which silently stops at a cut-off header) and webdataset
-(which raises on the first damaged byte or drops members it cannot key), this reader:
+``tarfile`` iteration stops quietly at a cut-off header and webdataset raises on the first damaged byte or
+drops members it cannot key; this reader yields every member it could read, grouped as webdataset groups
+them (key before the first ``.`` of the base name), keeps odd members (no extension, links, unsafe names)
+for the caller to quarantine, and reports damage in :attr:`ShardReader.error` after iteration. A member whose
+header declares more than :class:`MemberLimits` allows is yielded empty and ``unread``; compressed shards
+are decompressed as a stream, stopped past ``max_expansion`` times their size (a decompression bomb).
 
-* yields every member it could read, grouped into samples the way webdataset groups them
-  (consecutive members sharing the key before the first ``.`` of the base name);
-* keeps members that have no extension, are links or devices, or carry unsafe names, so the
-  caller can quarantine them instead of losing them;
-* reports damage (not a tar, truncated header or data, missing end-of-archive marker) in
-  :attr:`ShardReader.error` after iteration, while the samples read before it still count;
-* reads no member whose header declares more bytes than :class:`MemberLimits` allows for its extension
-  (it is yielded empty and ``unread``, for the caller to quarantine);
-* decompresses ``.gz``/``.bz2``/``.xz`` shards as a stream and stops one that would expand beyond
-  ``max_expansion`` times its size (a decompression bomb), and stops at a member whose pax or GNU
-  extended headers would take more than ``header_bytes`` (``tarfile`` reads those whole).
-
-Every read ``tarfile`` or this reader makes goes through :class:`_BoundedStream`, which refuses a read
-larger than the allowance of the step in progress (a header, or a member whose size was checked) and any
-position past the decompression cap: memory stays bounded by the limits, whatever the shard declares.
+Every read goes through :class:`_BoundedStream`, which refuses a read larger than the step's allowance (a
+header, or a member whose size was checked): memory stays bounded whatever the shard declares.
 """
 
 from __future__ import annotations
 
 import bz2
 import gzip
+import itertools
 import lzma
 import os
 import re
@@ -141,17 +133,10 @@ class ShardReader:
 
     def __iter__(self) -> Iterator[SampleGroup]:
         self.error, self.samples, self.members = None, 0, 0
-        current: SampleGroup | None = None
-        for member in self._members():
-            key, _ = split_member_name(member.name)
-            if current is None or key != current.key:
-                if current is not None:
-                    yield current
-                current = SampleGroup(key=key, index=self.samples)
-                self.samples += 1
-            current.members.append(member)
-        if current is not None:
-            yield current
+        for key, members in itertools.groupby(self._members(), lambda m: split_member_name(m.name)[0]):
+            group = SampleGroup(key=key, index=self.samples, members=list(members))
+            self.samples += 1
+            yield group
 
     def _members(self) -> Iterator[Member]:
         try:
