@@ -57,11 +57,8 @@ def earlier_word_shares(
     directory: str | os.PathLike[str], split: str = "train", manifest: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """Per phase: captions, vocabulary size, words new to the stream, and the share of its captions that
-    use only words of earlier phases' ``split`` captions (``None`` for phase 0, which has no earlier phase).
-
-    Raises :class:`compat.data.manifest.StreamError` or :class:`compat.data.shards.ShardError` on a missing
-    manifest or an unreadable shard.
-    """
+    use only words of earlier phases' ``split`` captions (``None`` for phase 0). Raises
+    :class:`~compat.data.manifest.StreamError` or :class:`~compat.data.shards.ShardError`."""
     from compat.data.manifest import load_manifest
 
     manifest = manifest if manifest is not None else load_manifest(directory)
@@ -79,9 +76,7 @@ def earlier_word_shares(
                 "captions": len(word_sets),
                 "words": len(vocab),
                 "new_words": len(vocab - seen),
-                "earlier_word_share": (round(old / len(word_sets), 4) if word_sets else None)
-                if phase > 0
-                else None,
+                "earlier_word_share": round(old / len(word_sets), 4) if phase > 0 and word_sets else None,
             }
         )
         seen |= vocab
