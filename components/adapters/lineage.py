@@ -1,18 +1,15 @@
 """Gallery-item lineage in Feast: which model version and embedding space wrote each item's vector.
 
-The indexing and backfill stages call :meth:`LineageStore.write_items` after each upsert, and
-:func:`sync_from_index` after a halt or a rollback, and :func:`check_from_index` (``compatflow lineage
---check``), read the gallery in ``order_key`` slices, fanned out over processes on a Milvus server; the
-rollout's writers record their own items as they write them. On-call calls :meth:`LineageStore.get_items`.
-Rows are pushed through the repo's PushSource (what ``feast apply`` registers from ``items.py``) into the
-online store (sqlite by default), which holds the newest row per item. Offline rows are append-only parquet
-parts of its batch source (one file per write, renamed into place, so a crash never leaves a half-written
-file): Feast's own offline push to a file source rewrites the whole file each time.
+Indexing records each item with :meth:`LineageStore.write_items`; a rollout's writers record their own items
+as they write them; :func:`sync_from_index` (after a halt or a rollback) and :func:`check_from_index`
+(``compatflow lineage --check``) read the gallery in ``order_key`` slices, fanned out over processes on a
+Milvus server. Rows are pushed through the repo's PushSource into the online store (the newest row per item);
+offline rows are append-only parquet parts, one per write, renamed into place (Feast's own offline push to a
+file source rewrites the whole file each time).
 
 The repo written to is the workspace's (:attr:`components.state.workspace.Workspace.lineage_dir`); a repo
-definition configured elsewhere (``lineage.repo``: on a cluster a ConfigMap volume, read-only) is only read:
-its ``feature_store.yaml`` (and ``items.py`` when it has one) is copied into the written repo, again whenever
-it changes, so the offline parts and any path relative to the repo land on the workspace volume.
+definition configured elsewhere (``lineage.repo``: on a cluster a read-only ConfigMap volume) is only read:
+its ``feature_store.yaml`` (and ``items.py``) is copied into the written repo whenever it changes.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +119,9 @@ class LineageStore:
         log.info("feast repo %s applied (feature view %s)", self.repo_dir, items.ITEMS_VIEW)
 
     def write_items(self, items: Any) -> int:
-        """Record item vectors written by a model: append offline, upsert online; returns the row count.
-
-        ``items`` is a pandas DataFrame or an iterable of mappings with ``item_id``,
-        ``model_version`` and ``space_id`` (required) and ``caption``, ``image_uri``,
-        ``embedded_at`` (default: now), ``phase``, ``domain``. The newest row per item wins.
-        """
+        """Record item vectors written by a model (a DataFrame or mappings of :data:`ITEM_COLUMNS`, the
+        :data:`REQUIRED` ones given, ``embedded_at`` default now): append offline, upsert online; returns the
+        row count. The newest row per item wins."""
         from components.adapters.feature_repo import items as defs
 
         frame = _normalise(items)
@@ -145,13 +140,10 @@ class LineageStore:
     def sync_with_index(self, index_rows: Iterable[Mapping[str, Any]], *, batch_size: int = 2000) -> int:
         """Record indexed items whose model version or space differs from their lineage; returns the count.
 
-        ``index_rows`` are gallery rows (``item_id``, ``model_version``, ``space_id``, ``embedded_at`` in
-        epoch ms, ``phase``, ``source_uri``), e.g. after a backfill or a rollback, streamed: each
-        ``batch_size`` rows are compared with the online store (one keyed read) and the changed ones written,
-        so memory is bounded by the batch and not by the gallery. Caption, image URI and domain carry over
-        from the item's lineage. :meth:`write_items` writes the offline part before the online rows, so a
-        sync killed between the two leaves the online store behind and the next sync writes those items again.
-        """
+        ``index_rows`` (gallery rows, :func:`index_rows`) are streamed: each ``batch_size`` rows are compared
+        with the online store (one keyed read) and the changed ones written, caption, image URI and domain
+        carried over from the item's lineage. A sync killed between the offline and the online write leaves
+        the online store behind, so the next sync writes those items again."""
         written = 0
         for rows in _chunks(index_rows, batch_size):
             changed = []
@@ -166,7 +158,7 @@ class LineageStore:
                         "item_id": str(row["item_id"]),
                         "model_version": str(row["model_version"]),
                         "space_id": str(row["space_id"]),
-                        "embedded_at": _from_millis(int(row["embedded_at"])),
+                        "embedded_at": _EPOCH + timedelta(milliseconds=int(row["embedded_at"])),
                         "phase": row.get("phase"),
                         **carried,
                     }
@@ -203,11 +195,8 @@ class LineageStore:
 
     def check_against_index(self, index_rows: Iterable[Mapping[str, Any]], *, batch_size: int = 2000) -> dict:
         """Whether the online lineage of every indexed item names the model version and space its index row
-        does, streamed in batches of ``batch_size`` (memory bounded by the batch).
-
-        Returns items per model version in the index and in the lineage of those items (``"none"`` for an item
-        the lineage lacks), the count that disagree and up to five of their ids, and ``agree``.
-        """
+        does, streamed in batches: items per model version in the index and in their lineage (``"none"``: an
+        item it lacks), the count that disagree, up to five of their ids, and ``agree``."""
         index: Counter[str] = Counter()
         lineage: Counter[str] = Counter()
         disagreeing, examples = 0, []
@@ -242,33 +231,6 @@ class LineageStore:
     def has_items(self) -> bool:
         """Whether any offline lineage row was written."""
         return self.items_dir.is_dir() and any(self.items_dir.glob("*.parquet"))
-
-    def version_counts(self) -> dict[str, int]:
-        """Items per model version, from the offline rows' newest entry per item.
-
-        Reads the offline parts whole, as Arrow columns (item id, version and two timestamps: tens of bytes
-        an item, no Python object per item): a repo-wide tally for tests and small galleries. On a large
-        gallery ask :meth:`check_against_index`, which streams.
-        """
-        import pyarrow as pa
-        import pyarrow.compute as pc
-        import pyarrow.dataset as ds
-
-        if not self.has_items():
-            return {}
-        parts = sorted(self.items_dir.glob("*.parquet"))
-        table = ds.dataset([str(p) for p in parts], format="parquet", schema=_arrow_schema()).to_table(
-            columns=["item_id", "model_version", "written_at", "embedded_at"]
-        )
-        order = pc.sort_indices(
-            table, [("item_id", "ascending"), ("written_at", "ascending"), ("embedded_at", "ascending")]
-        )
-        ids, versions = table["item_id"].take(order), table["model_version"].take(order)
-        # The newest row of an item is the last of its run in this order.
-        last = pc.not_equal(ids[:-1], ids[1:]) if len(ids) > 1 else pa.array([], pa.bool_())
-        newest = pc.filter(versions, pa.concat_arrays([last.combine_chunks(), pa.array([True])]))
-        counts = pc.value_counts(newest)
-        return {str(c["values"]): int(c["counts"]) for c in counts.to_pylist()}
 
 
 SLICE_ROWS = 20_000  # rows a sync or check reads per slice of the gallery
@@ -365,18 +327,9 @@ def index_rows(
 
 def _chunks(rows: Iterable[Mapping[str, Any]], size: int) -> Iterator[list[Mapping[str, Any]]]:
     """``rows`` as lists of at most ``size``."""
-    chunk: list[Mapping[str, Any]] = []
-    for row in _rows(rows):
-        chunk.append(row)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
+    checked = _rows(rows)
+    while chunk := list(islice(checked, size)):
         yield chunk
-
-
-def _from_millis(millis: int) -> datetime:
-    return _EPOCH + timedelta(milliseconds=millis)
 
 
 def _normalise(items: Any) -> Any:

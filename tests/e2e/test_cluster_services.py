@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 import yaml
+from _lineage import version_counts
 from _pipelines import PERMISSIVE_POLICY, Cycle
 
 from components.adapters.feature_repo import REPO_TEMPLATE_DIR
@@ -91,5 +92,5 @@ def test_operator_commands_on_the_cluster_config_reach_its_services(
     assert done.exit_code == 0, done.output
     assert registry.alias_version("production") == "1"
     assert gallery_status(milvus_server, "cluster_services_gallery")["by_version"] == {"1": 32}
-    assert LineageStore(repo).version_counts() == {"1": 32}
+    assert version_counts(LineageStore(repo)) == {"1": 32}
     shutil.rmtree(tmp_path / "ws" / "runs")

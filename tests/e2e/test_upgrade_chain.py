@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _lineage import version_counts
 from _pipelines import Cycle, assert_serves, chain_config, served_gallery
 
 
@@ -132,7 +133,7 @@ def test_rollback_is_all_or_nothing_and_covers_items_added_after_the_rollout(
     done = CliRunner().invoke(app, ["rollback", "--workspace", config["workspace"]])
     assert done.exit_code == 0, done.output
     assert_serves(config, "1", 48)
-    assert LineageStore(config["lineage"]["repo"]).version_counts() == {"1": 48}
+    assert version_counts(LineageStore(config["lineage"]["repo"])) == {"1": 48}
     serving = json.loads((Path(config["workspace"]) / "serving.json").read_text())
     assert serving["query_model"]["version"] == "1"
 

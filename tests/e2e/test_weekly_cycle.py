@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _lineage import version_counts
 from _pipelines import PERMISSIVE_POLICY, local_config, served_gallery
 
 from components.deployment import Deployment
@@ -80,7 +81,7 @@ class WeeklyCycle:
         gallery = self.gallery()
         served = gallery["by_version"]
         assert sum(served.values()) == 40 * (phase + 1) == gallery["count"]  # one vector per item
-        assert self.lineage.version_counts() == served
+        assert version_counts(self.lineage) == served
         checked = CliRunner().invoke(
             app, ["lineage", "--check", "--json", "--workspace", self.config["workspace"]]
         )
