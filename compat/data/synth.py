@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -325,21 +326,13 @@ def _check_existing(out: Path, settings: dict[str, Any], phases: int) -> None:
         )
 
 
-def _run_jobs(
-    out_dir: Path,
-    jobs: list[ShardJob],
-    seed: int,
-    image_size: int,
-    workers: int,
-    shift: str = "disjoint",
-    old_word_share: float = DEFAULT_OLD_WORD_SHARE,
-) -> None:
+def _run_jobs(write: Callable[[ShardJob], int], jobs: list[ShardJob], workers: int) -> None:
+    """``write`` (picklable) each job, in ``workers`` processes when there are several."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     from compat.progress import track
 
-    write = functools.partial(_write_job, str(out_dir), seed, image_size, shift, old_word_share)
     desc = f"writing {len(jobs)} shards ({sum(j.count for j in jobs)} samples)"
     with contextlib.ExitStack() as stack:
         run = map
@@ -427,7 +420,8 @@ def generate_stream(
         stale.unlink()
     if todo:
         log.info("writing %d of %d shards into %s", len(todo), n_shards, out)
-        _run_jobs(out, todo, seed, image_size, workers, shift, old_word_share)
+        write = functools.partial(_write_job, str(out), seed, image_size, shift, old_word_share)
+        _run_jobs(write, todo, workers)
     write_json_atomic(manifest_path, manifest)
     pending_path.unlink()
     return manifest
