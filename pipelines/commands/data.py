@@ -8,7 +8,6 @@ from typing import Annotated, Any
 
 import typer
 
-from compat.data import importer
 from pipelines.commands._common import echo_json, exit_codes, fail
 
 data_app = typer.Typer(
@@ -143,7 +142,7 @@ def import_(
     source_format: _Format = "auto",
     template: Annotated[
         str, typer.Option(help="class-folders: the caption of each image, {label} being its folder's name.")
-    ] = importer.DEFAULT_TEMPLATE,
+    ] = "a photo of a {label}",
     split: _Split = "0.8,0.1,0.1",
     seed: Annotated[int, typer.Option(help="Seed of the split hash.")] = 0,
     samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
@@ -154,11 +153,11 @@ def import_(
     caption_column: Annotated[str, typer.Option(help="table: the column of captions.")] = "caption",
     max_image_bytes: Annotated[
         int, typer.Option(min=1, help="Larger image files are refused (the validation policy's default).")
-    ] = importer.MAX_IMAGE_BYTES,
-    max_side: _MaxSide = importer.DEFAULT_MAX_SIDE,
-    resize_mode: _ResizeMode = importer.DEFAULT_RESIZE_MODE,
+    ] = 32 * 1024 * 1024,
+    max_side: _MaxSide = 512,
+    resize_mode: _ResizeMode = "keep_ratio",
     keep_originals: _KeepOriginals = False,
-    max_pixels: _MaxPixels = importer.MAX_DECODE_PIXELS,
+    max_pixels: _MaxPixels = 178_956_970,
     allow_outside: _AllowOutside = None,
     exclude_stream: _ExcludeStream = None,
 ) -> None:
@@ -170,6 +169,8 @@ def import_(
     --exclude-stream already holds are left out; every refused file is listed with its reason in
     OUT/import.json. Exit 0 when something was imported, 1 when nothing was.
     """
+    from compat.data import importer  # imported here: the CLI starts without it
+
     start = time.perf_counter()
     exclude = _stream_keys(exclude_stream) if exclude_stream is not None else None
     try:
