@@ -414,6 +414,7 @@ DEFAULT_OLD_WORD_SHARE = 0.6
 CORE_KINDS = ("circle", "square", "triangle")
 CORE_TONES = ("white", "gray", "black")
 CORE_STYLES = ("flat",)
+CORE_NAMES = {"kind": CORE_KINDS, "tone": CORE_TONES, "style": CORE_STYLES}
 NOVEL_DECAY = 0.5  # weight of an item brought by phase q, at phase p > q: NOVEL_DECAY ** (p - q)
 NEW_WEIGHT = 1.5  # weight of an item in the phase that brings it
 
@@ -456,16 +457,17 @@ def realistic_phase(phase: int) -> RealisticPhase:
     intro: dict[tuple[str, str], int | None] = {}
     slots: dict[str, list] = {"kind": [], "colour": [], "background": [], "tone": [], "style": []}
     for q, src in enumerate(brought_by):
-        for slot, items, name_of, core in (
-            ("kind", src.kinds, lambda k: k.names[0], CORE_KINDS),
-            ("colour", src.colours, lambda c: c[0], None),
-            ("background", src.backgrounds, lambda b: b.name, None),
-            ("tone", src.tones, lambda t: t[0], CORE_TONES),
-            ("style", src.styles, lambda s: s.name, CORE_STYLES),
-        ):
-            for item in items:  # the core: geometric's colours and backgrounds, the CORE_* names
-                is_core = name_of(item) in core if core is not None else q == 0
-                intro[(slot, name_of(item))] = None if is_core else q
+        named = {
+            "kind": [(k.names[0], k) for k in src.kinds],
+            "colour": [(c[0], c) for c in src.colours],
+            "background": [(b.name, b) for b in src.backgrounds],
+            "tone": [(t[0], t) for t in src.tones],
+            "style": [(st.name, st) for st in src.styles],
+        }
+        for slot, items in named.items():
+            for name, item in items:  # the core: CORE_NAMES, and geometric's colours and backgrounds
+                is_core = name in CORE_NAMES[slot] if slot in CORE_NAMES else q == 0
+                intro[(slot, name)] = None if is_core else q
                 slots[slot].append(item)
     newest = BASE_DOMAINS[phase] if phase < len(BASE_DOMAINS) else None  # the base domain it brings
     brought = (
