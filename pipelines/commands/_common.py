@@ -80,9 +80,8 @@ ConfigOpt = Annotated[
 
 
 def config_of(config: str | None) -> Any:
-    """The resolved config an operator command reads its defaults from (``local`` when none is given). Files
-    only a run reads (start weights, gate policy) need not be on this machine, and what only training reads
-    is not checked (``compatflow run`` checks all of it)."""
+    """The resolved config (default ``local``) an operator command reads; what only a run or training reads
+    is not checked here (``compatflow run`` checks all of it)."""
     from pipelines.config import ConfigError, load_config, resolve
 
     try:
@@ -99,9 +98,8 @@ def _bare_workspace(config: str | None, workspace: Path | None) -> bool:
 
 
 def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, Any]:
-    """The workspace a query command serves (as :func:`reading_workspace`) and the check of its query
-    models against the registry's digests (the config's ``registry.model_name``, the default one with
-    ``--workspace``)."""
+    """The workspace a query command serves (:func:`reading_workspace`) and the check of its query models
+    against the registry's digests (of the config's ``registry.model_name``, else the default one)."""
     from components.serving.verify import RegistryDigestCheck
 
     deployment = None if _bare_workspace(config, workspace) else config_of(config)
@@ -110,10 +108,8 @@ def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, 
 
 
 def reading_workspace(config: str | None, workspace: Path | None, deployment: Any = None) -> Any:
-    """The workspace a read-only command (``status``, ``search``, ``serve``, ``lineage``) answers about, as
-    :func:`workspace_of`, refused (exit 2) as ``compatflow run`` refuses it when the configured index URI
-    disagrees with the serving record: answering from the record's index would describe another gallery
-    than the config names, without a word (:func:`components.serving.record.check_index_agrees`)."""
+    """The workspace a read-only command answers about (:func:`workspace_of`), refused (exit 2) when the
+    configured index URI disagrees with the serving record: the answer would describe another gallery."""
     from components.serving.record import ServingError, check_index_agrees, read_serving
 
     ws = workspace_of(config, workspace, deployment)
@@ -131,9 +127,8 @@ def reading_workspace(config: str | None, workspace: Path | None, deployment: An
 def workspace_of(
     config: str | None, workspace: Path | None, deployment: Any = None, *, index_uri: str | None = None
 ) -> Any:
-    """The :class:`~components.state.workspace.Workspace` an operator command works on: the config's
-    workspace and service URIs (MLflow, Feast repo, Milvus), or a bare ``--workspace`` directory with its
-    local services; ``index_uri`` (a command's ``--uri``) replaces the index URI."""
+    """The :class:`~components.state.workspace.Workspace` of the config, or a bare ``--workspace`` directory
+    with its local services; ``index_uri`` (a command's ``--uri``) replaces the index URI."""
     from components.state.workspace import Workspace, WorkspaceError
 
     if config is not None and workspace is not None:

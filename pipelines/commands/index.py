@@ -3,6 +3,7 @@ moving a served gallery to another index."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -83,10 +84,8 @@ def serve_milvus(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
     while not stopping and server.process.poll() is None:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.process.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            continue
     if not stopping:
         fail(f"Milvus exited with status {server.process.returncode}:\n{server.log_tail()}")
     status = server.stop()

@@ -41,7 +41,7 @@ def index_cmd(
     space: Annotated[str, typer.Option(help="Embedding space id of the vectors.")],
     gallery: Annotated[list[str], typer.Option(help="Gallery shard URL(s), globs or brace patterns.")],
     probe_size: Annotated[int, typer.Option(help="Captions kept as the rollout probe set.")] = 500,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: int = 0,
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
     uri: UriOpt = None,

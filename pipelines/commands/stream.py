@@ -115,8 +115,8 @@ def add_phase(
 
     if shards is None and not (train or eval_ or gallery):
         fail(
-            "give --shards DIR (train/eval/gallery folders) "
-            "or the splits' shards with --train/--eval/--gallery"
+            "give --shards DIR (train/eval/gallery folders) or the splits' shards with "
+            "--train/--eval/--gallery"
         )
     found, source = split_shards(shards, {"train": train, "eval": eval_, "gallery": gallery})
     name = domain if domain is not None else (shards.resolve().name if shards is not None else "")
@@ -131,13 +131,8 @@ def add_phase(
         )
     except StreamError as exc:
         fail(str(exc))
-    echo_json(
-        {
-            "stream": str(stream_dir),
-            "added": _phase_summary(entry),
-            "manifest": str(stream_dir / "stream.json"),
-        }
-    )
+    manifest = str(stream_dir / "stream.json")
+    echo_json({"stream": str(stream_dir), "added": _phase_summary(entry), "manifest": manifest})
 
 
 def _next_phase(stream_dir: Path) -> int:
