@@ -1,13 +1,9 @@
 """The on-call report of one pipeline run: why a model shipped or was blocked, on one page.
 
-``render(run_dir, fmt)`` returns the report (``html``: one self-contained file with inline CSS and
-base64 PNG plots; ``md``: a Markdown summary); ``write_reports(run_dir, out_dir)`` writes both;
-``summary(run_dir)`` is a few lines of plain text for a terminal (the key facts and each section's status).
-The header (:mod:`components.report.header`) says how the run ended, what it changed and how to undo it; each
-report carries its own sha256 over every line but the one that shows it (``grep -v report-sha256 FILE |
-sha256sum`` gives the same).
-Stages that did not run (or whose output is unreadable) are shown as such, never as a failure
-of the report.
+``render`` returns the report (``html``: one self-contained page; ``md``: Markdown), ``write_reports`` writes
+both, ``summary`` is plain text for a terminal. The header (:mod:`components.report.header`) says how the
+run ended, what it changed and how to undo it; each report carries its own sha256 over every line but the
+one that shows it. Steps that did not run, or whose output is unreadable, are shown as such.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ where its records are, the one command that undoes it (or what to do next), and 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shlex
 from collections.abc import Mapping
@@ -14,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from components.report.inputs import RunInputs
+from components.report.inputs import RunInputs, read_source
 from components.report.sections import Link
 from components.state.run_dir import RunDir
 
@@ -170,11 +169,8 @@ def _duration(run: RunDir, outcome: Mapping[str, Any]) -> str:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+    """The JSON object at ``path``, empty when it is missing or unreadable."""
+    return read_source(path.name, path).data or {}
 
 
 def seal(text: str) -> str:

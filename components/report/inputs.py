@@ -86,11 +86,12 @@ def load(run_dir: str | Path) -> RunInputs:
     run_dir = Path(run_dir).resolve()
     inputs = RunInputs(run_dir)
     for name, (filename, prefer) in SOURCES.items():
-        inputs.sources[name] = _read(name, find(run_dir, filename, prefer))
+        inputs.sources[name] = read_source(name, find(run_dir, filename, prefer))
     return inputs
 
 
-def _read(name: str, path: Path | None) -> Source:
+def read_source(name: str, path: Path | None) -> Source:
+    """The JSON object at ``path``: its content, or why it cannot be read (not there: "not run")."""
     if path is None:
         return Source(name)
     try:

@@ -71,23 +71,8 @@ def compat_heatmap(report: Mapping[str, Any], metric: str = "R@1") -> bytes | No
         return None
     import numpy as np
 
-    plt, fig = _figure(8.4, 3.8)
-    values = [
-        retrieval.get(d, {}).get(f"{q}/{g}", {}).get(metric)
-        if isinstance(retrieval.get(d), Mapping)
-        else None
-        for d in DIRECTIONS
-        for q in MODELS
-        for g in MODELS
-    ]
-    finite = [v for v in values if _finite(v)]
-    if not finite:
-        plt.close(fig)
-        return None
-    vmax = max(max(finite), 1.0)
-    cmap = plt.get_cmap("viridis").with_extremes(bad="#d0d7de")
-    for index, direction in enumerate(DIRECTIONS, start=1):
-        ax = fig.add_subplot(1, 2, index)
+    grids = []
+    for direction in DIRECTIONS:
         pairs = retrieval.get(direction) if isinstance(retrieval.get(direction), Mapping) else {}
         grid = np.full((2, 2), np.nan)
         for i, query in enumerate(MODELS):
@@ -95,6 +80,14 @@ def compat_heatmap(report: Mapping[str, Any], metric: str = "R@1") -> bytes | No
                 value = (pairs.get(f"{query}/{gallery}") or {}).get(metric)
                 if _finite(value):
                     grid[i, j] = value
+        grids.append(grid)
+    if np.isnan(grids).all():
+        return None
+    vmax = max(float(np.nanmax(grids)), 1.0)
+    plt, fig = _figure(8.4, 3.8)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#d0d7de")
+    for index, (direction, grid) in enumerate(zip(DIRECTIONS, grids, strict=True), start=1):
+        ax = fig.add_subplot(1, 2, index)
         image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=vmax)
         for i in range(2):
             for j in range(2):

@@ -82,13 +82,11 @@ class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes (declared by ``Content-Length``, or passing it
     as it is received) is answered 413 and the connection closed.
 
-    Before answering, the rest of the body is read and discarded (nothing kept): a client that sends its whole
-    body before it reads (Python's urllib and http.client) would otherwise meet a connection reset, the
-    unread bytes making the server's close a reset, and never read the 413. The drain is bounded: at most
-    ``drain_bytes`` in all, ``drain_seconds`` long, and only while bytes keep coming (a pause of
-    ``idle_seconds`` ends it); a ``Content-Length`` over ``drain_bytes``, or an ``Expect: 100-continue``
-    (the client waits for the answer before sending), is answered at once. A body within the limit that has
-    not arrived ``body_seconds`` after the request began is a 408 (the connection closed)."""
+    The rest of the body is first read and discarded, so that a client that sends its whole body before it
+    reads (urllib, http.client) reads the 413 instead of a connection reset: at most ``drain_bytes``,
+    ``drain_seconds`` long, while bytes keep coming (``idle_seconds``), and not at all for a
+    ``Content-Length`` over ``drain_bytes`` or an ``Expect: 100-continue``. A body not arrived
+    ``body_seconds`` after the request began is a 408."""
 
     def __init__(
         self,

@@ -49,9 +49,8 @@ def shard_thumbnails(
     from compat.data.loader import IMAGE_EXTS
     from compat.data.shards import iter_raw_samples
 
-    wanted = set(keys)
-    out: dict[str, str | None] = dict.fromkeys(wanted)
-    left = set(wanted)
+    out: dict[str, str | None] = dict.fromkeys(keys)
+    left = set(out)
     for raw in iter_raw_samples(url):
         if raw.key not in left:
             continue
@@ -111,9 +110,7 @@ class ShardThumbnails:
                 log.warning("thumbnails of %s unavailable: %s", url, exc)
                 with self._lock:
                     self.failures += 1
-                for key in keys:
-                    found[f"{url}#{key}"] = None
-                continue  # not cached: the shard may come back
+                continue  # None, not cached: the shard may come back
             with self._lock:
                 for key, uri_data in read.items():
                     uri = f"{url}#{key}"

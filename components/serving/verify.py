@@ -72,17 +72,13 @@ class RegistryDigestCheck:
             else:
                 registry.verify_copy(version, folder)
         except (CheckpointIntegrityError, RegistryError, OSError, ValueError) as exc:
-            if self.repair:  # a rollback's returning model: the rollback refuses
-                fix = (
-                    "the registry's own files of that version fail it too: restore the registry's artifacts"
-                    if ours
-                    else "restore the folder"
-                )
+            if self.repair and ours:  # a rollback's returning model: the rollback refuses
+                fix = "the registry's own files of that version fail it too: restore the registry's artifacts"
             elif ours:
                 fix = f"delete {folder} to download the registered files again on the next query"
                 fix += ", or `compatflow rollback`"
             else:
-                fix = "restore the folder, or `compatflow rollback`"
+                fix = "restore the folder" if self.repair else "restore the folder, or `compatflow rollback`"
             raise ServingError(f"{where} refused: {exc} (registered digest sha256 {digest}); {fix}") from exc
         log.info("%s matches the registered digest %s", where, digest)
 

@@ -67,10 +67,9 @@ def validate_splits(
         name: _split_entry(name, result, out_dir, policy, prefixes) for name, result in results.items()
     }
     document = {k: v for k, v in train.document.items() if k != "splits"}
-    document["blocked_reasons"] = list(entries[TRAIN]["blocked_reasons"]) + [
-        f"{name} split: {reason}"
+    document["blocked_reasons"] = [  # the train split's first, as they are; the others' named
+        reason if name == TRAIN else f"{name} split: {reason}"
         for name, entry in entries.items()
-        if name != TRAIN
         for reason in entry["blocked_reasons"]
     ]
     document["blocked"] = bool(document["blocked_reasons"])
