@@ -1,31 +1,17 @@
 """Rollout of a gate-passed model onto the Milvus gallery: staged partial backfill, durable and reversible.
 
-A rollout never writes the collection it starts from (the *source*). Its new vectors go into a collection of
-its own (the *target*), and the serving record names what answers a query
-(:class:`~components.rollout.engine.Rollout`):
+A rollout never writes the collection it starts from (the *source*): its new vectors go into a collection of
+its own (the *target*), and the serving record names what answers a query. Stage 0 switches the query side
+to the new model once the probe set holds its floors on the target over the source (a release read through a
+gallery transform first fills the target with the transformed source); stages 1..k re-embed their items
+(:mod:`~components.rollout.keys`: filters on what every row carries) into the target, by one process or K
+workers (:mod:`~components.rollout.workers`), and each is accepted only if every probe R@K holds its floor,
+else the rollout halts back to the source. A space change fills the target whole (blue-green) first.
 
-* stage 0 -- the query side switches to the new model at once: the probe set (held-out text queries with
-  known relevant items) is scored with the new queries against the target (empty) over the source; only
-  then does the serving record move. A release read through a ``gallery_transform`` (a forward adapter,
-  zero-padding) first fills the target with the transformed source.
-* stages 1..k -- the items of each stage are re-embedded into the target. A stage is a filter on what every
-  row carries from when it was written (:mod:`components.rollout.keys`: a hash of its id, ``embedded_at``,
-  its lambda-orth and uncertainty keys), split into slices that one process or K workers write
-  (:mod:`components.rollout.workers`), recording their items' lineage as they go. After a stage the probe
-  is scored on the mixed gallery (the target, over the source less the stages done) and the stage is
-  accepted only if every R@K holds its floor; otherwise the rollout halts: the serving record goes back to
-  the source with the previous query model.
-* a space change (or a source written by an earlier release, without per-row keys) fills the target whole
-  (blue-green) before it serves.
-
-Nothing reads the whole gallery in one process: a plan reads a bounded sample; a stage reads its slices.
-Durability: the state JSON is written atomically after every stage and each worker's cursor after every
-slice; a slice a crash may have half-written is upserted again, so a rollout killed at any moment and run
-again with the same configuration resumes with nothing lost or doubled. :func:`rollback` is a switch of the
-serving record and alias back to the source: seconds, whatever the gallery's size.
-
-Index work: writes are flushed every ``flush_rows`` rows on milvus-lite (a search over many unflushed rows is
-a slow brute-force scan), and, with ``slo_p99_factor``, paced to hold users' query latency
+Nothing reads the whole gallery in one process; the state JSON is written atomically after every stage and
+each worker's cursor after every slice, so a rollout killed at any moment resumes with nothing lost or
+doubled. :func:`rollback` is a switch of the serving record and alias back to the source. Writes are
+flushed every ``flush_rows`` rows on milvus-lite and, with ``slo_p99_factor``, paced
 (:mod:`~components.rollout.pacing`).
 """
 

@@ -17,8 +17,6 @@ from components.rollout.types import ItemRef, RolloutEncoders, RolloutError, Vec
 from components.state.workspace import resolved_path
 
 
-# A factory ``f(config) -> RolloutEncoders`` is named on the command line (``--encoders module:function``);
-# ``config`` holds ``old_model``, ``new_model`` and free-form ``options``.
 class ShardImages:
     """Images of gallery items addressed as ``<shard url>#<key>`` (the ``source_uri`` of indexed rows; a
     relative shard path lies under ``root``, the workspace)."""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from compat.io import utc_now
-from components.adapters.index import ROW_FIELDS, GalleryIndex, quote
+from components.adapters.index import ROW_FIELDS, GalleryIndex
 from components.adapters.services import live_services
 from components.rollout import workers
 from components.rollout.keys import Selection, fit_centres, load_centres, plan_selection, save_centres
@@ -52,15 +52,9 @@ Layers = list[tuple[str, str]]
 
 
 class Rollout:
-    """A rollout of one configuration; :meth:`run` plans it, or resumes it from its state file.
-
-    A release that keeps the serving space writes its vectors into a collection of its own (the *target*),
-    which serves from stage 0 on as the newest of two layers: the target whole, over the source collection
-    less the items of the stages accepted so far (a filter on the keys each row carries). The source is
-    never written, so a halt or a rollback is a switch of the serving record back to it. A release read
-    through a gallery transform fills the target with the transformed source first (stage 0), then re-embeds
-    into it; a space change fills the target whole (blue-green) before it serves.
-    """
+    """A rollout of one configuration (see :mod:`components.rollout`); :meth:`run` plans it, or resumes it
+    from its state file. From stage 0 on the target serves as the newest of two layers: the target whole,
+    over the source less the items of the stages accepted so far."""
 
     def __init__(
         self,
@@ -112,8 +106,7 @@ class Rollout:
                 if "cuts" not in state["order"]:
                     raise RolloutError(
                         f"rollout {state['rollout_id']} at {self.paths.state} was planned by an earlier "
-                        "release "
-                        "(it wrote the gallery in place): finish or roll it back with that release"
+                        "release (it wrote the gallery in place): finish or roll it back with that release"
                     )
                 self.pace = Pace.resumed(
                     state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
@@ -512,27 +505,22 @@ class Rollout:
     def _sweep(self, state: dict[str, Any]) -> None:
         """Re-embed the target's rows of another version (items indexed by the serving model while the
         rollout ran), a batch at a time until none is left (each write takes its rows out of the filter)."""
-        from components.rollout.writes import GalleryWriter, new_rows
+        from components.rollout.writes import GalleryWriter, new_rows, rows_of_other_versions
 
         g = state["gallery"]
         self.index.flush(g["collection"])
-        flt = f"model_version != {quote(state['new_version'])}"
         spec = {**self._row_spec(state), "action": "reembed", "row_stage": 0}
         centres = load_centres(state["order"]["centres"])
-        writer, swept, previous = GalleryWriter(self.index, g["collection"]), 0, None
+        writer, swept = GalleryWriter(self.index, g["collection"]), 0
         lineage = workers.lineage_store(self.paths.lineage_spec())
-        while rows := self.index.rows_where(flt, ROW_FIELDS, g["collection"], limit=self.config.batch_size):
-            keys = [r["item_id"] for r in rows]
-            if keys == previous:
-                raise RolloutError(
-                    f"the sweep's write of {len(keys)} items to {g['collection']} is not visible to its next "
-                    "read; check the index's consistency and run the rollout again (it resumes)"
-                )
+        for rows in rows_of_other_versions(
+            self.index, g["collection"], state["new_version"], self.config.batch_size
+        ):
             written = new_rows(self.encoders, rows, spec, centres)
             writer.write(written)
             if lineage is not None:
                 lineage.sync_with_index(written)
-            swept, previous = swept + len(rows), keys
+            swept += len(rows)
         if swept:
             log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], swept)
             writer.flush()

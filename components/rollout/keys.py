@@ -1,26 +1,17 @@
 """What orders a backfill, stored with each gallery row when it is written, and the stage filters built on it.
 
 Every row carries its keys (:data:`components.adapters.index.ORDER_FIELDS`), so that no rollout reads and
-ranks the gallery before it starts:
+ranks the gallery before it starts: ``order_key`` (a 63-bit hash of the item id: the ``random`` order, and
+what a stage's slices are split by), ``embedded_at`` (``oldest_first``), ``key_lambda_orth`` (minus the L2
+distance of the unit vector to the nearest of its space's k-means centres, ascending = farthest first:
+lambda-orth Sec. 3.6, the clusters standing for the classes whose means the paper measures) and
+``key_uncertainty`` (the gap between the two highest cosines to those centres, ascending = most uncertain
+first). The centres are fitted on a bounded sample (the first vectors indexed, then each rollout's sample of
+its source); a row's keys are computed when it is written.
 
-* ``order_key`` (INT64): a 63-bit hash of the item id. It is the ``random`` order, and the key the workers
-  of a stage split their slices by, whatever the order.
-* ``embedded_at`` (INT64, already a row field): the ``oldest_first`` order.
-* ``key_lambda_orth`` (FLOAT): minus the L2 distance of the unit vector to the nearest of its space's centres,
-  so that ascending means farthest first (lambda-orth Sec. 3.6, k-means clusters standing for the classes
-  whose means the paper measures; the old vectors as the serving contract reads them).
-* ``key_uncertainty`` (FLOAT): the gap between the two highest cosine similarities to those centres
-  (:func:`compat.backfill.uncertainty_scores` ``margin``; ascending means most uncertain first).
-
-A space's centres are k-means centres (:func:`compat.backfill.kmeans`) fitted on a bounded sample: the first
-vectors indexed, then each rollout's sample of the collection it starts from. A row's keys are computed when
-it is written, against the centres of that moment.
-
-A stage reaching the cumulative fraction F of the gallery is a filter (:class:`Selection`): for ``random`` a
-window of width F * 2^63 of ``order_key`` from a seeded offset; for the other orders ``(key, order_key) <
-cut(F)``, the cut read off a sample of about :data:`SAMPLE_ROWS` rows (those whose ``order_key`` lies below a
-threshold: a uniform sample by hash, whatever the gallery's size). A stage's items are split into slices by
-``order_key`` ranges, each slice a filter a worker reads, re-embeds and writes on its own.
+A stage reaching the cumulative fraction F is a filter (:class:`Selection`): for ``random`` a window of width
+F * 2^63 of ``order_key`` from a seeded offset; otherwise ``(key, order_key) < cut(F)``, the cut read off a
+uniform sample by hash of about :data:`SAMPLE_ROWS` rows.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Moving a served gallery to another index (``compatflow index move --to URI``): milvus-lite to a Milvus
 server, or one server to another, with nothing lost.
 
-The gallery's collections (those its serving record and rollout states name: the served one and those kept for
-a rollback; not every collection of the source index) are copied row by row, vectors included, in bounded
-batches (idempotent upserts: a killed move is simply run again), the counts are checked, the alias is switched
-at the target, the rollout states (live and archived) are pointed at
-it, and the serving record is rewritten last: until then everything serves from the source, after it
-everything serves from the target. The source is left as it was (drop it by hand once the target serves).
-Lineage (Feast) names items and versions, not the index, and stays as it is.
-
-Before anything is written at the target, every collection of those names there and the alias there must be
-this deployment's (:meth:`components.adapters.index.GalleryIndex.claim`): a move onto an index where another
-deployment (a copy of this workspace included) serves under the same names is refused, naming both owners.
+The gallery's collections (those its serving record and rollout states name) are copied row by row in
+bounded batches (idempotent upserts: a killed move is simply run again), the counts checked, the alias
+switched at the target, the rollout states pointed at it, and the serving record rewritten last: until then
+everything serves from the source, which is left as it was. Lineage names items, not the index: unchanged.
+Before the first write, every collection of those names and the alias at the target must be this
+deployment's (:meth:`components.adapters.index.GalleryIndex.claim`), else the move is refused.
 """
 
 from __future__ import annotations

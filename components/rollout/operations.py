@@ -1,9 +1,5 @@
-"""Rollout operations on a workspace: its gallery index, indexing (first and new items), rolling out.
-
-Plain functions on a workspace (:class:`components.state.workspace.Workspace`), called by the pipeline's
-gallery steps (:mod:`components.steps.gallery`) and by ``compatflow rollout``. Encoders come from a
-factory named ``module:function`` (default: real models, :func:`components.rollout.encoders.model_encoders`).
-"""
+"""Rollout operations on a workspace: its gallery index, indexing (first and new items), rolling out; called
+by the pipeline's gallery steps and by ``compatflow rollout``."""
 
 from __future__ import annotations
 
@@ -79,11 +75,9 @@ def index_gallery(
 
 
 def open_index(workspace: Any = None) -> GalleryIndex:
-    """A workspace's gallery index, where its serving record says it is (the collection being served), else
-    at the workspace's index URI (:attr:`components.state.workspace.Workspace.index_uri`), opened for the
-    workspace's deployment (:func:`deployment_owner`: a write into another's collection or alias is
-    refused). A configured URI other than the record's is refused
-    (:func:`components.serving.record.check_index_agrees`)."""
+    """A workspace's gallery index, where its serving record says it is, else at the workspace's index URI,
+    opened for the workspace's deployment (:func:`deployment_owner`); a configured URI other than the
+    record's is refused (:func:`components.serving.record.check_index_agrees`)."""
     from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
@@ -95,9 +89,8 @@ def open_index(workspace: Any = None) -> GalleryIndex:
 
 
 def deployment_owner(workspace: Any = None, *, legacy: bool = True) -> Owner:
-    """The deployment a workspace writes into an index for (:class:`components.adapters.index.Owner`): its
-    identity, its folder and, with ``legacy``, the collections it names (:func:`gallery_collections`), which
-    are its own when they were made before owner marks (not for an index it has never written to)."""
+    """The deployment a workspace writes into an index for (:class:`components.adapters.index.Owner`); with
+    ``legacy``, the collections it names (made before owner marks) count as its own too."""
     from components.state.workspace import Workspace
 
     ws = Workspace.coerce(workspace)
@@ -106,9 +99,8 @@ def deployment_owner(workspace: Any = None, *, legacy: bool = True) -> Owner:
 
 
 def gallery_collections(workspace: Any = None) -> list[str]:
-    """The collections a workspace's gallery is made of, the served one first: those its serving record names
-    (served, previous, a rollout's layers) and those its rollout states name (live and archived: what a
-    rollback switches back to). Empty when nothing is served."""
+    """The collections a workspace's gallery is made of, the served one first: those its serving record and
+    its rollout states (live and archived) name. Empty when nothing is served."""
     from components.rollout.state import load_state
 
     paths = RolloutPaths.for_workspace(workspace)
@@ -265,13 +257,9 @@ def roll_out(
     range_tasks: bool = False,
 ) -> dict[str, Any]:
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state (with
-    ``range_tasks``, the state as it waits for a stage's rank ranges run by pipeline tasks).
-
-    ``settings`` is the deployment's ``rollout`` section (``order``, ``fractions``, ``batch_size``,
-    ``floors``, ``probe_tolerance``, ``slo``): the one place a deployment sets them. ``old_model`` defaults
-    to the serving record's query model; ``probe`` to the probe set written by :func:`index_new_items`;
-    ``options`` go to the encoder factory and into the recorded query model.
-    """
+    ``range_tasks``, the state as it waits for ranges run by pipeline tasks). ``settings`` is the deployment's
+    ``rollout`` section; ``old_model`` defaults to the serving record's query model, ``probe`` to the
+    workspace's probe set; ``options`` go to the encoder factory and into the recorded query model."""
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})
     record = read_serving(paths.serving)

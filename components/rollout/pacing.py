@@ -1,29 +1,16 @@
 """Pacing of a backfill: query latency held within its SLO while items are re-embedded, and a rate cap.
 
-Query latency comes from one of two sources, chosen when the backfill starts:
+Query latency comes from :class:`ServiceLatency` (users' queries: the latency histograms the workspace's
+search services expose on ``/metrics``, the idle p99 that of the queries answered in the ``IDLE_WAIT_S``
+before the rollout writes) or, when no service has traffic, :class:`SearchLatency` (searches of the serving
+collection the rollout times itself). Samples are taken after a write, at most one per
+``SAMPLE_INTERVAL_S`` (a sample is itself load).
 
-* :class:`ServiceLatency` -- users' queries: the latency histogram of every search service announced in the
-  workspace (:mod:`components.adapters.services`), scraped from its ``/metrics``; the idle p99 is that of the
-  queries answered in the ``IDLE_WAIT_S`` before the rollout touches the gallery (at least ``IDLE_QUERIES``);
-* :class:`SearchLatency` -- when no service runs (or none has traffic): the rollout times a search of the
-  serving collection itself, ``IDLE_QUERIES`` before the first batch (the idle p99), then one per sample.
-
-Samples are taken after a write, at most one per ``SAMPLE_INTERVAL_S`` (each is a search or a scrape of
-the service: sampled after every small upsert they would be load of their own).
-
-The p99 over the last ``window`` samples is the latency under the backfill. The rate of re-embedded items
-per second follows additive-increase / multiplicative-decrease on it:
-
-* p99 above ``p99_factor`` x idle p99: the rate halves (first from the rate measured so far), never below
-  ``FLOOR_SHARE`` of that first measured rate (the backfill always finishes); the window starts over so
-  the next decision sees the new pace;
-* p99 below ``QUIET`` x that limit: the rate grows by ``GROWTH`` until it reaches ``max_items_per_s`` (or,
-  without a cap, until the backfill runs unpaced again);
-
-and ``max_items_per_s`` caps it at all times. The pace is enforced by sleeping after a batch until
-``items / rate`` seconds have passed since the previous one. What it ran at goes into the rollout state
-(``pace``): the latency source, the idle and last p99, the rate, how often it slowed down and how long it
-slept; each worker of a fanned-out stage starts from it (:mod:`components.rollout.workers`).
+The rate of re-embedded items follows additive-increase / multiplicative-decrease on the p99 of the last
+``window`` samples: above ``p99_factor`` x idle p99 it halves (never below ``FLOOR_SHARE`` of the first
+measured rate, so the backfill finishes) and the window starts over; below ``QUIET`` x that limit it grows by
+``GROWTH`` up to ``max_items_per_s``, which caps it at all times. The pace sleeps after a batch until
+``items / rate`` seconds have passed; what it ran at goes into the rollout state (``pace``).
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import urllib.request
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -129,16 +116,13 @@ def _latency_buckets(text: str) -> dict[float, float]:
     prometheus_client's own parser; labels besides ``le`` are summed over)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    buckets: dict[float, float] = {}
+    buckets: Counter[float] = Counter()
     for family in text_string_to_metric_families(text):
-        if family.name != LATENCY_METRIC:
-            continue
         for sample in family.samples:
             if sample.name == f"{LATENCY_METRIC}_bucket":
                 bound = sample.labels["le"]
-                upper_ms = float("inf") if bound == "+Inf" else 1000 * float(bound)
-                buckets[upper_ms] = buckets.get(upper_ms, 0.0) + float(sample.value)
-    return buckets
+                buckets[float("inf") if bound == "+Inf" else 1000 * float(bound)] += float(sample.value)
+    return dict(buckets)
 
 
 class ServiceLatency:
@@ -171,7 +155,7 @@ class ServiceLatency:
 
     def _delta(self) -> dict[float, float]:
         """Observations since the previous scrape, summed over the services that answered both."""
-        total: dict[float, float] = {}
+        total: Counter[float] = Counter()
         for url in self.urls:
             now = self._scrape(url)
             if now is None:
@@ -183,15 +167,14 @@ class ServiceLatency:
             if any(now.get(b, 0.0) < c for b, c in before.items()):  # the service restarted
                 before = {}
             for bound, count in now.items():
-                total[bound] = total.get(bound, 0.0) + count - before.get(bound, 0.0)
-        return total
+                total[bound] += count - before.get(bound, 0.0)
+        return dict(total)
 
     @staticmethod
     def _p99(deltas: Sequence[dict[float, float]]) -> float | None:
-        summed: dict[float, float] = {}
+        summed: Counter[float] = Counter()
         for delta in deltas:
-            for bound, count in delta.items():
-                summed[bound] = summed.get(bound, 0.0) + count
+            summed.update(delta)
         if not summed or summed.get(float("inf"), 0.0) < MIN_SAMPLES:
             return None
         bounds = sorted(summed)

@@ -1,10 +1,6 @@
-"""Planning a rollout: what it reads from the serving collection and what it decides before any write.
-
-The pieces :meth:`components.rollout.engine.Rollout._plan` assembles into a new rollout state: the source
-collection behind the alias, the probe set's coverage of it, a bounded sample of it (where the order's cuts
-lie, and the centres the rows the rollout writes are keyed against: :mod:`components.rollout.keys`), the
-probe floors and the stage list. Nothing here reads the whole collection.
-"""
+"""Planning a rollout: what :meth:`components.rollout.engine.Rollout._plan` reads from the serving collection
+(the source behind the alias, the probe set's coverage of it, a bounded sample of it) and decides before any
+write (the probe floors, the stage list). Nothing here reads the whole collection."""
 
 from __future__ import annotations
 
@@ -117,12 +113,8 @@ def stage_floors(
 def probe_margin(recall: float, n_queries: int, standard_errors: float) -> float:
     """How far (in points) a stage's R@K may fall below the old/old ``recall`` of ``n_queries`` probe
     queries: ``standard_errors`` x the binomial standard error 100 * sqrt(p (1 - p) / n), p = recall / 100.
-
-    An index built again (HNSW's graph, Milvus's segments) answers near-tied queries differently, so an
-    identical model on a rebuilt index scores a query or two apart from old/old; a margin of one standard
-    error lets that pass while a broken mixed gallery, which falls by tens of points, halts. 0: the floor
-    is old/old exactly. The release gate, not the probe, holds the compatibility criterion on the
-    evaluation set."""
+    A rebuilt index answers near-tied queries differently, a query or two apart from old/old; one standard
+    error lets that pass while a broken mixed gallery, tens of points down, halts (0: old/old exactly)."""
     if standard_errors < 0 or n_queries < 1:
         raise ValueError(f"probe margin: {standard_errors} standard errors over {n_queries} queries")
     p = min(max(recall / 100.0, 0.0), 1.0)

@@ -1,15 +1,12 @@
-"""The gallery's part of a production rollback: the registry moves its aliases, these put the index back.
+"""The gallery's part of a production rollback: the registry moves its aliases, these put the index back
+(:func:`components.steps.rollback_production` passes them to
+:meth:`components.adapters.registry.Registry.rollback`).
 
-:func:`components.steps.rollback_production` passes them to
-:meth:`components.adapters.registry.Registry.rollback`.
-``prepare_rollback`` refuses a registry rollback whose gallery part cannot be done, before anything changes
-(the returning model checked against the registry's digest, its workspace copy downloaded again when damaged);
-``on_rollback`` first rolls back a rollout of a candidate left unfinished in the rollout state (a run killed
-or failed mid-backfill, or killed after its backfill completed but before the promotion: that candidate was
-made for the production that is leaving, so no later run may resume it), then the rollout of the version that
-leaves production (previous collection or vectors, previous query model; found even when later rollouts were
-archived), re-embeds with the returning model the items written since, and records the restored versions in
-the item lineage.
+``prepare_rollback`` refuses, before anything changes, a rollback whose gallery part cannot be done;
+``on_rollback`` first rolls back a candidate's rollout left unfinished (made for the production that is
+leaving, so no later run may resume it), then the rollout of the version that leaves production (found even
+when later rollouts were archived), re-embeds with the returning model the items written since, and records
+the restored versions in the item lineage.
 """
 
 from __future__ import annotations
@@ -98,11 +95,8 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
 
 
 def unfinished_rollout(paths: Any, production: str | None) -> dict[str, Any] | None:
-    """The rollout state in ``paths.state`` when its change is unfinished, else None. A change is unfinished
-    until it is promoted: the rollout is pending, running or halted (its run was killed or failed
-    mid-backfill, so its candidate may answer over a mixed gallery), or it completed for a version that is
-    not ``production`` (its run was killed after the backfill, before the promotion: the candidate answers
-    every query from the rollout's own collection, the source collection kept)."""
+    """The rollout state in ``paths.state`` when its change is not promoted yet
+    (:func:`components.state.rollout_document.unpromoted`), else None."""
     from components.rollout import load_state
     from components.state.rollout_document import unpromoted
 
@@ -113,11 +107,9 @@ def unfinished_rollout(paths: Any, production: str | None) -> dict[str, Any] | N
 def _roll_back_unfinished(
     paths: Any, index: Any, current: dict[str, Any], why: str
 ) -> tuple[dict[str, Any], int]:
-    """Undo the unfinished rollout ``current`` (its vectors and query switch; a completed one's items indexed
-    into its collection since are embedded again by the returning model), its state ``rolled_back`` with
-    ``why`` and where it stood in ``halt_reason``, so that neither ``rollout status`` nor the next run takes
-    it for one in progress (the run that made it, resumed, finds it rolled back and ends rejected). Returns
-    the state and how many items were embedded again."""
+    """Undo the unfinished rollout ``current`` (a completed one's items indexed since are embedded again by
+    the returning model), its state ``rolled_back`` with ``why`` and where it stood in ``halt_reason``, so no
+    run takes it for one in progress. Returns the state and how many items were embedded again."""
     from components.rollout import rollback
     from components.rollout.state import exclusive, save_state
 
@@ -132,9 +124,8 @@ def _roll_back_unfinished(
 
 
 def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str, Any] | None:
-    """Roll back the rollout in ``paths.state`` when its change is unfinished (:func:`unfinished_rollout`), a
-    production rollback superseding it (see :func:`_roll_back_unfinished`). Returns its final state, or None
-    when there was none."""
+    """Roll back the rollout in ``paths.state`` when its change is unfinished, a production rollback
+    superseding it; returns its final state, or None when there was none."""
     current = unfinished_rollout(paths, event["from_version"])
     if current is None:
         return None
@@ -150,14 +141,11 @@ def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str
 
 
 def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
-    """What ``compatflow rollback`` undoes when a candidate's change is unfinished (its rollout unfinished, or
-    completed and never promoted: :func:`unfinished_rollout`): that rollout alone, the gallery and query
-    model back to the ``registry``'s production (which stays production, with or without a previous version;
-    no alias moves), the item lineage synced. Production's model is checked against the registry's digest
-    first, its workspace copy downloaded again when damaged; a model that cannot be made to match raises
-    :class:`~components.serving.record.ServingError` with nothing switched. Returns
-    ``{"rollout_id", "candidate", "was", "stage", "production", "state", "reembedded"}`` (``was``: its
-    status; ``state``: its rollout state, rolled back), or None when no change is unfinished."""
+    """What ``compatflow rollback`` undoes when a change is unfinished (:func:`unfinished_rollout`):
+    that rollout alone, the gallery and query model back to the ``registry``'s production (no alias moves),
+    the item lineage synced. Production's model is checked against the registry's digest first
+    (:class:`~components.serving.record.ServingError` with nothing switched). Returns
+    ``{"rollout_id", "candidate", "was", "stage", "production", "state", "reembedded"}``, or None."""
     from components.adapters.lineage import sync_from_index
     from components.rollout import RolloutPaths
     from components.rollout.operations import open_index
@@ -190,8 +178,7 @@ def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
 def complete_gallery(index: Any, leaving: str, state: dict[str, Any], root: Any = None) -> int:
     """After a rolled-back rollout: embed with the restored query model every item of the serving collection
     written by another version, and every item indexed into the ``leaving`` collection since the rollout
-    (the source it returns to never saw them); relative source URIs lie under ``root``. Returns how many
-    were written."""
+    (relative source URIs lie under ``root``); returns how many were written."""
     import numpy as np
 
     from compat.production import load_encoder
@@ -229,22 +216,13 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any], root: Any 
 def _stale_batches(
     index: Any, target: str, leaving: str, version: str, size: int = 256
 ) -> Iterator[list[Any]]:
-    """Batches of rows to re-embed with ``version`` into ``target``: its rows of another version (read a batch
-    at a time until none is left: each write takes its rows out of the filter), then the rows of the
-    ``leaving`` collection that no rollout took from ``target`` and ``target`` lacks (paged, each page checked
-    by id). Bounded by ``size``."""
-    from components.adapters.index import ROW_FIELDS, quote
+    """Batches of at most ``size`` rows to re-embed with ``version`` into ``target``: its rows of another
+    version (until none is left: each write takes its rows out of the filter), then the rows of ``leaving``
+    that no rollout took from ``target`` and ``target`` lacks."""
+    from components.adapters.index import ROW_FIELDS
+    from components.rollout.writes import rows_of_other_versions
 
-    flt = f"model_version != {quote(version)}"
-    previous = None
-    while rows := index.rows_where(flt, ROW_FIELDS, target, limit=size):
-        keys = [r["item_id"] for r in rows]
-        if keys == previous:
-            raise RuntimeError(
-                f"the re-embedded rows of {target} are not visible to the next read; run again"
-            )
-        previous = keys
-        yield rows
+    yield from rows_of_other_versions(index, target, version, size)
     if leaving != target and index.has_collection(leaving):
         # rows a rollout did not take from its source (backfill_stage 0: indexed into it since); a collection
         # made before per-row keys is read whole

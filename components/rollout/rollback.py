@@ -24,16 +24,11 @@ def rollback(
     *,
     promoted: bool = True,
 ) -> dict[str, Any]:
-    """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``, see :func:`rollout_of`):
-    the serving record and the alias back to its source collection, which the rollout never wrote, and the
-    previous query model. A switch: nothing is read or written per item, whatever the gallery's size. The
-    rollout's own collection stays until the next rollout is planned (a production rollback first copies the
-    items indexed into it since: :func:`components.rollout.production_rollback.complete_gallery`).
-    ``promoted=False`` for a completed rollout whose version never became production (its run was killed
-    before the promotion): the record's rollback target goes back to production's, as for an unfinished one.
-
-    Idempotent: a rollback interrupted at any point can be run again. Returns the state (``rolled_back``).
-    """
+    """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``): the serving record and
+    the alias back to its source collection, which the rollout never wrote, and the previous query model. A
+    switch, whatever the gallery's size; the rollout's own collection stays until the next rollout is planned.
+    ``promoted=False``: a completed rollout whose version never became production (the record's rollback
+    target goes back to production's). Idempotent; returns the state (``rolled_back``)."""
     state_path = Path(state_path or paths.state)
     with exclusive(paths.state):
         root = paths.root

@@ -88,15 +88,11 @@ class ProbeSet:
 
 @dataclass
 class RolloutEncoders:
-    """The serving contract of a release, as callables.
-
-    ``new_gallery`` returns vectors in the serving space; ``new_query`` output goes through
-    ``query_transform`` (e.g. a backward adapter or a truncation) when one is given. ``gallery_transform``
-    maps stored old vectors into the serving space (forward adapter, zero-padding); it is applied to a
-    copy of the gallery in stage 0. ``space`` and ``transform_tag`` describe the contract (the target
-    space id and a name for the transform, recorded in each row's lineage). ``recipe`` names the factory
-    and arguments they were built from, so that backfill workers in other processes build the same ones.
-    """
+    """The serving contract of a release, as callables. ``new_query`` output goes through ``query_transform``
+    (a backward adapter, a truncation) when given; ``gallery_transform`` maps stored old vectors into the
+    serving space (forward adapter, zero-padding), applied to a copy of the gallery in stage 0. ``space`` and
+    ``transform_tag`` (recorded in each row) name the contract; ``recipe`` the factory and arguments they
+    were built from, so that backfill workers in other processes build the same ones."""
 
     old_query: QueryEncoder
     new_query: QueryEncoder
@@ -105,9 +101,7 @@ class RolloutEncoders:
     gallery_transform: VectorTransform | None = None
     space: str | None = None
     transform_tag: str = ""
-    recipe: dict[str, Any] | None = (
-        None  # {"factory": "module:function", "args": {...}}: built again by workers
-    )
+    recipe: dict[str, Any] | None = None  # {"factory": "module:function", "args": {...}}
 
     def serving_queries(self, texts: Sequence[str]) -> np.ndarray:
         q = np.asarray(self.new_query(list(texts)), dtype=np.float32)
@@ -187,8 +181,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RolloutPaths:
-    """Where a rollout keeps its state: the state JSON, the serving record, its work files and the running
-    services' announcements; a workspace's (:meth:`for_workspace`), or a folder's for benchmarks."""
+    """Where a rollout keeps its state, its work files and finds the serving record and the running services:
+    a workspace's (:meth:`for_workspace`)."""
 
     state: Path
     serving: Path
@@ -200,8 +194,7 @@ class RolloutPaths:
 
     @classmethod
     def for_workspace(cls, workspace: Any = None) -> RolloutPaths:
-        """The paths :class:`components.state.workspace.Workspace` gives a workspace (or a folder used as
-        one)."""
+        """The paths :class:`components.state.workspace.Workspace` gives a workspace (or a folder)."""
         from components.state.workspace import Workspace
 
         ws = Workspace.coerce(workspace)

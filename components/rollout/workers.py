@@ -1,20 +1,14 @@
 """A stage's slices, re-embedded and written by the rollout's process or by workers that live across stages.
 
-A stage is a filter on the keys every row carries (:mod:`components.rollout.keys`), split into ``n`` slices by
-``order_key`` ranges. :func:`run_range` runs the slices ``[start, end)`` of the stage the spec file names:
-each slice is read from the source collection a page at a time (its filter: nothing else is read), re-embedded
-by the new gallery encoder (or, for a transformed copy, mapped by the gallery transform) on a second thread
-while the page before it is written, inserted into the rollout's own collection (upserted when a crash may
-have half-written it), and its items' lineage recorded by the same process. The range's cursor file names the
-slices done. So a range is resumable and idempotent, and it scales with the workers that run it: one rollout
-process (``workers`` 1), a pool of ``workers`` processes started once per rollout (:class:`WorkerPool`), or
-parallel pipeline tasks on a cluster (:func:`components.kfp_ops.rollout_range_op` in a ``dsl.ParallelFor``).
-
-Pace: one budget. Each of K workers paces at 1/K of the rollout's rate cap, its SLO throttle starting from
-the idle p99 the rollout measured before its first write (recorded in the spec).
-
-Workers share the index through a server: an embedded milvus-lite directory opens in one process only, so
-``workers > 1`` needs ``index.uri`` on a Milvus server (or ``milvus-lite server``).
+A stage (a filter on the keys every row carries, :mod:`components.rollout.keys`) is split into ``n`` slices
+by ``order_key`` ranges. :func:`run_range` runs the slices ``[start, end)`` of the stage the spec file names:
+each slice is read a page at a time, re-embedded (or mapped by the gallery transform) on a second thread
+while the page before it is written, and its items' lineage recorded; the range's cursor file names the
+slices done, so a range is resumable and idempotent. One rollout process runs the ranges (``workers`` 1), a
+pool of processes started once per rollout (:class:`WorkerPool`), or parallel pipeline tasks on a cluster
+(:func:`components.kfp_ops.rollout_range_op`). Each of K workers paces at 1/K of the rate cap, from the idle
+p99 the rollout measured. ``workers > 1`` needs ``index.uri`` on a Milvus server (milvus-lite opens in one
+process only).
 """
 
 from __future__ import annotations

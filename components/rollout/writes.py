@@ -1,19 +1,16 @@
-"""How a rollout writes to Milvus: the rows of a stage, written in calls of a bounded size, flushed every so
-many rows.
+"""How a rollout writes to Milvus: a stage's rows, in calls of a bounded size, flushed every so many rows.
 
-Milvus answers one call at a time, so a user's query that arrives during a write waits for it: an upsert of
-256 rows holds queries ~24 ms, one of 32 rows ~5 ms, and a flush ~20 ms for 256 unflushed rows, ~55 ms for
-1,024 (milvus-lite, measured for benchmarks/results/backfill.md). Left unflushed, thousands of rows make
-every search a slow brute-force scan. Unpaced, a rollout writes whole batches and flushes every
-``flush_rows`` rows (throughput); with the SLO throttle on, it writes ``PACED_UPSERT_ROWS`` per call and
-flushes every ``PACED_FLUSH_ROWS`` rows, so that no single write holds a query for long (tail latency).
-A Milvus server indexes growing segments itself and a flush there costs seconds: the periodic flushes are
-for milvus-lite only (:attr:`components.adapters.index.GalleryIndex.needs_periodic_flush`).
+Milvus answers one call at a time, so a user's query waits for a write: an upsert of 256 rows holds it ~24 ms,
+one of 32 rows ~5 ms, a flush of 256 rows ~20 ms (milvus-lite, benchmarks/results/backfill.md); left
+unflushed, thousands of rows make every search a brute-force scan. Unpaced, a rollout writes whole batches and
+flushes every ``flush_rows`` rows; with the SLO throttle, ``PACED_UPSERT_ROWS`` per call and a flush every
+``PACED_FLUSH_ROWS`` rows. A Milvus server indexes growing segments itself: periodic flushes are for
+milvus-lite only (:attr:`components.adapters.index.GalleryIndex.needs_periodic_flush`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,17 +66,37 @@ class GalleryWriter:
         self._unflushed = 0
 
 
+def rows_of_other_versions(
+    index: Any, collection: str, version: str, size: int
+) -> Iterator[list[dict[str, Any]]]:
+    """Batches of at most ``size`` rows of ``collection`` written by another version than ``version``, read
+    again after each batch until none is left: the caller rewrites each batch, which takes it out of the
+    filter (a batch read twice means the write is not visible: refused)."""
+    from components.adapters.index import ROW_FIELDS, quote
+    from components.rollout.types import RolloutError
+
+    flt, previous = f"model_version != {quote(version)}", None
+    while rows := index.rows_where(flt, ROW_FIELDS, collection, limit=size):
+        keys = [r["item_id"] for r in rows]
+        if keys == previous:
+            raise RolloutError(
+                f"the write of {len(keys)} items to {collection} is not visible to its next read; check the "
+                "index's consistency and run again (it resumes)"
+            )
+        previous = keys
+        yield rows
+
+
 def new_rows(
     encoders: RolloutEncoders,
     previous: Sequence[Mapping[str, Any]],
     spec: Mapping[str, Any],
     centres: np.ndarray | None,
 ) -> list[dict[str, Any]]:
-    """The rows a stage writes for ``previous`` rows: re-embedded by the new gallery encoder (action
-    ``reembed``: the new version, embedded now) or their vectors mapped by the gallery transform (action
-    ``transform``: a transformed copy, version and time kept), in ``spec["space"]``, stamped with the rollout
-    and ``spec["row_stage"]`` (``backfill_stage``: 1 + the stage that wrote a row from the source, 0 for one
-    the rollout did not take from it), their order keys computed against ``centres``."""
+    """The rows a stage writes for ``previous`` rows: re-embedded (action ``reembed``: the new version,
+    embedded now) or mapped by the gallery transform (``transform``: version and time kept), stamped with the
+    rollout and ``spec["row_stage"]`` (``backfill_stage``: 1 + the stage that took a row from the source, 0:
+    not taken from it), their order keys computed against ``centres``."""
     from compat.backfill import order_scores
     from components.adapters.index import now_ms
     from components.rollout.plan import check_vectors
