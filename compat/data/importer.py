@@ -445,9 +445,7 @@ def _json_array_items(text: str, key: str, where: Path, decoder: json.JSONDecode
 
     _, i = expect(0, "{", "a JSON object")
     found = False
-    if text[skip(i) : skip(i) + 1] == "}":
-        i = skip(i) + 1
-    else:
+    if text[skip(i) : skip(i) + 1] != "}":  # else an empty object
         while True:
             name, i = decoder.raw_decode(text, skip(i))
             _, i = expect(i, ":", "':'")
