@@ -41,6 +41,7 @@ class PairBatch:
 DEFAULT_SHUFFLE_BUFFER = 4096
 
 
+@dataclass(eq=False)
 class ShardBatches:
     """Re-iterable batches from shards: each pass over it is the next epoch (its own shard order).
 
@@ -54,30 +55,25 @@ class ShardBatches:
     never learned then win new image queries of every domain: new/old image-to-text collapses).
     """
 
-    def __init__(
-        self,
-        urls: str | Sequence[str],
-        batch_size: int,
-        seed: int = 0,
-        caption_choice: str = "random",
-        max_samples: int | None = None,
-        shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
-        image_size: int | None = None,
-        cache_bytes: int = 1 << 30,
-    ) -> None:
+    urls: str | Sequence[str]
+    batch_size: int
+    seed: int = 0
+    caption_choice: str = "random"
+    max_samples: int | None = None
+    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    image_size: int | None = None  # decoded to this short side when larger (the largest model input)
+    cache_bytes: int = 1 << 30  # decoded shards kept across epochs: later ones decode nothing
+
+    def __post_init__(self) -> None:
         from compat.data.cache import SampleCache
         from compat.data.loader import expand_urls
 
-        if batch_size < 2:
-            raise ValueError(f"batch_size must be >= 2 for contrastive training, got {batch_size}")
-        if shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
-        self.urls = expand_urls(urls)
-        self.batch_size, self.seed, self.caption_choice = batch_size, seed, caption_choice
-        self.max_samples = max_samples
-        self.shuffle_buffer = shuffle_buffer
-        self.image_size = image_size  # decoded to this short side when larger (the largest model input)
-        self.cache = SampleCache(cache_bytes)  # decoded shards kept across epochs: later ones decode nothing
+        if self.batch_size < 2:
+            raise ValueError(f"batch_size must be >= 2 for contrastive training, got {self.batch_size}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        self.urls = expand_urls(self.urls)
+        self.cache = SampleCache(self.cache_bytes)
         self.epoch = 0
 
     def __iter__(self) -> Iterator[PairBatch]:

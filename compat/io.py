@@ -35,16 +35,12 @@ def replace_durably(tmp: Path | str, path: Path | str) -> None:
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    try:
+    with contextlib.suppress(OSError):  # folders that cannot be opened or synced: the rename is atomic still
         folder = os.open(Path(path).parent, os.O_RDONLY)
-    except OSError:  # a platform whose folders cannot be opened: the rename is atomic all the same
-        return
-    try:
-        os.fsync(folder)
-    except OSError:
-        pass
-    finally:
-        os.close(folder)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def write_json_atomic(path: Path | str, document: Any) -> Path:
@@ -105,10 +101,8 @@ def own_folder(base: Path | str, *names: str, mode: int = 0o700) -> int:
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for n, name in enumerate(names):
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(name, mode, dir_fd=fd)
-            except FileExistsError:
-                pass
             try:
                 inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as exc:

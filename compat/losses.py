@@ -115,12 +115,8 @@ def modx_kl(
             f"modx_kl: student batch {new_image.shape[0]} != teacher batch {old_image.shape[0]}; "
             "both models must see the same batch"
         )
-    for tensor, name in (
-        (new_image, "new_image"),
-        (new_text, "new_text"),
-        (old_image, "old_image"),
-        (old_text, "old_text"),
-    ):
+    named = {"new_image": new_image, "new_text": new_text, "old_image": old_image, "old_text": old_text}
+    for name, tensor in named.items():
         _check_normalised(tensor, f"modx_kl ({name})")
     v, l_ = _at_least_fp32(new_image), _at_least_fp32(new_text)
     vo, lo = _at_least_fp32(old_image.detach()), _at_least_fp32(old_text.detach())
@@ -183,14 +179,9 @@ class ModXLoss(nn.Module):
         if not self.needs_teacher:
             zero = contrastive.new_zeros(())
             return LossTerms(contrastive, contrastive, zero)
-        if old_image_features is None or old_text_features is None:
+        old = (old_image_features, old_text_features)
+        if any(features is None for features in old):
             raise ValueError(f"ModXLoss(alpha={self.alpha}) needs the teacher's image and text features")
-        kl = modx_kl(
-            image_features,
-            text_features,
-            old_image_features,
-            old_text_features,
-            selective_correction=self.selective_correction,
-        )
-        kept = teacher_rows_kept(old_image_features, old_text_features)
+        kl = modx_kl(image_features, text_features, *old, selective_correction=self.selective_correction)
+        kept = teacher_rows_kept(*old)
         return LossTerms(contrastive + self.alpha * kl, contrastive, kl, kept)

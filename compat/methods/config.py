@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,10 +27,13 @@ class MethodConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming a setting out of its range (each method checks its own)."""
+
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
         if value is None and type(None) in args:
             return None
@@ -68,10 +72,8 @@ def config_from_mapping(
         )
     kwargs = {k: _coerce(v, hints[k], f"{source}: {k}") for k, v in values.items()}
     config = config_class(**kwargs)
-    validate = getattr(config, "validate", None)
-    if callable(validate):
-        try:
-            validate()
-        except ValueError as exc:
-            raise CompatError(f"{source}: {exc}") from exc
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise CompatError(f"{source}: {exc}") from exc
     return config

@@ -28,10 +28,10 @@ Tensors = dict[str, torch.Tensor]
 class CompatModel(ABC):
     """A fitted compatible model: serving-space encoders, the old-gallery read rule, persistence.
 
-    Subclasses implement :meth:`encode_images`, :meth:`encode_texts`, :meth:`checkpoint_parts`,
-    :meth:`restore` and, when they store adapters, :meth:`adapter_state`; a model whose rule is
-    ``forward_adapter`` implements :meth:`forward_adapter`. Encoders return L2-normalised float32 CPU
-    tensors [N, contract.dim] without gradients; the same encoders write re-embedded gallery items.
+    Subclasses implement :meth:`serving` (or :meth:`encode_images` and :meth:`encode_texts`),
+    :meth:`checkpoint_parts`, :meth:`restore` and, when they store adapters, :meth:`adapter_state`; a model
+    whose rule is ``forward_adapter`` implements :meth:`forward_adapter`. Encoders return L2-normalised
+    float32 CPU tensors [N, contract.dim] without gradients; they also write re-embedded gallery items.
     """
 
     method: ClassVar[str] = ""
@@ -62,13 +62,17 @@ class CompatModel(ABC):
         """Input resolution of the image encoder (None when unknown)."""
         return None
 
-    @abstractmethod
+    def serving(self) -> ClipBundle:
+        """The bundle whose encoders are this model's (a model that post-processes overrides ``encode_*``)."""
+        raise NotImplementedError(f"{type(self).__name__} defines encode_images and encode_texts itself")
+
     def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
         """Image queries (or gallery items) [N, dim] in the serving space."""
+        return self.serving().encode_images(images, batch_size=batch_size, device=device)
 
-    @abstractmethod
     def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
         """Text queries (or gallery items) [N, dim] in the serving space."""
+        return self.serving().encode_texts(texts, batch_size=batch_size, device=device)
 
     def text_bundle(self) -> ClipBundle | None:
         """A plain network whose text encoder is exactly this model's serving text encoder, or None when
@@ -174,12 +178,6 @@ class AdaptedModel(CompatModel):
         if not self.adapted.attached:
             raise CompatError(f"the adapters of this {self.method} model were removed (remove_adapters())")
         return self.adapted.serving
-
-    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        return self.serving().encode_images(images, batch_size=batch_size, device=device)
-
-    def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        return self.serving().encode_texts(texts, batch_size=batch_size, device=device)
 
     def original_new_model(self) -> ClipBundle:
         """A fresh copy of the new model as it was before the adapters (this model is unchanged)."""

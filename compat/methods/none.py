@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Self
 
-import torch
-
 from compat.methods import register_method
 from compat.methods.base import CompatMethod
 from compat.methods.config import MethodConfig
@@ -37,11 +35,8 @@ class PlainModel(CompatModel):
     def logit_scale(self) -> float:
         return logit_scale_of(self.new)
 
-    def encode_images(self, images: Any, batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        return self.new.encode_images(images, batch_size=batch_size, device=device)
-
-    def encode_texts(self, texts: list[str], batch_size: int = 256, device: Any = None) -> torch.Tensor:
-        return self.new.encode_texts(texts, batch_size=batch_size, device=device)
+    def serving(self) -> ClipBundle:
+        return self.new
 
     def text_bundle(self) -> ClipBundle:
         return self.new

@@ -57,9 +57,8 @@ from compat.methods.training import (
 )
 from compat.models import ClipBundle
 from compat.modules.adapters import AdapterHandle, insert_tied_adapters, vision_blocks
-from compat.modules.lora import load_named_tensors
 from compat.modules.projection import TwoLayerProjector
-from compat.modules.serving import ProjectedCLIP, projected_bundle
+from compat.modules.serving import ProjectedCLIP, load_named_tensors, projected_bundle
 
 
 # ------------------------------------------------------------------------------------------------ losses

@@ -238,12 +238,7 @@ class TrainingLog:
 
     def record(self, step: int, **terms: torch.Tensor | float) -> None:
         self.steps = step + 1
-        self._last = {
-            "step": step,
-            **{
-                k: round(float(v.detach() if isinstance(v, torch.Tensor) else v), 6) for k, v in terms.items()
-            },
-        }
+        self._last = {"step": step, **{k: round(float(v), 6) for k, v in terms.items()}}
         if self.progress is not None:
             self.progress.set(loss=self._last[next(iter(terms))])
         if self.listener is not None:

@@ -65,9 +65,9 @@ from compat.methods.training import (
 )
 from compat.models import ClipBundle
 from compat.modules.augment import augment_for
-from compat.modules.lora import LoraHandle, attach_lora, load_named_tensors
+from compat.modules.lora import LoraHandle, attach_lora
 from compat.modules.projection import XBTProjection
-from compat.modules.serving import ProjectedCLIP, projected_bundle
+from compat.modules.serving import ProjectedCLIP, load_named_tensors, projected_bundle
 from compat.modules.visual_prompts import PromptHandle, insert_visual_prompts
 
 PAPER_LOG_LOGIT_SCALE = 2.6592  # ln(1/0.07): "temperature ... fixed at 2.6592" (Sec. 4.1)

@@ -126,13 +126,6 @@ class LoraHandle:
         marker = f".{self.adapter_name}."
         return [(n, p) for n, p in self.model.named_parameters() if ".lora_" in n and marker in n]
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.named_parameters()}
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load LoRA matrices saved by :meth:`state_dict`; the names must match exactly."""
-        load_named_tensors(dict(self.named_parameters()), tensors, "LoRA weights")
-
     def remove(self) -> nn.Module:
         """Unload the adapters without merging and restore ``requires_grad`` flags (idempotent)."""
         if self._tuner is None:
@@ -145,29 +138,6 @@ class LoraHandle:
             if name in self._flags:
                 param.requires_grad_(self._flags[name])
         return self.model
-
-
-def load_named_tensors(
-    own: dict[str, nn.Parameter],
-    tensors: dict[str, torch.Tensor],
-    what: str,
-    error: type[Exception] = ValueError,
-) -> None:
-    """Copy ``tensors`` into the parameters ``own`` of the same names; names and shapes must all match."""
-    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
-    if missing or unexpected:
-        raise error(
-            f"{what} do not fit this model: missing {missing[:4]}, unexpected "
-            f"{unexpected[:4]} ({len(missing)} missing, {len(unexpected)} unexpected)"
-        )
-    for name, param in own.items():
-        if tensors[name].shape != param.shape:
-            raise error(
-                f"{what}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
-            )
-    with torch.no_grad():
-        for name, param in own.items():
-            param.copy_(tensors[name])
 
 
 def attach_lora(

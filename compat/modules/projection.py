@@ -1,12 +1,5 @@
-"""Projection heads that map a new model's embedding into the old model's space.
-
-- :class:`XBTProjection` is XBT's ``phi`` (Sec. 4.1, "Implementation Details"):
-  ``Linear - LN - GELU - Linear - LN - GELU - Linear``, hidden width four times the *output* (old)
-  dimension, no dropout.
-- :class:`TwoLayerProjector` is TaCA's dimension projector (Sec. 3.3): a two-layer MLP ``d_n -> d_p -> d_o``
-  with ``d_p = 4096`` by default (Sec. 4.2). The paper does not name the activation; GELU is used (the
-  activation of the ViTs it projects from).
-"""
+"""Projection heads that map a new model's embedding into the old model's space: XBT's ``phi`` (Sec. 4.1,
+no dropout) and TaCA's dimension projector (Sec. 3.3; the paper names no activation: GELU, the ViTs' own)."""
 
 from __future__ import annotations
 
@@ -21,7 +14,8 @@ def _check_dims(**dims: int) -> None:
 
 
 class XBTProjection(nn.Module):
-    """XBT's ``phi``: ``in_dim -> 4*out_dim -> 4*out_dim -> out_dim`` (Linear-LN-GELU-Linear-LN-GELU-Linear).
+    """XBT's ``phi``: ``in_dim -> 4*out_dim -> 4*out_dim -> out_dim`` (Linear-LN-GELU-Linear-LN-GELU-Linear),
+    hidden width four times the *output* (old) dimension.
 
     The module is the bare MLP; XBT l2-normalises its input and output around it (Sec. 3.2: "all embeddings
     are l2-normalized", so ``phi(w_new + eps)`` takes the re-normalised noisy embedding).

@@ -1,13 +1,7 @@
-"""Serving an adapted open_clip model through heads, and the adapter-free state of an adapted model.
-
-:class:`ProjectedCLIP` puts a head (XBT's ``phi``, TaCA's projector) behind an open_clip model's image and/or
-text embedding, and :func:`projected_bundle` wraps it as a :class:`~compat.models.ClipBundle`, so that
-batching, preprocessing, eval mode and device handling are ``ClipBundle.encode_images`` / ``encode_texts``.
-
-:func:`base_state_dict` is the state dict an adapted model had before its adapters were inserted (LoRA,
-visual prompts and tied adapters dropped, peft's ``base_layer`` wrappers unwrapped): what a checkpoint of the
-original new model holds.
-"""
+"""Serving an adapted open_clip model through heads (as a :class:`~compat.models.ClipBundle`, whose
+``encode_*`` do batching, preprocessing, eval mode and devices), and the adapter-free state of an adapted
+model (LoRA, prompts and tied adapters dropped, peft's ``base_layer`` unwrapped: the original new model) and
+the loading of saved adapter tensors."""
 
 from __future__ import annotations
 
@@ -89,3 +83,26 @@ def original_model(adapted: ClipBundle) -> ClipBundle:
     fresh.model.load_state_dict(base_state_dict(adapted.model), strict=True)
     fresh.model.to(adapted.device)
     return fresh
+
+
+def load_named_tensors(
+    own: dict[str, nn.Parameter],
+    tensors: dict[str, torch.Tensor],
+    what: str,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Copy ``tensors`` into the parameters ``own`` of the same names; names and shapes must all match."""
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise error(
+            f"{what} do not fit this model: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]} ({len(missing)} missing, {len(unexpected)} unexpected)"
+        )
+    for name, param in own.items():
+        if tensors[name].shape != param.shape:
+            raise error(
+                f"{what}: {name} has shape {tuple(tensors[name].shape)}, expected {tuple(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in own.items():
+            param.copy_(tensors[name])

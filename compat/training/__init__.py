@@ -1,21 +1,13 @@
 """Continual CLIP training: trainer (Mod-X, fine-tuning, joint), schedule, DDP helpers, resumable state."""
 
-from compat.training.data import (
-    BatchSource,
-    ReplayBatchSource,
-    ReplayBuffer,
-    ShardBatchSource,
-    TensorBatchSource,
-    TrainBatch,
-)
+from compat.training.data import ReplayBatchSource, ReplayBuffer, ShardBatchSource, TensorBatchSource
 from compat.training.ddp import DistInfo, env_dist_info, init_distributed, shutdown_distributed
 from compat.training.schedule import CosineWarmup
-from compat.training.state import ResumeError, TrainState, latest_checkpoint, list_checkpoints
+from compat.training.state import ResumeError, list_checkpoints
 from compat.training.trainer import (
     LEDGER_FILE,
     LOGIT_SCALE_MAX,
     TrainConfig,
-    TrainResult,
     build_optimizer,
     clamp_logit_scale,
     loss_and_backward,
@@ -25,7 +17,6 @@ from compat.training.trainer import (
 __all__ = [
     "LEDGER_FILE",
     "LOGIT_SCALE_MAX",
-    "BatchSource",
     "ReplayBatchSource",
     "ReplayBuffer",
     "CosineWarmup",
@@ -33,15 +24,11 @@ __all__ = [
     "ResumeError",
     "ShardBatchSource",
     "TensorBatchSource",
-    "TrainBatch",
     "TrainConfig",
-    "TrainResult",
-    "TrainState",
     "build_optimizer",
     "clamp_logit_scale",
     "env_dist_info",
     "init_distributed",
-    "latest_checkpoint",
     "list_checkpoints",
     "loss_and_backward",
     "shutdown_distributed",

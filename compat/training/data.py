@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,6 +30,7 @@ class BatchSource(Protocol):
     def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]: ...
 
 
+@dataclass(eq=False)
 class ShardBatchSource:
     """Global batches from webdataset shards, repeating over epochs, resumable at any batch boundary.
 
@@ -42,37 +43,28 @@ class ShardBatchSource:
     random training transform draws per (seed, epoch, key) either way.
     """
 
-    def __init__(
-        self,
-        urls: str | Sequence[str],
-        batch_size: int,
-        image_transform: Callable[[Any], Any],
-        tokenizer: Callable[[list[str]], Any],
-        *,
-        seed: int = 0,
-        caption_choice: str = "random",
-        shuffle_shards: bool = True,
-        image_size: int | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        workers: int = 0,
-    ) -> None:
+    urls: str | Sequence[str]
+    batch_size: int
+    image_transform: Callable[[Any], Any]
+    tokenizer: Callable[[list[str]], Any]
+    _: KW_ONLY
+    seed: int = 0
+    caption_choice: str = "random"
+    shuffle_shards: bool = True
+    image_size: int | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    workers: int = 0
+
+    def __post_init__(self) -> None:
         from compat.data.cache import SampleCache
         from compat.data.loader import expand_urls
 
-        if batch_size < 2:
-            raise ValueError(f"batch_size must be >= 2 for a contrastive loss, got {batch_size}")
-        if workers < 0:
-            raise ValueError(f"loader workers must be >= 0 (0: decode in this process), got {workers}")
-        self.urls = expand_urls(urls)
-        self.batch_size = batch_size
-        self.image_transform = image_transform
-        self.tokenizer = tokenizer
-        self.seed = seed
-        self.caption_choice = caption_choice
-        self.shuffle_shards = shuffle_shards
-        self.image_size = image_size
-        self.cache = SampleCache(cache_bytes)
-        self.workers = workers
+        if self.batch_size < 2:
+            raise ValueError(f"batch_size must be >= 2 for a contrastive loss, got {self.batch_size}")
+        if self.workers < 0:
+            raise ValueError(f"loader workers must be >= 0 (0: decode in this process), got {self.workers}")
+        self.urls = expand_urls(self.urls)
+        self.cache = SampleCache(self.cache_bytes)
 
     def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]:
         from compat.data.loader import ShardStream, iter_batches

@@ -1,16 +1,11 @@
 """Training state and resumable checkpoints, written atomically, loaded without unpickling.
 
-A checkpoint is a directory ``step-NNNNNNNN/`` holding
-
-- ``model.safetensors`` + ``model.json``: the student's weights (``compat.models.save_checkpoint``),
-- ``optimizer.safetensors``: the optimizer's per-parameter tensors (AdamW moments and step counts),
-- ``rng.safetensors``: torch CPU (and CUDA) generator states,
-- ``progress.json``: step, samples seen, data position, loss history, the training config, the schedule, the
-  optimizer's param groups, the GradScaler state and the Python / NumPy RNG states.
-
-It is assembled in a hidden temporary directory and renamed into place in one ``os.replace``, so a
-``step-*`` directory is always complete; a run killed mid-write leaves only a temporary directory, removed
-at the next start.
+A checkpoint is a directory ``step-NNNNNNNN/``: the student's ``model.safetensors`` + ``model.json``, the
+optimizer's tensors (``optimizer.safetensors``), torch generator states (``rng.safetensors``) and
+``progress.json`` (step, samples seen, data position, history, config, schedule, param groups, GradScaler and
+Python / NumPy RNG states). It is assembled in a hidden temporary directory renamed into place in one
+``os.replace``, so a ``step-*`` directory is always complete; a killed write leaves a temporary directory,
+removed at the next start.
 """
 
 from __future__ import annotations
@@ -167,17 +162,11 @@ def save_training_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(state.step)
     tmp = root / f"{_TMP_PREFIX}{state.step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model = getattr(bundle.model, "module", bundle.model)
-    save_checkpoint(
-        bundle,
-        tmp,
-        version=checkpoint_name(state.step),
-        extra={"train_step": state.step},
-        state_dict=model.state_dict(),
-    )
+    weights = getattr(bundle.model, "module", bundle.model).state_dict()
+    extra = {"train_step": state.step}
+    save_checkpoint(bundle, tmp, version=final.name, extra=extra, state_dict=weights)
     opt_tensors, opt_doc = _optimizer_to_files(optimizer)
     save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
     rng_tensors, rng_doc = capture_rng()
