@@ -45,6 +45,15 @@ def fail(message: str, code: int = USAGE, *, next_step: str | None = None) -> No
     raise typer.Exit(code)
 
 
+@contextlib.contextmanager
+def refusing(*errors: type[Exception], code: int = USAGE) -> Iterator[None]:
+    """:func:`fail` with the message of any of ``errors`` raised in the block."""
+    try:
+        yield
+    except errors as err:
+        fail(str(err), code)
+
+
 def echo_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
 
@@ -56,11 +65,9 @@ def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
     from components.state.lock import WorkspaceBusy, workspace_lock
     from components.state.workspace import Workspace
 
-    try:
+    with refusing(WorkspaceBusy, code=1):
         with workspace_lock(Workspace.coerce(workspace), purpose):
             yield
-    except WorkspaceBusy as err:
-        fail(str(err), code=1)
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
@@ -84,10 +91,8 @@ def config_of(config: str | None) -> Any:
     is not checked here (``compatflow run`` checks all of it)."""
     from pipelines.config import ConfigError, load_config, resolve
 
-    try:
+    with refusing(ConfigError):
         return resolve(load_config(config or "local", local_paths=False, training=False))
-    except ConfigError as err:
-        fail(str(err))
 
 
 def _bare_workspace(config: str | None, workspace: Path | None) -> bool:
@@ -117,10 +122,8 @@ def reading_workspace(config: str | None, workspace: Path | None, deployment: An
         record = read_serving(ws.serving_path)
     except ServingError:
         return ws  # a damaged record: each command names it in its own answer
-    try:
+    with refusing(ServingError):
         check_index_agrees(ws.configured_index_uri, record, ws.serving_path)
-    except ServingError as err:
-        fail(str(err))
     return ws
 
 
@@ -133,10 +136,8 @@ def workspace_of(
 
     if config is not None and workspace is not None:
         fail("give --config or --workspace, not both")
-    try:
+    with refusing(WorkspaceError):
         if _bare_workspace(config, workspace):
             return Workspace(workspace, index_uri=index_uri)
         chosen = Workspace.of(deployment if deployment is not None else config_of(config))
         return chosen.with_index_uri(index_uri) if index_uri else chosen
-    except WorkspaceError as err:
-        fail(str(err))

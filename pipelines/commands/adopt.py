@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, echo_json, exit_codes, fail
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, echo_json, exit_codes, refusing
 
 REFUSED = 3
 
@@ -68,27 +68,22 @@ def adopt(
 
     model_name = config_of(config).registry.model_name if config else DEFAULT_MODEL_NAME
     ws = workspace_of(config, workspace)
-    try:
+    with refusing(AdoptionRefused):
         source = Source(uri, collection, id_field, vector_field, image_field, image_template, caption_field)
-    except AdoptionRefused as err:
-        fail(str(err))
-    with holding_workspace(ws, "adopt"):
-        try:
-            summary = run_adoption(
-                ws,
-                source,
-                arch=arch,
-                weights=weights,
-                sample_size=sample,
-                seed=seed,
-                threshold=threshold,
-                max_unreadable=max_unreadable,
-                model_name=model_name,
-                tracking_uri=weights_tracking_uri,
-                on_proof=_show_proof,
-            )
-        except AdoptionRefused as err:
-            fail(str(err), code=REFUSED)
+    with holding_workspace(ws, "adopt"), refusing(AdoptionRefused, code=REFUSED):
+        summary = run_adoption(
+            ws,
+            source,
+            arch=arch,
+            weights=weights,
+            sample_size=sample,
+            seed=seed,
+            threshold=threshold,
+            max_unreadable=max_unreadable,
+            model_name=model_name,
+            tracking_uri=weights_tracking_uri,
+            on_proof=_show_proof,
+        )
     typer.echo(
         f"adopted {summary['n_items']} items of {collection!r} as version {summary['model']['version']}: "
         f"served from {summary['collection']!r} (alias {summary['alias']!r}); {collection!r} is unchanged"

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import echo_json, exit_codes, fail, refusing
 
 compat_app = typer.Typer(
     help="Make a candidate compatible with the production model (BCT, lambda-orth, BT2, ...).",
@@ -66,12 +66,10 @@ def train(
     values.update({k: v for k, v in (("steps", steps), ("device", device)) if v is not None})
     from compat.compat_training import train_compat
 
-    try:
+    with refusing(FileNotFoundError, ValueError, KeyError):
         model = train_compat(
             method, old, new, shards, out, values, batch_size=batch_size, max_samples=max_samples
         )
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        fail(str(exc))
     info, c = model.training_info, model.contract
     typer.echo(
         f"{method}: {info.get('steps', 0)} steps in {info.get('seconds', 0):.1f} s, "

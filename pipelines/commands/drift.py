@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import exit_codes, fail
+from pipelines.commands._common import exit_codes, refusing
 
 
 @exit_codes()
@@ -25,12 +25,10 @@ def drift(
     from components.data.drift import run_drift
     from components.state.run_dir import DRIFT_REPORT_FILE
 
-    try:
+    with refusing(FileNotFoundError, ValueError):
         summary = run_drift(
             reference, current, out, production_checkpoint=production, sample_size=sample_size, seed=seed
         )
-    except (FileNotFoundError, ValueError) as err:
-        fail(str(err))
     typer.echo(f"drift severity: {summary['severity']}")
     for name, verdict in sorted(summary["verdicts"].items()):
         flag = "DRIFT" if verdict["drift"] else "ok"

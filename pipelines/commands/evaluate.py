@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import echo_json, exit_codes, fail, refusing
 
 
 @exit_codes()
@@ -36,7 +36,7 @@ def evaluate(
     from components.training.evaluate import REPORT_FILE
     from components.training.evaluate import evaluate as run_evaluate
 
-    try:
+    with refusing(FileNotFoundError, ValueError, KeyError):
         report = run_evaluate(
             old,
             new,
@@ -49,8 +49,6 @@ def evaluate(
             device=device,
             max_items=max_items,
         )
-    except (FileNotFoundError, ValueError, KeyError) as exc:
-        fail(str(exc))
     if as_json:
         echo_json(report)
         return

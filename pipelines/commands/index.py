@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail, refusing
 
 index_app = typer.Typer(help="The gallery index: run a Milvus standalone server locally, on loopback only.")
 
@@ -68,10 +68,8 @@ def serve_milvus(
 
     if not milvus_server.loopback_only():
         _into_namespace(netns)
-    try:
+    with refusing(milvus_server.MilvusServerError):
         server = milvus_server.start(data, bin_dir=binaries, graceful_stop_s=graceful_stop)
-    except milvus_server.MilvusServerError as err:
-        fail(str(err))
     typer.echo(f"Milvus standalone {milvus_server.server_version()} is ready (data in {server.data_dir})")
     typer.echo(f"  index.uri: {server.uri}")
     if _in_named_namespace(netns):
@@ -115,11 +113,9 @@ def move(
     from components.rollout.move import move_gallery
     from components.serving.record import ServingError
 
-    try:
+    with refusing(RolloutError, GalleryIndexError, ServingError, OSError):
         with holding_workspace(chosen, "compatflow index move"):
             moved = move_gallery(chosen, to, batch_size=batch_size)
-    except (RolloutError, GalleryIndexError, ServingError, OSError) as err:
-        fail(str(err))
     if as_json:
         echo_json(moved)
         return

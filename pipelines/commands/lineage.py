@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail, refusing
 
 
 @exit_codes({1: "Feast and the index disagree (--check), or no lineage to read"})
@@ -37,11 +37,9 @@ def lineage(
     if not item_ids and not check:
         fail("name item ids, or --check")
     store = LineageStore(ws.lineage_dir)
-    try:
+    with refusing(LineageError, code=1):
         rows = store.get_items(item_ids or [])
         agreement = _agreement(ws, store) if check else None
-    except LineageError as err:
-        fail(str(err), code=1)
     if as_json:
         items = [{**r, "embedded_at": r["embedded_at"] and r["embedded_at"].isoformat()} for r in rows]
         echo_json({"items": items, **({"check": agreement} if agreement else {})})

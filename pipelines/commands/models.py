@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail, refusing
 
 models_app = typer.Typer(
     help="Model configs (cf-* and open_clip architectures), their pretrained tags and which are on this "
@@ -133,10 +133,8 @@ def fetch(
     if not is_architecture(arch):
         fail(f"{arch!r} is not an open_clip architecture (`compatflow models` lists them)")
     folder = _weights_dir(config, workspace, to)
-    try:
+    with refusing(PretrainedError, code=1):
         path = fetch_weights(arch, tag, folder)
-    except PretrainedError as err:
-        fail(str(err), code=1)
     typer.echo(f"{arch}/{tag}: {path}")
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import echo_json, exit_codes, fail, refusing
 from pipelines.submit import EXPERIMENT, NAMESPACE, SCHEDULE_NAME, SERVICE_ACCOUNT, TOKEN_ENV, WEEKLY
 
 pipeline_app = typer.Typer(
@@ -58,11 +58,9 @@ def _package(path: Path | None, params: list[str] | None) -> tuple[Any, dict[str
     from pipelines.compile import COMPILED_DIR, COMPILED_NAME
     from pipelines.submit import SubmitError, load_package, parse_parameters
 
-    try:
+    with refusing(SubmitError):
         compiled = load_package(path or COMPILED_DIR / COMPILED_NAME)
         return compiled, parse_parameters(compiled, params or [])
-    except SubmitError as err:
-        fail(str(err))
 
 
 def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, Any]:
@@ -70,17 +68,13 @@ def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, A
     one the API refused or could not answer."""
     from pipelines.submit import KfpApi, SubmitError, plan
 
-    try:
+    with refusing(SubmitError):
         planned = plan(host, job)  # checks everything before the first request
-    except SubmitError as err:
-        fail(str(err))
     if dry_run:
         echo_json(planned)
         raise typer.Exit(0)
-    try:
+    with refusing(SubmitError, code=1):
         return {"host": planned["host"], **KfpApi(host, namespace=job.namespace, token=token).send_all(job)}
-    except SubmitError as err:
-        fail(str(err), code=1)
 
 
 @pipeline_app.command("submit")
@@ -198,16 +192,12 @@ def rehearse(
             "the rehearsal runs as root: it makes a private network namespace, root-owned read-only inputs "
             "and runs the tasks as the images' user, uid 10001 (e.g. `sudo make rehearse`)"
         )
-    try:
+    with refusing(RehearsalError):
         root = claim_root(root, fresh=fresh)
-    except RehearsalError as err:
-        fail(str(err))
     if not milvus_server.loopback_only():
         milvus_server.enter_private_network()
-    try:
+    with refusing(RehearsalError, code=1):
         outcome = run_rehearsal(root, phases=phases, milvus_binaries=milvus_binaries, echo=typer.echo)
-    except RehearsalError as err:
-        fail(str(err), code=1)
     typer.echo("")
     typer.echo(outcome.table())
     typer.echo(

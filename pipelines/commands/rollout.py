@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail
+from pipelines.commands._common import ConfigOpt, JsonOpt, WorkspaceOpt, echo_json, exit_codes, fail, refusing
 
 UriOpt = Annotated[
     str | None,
@@ -54,10 +54,8 @@ def index_cmd(
     from components.rollout import ServingError
     from components.rollout.operations import index_new_items
 
-    try:
+    with refusing(ServingError, GalleryIndexError, ValueError, OSError):
         record = index_new_items(workspace, model, version, space, gallery, probe_size=probe_size, seed=seed)
-    except (ServingError, GalleryIndexError, ValueError, OSError) as err:
-        fail(str(err))
     typer.echo(
         f"indexed {record['n_items']} items into {record['collection']} (alias {record['alias']}); "
         f"probe set: {record['probe']}"
@@ -129,7 +127,7 @@ def run_cmd(
     from components.rollout import RolloutError, ServingError
     from components.rollout.operations import roll_out
 
-    try:
+    with refusing(RolloutError, ServingError, GalleryIndexError, ValueError, OSError):
         state = roll_out(
             workspace,
             new_version,
@@ -143,8 +141,6 @@ def run_cmd(
             query_factory=query_factory,
             options=_options(option),
         )
-    except (RolloutError, ServingError, GalleryIndexError, ValueError, OSError) as err:
-        fail(str(err))
     _print_rollout(state, as_json)
 
 
@@ -241,11 +237,10 @@ def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_js
     from components.rollout import RolloutError, RolloutPaths, ServingError, rollback
     from components.rollout.operations import open_index
 
-    try:  # the index opened for this deployment: an alias of another one is never switched
+    # the index opened for this deployment: an alias of another one is never switched
+    with refusing(RolloutError, ServingError, GalleryIndexError, code=1):
         with holding_workspace(workspace, "compatflow rollout rollback"), open_index(workspace) as index:
             state = rollback(RolloutPaths.for_workspace(workspace), index)
-    except (RolloutError, ServingError, GalleryIndexError) as err:
-        fail(str(err), code=1)
     if as_json:
         echo_json(state)
     else:
@@ -279,10 +274,8 @@ def search_cmd(
     from components.serving.limits import QueryBoundError, check_search
     from pipelines.commands._common import serving_workspace
 
-    try:
+    with refusing(QueryBoundError):
         check_search(texts, k)  # before anything heavy is imported
-    except QueryBoundError as err:
-        fail(str(err))
     workspace, verify = serving_workspace(config, workspace)
     hits = _ask_service(workspace, texts, k) if uri is None else None
     if hits is None:
@@ -290,10 +283,8 @@ def search_cmd(
         from components.rollout import ServingError
         from components.serving.search import search
 
-        try:
+        with refusing(ServingError, GalleryIndexError, ValueError):
             hits = search(texts, k, record_path=workspace.serving_path, uri=uri, captions=True, verify=verify)
-        except (ServingError, GalleryIndexError, ValueError) as err:
-            fail(str(err))
     if as_json:
         echo_json(hits[0] if len(texts) == 1 else hits)
         return

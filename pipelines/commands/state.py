@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import exit_codes
+from pipelines.commands._common import exit_codes, holding_workspace, refusing
 
 state_app = typer.Typer(help="The workspace's phase record: rebuild it from the run folders.")
 
@@ -21,13 +21,10 @@ def rebuild(
     """Rebuild the phase record from the run folders (each phase's newest finished run)."""
     from components.runs import rebuild_state
     from components.state.workspace import Workspace
-    from pipelines.commands._common import fail, holding_workspace
     from pipelines.config import ConfigError, load_config, resolve
 
-    try:
+    with refusing(ConfigError):
         workspace = Workspace.of(resolve(load_config(config)))
-    except ConfigError as err:
-        fail(str(err))
     with holding_workspace(workspace, "compatflow state rebuild"):
         state = rebuild_state(workspace)
     for phase, entry in state["phases"].items():

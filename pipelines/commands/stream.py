@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import echo_json, exit_codes, fail, refusing
 
 stream_app = typer.Typer(
     help="Data streams: the phases a scheduled run picks up (stream.json, schemas/stream.schema.json).",
@@ -120,7 +120,7 @@ def add_phase(
         )
     found, source = split_shards(shards, {"train": train, "eval": eval_, "gallery": gallery})
     name = domain if domain is not None else (shards.resolve().name if shards is not None else "")
-    try:
+    with refusing(StreamError):
         entry = append(
             stream_dir,
             found,
@@ -129,8 +129,6 @@ def add_phase(
             source=source,
             in_place=in_place,
         )
-    except StreamError as exc:
-        fail(str(exc))
     manifest = str(stream_dir / "stream.json")
     echo_json({"stream": str(stream_dir), "added": _phase_summary(entry), "manifest": manifest})
 
@@ -140,10 +138,8 @@ def _next_phase(stream_dir: Path) -> int:
 
     if not manifest_path(stream_dir).is_file():
         return 0
-    try:
+    with refusing(StreamError):
         return len(load_manifest(stream_dir)["phases"])
-    except StreamError as exc:
-        fail(str(exc))
 
 
 def _phase_summary(entry: dict[str, Any]) -> dict[str, Any]:
@@ -162,10 +158,8 @@ def show_stream(stream_dir: Path, extra: dict[str, Any] | None = None) -> None:
     when a shard is missing."""
     from compat.data.manifest import StreamError, load_manifest, missing_shards
 
-    try:
+    with refusing(StreamError):
         manifest = load_manifest(stream_dir)
-    except StreamError as exc:
-        fail(str(exc))
     missing = missing_shards(stream_dir, manifest)
     doc = {
         "dir": str(stream_dir),

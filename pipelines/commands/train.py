@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import echo_json, exit_codes, fail, refusing
 
 train_app = typer.Typer(help="Train models on the data stream.", no_args_is_help=True)
 
@@ -157,10 +157,8 @@ def _training_section(deployment: Path | None, *, steps_given: bool = True) -> A
     from components.state.workspace import Workspace
     from pipelines.config import ConfigError, load_config
 
-    try:
+    with refusing(ConfigError):
         loaded = load_config(deployment, local_paths=False)
-    except ConfigError as err:
-        fail(str(err))
     if loaded.training.epochs is not None and not steps_given:
         fail(
             f"training.epochs is {loaded.training.epochs} in {deployment}: the pipeline's continual step "

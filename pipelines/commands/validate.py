@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import echo_json, exit_codes, refusing
 
 EXIT_BLOCKED = 3
 
@@ -58,16 +58,12 @@ def validate(
     )
     from schemas import SchemaError
 
-    try:
+    with refusing(OSError, ValueError, SchemaError):
         policy = load_validation_policy(policy_file) if policy_file else ValidationPolicy()
         if max_quarantined_fraction is not None:
             policy = policy.replace(max_quarantined_fraction=max_quarantined_fraction)
-    except (OSError, ValueError, SchemaError) as exc:
-        fail(str(exc))
-    try:
+    with refusing(ShardSpecError):
         summary = validate_phase(shards if len(shards) > 1 else shards[0], out, policy, force=force)
-    except ShardSpecError as exc:
-        fail(str(exc))
     if as_json:
         echo_json(summary.to_dict())
     else:
