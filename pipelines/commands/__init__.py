@@ -2,5 +2,4 @@
 :data:`pipelines.cli.COMMANDS` (a new module is added there; ``_*.py`` modules are shared helpers).
 
 Keep module level imports light (typer, stdlib): import heavy libraries inside the
-command functions.
-"""
+command functions."""

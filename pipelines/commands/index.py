@@ -62,8 +62,7 @@ def serve_milvus(
 ) -> None:
     """Run Milvus standalone (PyPI package milvus) on loopback only until SIGTERM or SIGINT.
 
-    Prints the index.uri to put in a config. Data survives a restart on the same --data folder.
-    """
+    Prints the index.uri to put in a config. Data survives a restart on the same --data folder."""
     from components.adapters import milvus_server
 
     if not milvus_server.loopback_only():

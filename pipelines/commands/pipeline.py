@@ -147,8 +147,7 @@ def schedule(
     that version per cron tick, at most one at a time, no catch-up.
 
     Each tick runs the next pending phase. The recurring run runs the version it was created with: after a
-    recompile, schedule again with --replace.
-    """
+    recompile, schedule again with --replace."""
     from pipelines.submit import Job
 
     compiled, parameters = _package(package, params)

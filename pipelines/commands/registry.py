@@ -32,8 +32,7 @@ def status(
 
     Reads files and the registry only: no model is loaded, and the index is opened only with --count (a
     server index is checked to accept connections). A config whose index.uri disagrees with the serving
-    record is refused, as compatflow run refuses it.
-    """
+    record is refused, as compatflow run refuses it."""
     from pipelines.commands._common import reading_workspace
     from pipelines.status import collect, next_step, problems
 

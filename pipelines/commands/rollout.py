@@ -269,8 +269,7 @@ def search_cmd(
 
     A running compatflow serve of the workspace (announced in its services folder) answers when there is
     one; otherwise the serving record's query model is loaded here, after its folder is checked against the
-    registry's digest of its version, and searches the collection the record names (--uri: another index).
-    """
+    registry's digest of its version, and searches the collection the record names (--uri: another index)."""
     from components.serving.limits import QueryBoundError, check_search
     from pipelines.commands._common import serving_workspace
 

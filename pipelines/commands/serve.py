@@ -70,8 +70,7 @@ def serve(
     Queries are answered by the serving record's query model against the collection it names; when a
     rollout or a rollback rewrites the record, both are swapped together. While it runs, the service is
     announced in the workspace (services/<hostname>-<port>.json): a rollout with an SLO throttle paces its
-    backfill on the latency of these users' queries.
-    """
+    backfill on the latency of these users' queries."""
     _check_host(host)
     ws, verify = serving_workspace(config, workspace)
     from components.adapters.services import announced
