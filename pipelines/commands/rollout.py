@@ -204,14 +204,11 @@ def status_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_json
     from pipelines.commands._common import workspace_of
 
     workspace = workspace_of(config, workspace)
-    from components.rollout import status
-    from components.rollout.types import RolloutError
+    from components.rollout import RolloutError, status
     from schemas import SchemaError
 
-    try:
+    with refusing(RolloutError, SchemaError, code=1):  # a damaged state file: the message names it
         doc = status(workspace.rollout_state_path)
-    except (RolloutError, SchemaError) as err:  # a damaged state file: the message names it
-        fail(str(err), code=1)
     if as_json:
         echo_json(doc)
         return
