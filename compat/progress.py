@@ -241,17 +241,6 @@ class Tracked(Generic[T]):
                 self._task = None
 
 
-def track(
-    items: Iterable[T],
-    description: str,
-    total: int | None = None,
-    logger: logging.Logger | None = None,
-    every_s: float | None = None,
-    unit: str = "items",
-) -> Tracked[T]:
-    """``items``, reporting progress as they are consumed (see the module docstring).
-
-    ``logger`` and ``every_s`` are accepted for older callers; lines go to ``compat.progress`` every
-    ``$COMPATFLOW_PROGRESS_EVERY_S`` seconds."""
-    del logger, every_s
+def track(items: Iterable[T], description: str, total: int | None = None, unit: str = "items") -> Tracked[T]:
+    """``items``, reporting progress as they are consumed (see the module docstring)."""
     return Tracked(items, description, total, unit)

@@ -1179,7 +1179,7 @@ def import_images(
         allowed.append(Path(os.path.realpath(folder)))
 
     def show(items: Any, desc: str, total: int | None = None) -> Any:
-        return track(items, desc, total=total, logger=log) if progress else items
+        return track(items, desc, total=total) if progress else items
 
     if out_path.exists() and not out_path.is_dir():
         raise DataImportError(f"--out {out_path} is a file; give a new or empty folder")

@@ -339,7 +339,7 @@ def _run_jobs(write: Callable[[ShardJob], int], jobs: list[ShardJob], workers: i
         if workers > 1 and len(jobs) > 1:  # spawned: the parent may hold torch threads
             ctx = multiprocessing.get_context("spawn")
             run = stack.enter_context(ProcessPoolExecutor(max_workers=workers, mp_context=ctx)).map
-        for _ in track(run(write, jobs), desc, total=len(jobs), logger=log):
+        for _ in track(run(write, jobs), desc, total=len(jobs)):
             pass
 
 

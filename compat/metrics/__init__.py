@@ -11,6 +11,8 @@ from compat.metrics.spatial_disorder import (
     SAM_BINS,
     angle_histogram,
     correctly_retrieved,
+    rotation_angles,
+    sam_change_histogram,
     spatial_disorder,
 )
 
@@ -23,5 +25,7 @@ __all__ = [
     "cross_model_retrieval",
     "recall_at_k",
     "retrieval_metrics",
+    "rotation_angles",
+    "sam_change_histogram",
     "spatial_disorder",
 ]

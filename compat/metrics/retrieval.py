@@ -114,13 +114,10 @@ def recall_at_k(
     gallery: torch.Tensor,
     positives: Sequence[Sequence[int]],
     ks: Sequence[int] = DEFAULT_KS,
-    *,
-    query_chunk: int = 1024,
-    gallery_chunk: int = 16384,
+    **chunks: int,
 ) -> dict[int, float]:
     """Recall@K in percent: the share of queries with a relevant gallery item among the top K
-    (:func:`query_hits`)."""
-    chunks = {"query_chunk": query_chunk, "gallery_chunk": gallery_chunk}
+    (:func:`query_hits`, which ``chunks`` sizes: ``query_chunk``, ``gallery_chunk``)."""
     return _percent(query_hits(queries, gallery, positives, ks, **chunks), ks)
 
 

@@ -167,6 +167,7 @@ class ReplayBuffer:
         return out
 
 
+@dataclass(eq=False)
 class ReplayBatchSource:
     """Current-phase batches in which ``replay`` of the ``batch_size`` rows come from a :class:`ReplayBuffer`.
 
@@ -178,35 +179,26 @@ class ReplayBatchSource:
     position replays exactly.
     """
 
-    def __init__(
-        self,
-        urls: str | Sequence[str],
-        buffer: ReplayBuffer,
-        batch_size: int,
-        replay: int,
-        image_transform: Callable[[Any], Any],
-        tokenizer: Callable[[list[str]], Any],
-        *,
-        seed: int = 0,
-        image_size: int | None = None,
-        workers: int = 0,
-    ) -> None:
-        if not 1 <= replay <= batch_size - 2:
-            raise ValueError(f"replay must be in [1, batch_size - 2] = [1, {batch_size - 2}], got {replay}")
-        if len(buffer) < replay:
-            raise ValueError(f"the replay buffer holds {len(buffer)} pairs, fewer than replay = {replay}")
-        self.current = ShardBatchSource(
-            urls,
-            batch_size - replay,
-            image_transform,
-            tokenizer,
-            seed=seed,
-            caption_choice="random",
-            image_size=image_size,
-            workers=workers,
-        )
-        self.buffer, self.batch_size, self.replay = buffer, batch_size, replay
-        self.image_transform, self.tokenizer, self.seed = image_transform, tokenizer, seed
+    urls: str | Sequence[str]
+    buffer: ReplayBuffer
+    batch_size: int
+    replay: int
+    image_transform: Callable[[Any], Any]
+    tokenizer: Callable[[list[str]], Any]
+    _: KW_ONLY
+    seed: int = 0
+    image_size: int | None = None
+    workers: int = 0
+
+    def __post_init__(self) -> None:
+        replay, most, held = self.replay, self.batch_size - 2, len(self.buffer)
+        if not 1 <= replay <= most:
+            raise ValueError(f"replay must be in [1, batch_size - 2] = [1, {most}], got {replay}")
+        if held < replay:
+            raise ValueError(f"the replay buffer holds {held} pairs, fewer than replay = {replay}")
+        rows = self.batch_size - replay  # the current phase's
+        options = {"seed": self.seed, "image_size": self.image_size, "workers": self.workers}
+        self.current = ShardBatchSource(self.urls, rows, self.image_transform, self.tokenizer, **options)
 
     def batches(self, position: dict[str, Any] | None) -> Iterator[TrainBatch]:
         import random
