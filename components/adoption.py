@@ -316,9 +316,8 @@ def adopt(
     :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known.
     ``weights``: a local file or folder, or an MLflow ``models:/`` or ``runs:/`` URI (from ``tracking_uri``).
 
-    Order: the copy (rows and lineage) into a collection nothing serves yet, then the model's registration,
-    then the alias and the serving record, then ``production`` and the phase record: a failure before the
-    alias moves serves nothing half made."""
+    Order: the copy (rows, lineage), the model's registration, the alias and the serving record, then
+    ``production`` and the phase record: a failure before the alias moves serves nothing half made."""
     from components.adapters.index import GalleryIndex
     from components.adapters.registry import Registry
     from components.rollout.operations import deployment_owner

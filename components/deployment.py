@@ -319,8 +319,6 @@ class ResourceSection(Section):
 def qualified_image(value: str) -> str:
     """``value`` when it is a registry-qualified image reference with a tag or a digest, else ValueError: a
     cluster pulls exactly what the config names, never ``docker.io/library/...:latest`` by accident."""
-    import re
-
     name, _, digest = value.partition("@")
     registry, slash, rest = name.partition("/")
     tag = rest.rpartition(":")[2] if ":" in rest else ""
@@ -434,19 +432,13 @@ class Deployment(Section):
         mapping is merged into it); checked like a loaded config."""
         document = self.to_dict()
         for key, value in sections.items():
-            if isinstance(value, Mapping):
-                document[key] = {**document[key], **value}
-            else:
-                document[key] = value
+            document[key] = {**document[key], **value} if isinstance(value, Mapping) else value
         return Deployment.parse(document, source="<changed config>")
 
     def resolved(self) -> Deployment:
-        """The config with every default made explicit: absolute workspace and stream, the service URIs the
-        :class:`~components.state.workspace.Workspace` resolves, the gate policy path, an empty accelerator.
-
-        KFP parameters cannot carry nulls, and an explicit config is what a run records. Raises
-        :class:`ConfigError` for a workspace that must not be written under.
-        """
+        """The config with every default made explicit (KFP parameters cannot carry nulls; a run records it):
+        absolute workspace and stream, the service URIs the :class:`~components.state.workspace.Workspace`
+        resolves, the gate policy path, an empty accelerator. :class:`ConfigError` for a refused workspace."""
         from components.gate import DEFAULT_POLICY_PATH
         from components.state.workspace import Workspace, WorkspaceError
 

@@ -1,12 +1,9 @@
 """One process at a time per workspace: a file lock the OS releases when its holder dies, naming the holder.
 
-``compatflow run`` holds it for the whole run (its KFP tasks are its children and run under it); operator
-commands that change what is served (``rollback``, ``rollout run`` / ``rollout rollback``) take it too. A
-second process gets :class:`WorkspaceBusy` at once, with the holder's pid, host, command and start time. A
-holder killed with SIGKILL leaves no stale lock: ``flock`` locks die with their process.
-
-A run's steps are child processes (KFP tasks) that can outlive a runner killed alone; each holds a shared
-lock while it runs (:func:`step_lock`), and the workspace lock is refused while one still does.
+``compatflow run`` holds it for the whole run, operator commands that change what is served take it too; a
+second process gets :class:`WorkspaceBusy` at once, naming the holder. ``flock`` locks die with their
+process, so a killed holder leaves no stale lock. A run's steps (KFP tasks, which can outlive a runner killed
+alone) each hold a shared lock while they run (:func:`step_lock`): the workspace lock is refused meanwhile.
 """
 
 from __future__ import annotations

@@ -78,13 +78,8 @@ ENV_LINEAGE_REPO = "COMPATFLOW_FEAST_REPO"
 
 class Workspace:
     """Every path of a workspace and every service URI a deployment uses; creates nothing until asked.
-
-    The one owner of the layout: no other module spells a workspace file name. Built from a deployment
-    (:meth:`of`) by the pipeline and by every operator command, so a command run with the cluster config
-    reaches the cluster's services. A service URI left unset resolves here, once: the configured value, else
-    the environment variable a pod receives (``COMPATFLOW_TRACKING_URI``, ``COMPATFLOW_MILVUS_URI``,
-    ``COMPATFLOW_FEAST_REPO``), else the embedded default inside the workspace.
-    """
+    Built from a deployment (:meth:`of`); a service URI left unset resolves here, once: the configured value,
+    else the environment variable a pod receives (``COMPATFLOW_*``), else the embedded default inside it."""
 
     def __init__(
         self,
@@ -186,9 +181,8 @@ class Workspace:
 
     @property
     def index_alias(self) -> str:
-        """The serving alias a first indexing creates: the configured one (``index.alias``), else
-        ``gallery_<8 hex of the deployment's seed>``, unique to this deployment (a workspace that serves
-        already keeps the alias its serving record names). Makes the deployment file for the default."""
+        """The serving alias a first indexing creates: ``index.alias``, else ``gallery_<8 hex of the
+        deployment's seed>``, unique to this deployment (makes the deployment file)."""
         return self._index_alias or f"{DEFAULT_ALIAS_PREFIX}_{self.deployment_seed()[:8]}"
 
     # ------------------------------------------------------------------------------------------ identity
@@ -198,9 +192,8 @@ class Workspace:
         return self.root / "deployment.json"
 
     def deployment_seed(self) -> str:
-        """The deployment's random seed: read from :attr:`deployment_path`, else made there once (a file
-        created whole and never replaced: processes that start at once agree on the first one written).
-        A copy of the workspace carries it (so its default alias is the original's)."""
+        """The deployment's random seed: read from :attr:`deployment_path`, else made there once (created
+        whole and never replaced: processes that start at once agree on the first one written)."""
         path = self.deployment_path
         if not path.exists():
             self.root.mkdir(parents=True, exist_ok=True)
@@ -215,12 +208,8 @@ class Workspace:
                 pass
             finally:
                 tmp.unlink(missing_ok=True)
-        try:
-            seed = json.loads(path.read_text(encoding="utf-8")).get("seed")
-            why = "its seed is not 32 hex digits"
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
-            seed, why = None, f"{type(exc).__name__}: {exc}"
-        if not isinstance(seed, str) or not _SEED.match(seed):
+        seed, why = _read_seed(path)
+        if seed is None:
             raise WorkspaceError(
                 f"{path} is not a deployment file ({why}): restore it from a backup of this workspace (a new "
                 "one makes this workspace another deployment, refused by the collections it made in a shared "
@@ -229,11 +218,9 @@ class Workspace:
         return seed
 
     def deployment_id(self) -> str:
-        """The deployment's identity (16 hex): its seed together with the root's absolute path. It marks every
-        collection a first indexing, a rollout or a move creates in an index, and a write into a collection
-        marked by another identity is refused. A copy of the workspace in another folder is another
-        deployment: it cannot write into the original's collections (a workspace moved to another folder
-        keeps what it marked before: :meth:`moved_from`)."""
+        """The deployment's identity (16 hex of its seed and the root's absolute path), marked on every
+        collection it creates in an index; a write into one marked by another identity is refused, so a copy
+        of the workspace elsewhere cannot write into the original's (a moved one can: :meth:`moved_from`)."""
         return _identity(self.deployment_seed(), str(self.root))
 
     def moved_from(self, mark: str, folder: str) -> bool:
@@ -243,11 +230,7 @@ class Workspace:
         seed = self.deployment_seed()
         if not folder or _identity(seed, folder) != mark:
             return False
-        try:
-            there = json.loads((Path(folder) / self.deployment_path.name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return True
-        return not isinstance(there, dict) or there.get("seed") != seed
+        return _read_seed(Path(folder) / self.deployment_path.name)[0] != seed
 
     # ------------------------------------------------------------------------------------------- state
     @property
@@ -357,6 +340,17 @@ def map_paths(doc: dict, keys: tuple[str, ...], convert) -> dict:  # noqa: ANN00
         if isinstance(node, dict) and isinstance(node.get(leaf), str):
             node[leaf] = convert(node[leaf])
     return out
+
+
+def _read_seed(path: Path) -> tuple[str | None, str]:
+    """The seed of the deployment file at ``path``, or None and why it has none."""
+    try:
+        seed = json.loads(path.read_text(encoding="utf-8")).get("seed")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if not isinstance(seed, str) or not _SEED.match(seed):
+        return None, "its seed is not 32 hex digits"
+    return seed, ""
 
 
 def _identity(seed: str, folder: str) -> str:

@@ -138,10 +138,8 @@ def _train_urls(
     from compat.data.synth import phase_urls
 
     newest = expand_urls(list(train_urls)) if train_urls else phase_urls(stream, phase, "train", manifest)
-    if method not in ALL_PHASES:
-        return newest
-    earlier = [u for q in range(phase) for u in phase_urls(stream, q, "train", manifest)]
-    return earlier + newest
+    earlier = _earlier_train_urls(stream, manifest, phase) if method in ALL_PHASES else []
+    return [u for urls in earlier for u in urls] + newest
 
 
 # The deployment's ``training`` section field -> TrainingSettings field: every section field is here or in
@@ -253,12 +251,12 @@ def run_continual(
     _say_when_resized(manifest, student)
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = settings.replay_buffer_size > 0 and method_used in ("modx", "finetune")
-    earlier = (replay_urls or _earlier_train_urls(stream, manifest, phase)) if replay else None
     config = _train_config(settings, alpha_used)
     plan = _plan_line(settings, method_used, alpha_used, urls, replay)
     log.info("phase %d (%s): %s", phase, entry["domain"], plan)
     t0 = time.perf_counter()
     workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
+    earlier = (replay_urls or _earlier_train_urls(stream, manifest, phase)) if replay else None
     source = _batch_source(settings, student, urls, earlier)
     result = train(
         student, source, config, workdir, teacher=teacher, dist=dist, resume=resume, on_step=on_step

@@ -25,26 +25,22 @@ def model_ref(path: str | Path) -> dict[str, Any]:
     from compat.models.checkpoint import sha256_file
 
     path = Path(path)
+    root = path if path.is_dir() else path.parent
     if is_compat_dir(path):
         import json
 
-        root = path if path.is_dir() else path.parent
         doc = json.loads((root / COMPAT_FILE).read_text())
         new_part = read_sidecar(root / "new") if (root / "new").is_dir() else {}
-        return {
-            "name": root.name,
-            "version": doc["contract"]["query_model_version"],
-            "config": new_part.get("config_name", ""),
-            "sha256": sha256_file(root / COMPAT_FILE),
-            "path": str(root.resolve()),
-        }
-    sidecar = read_sidecar(path)
-    root = path if path.is_dir() else path.parent
+        version, config = doc["contract"]["query_model_version"], new_part.get("config_name", "")
+        sha256 = sha256_file(root / COMPAT_FILE)
+    else:
+        sidecar = read_sidecar(path)
+        version, config, sha256 = sidecar["version"], sidecar["config_name"], sidecar["sha256"]
     return {
         "name": root.name,
-        "version": sidecar["version"],
-        "config": sidecar["config_name"],
-        "sha256": sidecar["sha256"],
+        "version": version,
+        "config": config,
+        "sha256": sha256,
         "path": str(root.resolve()),
     }
 

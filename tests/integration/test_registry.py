@@ -43,9 +43,7 @@ def test_aliases_after_pass_block_and_rollback(workspace: Workspace, tmp_path: P
     with pytest.raises(PromotionError, match="rollout status is 'backfilling'"):
         registry.promote(rollout_state={"status": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
     assert registry.alias_version("production") == v1
-    state_file = tmp_path / "rollout_state.json"
-    state_file.write_text(json.dumps(DONE))
-    registry.promote(v2, rollout_state=state_file)
+    registry.promote(v2, rollout_state=DONE)
     assert aliases(registry) == {"production": v2, "candidate": v2, "previous": v1}
 
     v3, _ = candidate(registry, tmp_path, "run-3", 3, BLOCK, phase=2)

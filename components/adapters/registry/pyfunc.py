@@ -8,15 +8,12 @@ Each version's source is an MLflow model directory::
     data/checkpoint/              the model directory as compatflow writes it (safetensors weights, model.json
                                   or compat.json) and its MANIFEST.sha256.json (the integrity check's input)
 
-``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`, which
-checks the files against the manifest and the manifest against the digest the registry recorded for the
-version (its ``checkpoint.sha256`` tag: files rewritten together with their manifest and the MLmodel beside
-them are refused); a model loaded from a folder or a run's artifacts, which names no registered version, is
-checked against the digest in its MLmodel. It loads them with :func:`compat.production.load_production`
-(the loader every compatflow step uses), so its embeddings are compatflow's own. ``predict`` takes a
-DataFrame (or dict) with a ``text`` column (captions, queries) and/or an ``image`` column (encoded image
-bytes: JPEG, PNG, WebP): each row gives one; a row with an image is embedded as an image, else as a text.
-It returns one float32 embedding per row, in the serving space.
+``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`: the files
+are checked against the manifest and the manifest against the registry's digest of the version
+(:func:`expected_digest`), then loaded with :func:`compat.production.load_production`, so its embeddings are
+compatflow's own. ``predict`` takes a DataFrame (or dict) with a ``text`` column and/or an ``image`` column
+(encoded JPEG, PNG or WebP bytes); a row with an image is embedded as an image, else as a text. It returns
+one float32 embedding per row, in the serving space.
 """
 
 from __future__ import annotations
@@ -266,9 +263,7 @@ def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: s
         input_example=pd.DataFrame({"text": [EXAMPLE_TEXT]}),
         pip_requirements=_requirements(),
         code_paths=_code_paths(),  # the flavour's own code travels with the model (not a published package)
-        metadata={
-            "compatflow": {**facts, "checkpoint_sha256": digest},
-        },
+        metadata={"compatflow": {**facts, "checkpoint_sha256": digest}},
     )
     if not (model_dir / FILES).is_dir():  # MLflow copies data_path to data/<its name>
         raise RuntimeError(f"{model_dir}: the MLflow model holds no {FILES}")

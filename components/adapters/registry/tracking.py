@@ -102,10 +102,7 @@ class Tracking:
     ) -> str:
         """The MLflow run id of pipeline run ``pipeline_run_id``: resumed when it exists, else created."""
         experiment_id = self.experiment_id()
-        quoted = pipeline_run_id.replace("'", "\\'")
-        found = self.client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{quoted}'", max_results=1
-        )
+        found = self._runs_of(experiment_id, pipeline_run_id)
         if found:
             run_id = found[0].info.run_id
             if found[0].info.status != "RUNNING":
@@ -128,11 +125,15 @@ class Tracking:
         """The MLflow run id of pipeline run ``pipeline_run_id``, or None when it never logged anything."""
         if not self.exists() or self.client.get_experiment_by_name(self.experiment) is None:
             return None
-        quoted = pipeline_run_id.replace("'", "\\'")
-        found = self.client.search_runs(
-            [self.experiment_id()], filter_string=f"tags.`{RUN_TAG}` = '{quoted}'", max_results=1
-        )
+        found = self._runs_of(self.experiment_id(), pipeline_run_id)
         return found[0].info.run_id if found else None
+
+    def _runs_of(self, experiment_id: str, pipeline_run_id: str) -> list[Any]:
+        """The MLflow run tagged with ``pipeline_run_id`` (a list of at most one)."""
+        quoted = pipeline_run_id.replace("'", "\\'")
+        return self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{quoted}'", max_results=1
+        )
 
     def end_pipeline_run(self, pipeline_run_id: str, status: str) -> str | None:
         """End the MLflow run of ``pipeline_run_id`` with ``status`` (``FINISHED``, ``FAILED``, ``KILLED``),
@@ -157,16 +158,7 @@ class Tracking:
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log (nested) numeric metrics, e.g. per data phase with ``step=phase``."""
-        from mlflow.entities import Metric
-
-        now = int(datetime.now(UTC).timestamp() * 1000)
-        batch = [
-            Metric(metric_key(k), float(v), now, step or 0)
-            for k, v in _flatten(metrics).items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        ]
-        for start in range(0, len(batch), 500):
-            self.client.log_batch(run_id, metrics=batch[start : start + 500])
+        _log_numbers(self.client, run_id, [(k, v, step or 0) for k, v in _flatten(metrics).items()])
 
     def step_logger(self, run_id: str, prefix: str, *, every: int = 20) -> StepMetrics:
         """A callable that logs step records (``{"step": n, name: value, ...}``) as ``<prefix><name>`` at step
@@ -278,18 +270,28 @@ class StepMetrics:
 
     def flush(self) -> None:
         """Log the records not logged yet, one batch."""
-        from mlflow.entities import Metric
-
-        now = int(datetime.now(UTC).timestamp() * 1000)
-        batch = [
-            Metric(metric_key(f"{self.prefix}{name}"), float(value), now, int(record["step"]))
+        points = [
+            (f"{self.prefix}{name}", value, int(record["step"]))
             for record in self._pending
             for name, value in record.items()
-            if name != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+            if name != "step"
         ]
         self._pending.clear()
-        for start in range(0, len(batch), 500):
-            self.tracking.client.log_batch(self.run_id, metrics=batch[start : start + 500])
+        _log_numbers(self.tracking.client, self.run_id, points)
+
+
+def _log_numbers(client: Any, run_id: str, points: list[tuple[str, Any, int]]) -> None:
+    """Log the numeric ``(name, value, step)`` points (booleans and other values left out), 500 a call."""
+    from mlflow.entities import Metric
+
+    now = int(datetime.now(UTC).timestamp() * 1000)
+    batch = [
+        Metric(metric_key(name), float(value), now, step)
+        for name, value, step in points
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    ]
+    for start in range(0, len(batch), 500):
+        client.log_batch(run_id, metrics=batch[start : start + 500])
 
 
 def _link_or_copy(src: str, dst: str) -> None:

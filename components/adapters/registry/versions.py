@@ -42,8 +42,8 @@ RollbackHook = Callable[[dict[str, Any]], Any]
 
 
 def _call_all(hooks: Sequence[RollbackHook], event: dict[str, Any]) -> list[dict[str, Any]]:
-    """Call each hook with a copy of ``event``; ``{"hook", "ok", "result" | "error"}`` for every one, failures
-    included (a failing hook never hides the others)."""
+    """Call each hook with a copy of ``event``; ``{"hook", "ok", "result" | "error"}`` for every one (a
+    failing hook never hides the others)."""
     outcomes: list[dict[str, Any]] = []
     for hook in hooks:
         name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', repr(hook))}"
@@ -71,12 +71,9 @@ class Registry(Tracking):
         gate: Any = None,
         tags: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Log the checkpoint, register it as a new version, tag it, point ``candidate`` at it.
-
-        Idempotent per MLflow run (a resumed pipeline run keeps its MLflow run): the version an earlier
-        attempt registered with the same weights is reused; one with other weights that was never served
-        (no ``production`` / ``previous`` alias) is deleted first, so interrupted runs orphan no version.
-        """
+        """Log the checkpoint, register it as a new version, tag it, point ``candidate`` at it. Idempotent per
+        MLflow run: an earlier attempt's version with the same weights is reused; one with other weights that
+        was never served is deleted first, so interrupted runs orphan no version."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -172,15 +169,11 @@ class Registry(Tracking):
         except MlflowException:
             return None
 
-    def promote(
-        self, version: str | int | None = None, *, rollout_state: Mapping[str, Any] | str | Path
-    ) -> dict:
+    def promote(self, version: str | int | None = None, *, rollout_state: Mapping[str, Any]) -> dict:
         """Move ``production`` to ``version`` (default: ``candidate``); old production becomes ``previous``.
-
-        Refuses unless the version's gate decision is ``pass`` and ``rollout_state`` (the rollout's
-        state document or its path) has ``state == "completed"`` (and names this version when it
-        names one, under ``model_version`` or ``candidate_version``).
-        """
+        Refuses unless the version's gate decision is ``pass`` and ``rollout_state`` (the rollout's state, as
+        :func:`components.rollout.load_state` reads it) is ``completed`` (of this version, when it names
+        one)."""
         version = str(version) if version is not None else self.alias_version("candidate")
         if version is None:
             raise PromotionError(f"{self.model_name} has no candidate version to promote")
@@ -192,14 +185,13 @@ class Registry(Tracking):
                 f"{self.model_name} version {version} cannot become production: gate decision is "
                 f"{decision or 'missing'}{f' ({why})' if why and why != '[]' else ''}"
             )
-        state = _load_state(rollout_state)
-        status = state.get("status", state.get("state"))  # "state": a rollout state version 1 wrote
+        status = rollout_state.get("status")
         if status != ROLLOUT_DONE:
             raise PromotionError(
                 f"{self.model_name} version {version} cannot become production: rollout status is "
                 f"{status!r}, not {ROLLOUT_DONE!r} (finish `compatflow rollout` first)"
             )
-        named = state.get("model_version", state.get("candidate_version"))
+        named = rollout_state.get("model_version")
         if named is not None and str(named) != version:
             raise PromotionError(f"the completed rollout is of version {named}, not {version}")
 
@@ -223,14 +215,11 @@ class Registry(Tracking):
     ) -> dict[str, Any]:
         """Move ``production`` back to ``previous``, all or nothing; returns what happened.
 
-        The caller hands in the serving side's part (:func:`components.steps.rollback_production`: the
-        gallery's). Every ``prepare`` hook first checks that its part can be done (the gallery: the rollout
-        that put production there is found and readable, the index reachable); any refusal raises
-        :class:`RegistryError` with nothing changed. Then the ``undo`` hooks undo the serving side
-        (idempotent) and only then do the aliases move, so a hook that fails leaves the registry where it was
-        (:class:`RollbackHookError`) and running the rollback again completes it. Raises
-        :class:`RegistryError` when there is nothing to roll back to.
-        """
+        The caller hands in the serving side's part (:func:`components.steps.rollback_production`). Every
+        ``prepare`` hook first checks that its part can be done (a refusal raises :class:`RegistryError` with
+        nothing changed); then the ``undo`` hooks (idempotent) undo the serving side, and only then do the
+        aliases move, so a failing hook leaves the registry where it was (:class:`RollbackHookError`) and
+        running the rollback again completes it."""
         current = self.alias_version("production")
         previous = self.alias_version("previous")
         if current is None:
@@ -302,11 +291,10 @@ class Registry(Tracking):
     def local_copy(self, version: str, *, replace_damaged: bool = False) -> Path:
         """The workspace copy of ``version`` (``models/v<version>``), checked against the registered digest.
 
-        A copy that is not there (or holds no manifest: an interrupted download) is downloaded first, into a
-        folder beside it, verified, then renamed into place, so no reader sees half a copy; a copy that is
-        there and differs raises :class:`CheckpointIntegrityError` (delete it to download it again), or, with
-        ``replace_damaged`` (a rollback about to serve it), is replaced the same way by the registry's files
-        once they pass the check (the registry's failing too raises, the copy left as it was)."""
+        A missing copy (or one without a manifest: an interrupted download) is downloaded beside it, verified,
+        then renamed into place, so no reader sees half a copy; a copy that differs raises
+        :class:`CheckpointIntegrityError`, or, with ``replace_damaged`` (a rollback about to serve it), is
+        replaced the same way once the registry's files pass the check."""
         from compat.models.integrity import MANIFEST, CheckpointIntegrityError
 
         target = self.workspace.model_dir(version)
@@ -344,12 +332,9 @@ class Registry(Tracking):
     def download(
         self, ref: str = "production", dst: str | Path | None = None, *, verify: bool = True
     ) -> Path:
-        """Download a version's model files (``ref``: an alias or a version number) into ``dst``.
-
-        The files are the MLflow model's ``data/checkpoint`` (or, for a version registered as plain files,
-        its source). With ``verify`` every file is checked against the manifest, and the manifest against
-        the digest tagged on the version at registration; any mismatch raises.
-        """
+        """Download a version's model files (``ref``: an alias or a version number) into ``dst``: the MLflow
+        model's ``data/checkpoint`` (or a plain-files version's source), with ``verify`` checked against the
+        manifest and the manifest against the digest tagged at registration."""
         version = ref if ref.isdigit() else self.alias_version(ref)
         if version is None:
             raise RegistryError(f"{self.model_name} has no {ref!r} alias")
@@ -423,14 +408,9 @@ class Registry(Tracking):
         reports: Iterable[str | Path] = (),
         params: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Resume the pipeline run's MLflow run, log what the run produced, register the candidate.
-
-        Logs ``params``, the compatibility report (metrics at step ``data_phase`` + the file), the training
-        metrics (per-domain recalls at step ``data_phase``, the loss curve by training step unless the
-        training step logged it as it ran, + the file), any other ``reports`` (e.g. gate.json, drift.json, the
-        Evidently HTML), and registers ``checkpoint_dir`` as a candidate version tagged with the phase, method
-        and gate decision.
-        """
+        """Resume the pipeline run's MLflow run, log ``params``, the compatibility report and the training
+        metrics (at step ``data_phase``; the loss curve by step unless the training step logged it as it ran),
+        their files and any other ``reports``, and register ``checkpoint_dir`` as a candidate version."""
         run_id = self.start_run(pipeline_run_id, params=params)
         if compat_report is not None:
             self.log_compat_report(run_id, compat_report, step=data_phase)
@@ -485,15 +465,3 @@ def _gate_tags(gate: Any) -> dict[str, str]:
         "gate.reasons": text,
         "gate.report_sha256": str(gate.get("report_sha256") or ""),
     }
-
-
-def _load_state(state: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    if isinstance(state, Mapping):
-        return dict(state)
-    try:
-        doc = json.loads(Path(state).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise PromotionError(f"cannot read the rollout state {state}: {err}") from err
-    if not isinstance(doc, dict):
-        raise PromotionError(f"rollout state {state} is not a JSON object")
-    return doc
