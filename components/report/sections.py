@@ -131,8 +131,7 @@ def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
 
 
 def _gate_section(source: Source) -> Section:
-    missing = _absent(source, "gate", "Release gate", GATE_FILE)
-    if missing:
+    if missing := _absent(source, "gate", "Release gate", GATE_FILE):
         return missing
     gate = source.data or {}
     decision = str(gate.get("decision", "unknown"))
@@ -165,8 +164,7 @@ def _gate_section(source: Source) -> Section:
 
 
 def _validation_section(source: Source) -> Section:
-    missing = _absent(source, "validation", "Data validation", "validation summary")
-    if missing:
+    if missing := _absent(source, "validation", "Data validation", "validation summary"):
         return missing
     doc = source.data or {}
     blocked = doc.get("blocked")
@@ -205,8 +203,7 @@ def _counts(entry: Mapping[str, Any]) -> list[Any]:
 
 
 def _drift_section(source: Source, base: Path) -> Section:
-    missing = _absent(source, "drift", "Data drift", "drift summary")
-    if missing:
+    if missing := _absent(source, "drift", "Data drift", "drift summary"):
         return missing
     doc = source.data or {}
     severity = str(doc.get("severity", "unknown"))
@@ -240,8 +237,7 @@ def _drift_section(source: Source, base: Path) -> Section:
 
 
 def _training_section(source: Source) -> Section:
-    missing = _absent(source, "training", "Training", "training metrics")
-    if missing:
+    if missing := _absent(source, "training", "Training", "training metrics"):
         return missing
     doc = source.data or {}
     section = Section("training", "Training", "ok", "plain")
@@ -289,8 +285,7 @@ def _ecc_verdict(report: Mapping[str, Any], gated: tuple[str, ...] | None) -> tu
 
 
 def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Section:
-    missing = _absent(source, "compat", "Compatibility matrix", "compatibility report")
-    if missing:
+    if missing := _absent(source, "compat", "Compatibility matrix", "compatibility report"):
         return missing
     report = source.data or {}
     gated = _gated_directions(gate)
@@ -333,8 +328,7 @@ def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Se
 
 
 def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
-    missing = _absent(source, "margins", "ECC margins", "compatibility report")
-    if missing:
+    if missing := _absent(source, "margins", "ECC margins", "compatibility report"):
         return missing
     report = source.data or {}
     min_margin = _sub(gate or {}, "policy").get("min_margin", 0.0)
@@ -363,8 +357,7 @@ def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
 
 
 def _rollout_section(source: Source) -> Section:
-    missing = _absent(source, "rollout", "Rollout and backfill", "rollout state")
-    if missing:
+    if missing := _absent(source, "rollout", "Rollout and backfill", "rollout state"):
         return missing
     from components.state.rollout_document import migrated
 

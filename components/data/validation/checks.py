@@ -11,7 +11,6 @@ import json
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from components.data.validation.policy import ValidationPolicy
@@ -158,22 +157,12 @@ def _read_caption(member: Member, facts: dict[str, Any]) -> list[Reason]:
 
 
 @lru_cache(maxsize=1)
-def _clip_tokenizer():
-    """open_clip's CLIP BPE tokenizer, loaded from its own file: imported as ``open_clip.tokenizer`` it runs
-    the package's ``__init__``, which imports every model family (torchvision, transformers, timm: ~7 s of
-    a validation task's start) and counting tokens uses none of them."""
-    import importlib.util
+def _clip_tokenizer() -> Any:
+    """CLIP's BPE tokenizer as :mod:`compat.models.text_tower` restates it (open_clip's own imports torch and
+    every model family: seconds of a validation task's start for counting tokens)."""
+    from compat.models.text_tower import ClipTokenizer
 
-    package = importlib.util.find_spec("open_clip")  # finds the package without importing it
-    if package is None or not package.submodule_search_locations:
-        raise ImportError("open_clip is not installed: caption tokens are counted with its CLIP tokenizer")
-    path = Path(package.submodule_search_locations[0]) / "tokenizer.py"
-    spec = importlib.util.spec_from_file_location("compatflow_clip_tokenizer", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load open_clip's tokenizer from {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.SimpleTokenizer()
+    return ClipTokenizer(context_length=77)
 
 
 def caption_tokens(caption: str) -> int:
