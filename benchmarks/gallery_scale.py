@@ -232,6 +232,19 @@ def build_gallery(uri: str, alias: str, workspace: Path, size: int, dim: int, ch
     return time.perf_counter() - t0
 
 
+def settle(pid: int, window_s: float = 5.0, limit_s: float = 3600.0) -> float:
+    """Wait until the server is idle (under 0.15 cores over two windows of ``window_s``: its index builds and
+    compactions done); returns that idle rate in cores, to subtract from a measured window."""
+    deadline, rates = time.monotonic() + limit_s, [math.inf]
+    while time.monotonic() < deadline:
+        c0 = cpu_seconds(pid)
+        time.sleep(window_s)
+        rates.append((cpu_seconds(pid) - c0) / window_s)
+        if max(rates[-2:]) <= 0.15:
+            return min(rates[-2:])
+    raise RuntimeError(f"Milvus (pid {pid}) still busy after {limit_s:.0f} s: {rates[-1]:.2f} cores")
+
+
 def measure_size(
     args: argparse.Namespace, backend: str, size: int, server_pid: int | None
 ) -> list[dict[str, Any]]:
@@ -252,17 +265,21 @@ def measure_size(
     for k in args.workers_list:
         if backend == "lite" and k > 1:
             continue
-        if server_pid:
+        server_cpu = None
+        if server_pid:  # the gallery's own index builds and compactions are the build's, not the rollout's
+            idle_rate = settle(server_pid)
             reset_peak(server_pid)
-        server_cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
+            server_cpu0, t0 = cpu_seconds(server_pid), time.monotonic()
         rollout = _run_child(args, "rollout", version=f"v2k{k}", k=k)
+        if server_pid:  # ... while the new collection's compactions are the rollout's
+            settle(server_pid)
+            server_cpu = cpu_seconds(server_pid) - server_cpu0 - idle_rate * (time.monotonic() - t0)
         rollout_dir = args.workspace / "rollout"
         disk = _disk_mib(rollout_dir)
         check = _run_child(args, "lineage", k=k) if args.lineage else {}
         rollback = _run_child(args, "rollback")
         after = _run_child(args, "status")
         server_peak = peak_rss_mib(server_pid) if server_pid else None
-        server_cpu = cpu_seconds(server_pid) - server_cpu0 if server_pid else None
         unfinished = _killed_rollout(args, version=f"v3k{k}", k=k)
         rollback_unfinished = _run_child(args, "rollback")
         records.append(
@@ -283,6 +300,7 @@ def measure_size(
                 )
                 or None,  # K = 1: no worker process
                 "server_cpu_seconds": round(server_cpu, 1) if server_cpu is not None else None,
+                "milvus_idle_cores": round(idle_rate, 3) if server_pid else None,
                 "milvus_cpu_ms_per_row": round(1000 * server_cpu / size, 3)
                 if server_cpu is not None
                 else None,

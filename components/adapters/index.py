@@ -331,10 +331,12 @@ class GalleryIndex:
         name: str | None = None,
         metric: str = "COSINE",
         hnsw_m: int = 16,
-        ef_construction: int = 200,
+        ef_construction: int = 64,
     ) -> str:
         """Create a collection for ``space`` (dimension ``dim``) with an HNSW index on its vectors and a
-        scalar index on ``order_key``; returns its name."""
+        scalar index on ``order_key``; returns its name. ``ef_construction`` 64 builds at about half
+        the Milvus CPU of 200, at the recall a search ``ef`` of 128 restores
+        (``benchmarks/results/index_build.md``)."""
         from pymilvus import DataType, MilvusClient
 
         if dim < 1:
