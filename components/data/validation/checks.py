@@ -180,18 +180,10 @@ def unsafe_member_problem(member: Member) -> str | None:
     if ".." in name.replace("\\", "/").split("/"):
         return "has a '..' path component"
     if not info.isreg():
-        kind = (
-            "a symbolic link"
-            if info.issym()
-            else "a hard link"
-            if info.islnk()
-            else "a directory"
-            if info.isdir()
-            else "a device"
-            if info.isdev()
-            else f"of tar type {info.type!r}"
-        )
-        target = f" to {info.linkname!r}" if info.issym() or info.islnk() else ""
+        links = {"a symbolic link": info.issym(), "a hard link": info.islnk()}
+        kinds = {**links, "a directory": info.isdir(), "a device": info.isdev()}
+        kind = next((k for k, found in kinds.items() if found), f"of tar type {info.type!r}")
+        target = f" to {info.linkname!r}" if any(links.values()) else ""
         return f"is {kind}{target}, not a regular file"
     return None
 

@@ -25,6 +25,12 @@ from components.data.validation.shard_reader import Member, SampleGroup
 ACCEPTED_DIR = "accepted"
 QUARANTINE_DIR = "quarantine"
 REASON_SUFFIX = ".reason.json"
+OUTPUT_PATTERNS = (
+    "accepted/shard-*.tar",
+    "quarantine/quarantine-*.tar",
+    "accepted/*.tmp",
+    "quarantine/*.tmp",
+)
 
 
 def accepted_name(shard_index: int) -> str:
@@ -132,12 +138,7 @@ def quarantine_sample(writer: AtomicTarWriter, group: SampleGroup, shard: str, r
 def remove_stale_outputs(out_dir: Path, keep: set[str]) -> list[str]:
     """Delete output shards (and temp files) of earlier runs that this run did not write."""
     removed = []
-    for pattern in (
-        "accepted/shard-*.tar",
-        "quarantine/quarantine-*.tar",
-        "accepted/*.tmp",
-        "quarantine/*.tmp",
-    ):
+    for pattern in OUTPUT_PATTERNS:
         for path in sorted(out_dir.glob(pattern)):
             relative = path.relative_to(out_dir).as_posix()
             if relative not in keep:

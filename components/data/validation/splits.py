@@ -79,14 +79,9 @@ def validate_splits(
     validate(document, "validation", source=str(out_dir / SUMMARY_FILE))
     write_json_atomic(out_dir / SUMMARY_FILE, document)
     for name, entry in document["splits"].items():
-        logger.info(
-            "%s split: %d samples, %d passed, %d quarantined%s",
-            name,
-            entry["total"],
-            entry["passed"],
-            entry["quarantined"],
-            " (blocked)" if entry["blocked"] else "",
-        )
+        counts = (entry["total"], entry["passed"], entry["quarantined"])
+        blocked = " (blocked)" if entry["blocked"] else ""
+        logger.info("%s split: %d samples, %d passed, %d quarantined%s", name, *counts, blocked)
     return ValidationSummary(out_dir=out_dir, document=document, timings=train.timings, reused=train.reused)
 
 
