@@ -132,8 +132,11 @@ def check_source(client: Any, source: Source, embed_dim: int) -> dict[str, Any]:
     metric = ""
     for index_name in client.list_indexes(name, field_name=source.vector_field):
         metric = str(client.describe_index(name, index_name).get("metric_type", ""))
-    count = int(client.query(name, filter="", output_fields=["count(*)"])[0]["count(*)"])
-    return {"dim": dim, "metric": metric or "COSINE", "count": count}
+    return {"dim": dim, "metric": metric or "COSINE", "count": _count(client, name)}
+
+
+def _count(client: Any, collection: str) -> int:
+    return int(client.query(collection, filter="", output_fields=["count(*)"])[0]["count(*)"])
 
 
 def scratch(workspace: Any) -> Path:
@@ -487,7 +490,7 @@ def copy_rows(
             copied += target.upsert(rows, collection, insert=True)
         target.flush(collection, wait_indexed=True)
         held = target.count(collection)
-        want = int(client.query(source.collection, filter="", output_fields=["count(*)"])[0]["count(*)"])
+        want = _count(client, source.collection)
         if held != want or copied != want:
             raise RuntimeError(
                 f"copied {copied} rows ({held} held) but {source.collection!r} holds {want}: it changed "

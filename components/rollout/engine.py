@@ -49,6 +49,8 @@ from components.state.rollout_document import SCHEMA_VERSION
 log = logging.getLogger(__name__)
 
 Layers = list[tuple[str, str]]
+# what a stage's record keeps of each range's cursor
+WORKER_FIELDS = ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib", "pace")
 
 
 class Rollout:
@@ -363,13 +365,7 @@ class Rollout:
         done = [workers.read_cursor(workers.range_cursor(work, j, *r), r[0]) for r in ranges]
         written = sum(int(d["written"]) for d in done)
         _stage_of(state, j)["workers"] = [
-            {
-                "slices": list(r),
-                **{
-                    k: d.get(k)
-                    for k in ("written", "seconds", "items_per_s", "cpu_seconds", "peak_rss_mib", "pace")
-                },
-            }
+            {"slices": list(r), **{k: d.get(k) for k in WORKER_FIELDS}}
             for r, d in zip(ranges, done, strict=True)
         ]
         state["cursor"].update(

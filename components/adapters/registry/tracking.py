@@ -184,13 +184,9 @@ class Tracking:
         )
 
     def local_artifacts(self, artifact_uri: str) -> Path | None:
-        """Where a ``file:`` artifact URI of a workspace-local store lives in *this* workspace.
-
-        MLflow records absolute artifact locations (:mod:`~components.adapters.registry.relocate` says why);
-        the part after ``mlartifacts/`` is resolved under this workspace's artifacts folder, so a copied or
-        restored workspace reads and writes its own artifacts and never the original's. None for a tracking
-        server (its artifact store is not the workspace's).
-        """
+        """Where a ``file:`` artifact URI of a workspace-local store lives in *this* workspace: the part after
+        ``mlartifacts/`` under this workspace's artifacts folder, so a copied workspace reads and writes its
+        own artifacts (MLflow records absolute ones: :mod:`~.relocate`). None for a tracking server."""
         from urllib.parse import unquote, urlparse
 
         if not self.tracking_uri.startswith("sqlite:") or not artifact_uri.startswith("file:"):
