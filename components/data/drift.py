@@ -215,11 +215,8 @@ def _words(caption: str) -> list[str]:
 
 
 def vocabulary_verdict(reference: Sequence[Any], current: Sequence[Any]) -> dict[str, Any]:
-    """Share of the current captions' words that no reference caption uses (new vocabulary).
-
-    A rate, not a distribution test: the rate itself is the score (calibrated and banded by
-    :func:`calibrated_verdict` like every other signal).
-    """
+    """Share of the current captions' words that no reference caption uses: a rate, not a distribution test,
+    calibrated and banded like every other signal."""
     rate, unseen = _unseen_words(reference, current)
     return {"kind": "caption", "method": "oov_rate", "score": rate, "examples": sorted(set(unseen))[:20]}
 

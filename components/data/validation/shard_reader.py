@@ -33,10 +33,8 @@ _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators
 
 
 def split_member_name(name: str) -> tuple[str, str]:
-    """Split a member name into ``(key, extension)`` as webdataset does; a name without one keeps ext ``""``.
-
-    The extension is lower-cased (webdataset matches extensions case-insensitively).
-    """
+    """``(key, extension)`` of a member name as webdataset splits it, the extension lower-cased (webdataset
+    matches it case-insensitively; ``""`` for none)."""
     match = _KEY_EXT.match(name)
     if match is None:
         return name, ""
