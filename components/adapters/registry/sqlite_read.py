@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,22 +13,22 @@ from typing import Any
 DELETED = "Deleted_Internal"  # MLflow's stage of a deleted version still in the table
 
 
-@contextlib.contextmanager
-def _connect(db: Path) -> Iterator[sqlite3.Connection]:
-    connection = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
-    try:
-        yield connection
-    finally:
-        connection.close()
+def _connect(db: Path) -> contextlib.closing[sqlite3.Connection]:
+    return contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30))
+
+
+def _value(db: Path, query: str, *params: str) -> str | None:
+    """The first column of the first row ``query`` answers, as text, or None."""
+    with _connect(db) as c:
+        row = c.execute(query, params).fetchone()
+    return None if row is None else str(row[0])
 
 
 def alias_version(db: Path, model: str, alias: str) -> str | None:
     """The version ``alias`` points at, or None."""
-    with _connect(db) as c:
-        row = c.execute(
-            "SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?", (model, alias)
-        ).fetchone()
-    return None if row is None else str(row[0])
+    return _value(
+        db, "SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?", model, alias
+    )
 
 
 def version_info(db: Path, model: str, version: str) -> dict[str, Any] | None:
@@ -60,8 +59,4 @@ def version_info(db: Path, model: str, version: str) -> dict[str, Any] | None:
 
 def model_tag(db: Path, model: str, key: str) -> str | None:
     """A tag of the registered model, or None."""
-    with _connect(db) as c:
-        row = c.execute(
-            "SELECT value FROM registered_model_tags WHERE name = ? AND key = ?", (model, key)
-        ).fetchone()
-    return None if row is None else str(row[0])
+    return _value(db, "SELECT value FROM registered_model_tags WHERE name = ? AND key = ?", model, key)
