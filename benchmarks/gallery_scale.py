@@ -363,7 +363,7 @@ def milvus_standalone(data_dir: Path) -> Iterator[Any]:
         milvus_server.enter_private_network()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     bins = cache / "compatflow" / f"milvus-{milvus_server.server_version()}"
-    with milvus_server.running(data_dir, bin_dir=bins, graceful_stop_s=3) as server:
+    with milvus_server.start(data_dir, bin_dir=bins, graceful_stop_s=3) as server:
         yield server
 
 

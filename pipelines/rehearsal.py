@@ -268,9 +268,9 @@ class Rehearsal:
         with contextlib.ExitStack() as stack:
             try:
                 milvus = stack.enter_context(
-                    milvus_server.running(data / "milvus", bin_dir=self.milvus_binaries, graceful_stop_s=3)
+                    milvus_server.start(data / "milvus", bin_dir=self.milvus_binaries, graceful_stop_s=3)
                 )
-                mlflow = stack.enter_context(mlflow_server.running(data / "mlflow"))
+                mlflow = stack.enter_context(mlflow_server.start(data / "mlflow"))
             except (milvus_server.MilvusServerError, mlflow_server.MlflowServerError) as err:
                 raise RehearsalError(f"a service did not start: {err}") from err
             self.index_uri, self.tracking_uri = milvus.uri, mlflow.uri

@@ -382,7 +382,7 @@ def mlflow_server(tmp_path):
     """An MLflow tracking server (sqlite store, served artifacts) on a free 127.0.0.1 port; yields its URI."""
     from components.adapters import mlflow_server
 
-    with mlflow_server.running(tmp_path / "mlflow-server") as server:
+    with mlflow_server.start(tmp_path / "mlflow-server") as server:
         yield server.uri
 
 

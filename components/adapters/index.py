@@ -1,42 +1,32 @@
 """The gallery index in Milvus: physical collections per embedding space behind one serving alias.
 
-Every gallery row records which model wrote its vector and in which space::
+Every row (:data:`ROW_FIELDS`) records which model wrote its vector (HNSW, COSINE) and in which space;
+``transform`` names how the vector was derived from its model's output ("" = as encoded, "forward:v7" =
+an old vector read through v7's forward adapter), ``rollout_id`` the rollout that wrote it ("" for the
+initial indexing). Collections are ``<alias>_<space>_<n>``; queries go through the alias (``gallery`` by
+default), which :meth:`GalleryIndex.switch_alias` moves atomically (Milvus ``alter_alias``).
 
-    item_id (VARCHAR, primary key)   vector (FLOAT_VECTOR, HNSW, COSINE)
-    model_version (VARCHAR)          space_id (VARCHAR)       phase (INT64)
-    embedded_at (INT64, epoch ms)    source_uri (VARCHAR)
-    transform (VARCHAR)              rollout_id (VARCHAR)
-
-``transform`` names how a stored vector was derived from its model's output ("" = as encoded,
-e.g. "forward:v7" for an old vector read through the forward adapter of v7); ``rollout_id`` names the
-rollout that wrote it ("" for the initial indexing). Physical collections are ``<alias>_<space>_<n>``;
-queries go through the alias (``gallery`` by default), which :meth:`GalleryIndex.switch_alias` moves
-atomically (Milvus ``alter_alias``).
-
-Ownership: a :class:`GalleryIndex` opened for a deployment (``owner``, an :class:`Owner`) marks every
-collection it creates with the deployment's identity (collection properties :data:`OWNER_PROPERTY` and
-:data:`OWNER_WORKSPACE_PROPERTY`); an alias belongs to the owner of the collection it points to. Before its
-first write into a collection (upsert, alias switch, drop) it checks the mark (:meth:`GalleryIndex.claim`) and
-refuses another deployment's collection or alias, naming both owners. A collection made before marks is this
-deployment's when its serving record or rollout states name it (``Owner.legacy``; marked then), no one's
-otherwise. A milvus-lite directory inside the owner's workspace is its own whatever the marks say (a copied
-workspace carries its index along).
+Ownership: a :class:`GalleryIndex` opened for a deployment (an :class:`Owner`) marks every collection it
+creates (properties :data:`OWNER_PROPERTY`, :data:`OWNER_WORKSPACE_PROPERTY`); an alias belongs to the owner
+of its collection. Before its first write into a collection (upsert, alias switch, drop) it checks the mark
+(:meth:`GalleryIndex.claim`) and refuses another deployment's collection or alias, naming both owners. A
+collection made before marks is this deployment's when its serving record or rollout states name it
+(``Owner.legacy``; marked then), no one's otherwise. A milvus-lite directory inside the owner's workspace is
+its own whatever the marks say (a copied workspace carries its index along).
 
 ``uri`` is a milvus-lite directory (``.../gallery.db``; one process at a time), the URI of a
-``milvus-lite server`` bound to 127.0.0.1 (several processes), or a Milvus server (2.3 or newer).
+``milvus-lite server`` on 127.0.0.1 (several processes), or a Milvus server (2.3 or newer).
 
-Reads name their consistency deliberately (a Milvus server's default, Bounded, lets a read miss a write
-of the last few seconds; milvus-lite is always current):
+Reads name their consistency (a server's default, Bounded, may miss the last seconds' writes; milvus-lite
+is always current):
 
-- ``SESSION`` (the default): the process reads its own writes (the rollout, its probes and cursor, the
-  ingest). A collection this process has not written yet is read ``STRONG`` the first time, so a resumed
-  process sees what the one before it wrote, then as of that first read (no wait per read).
+- ``SESSION`` (the default): the process reads its own writes. A collection it has not written yet is read
+  ``STRONG`` the first time (a resumed process sees what the one before wrote), then as of that first read.
 - ``STRONG``: reads of what another process wrote (``status``, :func:`gallery_status`, lineage sync);
   ~one server time tick (~200 ms on Milvus 2.3) per read.
-- ``as_of`` a time (searches only): every write before it is seen, with no wait once the server has
-  caught up; a service searches as of its serving pair's load (the collection was complete then).
-- ``BOUNDED``: only where a read a few seconds stale is harmless (the pace's timed searches), said so at
-  the call.
+- ``as_of`` a time (searches only): every write before it is seen, with no wait once the server has caught
+  up; a service searches as of its serving pair's load (the collection was complete then).
+- ``BOUNDED``: only where a read a few seconds stale is harmless (the pace's timed searches).
 """
 
 from __future__ import annotations
@@ -48,11 +38,13 @@ import os
 import re
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -66,32 +58,17 @@ TOKEN_ENV = "COMPATFLOW_MILVUS_TOKEN"
 SPACE_PROPERTY = "compatflow.space"
 OWNER_PROPERTY = "compatflow.owner"  # the deployment id (components.state.workspace.Workspace.deployment_id)
 OWNER_WORKSPACE_PROPERTY = "compatflow.owner_workspace"  # its workspace folder, named in a refusal
-META_FIELDS: tuple[str, ...] = (
-    "model_version",
-    "space_id",
-    "phase",
-    "embedded_at",
-    "source_uri",
-    "transform",
-    "rollout_id",
-    "order_key",
-    "key_lambda_orth",
-    "key_uncertainty",
-    "backfill_stage",
-)
 # What orders a backfill, written with each row (compat.backfill.order_keys); older collections lack them.
 ORDER_FIELDS: tuple[str, ...] = ("order_key", "key_lambda_orth", "key_uncertainty", "backfill_stage")
-_FLOAT_FIELDS = ("key_lambda_orth", "key_uncertainty")
+META_FIELDS: tuple[str, ...] = (
+    *("model_version", "space_id", "phase", "embedded_at", "source_uri", "transform", "rollout_id"),
+    *ORDER_FIELDS,
+)
 ROW_FIELDS: tuple[str, ...] = ("item_id", "vector", *META_FIELDS)
-_VARCHAR_LEN = {
-    "item_id": 512,
-    "model_version": 128,
-    "space_id": 128,
-    "source_uri": 2048,
-    "transform": 128,
-    "rollout_id": 64,
-}
-_REMOTE = re.compile(r"^(https?|tcp|grpc|unix)://", re.IGNORECASE)
+_FLOAT_FIELDS = ("key_lambda_orth", "key_uncertainty")
+_VARCHAR_LEN = dict(
+    item_id=512, model_version=128, space_id=128, source_uri=2048, transform=128, rollout_id=64
+)
 
 
 class GalleryIndexError(RuntimeError):
@@ -118,13 +95,20 @@ class Hit:
     model_version: str
     fields: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # output_fields asked for
 
+    @classmethod
+    def found(cls, row: dict[str, Any], score: float, fields: Sequence[str]) -> Hit:
+        """The hit on ``row`` (the entity of a search result), with its ``fields``."""
+        return cls(
+            str(row["item_id"]), float(score), str(row["model_version"]), {f: row.get(f) for f in fields}
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "score": self.score, "model_version": self.model_version}
 
 
 def is_remote(uri: str) -> bool:
     """True for a server URI (``http://host:port`` ...), False for a milvus-lite directory."""
-    return bool(_REMOTE.match(str(uri)))
+    return bool(re.match(r"(https?|tcp|grpc|unix)://", str(uri), re.IGNORECASE))
 
 
 # milvus-lite serves gRPC from Python, whose server answers pings on idle connections more often than every
@@ -133,45 +117,19 @@ def is_remote(uri: str) -> bool:
 LITE_GRPC_OPTIONS = {"grpc.keepalive_time_ms": 300_000, "grpc.keepalive_permit_without_calls": 0}
 
 
-def _is_lite_or_loopback(uri: str) -> bool:
-    if not is_remote(uri):
-        return True
-    from urllib.parse import urlparse
-
-    return urlparse(str(uri)).hostname in ("127.0.0.1", "localhost", "::1")
-
-
-def _inside(path: str, folder: str) -> bool:
-    """Whether ``path`` lies in ``folder`` (both resolved)."""
-    return Path(path).resolve().is_relative_to(Path(folder).resolve())
-
-
 def quote(value: str) -> str:
     """A string literal for a Milvus filter expression."""
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _space_slug(space: str) -> str:
-    slug = re.sub(r"[^0-9A-Za-z_]+", "_", str(space)).strip("_")
-    if not slug:
-        raise ValueError(f"space id {space!r} has no letter or digit to name a collection with")
-    return slug
-
-
-class _QuietIterator(logging.Filter):
-    """Drops the noise of query iterators on milvus-lite, which has no timestamp allocator (harmless)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "mvccTs" in record.getMessage():
-            return False
-        tb = record.exc_info[2] if record.exc_info else None
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        return tb is None or tb.tb_frame.f_code.co_name != "AllocTimestamp"
+def _not_iterator_noise(record: logging.LogRecord) -> bool:
+    """False for the noise of query iterators on milvus-lite, which has no timestamp allocator (harmless)."""
+    last = traceback.extract_tb(record.exc_info[2], limit=-1) if record.exc_info else []
+    return "mvccTs" not in record.getMessage() and not (last and last[0].name == "AllocTimestamp")
 
 
 for _name in ("pymilvus.client.iterator.query_iterator", "grpc._server"):
-    logging.getLogger(_name).addFilter(_QuietIterator())
+    logging.getLogger(_name).addFilter(_not_iterator_noise)
 
 
 # Collections written by this process, per server: a SESSION read of one of them sees this process's writes.
@@ -226,25 +184,26 @@ class GalleryIndex:
         self._fields: dict[str, tuple[str, ...]] = {}
         self._caught_up: dict[str, float] = {}  # collection -> the time its first STRONG read was made
         token = token if token is not None else os.environ.get(TOKEN_ENV, "")
-        if not is_remote(self.uri):
-            Path(self.uri).expanduser().parent.mkdir(parents=True, exist_ok=True)
         self._local = None if is_remote(self.uri) else os.path.abspath(Path(self.uri).expanduser())
+        if self._local:
+            Path(self._local).parent.mkdir(parents=True, exist_ok=True)
         self.owner = owner
         self._claimed: set[str] = set()  # collections this deployment's own, checked once
         # milvus-lite inside the owner's workspace: nobody else writes there (see the module doc)
-        self._private = bool(owner and self._local and _inside(self._local, owner.workspace))
-        extra = {"grpc_options": dict(LITE_GRPC_OPTIONS)} if _is_lite_or_loopback(self.uri) else {}
+        home = Path(owner.workspace).resolve() if owner else None
+        self._private = bool(home and self._local and Path(self._local).resolve().is_relative_to(home))
+        loopback = self._local or urlparse(self.uri).hostname in ("127.0.0.1", "localhost", "::1")
+        extra = {"grpc_options": dict(LITE_GRPC_OPTIONS)} if loopback else {}
         try:
             self.client = MilvusClient(uri=self.uri, token=token, timeout=timeout, **extra)
         except Exception as exc:  # pymilvus wraps milvus-lite's lock error in a generic one
-            cause = f"{exc.__cause__ or exc}"
             hint = (
-                " Only one process may open a milvus-lite directory: start "
-                "`milvus-lite server --data-dir DIR "
-                "--host 127.0.0.1 --port P` and use uri http://127.0.0.1:P in every process."
-                if not is_remote(self.uri)
+                " Only one process may open a milvus-lite directory: start `milvus-lite server --data-dir "
+                "DIR --host 127.0.0.1 --port P` and use uri http://127.0.0.1:P in every process."
+                if self._local
                 else " Check that the Milvus server is running and reachable."
             )
+            cause = exc.__cause__ or exc
             raise GalleryIndexError(f"cannot open the Milvus gallery at {self.uri}: {cause}.{hint}") from exc
         if self._local:
             with _EMBEDDED_LOCK:
@@ -257,27 +216,19 @@ class GalleryIndex:
             raise
         self.lite = self.server_version.startswith("milvus_lite")
 
-    def _level(self, name: str, consistency: str | None) -> str:
-        """The consistency level of a read of ``name`` (see the module doc)."""
-        level = consistency or self.consistency
-        if level not in CONSISTENCY_LEVELS:
-            raise ValueError(f"consistency must be one of {CONSISTENCY_LEVELS}, got {level!r}")
-        if level == SESSION and (self.uri, name) not in _WRITTEN:
-            return STRONG
-        return level
-
-    def _read_args(self, name: str, consistency: str | None, as_of: float | None) -> dict[str, Any]:
-        """The read's consistency arguments. A SESSION read of a collection this process has not written is
-        STRONG the first time (it waits for the server's time tick, ~200 ms on Milvus 2.3); later ones read
-        as of that first read: they see every write before it, with no wait per read."""
+    def _read_args(self, name: str, consistency: str | None, as_of: float | None = None) -> dict[str, Any]:
+        """The read's consistency arguments (see the module doc). A SESSION read of a collection this process
+        has not written is STRONG (on a server the first time only; later ones read as of that first one)."""
         if as_of is None:
-            level = self._level(name, consistency)
-            if self.lite or level != STRONG or (consistency or self.consistency) != SESSION:
+            level = consistency or self.consistency
+            if level not in CONSISTENCY_LEVELS:
+                raise ValueError(f"consistency must be one of {CONSISTENCY_LEVELS}, got {level!r}")
+            if level != SESSION or (self.uri, name) in _WRITTEN:
                 return {"consistency_level": level}
-            as_of = self._caught_up.get(name)
-            if as_of is None:
+            if self.lite or name not in self._caught_up:
                 self._caught_up[name] = time.time()
-                return {"consistency_level": level}
+                return {"consistency_level": STRONG}
+            as_of = self._caught_up[name]
         from pymilvus.client.utils import mkts_from_unixtime
 
         return {"consistency_level": "Customized", "guarantee_timestamp": mkts_from_unixtime(float(as_of))}
@@ -315,7 +266,10 @@ class GalleryIndex:
 
     def next_collection_name(self, space: str) -> str:
         """``<alias>_<space>_<n>`` with n one above any existing collection of that space."""
-        base = f"{self.alias}_{_space_slug(space)}_"
+        slug = re.sub(r"[^0-9A-Za-z_]+", "_", str(space)).strip("_")
+        if not slug:
+            raise ValueError(f"space id {space!r} has no letter or digit to name a collection with")
+        base = f"{self.alias}_{slug}_"
         used = [
             int(c[len(base) :])
             for c in self.client.list_collections()
@@ -481,10 +435,9 @@ class GalleryIndex:
         return str(properties.get(OWNER_PROPERTY, "")), str(properties.get(OWNER_WORKSPACE_PROPERTY, ""))
 
     def claim(self, *names: str, alias: bool = False) -> None:
-        """Refuse, before anything is written, to write into a collection of ``names`` that exists and is not
-        this deployment's, or (``alias``) to move an alias that points to one: :class:`GalleryIndexError`
-        naming both owners. An unmarked collection the owner's serving record names is marked as its own
-        (:class:`Owner`). Nothing is checked without an owner or in the owner's own milvus-lite directory."""
+        """Refuse (:class:`GalleryIndexError` naming both owners, before anything is written) a collection
+        of ``names`` that exists and is not this deployment's, or (``alias``) moving an alias that points to
+        one; see the module doc. Nothing is checked without an owner or in its own milvus-lite directory."""
         if self.owner is None or self._private:
             return
         if alias:
@@ -536,7 +489,7 @@ class GalleryIndex:
                 "to another collection before dropping it"
             )
         self.claim(self._require(collection))
-        self.client.drop_collection(self._require(collection), timeout=self.timeout)
+        self.client.drop_collection(collection, timeout=self.timeout)
         self._loaded.discard(collection)
 
     @property
@@ -547,12 +500,9 @@ class GalleryIndex:
         return self.lite
 
     def flush(self, collection: str | None = None, *, wait_indexed: bool = False) -> None:
-        """Make what was written searchable on indexed segments (data is durable without it).
-
-        milvus-lite: seals growing segments. A Milvus server: nothing, unless ``wait_indexed`` (a collection
-        about to be served whole: a blue-green fill, the first gallery): then it seals and waits until the
-        vector index covers every row (:meth:`wait_indexed`).
-        """
+        """Make what was written searchable on indexed segments (data is durable without it): milvus-lite
+        seals growing segments; a server does nothing, unless ``wait_indexed`` (a collection about to be
+        served whole): then it seals and waits until the vector index covers every row."""
         name = self.resolve(collection)
         if self.lite or wait_indexed:
             self.client.flush(name, timeout=self.timeout)
@@ -623,11 +573,8 @@ class GalleryIndex:
         **fields: Any,
     ) -> int:
         """Upsert ``vectors`` of ``version`` in ``space`` for ``ids``, in batches; returns the count written.
-        ``fields``: the other keywords of :func:`make_rows` (phase, source URIs, order-key centres...).
-
-        The target collection must have been created for ``space`` (a query never meets a vector of a space
-        it was not trained against).
-        """
+        ``fields``: the other keywords of :func:`make_rows`. The collection must have been created for
+        ``space`` (a query never meets a vector of a space it was not trained against)."""
         name = self.resolve(collection)
         have = self.collection_space(name)
         if have != str(space):
@@ -636,10 +583,9 @@ class GalleryIndex:
                 "space go into a new collection (blue-green)"
             )
         rows = make_rows(ids, vectors, version, space, dim=self.collection_dim(name), **fields)
-        written = 0
-        for start in range(0, len(rows), batch_size):
-            written += self.upsert(rows[start : start + batch_size], name)
-        return written
+        return sum(
+            self.upsert(rows[start : start + batch_size], name) for start in range(0, len(rows), batch_size)
+        )
 
     # -- reads ---------------------------------------------------------------------------------------------
     def search(
@@ -655,30 +601,18 @@ class GalleryIndex:
         layers: Sequence[Sequence[str]] | None = None,
     ) -> list[list[Hit]]:
         """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector and
-        the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``).
-
-        ``as_of`` (a Unix time) replaces ``consistency``: the search sees at least every write made before
-        that time, and waits for nothing once the server has caught up with it (a service reading a
-        collection that was complete when its serving pair was loaded).
+        the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``). ``as_of`` (a Unix
+        time) replaces ``consistency`` (see the module doc).
 
         ``layers`` (``[(collection, filter), ...]``, newest first) searches a gallery that a rollout is
         moving from one collection to another (:mod:`components.rollout.engine`): each layer with its own
         filter (and ``filter``), the hits merged by score, an item met in two layers kept from the newest.
         """
         if layers:
-            found = [
-                self.search(
-                    query_vectors,
-                    k if i == 0 else 2 * k,
-                    " and ".join(f"({x})" for x in (layer_filter, filter) if x) or None,
-                    name,
-                    ef,
-                    output_fields,
-                    consistency,
-                    as_of,
-                )
-                for i, (name, layer_filter) in enumerate(layers)
-            ]
+            found, same = [], (ef, output_fields, consistency, as_of)
+            for i, (name, where) in enumerate(layers):
+                both = " and ".join(f"({x})" for x in (where, filter) if x) or None
+                found.append(self.search(query_vectors, 2 * k if i else k, both, name, *same))
             return [_merged([hits[row] for hits in found], k) for row in range(len(found[0]))]
         q = np.atleast_2d(np.asarray(query_vectors, dtype=np.float32))
         if not np.isfinite(q).all():
@@ -698,30 +632,29 @@ class GalleryIndex:
             **self._read_args(name, consistency, as_of),
             timeout=self.timeout,
         )
-        return [
-            [
-                Hit(
-                    str(h["entity"]["item_id"]),
-                    float(h["distance"]),
-                    str(h["entity"]["model_version"]),
-                    {f: h["entity"].get(f) for f in output_fields},
-                )
-                for h in row
-            ]
-            for row in result
-        ]
+        return [[Hit.found(h["entity"], h["distance"], output_fields) for h in row] for row in result]
+
+    def _query(self, name: str, consistency: str | None, **query: Any) -> list[dict[str, Any]]:
+        return self.client.query(name, **query, **self._read_args(name, consistency), timeout=self.timeout)
+
+    def _get(
+        self, name: str, ids: Sequence[str], fields: list[str], chunk: int, consistency: str | None
+    ) -> Iterator[dict[str, Any]]:
+        """The rows of ``ids`` that exist, a get by primary key per ``chunk`` of them."""
+        ids = [str(i) for i in ids]
+        for start in range(0, len(ids), chunk):
+            yield from self.client.get(
+                name,
+                ids=ids[start : start + chunk],
+                output_fields=fields,
+                **self._read_args(name, consistency),
+                timeout=self.timeout,
+            )
 
     def count(self, collection: str | None = None, filter: str = "", consistency: str | None = None) -> int:
         """Number of gallery rows (optionally matching ``filter``)."""
         name = self.resolve(collection)
-        res = self.client.query(
-            name,
-            filter=filter,
-            output_fields=["count(*)"],
-            **self._read_args(name, consistency, None),
-            timeout=self.timeout,
-        )
-        return int(res[0]["count(*)"])
+        return int(self._query(name, consistency, filter=filter, output_fields=["count(*)"])[0]["count(*)"])
 
     def iter_rows(
         self,
@@ -731,29 +664,31 @@ class GalleryIndex:
         batch_size: int = 2000,
         consistency: str | None = None,
     ) -> Iterator[list[dict[str, Any]]]:
-        """All rows (the given fields), in batches.
-
-        On a Milvus server: pages in primary-key order (``item_id > last``), each read with the given
-        consistency. (pymilvus's query iterator takes its snapshot time from the server, which a Milvus 2.3
-        server does not send: right after a write its client-side fallback returned nothing.) milvus-lite,
-        always current but unordered under a limit, is read through the query iterator.
-        """
+        """All rows (the given fields), in batches: milvus-lite (always current, unordered under a limit)
+        through the query iterator, a server in pages in primary-key order (``item_id > last``) at the given
+        consistency (the iterator takes its snapshot time from the server, which Milvus 2.3 does not send:
+        right after a write its client-side fallback returned nothing)."""
         name = self.resolve(collection)
         wanted, fields = list(fields), self._readable(name, fields)
         if self.lite:
-            for batch in self._iterate_lite(name, fields, filter, batch_size):
-                yield self._completed(batch, wanted)
+            iterator = self.client.query_iterator(
+                name, batch_size=batch_size, filter=filter, output_fields=fields, timeout=self.timeout
+            )
+            try:
+                while batch := iterator.next():
+                    yield self._completed(batch, wanted)
+            finally:
+                iterator.close()
             return
         last: str | None = None
         while True:
             after = f"item_id > {quote(last)}" if last is not None else 'item_id != ""'
-            page = self.client.query(
+            page = self._query(
                 name,
+                consistency,
                 filter=f"({filter}) and {after}" if filter else after,
                 output_fields=fields,
                 limit=int(batch_size),
-                **self._read_args(name, consistency, None),
-                timeout=self.timeout,
             )
             if not page:
                 return
@@ -768,18 +703,6 @@ class GalleryIndex:
                 return
             last = keys[-1]
 
-    def _iterate_lite(
-        self, name: str, fields: list[str], filter: str, batch_size: int
-    ) -> Iterator[list[dict[str, Any]]]:
-        iterator = self.client.query_iterator(
-            name, batch_size=batch_size, filter=filter, output_fields=fields, timeout=self.timeout
-        )
-        try:
-            while batch := iterator.next():
-                yield [dict(r) for r in batch]
-        finally:
-            iterator.close()
-
     def count_by_version(
         self, collection: str | None = None, consistency: str | None = None
     ) -> dict[str, int]:
@@ -790,14 +713,8 @@ class GalleryIndex:
         counts: dict[str, int] = {}
         while True:
             others = "model_version not in [" + ", ".join(quote(v) for v in counts) + "]" if counts else ""
-            found = self.client.query(
-                name,
-                filter=others or 'item_id != ""',
-                output_fields=["model_version"],
-                limit=1,
-                **self._read_args(name, consistency, None),
-                timeout=self.timeout,
-            )
+            where = others or 'item_id != ""'
+            found = self._query(name, consistency, filter=where, output_fields=["model_version"], limit=1)
             if not found:
                 return dict(sorted(counts.items()))
             version = str(found[0]["model_version"])
@@ -814,13 +731,8 @@ class GalleryIndex:
         """Up to ``limit`` rows matching ``filter`` (the caller rewrites them so that they stop matching, and
         asks again until none is left: a bounded read of a set that shrinks)."""
         name = self.resolve(collection)
-        rows = self.client.query(
-            name,
-            filter=filter,
-            output_fields=self._readable(name, fields),
-            limit=int(limit),
-            **self._read_args(name, consistency, None),
-            timeout=self.timeout,
+        rows = self._query(
+            name, consistency, filter=filter, output_fields=self._readable(name, fields), limit=int(limit)
         )
         return self._completed(rows, fields)
 
@@ -833,20 +745,7 @@ class GalleryIndex:
     ) -> set[str]:
         """Those of ``ids`` the collection holds (a get by primary key per ``chunk``; bounded by ``ids``)."""
         name = self.resolve(collection)
-        ids = [str(i) for i in ids]
-        found: set[str] = set()
-        for start in range(0, len(ids), chunk):
-            found.update(
-                str(r["item_id"])
-                for r in self.client.get(
-                    name,
-                    ids=ids[start : start + chunk],
-                    output_fields=["item_id"],
-                    **self._read_args(name, consistency, None),
-                    timeout=self.timeout,
-                )
-            )
-        return found
+        return {str(r["item_id"]) for r in self._get(name, ids, ["item_id"], chunk, consistency)}
 
     def fetch(
         self,
@@ -857,20 +756,10 @@ class GalleryIndex:
     ) -> list[dict[str, Any]]:
         """Complete rows (vector included) of ``ids`` that exist, in the order of ``ids``."""
         name = self.resolve(collection)
-        found: dict[str, dict[str, Any]] = {}
-        ids = [str(i) for i in ids]
         fields = self._readable(name, ROW_FIELDS)
-        for start in range(0, len(ids), chunk):
-            rows = self.client.get(
-                name,
-                ids=ids[start : start + chunk],
-                output_fields=fields,
-                **self._read_args(name, consistency, None),
-                timeout=self.timeout,
-            )
-            for row in self._completed([{f: r[f] for f in fields} for r in rows], ROW_FIELDS):
-                found[str(row["item_id"])] = row
-        return [found[i] for i in ids if i in found]
+        rows = [{f: r[f] for f in fields} for r in self._get(name, ids, fields, chunk, consistency)]
+        found = {str(row["item_id"]): row for row in self._completed(rows, ROW_FIELDS)}
+        return [found[i] for i in map(str, ids) if i in found]
 
 
 KEY_SPACE = 1 << 63  # order_key lies in [0, 2^63)
@@ -976,10 +865,6 @@ def gallery_status(uri: str | os.PathLike[str], alias: str = DEFAULT_ALIAS) -> d
     """``{"count", "by_version", "collection"}`` of the serving collection (0 when nothing is indexed)."""
     with GalleryIndex(uri, alias, consistency=STRONG) as index:  # another process wrote the gallery
         collection = index.serving_collection()
-        if collection is None:
-            return {"count": 0, "by_version": {}, "collection": None}
-        return {
-            "count": index.count(collection),
-            "by_version": index.count_by_version(collection),
-            "collection": collection,
-        }
+        count = index.count(collection) if collection else 0
+        by_version = index.count_by_version(collection) if collection else {}
+        return {"count": count, "by_version": by_version, "collection": collection}

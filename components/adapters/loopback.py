@@ -3,6 +3,7 @@ server``): waiting until one is ready, or saying why it is not, and stopping it.
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -15,58 +16,10 @@ class ServerStartError(RuntimeError):
     """A server did not start; the message names it and carries its log's tail or its log's path."""
 
 
-def accepts_connections(port: int) -> Callable[[], bool]:
-    """A readiness check: something accepts TCP connections on 127.0.0.1:``port``."""
-
-    def ready() -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            return False
-
-    return ready
-
-
-def wait_until_ready(
-    process: subprocess.Popen,
-    ready: Callable[[], bool],
-    *,
-    name: str,
-    log: Path,
-    stop: Callable[[], object],
-    wait_s: float,
-    error: type[ServerStartError] = ServerStartError,
-) -> None:
-    """Poll ``ready()`` every 0.2 s until it holds. Raises ``error`` with the tail of ``log`` when the process
-    exits first, and after ``stop()`` when ``wait_s`` passes."""
-    deadline = time.monotonic() + wait_s
-    while not ready():
-        if process.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log.is_file() else "(no log)"
-            status = process.returncode
-            raise error(f"{name} exited with status {status} while starting; its log ({log}):\n{tail}")
-        if time.monotonic() > deadline:
-            stop()
-            raise error(f"{name} was not ready within {wait_s:.0f} s; its log: {log}")
-        time.sleep(0.2)
-
-
-def terminate(process: subprocess.Popen, timeout_s: float = 20) -> int:
-    """SIGTERM, then SIGKILL after ``timeout_s``; the exit status."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return int(process.returncode)
-
-
 @dataclass
 class LoopbackServer:
-    """A server process listening on 127.0.0.1:``port``, its output in ``data_dir/server.log``."""
+    """A server process listening on 127.0.0.1:``port``, its output in ``data_dir/server.log``; a ``with``
+    block stops it at its end."""
 
     data_dir: Path
     process: subprocess.Popen
@@ -80,9 +33,49 @@ class LoopbackServer:
     def log_path(self) -> Path:
         return self.data_dir / "server.log"
 
-    def stop(self) -> int:
-        """Terminate the server (kill after 20 s); its exit status."""
-        return terminate(self.process)
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.is_file() else ""
+
+    def _signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def stop(self, timeout_s: float = 20) -> int:
+        """SIGTERM the server, SIGKILL after ``timeout_s``; its exit status."""
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait()
+        return int(self.process.returncode)
+
+    def __enter__(self) -> LoopbackServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_until_ready(
+    server: LoopbackServer,
+    ready: Callable[[], bool],
+    *,
+    name: str,
+    wait_s: float,
+    error: type[ServerStartError] = ServerStartError,
+) -> None:
+    """Poll ``ready()`` every 0.2 s until it holds. Raises ``error`` with the tail of the server's log when
+    its process exits first, and after stopping it when ``wait_s`` passes."""
+    deadline, log = time.monotonic() + wait_s, server.log_path
+    while not ready():
+        if server.process.poll() is not None:
+            status, tail = server.process.returncode, server.log_tail() or "(no log)"
+            raise error(f"{name} exited with status {status} while starting; its log ({log}):\n{tail}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise error(f"{name} was not ready within {wait_s:.0f} s; its log: {log}")
+        time.sleep(0.2)
 
 
 def start_server(
@@ -96,17 +89,17 @@ def start_server(
 ) -> LoopbackServer:
     """Start ``argv`` (a server that listens on 127.0.0.1:``port``), its output appended to
     ``data_dir/server.log``, and wait until it accepts connections."""
+
+    def accepts_connections() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / "server.log", "ab") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     server = LoopbackServer(data_dir, process, port)
-    wait_until_ready(
-        process,
-        accepts_connections(port),
-        name=name,
-        log=server.log_path,
-        stop=server.stop,
-        wait_s=wait_s,
-        error=error,
-    )
+    wait_until_ready(server, accepts_connections, name=name, wait_s=wait_s, error=error)
     return server

@@ -18,18 +18,17 @@ import ctypes
 import hashlib
 import lzma
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.adapters.loopback import ServerStartError, wait_until_ready
+from components.adapters.loopback import LoopbackServer, ServerStartError, wait_until_ready
 
 CLONE_NEWNET = 0x40000000
-_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class MilvusServerError(ServerStartError):
@@ -57,16 +56,6 @@ def enter_private_network() -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True, capture_output=True)
 
 
-def _wheel_dir() -> Path:
-    try:
-        import milvus
-    except ImportError as exc:
-        raise MilvusServerError(
-            "the Milvus server package is not installed: `pip install milvus==2.3.5` (requirements/dev.txt)"
-        ) from exc
-    return Path(milvus.__file__).parent
-
-
 def server_version() -> str:
     """The version of the installed Milvus server package."""
     import milvus
@@ -77,7 +66,13 @@ def server_version() -> str:
 def unpack_binaries(root: Path) -> Path:
     """The server's binaries under ``root/bin``, unpacked from the wheel once (by digest); returns the
     executable."""
-    source = _wheel_dir() / "data" / "bin"
+    try:
+        import milvus
+    except ImportError as exc:
+        raise MilvusServerError(
+            "the Milvus server package is not installed: `pip install milvus==2.3.5` (requirements/dev.txt)"
+        ) from exc
+    source = Path(milvus.__file__).parent / "data" / "bin"
     bin_dir = Path(root) / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for packed in sorted(source.glob("*.lzma")):
@@ -88,8 +83,7 @@ def unpack_binaries(root: Path) -> Path:
             continue
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two starts at once never share one
         with lzma.open(packed) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
+            shutil.copyfileobj(src, dst, 1 << 22)
         tmp.chmod(0o755)
         tmp.replace(target)
         stamp.write_text(digest)
@@ -109,16 +103,7 @@ def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
     from milvus import MilvusServerConfig
 
     config = MilvusServerConfig(data_dir=str(data_dir))
-    for role in (
-        "proxy",
-        "rootCoord",
-        "queryCoord",
-        "queryNode",
-        "indexCoord",
-        "indexNode",
-        "dataCoord",
-        "dataNode",
-    ):
+    for role in "proxy rootCoord queryCoord queryNode indexCoord indexNode dataCoord dataNode".split():
         config.set(f"{role}.ip", "127.0.0.1")
     config.set("common.gracefulStopTimeout", int(graceful_stop_s))
     config.set("log.level", "warn")
@@ -159,19 +144,15 @@ def _add_keys(milvus_yaml: Path, section: str, lines: list[str]) -> None:
 
 
 @dataclass
-class MilvusStandalone:
-    """A running Milvus standalone process (see the module doc)."""
+class MilvusStandalone(LoopbackServer):
+    """A running Milvus standalone process (see the module doc); its ``uri`` is the ``index.uri`` to use."""
 
-    data_dir: Path
-    process: subprocess.Popen
-    port: int
     health_port: int
     graceful_stop_s: int
 
     @property
-    def uri(self) -> str:
-        """The ``index.uri`` that reaches this server."""
-        return f"http://127.0.0.1:{self.port}"
+    def log_path(self) -> Path:
+        return self.data_dir / "logs" / "milvus-stdout.log"
 
     def healthy(self) -> bool:
         try:
@@ -180,22 +161,13 @@ class MilvusStandalone:
         except OSError:
             return False
 
-    def stop(self) -> int:
-        """Stop the server (SIGTERM, then SIGKILL after the graceful time); returns its exit status."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=self.graceful_stop_s + 5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        return int(self.process.returncode)
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)  # the server's whole session
 
-    def log_tail(self, chars: int = 3000) -> str:
-        path = self.data_dir / "logs" / "milvus-stdout.log"
-        return path.read_text(errors="replace")[-chars:] if path.is_file() else ""
+    def stop(self, timeout_s: float | None = None) -> int:
+        """SIGTERM the server, SIGKILL after the graceful time; its exit status."""
+        return super().stop(self.graceful_stop_s + 5 if timeout_s is None else timeout_s)
 
 
 def start(
@@ -205,7 +177,8 @@ def start(
     graceful_stop_s: int = 10,
     wait_s: float = 180,
 ) -> MilvusStandalone:
-    """Start Milvus standalone with its data under ``data_dir`` and wait until it is healthy.
+    """Start Milvus standalone with its data under ``data_dir`` and wait until it is healthy; a ``with``
+    block stops it at its end.
 
     ``bin_dir`` holds the unpacked binaries (~250 MB; default ``data_dir``; several data folders may
     share one). Refuses unless this network namespace is loopback-only (see the module doc).
@@ -241,23 +214,5 @@ def start(
             preexec_fn=_die_with_parent,
         )
     server = MilvusStandalone(data, process, port, health, graceful_stop_s)
-    wait_until_ready(
-        process,
-        server.healthy,
-        name="Milvus standalone",
-        log=data / "logs" / "milvus-stdout.log",
-        stop=server.stop,
-        wait_s=wait_s,
-        error=MilvusServerError,
-    )
+    wait_until_ready(server, server.healthy, name="Milvus standalone", wait_s=wait_s, error=MilvusServerError)
     return server
-
-
-@contextlib.contextmanager
-def running(data_dir: str | os.PathLike[str], **kwargs: object) -> Iterator[MilvusStandalone]:
-    """:func:`start` for the duration of a block, then stop."""
-    server = start(data_dir, **kwargs)  # type: ignore[arg-type]
-    try:
-        yield server
-    finally:
-        server.stop()

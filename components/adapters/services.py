@@ -28,17 +28,10 @@ from compat.io import utc_now, write_json_atomic
 @contextlib.contextmanager
 def announced(directory: Path, host: str, port: int) -> Iterator[Path]:
     """Announce the service listening on ``host:port`` for the duration of the block."""
-    host_name = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
-    path = Path(directory) / f"{host_name}-{port}.json"
-    write_json_atomic(
-        path,
-        {
-            "url": f"http://{host}:{port}",
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "started_at": utc_now(),
-        },
-    )
+    hostname = socket.gethostname()
+    path = Path(directory) / f"{re.sub(r'[^A-Za-z0-9._-]', '_', hostname)}-{port}.json"
+    doc = {"url": f"http://{host}:{port}", "pid": os.getpid(), "hostname": hostname, "started_at": utc_now()}
+    write_json_atomic(path, doc)
     try:
         yield path
     finally:
@@ -54,7 +47,7 @@ def _alive(doc: dict) -> bool:
     except ProcessLookupError:
         return False
     except (PermissionError, KeyError, TypeError, ValueError):
-        return True
+        pass  # another user's process, or no pid to check: the reader finds out by asking it
     return True
 
 
@@ -76,9 +69,7 @@ def ask(url: str, texts: Sequence[str], k: int, timeout: float = 10.0) -> list[l
     (``POST /search``); :class:`ValueError` with its detail when it refuses the query (422), OSError when
     it does not answer or cannot search (a client falls back to searching itself)."""
     body = json.dumps({"queries": list(texts), "k": k}).encode()
-    request = urllib.request.Request(
-        f"{url}/search", body, {"Content-Type": "application/json"}, method="POST"
-    )
+    request = urllib.request.Request(f"{url}/search", body, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             doc = json.loads(response.read())

@@ -142,12 +142,13 @@ def test_reads_after_writes_are_current_in_this_and_a_fresh_process(index: Galle
     reads its own writes (Session), and a process that wrote nothing reads Strong."""
     rng = np.random.default_rng(3)
     coll = index.create_collection("s", 8)
-    assert index._level(coll, None) == "Strong"  # nothing written by this process yet
+    assert index._read_args(coll, None) == {"consistency_level": "Strong"}  # nothing written here yet
     index.switch_alias(coll)
     ids = [f"r{i:03d}" for i in range(240)]
     vectors = _unit(rng, 240, 8)
     index.index_items(ids, vectors, "v1", "s", batch_size=80)
-    assert index._level(coll, None) == "Session" and index._level(coll, "Bounded") == "Bounded"
+    assert index._read_args(coll, None) == {"consistency_level": "Session"}
+    assert index._read_args(coll, "Bounded") == {"consistency_level": "Bounded"}
     assert index.count() == 240 and index.count_by_version() == {"v1": 240}
     assert index.search(vectors[7:8], k=1)[0][0].item_id == "r007"
     index.index_items(ids[:100], vectors[:100], "v2", "s")
