@@ -74,15 +74,9 @@ def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:
     if state is None:
         return {"status": "none", "stage": None, "fraction_backfilled": None}
     return {
-        "status": state["status"],
-        "stage": state["stage"],
-        "fraction_backfilled": state["fraction_backfilled"],
-        "rollout_id": state["rollout_id"],
-        "mode": state["mode"],
+        **{key: state[key] for key in ("status", "stage", "fraction_backfilled", "rollout_id", "mode")},
         "new_version": state["new_version"],
         "query_model_version": state["query_model"]["version"],
         "policy": state["order"]["policy"],
-        "halt_reason": state["halt_reason"],
-        "curve": state["curve"],
-        "pace": state.get("pace"),
+        **{key: state.get(key) for key in ("halt_reason", "curve", "pace")},
     }
