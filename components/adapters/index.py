@@ -77,8 +77,8 @@ class GalleryIndexError(RuntimeError):
 
 @dataclass(frozen=True)
 class Owner:
-    """The deployment a :class:`GalleryIndex` writes for (see the module doc): its ``id``, its ``workspace``
-    folder, and ``legacy``, the unmarked collections (made before marks) its serving record names."""
+    """The deployment a :class:`GalleryIndex` writes for (see the module doc); ``legacy``: the unmarked
+    collections its serving record names."""
 
     id: str
     workspace: str
@@ -270,12 +270,8 @@ class GalleryIndex:
         if not slug:
             raise ValueError(f"space id {space!r} has no letter or digit to name a collection with")
         base = f"{self.alias}_{slug}_"
-        used = [
-            int(c[len(base) :])
-            for c in self.client.list_collections()
-            if c.startswith(base) and c[len(base) :].isdigit()
-        ]
-        return f"{base}{max(used, default=0) + 1}"
+        suffixes = [c.removeprefix(base) for c in self.client.list_collections() if c.startswith(base)]
+        return f"{base}{max((int(n) for n in suffixes if n.isdigit()), default=0) + 1}"
 
     def create_collection(
         self,
@@ -415,10 +411,8 @@ class GalleryIndex:
         previous = self.serving_collection()
         if previous == collection:
             return previous
-        if previous is None:
-            self.client.create_alias(collection, self.alias, timeout=self.timeout)
-        else:
-            self.client.alter_alias(collection, self.alias, timeout=self.timeout)
+        move = self.client.create_alias if previous is None else self.client.alter_alias
+        move(collection, self.alias, timeout=self.timeout)
         log.info("alias %s: %s -> %s", self.alias, previous, collection)
         return previous
 
@@ -494,9 +488,8 @@ class GalleryIndex:
 
     @property
     def needs_periodic_flush(self) -> bool:
-        """True on milvus-lite, which scans unflushed rows by brute force: writers flush every so many rows.
-        A Milvus server indexes growing segments itself and seals them by size; a flush there costs
-        seconds (~3 s on 2.3) and leaves small segments, so writers leave it to the server."""
+        """True on milvus-lite, which scans unflushed rows by brute force. A server indexes growing segments
+        and seals them by size itself; a flush there costs seconds (~3 s on 2.3) and leaves small segments."""
         return self.lite
 
     def flush(self, collection: str | None = None, *, wait_indexed: bool = False) -> None:
@@ -510,10 +503,9 @@ class GalleryIndex:
             self.wait_indexed(name)
 
     def wait_indexed(self, collection: str | None = None, timeout_s: float = 600.0) -> None:
-        """Wait until no sealed row of ``collection`` waits for its vector index (a server builds it
-        asynchronously after a flush, a segment at a time; milvus-lite at once). A large collection may take
-        hours: the wait ends in :class:`GalleryIndexError` only when the count of rows waiting has not
-        fallen for ``timeout_s`` or 4 ms per row waiting, whichever is longer (an index node that stopped)."""
+        """Wait until no sealed row of ``collection`` waits for its vector index (a server builds it a segment
+        at a time after a flush; hours for a large collection). :class:`GalleryIndexError` only when the rows
+        waiting have not fallen for ``timeout_s`` or 4 ms a row, the longer (an index node stopped)."""
         name = self.resolve(collection)
         waiting, since = None, time.monotonic()
         while True:
@@ -537,10 +529,9 @@ class GalleryIndex:
     def upsert(
         self, rows: Sequence[dict[str, Any]], collection: str | None = None, *, insert: bool = False
     ) -> int:
-        """Upsert complete rows (idempotent: the primary key is item_id); returns the number written. With
-        ``insert`` the rows are inserted: cheaper (nothing to delete), for ids the collection does not hold
-        (an insert of an id already there leaves two rows). Fields the collection does not store are left
-        out (a collection made before :data:`ORDER_FIELDS`)."""
+        """Upsert complete rows (idempotent: the primary key is item_id); returns the number written.
+        ``insert``: cheaper, only for ids the collection does not hold (an insert of one there leaves two
+        rows). Fields the collection does not store are left out (one made before :data:`ORDER_FIELDS`)."""
         if not rows:
             return 0
         name = self.resolve(collection)
@@ -683,13 +674,8 @@ class GalleryIndex:
         last: str | None = None
         while True:
             after = f"item_id > {quote(last)}" if last is not None else 'item_id != ""'
-            page = self._query(
-                name,
-                consistency,
-                filter=f"({filter}) and {after}" if filter else after,
-                output_fields=fields,
-                limit=int(batch_size),
-            )
+            where = f"({filter}) and {after}" if filter else after
+            page = self._query(name, consistency, filter=where, output_fields=fields, limit=int(batch_size))
             if not page:
                 return
             keys = [str(r["item_id"]) for r in page]
@@ -706,14 +692,13 @@ class GalleryIndex:
     def count_by_version(
         self, collection: str | None = None, consistency: str | None = None
     ) -> dict[str, int]:
-        """Rows per model version (sums to :meth:`count`), by count queries: no row is read into this
-        process. The versions present are found one query each (a row of a version not counted yet, until
-        none is left), so the cost grows with the number of versions, not of rows."""
+        """Rows per model version (sums to :meth:`count`) by count queries, one more query finding each
+        version not counted yet: the cost grows with the number of versions, not of rows."""
         name = self.resolve(collection)
         counts: dict[str, int] = {}
         while True:
-            others = "model_version not in [" + ", ".join(quote(v) for v in counts) + "]" if counts else ""
-            where = others or 'item_id != ""'
+            counted = ", ".join(quote(v) for v in counts)
+            where = f"model_version not in [{counted}]" if counts else 'item_id != ""'
             found = self._query(name, consistency, filter=where, output_fields=["model_version"], limit=1)
             if not found:
                 return dict(sorted(counts.items()))
@@ -827,8 +812,7 @@ def make_rows(
         raise ValueError("ids must be unique within one write")
 
     def per_item(value: Any, name: str, default: Any) -> list[Any]:
-        if value is None:
-            return [default] * n
+        value = default if value is None else value
         if isinstance(value, (int, np.integer, str)):
             return [value] * n
         out = list(value)

@@ -1,14 +1,11 @@
 """A Milvus standalone server (PyPI ``milvus``) started on loopback only, for local use and tests.
 
-Milvus 2.3 listens on every interface whatever its ``*.ip`` settings (only its embedded etcd stays on
-127.0.0.1), so it is started only inside a network namespace whose one interface is loopback: the
-caller's own, when :func:`loopback_only` holds, or a private one entered with
-:func:`enter_private_network` (root: ``unshare(CLONE_NEWNET)``) or ``ip netns exec``. Its clients must
-run in the same namespace. Everything the server writes (binaries unpacked from the wheel, configs,
-etcd, segments, logs, pid file) lives under one data folder; its ports are the first free ones from
-Milvus's defaults (gRPC 19530, health 9091). :meth:`MilvusStandalone.stop` ends it within
-``graceful_stop_s`` (Milvus waits ``common.gracefulStopTimeout``, 1800 s by default, with a loaded
-collection).
+Milvus 2.3 listens on every interface whatever its ``*.ip`` settings, so it is started only inside a network
+namespace whose one interface is loopback (:func:`loopback_only`): the caller's own, or one entered with
+:func:`enter_private_network` (root) or ``ip netns exec``; its clients run in the same namespace. Everything
+the server writes (binaries, configs, etcd, segments, logs, pid file) lives under one data folder; its ports
+are the first free ones from Milvus's defaults. :meth:`MilvusStandalone.stop` ends it within
+``graceful_stop_s`` (Milvus's own ``common.gracefulStopTimeout`` is 1800 s with a loaded collection).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The running search services of a workspace: one small file per service process, found by the rollout.
 
-``compatflow serve`` writes ``<workspace>/services/<hostname>-<port>.json`` (``url``, ``pid``, ``hostname``,
-``started_at``) once it listens and removes it when it stops (named by host too: the replicas of a
-Deployment, one pod each, share the workspace volume and the port); a rollout's pace reads the query-latency
-histogram of every live one (:class:`components.rollout.pacing.ServiceLatency`). A file left by a process
-that no longer runs on this host (kill -9) is ignored; one from another host is kept, and a service that
-does not answer its ``/metrics`` is skipped by the reader. ``compatflow search`` asks a live one
-(:func:`ask`) before it loads a model itself.
+``compatflow serve`` writes ``<workspace>/services/<hostname>-<port>.json`` once it listens and removes it
+when it stops (named by host too: a Deployment's replicas share the workspace volume and the port); a
+rollout's pace reads the query latency of every live one (:class:`components.rollout.pacing.ServiceLatency`).
+A file left by a process no longer running on this host (kill -9) is ignored; one from another host is kept
+(the reader skips a service that does not answer). ``compatflow search`` asks a live one (:func:`ask`)
+before it loads a model itself.
 """
 
 from __future__ import annotations
