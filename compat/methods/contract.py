@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -91,7 +91,6 @@ class ServingContract:
             raise CompatError(f"{source}: {exc}") from exc
 
 
-@runtime_checkable
 class Encoder(Protocol):
     """Anything that embeds images and texts into one space: a ``ClipBundle`` or a ``CompatModel``."""
 

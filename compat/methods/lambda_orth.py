@@ -294,19 +294,18 @@ def cache_features(
     new: Encoder, old: Encoder, batches: Iterable[Batch], device: torch.device, max_items: int | None = None
 ) -> PairedFeatures:
     """One pass over ``batches``: the frozen old and new embeddings of every pair (up to ``max_items``)."""
-    parts: list[tuple[torch.Tensor, ...]] = []
+    parts: list[list[torch.Tensor]] = []  # old image, old text, new image, new text of each batch
     count = 0
     for batch in track(batches, "lambda_orth: caching features"):
-        old_img, old_txt = frozen_features(old, batch, device)
-        new_img, new_txt = frozen_features(new, batch, device)
-        parts.append(tuple(t.cpu() for t in (old_img, old_txt, new_img, new_txt)))
-        count += old_img.shape[0]
+        parts.append(
+            [t.cpu() for t in (*frozen_features(old, batch, device), *frozen_features(new, batch, device))]
+        )
+        count += parts[-1][0].shape[0]
         if max_items is not None and count >= max_items:
             break
     if not parts:
         raise CompatError("lambda_orth: the training data produced no batch; nothing to cache")
-    cols = [torch.cat([p[i] for p in parts])[:max_items] for i in range(4)]
-    return PairedFeatures(*cols)
+    return PairedFeatures(*(torch.cat(column)[:max_items] for column in zip(*parts, strict=True)))
 
 
 # --------------------------------------------------------------------------------------------- backfill

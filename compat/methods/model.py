@@ -148,11 +148,11 @@ class CompatModel(ABC):
             )
             part_sha[name] = json.loads(Path(sidecar).read_text())["sha256"]
         adapters = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.adapter_state().items()}
-        adapters_sha = None
+        adapters_doc = None
         if adapters:
             meta = {"format": COMPAT_FORMAT, "method": self.method}
             atomic_write(out_dir / ADAPTERS_FILE, lambda tmp: save_file(adapters, str(tmp), metadata=meta))
-            adapters_sha = sha256_file(out_dir / ADAPTERS_FILE)
+            adapters_doc = {"file": ADAPTERS_FILE, "sha256": sha256_file(out_dir / ADAPTERS_FILE)}
         doc = {
             "format": COMPAT_FORMAT,
             "method": self.method,
@@ -160,7 +160,7 @@ class CompatModel(ABC):
             "config": self.config.to_dict(),
             "parts": sorted(parts),
             "parts_sha256": part_sha,
-            "adapters": {"file": ADAPTERS_FILE, "sha256": adapters_sha} if adapters else None,
+            "adapters": adapters_doc,
             "trainable_parameters": int(self.trainable_parameters),
             "training": self.training_info,
             "created_at": utc_now(),

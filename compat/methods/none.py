@@ -69,7 +69,6 @@ def independent_model(new: ClipBundle, old_dim: int, config: MethodConfig | None
 class NoCompatibility(CompatMethod):
     """The new model as it is; ``fit`` trains nothing and reads no batch."""
 
-    config_class = MethodConfig
     model_class = PlainModel
 
     def train(self, new: ClipBundle, old: Encoder, batches: Iterable[Batch], config: Any) -> PlainModel:
