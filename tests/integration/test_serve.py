@@ -427,10 +427,9 @@ def test_search_command_prints_captions(gallery, capsys) -> None:
 def test_search_command_asks_the_running_service(gallery, service) -> None:
     """With a compatflow serve of the workspace announced, the command's hits are the service's answer."""
     paths, index, _ = gallery
-    client = Client(service.port)
 
-    def answered() -> float:
-        metrics = client.request("GET", "/metrics")[1].decode()
+    def answered() -> float:  # a connection of its own: a kept-alive one may time out while the CLI runs
+        metrics = Client(service.port).request("GET", "/metrics")[1].decode()
         return float(re.search(r"^compatflow_queries_total (\S+)$", metrics, re.M)[1])
 
     before, text = answered(), UPGRADE.query_texts[0]
