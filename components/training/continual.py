@@ -233,10 +233,10 @@ def run_continual(
 ) -> dict[str, Any]:
     """Run the step and return the metrics document (also written to ``out_dir/metrics.json``).
 
-    ``train_urls`` / ``replay_urls`` (one list per earlier phase) replace the manifest's shards (the pipeline
-    passes the validated ones). ``production`` (directory or model.json) is the teacher and the student's
-    start; without it only phase 0 runs (CLIP_0 from scratch). An interrupted run resumes from ``train_dir``
-    (default ``out_dir/train``) unless ``resume=False``; ``on_step`` receives each step's record."""
+    ``train_urls`` / ``replay_urls`` (one list per earlier phase) replace the manifest's shards.
+    ``production`` (directory or model.json) is the teacher and the student's start (without it: phase 0
+    only, CLIP_0 from scratch). A run resumes from ``train_dir`` (default ``out_dir/train``) unless
+    ``resume=False``."""
     from compat.io import write_json_atomic
     from compat.production import load_production
     from compat.training import init_distributed, shutdown_distributed, train
@@ -252,8 +252,7 @@ def run_continual(
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = settings.replay_buffer_size > 0 and method_used in ("modx", "finetune")
     config = _train_config(settings, alpha_used)
-    plan = _plan_line(settings, method_used, alpha_used, urls, replay)
-    log.info("phase %d (%s): %s", phase, entry["domain"], plan)
+    _log_plan(phase, entry["domain"], settings, method_used, alpha_used, urls, replay)
     t0 = time.perf_counter()
     workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
     earlier = (replay_urls or _earlier_train_urls(stream, manifest, phase)) if replay else None
@@ -270,9 +269,7 @@ def run_continual(
         {"buffer_size": settings.replay_buffer_size, "rows": settings.replay_rows} if replay else None
     )
     run = {"phase": phase, "domain": entry["domain"], "method": method_used, "alpha": alpha_used}
-    sidecar = _save_candidate(
-        student, out_dir, version, settings, {**run, "replay": replay_doc}, manifest, parent
-    )
+    sidecar = _save_candidate(student, out_dir, version, settings, run, replay_doc, manifest, parent)
     sets = _eval_sets(stream, manifest, phase, student.image_size)
     candidate, start_metrics, sd_doc = _evaluate(student, parent, sets, dev, settings, run, version, out_dir)
     doc = {
@@ -283,7 +280,10 @@ def run_continual(
         "production": None if parent is None else parent.describe(),
         "training": {
             **config.to_dict(),
-            **{"train_shards": len(urls), "replay": replay_doc, "world_size": dist.world_size, "device": dev},
+            "train_shards": len(urls),
+            "replay": replay_doc,
+            "world_size": dist.world_size,
+            "device": dev,
             "wall_s": round(train_wall, 3),
             **_trained(result),
         },
@@ -304,6 +304,7 @@ def _save_candidate(
     version: str,
     settings: TrainingSettings,
     run: dict[str, Any],
+    replay: dict[str, Any] | None,
     manifest: dict[str, Any],
     parent: Any,
 ) -> Path:
@@ -313,7 +314,10 @@ def _save_candidate(
 
     extra = {
         **run,
-        **{"steps": settings.steps, "batch_size": settings.batch_size, "seed": settings.seed},
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "replay": replay,
+        "seed": settings.seed,
         "stream_seed": manifest.get("seed"),  # synthetic streams only
         "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
     }
@@ -344,12 +348,21 @@ def _evaluate(
     return candidate, start_metrics, sd_doc
 
 
-def _plan_line(settings: TrainingSettings, method: str, alpha: float, urls: list[str], replay: bool) -> str:
+def _log_plan(
+    phase: int,
+    domain: str,
+    settings: TrainingSettings,
+    method: str,
+    alpha: float,
+    urls: list[str],
+    replay: bool,
+) -> None:
     replayed = (
         f" ({settings.replay_rows} rows per batch replayed from {settings.replay_buffer_size} earlier pairs)"
     )
     steps = f"{settings.steps} steps x {settings.batch_size} pairs on {len(urls)} shards"
-    return f"{method}, alpha {alpha:g}, {steps}" + (replayed if replay else "")
+    plan = f"{method}, alpha {alpha:g}, {steps}" + (replayed if replay else "")
+    log.info("phase %d (%s): %s", phase, domain, plan)
 
 
 def _method_and_alpha(settings: TrainingSettings, *, bootstrap: bool) -> tuple[str, float]:
