@@ -593,7 +593,7 @@ class GalleryIndex:
     ) -> list[list[Hit]]:
         """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector and
         the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``). ``as_of`` (a Unix
-        time) replaces ``consistency`` (see the module doc).
+        time) replaces ``consistency`` (see the module doc). ``ef``: HNSW's search breadth, 128 at least.
 
         ``layers`` (``[(collection, filter), ...]``, newest first) searches a gallery that a rollout is
         moving from one collection to another (:mod:`components.rollout.engine`): each layer with its own
@@ -611,7 +611,7 @@ class GalleryIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         name = self.resolve(collection)
-        params = {"params": {"ef": max(int(ef or 0), k, 64)}}
+        params = {"params": {"ef": max(int(ef or 0), k, 128)}}  # the recall of efConstruction 64
         result = self.client.search(
             name,
             data=q.tolist(),
