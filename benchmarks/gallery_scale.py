@@ -439,6 +439,16 @@ def table(records: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines + growth) + "\n"
 
 
+def report(records: Sequence[Mapping[str, Any]], text: str, args: argparse.Namespace) -> int:
+    """Write the records to ``args.json`` and the table to ``args.table`` where given; print the table."""
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+    if args.table:
+        args.table.write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000")
@@ -483,13 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.uri = server.uri
                 for size in sizes:
                     records += measure_size(args, "standalone", size, server.process.pid)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
-    text = table(records)
-    if args.table:
-        args.table.write_text(text)
-    print(text)
-    return 0
+    return report(records, table(records), args)
 
 
 if __name__ == "__main__":

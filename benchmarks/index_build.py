@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gallery_scale import milvus_standalone, settle, stand_in_vectors  # noqa: E402
+from benchmarks.gallery_scale import milvus_standalone, report, settle, stand_in_vectors  # noqa: E402
 from compat.proc import cpu_seconds  # noqa: E402
 
 DIM = 64
@@ -132,13 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for m, ef in settings:
                     records.append(measure(server, size, m, ef))
                     print(json.dumps(records[-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
-    text = table(records)
-    if args.table:
-        args.table.write_text(text)
-    print(text)
-    return 0
+    return report(records, table(records), args)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gallery_scale import milvus_standalone, stand_in_vectors  # noqa: E402
+from benchmarks.gallery_scale import milvus_standalone, report, stand_in_vectors  # noqa: E402
 from compat.proc import cpu_seconds  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "index_writes.md"
@@ -207,13 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             storage = next(p for p in [data / "data", data] if p.is_dir())
             for size in (int(s) for s in args.sizes.split(",")):
                 records += measure(server, storage, size)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
-    text = table(records)
-    if args.table:
-        args.table.write_text(text)
-    print(text)
-    return 0
+    return report(records, table(records), args)
 
 
 if __name__ == "__main__":
