@@ -398,8 +398,7 @@ class GalleryIndex:
                 "(a collection, then switch_alias)"
             )
         if name not in self._loaded:
-            self._require(name)
-            self.client.load_collection(name, timeout=self.timeout)
+            self.client.load_collection(self._require(name), timeout=self.timeout)
             self._loaded.add(name)
         return name
 

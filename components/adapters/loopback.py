@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class ServerStartError(RuntimeError):
@@ -57,6 +58,12 @@ class LoopbackServer:
         self.stop()
 
 
+def launch(argv: list[str], log: Path, **popen: Any) -> subprocess.Popen:
+    """Start ``argv`` with no input, its output appended to ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **popen)
+
+
 def wait_until_ready(
     server: LoopbackServer,
     ready: Callable[[], bool],
@@ -98,8 +105,6 @@ def start_server(
             return False
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open(data_dir / "server.log", "ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = LoopbackServer(data_dir, process, port)
+    server = LoopbackServer(data_dir, launch(argv, data_dir / "server.log"), port)
     wait_until_ready(server, accepts_connections, name=name, wait_s=wait_s, error=error)
     return server

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from components.adapters.loopback import LoopbackServer, ServerStartError, wait_until_ready
+from components.adapters.loopback import LoopbackServer, ServerStartError, launch, wait_until_ready
 
 CLONE_NEWNET = 0x40000000
 
@@ -199,17 +199,8 @@ def start(
         "MILVUS_RUN_DIR": str(data / "run"),  # its pid file (default /run/milvus/standalone.pid)
         "LD_LIBRARY_PATH": f"{exe.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}",
     }
-    with open(data / "logs" / "milvus-stdout.log", "ab") as out:
-        process = subprocess.Popen(
-            [str(exe), "run", "standalone"],
-            cwd=data,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+    argv, log = [str(exe), "run", "standalone"], data / "logs" / "milvus-stdout.log"
+    process = launch(argv, log, cwd=data, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     server = MilvusStandalone(data, process, port, health, graceful_stop_s)
     wait_until_ready(server, server.healthy, name="Milvus standalone", wait_s=wait_s, error=MilvusServerError)
     return server
