@@ -1,25 +1,10 @@
 """A rehearsal of the cluster on this machine: ``make rehearse`` (``compatflow pipeline rehearse``).
 
-What the cluster has, kept: the compiled package (compiled from ``pipelines/configs/cluster.yaml``, its
-service URIs pointed here and its sizes scaled to a CPU, :data:`SCALED`), run by ``kfp.local`` task by task
-with the compiled commands (forked from the warm task host of :mod:`pipelines.warm_tasks`), conditions, the
-exit handler, the backfill's ``ParallelFor`` fan-out and every parameter at its compiled default, as a
-recurring run sends it; real services of the cluster's kinds over HTTP on loopback (Milvus standalone, an
-``mlflow server``, Feast configured by the cluster's own ``feature_store.yaml``, its registry on a folder
-standing in for the object store); the pod's environment (every key of the ConfigMap
-``compatflow-pipeline-config`` and the Milvus Secret, set to these servers); read-only root-owned inputs
-(config, feature repo, stream, package; checked unchanged after the run) and tasks that run as the images'
-non-root user (uid/gid 10001) with no capability, seeing a folder others cannot search (``/root`` of a
-pyenv interpreter) only as a view of what leads to Python (:func:`task_launcher`); a private network
-namespace with loopback alone (Milvus 2.3 listens on every interface).
-
-What differs: no Kubernetes (scheduler, pods, images, limits, node pools, PVC, ConfigMap objects: the tasks
-run this checkout's environment, and ``kfp.local`` honours the retry policy but not the pod settings), no
-KFP API server (``pipeline submit`` is tested against a stand-in), no Training Operator, no object store; a
-``cf-tiny`` model on CPU with a few steps on a small synthetic stream; a gate policy that passes any
-candidate (:data:`GATE_POLICY`) and probe floors far below old/old (``rollout.probe_tolerance`` 100): what
-is rehearsed is the path a passed candidate takes. Running again on the same folder ships the next
-phases, as the weekly schedule does, until the stream is exhausted.
+The compiled cluster package (sizes scaled to a CPU, :data:`SCALED`) runs under ``kfp.local`` against real
+services of the cluster's kinds on loopback, with the pods' environment, read-only root-owned inputs and tasks
+as the images' non-root user in a loopback-only network namespace. Not rehearsed: Kubernetes itself, the KFP
+API server, the Training Operator and the object store; the gate passes any candidate (:data:`GATE_POLICY`),
+so what is rehearsed is the path a passed candidate takes. Running again ships the next phases.
 """
 
 from __future__ import annotations
@@ -92,8 +77,7 @@ class RehearsalError(RuntimeError):
 
 
 class Layout:
-    """The rehearsal's folders under ``root``: read-only inputs (root-owned), the tasks' volume and home,
-    the servers' data and the logs."""
+    """The rehearsal's folders under ``root``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -143,8 +127,7 @@ class Outcome:
 
 
 def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> Deployment:
-    """The cluster config as the rehearsal runs it: the shipped ``cluster.yaml``, its sizes :data:`SCALED`,
-    its paths and service URIs pointed at this rehearsal's folders and servers."""
+    """The shipped ``cluster.yaml`` scaled (:data:`SCALED`), pointed at this rehearsal's folders, servers."""
     from pipelines.config import load_config
 
     cluster = load_config("cluster", local_paths=False, training=False)
@@ -160,9 +143,7 @@ def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> De
 
 
 def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> dict[str, str]:
-    """A task pod's whole environment (nothing inherited from this process): the images' ``ENV``
-    (:func:`image_environment`), the ConfigMap ``compatflow-pipeline-config`` and the Milvus Secret, with
-    this rehearsal's values."""
+    """A task pod's whole environment: the images' ``ENV``, the ConfigMap and the Milvus Secret."""
     from pipelines import resources
 
     values = {
@@ -185,9 +166,8 @@ def task_environment(layout: Layout, *, index_uri: str, tracking_uri: str) -> di
 
 
 def image_environment(layout: Layout) -> dict[str, str]:
-    """The images' ``ENV`` (``manifests/docker/Dockerfile.cpu``, final stage; a test keeps the keys equal)
-    with their folders under the task user's home, plus the user's name (uid 10001 has no entry in this
-    machine's passwd; the image's has one)."""
+    """The images' ``ENV`` (``manifests/docker/Dockerfile.cpu``; a test keeps the keys equal), plus the
+    user's name (uid 10001 has no entry in this machine's passwd; the image's has one)."""
     home = layout.home
     return {
         "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
@@ -226,17 +206,14 @@ def feature_store_yaml() -> str:
 
 
 def tree_digest(folder: Path) -> str:
-    """A digest of every file's path and bytes under ``folder`` (what a read-only mount must keep): the
-    manifest digest a model version is pinned by (:mod:`compat.models.integrity`)."""
+    """A digest of every file's path and bytes under ``folder`` (:mod:`compat.models.integrity`)."""
     from compat.models.integrity import file_manifest, manifest_digest
 
     return manifest_digest(file_manifest(folder))
 
 
 class Rehearsal:
-    """One rehearsal folder: :meth:`services` starts the servers for a block, :meth:`prepare` writes the
-    read-only inputs and compiles the package, :meth:`ship` runs one phase from it, :meth:`check` runs the
-    operator commands. :func:`rehearse` does all of it."""
+    """One rehearsal folder: services, then prepare, ship and check (:func:`rehearse` does all of it)."""
 
     def __init__(
         self,
@@ -252,11 +229,9 @@ class Rehearsal:
         self.tracking_uri = ""
         self.digests: dict[str, str] = {}
 
-    # -- services ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def services(self) -> Iterator[Rehearsal]:
-        """Milvus standalone and an MLflow tracking server on loopback for the block (data kept in the
-        rehearsal folder, so a second rehearsal continues the first)."""
+        """Milvus standalone and an MLflow server on loopback; their data stays for the next rehearsal."""
         from components.adapters import milvus_server, mlflow_server
 
         if not milvus_server.loopback_only():
@@ -277,10 +252,8 @@ class Rehearsal:
             self.echo(f"services: Milvus standalone {milvus.uri}, MLflow {mlflow.uri}")
             yield self
 
-    # -- inputs -----------------------------------------------------------------------------------------
     def prepare(self) -> Step:
-        """Write the read-only inputs (config, gate policy, feature repo definition, stream) and compile the
-        pipeline from the config; give the tasks their volume and home."""
+        """Write the read-only inputs, compile the package, give the tasks their volume and home."""
         import yaml
 
         from pipelines.compile import compile_pipeline
@@ -322,13 +295,9 @@ class Rehearsal:
                 f"(chmod o+rx), e.g. a rehearsal folder under /tmp:\n{probe.stderr[-1500:]}"
             )
 
-    # -- runs -------------------------------------------------------------------------------------------
     def ship(self, *, run_id: str = "", stop_at: str | None = None) -> Step:
-        """Run the compiled pipeline once in a process of the task user, as a recurring run does (every
-        parameter its compiled default: the next pending phase, the KFP job name as run id), or resubmit the
-        run ``run_id`` (KFP's cache skips the cacheable steps it finished). ``stop_at``: kill the run's
-        processes (SIGKILL, as a node loss) when that task starts. The step names the phase, the run and how
-        it ended."""
+        """Run the package once as the task user, as a recurring run does, or resubmit ``run_id``.
+        ``stop_at``: SIGKILL the run's processes (as a node loss) when that task starts."""
         from components.runs import read_state
         from pipelines.compile import COMPILED_NAME
 
@@ -373,8 +342,7 @@ class Rehearsal:
         return int(plan["phase"]), str(plan["run_id"])
 
     def check(self) -> list[Step]:
-        """``status``, ``search`` and ``lineage --check`` on the cluster config, as the task user; then the
-        read-only inputs unchanged."""
+        """``status``, ``search`` and ``lineage --check`` as the task user; the read-only inputs unchanged."""
         compatflow = str(Path(sys.executable).with_name("compatflow"))
         config = ["--config", str(self.layout.config_file)]
         commands = {
@@ -398,13 +366,13 @@ class Rehearsal:
             f"changed: {', '.join(changed)}" if changed else "config, feature repo, stream, package unchanged"
         )
         steps.append(Step("read-only inputs", time.monotonic() - started, not changed, detail))
+
         return steps
 
     def _task_env(self) -> dict[str, str]:
         return task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri)
 
     def _as_task_user(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` as the task user; its stdout and stderr apart."""
         return subprocess.run(
             [*task_launcher(self.layout), *argv],
             cwd=self.layout.home,
@@ -428,9 +396,8 @@ class Rehearsal:
 
 @functools.cache
 def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
-    """Folders above this environment's Python and packages or the rehearsal folder ``root`` that another user
-    cannot search (e.g. ``/root`` of a pyenv interpreter), deepest first, each with the names in it that lead
-    to them."""
+    """Folders above Python, its packages or ``root`` that others cannot search (e.g. ``/root`` of a pyenv
+    interpreter), deepest first, each with the names in it that lead there."""
     import compat
 
     targets = [Path(sys.executable).resolve(), Path(sys.prefix).resolve(), Path(compat.__file__).resolve()]
@@ -445,8 +412,7 @@ def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
 
 
 def make_views(layout: Layout) -> None:
-    """``views/N``: for the N-th folder of :func:`unsearchable_folders`, a root-owned folder others may
-    search, holding an empty mount point for each name that leads to Python or the rehearsal."""
+    """``views/N``: a searchable stand-in for the N-th unsearchable folder, with a mount point per name."""
     for n, (folder, names) in enumerate(unsearchable_folders(layout.root).items()):
         view = layout.views / str(n)
         view.mkdir(parents=True, exist_ok=True)
@@ -460,10 +426,9 @@ def make_views(layout: Layout) -> None:
 
 
 def task_launcher(layout: Layout) -> list[str]:
-    """``setpriv`` to the images' uid and gid with no groups and no capability. Where this machine keeps the
-    environment's Python in a folder others cannot search (:func:`unsearchable_folders`), the task runs in a
-    mount namespace of its own where that folder is its view (:func:`make_views`) with only the names leading
-    to Python bound in: it reads Python, not the rest of the folder (a pod's image needs none of this)."""
+    """``setpriv`` to the images' uid and gid with no groups and no capability; where Python lies in an
+    unsearchable folder, in a mount namespace where that folder is its view with only the names leading to
+    Python bound in (a pod's image needs none of this)."""
     setpriv = [shutil.which("setpriv") or "setpriv", f"--reuid={TASK_UID}", f"--regid={TASK_GID}"]
     setpriv += ["--clear-groups", "--"]
     mounts = []
@@ -544,10 +509,8 @@ def _last_line(text: str) -> str:
 
 
 def claim_root(root: str | os.PathLike[str], *, fresh: bool = False) -> Path:
-    """The rehearsal folder ``root``, resolved, made (with :data:`MARKER`) unless a rehearsal made it; with
-    ``fresh``, deleted first. Raises :class:`RehearsalError` for the filesystem root, a system or home
-    folder, the checkout or a folder above it, and a folder holding files no rehearsal made (a rehearsal
-    gives its folders to uid 10001 and deletes them with ``--fresh``: only its own)."""
+    """The rehearsal folder ``root``, made with :data:`MARKER` (``fresh``: deleted first). Refuses a system or
+    home folder, the checkout and a folder of files no rehearsal made (it is given to uid 10001)."""
     import pwd
 
     from components.state.workspace import SYSTEM_FOLDERS
@@ -588,8 +551,7 @@ def _own_tree(folder: Path, uid: int, gid: int, *, read_only: bool = False) -> N
 
 
 def _ship_package(package: str, run_id: str = "") -> int:
-    """Run the compiled package with ``kfp.local`` (this process: the task user's), every parameter its
-    compiled default but a given ``run_id``; 0 when the pipeline succeeded."""
+    """Run the package with ``kfp.local`` in this (the task user's) process; 0 when it succeeded."""
     import warnings
 
     from kfp import components, local
