@@ -1,8 +1,7 @@
 """Run planning and bookkeeping: which phase a run takes, where its outputs go, how it ended.
 
-The workspace's phase record (``Workspace.state_path``) holds every phase's outcome: a run plans itself from
-it (:func:`plan_run`) and records its end (:func:`finish_run`, the pipeline's exit handler), so a scheduled
-run needs no parameter but the config, and a local run continues where the last one stopped.
+A run plans itself from the workspace's phase record (:func:`plan_run`) and records its end there
+(:func:`finish_run`), so a scheduled run needs no parameter but the config.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def read_state(workspace: Workspace | str | Path) -> dict[str, Any]:
 
 
 def _refuse_another_index(ws: Workspace) -> None:
-    """A configured index other than the one the workspace's gallery is served from is refused before any
-    step runs, naming both (:func:`components.serving.record.check_index_agrees`)."""
+    """Refuse a configured index other than the one the workspace's gallery is served from."""
     from components.serving.record import ServingError, check_index_agrees, read_serving
 
     try:
@@ -70,8 +68,8 @@ _DEFAULT_PORTS = {"http": 80, "https": 443, "tcp": 19530, "grpc": 19530}
 
 
 def connect(uri: str, timeout: float) -> None:
-    """Open and close a TCP connection to the server ``uri`` names (OSError when it accepts none within
-    ``timeout`` seconds); a URI of no server (a path, an embedded store) is left alone."""
+    """Open and close a TCP connection to the server ``uri`` names (OSError when it accepts none in
+    ``timeout`` s); a URI of no server (a path, an embedded store) is left alone."""
     import socket
     from urllib.parse import urlsplit
 
@@ -82,9 +80,7 @@ def connect(uri: str, timeout: float) -> None:
 
 
 def _refuse_unreachable_services(deployment: Deployment) -> None:
-    """Each configured server (``index.uri``, ``registry.tracking_uri``) must accept a connection within
-    :data:`SERVICE_CONNECT_S`: found in seconds at the start of the run, naming the field and the URI, not
-    after minutes of validation and training."""
+    """Each configured server must accept a connection now, not after minutes of validation and training."""
     for field, uri in (
         ("index.uri", deployment.index.uri),
         ("registry.tracking_uri", deployment.registry.tracking_uri),
@@ -99,9 +95,8 @@ def _refuse_unreachable_services(deployment: Deployment) -> None:
 
 
 def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
-    """Refuse a phase record that misses the workspace's work (a finished run folder of a phase it does not
-    record, or a production model while it records no phase and no run folder is left), saying how to
-    rebuild it. A run killed before recording its outcome is not finished: the next run resumes it."""
+    """Refuse a phase record that misses the workspace's work: a finished run of a phase it does not record,
+    or a production model while it records nothing. A killed run is not finished: the next run resumes it."""
     ws = Workspace.of(deployment)
     path = ws.state_path
     recorded = state["phases"]
@@ -137,8 +132,7 @@ def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
 
 
 def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """The phase record rebuilt from the run folders: each phase's newest finished run (its
-    ``outcome.json``), written atomically; returns it."""
+    """The phase record rebuilt from each phase's newest finished run folder, written atomically."""
     ws = Workspace.coerce(workspace)
     runs: dict[str, tuple[float, dict[str, Any]]] = {}
     for outcome_path in ws.runs_dir.glob(f"*/{OUTCOME_FILE}"):
@@ -222,8 +216,7 @@ def _archive_attempt(run_dir: Path) -> int:
 
 
 def new_run_id(phase: int) -> str:
-    """``phase-PP-YYYYmmdd-HHMMSS-xxxxxxxx``: sortable by time, unique even for runs started in one second
-    (32 random bits: two ids of one second collide once in ~4e9 pairs)."""
+    """``phase-PP-YYYYmmdd-HHMMSS-xxxxxxxx``: sortable by time, unique within a second (32 random bits)."""
     import secrets
 
     return f"phase-{phase:02d}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
@@ -239,9 +232,8 @@ def keep_validated(
     accepted: Sequence[str | Path],
     splits: dict[str, Sequence[str | Path]] | None = None,
 ) -> list[str]:
-    """Copy a phase's accepted shards into the workspace (atomically replacing an earlier copy): later runs
-    read these, never the raw stream's quarantined samples. ``splits`` (eval, gallery) go into folders of
-    their name, made even when empty (:func:`validated_shards`). Returns the kept training shards."""
+    """Copy a phase's accepted shards into the workspace, atomically replacing an earlier copy, so later
+    runs never read quarantined samples; ``splits`` go into folders of their name. Returns train shards."""
     final = Workspace.coerce(workspace).validated_dir(phase)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -259,9 +251,8 @@ def keep_validated(
 
 
 def validated_shards(deployment: Deployment, shards: Sequence[str], split: str) -> list[str]:
-    """``shards`` (raw shards of ``split``) with each phase's replaced by what its validation kept
-    (:func:`keep_validated`), so quarantined items are never read; raw ones where nothing was kept (with a
-    warning), and shards of no phase of the stream, pass through."""
+    """Raw ``shards`` of ``split`` with each phase's replaced by what its validation kept; raw ones where
+    nothing was kept (with a warning) and shards of no phase pass through."""
     from compat.data.manifest import load_manifest, phase_urls
 
     ws, stream_dir = Workspace.of(deployment), Path(deployment.stream.uri)
@@ -286,8 +277,7 @@ def validated_shards(deployment: Deployment, shards: Sequence[str], split: str) 
 
 
 def train_shards_of(deployment: Deployment, phase: int, manifest: dict[str, Any] | None = None) -> list[str]:
-    """The validated training shards of a finished ``phase``; its raw stream shards (with a warning) when
-    the workspace holds no validated copy."""
+    """The validated training shards of a finished ``phase``, else its raw ones (with a warning)."""
     kept_dir = Workspace.of(deployment).validated_dir(phase)
     kept = sorted(str(p) for p in kept_dir.glob("*.tar"))
     if kept:
@@ -304,8 +294,7 @@ def replay_shards(deployment: Deployment, phase: int, per_phase: int | None = No
     return [train_shards_of(deployment, q)[:per_phase] for q in range(phase)]
 
 
-# The settings an operator changes per run, as the pipeline's parameters: name -> (config section, field).
-# One at its empty value ("", 0, []) keeps the config's; a compiled package's defaults are the config's.
+# Pipeline parameters an operator sets per run: name -> (config section, field); empty keeps the config's.
 RUN_PARAMETERS: dict[str, tuple[str, str]] = {
     "training_method": ("training", "method"),
     "training_steps": ("training", "steps"),
@@ -333,9 +322,9 @@ def with_run_parameters(deployment: Deployment, values: Mapping[str, Any]) -> De
 def plan_run(
     deployment: Deployment, phase: int = -1, run_id: str = "", job_name: str = ""
 ) -> dict[str, Any] | None:
-    """The plan of a run, written to ``<run_dir>/run.json``: its phase, run folder and every shard list the
-    steps read; None when every phase is done. ``phase`` -1: the next pending one. ``run_id`` "": the phase's
-    interrupted run (:func:`interrupted_run`) continued, else ``job_name`` (the KFP job's), else a new id."""
+    """The run's plan (phase, run folder, shard lists), written to ``<run_dir>/run.json``; None when every
+    phase is done. ``phase`` -1: the next pending one. ``run_id`` "": the phase's interrupted run, else
+    ``job_name``, else a new id."""
     from compat.data.synth import load_manifest
 
     stream_dir = Path(deployment.stream.uri)
@@ -386,8 +375,7 @@ def plan_run(
 
 
 def run_dir_of_job(deployment: Deployment, run_id: str, job_name: str) -> Path:
-    """The run directory of a pipeline job: ``run_id``'s, else the run that recorded ``job_name`` (a resumed
-    run keeps its first id), else ``job_name``'s."""
+    """``run_id``'s run folder, else the one that recorded ``job_name`` (a resumed run keeps its id)."""
     if run_id:
         return run_dir_for(deployment, run_id)
     for plan_path in Workspace.of(deployment).runs_dir.glob(f"*/{RUN_FILE}"):
@@ -441,7 +429,6 @@ def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error
     return outcome
 
 
-# --------------------------------------------------------------------------------------------- failures
 _CHECKPOINT_ERRORS = (
     "ChecksumError",
     "CheckpointError",
@@ -491,8 +478,7 @@ def next_action(step: str, error_type: str, error: BaseException | None = None) 
 
 
 def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, Any]:
-    """Write ``<run_dir>/failure.json``: the step that raised, the exception and what to do next. The first
-    failure of a run is kept (a later step failing because of it would only hide the cause)."""
+    """Write ``<run_dir>/failure.json`` (step, exception, what to do next); a run's first failure is kept."""
     import traceback
 
     path = RunDir(run_dir).failure_file
@@ -535,8 +521,7 @@ def locate_in_log(log_path: Path, failure: dict[str, Any]) -> int | None:
 
 
 def record_usage(run_dir: Path, step: str, usage: dict[str, Any]) -> Path | None:
-    """Write one step's usage (with its outcome: ``ok`` or the exception's type) to the run's usage folder;
-    a step run again by a resumed attempt replaces its figures. Best effort: a write that fails is logged."""
+    """Write one step's usage to the run's usage folder (a resumed step's replaced); failures are logged."""
     document = {"step": step, "at": utc_now(), "pid": os.getpid(), **usage}
     path = RunDir(run_dir).usage_file(step)
     try:
