@@ -268,10 +268,7 @@ def curve_area(fractions: Sequence[float], values: Sequence[float]) -> float:
 
 def fraction_to_reach(fractions: Sequence[float], values: Sequence[float], target: float) -> float | None:
     """The first fraction at which the curve reaches ``target`` (None if it never does)."""
-    for f, v in zip(fractions, values, strict=True):
-        if v >= target:
-            return float(f)
-    return None
+    return next((float(f) for f, v in zip(fractions, values, strict=True) if v >= target), None)
 
 
 Metric = Callable[[np.ndarray], dict[str, float]]
