@@ -13,7 +13,9 @@ shade of it) or a fixed accent RGB (a stem, a trunk, a wheel).
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 RGB = tuple[int, int, int]
 Role = str | RGB
@@ -99,6 +101,16 @@ class Domain:
         if row == 1:
             return self.centre if col == 1 else f"{self.centre} {side[col]}"
         return f"{self.rows[row // 2]} {side.get(col, self.centre)}"
+
+    def slot_items(self) -> dict[str, list[tuple[str, Any]]]:
+        """The items of each slot a scene draws (kind, colour, background, tone, style), by caption name."""
+        return {
+            "kind": [(k.names[0], k) for k in self.kinds],
+            "colour": [(c[0], c) for c in self.colours],
+            "background": [(b.name, b) for b in self.backgrounds],
+            "tone": [(t[0], t) for t in self.tones],
+            "style": [(s.name, s) for s in self.styles],
+        }
 
 
 SIZE_FRACTIONS = (0.17, 0.25, 0.34)  # object box side / image side, small -> large
@@ -455,16 +467,9 @@ def realistic_phase(phase: int) -> RealisticPhase:
         raise ValueError(f"phase must be >= 0, got {phase}")
     brought_by = BASE_DOMAINS[: min(phase, len(BASE_DOMAINS) - 1) + 1]
     intro: dict[tuple[str, str], int | None] = {}
-    slots: dict[str, list] = {"kind": [], "colour": [], "background": [], "tone": [], "style": []}
+    slots: dict[str, list] = defaultdict(list)
     for q, src in enumerate(brought_by):
-        named = {
-            "kind": [(k.names[0], k) for k in src.kinds],
-            "colour": [(c[0], c) for c in src.colours],
-            "background": [(b.name, b) for b in src.backgrounds],
-            "tone": [(t[0], t) for t in src.tones],
-            "style": [(st.name, st) for st in src.styles],
-        }
-        for slot, items in named.items():
+        for slot, items in src.slot_items().items():
             for name, item in items:  # the core: CORE_NAMES, and geometric's colours and backgrounds
                 is_core = name in CORE_NAMES[slot] if slot in CORE_NAMES else q == 0
                 intro[(slot, name)] = None if is_core else q

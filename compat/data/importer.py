@@ -1,33 +1,10 @@
 """Import captioned images into img2dataset-layout shards split train / eval / gallery.
 
-Sources (:func:`import_images`): ``sidecar``, a folder of images each with a caption file beside it
-(``x.jpg`` + ``x.txt``, an ``x.json`` object kept as ``source_meta``); ``class-folders``, one sub-folder per
-label captioned by a template; ``table``, a ``.csv`` or ``.parquet`` of ``path,caption[,extra columns]``;
-``karpathy``, a Karpathy split file (``dataset_coco.json``): every sentence a caption, the entry without its
-sentences kept as ``source_meta``, its split kept (:data:`KARPATHY_SPLITS`) instead of the hash split.
-Paths of a table or a Karpathy file are relative to it.
-
-One picture (the same bytes) makes one sample with every distinct caption of its files or rows, in source
-order (``captions`` in ``{key}.json``, the first also ``caption`` and ``.txt``); an exact repeat is listed
-in ``duplicate_files``. Output::
-
-    DIR/{train,eval,gallery}/NNNNN.tar   members {key}.{jpg|png|webp} / {key}.txt / {key}.json
-    DIR/import.json                      pictures and captions per split, duplicates, refused files
-
-A key is a prefix and the first 20 hex digits of the SHA-256 of the image bytes; with ``exclude`` a picture
-a stream already holds is left out (``in_stream_files``). The split is a seeded hash of the key. Every file
-not imported is listed with its reason (:data:`REFUSALS`). Every file read is a regular file with one name
-inside SRC (a table's folder), unless its real path lies in ``allow_outside``.
-
-Pictures are stored as img2dataset stores them (``max_side``, :data:`RESIZE_MODES`), never enlarged: JPEG,
-PNG and WebP keep their bytes when not resized, other formats become PNG (CMYK: JPEG); a resized picture is
-stored upright as JPEG quality 95 when it was a JPEG, else PNG; transparency is matted on white.
-``keep_originals`` keeps the untouched bytes under ``originals/``. Each picture is decoded once, during the
-scan; a converted one waits in ``DIR/.import-spool/``.
-
-The same input and settings give byte-identical shards and ``import.json``. The plan's digest is stored
-before the first shard and shards are written atomically, so a killed import started again writes only
-the missing shards. One import at a time writes into a folder (:data:`LOCK`).
+Sources, output layout, stored formats and the refusal reasons (the ``reason`` enum of
+``schemas/stream_import.schema.json``) are described under `compatflow data import` in README.md. Each
+picture is decoded once, during the scan (a converted one waits in ``DIR/.import-spool/``); the plan's
+digest is stored before the first shard and shards are written atomically, so a killed import started
+again writes only the missing shards.
 """
 
 from __future__ import annotations
@@ -95,32 +72,6 @@ RESERVED_FIELDS = tuple(
     "key caption captions source width height original_width original_height mode format sha256 "
     "source_sha256 source_row status split label source_meta resize".split()
 )
-
-REFUSALS: dict[str, str] = {
-    "caption_missing": "no caption: no .txt file beside the image",
-    "caption_empty": "the caption is empty or whitespace only",
-    "caption_not_utf8": "the caption file is not UTF-8 text",
-    "caption_too_large": f"the caption is over {MAX_CAPTION_BYTES} bytes (validation would refuse it)",
-    "image_missing": "a caption file with no image beside it, or a table row or Karpathy entry whose path is "
-    "not a file",
-    "not_an_image": "the file is not an image PIL can identify",
-    "image_unreadable": "the image cannot be decoded (truncated or corrupt)",
-    "image_too_large": "the file is larger than the import's max_image_bytes",
-    "unsupported_mode": "the image mode can be stored neither as PNG nor as JPEG",
-    "metadata_not_json": "the .json file beside the image is not a JSON object",
-    "sidecar_unreadable": "the caption or metadata file cannot be read, or the metadata is over 1 MiB",
-    "not_in_class_folder": "class-folders input: the file is not inside a label folder",
-    "not_a_regular_file": "a symbolic link, a hard link (a file with several names), a device or a FIFO",
-    "outside_source": "the path lies outside SRC (a table's ../ or absolute path); see --allow-outside",
-    "too_many_pixels": "stored as it is, the image would have more pixels than the pipeline's readers decode",
-    "image_pixels": "the image header declares more pixels (width x height) than the import's max_pixels "
-    "(--max-pixels; Pillow's decompression-bomb limit by default): not decoded",
-    "entry_invalid": "a Karpathy entry without a filename, a list of sentences or a known split, or holding "
-    f"an integer of more than {MAX_INT_DIGITS} digits or text that is not Unicode (a lone surrogate)",
-    "too_many_captions": f"the picture already has {MAX_CAPTIONS} captions, the most one picture may have",
-    "sample_too_large": f"the picture's {{key}}.json (captions, metadata, extra columns) would be over "
-    f"{MAX_SIDECAR_BYTES} bytes, the validation policy's max_metadata_bytes",
-}
 
 
 class DataImportError(ValueError):

@@ -1,14 +1,8 @@
 """Streaming, resumable reads of img2dataset-style shards (``{key}.jpg`` / ``.txt`` / ``.json``).
 
-A :class:`ShardStream` visits shards (:func:`expand_urls`) in a per-(seed, epoch) order and decodes their
-samples with webdataset's decoder (images by :func:`compat.data.images.decode_rgb`; ``.txt`` and ``.json``
-only, nothing unpickled), here or in ``workers`` processes that hand samples back in stream order. Its
-:attr:`ShardStream.position` is the position after the last sample yielded: a stream built with it
-continues with exactly the next sample. :func:`iter_batches` applies the image transform where samples are
-decoded, seeded per (seed, epoch, key), so batches do not depend on the number of workers.
-
-The loader expects validated shards: a sample without an image or a caption, or an undecodable
-member, raises :class:`LoaderError` naming the shard and the key.
+Only images, ``.txt`` and ``.json`` members are decoded (nothing unpickled). The loader expects validated
+shards: a sample without an image or a caption, or an undecodable member, raises :class:`LoaderError` naming
+the shard and the key.
 """
 
 from __future__ import annotations

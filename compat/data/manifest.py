@@ -1,15 +1,7 @@
-"""The stream manifest (``stream.json``): its format, its reader, and appending a phase of shards to it.
+"""The stream manifest (``stream.json``, ``schemas/stream.schema.json``): its reader, and appending a phase.
 
-A stream is a directory whose ``stream.json`` lists, phase by phase, the tar shards of each split
-(``schemas/stream.schema.json``)::
-
-    {"format": "compatflow-stream", "version": 1,
-     "phases": [{"phase": 0, "domain": "drop-1", "train": [...], "eval": [...], "gallery": [...],
-                 "counts": {"train": 812, "eval": 97, "gallery": 101}}, ...]}
-
-Shard paths are relative to the stream directory (or absolute, for shards referenced in place).
-The synthetic generator (:mod:`compat.data.synth`) adds ``seed``, ``image_size`` and ``generator``;
-phases added with :func:`add_phase` carry ``source``, ``added`` and ``repeats_skipped`` instead.
+A stream is a directory whose ``stream.json`` lists, phase by phase, the tar shards of each split, relative
+to the directory (or absolute, for shards referenced in place).
 """
 
 from __future__ import annotations

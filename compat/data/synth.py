@@ -1,18 +1,10 @@
 """A synthetic, learnable captioned-image stream in img2dataset layout, one domain per phase.
 
-Each sample is a scene of one to three objects (kind, colour, size, grid position) on a textured
-background in a rendering style, described by five template captions (:mod:`compat.data.captions`). Two
-shifts: ``disjoint`` draws each phase from its own domain (:mod:`compat.data.domains`), sharing no word but
-the position grid; ``realistic`` keeps a core vocabulary and lets each phase bring new items while earlier
-ones fade, ``old_word_share`` of its scenes told in earlier words only.
-
-Layout written by :func:`generate_stream`::
-
-    DIR/stream.json                                  manifest (:mod:`compat.data.manifest`)
-    DIR/phase-PP/{train,eval,gallery}/shard-NNNNN.tar members {key}.jpg / {key}.txt / {key}.json
-
-Every sample is a pure function of (seed, phase, split, index): rerunning gives byte-identical shards,
-generation resumes shard by shard, and a complete stream is left untouched.
+A sample is a scene of one to three objects on a textured background in a rendering style, told by five
+template captions (:mod:`compat.data.captions`); the ``disjoint`` and ``realistic`` shifts are those of
+:mod:`compat.data.domains`. :func:`generate_stream` writes ``DIR/stream.json`` and
+``DIR/phase-PP/{train,eval,gallery}/shard-NNNNN.tar``. Every sample is a pure function of (seed, phase,
+split, index): rerunning gives byte-identical shards, so generation resumes shard by shard.
 """
 
 from __future__ import annotations
@@ -125,13 +117,7 @@ def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_sh
     Items are weighted by :meth:`RealisticPhase.weight`, so the newest are common and older ones fade.
     """
     domain = plan.domain
-    pools: dict[str, list[tuple[str, Any]]] = {
-        "kind": [(k.names[0], k) for k in domain.kinds],
-        "colour": [(c[0], c) for c in domain.colours],
-        "background": [(b.name, b) for b in domain.backgrounds],
-        "tone": [(t[0], t) for t in domain.tones],
-        "style": [(s.name, s) for s in domain.styles],
-    }
+    pools = domain.slot_items()
     new_slots = [s for s in FORCED_SLOTS if any(plan.is_new(s, n) for n, _ in pools[s])]
     novel = plan.phase > 0 and bool(new_slots) and rng.random() >= old_word_share
     forced = rng.choice(new_slots) if novel else None

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from compat.data.importer import REFUSALS, DataImportError, ImportSettings, import_images
+from compat.data.importer import DataImportError, ImportSettings, import_images
 from schemas import schema_errors
 
 # An example is a whole import (a few milliseconds of files and fsyncs): half the profile's examples each.
@@ -51,15 +51,13 @@ def _source(pictures: Path) -> Path:
 
 
 def _imported(src: Path, fmt: str) -> None:
-    """Import ``src``; the report is schema-valid and every refusal carries a known reason and a message."""
+    """Import ``src``; the report is schema-valid: every refusal carries a known reason and a message."""
     try:
         result = import_images(src, src.parent / f"{src.name}-out", ImportSettings(source_format=fmt))
     except DataImportError as err:  # the source refused as a whole: it is named
         assert src.name in str(err)
         return
     assert schema_errors(result.report, "stream_import") == []
-    for refused in result.report["refused_files"]:
-        assert refused["reason"] in REFUSALS and refused["message"], refused
 
 
 def _dump(value: Any) -> str:
