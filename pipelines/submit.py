@@ -1,19 +1,10 @@
 """The Kubeflow Pipelines API requests that start the compiled pipeline: one run, or a recurring run.
 
-``compatflow pipeline submit`` and ``schedule`` upload the compiled package as a version of the pipeline
-(created when missing; a version's name carries the package's sha256, so a package uploaded before is found)
-and start a run, or a recurring run, of that version with the run parameters given; the package's defaults
-fill in the rest, so the KFP UI lists the versions and compares runs by parameter.
-
-:func:`send_all` lays the requests out once: a dry run (:func:`plan`) records them, with placeholders for
-the IDs the server would answer, and :class:`KfpApi` sends them through kfp.Client's generated v2beta1
-services, so ``--dry-run`` prints exactly what is sent. kfp.Client's convenience methods are not used: they
-print links on stdout and ``create_recurring_run`` cannot see a schedule of the same name.
-
-A recurring run runs the version it was created with (after a recompile, schedule again with ``replace``);
-one schedule per name and experiment, ``max_concurrency`` 1. Cron is checked field by field in KFP's own
-forms (:func:`kfp_cron`) before anything is sent. Importable without kfp and cheap to import (the command
-line reads its defaults at start-up): kfp and PyYAML are imported where used.
+The package is uploaded as a pipeline version named by its sha256, then a run or recurring run of it starts.
+:func:`send_all` lays the requests out once: ``--dry-run`` (:func:`plan`) records them, :class:`KfpApi` sends
+them through kfp.Client's generated v2beta1 services (its convenience methods print links on stdout and
+``create_recurring_run`` cannot see a schedule of the same name). kfp and PyYAML are imported where used:
+the command line reads this module's defaults at start-up.
 """
 
 from __future__ import annotations
@@ -82,8 +73,7 @@ class Package:
 
 
 def load_package(path: Path) -> Package:
-    """Read a compiled pipeline package (YAML); :class:`SubmitError` naming the file when it is missing or is
-    not one."""
+    """Read a compiled pipeline package (YAML); :class:`SubmitError` naming the file when it is not one."""
     import yaml  # here: the command line imports this module's defaults at start-up
 
     path = Path(path)
@@ -106,8 +96,7 @@ def load_package(path: Path) -> Package:
 
 
 def check_images(package: Package) -> None:
-    """Refuse a package whose tasks name an image by tag alone: on a cluster a tag can point at another image
-    by the time a task starts, so what runs must be what was built and tested (pinned by its digest)."""
+    """Refuse a package whose tasks name an image by tag alone: a tag can move before a task starts."""
     loose = [image for image in package.images if "@sha256:" not in image]
     if loose:
         raise SubmitError(
@@ -145,8 +134,7 @@ def check_parameters(package: Package, parameters: dict[str, Any]) -> None:
 
 
 def parse_parameters(package: Package, assignments: list[str]) -> dict[str, Any]:
-    """``NAME=VALUE`` pairs as run parameters: a STRING parameter takes VALUE as it is, any other reads it as
-    JSON (``600``, ``[0.5, 1.0]``)."""
+    """``NAME=VALUE`` pairs as run parameters: VALUE as it is for a STRING parameter, else read as JSON."""
     parameters: dict[str, Any] = {}
     for assignment in assignments:
         name, equals, text = assignment.partition("=")
@@ -164,8 +152,7 @@ def parse_parameters(package: Package, assignments: list[str]) -> dict[str, Any]
 
 
 def kfp_cron(cron: str) -> str:
-    """``cron`` as KFP reads it (six fields, seconds first), every field checked against its range: five
-    fields get a leading ``0`` seconds field, six pass as they are, a descriptor (``@weekly``) as it is."""
+    """``cron`` as KFP reads it (six fields, seconds first; five get ``0`` seconds), each field checked."""
     text = " ".join(cron.split())
     if text in CRON_DESCRIPTORS:
         return text
@@ -241,8 +228,7 @@ class Job:
 
 @dataclass
 class Request:
-    """One API request as printed (method, path, query, body, file, when) and the kfp.Client call that sends
-    it (``call``: service.method; ``args``: its other arguments; ``body_arg``: the body's argument name)."""
+    """One API request as printed and the kfp.Client call (``service.method``) that sends it."""
 
     method: str
     path: str
@@ -264,8 +250,7 @@ Send = Callable[[Request], dict[str, Any]]
 
 
 def send_all(send: Send, job: Job) -> dict[str, Any]:
-    """Send ``job``'s requests through ``send``, in order, each built from the answers before it; returns the
-    IDs: experiment, pipeline, version, and the run (or the recurring run and those it replaced)."""
+    """Send ``job``'s requests through ``send``, each built from the answers before it; returns the IDs."""
     package = job.package
     check_images(package)
     check_parameters(package, job.parameters)
@@ -400,8 +385,7 @@ _LISTS = {  # what a lookup lists: path, kfp.Client call, the ID's key in an ite
 
 
 def _ensure(send: Send, kind: str, name: str, create: Request, **scope: str) -> str:
-    """The ID of the ``kind`` named ``name`` (in ``scope``: a namespace or a parent): looked up, else made by
-    ``create``."""
+    """The ID of the ``kind`` named ``name`` in ``scope``: looked up, else made by ``create``."""
     path, call, key = _LISTS[kind]
     args = {k: v for k, v in scope.items() if "{" + k + "}" in path}
     query = {
@@ -417,8 +401,7 @@ def _ensure(send: Send, kind: str, name: str, create: Request, **scope: str) -> 
 
 
 def plan(host: str, job: Job) -> dict[str, Any]:
-    """What :meth:`KfpApi.send_all` sends, in order, without sending it (``when``: only then; the IDs the
-    server answers are placeholders)."""
+    """What :meth:`KfpApi.send_all` sends, without sending it (the server's IDs as placeholders)."""
     requests: list[Request] = []
 
     def record(request: Request) -> dict[str, Any]:
@@ -440,8 +423,7 @@ def plan(host: str, job: Job) -> dict[str, Any]:
 
 
 class KfpApi:
-    """``kfp.Client`` on ``host``; each request's failure becomes a :class:`SubmitError` naming the host, what
-    was asked and what to do."""
+    """``kfp.Client`` on ``host``; a failed request becomes a :class:`SubmitError` saying what to do."""
 
     def __init__(self, host: str, *, namespace: str = NAMESPACE, token: str | None = None) -> None:
         import warnings
