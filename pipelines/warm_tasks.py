@@ -1,18 +1,10 @@
 """A warm task host for the local runner: each pipeline task forked from a process whose imports are done.
 
-Under ``kfp.local`` every task is a new Python that imports torch, open_clip, Evidently, Great Expectations,
-Feast or MLflow first: seconds a task, most of a small run. The host imports them once per run
-(:data:`PRELOAD`, in the pipeline's order, between tasks) and serves each task as a fork of itself: still a
-process of its own (memory, exit status, streams, environment, folder; ``kill -9`` of the run's process
-group ends it), started in milliseconds.
-
-:func:`on_host` has ``kfp.local`` start the tasks with a tiny launcher (:mod:`pipelines.task_client`) that
-passes its command line, environment, folder and standard streams over a Unix socket (mode 0700) and exits
-with the task's status. A task the host cannot serve (no host, not ``python -m``, another ``PYTHONPATH``)
-runs as a plain process, so the host only ever saves time; ``COMPATFLOW_WARM_TASKS=0`` turns it off, and a
-cluster never uses it. A fork shares the modules' memory (copy-on-write: a step's usage record keeps
-``rss_at_start_mib``) and nothing else: the host runs no Python thread before forking, and a child's global
-random generators are seeded afresh, as a new process's are.
+Under ``kfp.local`` every task is a new Python that imports torch, MLflow, Feast... first: seconds a task.
+The host imports :data:`PRELOAD` once per run and serves each task as a fork of itself, reached by a tiny
+launcher (:mod:`pipelines.task_client`) over a Unix socket. A task it cannot serve runs as a plain process,
+so the host only saves time; ``COMPATFLOW_WARM_TASKS=0`` turns it off and a cluster never uses it. The host
+runs no Python thread before forking, and a child's random generators are seeded afresh.
 """
 
 from __future__ import annotations
@@ -46,9 +38,8 @@ SOCKET_NAME = "task-host.sock"
 SOCKET_PATH_MAX = 100  # bytes: a Unix socket's path must fit sun_path (108 on Linux)
 CLIENT = Path(__file__).with_name("task_client.py")
 
-# What the steps import, in the order the pipeline's tasks come (plan, production, validate, drift, training,
-# compat, evaluate, the index and rollout, lineage, the report): the project's step modules import their
-# libraries lazily, so both are named.
+# What the steps import, in the order of the pipeline's tasks (step modules import their libraries lazily,
+# so both are named).
 PRELOAD = (
     "kfp.dsl.executor_main",
     "components.steps",
@@ -100,9 +91,8 @@ class TaskHost:
 def warm_task_host(
     folder: Path, log_path: Path | None = None, preload: Sequence[str] = PRELOAD
 ) -> Iterator[TaskHost | None]:
-    """A warm host for the ``with`` body (None when turned off), this process's child logging to ``log_path``
-    (``folder/host.log``); it stops taking tasks when the body ends (or this process dies) and exits when its
-    last task has."""
+    """A warm host for the ``with`` body (None when off), logging to ``log_path`` (``folder/host.log``);
+    it stops taking tasks when the body ends and exits when its last task has."""
     if not enabled():
         yield None
         return
@@ -146,8 +136,7 @@ def warm_task_host(
 
 
 def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None = None) -> Any:
-    """``pipeline`` (built, or a loaded package) with its tasks started by ``host``'s launcher (as is when
-    None) and given ``env``, written into its executors' spec as ``set_env_variable`` writes it."""
+    """``pipeline`` with its tasks started by ``host``'s launcher (None: as is) and given ``env``."""
     import yaml
     from kfp import compiler, components
 
@@ -168,9 +157,6 @@ def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None 
     return components.load_component_from_text(yaml.safe_dump(spec))
 
 
-# ----------------------------------------------------------------------------------------------------- host
-
-
 def _native_threads() -> list[str]:
     """The names of this process's threads, Python's and the libraries' own (BLAS pools, jemalloc)."""
     with contextlib.suppress(OSError):
@@ -184,19 +170,19 @@ def _native_threads() -> list[str]:
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     conn.settimeout(10)
     _, fds, _, _ = socket.recv_fds(conn, 1, 3)
-    header = b""
-    while len(header) < 4:
-        header += conn.recv(4 - len(header)) or _closed()
-    size = struct.unpack("!I", header)[0]
-    body = b""
-    while len(body) < size:
-        body += conn.recv(size - len(body)) or _closed()
+    body = _receive(conn, struct.unpack("!I", _receive(conn, 4))[0])
     conn.settimeout(None)
     return json.loads(body), fds
 
 
-def _closed() -> bytes:
-    raise ConnectionError("the launcher closed its connection mid-request")
+def _receive(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the launcher closed its connection mid-request")
+        data += chunk
+    return data
 
 
 def _refusal(request: dict) -> str | None:
@@ -205,9 +191,8 @@ def _refusal(request: dict) -> str | None:
 
 
 def _run_task(request: dict, fds: list[int]) -> int:
-    """In the forked child, the host's own files closed: become the task (streams, folder, environment,
-    ``-m MODULE args``) and run it; its exit status, as ``python -m MODULE`` would end with (the caller exits
-    with it, the interpreter's way: exit functions run, streams are flushed)."""
+    """In the forked child: become the task (streams, folder, environment) and run ``-m MODULE args``;
+    returns the exit status ``python -m MODULE`` would end with."""
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -246,9 +231,8 @@ def _imported_line(pid: int, modules: set[str]) -> str:
 
 
 class _Host:
-    """The host's loop, one thread: imports :data:`PRELOAD` one module at a time while no launcher waits,
-    forks a task for each launcher (with whatever is imported by then: the task imports the rest itself),
-    tells each launcher its task's exit status, and ends once stdin closes and its last task has ended."""
+    """The host's loop, one thread: preloads while no launcher waits, forks a task per launcher, tells each
+    its task's exit status, and ends once stdin closes and its last task has ended."""
 
     def __init__(self, socket_path: Path, preload: Sequence[str]) -> None:
         self.socket_path = socket_path
@@ -387,8 +371,7 @@ def _reseed() -> None:
 
 
 def serve(socket_path: Path, preload: Sequence[str] = PRELOAD) -> int:
-    """Serve tasks on ``socket_path`` until stdin closes and the last task has ended (0); in a forked child,
-    run its task: the task's exit status."""
+    """Serve tasks on ``socket_path`` (0 when done); in a forked child, run its task (its exit status)."""
     task = _Host(socket_path, preload).run()
     return 0 if task is None else _run_task(*task)
 
