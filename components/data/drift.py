@@ -1,21 +1,10 @@
 """Drift step: the new data phase against a reference phase, with Evidently (0.7 API).
 
-Signals, each compared per column between reference and current: caption statistics (characters, words, and
-the share of words the reference captions never use, over every caption of every sampled picture), image
-statistics (size, brightness, contrast, saturation, edge density, dominant hue) and, when a production model
-exists, both towers' embeddings (Evidently's domain-classifier drift: ROC AUC of a classifier told to separate
-the sides). Scores are 0 for "same distribution": normalised Wasserstein distance for numbers, Jensen-Shannon
-distance for categories, ROC AUC for embeddings (0.5), the unseen-word rate for the vocabulary.
-
-Two samples of one distribution never score 0, so each signal is calibrated on the reference itself:
-:func:`noise_floors` scores ``NOISE_SPLITS`` random halves of the reference against each other and the
-largest score is the signal's noise floor; only the excess over it counts, banded by the fixed
-:data:`SEVERITY_BANDS`, so a phase against a fresh sample of itself reads "none" on any data. Outputs:
-``drift.json`` (``schemas/drift_summary.schema.json``) and a self-contained ``drift_report.html``.
-
-Evidently is used through one adapter (:func:`evidently_scores`, :func:`embedding_drift_method`); the
-noise-floor splits call the function ``ValueDrift`` itself calls (:func:`column_scores`, held equal by a
-test). :func:`check_evidently_version` refuses another release series with a sentence.
+Signals, per column: caption statistics and the share of words the reference never uses, image statistics
+and, with a production model, both towers' embeddings (Evidently's domain classifier, ROC AUC). Two samples
+of one distribution never score 0, so each signal is calibrated on the reference itself: the largest score
+between ``NOISE_SPLITS`` random halves of it is its noise floor, and only the excess is banded by
+:data:`SEVERITY_BANDS`. Writes ``drift.json`` (``schemas/drift_summary.schema.json``) and an HTML report.
 """
 
 from __future__ import annotations
@@ -54,7 +43,6 @@ NOISE_SPLITS = 10  # random halves of the reference scored against each other, p
 
 STATISTICS_IMAGE_SIZE = 128  # short side the image statistics are computed at (larger pictures scaled down)
 
-# ------------------------------------------------------------------------------------ Evidently adapter
 EVIDENTLY_SERIES = "0.7"  # the release series written for: before 1.0 a minor release may break the API
 
 
@@ -81,9 +69,8 @@ def check_evidently_version() -> None:
 
 
 def embedding_drift_method() -> Any:
-    """Evidently's domain-classifier embedding drift (ROC AUC of a classifier separating the two sides), one
-    configuration for the report's score and the noise floors alike (bootstrap only moves Evidently's own
-    drift flag, which this stage does not read)."""
+    """Evidently's domain-classifier embedding drift, one configuration for the report and the noise floors
+    (bootstrap only moves Evidently's own drift flag, which this step does not read)."""
     from evidently.metrics.embeddings import ModelDriftMethod
 
     return ModelDriftMethod(threshold=SEVERITY_BANDS["model"][0], bootstrap=False)
@@ -96,12 +83,9 @@ def evidently_scores(
     embeddings: dict[str, list[str]],
     html_path: Path | None = None,
 ) -> dict[str, float]:
-    """One Evidently report of ``current_df`` against ``reference_df``: ``{column or embedding name: score}``.
-
-    Numeric columns score the normalised Wasserstein distance, :data:`CATEGORICAL_COLUMNS` the Jensen-Shannon
-    distance, each ``embeddings`` group (name -> its columns) :func:`embedding_drift_method`'s ROC AUC. With
-    ``html_path`` the report is saved there as self-contained HTML.
-    """
+    """One Evidently report of ``current_df`` against ``reference_df``: ``{column or embedding name: score}``
+    (Wasserstein for numbers, Jensen-Shannon for categories, ROC AUC per ``embeddings`` group), its HTML
+    saved at ``html_path`` when given."""
     from evidently import DataDefinition, Dataset, Report
     from evidently.metrics import EmbeddingsDrift, ValueDrift
 
@@ -136,12 +120,8 @@ def evidently_scores(
 
 
 def column_scores(reference_df: Any, current_df: Any, numeric: Sequence[str]) -> dict[str, float]:
-    """The score :func:`evidently_scores` reads for each column, ``{column: score}``, without a report.
-
-    Each ``ValueDrift`` of a report calls Evidently's ``get_one_column_drift`` and then draws its widget,
-    which costs ten times the score; the noise-floor splits need the scores alone, so they call that function
-    as ``ValueDrift`` does (same method, same column typing, same aggregation). A test holds both equal.
-    """
+    """The score :func:`evidently_scores` reads for each column, without a report: ``ValueDrift``'s own call
+    of ``get_one_column_drift``, minus its widget that costs ten times the score (a test holds both equal)."""
     from evidently.legacy.calculations.data_drift import get_one_column_drift
     from evidently.legacy.core import ColumnType
     from evidently.legacy.metric_results import DatasetColumns, DatasetUtilityColumns
@@ -174,7 +154,6 @@ def column_scores(reference_df: Any, current_df: Any, numeric: Sequence[str]) ->
     return scores
 
 
-# ------------------------------------------------------------------------------------------ the stage
 def severity_for(score: float, method: str) -> str:
     """Map a drift score to a severity band of :data:`SEVERITY_BANDS`."""
     bands = SEVERITY_BANDS[method]
@@ -258,15 +237,11 @@ def sample_phase(
 def _frame(samples: Iterable[Any]) -> Any:
     import pandas as pd
 
-    rows = []
-    for sample in samples:
-        row = {
-            "key": sample.key,
-            "caption_chars": len(sample.caption),
-            "caption_words": len(_words(sample.caption)),
-        }
-        rows.append(row | image_statistics(sample.image, getattr(sample, "original_size", None)))
-    return pd.DataFrame(rows)
+    return pd.DataFrame(
+        {"key": s.key, "caption_chars": len(s.caption), "caption_words": len(_words(s.caption))}
+        | image_statistics(s.image, getattr(s, "original_size", None))
+        for s in samples
+    )
 
 
 def _embedding_columns(samples: Sequence[Any], bundle: Any, prefix: str) -> dict[str, np.ndarray]:
@@ -336,13 +311,9 @@ def compute_drift(
     html_path: Path | None = None,
     threads: int | None = 1,
 ) -> dict[str, Any]:
-    """Compare two sample lists with Evidently; return per-column verdicts and an overall severity.
-
-    ``production_model`` is a :class:`compat.models.ClipBundle`; when given, embedding drift of both
-    towers is measured too. When ``html_path`` is given the Evidently report is saved there. ``threads``
-    caps the BLAS/OpenMP threads of the scoring (Evidently's classifier and t-SNE; ``None``: the libraries'
-    default); one by default, as benchmarks/results/drift.md measures on a shared CPU.
-    """
+    """Per-column verdicts and an overall severity of ``current`` against ``reference``; with a
+    ``production_model`` (a :class:`compat.models.ClipBundle`) both towers' embeddings too. ``threads`` caps
+    BLAS/OpenMP threads (one by default, as benchmarks/results/drift.md measures on a shared CPU)."""
     ref_df, cur_df = _frame(reference), _frame(current)
     sides = (("reference", reference), ("current", current))
     embeddings: dict[str, list[str]] = {}
@@ -398,16 +369,13 @@ def run_drift(
 
     out_dir = Path(out_dir)
     logger.info("sampling up to %d reference and current samples", sample_size)
-    bundle = None
+    bundle, image_size = None, STATISTICS_IMAGE_SIZE
     if production_checkpoint is not None:
+        from compat.compat_training import decode_size
         from compat.production import load_encoder
 
         logger.info("embedding both sides with the production model %s", production_checkpoint)
         bundle = load_encoder(production_checkpoint)  # its serving encoder, whatever method produced it
-    image_size = STATISTICS_IMAGE_SIZE
-    if bundle is not None:
-        from compat.compat_training import decode_size
-
         model_size = decode_size(bundle)
         image_size = None if model_size is None else max(model_size, image_size)
     reference_samples = sample_phase(reference, sample_size, seed, image_size=image_size)
