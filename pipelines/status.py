@@ -1,8 +1,6 @@
 """What ``compatflow status`` shows: registry aliases, the last gate decision, rollout progress, the gallery.
 
-:func:`collect` gathers the document; the gallery part (:func:`gallery_part`) reads the serving record and
-the index; :func:`problems` says what is wrong with it and :func:`next_step` what to do. Nothing here loads
-a model: the registry of a local workspace is read from its sqlite file, the served copy checked by hash.
+Nothing here loads a model: a local registry is read from its sqlite file, the served copy checked by hash.
 """
 
 from __future__ import annotations
@@ -24,9 +22,8 @@ def collect(
     model_name: str = DEFAULT_MODEL_NAME,
     count: bool = True,
 ) -> dict[str, Any]:
-    """The status document of a workspace (JSON-serialisable; absent parts are ``None``; files that could not
-    be read under ``unreadable``, a gallery under ``part_errors``). ``count``: the gallery counted in the
-    index (:func:`gallery_part`), else described from the serving record (:func:`served_part`)."""
+    """The status document of a workspace (absent parts ``None``, unreadable files under ``unreadable``).
+    ``count``: the gallery counted in the index, else described from the serving record."""
     from components.runs import StateError
 
     ws = Workspace.coerce(workspace)
@@ -53,9 +50,8 @@ def collect(
 
 
 def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """``gallery.count`` / ``gallery.by_version`` (vectors per model version, adding up to the count) and
-    ``rollout.status`` / ``rollout.stage`` / ``rollout.fraction_backfilled`` of the serving record's index.
-    A milvus-lite folder held by a running ``compatflow serve`` (one process opens it) is not counted."""
+    """The gallery's count per model version and the rollout's progress, from the serving record's index
+    (a milvus-lite folder held by a running ``compatflow serve`` is not counted)."""
     from components.adapters.index import gallery_status, is_remote
     from components.adapters.services import live_services
     from components.rollout import RolloutPaths, read_serving
@@ -84,8 +80,7 @@ INDEX_CONNECT_S = 3.0  # a server index that accepts no connection within this i
 
 
 def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """What :func:`gallery_part` says without opening the index (which costs more than the rest of
-    ``compatflow status``), and, for a server index, whether it accepts connections."""
+    """What :func:`gallery_part` says without opening the index (slow), and whether a server index answers."""
     from components.serving.record import read_serving
     from components.state.rollout_document import read_rollout_state
 
@@ -107,8 +102,7 @@ def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
 
 
 def _check_reachable(uri: str) -> None:
-    """Raise OSError naming ``uri`` when it is a server that accepts no TCP connection; a milvus-lite folder
-    must exist."""
+    """Raise OSError naming ``uri`` when its server refuses connections or its milvus-lite folder is gone."""
     from components.runs import connect
 
     if "://" not in uri and not Path(uri).exists():
@@ -120,8 +114,7 @@ def _check_reachable(uri: str) -> None:
 
 
 def unfinished_change(doc: Mapping[str, Any]) -> bool:
-    """Whether the status document's rollout is a change not yet promoted
-    (:func:`components.state.rollout_document.unpromoted`)."""
+    """Whether the status document's rollout is a change not yet promoted."""
     from components.state.rollout_document import unpromoted
 
     production = ((doc.get("registry") or {}).get("production") or {}).get("version")
@@ -129,8 +122,7 @@ def unfinished_change(doc: Mapping[str, Any]) -> bool:
 
 
 def problems(doc: Mapping[str, Any]) -> list[str]:
-    """Why a status document is not healthy: unreadable files, parts that failed, a served copy that fails
-    its checksum, queries served by another version than the registry's production."""
+    """Why a status document is not healthy, one sentence per problem."""
     found = [*doc.get("unreadable", []), *(f"{e['part']}: {e['error']}" for e in doc.get("part_errors", []))]
     check = doc.get("production_check") or {}
     if check.get("ok") is False:
@@ -225,20 +217,14 @@ def last_gate(ws: Workspace) -> dict[str, Any] | None:
     from components.gate import GateDecision
     from schemas import SchemaError
 
+    where = {"path": str(path), "run_id": _run_id(ws, path)}
     try:
         gate = GateDecision.read(path)
     except SchemaError as err:
         log.warning("%s", err)
-        return {
-            "path": str(path),
-            "run_id": _run_id(ws, path),
-            "decision": "unreadable",
-            "reasons": [],
-            "error": str(err),
-        }
+        return {**where, "decision": "unreadable", "reasons": [], "error": str(err)}
     return {
-        "path": str(path),
-        "run_id": _run_id(ws, path),
+        **where,
         "decision": gate.decision,
         "reasons": gate.to_dict()["reasons"],
         "decided_at": gate.decided_at,
