@@ -9,14 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compat.io import utc_now, write_json_atomic
-from components.gate.checks import (
-    Checks,
-    check_drift,
-    check_report,
-    check_validation,
-    describe,
-    load_report,
-)
+from components.gate.checks import Checks, check_drift, check_report, check_validation, describe, load_report
 from components.gate.policy import GatePolicy, PolicyError, load_gate_policy
 from components.state.documents import read_document
 from components.state.run_dir import GATE_FILE
@@ -119,8 +112,7 @@ class GateDecision(BaseModel):
 
 
 BOOTSTRAP_REASON = Reason(
-    code="bootstrap",
-    message="no production model yet: the phase-0 model becomes the first production model",
+    code="bootstrap", message="no production model yet: the phase-0 model becomes the first production model"
 )
 
 

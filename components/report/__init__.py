@@ -13,12 +13,7 @@ from pathlib import Path
 FORMATS = ("html", "md")
 
 
-def render(
-    run_dir: str | Path,
-    fmt: str = "html",
-    *,
-    link_base: str | Path | None = None,
-) -> str:
+def render(run_dir: str | Path, fmt: str = "html", *, link_base: str | Path | None = None) -> str:
     """The report of the run in ``run_dir``; links are relative to ``link_base`` (default: the run dir)."""
     from components.report import header, renderers, sections
     from components.report import inputs as run_inputs

@@ -1,16 +1,8 @@
 """The HTTP search service (FastAPI): ``POST /search``, ``GET /healthz``, ``/readyz`` and ``/metrics``.
 
-``POST /search`` takes ``{"queries": [...], "k": N, "phases": [...]?, "thumbnails": false?}`` and answers
-``{"results": [[{"id", "score", "caption", "model_version"}, ...], ...], "model_version", "collection"}``: one
-list per query, best first (``"thumbnails": true`` adds each hit's ``"thumbnail"``, a JPEG data URI), every
-query of a request answered by one serving pair (:mod:`components.serving.pair`). Bad input and the bounds of
-:mod:`components.serving.limits` are 422s whose ``detail`` names the field; a body over ``MAX_BODY_BYTES`` is
-a 413 (:class:`BodyLimit`). ``/metrics`` is Prometheus text: query latency, queries and errors, the serving
-version and collection, pair swaps, and the rollout's stage, fraction backfilled and last probe R@1.
-
-Only the service imports this module, so FastAPI, pydantic and prometheus_client load with it. (No
-``from __future__ import annotations`` here: FastAPI reads the request model from the endpoint's annotations.)
-"""
+Bad input and the bounds of :mod:`components.serving.limits` are 422s whose ``detail`` names the field; a
+body over ``MAX_BODY_BYTES`` is a 413 (:class:`BodyLimit`). No ``from __future__ import annotations`` here:
+FastAPI reads the request model from the endpoint's annotations."""
 
 import asyncio
 import contextlib

@@ -1,12 +1,8 @@
-"""Captions of gallery items, read from the gallery shards their rows point to.
-
-Every gallery row carries ``source_uri = "<shard url>#<key>"``, so a hit's caption is the ``<key>.txt``
-member of that shard (or the ``caption`` of its ``.json``), what the item was indexed from. A shard is read
-once, captions only, into a bounded LRU cache; one that cannot be read gives ``None`` captions, never a failed
-query. An uncached shard costs a read of the whole shard (~110 ms for 1,000 pictures,
-benchmarks/results/lineage.md); with a ``fallback`` (the lineage store's online read,
-:func:`lineage_captions`, ~5 ms) the misses are answered from it and their shards read in the background.
-"""
+"""Captions of gallery items, read from the gallery shards their rows point to (``source_uri =
+"<shard url>#<key>"``), one shard at a time into a bounded LRU cache; an unreadable shard gives ``None``
+captions, never a failed query. An uncached shard costs a read of the whole shard (~110 ms for 1,000
+pictures, benchmarks/results/lineage.md); a ``fallback`` (:func:`lineage_captions`, ~5 ms) answers such
+misses while their shards load in the background."""
 
 from __future__ import annotations
 

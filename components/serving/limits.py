@@ -1,9 +1,5 @@
-"""The bounds of a search, the same in the library (:class:`components.serving.search.Searcher`), the CLI and
-the HTTP service: hits per query, queries per request, characters per query, bytes per request body.
-
-The text tower reads 77 tokens; a query of more than a few thousand characters says nothing more and only
-costs tokenizer time and memory, so it is refused rather than cut.
-"""
+"""The bounds of a search, the same in the library, the CLI and the HTTP service. A query of more than a
+few thousand characters says nothing more to a 77-token text tower, so it is refused rather than cut."""
 
 from __future__ import annotations
 
@@ -15,16 +11,11 @@ MAX_QUERY_CHARS = 2048  # characters per query text
 MAX_PHASES = 1000  # data phases a search may name
 MAX_PHASE = 2**63 - 1  # a data phase number: the index stores it as a 64-bit integer
 MAX_BODY_BYTES = 1 << 20  # bytes of a POST /search body (413 beyond)
-# A body over MAX_BODY_BYTES is read and discarded before the 413 is sent, so that a client that sends the
-# whole body before reading (urllib, http.client) reads the answer instead of a connection reset; at most
-# this many bytes, this long in all, and while bytes keep coming (a pause this long ends it). Beyond the
-# bounds the 413 is sent at once and the connection closed.
+# A body over MAX_BODY_BYTES is drained before the 413 (see app.BodyLimit) up to these bounds.
 MAX_DRAIN_BYTES = 256 << 20
 DRAIN_SECONDS = 10.0
 DRAIN_IDLE_SECONDS = 1.0
-# A request body (within the limit) must arrive within this long of the request's start: a client that
-# declares a body and never sends it gets a 408 instead of holding the request open.
-BODY_READ_SECONDS = 30.0
+BODY_READ_SECONDS = 30.0  # a body not arrived this long after the request began is a 408
 
 
 class QueryBoundError(ValueError):

@@ -1,13 +1,11 @@
 """The serving pair: one immutable (query model, collection) pair, and the follower that swaps it as the
 serving record (:mod:`components.serving.record`) changes.
 
-A query takes one reference (:meth:`PairFollower.current`) and runs entirely on that pair: embedded by its
-query model, searched in the collection the same record names (never through the alias, which a rollout
-moves after the record). A record change is seen by a ``stat`` per query and by a watcher thread; the new
-pair is loaded while the old one answers the queries already running, then the reference is replaced, and
-queries arriving meanwhile wait for it. A record that cannot be loaded leaves the current pair serving,
-reported in :attr:`PairFollower.error`. A query that finds, when it ends, that the record moved the query
-model on its own collection (an earlier release's in-place rollouts) is run again on the new pair.
+A query takes one reference (:meth:`PairFollower.current`) and runs entirely on that pair (never through
+the alias, which a rollout moves after the record). A record change is seen by a ``stat`` per query and by a
+watcher thread; the new pair is loaded while the old one answers, then the reference is replaced. A record
+that cannot be loaded leaves the current pair serving (:attr:`PairFollower.error`). A query overtaken by an
+in-place query-model switch (an earlier release's rollouts) is run again on the new pair.
 """
 
 from __future__ import annotations
@@ -114,7 +112,6 @@ class PairFollower:
         self._stop = threading.Event()
         self.swaps = 0
 
-    # ---- reading the pair
     @property
     def pair(self) -> ServingPair | None:
         """The pair serving now (None before the first load), without looking at the record."""
@@ -221,7 +218,6 @@ class PairFollower:
             self._indexes[key] = GalleryIndex(uri, alias)
         return self._indexes[key]
 
-    # ---- following without traffic
     def watch(self, interval_s: float = 0.25) -> None:
         """Check the record every ``interval_s`` seconds in a daemon thread (swaps with no query waiting)."""
         if self._watcher is not None:

@@ -1,12 +1,8 @@
 """The serving record: which collection and query model answer queries, and the code it names.
 
-The record (:attr:`components.state.workspace.Workspace.serving_path`, written atomically by indexing and
-rollout) holds ``uri``, ``alias``, ``collection``, ``space``, ``dim``, ``query_model`` (``version``, ``uri``,
-``factory``), ``previous`` and ``rollout_id``. It is written before the alias moves, so when they disagree the
-record's collection is searched. Query encoders are built by a ``module:function`` factory (default
-:func:`model_query_encoder`) imported only from the project's packages or ``$COMPATFLOW_TRUSTED_MODULES``,
-since the record names code to run.
-"""
+It is written before the alias moves, so when they disagree the record's collection is searched. Query
+encoders are built by a ``module:function`` factory imported only from the project's packages or
+``$COMPATFLOW_TRUSTED_MODULES``, since the record names code to run."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Answering queries as the serving record says (:mod:`components.serving.record`): a long-lived
-:class:`Searcher` that follows rollouts live, and a one-shot :func:`search`. Both run each query on one
-(query model, collection) pair (:mod:`components.serving.pair`); the HTTP service is
-:mod:`components.serving`.
-"""
+"""Answering queries as the serving record says: a long-lived :class:`Searcher` that follows rollouts
+live, and a one-shot :func:`search`."""
 
 from __future__ import annotations
 

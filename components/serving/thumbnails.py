@@ -1,10 +1,6 @@
-"""Thumbnails of gallery items, read from the gallery shards their rows point to (``"thumbnails": true``).
-
-As for captions (:mod:`components.serving.captions`), a hit's picture is the image member of ``<key>`` in the
-shard its ``source_uri`` names, decoded through the one bounded path (:func:`compat.data.images.decode_rgb`),
-one pass per shard stopped once its wanted keys are found, and kept in a bounded LRU cache as a
-``data:image/jpeg;base64,...`` URI; a hit whose picture cannot be read has ``None``, never a failed query.
-"""
+"""Thumbnails of gallery items (``"thumbnails": true``): as for captions, the image member of ``<key>`` in
+the shard a hit's ``source_uri`` names, decoded through the one bounded path and cached as a JPEG data URI;
+an unreadable picture gives ``None``, never a failed query."""
 
 from __future__ import annotations
 

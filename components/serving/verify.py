@@ -1,13 +1,7 @@
-"""The query path's model check: the folder a serving record's query model names is loaded only when it
-matches the digest the registry recorded for that version (the check the pipeline makes before it uses a
-model, :meth:`components.adapters.registry.Registry.verify_copy`). A folder whose weights were swapped and
-whose sidecars and manifest were re-hashed to match passes a check against itself, never this one. Where the
-workspace has a registry, a version it does not hold (or holds without a digest) is refused too; a workspace
-with no registry at all (a gallery indexed by ``compatflow rollout run`` alone) has nothing to check against.
-The workspace's own copy of a version (``models/v<version>``) is downloaded from the registry, verified, when
-it is missing (:meth:`components.adapters.registry.Registry.local_copy`); before a rollback switches queries
-back to a model (:func:`check_returning_model`), a damaged copy is downloaded again too.
-"""
+"""The query path's model check: a serving record's query model is loaded only when its folder matches the
+digest the registry recorded for that version (a folder re-hashed to match itself passes no more). A
+workspace with no registry at all (a gallery indexed by ``compatflow rollout run`` alone) has nothing to
+check against; a missing workspace copy (``models/v<version>``) is downloaded from the registry, verified."""
 
 from __future__ import annotations
 
@@ -22,10 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class RegistryDigestCheck:
-    """Callable check of a ``query_model`` mapping against the registry of ``workspace``; raises
-    :class:`ServingError` naming the version, the folder and the registered digest. A query model that names
-    no folder (an encoder a factory builds from its options alone) has nothing to verify. With ``repair``
-    the workspace copy, when it fails the check, is replaced by the registry's files, verified."""
+    """Check a ``query_model`` mapping against the registry of ``workspace``, raising :class:`ServingError`;
+    with ``repair`` a workspace copy that fails is replaced by the registry's files, verified."""
 
     def __init__(
         self, workspace: Any, model_name: str | None = None, *, repair: bool = False, registry: Any = None
@@ -84,9 +76,6 @@ class RegistryDigestCheck:
 
 
 def check_returning_model(registry: Any, query_model: Mapping[str, Any]) -> None:
-    """Before a rollback switches queries back to ``query_model``: its folder must match the digest the
-    ``registry`` (a :class:`~components.adapters.registry.Registry`) recorded for its version; the workspace
-    copy, missing or damaged, is downloaded again from the registry (verified) first. Raises
-    :class:`ServingError` naming the folder and the digest when it cannot be made to match, so the rollback
-    refuses with nothing switched."""
+    """Before a rollback switches queries back to ``query_model``: check it against ``registry``, the
+    workspace copy downloaded again when missing or damaged; :class:`ServingError` when it cannot match."""
     RegistryDigestCheck(registry.workspace, registry.model_name, repair=True, registry=registry)(query_model)

@@ -1,11 +1,6 @@
-"""Data validation of a phase of webdataset shards (img2dataset layout: key.jpg / key.txt / key.json).
-
-``validate_phase`` checks every sample (tar safety, image decoding and size, caption, metadata
-schema, key uniqueness) with Python checks and Great Expectations suites, quarantines rejected
-samples unchanged with their reasons, writes accepted samples to new shards, and blocks the
-phase when too many samples are rejected, a shard is damaged, or a phase expectation fails.
-``validate_splits`` does it for every split of a phase (train, eval, gallery), summed up in one document.
-"""
+"""Data validation of a phase of webdataset shards (img2dataset layout: key.jpg / key.txt / key.json):
+rejected samples quarantined unchanged with their reasons, accepted ones written to new shards, the phase
+blocked when too many are rejected, a shard is damaged or a phase expectation fails."""
 
 from components.data.validation.checks import REASONS, Reason
 from components.data.validation.phase import ShardSpecError, ValidationSummary, resolve_shards, validate_phase

@@ -1,9 +1,6 @@
-"""Per-sample checks that Great Expectations cannot express (tar safety, image decoding, UTF-8,
-JSON parsing and schema), and the per-sample facts the expectation suites then run on.
-
-Every reason a sample can be quarantined for is listed in :data:`REASONS`; the ones marked
-``gx`` come from unexpected rows of ``schemas/expectations/samples.json``.
-"""
+"""Per-sample checks that Great Expectations cannot express (tar safety, image decoding, UTF-8, JSON and its
+schema), and the per-sample facts the expectation suites then run on. :data:`REASONS` lists every reason a
+sample can be quarantined for."""
 
 from __future__ import annotations
 
@@ -191,14 +188,9 @@ def unsafe_member_problem(member: Member) -> str | None:
 def _check_image(
     member: Member, policy: ValidationPolicy
 ) -> tuple[int | None, int | None, Reason | None, bool | None]:
-    """Read the image size from its header and, when within bounds, decode it to RGB as every reader does
-    (:func:`compat.data.images.decode_rgb`: orientation applied, so the size is the upright one); also
-    whether the stored picture carries transparency (None when its header cannot be read).
-
-    An image over ``policy.max_pixels`` is quarantined here (``image_pixels``) and one beyond the width and
-    height bounds by the suite (``image_size``); neither is decoded. Within bounds it is decoded at a small
-    size: JPEGs at 1/8 scale (libjpeg still reads every byte, so a cut-off file fails), others once.
-    """
+    """Width, height (upright, as :func:`compat.data.images.decode_rgb` reads it), a problem, and whether the
+    picture carries transparency. Only an image within bounds is decoded, at a small size (JPEGs at 1/8 scale:
+    libjpeg still reads every byte, so a cut-off file fails); one over ``max_pixels`` is ``image_pixels``."""
     if not member.data:
         return None, None, Reason("image_empty", f"image {member.name!r} is empty (0 bytes)"), None
     from compat.data.images import ImageDecodeError, ImageTooLargeError, decode_rgb, read_header
@@ -243,13 +235,11 @@ def _check_metadata(member: Member) -> tuple[str | None, Reason | None]:
     except (UnicodeDecodeError, ValueError) as exc:
         return None, Reason("metadata_not_json", f"metadata {member.name!r} is not JSON: {exc}")
     key = document.get("key") if isinstance(document, dict) else None
+    key = key if isinstance(key, str) else None
     errors = sorted(_sample_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
-    if errors:
-        detail = "; ".join(
-            f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors[:3]
-        )
-        more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
-        return key if isinstance(key, str) else None, Reason(
-            "metadata_schema", f"metadata {member.name!r} breaks schemas/sample.schema.json: {detail}{more}"
-        )
-    return key if isinstance(key, str) else None, None
+    if not errors:
+        return key, None
+    detail = "; ".join(f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors[:3])
+    more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+    why = f"metadata {member.name!r} breaks schemas/sample.schema.json: {detail}{more}"
+    return key, Reason("metadata_schema", why)

@@ -118,11 +118,7 @@ def resolve_shards(shard_spec: str | os.PathLike | Sequence[str | os.PathLike]) 
 
 
 def validate_phase(
-    shard_spec: str | list[str],
-    out_dir: Path,
-    policy: ValidationPolicy | None = None,
-    *,
-    force: bool = False,
+    shard_spec: str | list[str], out_dir: Path, policy: ValidationPolicy | None = None, *, force: bool = False
 ) -> ValidationSummary:
     """Validate the shards of one data phase into ``out_dir`` (see the module docstring).
 

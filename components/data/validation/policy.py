@@ -1,8 +1,5 @@
-"""The validation policy: the bounds a data phase must meet (``schemas/validation_policy.schema.json``).
-
-Bounds reach the expectation suites as GX suite parameters (``{"$PARAMETER": name}`` in
-``schemas/expectations/*.json``), so one suite file serves every policy.
-"""
+"""The validation policy: the bounds a data phase must meet (``schemas/validation_policy.schema.json``),
+reaching the expectation suites as GX suite parameters, so one suite file serves every policy."""
 
 from __future__ import annotations
 

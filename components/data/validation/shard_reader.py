@@ -1,15 +1,9 @@
-"""A robust reader of webdataset tar shards that groups members into samples.
+"""A robust reader of webdataset tar shards that groups members into samples as webdataset does.
 
-``tarfile`` iteration stops quietly at a cut-off header and webdataset raises on the first damaged byte or
-drops members it cannot key; this reader yields every member it could read, grouped as webdataset groups
-them (key before the first ``.`` of the base name), keeps odd members (no extension, links, unsafe names)
-for the caller to quarantine, and reports damage in :attr:`ShardReader.error` after iteration. A member whose
-header declares more than :class:`MemberLimits` allows is yielded empty and ``unread``; compressed shards
-are decompressed as a stream, stopped past ``max_expansion`` times their size (a decompression bomb).
-
-Every read goes through :class:`_BoundedStream`, which refuses a read larger than the step's allowance (a
-header, or a member whose size was checked): memory stays bounded whatever the shard declares.
-"""
+``tarfile`` stops quietly at a cut-off header and webdataset raises on the first damaged byte; this reader
+yields every member it could read, keeps odd members for the caller to quarantine, and reports damage in
+:attr:`ShardReader.error`. Every read goes through :class:`_BoundedStream`, refused past the step's
+allowance or the decompression cap, so memory stays bounded whatever the shard declares."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Great Expectations (1.x) suites over a DataFrame of per-sample facts.
-
-Suites are the JSON files in ``schemas/expectations/`` (``samples.json``: one row per sample,
-unexpected rows become quarantine reasons; ``phase.json``: aggregate expectations over the
-accepted samples). Policy bounds enter as suite parameters. Great Expectations is imported
-inside the functions (the import costs about 5 s).
-"""
+"""Great Expectations (1.x) suites over a DataFrame of per-sample facts: ``schemas/expectations/samples.json``
+(unexpected rows become quarantine reasons) and ``phase.json`` (aggregates over the accepted samples), policy
+bounds entering as suite parameters. GX is imported inside the functions (the import costs about 5 s)."""
 
 from __future__ import annotations
 
@@ -61,8 +57,7 @@ def facts_frame(rows: list[dict[str, Any]]):
     """The per-sample facts as a pandas DataFrame with stable (nullable) dtypes, also when empty."""
     import pandas as pd
 
-    frame = pd.DataFrame(rows, columns=list(FACT_COLUMNS))
-    return frame.astype(FACT_COLUMNS)
+    return pd.DataFrame(rows, columns=list(FACT_COLUMNS)).astype(FACT_COLUMNS)
 
 
 def suite_path(name: str) -> Path:
@@ -83,11 +78,8 @@ def load_suite(name: str):
 
 @contextmanager
 def _quiet_gx_logging() -> Iterator[None]:
-    """GX logs dozens of INFO lines on import and context creation; keep its warnings and errors only.
-
-    ``great_expectations.data_context.types.base`` sets its own level to INFO on import, so it is
-    raised after the import as well.
-    """
+    """GX's warnings and errors only (it logs dozens of INFO lines on import and context creation; one of its
+    modules sets its own level to INFO on import, so levels are raised again after the import)."""
     loggers = [logging.getLogger(name) for name in _GX_LOGGERS]
     previous = [log.level for log in loggers]
     loggers[0].setLevel(max(previous[0], logging.WARNING))
@@ -104,11 +96,8 @@ def _quiet_gx_logging() -> Iterator[None]:
 
 @_quiet_gx_logging()
 def run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
-    """Validate ``frame`` against suite ``name`` in an ephemeral context and collect every result.
-
-    Unexpected rows (by the ``row`` id column) of expectations whose ``meta.reason`` is set become
-    :class:`Reason` s with the meta message filled from the row's facts and ``parameters``.
-    """
+    """Every result of suite ``name`` on ``frame``; unexpected rows of an expectation with a ``meta.reason``
+    become :class:`Reason` s, the meta message filled from the row's facts and ``parameters``."""
     import great_expectations as gx
 
     context = _ephemeral_context()
@@ -246,12 +235,8 @@ def _ephemeral_context():
 
 @lru_cache(maxsize=1)
 def _register_custom_expectations() -> type:
-    """Register ``expect_column_quantile_values_in_ranges`` (used by ``phase.json``).
-
-    It is ``ExpectColumnQuantileValuesToBeBetween`` with plain-bool results: under NumPy 2 the
-    built-in returns ``numpy.bool_`` for ``success``, which GX 1.24's validation-result store
-    cannot serialize, so every ValidationDefinition run containing it raises ``TypeError``.
-    """
+    """Register ``expect_column_quantile_values_in_ranges`` (``phase.json``): the built-in quantile
+    expectation with plain-bool results, since under NumPy 2 its ``numpy.bool_`` breaks GX 1.24's store."""
     import great_expectations.expectations as gxe
 
     class ExpectColumnQuantileValuesInRanges(gxe.ExpectColumnQuantileValuesToBeBetween):
