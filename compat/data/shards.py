@@ -1,21 +1,19 @@
 """Tar shards in img2dataset layout: deterministic atomic writing, and raw streaming reads.
 
-A shard holds samples as consecutive members ``{key}.{ext}``. :func:`write_shard` writes byte-identical
-archives for identical input (fixed mtime, owner and mode; USTAR) atomically. :func:`iter_raw_samples`
-streams a local path or fsspec URL grouped by key, decoding nothing; a cut-off shard is reported, not
-silently shortened. The grouping restates webdataset's ``tariterators`` in a few lines because importing
-webdataset imports torch (seconds for a one-shot search that reads a shard's captions).
+:func:`iter_raw_samples` groups members by key itself (webdataset's ``tariterators`` in a few lines) because
+importing webdataset imports torch (seconds for a one-shot search that reads a shard's captions).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import stat
 import tarfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
@@ -38,11 +36,12 @@ class RawSample:
     key: str
     members: dict[str, bytes]
     shard: str
-    index: int = field(default=0)
+    index: int = 0
 
 
 def write_shard(path: str | os.PathLike[str], samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> int:
-    """Write ``(key, {ext: bytes})`` samples to the tar shard ``path`` atomically; return the sample count."""
+    """Write ``(key, {ext: bytes})`` samples to the tar shard ``path`` atomically, the same bytes for the same
+    samples; return the sample count."""
     path = Path(path)
     count = 0
 
@@ -134,29 +133,9 @@ def base_plus_ext(name: str) -> tuple[str | None, str | None]:
     return (match.group(1), match.group(2)) if match else (None, None)
 
 
-def _group_by_keys(records: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Consecutive member records of one key as a sample (``__key__``, ``__url__``, one entry per lower-cased
-    extension), as webdataset's ``group_by_keys``; a key repeating an extension raises ValueError."""
-    sample: dict[str, Any] | None = None
-    for record in records:
-        prefix, suffix = base_plus_ext(record["fname"])
-        if prefix is None or suffix is None:
-            continue
-        suffix = suffix.lower()
-        if sample is None or prefix != sample["__key__"]:
-            if sample is not None:
-                yield sample
-            sample = {"__key__": prefix, "__url__": record["__url__"]}
-        if suffix in sample:
-            raise ValueError(f"{record['fname']}: duplicate file name in tar file {suffix} {sample.keys()}")
-        sample[suffix] = record["data"]
-    if sample is not None:
-        yield sample
-
-
-def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Regular members of the tar stream as webdataset file records, those of the first ``skip`` samples
-    passed over unread; ``state["member"]`` names the last member read. The archive must end with its
+def _tar_members(fileobj: BinaryIO, skip: int, state: dict[str, Any]) -> Iterator[tuple[str, str, bytes]]:
+    """``(key, lower-case extension, bytes)`` of the tar stream's regular members, those of the first ``skip``
+    samples passed over unread; ``state["member"]`` names the last member read. The archive must end with its
     end-of-archive marker (tarfile stops silently at a truncated header)."""
     tar = tarfile.open(fileobj=fileobj, mode="r|*")
     seen, last = 0, None
@@ -164,9 +143,9 @@ def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) 
         name = info.name
         if not info.isreg() or (name.startswith("__") and name.endswith("__")):
             continue
-        prefix, _ = base_plus_ext(name)
+        prefix, suffix = base_plus_ext(name)
         state["member"] = name
-        if prefix is None:
+        if prefix is None or suffix is None:
             continue
         if prefix != last:
             last, seen = prefix, seen + 1
@@ -174,24 +153,27 @@ def _tar_members(url: str, fileobj: BinaryIO, skip: int, state: dict[str, Any]) 
             continue
         if info.size > MAX_MEMBER_BYTES:  # validated shards never hold one; refuse before reading it
             raise ValueError(f"member {name!r} declares {info.size} bytes, over {MAX_MEMBER_BYTES}")
-        yield {"fname": name, "data": tar.extractfile(info).read(), "__url__": url}
+        yield prefix, suffix.lower(), tar.extractfile(info).read()
         tar.members = []
     if tar.fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
         raise tarfile.ReadError("the archive ends without its end-of-archive marker (truncated or corrupt)")
 
 
 def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
-    """The samples of shard ``url`` undecoded, after its first ``skip``; raises :class:`ShardError` naming the
-    shard and the last member read when the archive is unreadable, truncated or repeats a member."""
+    """The samples of shard ``url`` undecoded (consecutive members of one key, as webdataset groups them),
+    after its first ``skip``; raises :class:`ShardError` naming the shard and the last member read when the
+    archive is unreadable, truncated or repeats a member."""
     stream = open_url(url)
-    index = skip
     state: dict[str, Any] = {"member": None}
     try:
-        for sample in _group_by_keys(_tar_members(url, stream, skip, state)):
-            key = sample["__key__"]
-            members = {k: v for k, v in sample.items() if not k.startswith("__")}
-            yield RawSample(key=key, members=members, shard=url, index=index)
-            index += 1
+        records = itertools.groupby(_tar_members(stream, skip, state), key=lambda record: record[0])
+        for index, (key, members) in enumerate(records, start=skip):
+            sample: dict[str, bytes] = {}
+            for _, ext, data in members:
+                if ext in sample:
+                    raise ValueError(f"{state['member']}: duplicate file name in tar file {ext}")
+                sample[ext] = data
+            yield RawSample(key=key, members=sample, shard=url, index=index)
     except (tarfile.TarError, OSError, ValueError, EOFError) as exc:
         where = f"at or after member {state['member']!r}" if state["member"] else "before its first member"
         detail = exc.args[0] if exc.args else type(exc).__name__
