@@ -1,8 +1,6 @@
 """Compile the pipeline to KFP IR YAML (what a cluster runs, committed under ``pipelines/compiled/``).
 
-The pipeline is built under the task settings of one config (:mod:`pipelines.resources`), and that config
-and its values of the run parameters (``components.runs.RUN_PARAMETERS``) become the defaults of the
-pipeline's parameters: a run that passes none runs with the config it was compiled for.
+The config compiled for and its run parameters become the pipeline's parameter defaults.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ ConfigRef = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 def build_pipeline(deployment: Deployment, *, runner: str = "kubernetes") -> GraphComponent:
-    """The continual-upgrade pipeline built under ``deployment``'s task settings, e.g. with ``runner="local"``
-    for ``kfp.local``."""
+    """The continual-upgrade pipeline built under ``deployment``'s task settings."""
     from pipelines import resources
 
     return _build(resources.task_settings(deployment, runner=runner))
@@ -42,9 +39,8 @@ def _build(settings: dict[str, Any]) -> GraphComponent:
 
 
 def default_run_config(deployment: Deployment) -> str:
-    """The pipeline's default ``config`` parameter: the resolved config as JSON, its gate policy left null
-    when the config leaves it so (the task then reads the policy shipped in its image: the compiling
-    machine's path means nothing there)."""
+    """The resolved config as JSON, its gate policy left null when the config leaves it so (the task reads
+    the policy shipped in its image)."""
     resolved = deployment.resolved()
     if deployment.gate.policy is None:
         resolved = resolved.model_copy(update={"gate": deployment.gate})
@@ -52,8 +48,7 @@ def default_run_config(deployment: Deployment) -> str:
 
 
 def pinned(config: ConfigRef, digests: Mapping[str, str]) -> Deployment:
-    """``config``'s deployment with each image kind in ``digests`` (``cpu``, ``gpu``: ``sha256:<64 hex>`` as
-    the image push printed it) pinned, ``REGISTRY/NAME:TAG@sha256:...``; ConfigError: a bad kind or digest."""
+    """``config``'s deployment, each image kind in ``digests`` pinned: ``NAME:TAG@sha256:...``."""
     import re
 
     from pipelines import resources
@@ -72,8 +67,7 @@ def pinned(config: ConfigRef, digests: Mapping[str, str]) -> Deployment:
 def compile_pipeline(
     out_dir: Path = COMPILED_DIR, config: ConfigRef = None, digests: Mapping[str, str] | None = None
 ) -> Path:
-    """Write ``continual_upgrade.yaml`` for ``config`` (see ``compile_settings``) into ``out_dir``, its images
-    pinned to ``digests`` (:func:`pinned`; ``pipeline submit`` refuses a package with a tag-only image)."""
+    """Write ``continual_upgrade.yaml`` for ``config`` into ``out_dir``, its images pinned to ``digests``."""
     from kfp import compiler
 
     from components.runs import run_parameters

@@ -1,7 +1,5 @@
 """Pipeline configuration: YAML files under ``pipelines/configs/``, parsed once into the typed
-:class:`~components.deployment.Deployment` and checked whole when loaded (the model's fields, then the rules
-of the code that uses each field). ``local`` is generated from the model (every setting, its default and
-its description); ``cluster`` writes only what production changes."""
+:class:`~components.deployment.Deployment` and checked whole when loaded."""
 
 from __future__ import annotations
 
@@ -28,13 +26,12 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
 
 def setting_option(setting: str) -> str:
     """The option of ``compatflow train continual`` that sets a training setting (``batch_size``:
-    ``--batch-size``; the model config: ``--config``); ``torchrun_command`` passes every one."""
+    ``--batch-size``)."""
     return "--config" if setting == "config_name" else "--" + setting.replace("_", "-")
 
 
 def generate_stream_of(stream: Any, out: str | Path | None = None, **options: Any) -> dict[str, Any]:
-    """Write (or complete) the synthetic stream a ``stream`` section describes into ``out`` (its ``uri``);
-    ``options``: how it is written (``samples_per_shard``, ``workers``). Its manifest."""
+    """Write (or complete) the synthetic stream a ``stream`` section describes into ``out`` (its ``uri``)."""
     from compat.data.synth import generate_stream
 
     settings = stream.model_dump(exclude={"uri", "generate_if_missing"})
@@ -42,13 +39,9 @@ def generate_stream_of(stream: Any, out: str | Path | None = None, **options: An
 
 
 def load_config(name_or_path: str | Path, *, local_paths: bool = True, training: bool = True) -> Deployment:
-    """Read a pipeline config and check all of it before any step runs: the typed model, then the rules each
-    step applies when it starts (:func:`_problems`), so that a mistake costs seconds, not a run.
-
-    Raises :class:`ConfigError` with every problem found, one line each naming the file and the field.
-    ``local_paths`` False leaves out the files the config names (``gate.policy``: a cluster's tasks read it in
-    their containers); ``training`` False leaves out what only training reads (the model configs and the
-    method's options, whose check imports torch).
+    """Read a pipeline config and check all of it, so that a mistake costs seconds, not a run; ConfigError
+    names every problem's file and field. ``local_paths`` False: the files it names are not checked (a
+    cluster's tasks read them); ``training`` False: nor what only training reads (its check imports torch).
     """
     import yaml
 
@@ -64,8 +57,7 @@ def load_config(name_or_path: str | Path, *, local_paths: bool = True, training:
 def check(
     deployment: Deployment, *, source: str, local_paths: bool = True, training: bool = True
 ) -> Deployment:
-    """``deployment`` when the code that uses its fields accepts them; else :class:`ConfigError`, one line
-    per problem, each ``<source>: <field> ...``."""
+    """``deployment`` when the code that uses its fields accepts them; else :class:`ConfigError`."""
     problems = _problems(deployment, local_paths=local_paths, training=training)
     if problems:
         raise ConfigError("\n".join(f"{source}: {problem}" for problem in problems))
@@ -84,8 +76,7 @@ def _problems(deployment: Deployment, *, local_paths: bool, training: bool = Tru
 
 
 def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list[str]:
-    """Model config names and their settings, as the model factory resolves them; the pretrained start
-    weights (when ``local_paths``: they must be on this machine)."""
+    """Model config names as the model factory resolves them; with ``local_paths``, the pretrained weights."""
     from compat.models.factory import config_path, read_config, resize_mode_of
     from compat.models.pretrained import PretrainedError, resolve_pretrained
 
@@ -154,8 +145,8 @@ def _gate_problems(gate: Any) -> list[str]:
 
 
 def _rollout_problems(rollout: Any) -> list[str]:
-    """Each rollout setting by the rule :class:`components.rollout.RolloutConfig` applies at rollout time, one
-    at a time (the others at their defaults), so that every mistake is reported under its own field."""
+    """Each rollout setting checked alone by :class:`components.rollout.RolloutConfig`, so that every
+    mistake is reported under its own field."""
     from components.deployment import RolloutSection
     from components.rollout import RolloutConfig
 
@@ -174,8 +165,7 @@ def _rollout_problems(rollout: Any) -> list[str]:
 
 
 def resolve(config: Deployment | Mapping[str, Any]) -> Deployment:
-    """The config with every default made explicit (:meth:`Deployment.resolved`: what a run records and KFP
-    parameters, which carry no nulls, take); a mapping is parsed and checked first."""
+    """The config with every default made explicit (KFP parameters carry no nulls); a mapping is checked."""
     if not isinstance(config, Deployment):
         config = check(Deployment.parse(config, source="<config>"), source="<config>")
     return config.resolved()
