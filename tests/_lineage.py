@@ -29,3 +29,8 @@ def version_counts(store: LineageStore) -> dict[str, int]:
     newest = pc.filter(versions, pa.concat_arrays([last.combine_chunks(), pa.array([True])]))
     counts = pc.value_counts(newest)
     return {str(c["values"]): int(c["counts"]) for c in counts.to_pylist()}
+
+
+def versions_by_item(store: LineageStore, item_ids: list[str]) -> dict[str, str | None]:
+    """``{item_id: model_version}`` from the online store (``None``: not recorded)."""
+    return {row["item_id"]: row["model_version"] for row in store.get_items(item_ids)}

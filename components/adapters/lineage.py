@@ -1,21 +1,13 @@
 """Gallery-item lineage in Feast: which model version and embedding space wrote each item's vector.
 
-Indexing records each item with :meth:`LineageStore.write_items`; a rollout's writers record their own items
-as they write them; :func:`sync_from_index` (after a halt or a rollback) and :func:`check_from_index`
-(``compatflow lineage --check``) read the gallery in ``order_key`` slices, fanned out over processes on a
-Milvus server. Rows are pushed through the repo's PushSource into the online store (the newest row per item);
-offline rows are append-only parquet parts, one per write, renamed into place (Feast's own offline push to a
-file source rewrites the whole file each time).
-
-The repo written to is the workspace's (:attr:`components.state.workspace.Workspace.lineage_dir`); a repo
-definition configured elsewhere (``lineage.repo``: on a cluster a read-only ConfigMap volume) is only read:
-its ``feature_store.yaml`` (and ``items.py``) is copied into the written repo whenever it changes.
+Rows are pushed into the online store (the newest row per item); offline rows are append-only parquet parts,
+one per write (Feast's own offline push to a file source rewrites the whole file each time). A repo definition
+configured elsewhere (``lineage.repo``, e.g. a read-only ConfigMap) is only read: copied in when it changes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import uuid
 from collections import Counter
@@ -24,6 +16,8 @@ from datetime import UTC, datetime, timedelta
 from itertools import islice
 from pathlib import Path
 from typing import Any
+
+from compat.io import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +55,6 @@ class LineageStore:
 
     @classmethod
     def of(cls, workspace: Any) -> LineageStore:
-        """The lineage of a :class:`~components.state.workspace.Workspace`: its repo, made from its
-        definition."""
         return cls(workspace.lineage_dir, definition=workspace.lineage_definition)
 
     @property
@@ -138,12 +130,9 @@ class LineageStore:
         return len(frame)
 
     def sync_with_index(self, index_rows: Iterable[Mapping[str, Any]], *, batch_size: int = 2000) -> int:
-        """Record indexed items whose model version or space differs from their lineage; returns the count.
-
-        ``index_rows`` (gallery rows, :func:`index_rows`) are streamed: each ``batch_size`` rows are compared
-        with the online store (one keyed read) and the changed ones written, caption, image URI and domain
-        carried over from the item's lineage. A sync killed between the offline and the online write leaves
-        the online store behind, so the next sync writes those items again."""
+        """Record indexed items whose model version or space differs from their online lineage (caption, image
+        URI and domain carried over), a batch at a time; returns the count. A sync killed between the offline
+        and the online write leaves the online store behind, so the next sync writes those items again."""
         written = 0
         for rows in _chunks(index_rows, batch_size):
             changed = []
@@ -224,10 +213,6 @@ class LineageStore:
             rows.append(row)
         return rows
 
-    def versions_by_item(self, item_ids: Iterable[str]) -> dict[str, str | None]:
-        """``{item_id: model_version}`` of the given ids, from the online store (``None``: not recorded)."""
-        return {row["item_id"]: row["model_version"] for row in self.get_items(item_ids)}
-
     def has_items(self) -> bool:
         """Whether any offline lineage row was written."""
         return self.items_dir.is_dir() and any(self.items_dir.glob("*.parquet"))
@@ -239,10 +224,8 @@ SLICE_ROWS = 20_000  # rows a sync or check reads per slice of the gallery
 def sync_from_index(
     repo_dir: str | Path, uri: str, alias: str, *, definition: str | Path | None = None, workers: int = 1
 ) -> int:
-    """Bring the lineage in ``repo_dir`` (made from ``definition``, see :class:`LineageStore`) in line with
-    the collection serving ``alias`` at the Milvus ``uri`` (after a halt, a blue-green switch or a rollback);
-    returns the rows written. The gallery is read in ``order_key`` slices, by ``workers`` processes on a
-    Milvus server (:func:`over_slices`)."""
+    """Bring the lineage in ``repo_dir`` in line with the collection serving ``alias`` (after a halt, a
+    blue-green switch or a rollback), read by :func:`over_slices`; returns the rows written."""
     LineageStore(repo_dir, definition=definition).apply()
     return sum(over_slices(_sync_slices, str(repo_dir), definition, uri, alias, workers))
 
@@ -250,8 +233,8 @@ def sync_from_index(
 def check_from_index(
     repo_dir: str | Path, uri: str, alias: str, *, definition: str | Path | None = None, workers: int = 1
 ) -> dict[str, Any]:
-    """:meth:`LineageStore.check_against_index` of the collection serving ``alias``, read in ``order_key``
-    slices by ``workers`` processes (:func:`over_slices`), their answers added up."""
+    """:meth:`LineageStore.check_against_index` of the collection serving ``alias``, read by
+    :func:`over_slices`, the slices' answers added up."""
     parts = over_slices(_check_slices, str(repo_dir), definition, uri, alias, workers)
     index: Counter[str] = Counter()
     lineage: Counter[str] = Counter()
@@ -326,7 +309,6 @@ def index_rows(
 
 
 def _chunks(rows: Iterable[Mapping[str, Any]], size: int) -> Iterator[list[Mapping[str, Any]]]:
-    """``rows`` as lists of at most ``size``."""
     checked = _rows(rows)
     while chunk := list(islice(checked, size)):
         yield chunk
@@ -405,26 +387,18 @@ def _arrow_schema() -> Any:
 
 
 def _write_part(frame: Any, directory: Path) -> Path:
-    """One parquet part, written under a hidden name and renamed into place."""
+    """One parquet part, written atomically."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pandas(frame, schema=_arrow_schema(), preserve_index=False)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
     final = directory / f"part-{stamp}-{uuid.uuid4().hex[:8]}.parquet"
-    tmp = directory / f".{final.name}.tmp"
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    tmp.replace(final)
-    return final
+    return atomic_write(final, lambda tmp: pq.write_table(table, tmp))
 
 
 def _copy_if_changed(source: Path, target: Path) -> None:
-    """``target`` made equal to ``source`` (temp file + rename) unless it already is."""
+    """``target`` made equal to ``source``, atomically, unless it already is."""
     data = source.read_bytes()
-    if target.is_file() and target.read_bytes() == data:
-        return
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(target)
+    if not (target.is_file() and target.read_bytes() == data):
+        atomic_write(target, lambda tmp: tmp.write_bytes(data))

@@ -1,6 +1,6 @@
 """The ``continual`` step: train the next model on the newest data phase, evaluate it on every domain so far.
 
-Methods (all in the same trainer, same schedule and data order):
+Methods (one trainer, one schedule and data order):
 
 - ``modx``: the student starts from the production model, the frozen production model is the teacher,
   loss = InfoNCE + alpha * Mod-X KL (``training.alpha``; the paper's is 20). The paper's continual method.
@@ -11,12 +11,8 @@ Methods (all in the same trainer, same schedule and data order):
   tower with the pretrained MiniLM text tower) trained from its own initialisation on the train shards of
   phases 0..P, alpha = 0; production is only the model it is compared with (and later made compatible to).
 
-Phase 0 with no production model trains CLIP_0 from random initialisation. Outputs in ``out_dir``:
-``model/`` (safetensors checkpoint), ``metrics.json`` (per-domain R@1/5/10 both ways for the candidate and
-the starting model, the training curve), ``spatial_disorder.json`` (RAM/SAM/ImAV, candidate vs production on
-the newest eval set) and ``train/`` (resumable checkpoints and the per-step sample ledger).
-
-Run under ``torchrun`` the step trains with DDP (every rank), evaluates and writes on rank 0 only.
+Phase 0 without a production model trains CLIP_0. Under ``torchrun`` every rank trains (DDP); rank 0 alone
+evaluates and writes ``model/``, ``metrics.json``, ``spatial_disorder.json`` and ``train/`` in ``out_dir``.
 """
 
 from __future__ import annotations
@@ -144,23 +140,12 @@ def _train_urls(
 
 # The deployment's ``training`` section field -> TrainingSettings field: every section field is here or in
 # NOT_CARRIED (a test holds it), so that a new training setting cannot be dropped on its way to the trainer.
-SECTION_FIELDS: dict[str, str] = {
-    "model_config_name": "config_name",
-    "pretrained": "pretrained",
-    "weights_dir": "weights_dir",
-    "resize_mode": "resize_mode",
-    "method": "method",
-    "alpha": "alpha",
-    "replay_buffer_size": "replay_buffer_size",
-    "replay_rows": "replay_rows",
-    "steps": "steps",
-    "checkpoint_every": "checkpoint_every",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "warmup_fraction": "warmup_fraction",
-    "device": "device",
-    "seed": "seed",
-    "loader_workers": "loader_workers",
+SECTION_FIELDS: dict[str, str] = {"model_config_name": "config_name"} | {
+    name: name
+    for name in (
+        "pretrained weights_dir resize_mode method alpha replay_buffer_size replay_rows steps "
+        "checkpoint_every batch_size lr warmup_fraction device seed loader_workers"
+    ).split()
 }
 # Section fields the step uses before it builds the settings, and what they become.
 NOT_CARRIED: dict[str, str] = {

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from _lineage import version_counts
+from _lineage import version_counts, versions_by_item
 from _milvus import server_uri
 
 from components.adapters.feature_repo import REPO_TEMPLATE_DIR
@@ -76,8 +76,8 @@ def test_write_read_and_backfill_update(lineage: LineageStore) -> None:
     lineage.write_items(frame)
     updated = lineage.get_items(["item-a"])[0]
     assert updated["model_version"] == "2" and updated["embedded_at"] == embedded
-    assert lineage.versions_by_item(["item-a", "item-b"]) == {"item-a": "2", "item-b": "1"}
-    assert lineage.versions_by_item(["item-a", "item-b", "item-c"]) == {
+    assert versions_by_item(lineage, ["item-a", "item-b"]) == {"item-a": "2", "item-b": "1"}
+    assert versions_by_item(lineage, ["item-a", "item-b", "item-c"]) == {
         "item-a": "2",
         "item-b": "1",
         "item-c": "1",
@@ -159,10 +159,10 @@ def test_a_sync_killed_before_its_online_write_is_completed_by_the_next(tmp_path
     with pytest.raises(OSError, match="killed"):
         lineage.sync_with_index(served)
     assert version_counts(lineage) == {"2": 3}  # offline: written
-    assert set(lineage.versions_by_item(["a", "b", "c"]).values()) == {"1"}  # online: not yet
+    assert set(versions_by_item(lineage, ["a", "b", "c"]).values()) == {"1"}  # online: not yet
     monkeypatch.setattr(lineage.store, "write_to_online_store", real)
     assert lineage.sync_with_index(served) == 3
-    assert set(lineage.versions_by_item(["a", "b", "c"]).values()) == {"2"}
+    assert set(versions_by_item(lineage, ["a", "b", "c"]).values()) == {"2"}
     assert version_counts(lineage) == {"2": 3} and lineage.check_against_index(served)["agree"]
 
 
@@ -182,7 +182,7 @@ def test_a_rollback_on_a_milvus_server_syncs_lineage_from_the_gallery(tmp_path, 
         index.index_items(ids, vectors, "1", "space-v1", collection=new)
         index.switch_alias(new)
     assert sync_from_index(lineage.repo_dir, uri, alias) == 6
-    assert set(lineage.versions_by_item(ids).values()) == {"1"}
+    assert set(versions_by_item(lineage, ids).values()) == {"1"}
     with GalleryIndex(uri, alias) as index:  # the rollback moves the alias back
         index.switch_alias(old)
     assert sync_from_index(lineage.repo_dir, uri, alias) == 6
@@ -282,7 +282,7 @@ def test_a_read_only_repo_definition_is_read_never_written(tmp_path):
         index.index_items(ids, np.eye(2, 8, dtype=np.float32) + 0.1, "2", "space-v1", collection=collection)
         index.switch_alias(collection)
     assert sync_from_index(ws.lineage_dir, ws.index_uri, "gallery", definition=ws.lineage_definition) == 2
-    assert LineageStore(ws.lineage_dir).versions_by_item(ids) == {"item-a": "2", "item-b": "2"}
+    assert versions_by_item(LineageStore(ws.lineage_dir), ids) == {"item-a": "2", "item-b": "2"}
     assert list((ws.lineage_dir / "data" / "items").glob("*.parquet"))
     shown = CliRunner().invoke(app, ["lineage", "item-a", "--workspace", str(ws.root), "--json"])
     assert shown.exit_code == 0, shown.output
@@ -327,7 +327,8 @@ with GalleryIndex(ws.index_uri, "gallery") as index:
     index.index_items(["a", "b"], np.eye(2, 8, dtype=np.float32) + 0.1, "2", "s2", collection=collection)
     index.switch_alias(collection)
 assert sync_from_index(ws.lineage_dir, ws.index_uri, "gallery", definition=ws.lineage_definition) == 2
-assert LineageStore(ws.lineage_dir).versions_by_item(["a", "b"]) == {"a": "2", "b": "2"}
+rows = LineageStore(ws.lineage_dir).get_items(["a", "b"])
+assert {r["item_id"]: r["model_version"] for r in rows} == {"a": "2", "b": "2"}
 print("lineage ok")
 """
 
