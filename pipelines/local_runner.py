@@ -1,8 +1,6 @@
 """Run the pipeline on this machine with ``kfp.local.SubprocessRunner`` (``compatflow run``, ``make run``).
 
-:func:`run_local` makes sure the data stream exists, plans the next pending phase, runs the pipeline on it
-and returns how it ended and where the outputs are. The task logs go to ``<run_dir>/pipeline.log``; only
-task start/finish lines and the steps' progress lines (live, in place, on a terminal) are echoed.
+The task logs go to ``<run_dir>/pipeline.log``; only task start/finish and progress lines are echoed.
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ class RunResult:
 
 
 class _EchoingLog(io.TextIOBase):
-    """Writes everything to the log file and echoes task start/finish lines and the steps' progress lines
-    (:mod:`compat.progress`) to the terminal, where each progress line replaces the one before. A log file
-    that cannot be written (a full disk) fails nothing: its first error is kept in ``error``."""
+    """Writes everything to the log file and echoes task start/finish and progress lines (on a terminal, in
+    place). A log file that cannot be written fails nothing: its first error is kept in ``error``."""
 
     def __init__(self, log_file: io.TextIOBase, terminal: Any) -> None:
         from compat.progress import LINE_MARK
@@ -117,8 +114,7 @@ def ensure_stream(deployment: Deployment) -> Path:
 
 
 def run_local(deployment: Deployment, *, phase: int | None = None, echo: Any = None) -> RunResult:
-    """Run the pipeline of a resolved deployment on the next pending phase (or ``phase``) with the local
-    runner, holding the workspace lock (:mod:`components.state.lock`) for the whole run."""
+    """Run the pipeline on the next pending phase (or ``phase``), holding the workspace lock throughout."""
     from components.state.lock import workspace_lock
     from components.state.workspace import Workspace
 
@@ -144,9 +140,8 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     run_dir = Path(plan["run_dir"])
     tmp = workspace.tmp_dir
     tmp.mkdir(exist_ok=True)
-    env = {
-        "TMPDIR": str(tmp)
-    }  # the tasks' temp files (kfp's program folder among them) stay in the workspace
+    # the tasks' temp files (kfp's program folder among them) stay in the workspace
+    env = {"TMPDIR": str(tmp)}
     if _isatty(echo):  # tasks write progress lines (their output is a pipe); a terminal shows them live
         from compat.progress import EVERY_ENV
 
@@ -168,20 +163,8 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         log_path = RunDir(run_dir).pipeline_log
         # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
         log = _EchoingLog(open(log_path, "w", buffering=1), echo)
-        broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
-        failed_task: str | None = None  # the task kfp.local names as failed
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(log):
-                warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-                warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
-                try:
-                    pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
-                except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
-                    log.write(f"\npipeline failed: {err}\n")
-                    failed_task = str(err)
-                except OSError as err:
-                    broke = err
-                    log.write(f"\npipeline failed: {err}\n")
+            broke, failed_task = _execute(pipeline, deployment, plan, log)
         finally:
             log.close_file()
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
@@ -192,22 +175,37 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         "report": str(RunDir(run_dir).report_file("html")),
     }
     unwritten = broke or log.error
+    failure = None
     if status == "failed" or broke is not None:
         status, failure = "failed", _failure_of(run_dir, log_path, unwritten, failed_task)
-    else:
-        failure = None
-        if unwritten is not None:
-            echo.write(f"compatflow: the run's log {log_path} is incomplete: {unwritten}\n")
+    elif unwritten is not None:
+        echo.write(f"compatflow: the run's log {log_path} is incomplete: {unwritten}\n")
     return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs, failure)
+
+
+def _execute(
+    pipeline: Any, deployment: Deployment, plan: dict[str, Any], log: _EchoingLog
+) -> tuple[OSError | None, str | None]:
+    """Run ``pipeline`` on the plan into ``log``; returns kfp's own write error and the failed task."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(log):
+        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+        warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
+        try:
+            pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
+        except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
+            log.write(f"\npipeline failed: {err}\n")
+            return None, str(err)
+        except OSError as err:  # kfp's own files (the pipeline root) could not be written
+            log.write(f"\npipeline failed: {err}\n")
+            return err, None
+    return None, None
 
 
 def _failure_of(
     run_dir: Path, log_path: Path, unwritten: OSError | None = None, failed_task: str | None = None
 ) -> dict[str, Any]:
-    """The failed step and its error, with the log line to look at (also written into ``outcome.json`` when
-    the disk takes it). ``unwritten``: the error that kept the run's own files from being written.
-    ``failed_task``: kfp.local's failure, which names the step when its process ended without recording
-    why (killed, or the warm task host died under it)."""
+    """The failed step and its error, with the log line to look at (also written into ``outcome.json``).
+    ``unwritten``: what kept the run's files from being written; ``failed_task``: kfp.local's failure."""
     from compat.io import write_json_atomic
     from components.runs import disk_full, locate_in_log, next_action, read_failure
 
@@ -231,9 +229,8 @@ def _failure_of(
 
 
 def _unrecorded_failure(log_path: Path, failed_task: str) -> dict[str, Any]:
-    """A failure no step recorded: the step kfp.local names (``unknown`` when none), and why when the log says
-    (the launcher's line when the warm task host died, :mod:`pipelines.task_client`)."""
-    found = re.search(r"Inner task failed: \W*'([\w-]+)'", re.sub(r"\x1b\[[0-9;]*m", "", failed_task))
+    """A failure no step recorded: the step kfp.local names (else ``unknown``), and why, if the log says."""
+    found = re.search(r"Inner task failed: \W*'([\w-]+)'", _ANSI.sub("", failed_task))
     step = re.sub(r"-op(-\d+)?$", "", found.group(1)) if found else "unknown"
     try:
         host_died = "the warm task host ended while task" in log_path.read_text(errors="replace")
