@@ -1,18 +1,7 @@
 """Rollout of a gate-passed model onto the Milvus gallery: staged partial backfill, durable and reversible.
 
-A rollout never writes the collection it starts from (the *source*): its new vectors go into a collection of
-its own (the *target*), and the serving record names what answers a query. Stage 0 switches the query side
-to the new model once the probe set holds its floors on the target over the source (a release read through a
-gallery transform first fills the target with the transformed source); stages 1..k re-embed their items
-(:mod:`~components.rollout.keys`: filters on what every row carries) into the target, by one process or K
-workers (:mod:`~components.rollout.workers`), and each is accepted only if every probe R@K holds its floor,
-else the rollout halts back to the source. A space change fills the target whole (blue-green) first.
-
-Nothing reads the whole gallery in one process; the state JSON is written atomically after every stage and
-each worker's cursor after every slice, so a rollout killed at any moment resumes with nothing lost or
-doubled. :func:`rollback` is a switch of the serving record and alias back to the source. Writes are
-flushed every ``flush_rows`` rows on milvus-lite and, with ``slo_p99_factor``, paced
-(:mod:`~components.rollout.pacing`).
+The design (source and target collections, layers, stages, floors, the pace, why a rollback is a switch) is
+README.md's rollout section; the modules split it by role: types, state, plan, engine, workers.
 """
 
 from components.rollout.engine import Rollout, run_rollout

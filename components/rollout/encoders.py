@@ -1,9 +1,5 @@
-"""Encoder factories of rollouts: ``f(config) -> RolloutEncoders``, named by ``--encoders module:function``.
-
-``config`` holds ``old_model`` and ``new_model`` (model directories) and free-form ``options``.
-:func:`model_encoders` wires real models (a compatible-model directory's serving contract sets the target
-space and the rule for old vectors). Tests and benchmarks use the known-geometry encoders of
-``benchmarks.synthetic_upgrade``.
+"""Encoder factories of rollouts: ``f(config) -> RolloutEncoders``, named by ``--encoders module:function``;
+:func:`model_encoders` wires real models (``config``: ``old_model``, ``new_model`` and free-form ``options``).
 """
 
 from __future__ import annotations

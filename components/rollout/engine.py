@@ -1,9 +1,5 @@
-"""The rollout engine: plans a rollout, runs stage 0, the backfill stages or a blue-green fill, resumes.
-
-One class, the rollout's state machine, kept in one module so that every transition of the state file
-reads in one place; what a plan reads and decides before any write is :mod:`components.rollout.plan`, how a
-stage's slices are written :mod:`components.rollout.workers`.
-"""
+"""The rollout engine: the rollout's state machine (plan, stage 0, backfill stages or a blue-green fill,
+resume), so that every transition of the state file reads in one place."""
 
 from __future__ import annotations
 

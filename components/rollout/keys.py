@@ -1,17 +1,11 @@
 """What orders a backfill, stored with each gallery row when it is written, and the stage filters built on it.
 
-Every row carries its keys (:data:`components.adapters.index.ORDER_FIELDS`), so that no rollout reads and
-ranks the gallery before it starts: ``order_key`` (a 63-bit hash of the item id: the ``random`` order, and
-what a stage's slices are split by), ``embedded_at`` (``oldest_first``), ``key_lambda_orth`` (minus the L2
-distance of the unit vector to the nearest of its space's k-means centres, ascending = farthest first:
-lambda-orth Sec. 3.6, the clusters standing for the classes whose means the paper measures) and
-``key_uncertainty`` (the gap between the two highest cosines to those centres, ascending = most uncertain
-first). The centres are fitted on a bounded sample (the first vectors indexed, then each rollout's sample of
-its source); a row's keys are computed when it is written.
-
-A stage reaching the cumulative fraction F is a filter (:class:`Selection`): for ``random`` a window of width
-F * 2^63 of ``order_key`` from a seeded offset; otherwise ``(key, order_key) < cut(F)``, the cut read off a
-uniform sample by hash of about :data:`SAMPLE_ROWS` rows.
+Every row carries its keys (:data:`components.adapters.index.ORDER_FIELDS`, README.md "A gallery of any
+size"), so no rollout reads and ranks the gallery before it starts; ``key_lambda_orth`` follows lambda-orth
+Sec. 3.6 (the k-means clusters standing for the classes whose means the paper measures). A stage reaching the
+cumulative fraction F is a filter (:class:`Selection`): for ``random`` a window of width F * 2^63 of
+``order_key`` from a seeded offset; otherwise ``(key, order_key) < cut(F)``, the cut read off a uniform
+sample of about :data:`SAMPLE_ROWS` rows.
 """
 
 from __future__ import annotations

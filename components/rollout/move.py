@@ -1,12 +1,9 @@
-"""Moving a served gallery to another index (``compatflow index move --to URI``): milvus-lite to a Milvus
-server, or one server to another, with nothing lost.
+"""Moving a served gallery to another index (``compatflow index move --to URI``), with nothing lost.
 
-The gallery's collections (those its serving record and rollout states name) are copied row by row in
-bounded batches (idempotent upserts: a killed move is simply run again), the counts checked, the alias
-switched at the target, the rollout states pointed at it, and the serving record rewritten last: until then
-everything serves from the source, which is left as it was. Lineage names items, not the index: unchanged.
-Before the first write, every collection of those names and the alias at the target must be this
-deployment's (:meth:`components.adapters.index.GalleryIndex.claim`), else the move is refused.
+The collections the serving record and rollout states name are copied in bounded batches of idempotent
+upserts (a killed move is run again), counted, then the alias, the rollout states and last the serving record
+switch to the target; the source is left as it was. Every collection and the alias at the target must be this
+deployment's (:meth:`components.adapters.index.GalleryIndex.claim`) before the first write.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Pacing of a backfill: query latency held within its SLO while items are re-embedded, and a rate cap.
 
-Query latency comes from :class:`ServiceLatency` (users' queries: the latency histograms the workspace's
-search services expose on ``/metrics``, the idle p99 that of the queries answered in the ``IDLE_WAIT_S``
-before the rollout writes) or, when no service has traffic, :class:`SearchLatency` (searches of the serving
-collection the rollout times itself). Samples are taken after a write, at most one per
-``SAMPLE_INTERVAL_S`` (a sample is itself load).
-
-The rate of re-embedded items follows additive-increase / multiplicative-decrease on the p99 of the last
-``window`` samples: above ``p99_factor`` x idle p99 it halves (never below ``FLOOR_SHARE`` of the first
-measured rate, so the backfill finishes) and the window starts over; below ``QUIET`` x that limit it grows by
-``GROWTH`` up to ``max_items_per_s``, which caps it at all times. The pace sleeps after a batch until
-``items / rate`` seconds have passed; what it ran at goes into the rollout state (``pace``).
+Latency is read from the workspace's search services (:class:`ServiceLatency`) or, with no traffic, timed on
+searches of the serving collection (:class:`SearchLatency`); the rate follows additive-increase /
+multiplicative-decrease on the p99 of the last ``window`` samples (README.md, the rollout's latency SLO).
 """
 
 from __future__ import annotations

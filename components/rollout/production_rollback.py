@@ -1,12 +1,7 @@
 """The gallery's part of a production rollback: the registry moves its aliases, these put the index back
 (:func:`components.steps.rollback_production` passes them to
-:meth:`components.adapters.registry.Registry.rollback`).
-
-``prepare_rollback`` refuses, before anything changes, a rollback whose gallery part cannot be done;
-``on_rollback`` first rolls back a candidate's rollout left unfinished (made for the production that is
-leaving, so no later run may resume it), then the rollout of the version that leaves production (found even
-when later rollouts were archived), re-embeds with the returning model the items written since, and records
-the restored versions in the item lineage.
+:meth:`components.adapters.registry.Registry.rollback`): :func:`prepare_rollback` refuses first what cannot be
+done, :func:`on_rollback` then undoes the rollouts and re-embeds the items written since.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """A stage's slices, re-embedded and written by the rollout's process or by workers that live across stages.
 
-A stage (a filter on the keys every row carries, :mod:`components.rollout.keys`) is split into ``n`` slices
-by ``order_key`` ranges. :func:`run_range` runs the slices ``[start, end)`` of the stage the spec file names:
-each slice is read a page at a time, re-embedded (or mapped by the gallery transform) on a second thread
-while the page before it is written, and its items' lineage recorded; the range's cursor file names the
-slices done, so a range is resumable and idempotent. One rollout process runs the ranges (``workers`` 1), a
-pool of processes started once per rollout (:class:`WorkerPool`), or parallel pipeline tasks on a cluster
-(:func:`components.kfp_ops.rollout_range_op`). Each of K workers paces at 1/K of the rate cap, from the idle
-p99 the rollout measured. ``workers > 1`` needs ``index.uri`` on a Milvus server (milvus-lite opens in one
-process only).
+:func:`run_range` runs the slices ``[start, end)`` of the stage its spec file names, re-embedding a page on a
+second thread while the page before it is written; the range's cursor file names the slices done, so a range
+is resumable and idempotent. ``workers > 1`` needs a Milvus server (milvus-lite opens in one process only).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The ``evaluate`` step: the compatibility report of a candidate against the production model.
-
-Reads the old (production) checkpoint, the candidate (a compatible-model directory from the ``compat``
-step, or a plain checkpoint = no compatibility training), optionally the independently trained new model,
-and the evaluation shards; writes ``OUT/compat_report.json`` (``schemas/compat_report.schema.json``), which
-the release gate consumes. The report is validated before it is written; nothing is written on error.
-"""
+"""The ``evaluate`` step: the compatibility report of a candidate against the production model, validated
+before it is written (``schemas/compat_report.schema.json``) for the release gate."""
 
 from __future__ import annotations
 

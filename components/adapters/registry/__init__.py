@@ -1,17 +1,10 @@
 """MLflow tracking and model registry for compatflow.
 
 One MLflow run per pipeline run (found again by its ``compatflow.run_id`` tag, so a retried task resumes
-it), holding parameters, per-phase metrics, the reports and its model (an MLflow ``python_function`` model
-around the safetensors weights and their sha256 manifest, :mod:`~.pyfunc`), registered as a model version so
-that ``mlflow.pyfunc.load_model("models:/<name>@production")`` serves it.
-
-Aliases: ``candidate`` (the latest registered, whatever the gate said), ``production`` (moved only by
-:meth:`Registry.promote`: a gate pass and a completed rollout; the one it replaces becomes ``previous``) and
-``previous`` (what :meth:`Registry.rollback` restores). The tag ``compatflow.production_history`` keeps the
-versions that were production as a stack: promote pushes, rollback pops, so repeated rollbacks walk back.
-
-Modules: :mod:`~.tracking` (runs, metrics, artifacts, the model), :mod:`~.pyfunc` (the MLflow flavour) and
-:mod:`~.versions` (model versions, aliases, rollback); checkpoint integrity: :mod:`compat.models.integrity`.
+it); its model is registered as a version that ``mlflow.pyfunc.load_model("models:/<name>@production")``
+serves. Aliases: ``candidate`` (the latest registered), ``production`` (moved only by
+:meth:`Registry.promote`) and ``previous``; the tag ``compatflow.production_history`` is a stack that promote
+pushes and rollback pops, so repeated rollbacks walk back.
 """
 
 from compat.models.integrity import CheckpointIntegrityError
