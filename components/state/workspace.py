@@ -1,27 +1,7 @@
 """Where a compatflow deployment keeps its state: one directory per workspace, laid out by :class:`Workspace`.
 
-Layout (the pipeline and every command ask :class:`Workspace` for these; no other module spells them)::
-
-    <root>/deployment.json    the deployment's seed, made once: with the root's path, its identity
-                              (:meth:`Workspace.deployment_id`) that marks what it owns in a shared index
-    <root>/state.json         every phase's outcome
-    <root>/mlflow.db          MLflow tracking + registry (sqlite) unless a tracking URI is given
-    <root>/mlartifacts/       MLflow artifacts (reports, checkpoints)
-    <root>/feast/             Feast feature repo the lineage of every gallery item is written to (a copy of
-                              the configured repo definition, which is only read: it may be read-only)
-    <root>/weights/           open_clip start weights laid out <ARCH>/<TAG>/ (`compatflow models fetch`)
-    <root>/milvus/            milvus-lite data (unless an index URI is given)
-    <root>/models/v<N>/       verified local copies of registered models
-    <root>/validated/phase-NNN/  accepted training shards of each validated phase (replay, drift reference)
-    <root>/runs/<run_id>/<step>/...    per-run step outputs, laid out by components.state.run_dir.RunDir
-    <root>/serving.json       the serving record: which collection and query model answer queries
-    <root>/rollout_state.json progress of the rollout in flight (written by the rollout engine)
-    <root>/rollout/           the probe set and each rollout's work files (restore rows, archived states)
-    <root>/services/          one file per running search service (`compatflow serve`), read by rollouts
-    <root>/tmp/, <root>/kfp/  the local runner's scratch space and KFP pipeline root
-    <root>/.compatflow.lock, <root>/.compatflow.steps.lock   one process at a time (components.state.lock)
-
-The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``.
+The layout is README.md's ``workspace/`` tree; the pipeline and every command ask :class:`Workspace` for a
+path, no other module spells one. The root defaults to ``$COMPATFLOW_WORKSPACE`` or ``./workspace``.
 """
 
 from __future__ import annotations

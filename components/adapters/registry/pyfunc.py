@@ -1,19 +1,11 @@
 """The MLflow model of a registered version: a ``python_function`` flavour around the serving encoder.
 
-Each version's source is an MLflow model directory::
-
-    MLmodel                       flavour python_function (loader_module components.adapters.registry.pyfunc),
-                                  signature, input example, metadata (method, contract, space, digest)
-    python_env.yaml, conda.yaml, requirements.txt, input_example.json, serving_input_example.json
-    data/checkpoint/              the model directory as compatflow writes it (safetensors weights, model.json
-                                  or compat.json) and its MANIFEST.sha256.json (the integrity check's input)
-
-``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`: the files
-are checked against the manifest and the manifest against the registry's digest of the version
-(:func:`expected_digest`), then loaded with :func:`compat.production.load_production`, so its embeddings are
-compatflow's own. ``predict`` takes a DataFrame (or dict) with a ``text`` column and/or an ``image`` column
-(encoded JPEG, PNG or WebP bytes); a row with an image is embedded as an image, else as a text. It returns
-one float32 embedding per row, in the serving space.
+A version's source is an MLflow model directory (``MLmodel``, environment files, input examples) whose
+``data/checkpoint/`` is the model directory as compatflow writes it, with its ``MANIFEST.sha256.json``.
+``mlflow.pyfunc.load_model("models:/<name>@production")`` loads it through :func:`_load_pyfunc`: the files are
+checked against the manifest and the manifest against the registry's digest (:func:`expected_digest`), then
+loaded by :func:`compat.production.load_production`, so its embeddings are compatflow's own. ``predict``
+embeds a row's ``image`` (encoded bytes) when it has one, else its ``text``: one float32 vector per row.
 """
 
 from __future__ import annotations
