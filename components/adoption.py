@@ -1,10 +1,8 @@
 """Adoption: a team's Milvus collection and the model that made it become production version 1.
 
-:func:`prove` re-embeds a seeded sample of the team's items from their images and compares with the stored
-vectors before anything is written; :func:`adopt` then copies every row's vector, unchanged, into a
-collection of compatflow's schema (streamed in pages), records each item's lineage as it goes, registers and
-promotes the model, moves the workspace's alias and serving record to the copy and records phase 0 as
-shipped. The team's collection is only read: no field, index, alias or row of it changes.
+:func:`prove` re-embeds a seeded sample of the team's items and compares with their stored vectors before
+anything is written; :func:`adopt` then copies every row's vector, unchanged, into a collection of
+compatflow's schema with its lineage. The team's collection is only read.
 """
 
 from __future__ import annotations
@@ -315,12 +313,9 @@ def adopt(
     tracking_uri: str | None = None,
     on_proof: Any = None,
 ) -> dict[str, Any]:
-    """Prove, then adopt (see the module doc); returns the summary also written to the run folder. Raises
-    :class:`AdoptionRefused` with nothing written; ``on_proof(proof)`` is called once the proof is known.
-    ``weights``: a local file or folder, or an MLflow ``models:/`` or ``runs:/`` URI (from ``tracking_uri``).
-
-    Order: the copy (rows, lineage), the model's registration, the alias and the serving record, then
-    ``production`` and the phase record: a failure before the alias moves serves nothing half made."""
+    """Prove, then adopt; returns the summary also written to the run folder, or raises
+    :class:`AdoptionRefused` with nothing written. The alias and serving record move only after the copy and
+    the registration, so a failure before then serves nothing half made."""
     from components.adapters.index import GalleryIndex
     from components.adapters.registry import Registry
     from components.rollout.operations import deployment_owner

@@ -127,17 +127,11 @@ def index_new_items(
     seed: int = 0,
     on_items: Callable[[list[dict[str, Any]]], Any] | None = None,
 ) -> dict[str, Any]:
-    """Index the gallery items of ``gallery`` that the serving collection does not hold yet, shard by shard.
-
-    The first call embeds every item with ``model``; its first shard creates the collection in ``space``
-    behind the serving alias and writes the serving record. Later calls (a new data phase) embed only the new
-    items with ``model`` (the serving model) into the serving collection, in its space, and leave the record
-    alone. Each shard's new items are handed to ``on_items`` (their lineage rows) before their vectors are
-    written, so a crash never leaves an indexed item without its lineage; one shard is held at a time.
-    Each call adds up to ``probe_size`` of the new pictures to the probe set (a seeded reservoir sample),
-    each caption a query whose relevant item is its picture (t2i as the evaluation counts it). Idempotent: a
-    crashed call is simply run again. Returns the serving record plus ``n_items`` (gallery size), ``n_new``
-    and ``probe`` (the probe file)."""
+    """Index the items of ``gallery`` the serving collection does not hold yet with ``model``, a shard at a
+    time (the first call creates the collection in ``space`` and the serving record). Each shard's lineage
+    rows go to ``on_items`` before its vectors are written, so no indexed item lacks its lineage; up to
+    ``probe_size`` new pictures join the probe set (a seeded reservoir sample). Idempotent. Returns the
+    serving record plus ``n_items``, ``n_new`` and ``probe`` (the probe file)."""
     from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.io import write_json_atomic
@@ -257,9 +251,8 @@ def roll_out(
     range_tasks: bool = False,
 ) -> dict[str, Any]:
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state (with
-    ``range_tasks``, the state as it waits for ranges run by pipeline tasks). ``settings`` is the deployment's
-    ``rollout`` section; ``old_model`` defaults to the serving record's query model, ``probe`` to the
-    workspace's probe set; ``options`` go to the encoder factory and into the recorded query model."""
+    ``range_tasks``, the state as it waits for ranges run by pipeline tasks). ``old_model`` defaults to the
+    serving record's query model, ``probe`` to the workspace's probe set."""
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})
     record = read_serving(paths.serving)

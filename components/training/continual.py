@@ -155,15 +155,11 @@ NOT_CARRIED: dict[str, str] = {
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSettings:
-    """How one phase is trained: the deployment's ``training`` section (:meth:`from_section`; its settings
-    have no default here, the section owns them) plus the trainer's own settings. ``alpha`` is Mod-X's
-    weight (None: the method trains without one; ``modx`` needs it). ``selective_correction=False`` drops
-    Mod-X's Eq 3 (an ablation for benchmarks, not the paper's method). ``replay_buffer_size`` > 0
-    (``modx`` / ``finetune`` after phase 0): the last ``replay_rows`` rows of every batch come from a
-    buffer of that many pairs drawn evenly from the earlier phases' train shards -- the Mod-X paper's
-    "Mod-X + buffer" (Table 2), or experience replay for fine-tuning. ``pretrained`` (a local open_clip
-    checkpoint or a cached open_clip tag) and ``resize_mode`` apply to the bootstrap only: CLIP_0
-    fine-tunes from those weights instead of a random init (None: the model config's)."""
+    """How one phase is trained: the deployment's ``training`` section (:meth:`from_section`, which owns the
+    defaults) plus the trainer's own settings. ``selective_correction=False`` drops Mod-X's Eq 3 (a benchmark
+    ablation). ``replay_buffer_size`` > 0: the last ``replay_rows`` rows of every batch come from a buffer of
+    earlier phases' pairs -- the Mod-X paper's "Mod-X + buffer" (Table 2). ``pretrained`` and
+    ``resize_mode`` apply to the bootstrap (CLIP_0) only."""
 
     # the deployment's training section (SECTION_FIELDS)
     config_name: str
@@ -191,10 +187,8 @@ class TrainingSettings:
 
     @classmethod
     def from_section(cls, training: Any, **fields: Any) -> TrainingSettings:
-        """The settings a deployment's ``training`` section (:class:`components.deployment.TrainingSection`)
-        names (:data:`SECTION_FIELDS`), then ``fields``: the trainer's own settings and any setting a caller
-        (a command's option, a test) overrides. ``alpha`` is carried for ``modx`` only (an alpha given to
-        another method is refused by :func:`run_continual`)."""
+        """The settings the ``training`` section names (:data:`SECTION_FIELDS`), then ``fields`` (the
+        trainer's own and any a caller overrides); the section's ``alpha`` is carried for ``modx`` only."""
         settings = {setting: getattr(training, key) for key, setting in SECTION_FIELDS.items()}
         settings.update(fields)
         if settings["method"] != "modx" and "alpha" not in fields:
@@ -217,11 +211,8 @@ def run_continual(
     on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the step and return the metrics document (also written to ``out_dir/metrics.json``).
-
-    ``train_urls`` / ``replay_urls`` (one list per earlier phase) replace the manifest's shards.
-    ``production`` (directory or model.json) is the teacher and the student's start (without it: phase 0
-    only, CLIP_0 from scratch). A run resumes from ``train_dir`` (default ``out_dir/train``) unless
-    ``resume=False``."""
+    ``train_urls`` / ``replay_urls`` (one list per earlier phase) replace the manifest's shards;
+    ``production`` is the teacher and the student's start; a run resumes from ``train_dir``."""
     from compat.io import write_json_atomic
     from compat.production import load_production
     from compat.training import init_distributed, shutdown_distributed, train
