@@ -1,9 +1,4 @@
-"""The ``compatflow`` command line.
-
-:data:`COMMANDS` lists the command modules of :mod:`pipelines.commands`; each defines
-``register(app)`` and adds its own subcommands, in the order listed. Command modules
-import nothing heavy at module level, so ``compatflow --help`` stays fast.
-"""
+"""The ``compatflow`` command line: the root options, then each module of :data:`COMMANDS` registered."""
 
 from __future__ import annotations
 

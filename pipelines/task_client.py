@@ -1,14 +1,8 @@
-"""The ``python`` a local pipeline task is started with when a warm task host serves the run
-(:mod:`pipelines.warm_tasks`; ``task_client.py SOCKET ARGS...``): it hands its arguments, environment,
-folder and standard streams to the host, which forks the task from a process whose imports are done, and
-exits as the task exits.
+"""The ``python`` a local task starts with under a warm task host (:mod:`pipelines.warm_tasks`): it hands
+its arguments, environment, folder and streams to the host and exits as the forked task exits.
 
-Standard library only and run with ``-I -S``: it starts in milliseconds. Whatever the host cannot serve (no
-host, a host that refuses, a command line that is not ``-m MODULE ...``) runs exactly as without it: this
-process becomes the plain interpreter with the same arguments.
-
-Signals sent to this process (SIGTERM, SIGINT, SIGHUP) are passed to the task; this process killed outright
-(SIGKILL) is seen by the host, which kills the task the same way: a task never outlives its process.
+Standard library only, run with ``-I -S`` to start in milliseconds; what the host cannot serve runs as the
+plain interpreter. Signals are passed to the task, and a SIGKILL of this process kills the task too.
 """
 
 import contextlib

@@ -1,6 +1,5 @@
-"""``compatflow lineage``: which model embedded a gallery item, read from Feast's online store (the lineage's
-source of truth, :mod:`components.adapters.lineage`), and whether Feast agrees with the index. Searches do
-not read it: README, "The search service"."""
+"""``compatflow lineage``: which model embedded a gallery item (Feast's online store), and whether Feast
+agrees with the index."""
 
 from __future__ import annotations
 
@@ -65,9 +64,7 @@ def lineage(
 
 
 def _agreement(ws: Any, store: Any) -> dict[str, Any]:
-    """Every item of the serving collection against its online lineage, read in slices
-    (:func:`~components.adapters.lineage.check_from_index`). With no gallery served, the lineage must be
-    empty."""
+    """Every served item against its online lineage; with no gallery served, the lineage must be empty."""
     from components.adapters.lineage import check_from_index
     from components.rollout import read_serving
     from components.rollout.operations import open_index

@@ -1,6 +1,5 @@
-"""``compatflow models``: the model configs a training may name, the open_clip pretrained tags of each, and
-where each tag's weights are on this machine; ``compatflow models fetch`` puts a tag's weights where the
-pipeline reads them (the one command that downloads: run it where huggingface.co can be reached)."""
+"""``compatflow models``: model configs, their pretrained tags and which are on this machine; ``models fetch``
+downloads a tag's weights (the one command that downloads)."""
 
 from __future__ import annotations
 
