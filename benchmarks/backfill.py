@@ -46,9 +46,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import backfill_curves as bc  # noqa: E402
 from benchmarks.synthetic_upgrade import MODULE as SYNTH_MODULE  # noqa: E402
 from benchmarks.synthetic_upgrade import synthetic_upgrade  # noqa: E402
-from compat import backfill as bf  # noqa: E402
 
 SLO_FACTOR = 1.5
 RESULTS = ROOT / "benchmarks" / "results" / "backfill.md"
@@ -122,28 +122,28 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 # ---------------------------------------------------------------------------------------------- part A
 def part_a(n_items: int, n_queries: int) -> dict[str, Any]:
     u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=0)
-    m_old = bf.t2i_recall_metric(u.old_queries, u.positives, ks=(1,))
-    m_new = bf.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
+    m_old = bc.t2i_recall_metric(u.old_queries, u.positives, ks=(1,))
+    m_new = bc.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
     ref = {
         "old/old": m_old(u.old_gallery)["R@1"],
         "new/old": m_new(u.old_gallery)["R@1"],
         "new/new": m_new(u.new_gallery)["R@1"],
     }
-    fractions = bf.DEFAULT_CURVE_FRACTIONS
+    fractions = bc.DEFAULT_CURVE_FRACTIONS
     orders = {
-        p: bf.compute_order(p, n_items, seed=0, embedded_at=u.embedded_at, vectors=u.old_gallery)
-        for p in bf.ORDERS
+        p: bc.compute_order(p, n_items, seed=0, embedded_at=u.embedded_at, vectors=u.old_gallery)
+        for p in bc.ORDERS
     }
-    orders["lambda_orth (class labels)"] = bf.order_lambda_orth(u.old_gallery, u.labels)
+    orders["lambda_orth (class labels)"] = bc.order_lambda_orth(u.old_gallery, u.labels)
     curves, out = {}, {}
     for name, order in orders.items():
         t0 = time.perf_counter()
-        values = [p["R@1"] for p in bf.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fractions)]
+        values = [p["R@1"] for p in bc.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fractions)]
         curves[name] = values
         out[name] = {
-            "area": bf.curve_area(fractions, values),
-            "reach": bf.fraction_to_reach(fractions, values, ref["new/new"]),
-            "reach_1pt": bf.fraction_to_reach(fractions, values, ref["new/new"] - 1.0),
+            "area": bc.curve_area(fractions, values),
+            "reach": bc.fraction_to_reach(fractions, values, ref["new/new"]),
+            "reach_1pt": bc.fraction_to_reach(fractions, values, ref["new/new"] - 1.0),
             "seconds": time.perf_counter() - t0,
         }
     return {
@@ -167,9 +167,9 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
     opts = {"n_items": str(n_items), "n_queries": str(n_queries), "seed": "1"}
     u = synthetic_upgrade(n_items=n_items, n_queries=n_queries, seed=1)
     probe = ro.ProbeSet(u.query_texts, [[u.item_ids[p[0]]] for p in u.positives])
-    m_new = bf.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
+    m_new = bc.t2i_recall_metric(u.new_queries, u.positives, ks=(1,))
     results = {}
-    for policy in bf.ORDERS:
+    for policy in bc.ORDERS:
         paths = ro.RolloutPaths.for_workspace(work / policy)
         with GalleryIndex(uri, alias=f"bench_{policy}") as index:
             u.index_old_gallery(index, paths, opts, space="syn")
@@ -199,7 +199,7 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
         order = np.array([position[i] for _, i in sorted(written)])
         stages = np.bincount([stage - 1 for stage, _ in written])
         fr = [0.0, *(np.cumsum(stages[1:]) / len(written)).tolist()]  # each stage's exact share
-        numpy_curve = [p["R@1"] for p in bf.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fr)]
+        numpy_curve = [p["R@1"] for p in bc.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fr)]
         results[policy] = {
             "status": state["status"],
             "fractions": fr,
@@ -208,8 +208,8 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
             "baseline": state["baseline"]["R@1"],
             "seconds": seconds,
             "by_version": by_version,
-            "area_engine": bf.curve_area(fr, engine) if fr[0] == 0 and fr[-1] == 1 else None,
-            "area_numpy": bf.curve_area(fr, numpy_curve) if fr[0] == 0 and fr[-1] == 1 else None,
+            "area_engine": bc.curve_area(fr, engine) if fr[0] == 0 and fr[-1] == 1 else None,
+            "area_numpy": bc.curve_area(fr, numpy_curve) if fr[0] == 0 and fr[-1] == 1 else None,
         }
     return results
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from compat import backfill
+from benchmarks import backfill_curves as curves
 from compat.evaluation import DIRECTIONS, recalls, retrieval_hits
 from compat.methods.layers import truncate
 from compat.metrics.retrieval import caption_owners
@@ -47,12 +47,12 @@ def backfill_area(
     target: torch.Tensor,
     order: np.ndarray,
     owners: Sequence[int],
-    fractions: Sequence[float] = backfill.DEFAULT_CURVE_FRACTIONS,
+    fractions: Sequence[float] = curves.DEFAULT_CURVE_FRACTIONS,
 ) -> float:
     """M~: the trapezoid area of t2i R@1 over ``fractions`` as items move from ``start`` to ``target``."""
-    metric = backfill.t2i_recall_metric(queries.double().numpy(), [[i] for i in owners], ks=(1,))
-    curve = backfill.backfill_curve(metric, start.double().numpy(), target.double().numpy(), order, fractions)
-    return backfill.curve_area([p["fraction"] for p in curve], [p["R@1"] for p in curve])
+    metric = curves.t2i_recall_metric(queries.double().numpy(), [[i] for i in owners], ks=(1,))
+    curve = curves.backfill_curve(metric, start.double().numpy(), target.double().numpy(), order, fractions)
+    return curves.curve_area([p["fraction"] for p in curve], [p["R@1"] for p in curve])
 
 
 def paper_columns(
@@ -88,10 +88,10 @@ def paper_columns(
     owners = caption_owners(counts, old_image.shape[0])
     start, target = F.normalize(f_img, dim=-1), F.normalize(q_img, dim=-1)
     n = start.shape[0]
-    random_order = backfill.compute_order("random", n, seed=seed)
+    random_order = curves.compute_order("random", n, seed=seed)
     areas = {"random": backfill_area(q_txt, start, target, random_order, owners)}
     if not fct:
-        own = backfill.compute_order("lambda_orth", n, vectors=start.double().numpy(), seed=seed)
+        own = curves.compute_order("lambda_orth", n, vectors=start.double().numpy(), seed=seed)
         areas["lambda_orth"] = backfill_area(q_txt, start, target, own, owners)
     columns["M~ t2i"] = areas
     return columns

@@ -116,7 +116,7 @@ class RolloutConfig:
     (:func:`components.rollout.plan.probe_floors`)."""
 
     # the deployment's rollout section
-    order: str  # the backfill order, one of compat.backfill.ORDERS
+    order: str  # the backfill order (rollout.order)
     fractions: tuple[float, ...]
     batch_size: int
     workers: int  # processes a backfill stage's rank ranges are re-embedded by (1: this process)

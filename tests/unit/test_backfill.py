@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks import backfill_curves as curves
 from benchmarks.synthetic_upgrade import synthetic_upgrade
 from compat import backfill as bf
 
@@ -48,13 +49,13 @@ def test_kmeans_in_mini_batches_recovers_blobs_and_is_seeded() -> None:
 
 
 def test_random_order_is_a_seeded_permutation() -> None:
-    a, b, c = bf.order_random(50, 3), bf.order_random(50, 3), bf.order_random(50, 4)
+    a, b, c = curves.order_random(50, 3), curves.order_random(50, 3), curves.order_random(50, 4)
     assert sorted(a.tolist()) == list(range(50))
     assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
 
 
 def test_oldest_first_is_ascending_and_stable() -> None:
-    assert bf.order_oldest_first([30, 10, 20, 10]).tolist() == [1, 3, 2, 0]
+    assert curves.order_oldest_first([30, 10, 20, 10]).tolist() == [1, 3, 2, 0]
 
 
 def test_class_mean_distances_by_hand() -> None:
@@ -72,15 +73,15 @@ def test_lambda_orth_order_is_descending_distance_to_class_mean() -> None:
     # Sec. 3.6: farthest from its class mean first.
     x = np.array([[0.0, 0.0], [2.0, 0.0], [5.0, 5.0], [1.0, 3.0]])
     y = np.array([0, 0, 1, 0])
-    assert bf.order_lambda_orth(x, y).tolist() == [3, 0, 1, 2]
+    assert curves.order_lambda_orth(x, y).tolist() == [3, 0, 1, 2]
 
 
 def test_lambda_orth_without_labels_uses_clusters() -> None:
     x, labels = _blobs()
     x[7] += np.array([4.0, 0.0])  # an outlier of blob 0, still nearest to it
     x[40] += np.array([0.0, -2.0])  # a smaller outlier of blob 1
-    with_labels = bf.order_lambda_orth(x, labels)
-    without = bf.order_lambda_orth(x, n_clusters=3, seed=0)
+    with_labels = curves.order_lambda_orth(x, labels)
+    without = curves.order_lambda_orth(x, n_clusters=3, seed=0)
     assert with_labels[:2].tolist() == [7, 40]
     assert without.tolist() == with_labels.tolist()
 
@@ -88,27 +89,27 @@ def test_lambda_orth_without_labels_uses_clusters() -> None:
 def test_uncertainty_puts_boundary_items_first() -> None:
     centres = np.array([[1.0, 0.0], [0.0, 1.0]])
     x = np.array([[1.0, 0.05], [1.0, 1.0], [0.1, 1.0], [1.0, 0.5]])
-    margin = bf.uncertainty_scores(x, centres, "margin")
+    margin = curves.uncertainty_scores(x, centres, "margin")
     assert int(np.argmax(margin)) == 1  # equidistant from both centres
-    assert bf.order_uncertainty(x, centres=centres).tolist() == [1, 3, 2, 0]
-    assert bf.order_uncertainty(x, centres=centres, kind="entropy").tolist() == [1, 3, 2, 0]
+    assert curves.order_uncertainty(x, centres=centres).tolist() == [1, 3, 2, 0]
+    assert curves.order_uncertainty(x, centres=centres, kind="entropy").tolist() == [1, 3, 2, 0]
     with pytest.raises(ValueError, match="2 centres"):
-        bf.uncertainty_scores(x, centres[:1], "margin")
+        curves.uncertainty_scores(x, centres[:1], "margin")
 
 
 def test_compute_order_dispatch_and_errors() -> None:
     x, _ = _blobs()
     t = np.arange(90)[::-1]
-    assert bf.compute_order("oldest_first", 90, embedded_at=t).tolist() == list(range(89, -1, -1))
-    for policy in bf.ORDERS:
-        order = bf.compute_order(policy, 90, embedded_at=t, vectors=x, n_clusters=3)
+    assert curves.compute_order("oldest_first", 90, embedded_at=t).tolist() == list(range(89, -1, -1))
+    for policy in curves.ORDERS:
+        order = curves.compute_order(policy, 90, embedded_at=t, vectors=x, n_clusters=3)
         assert sorted(order.tolist()) == list(range(90)), policy
     with pytest.raises(ValueError, match="unknown backfill order"):
-        bf.compute_order("fifo", 3)
+        curves.compute_order("fifo", 3)
     with pytest.raises(ValueError, match="embedded_at"):
-        bf.compute_order("oldest_first", 3)
+        curves.compute_order("oldest_first", 3)
     with pytest.raises(ValueError, match="old gallery vectors"):
-        bf.compute_order("lambda_orth", 3)
+        curves.compute_order("lambda_orth", 3)
 
 
 def test_backfilled_count_and_mix() -> None:
@@ -118,28 +119,28 @@ def test_backfilled_count_and_mix() -> None:
     with pytest.raises(ValueError):
         bf.backfilled_count(10, 1.5)
     old, new = np.zeros((5, 2)), np.ones((5, 2))
-    mixed = bf.mix_gallery(old, new, np.array([3, 1, 4, 0, 2]), 0.4)
+    mixed = curves.mix_gallery(old, new, np.array([3, 1, 4, 0, 2]), 0.4)
     assert mixed[:, 0].tolist() == [0, 1, 0, 1, 0]
     with pytest.raises(ValueError, match="one space"):
-        bf.mix_gallery(old, np.ones((5, 3)), np.arange(5), 0.5)
+        curves.mix_gallery(old, np.ones((5, 3)), np.arange(5), 0.5)
 
 
 def test_curve_area_is_the_trapezoid_mean_over_beta() -> None:
-    assert bf.curve_area([0, 1], [40, 40]) == pytest.approx(40)
-    assert bf.curve_area([0, 0.5, 1], [0, 50, 100]) == pytest.approx(50)
-    assert bf.curve_area([0, 0.25, 1], [20, 60, 60]) == pytest.approx((20 + 60) / 2 * 0.25 + 60 * 0.75)
+    assert curves.curve_area([0, 1], [40, 40]) == pytest.approx(40)
+    assert curves.curve_area([0, 0.5, 1], [0, 50, 100]) == pytest.approx(50)
+    assert curves.curve_area([0, 0.25, 1], [20, 60, 60]) == pytest.approx((20 + 60) / 2 * 0.25 + 60 * 0.75)
     with pytest.raises(ValueError, match="from 0 to 1"):
-        bf.curve_area([0.1, 1], [1, 2])
-    assert bf.fraction_to_reach([0, 0.5, 1], [10, 30, 50], 30) == 0.5
-    assert bf.fraction_to_reach([0, 1], [10, 20], 30) is None
+        curves.curve_area([0.1, 1], [1, 2])
+    assert curves.fraction_to_reach([0, 0.5, 1], [10, 30, 50], 30) == 0.5
+    assert curves.fraction_to_reach([0, 1], [10, 20], 30) is None
 
 
 def test_synthetic_upgrade_curves() -> None:
     """Known structure: old/old < new/old < new/new, and ordering by distance to the class mean
     (noisy, far-from-centre items first) has a larger curve area than a random order."""
     u = synthetic_upgrade(n_items=800, n_queries=400, seed=2)
-    m_old = bf.t2i_recall_metric(u.old_queries, u.positives)
-    m_new = bf.t2i_recall_metric(u.new_queries, u.positives)
+    m_old = curves.t2i_recall_metric(u.old_queries, u.positives)
+    m_new = curves.t2i_recall_metric(u.new_queries, u.positives)
     old_old, new_old, new_new = (
         m_old(u.old_gallery)["R@1"],
         m_new(u.old_gallery)["R@1"],
@@ -149,10 +150,10 @@ def test_synthetic_upgrade_curves() -> None:
     fractions = np.linspace(0, 1, 11)
     areas = {}
     for policy in ("random", "lambda_orth"):
-        order = bf.compute_order(policy, 800, seed=0, vectors=u.old_gallery, labels=None)
-        curve = bf.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fractions)
+        order = curves.compute_order(policy, 800, seed=0, vectors=u.old_gallery, labels=None)
+        curve = curves.backfill_curve(m_new, u.old_gallery, u.new_gallery, order, fractions)
         assert curve[0]["R@1"] == pytest.approx(new_old) and curve[-1]["R@1"] == pytest.approx(new_new)
-        areas[policy] = bf.curve_area(fractions, [p["R@1"] for p in curve])
+        areas[policy] = curves.curve_area(fractions, [p["R@1"] for p in curve])
     assert areas["lambda_orth"] > areas["random"] + 3.0
     # the synthetic encoders address items and queries by name
     assert np.array_equal(u.gallery_vectors(u.item_ids[:2], "new"), u.new_gallery[:2])
