@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from compat.io import utc_now
-from components.adapters.index import ROW_FIELDS, GalleryIndex
+from components.adapters.index import ROW_FIELDS, GalleryIndex, is_remote
 from components.adapters.services import live_services
 from components.rollout import workers
 from components.rollout.keys import Selection, fit_centres, load_centres, plan_selection, save_centres
@@ -38,7 +38,9 @@ from components.rollout.types import (
     RolloutEncoders,
     RolloutError,
     RolloutPaths,
+    item_ref,
 )
+from components.rollout.writes import GalleryWriter, new_rows, rows_of_other_versions
 from components.serving.record import read_serving, write_serving
 from components.state.rollout_document import SCHEMA_VERSION
 
@@ -322,8 +324,6 @@ class Rollout:
             c = self.config
             save_centres(Path(state["order"]["centres"]), fit_centres(vectors, c.n_clusters, c.seed))
         if state["mode"] == "blue_green":
-            from components.rollout.types import item_ref
-
             first = self.index.rows_where('item_id != ""', ROW_FIELDS, g["source_collection"], limit=1)
             made = self.encoders.new_gallery([item_ref(r) for r in first])
             g["dim"] = check_vectors(made, 1, None, "gallery encoder").shape[1]
@@ -415,8 +415,6 @@ class Rollout:
         }
 
     def _check_fan_out(self) -> None:
-        from components.adapters.index import is_remote
-
         if not is_remote(self.index.uri):
             raise RolloutError(
                 f"rollout.workers={self.config.workers} needs the gallery on a server, not the embedded "
@@ -497,8 +495,6 @@ class Rollout:
     def _sweep(self, state: dict[str, Any]) -> None:
         """Re-embed the target's rows of another version (items indexed by the serving model while the
         rollout ran), a batch at a time until none is left (each write takes its rows out of the filter)."""
-        from components.rollout.writes import GalleryWriter, new_rows, rows_of_other_versions
-
         g = state["gallery"]
         self.index.flush(g["collection"])
         spec = {**self._row_spec(state), "action": "reembed", "row_stage": 0}

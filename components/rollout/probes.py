@@ -32,10 +32,8 @@ def probe_metrics(
     chunk: int = 32,
     layers: Sequence[Sequence[str]] | None = None,
 ) -> dict[str, float]:
-    """R@K of the probe queries against ``collection`` (or the gallery ``layers`` make) as it is now, searched
-    ``chunk`` queries per call:
-    Milvus answers calls one at a time, and a call of 256 queries holds users' queries for ~90 ms where one
-    of 32 holds them ~18 ms (benchmarks/results/backfill.md, part E)."""
+    """R@K of the probe queries against ``collection`` (or the gallery ``layers`` make), ``chunk`` queries a
+    call: one of 256 holds users' queries ~90 ms, one of 32 ~18 ms (benchmarks/results/backfill.md, E)."""
     ranked: list[list[str]] = []
     for start in range(0, len(query_vectors), chunk):
         rows = index.search(

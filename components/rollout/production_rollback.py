@@ -136,11 +136,9 @@ def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str
 
 
 def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
-    """What ``compatflow rollback`` undoes when a change is unfinished (:func:`unfinished_rollout`):
-    that rollout alone, the gallery and query model back to the ``registry``'s production (no alias moves),
-    the item lineage synced. Production's model is checked against the registry's digest first
-    (:class:`~components.serving.record.ServingError` with nothing switched). Returns
-    ``{"rollout_id", "candidate", "was", "stage", "production", "state", "reembedded"}``, or None."""
+    """What ``compatflow rollback`` undoes when a change is unfinished (:func:`unfinished_rollout`): that
+    rollout alone, back to the ``registry``'s production (checked against its digest first; no alias moves),
+    the item lineage synced. Returns what it undid, or None."""
     from components.adapters.lineage import sync_from_index
     from components.rollout import RolloutPaths
     from components.rollout.operations import open_index

@@ -127,9 +127,8 @@ class Workspace:
 
     @property
     def lineage_dir(self) -> Path:
-        """The Feast repo lineage is written to and read from: ``<root>/feast``, made from :attr:`feast_dir`
-        (its ``feature_store.yaml`` copied there) when that is configured elsewhere; its relative paths
-        (the offline parts ``data/items/``, a file registry, a local online store) are inside it."""
+        """The Feast repo lineage is written to and read from (made from :attr:`feast_dir` when that is
+        elsewhere); its relative paths (offline parts, a file registry, an online store) lie inside it."""
         return self.root / "feast"
 
     @property
@@ -140,9 +139,8 @@ class Workspace:
 
     @property
     def weights_dir(self) -> Path:
-        """open_clip start weights a training may name by tag, laid out ``<ARCH>/<TAG>/<file>``
-        (:mod:`compat.models.pretrained`; written by ``compatflow models fetch --to``): the configured
-        folder (``training.weights_dir``, e.g. a mounted volume), else ``<root>/weights``."""
+        """open_clip start weights by tag, laid out ``<ARCH>/<TAG>/<file>`` (``compatflow models fetch
+        --to``): ``training.weights_dir``, else ``<root>/weights``."""
         return self._weights_dir or self.root / "weights"
 
     @property

@@ -56,11 +56,8 @@ def evaluate(
     scenario: str | None = None,
     data_phase: int | None = None,
 ) -> dict[str, Any]:
-    """Compute, validate and write ``out_dir/compat_report.json``; return the report.
-
-    ``new`` is a compatible-model directory or a plain checkpoint (served as is, method ``none``).
-    ``max_items`` keeps the first N evaluation images (all by default).
-    """
+    """Compute, validate and write ``out_dir/compat_report.json``; return the report. ``new`` is a
+    compatible-model directory or a plain checkpoint (method ``none``); ``max_items`` keeps the first N."""
     from compat.compat_training import decode_size
     from compat.data.loader import expand_urls, load_captioned_set
     from compat.device import resolve_device

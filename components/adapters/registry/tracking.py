@@ -55,8 +55,7 @@ class Tracking:
 
     @property
     def client(self) -> Any:
-        """The MLflow client of the store; a workspace's own store copied from another workspace is first
-        pointed at this workspace's artifacts
+        """The MLflow client of the store; a copied workspace's own store is first pointed at its artifacts
         (:func:`~components.adapters.registry.relocate.rebase_artifacts`)."""
         if self._client is None:
             from mlflow import MlflowClient

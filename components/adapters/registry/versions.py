@@ -213,13 +213,10 @@ class Registry(Tracking):
     def rollback(
         self, *, prepare: Sequence[RollbackHook] = (), undo: Sequence[RollbackHook] = ()
     ) -> dict[str, Any]:
-        """Move ``production`` back to ``previous``, all or nothing; returns what happened.
-
-        The caller hands in the serving side's part (:func:`components.steps.rollback_production`). Every
-        ``prepare`` hook first checks that its part can be done (a refusal raises :class:`RegistryError` with
-        nothing changed); then the ``undo`` hooks (idempotent) undo the serving side, and only then do the
-        aliases move, so a failing hook leaves the registry where it was (:class:`RollbackHookError`) and
-        running the rollback again completes it."""
+        """Move ``production`` back to ``previous``, all or nothing; returns what happened. The ``prepare``
+        hooks may refuse first (nothing changed); the idempotent ``undo`` hooks (the serving side,
+        :func:`components.steps.rollback_production`) run before the aliases move, so a failing hook leaves
+        the registry where it was (:class:`RollbackHookError`) and running the rollback again completes it."""
         current = self.alias_version("production")
         previous = self.alias_version("previous")
         if current is None:
@@ -289,12 +286,9 @@ class Registry(Tracking):
         return verify_checkpoint(directory, self.version_info(version)["tags"].get("checkpoint.sha256"))
 
     def local_copy(self, version: str, *, replace_damaged: bool = False) -> Path:
-        """The workspace copy of ``version`` (``models/v<version>``), checked against the registered digest.
-
-        A missing copy (or one without a manifest: an interrupted download) is downloaded beside it, verified,
-        then renamed into place, so no reader sees half a copy; a copy that differs raises
-        :class:`CheckpointIntegrityError`, or, with ``replace_damaged`` (a rollback about to serve it), is
-        replaced the same way once the registry's files pass the check."""
+        """The workspace copy of ``version``, checked against the registered digest; a missing or interrupted
+        one is downloaded beside it, verified, then renamed into place (no reader sees half a copy). A copy
+        that differs raises :class:`CheckpointIntegrityError`, or with ``replace_damaged`` is replaced."""
         from compat.models.integrity import MANIFEST, CheckpointIntegrityError
 
         target = self.workspace.model_dir(version)
