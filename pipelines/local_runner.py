@@ -163,8 +163,20 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         log_path = RunDir(run_dir).pipeline_log
         # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
         log = _EchoingLog(open(log_path, "w", buffering=1), echo)
+        broke: OSError | None = None  # kfp's own files (the pipeline root) could not be written
+        failed_task: str | None = None  # the task kfp.local names as failed
         try:
-            broke, failed_task = _execute(pipeline, deployment, plan, log)
+            with warnings.catch_warnings(), contextlib.redirect_stdout(log):
+                warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+                warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
+                try:
+                    pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
+                except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
+                    log.write(f"\npipeline failed: {err}\n")
+                    failed_task = str(err)
+                except OSError as err:
+                    broke = err
+                    log.write(f"\npipeline failed: {err}\n")
         finally:
             log.close_file()
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
@@ -181,24 +193,6 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     elif unwritten is not None:
         echo.write(f"compatflow: the run's log {log_path} is incomplete: {unwritten}\n")
     return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs, failure)
-
-
-def _execute(
-    pipeline: Any, deployment: Deployment, plan: dict[str, Any], log: _EchoingLog
-) -> tuple[OSError | None, str | None]:
-    """Run ``pipeline`` on the plan into ``log``; returns kfp's own write error and the failed task."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(log):
-        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-        warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
-        try:
-            pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
-        except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
-            log.write(f"\npipeline failed: {err}\n")
-            return None, str(err)
-        except OSError as err:  # kfp's own files (the pipeline root) could not be written
-            log.write(f"\npipeline failed: {err}\n")
-            return err, None
-    return None, None
 
 
 def _failure_of(
