@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes
+from pipelines.commands._common import ConfigOpt, WorkspaceOpt, exit_codes, fail, workspace_of
 
 
 @exit_codes()
@@ -31,7 +31,6 @@ def report(
     its path and a summary."""
     from components.report import FORMATS, render, summary, write_report, write_reports
     from components.state.run_dir import RunDir
-    from pipelines.commands._common import fail, workspace_of
 
     if fmt is not None and fmt not in FORMATS:
         fail(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import exit_codes
+from pipelines.commands._common import exit_codes, fail
 
 # succeeded / rejected: the pipeline did its job; blocked: fix the phase's data (as `compatflow validate`).
 EXIT_CODES = {"succeeded": 0, "rejected": 0, "blocked": 3, "failed": 1}
@@ -34,7 +34,6 @@ def run(
 ) -> None:
     """Run the continual-upgrade pipeline locally (kfp.local) on the next pending phase."""
     from components.state.lock import WorkspaceBusy
-    from pipelines.commands._common import fail
     from pipelines.config import ConfigError, load_config
     from pipelines.local_runner import run_local
 
@@ -92,7 +91,6 @@ def compile_(
     ] = None,
 ) -> None:
     """Compile the pipeline to KFP IR YAML for a cluster."""
-    from pipelines.commands._common import fail
     from pipelines.compile import COMPILED_DIR, compile_pipeline
     from pipelines.config import ConfigError
 
