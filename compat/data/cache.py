@@ -51,11 +51,8 @@ class SampleCache:
         identity = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
         digest = self._digests.get(identity)
         if digest is None:
-            sha = hashlib.sha256()
             with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    sha.update(block)
-            digest = self._digests[identity] = sha.hexdigest()
+                digest = self._digests[identity] = hashlib.file_digest(f, "sha256").hexdigest()
         return (digest, *settings)
 
     def get(self, key: Hashable | None) -> list[Any] | None:

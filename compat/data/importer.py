@@ -620,11 +620,7 @@ def resize_image(
         canvas = Image.new("RGB", (max_side, max_side), (0, 0, 0))
         canvas.paste(image, ((max_side - inner[0]) // 2, (max_side - inner[1]) // 2))
         image = canvas
-    buffer = io.BytesIO()
-    as_jpeg = fmt in ("JPEG", "MPO")
-    image.save(buffer, "JPEG" if as_jpeg else "PNG", **({"quality": 95} if as_jpeg else {}))
-    facts = {"width": image.width, "height": image.height, "original_size": original}
-    return ("jpg" if as_jpeg else "png"), buffer.getvalue(), facts
+    return _encoded(image, original, as_jpeg=fmt in ("JPEG", "MPO"))
 
 
 def flatten_image(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
@@ -633,10 +629,14 @@ def flatten_image(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
     from compat.data.images import decode_rgb
 
     image = decode_rgb(data, formats=None, max_pixels=None)
+    return _encoded(image, image.info["original_size"], as_jpeg=False)
+
+
+def _encoded(image: Any, original: tuple[int, int], as_jpeg: bool) -> tuple[str, bytes, dict[str, Any]]:
     buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    facts = {"width": image.width, "height": image.height, "original_size": image.info["original_size"]}
-    return "png", buffer.getvalue(), facts
+    image.save(buffer, "JPEG" if as_jpeg else "PNG", **({"quality": 95} if as_jpeg else {}))
+    facts = {"width": image.width, "height": image.height, "original_size": original}
+    return ("jpg" if as_jpeg else "png"), buffer.getvalue(), facts
 
 
 @dataclass(frozen=True)

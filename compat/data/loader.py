@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -145,8 +146,6 @@ def _decoder(
         if ext == "txt":
             return data.decode("utf-8")
         if ext == "json":
-            import json
-
             return json.loads(data)
         return None
 

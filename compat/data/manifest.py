@@ -351,18 +351,13 @@ def _copy_without(src: Path, dst: Path, skip: set[str]) -> bool:
     from compat.data.shards import iter_raw_samples, sample_keys, write_shard
 
     if not skip or not (sample_keys(str(src)) & skip):
-        _link_or_copy(src, dst)
+        try:
+            os.link(src, dst)  # shards are never rewritten in place
+        except OSError:  # across filesystems
+            shutil.copyfile(src, dst)
         return True
     kept = [(s.key, s.members) for s in iter_raw_samples(str(src)) if s.key not in skip]
     if not kept:
         return False
     write_shard(dst, kept)
     return True
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst`` (shards are never rewritten in place), or copy it across filesystems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)

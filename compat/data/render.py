@@ -160,11 +160,8 @@ def _draw_kind(
 
 
 def render_scene(scene: dict[str, Any], domain: Domain, size: int) -> Image.Image:
-    """Render ``scene`` (objects drawn with ``domain``'s kinds) as a ``size`` x ``size`` RGB image.
-
-    The background texture is computed at the output size; objects are drawn at ``SUPERSAMPLE``
-    times it and box-filtered down; style effects (blur, glow, grain, darkening) apply at the output size.
-    """
+    """Render ``scene`` (objects drawn with ``domain``'s kinds) as a ``size`` x ``size`` RGB image; style
+    effects (blur, glow, grain, darkening) apply at the output size."""
     res = size * SUPERSAMPLE
     effect = scene["style_effect"]
     background = dict(scene["background"])

@@ -44,7 +44,7 @@ from compat.data.manifest import (  # noqa: F401 -- the manifest's owner; re-exp
 )
 from compat.data.render import render_scene, shade
 from compat.data.shards import write_shard
-from compat.io import write_json_atomic
+from compat.io import read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,6 @@ def sample_key(phase: int, split: str, index: int) -> str:
 def shard_path(phase: int, split: str, shard: int) -> str:
     """Relative path of a shard: ``phase-PP/{split}/shard-NNNNN.tar``."""
     return f"phase-{phase:02d}/{split}/shard-{shard:05d}.tar"
-
-
-def _distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
-    return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)))
 
 
 def _texture_params(texture: str, rng: random.Random) -> dict[str, Any]:
@@ -96,7 +92,7 @@ def sample_scene(domain: Domain, rng: random.Random) -> dict[str, Any]:
     tone_name, tone_rgb = rng.choice(domain.tones)
     style = rng.choice(domain.styles)
     backdrop = shade(tone_rgb, 0.3) if style.effect == "neon" else tone_rgb
-    colours = [c for c in domain.colours if _distance(c[1], backdrop) >= MIN_CONTRAST] or list(domain.colours)
+    colours = [c for c in domain.colours if math.dist(c[1], backdrop) >= MIN_CONTRAST] or list(domain.colours)
     count = rng.choices((1, 2, 3), weights=(0.4, 0.4, 0.2))[0]
     objects = []
     for cell in sorted(rng.sample(range(9), count)):
@@ -138,7 +134,7 @@ def sample_realistic_scene(plan: RealisticPhase, rng: random.Random, old_word_sh
     tone_name, tone_rgb = pick("tone", pools["tone"])
     style = pick("style", pools["style"])
     backdrop = shade(tone_rgb, 0.3) if style.effect == "neon" else tone_rgb
-    colours = [(n, c) for n, c in pools["colour"] if _distance(c[1], backdrop) >= MIN_CONTRAST]
+    colours = [(n, c) for n, c in pools["colour"] if math.dist(c[1], backdrop) >= MIN_CONTRAST]
     count = rng.choices((1, 2, 3), weights=(0.4, 0.4, 0.2))[0]
     objects = []
     for i, cell in enumerate(sorted(rng.sample(range(9), count))):
@@ -266,14 +262,13 @@ def _write_job(
 
 def plan_phase(phase: int, counts: dict[str, int], samples_per_shard: int) -> list[ShardJob]:
     """The shard jobs of one phase, split by split."""
-    jobs = []
-    for split in SPLITS:
-        n = counts[split]
-        for s, start in enumerate(range(0, n, samples_per_shard)):
-            jobs.append(
-                ShardJob(shard_path(phase, split, s), phase, split, start, min(samples_per_shard, n - start))
-            )
-    return jobs
+    return [
+        ShardJob(
+            shard_path(phase, split, s), phase, split, start, min(samples_per_shard, counts[split] - start)
+        )
+        for split in SPLITS
+        for s, start in enumerate(range(0, counts[split], samples_per_shard))
+    ]
 
 
 def _check_settings(found: dict[str, Any], wanted: dict[str, Any], source: Path) -> None:
@@ -298,13 +293,8 @@ def _check_existing(out: Path, settings: dict[str, Any], phases: int) -> None:
                 f"{manifest_path} holds {len(existing['phases'])} phases, {phases} asked; "
                 "a stream is only ever extended"
             )
-    if pending_path.exists():
-        try:
-            pending = json.loads(pending_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise StreamError(
-                f"{pending_path} is not valid JSON ({exc}); delete {out}, generate again"
-            ) from exc
+    pending = read_json(pending_path, lambda why: StreamError(f"{why}; delete {out}, generate again"))
+    if pending is not None:
         _check_settings(pending, settings, pending_path)
     elif not manifest_path.exists() and out.exists() and any(out.glob("phase-*")):
         raise StreamError(
