@@ -1,14 +1,7 @@
-"""KFP v2 components (ops): one per pipeline step.
-
-Each component is a thin, typed wrapper around a function of :mod:`components.steps`, imported inside its
-body (KFP ships the function's source to the task), run on its input artifacts to fill its typed outputs.
-Step summaries also land in the run directory (``<workspace>/runs/<run_id>/<step>/``) where the report and
-``compatflow status`` read them. Tasks run in the compatflow images the config names (set on every task by
-:func:`pipelines.resources.configure`; ``IMAGE`` is only the default), which hold the package and kfp.
-
-The resolved config travels as a JSON string: KFP's struct parameters turn every number into a float. No
-``from __future__ import annotations`` here: KFP reads the annotations at runtime.
-"""
+"""KFP v2 components (ops): one per pipeline step, each a thin typed wrapper around a function of
+:mod:`components.steps` imported inside its body (KFP ships the function's source to the task). The
+resolved config travels as a JSON string (KFP's struct parameters turn every number into a float). No
+``from __future__ import annotations`` here: KFP reads the annotations at runtime."""
 
 from typing import List, NamedTuple
 

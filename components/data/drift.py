@@ -164,11 +164,7 @@ def severity_for(score: float, method: str) -> str:
 
 
 def image_statistics(image: Any, original_size: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Size, brightness, contrast, saturation, edge density and dominant hue of a PIL image.
-
-    ``original_size`` is the stored picture's size when ``image`` was decoded smaller (the statistics other
-    than the size are those of ``image``: every sample is decoded to the same short side).
-    """
+    """Size (as stored), brightness, contrast, saturation, edge density and dominant hue of an image."""
     rgb = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     grey = rgb @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
     maxc, minc = rgb.max(axis=2), rgb.min(axis=2)
@@ -281,10 +277,7 @@ def noise_floors(
     splits: int = NOISE_SPLITS,
     seed: int = 0,
 ) -> dict[str, float]:
-    """The largest score of each signal between two random halves of the reference, over ``splits`` splits:
-    what sampling alone produces. Scored as the comparison itself is: Evidently's column drift per split
-    (:func:`column_scores`, the report's scores without its widgets), :func:`embedding_drift_method` for the
-    embeddings."""
+    """The largest score of each signal between random halves of the reference: what sampling gives."""
     n = len(reference)
     if n < 4:
         return {}

@@ -99,8 +99,7 @@ class GateDecision(BaseModel):
 
     @classmethod
     def read(cls, path: str | Path) -> GateDecision:
-        """The decision in ``path``, checked; a missing, damaged or malformed file raises
-        :class:`schemas.SchemaError` naming the file and each bad field."""
+        """The decision in ``path``, checked: :class:`schemas.SchemaError` names the file and bad fields."""
         return read_document(cls, path, "run the gate step again (`compatflow gate`)")
 
     @classmethod
@@ -123,12 +122,8 @@ def decide(
     validation: Mapping[str, Any] | str | Path | None = None,
     drift: Mapping[str, Any] | str | Path | None = None,
 ) -> GateDecision:
-    """Decide on ``report`` (a compat_report mapping or a path to one) under ``policy``.
-
-    ``policy`` None means the shipped default; a mapping or a YAML path is merged over it.
-    ``validation`` and ``drift`` are the summaries (mappings or paths) of those stages.
-    Never raises on bad input: every problem becomes a blocking reason.
-    """
+    """Decide on ``report`` (a compat_report mapping or a path) under ``policy`` (None: the shipped default;
+    a mapping or a YAML path is merged over it). Never raises on bad input: every problem blocks."""
     checks = Checks()
     resolved: GatePolicy | None = None
     try:

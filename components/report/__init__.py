@@ -1,10 +1,6 @@
-"""The on-call report of one pipeline run: why a model shipped or was blocked, on one page.
-
-``render`` returns the report (``html``: one self-contained page; ``md``: Markdown), ``write_reports`` writes
-both, ``summary`` is plain text for a terminal. The header (:mod:`components.report.header`) says how the
-run ended, what it changed and how to undo it; each report carries its own sha256 over every line but the
-one that shows it. Steps that did not run, or whose output is unreadable, are shown as such.
-"""
+"""The on-call report of one pipeline run: why a model shipped or was blocked, on one page (``html``,
+self-contained, or ``md``), and ``summary``, plain text for a terminal. Each report carries its own sha256
+over every line but the one that shows it."""
 
 from __future__ import annotations
 
@@ -51,8 +47,7 @@ def write_reports(run_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
 
 
 def summary(run_dir: str | Path) -> str:
-    """Plain text for a terminal: the report's key facts, then one line per section (title, status, and
-    its first note when that note is a warning or a failure)."""
+    """Plain text for a terminal: the key facts, then each section's status and its first warnings."""
     from components.report import header, sections
     from components.report import inputs as run_inputs
 

@@ -1,6 +1,5 @@
-"""The report's header: how the run ended, what it changed (production and serving, before and after),
-where its records are, the one command that undoes it (or what to do next), and the report's sha256.
-"""
+"""The report's header: how the run ended, what it changed, where its records are, the one command that
+undoes it (or what to do next), and the report's sha256."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Plots of the on-call report, rendered with matplotlib (Agg) to PNG bytes.
-
-Each function takes the parsed step documents and returns PNG bytes, or ``None`` when the
-document holds nothing to plot.
-"""
+"""Plots of the on-call report, rendered with matplotlib (Agg) to PNG bytes; ``None`` when the step's
+document holds nothing to plot."""
 
 from __future__ import annotations
 
@@ -74,13 +71,10 @@ def compat_heatmap(report: Mapping[str, Any], metric: str = "R@1") -> bytes | No
     grids = []
     for direction in DIRECTIONS:
         pairs = retrieval.get(direction) if isinstance(retrieval.get(direction), Mapping) else {}
-        grid = np.full((2, 2), np.nan)
-        for i, query in enumerate(MODELS):
-            for j, gallery in enumerate(MODELS):
-                value = (pairs.get(f"{query}/{gallery}") or {}).get(metric)
-                if _finite(value):
-                    grid[i, j] = value
-        grids.append(grid)
+        values = [
+            [(pairs.get(f"{query}/{gallery}") or {}).get(metric) for gallery in MODELS] for query in MODELS
+        ]
+        grids.append(np.array([[v if _finite(v) else np.nan for v in row] for row in values], dtype=float))
     if np.isnan(grids).all():
         return None
     vmax = max(float(np.nanmax(grids)), 1.0)
@@ -145,9 +139,8 @@ def ecc_margins(report: Mapping[str, Any], min_margin: float = 0.0) -> bytes | N
 
 
 def backfill_curve(rollout: Mapping[str, Any]) -> bytes | None:
-    """The probe's R@1 on the mixed gallery against the fraction backfilled, with the probe's own references:
-    its floor (old/old on the probe set, or a higher configured floor) and its new/new (the probe at 100 %,
-    once reached). The evaluation set's figures are another query set and are not drawn here."""
+    """The probe's R@1 on the mixed gallery against the fraction backfilled, with its floor and its new/new
+    (at 100 %); the evaluation set's figures come from other queries and are not drawn here."""
     curve = rollout.get("curve")
     if not isinstance(curve, Sequence) or not curve:
         return None

@@ -39,8 +39,7 @@ class Figure:
 
 @dataclass
 class Hits:
-    """Retrieval examples: each query with its hits (``caption``, ``score``, ``model_version`` and a
-    ``thumbnail`` data URI or None), shown as pictures in HTML and as captions in Markdown."""
+    """Retrieval examples: each query with its hits, as pictures in HTML and as captions in Markdown."""
 
     queries: list[tuple[str, list[Mapping[str, Any]]]]
 
@@ -75,8 +74,7 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         _margins_section(inputs["compat_report"], gate),
         _rollout_section(inputs["rollout"]),
     ]
-    examples = _examples_section(inputs["examples"])
-    if examples is not None:
+    if examples := _examples_section(inputs["examples"]):
         sections.append(examples)
     failure = inputs.data("failure")
     blocked_at = blocked.get("step", blocked.get("stage", "?")) if blocked else None
@@ -94,8 +92,7 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
         sections[0].items.insert(0, Note(stop, "bad"))
     if failure:
         sections.insert(0, _failure_section(failure, inputs.run_dir))
-    usage = _usage_section(inputs.run_dir)
-    if usage is not None:
+    if usage := _usage_section(inputs.run_dir):
         sections.append(usage)
     return sections
 
@@ -114,8 +111,7 @@ def _failure_section(failure: Mapping[str, Any], run_dir: Path) -> Section:
     if log.is_file():
         line = locate_in_log(log, dict(failure))
         items.append(Note(f"Log: {log}" + (f", line {line}" if line else ""), "plain"))
-    trace = [str(t).rstrip() for t in error.get("traceback") or []]
-    if trace:
+    if trace := [str(t).rstrip() for t in error.get("traceback") or []]:
         items.append(Table(["traceback (last frames)"], [[t] for t in trace], collapsed=True))
     return Section("failure", "Run failed", "failed", "bad", items)
 
@@ -148,8 +144,7 @@ def _gate_section(source: Source) -> Section:
             for r in gate.get("reasons", [])
         ]
         section.items.append(Table(["code", "direction", "metric", "value", "threshold", "message"], rows))
-    checks = gate.get("checks", [])
-    if checks:
+    if checks := gate.get("checks", []):
         rows = [[c.get("name"), c.get("status"), c.get("message")] for c in checks]
         caption = f"All {len(checks)} checks"
         section.items.append(Table(["check", "status", "message"], rows, caption=caption, collapsed=True))
@@ -221,15 +216,12 @@ def _drift_section(source: Source, base: Path) -> Section:
             )
         header = ["metric", "kind", "method", "score", "noise floor", "above noise", "threshold", "drift"]
         section.items.append(Table([*header, "severity"], rows))
-        section.items.append(
-            Note(
-                "noise floor: the largest score between random halves of the reference (what sampling alone "
-                "gives); threshold and severity apply to the score above it",
-                "muted",
-            )
+        about = (
+            "noise floor: the largest score between random halves of the reference (what sampling alone "
+            "gives); threshold and severity apply to the score above it"
         )
-    html_report = doc.get("html_report")
-    if html_report and source.path is not None:
+        section.items.append(Note(about, "muted"))
+    if (html_report := doc.get("html_report")) and source.path is not None:
         target = (source.path.parent / str(html_report)).resolve()
         href = os.path.relpath(target, base).replace(os.sep, "/")
         section.items.append(Link("Evidently drift report", href, target.is_file()))
@@ -241,12 +233,10 @@ def _training_section(source: Source) -> Section:
         return missing
     doc = source.data or {}
     section = Section("training", "Training", "ok", "plain")
-    warning = (doc.get("budget") or {}).get("warning")
-    if warning:
+    if warning := (doc.get("budget") or {}).get("warning"):
         section.status, section.tone = "warning", "warn"
         section.items.append(Note(f"Training budget: {warning}.", "warn"))
-    png = plots.training_curves(doc)
-    if png:
+    if png := plots.training_curves(doc):
         section.items.append(Figure("Training curves", png))
     else:
         section.items.append(Note("metrics.json has no training curve.", "muted"))
@@ -300,8 +290,7 @@ def _compat_section(source: Source, gate: Mapping[str, Any] | None = None) -> Se
     for direction in ungated:
         note = f"{direction}: {NOT_GATED} (the gate judges {judged}; its figures are shown for information)."
         section.items.append(Note(note, "muted"))
-    png = plots.compat_heatmap(report)
-    if png:
+    if png := plots.compat_heatmap(report):
         section.items.append(Figure("Query model x gallery model, R@1", png))
     rows = []
     retrieval = _sub(report, "retrieval")
@@ -333,8 +322,7 @@ def _margins_section(source: Source, gate: Mapping[str, Any] | None) -> Section:
     report = source.data or {}
     min_margin = _sub(gate or {}, "policy").get("min_margin", 0.0)
     section = Section("margins", "ECC margins", "see intervals", "plain")
-    png = plots.ecc_margins(report, min_margin if plots._finite(min_margin) else 0.0)
-    if png:
+    if png := plots.ecc_margins(report, min_margin if plots._finite(min_margin) else 0.0):
         section.items.append(Figure("new/old - old/old with bootstrap intervals", png))
     rows = []
     margins, ecc, gated = _sub(report, "margins"), _sub(report, "ecc"), _gated_directions(gate)
@@ -365,17 +353,11 @@ def _rollout_section(source: Source) -> Section:
     status = str(doc.get("status", "unknown"))
     tone = {"completed": "good", "halted": "bad", "failed": "bad", "rolled_back": "bad"}.get(status, "warn")
     section = Section("rollout", "Rollout and backfill", status, tone)
-    section.items.append(
-        Table(
-            ["status", "stage", "backfilled"],
-            [[status, doc.get("stage"), _pct(doc.get("fraction_backfilled"), 1)]],
-        )
-    )
-    png = plots.backfill_curve(doc)
-    if png:
+    row = [status, doc.get("stage"), _pct(doc.get("fraction_backfilled"), 1)]
+    section.items.append(Table(["status", "stage", "backfilled"], [row]))
+    if png := plots.backfill_curve(doc):
         section.items.append(Figure("Backfill curve", png))
-    floors = _sub(doc, "floors")
-    baseline = _sub(doc, "baseline")
+    floors, baseline = _sub(doc, "floors"), _sub(doc, "baseline")
     if floors:
         about = (
             f"Every stage's probe must stay at or above its floor: R@1 {_fmt(floors.get('R@1'))} "
@@ -402,13 +384,11 @@ def _rollout_section(source: Source) -> Section:
 
 
 def _examples_section(source: Source) -> Section | None:
-    """A few captions of the newest gallery items searched as served after the run, with what came back:
-    a person sees at a glance whether the served model finds the right pictures. None when not recorded."""
+    """Retrieval examples searched as the gallery is served after the run; None when not recorded."""
     if source.path is None:
         return None
     doc = source.data or {}
-    problem = source.error or doc.get("error")
-    if problem:
+    if problem := source.error or doc.get("error"):
         return Section("examples", "Retrieval examples", "unavailable", "warn", [Note(str(problem))])
     queries = [
         (str(q.get("text", "")), [h for h in q.get("hits") or [] if isinstance(h, Mapping)])
@@ -426,8 +406,7 @@ def _examples_section(source: Source) -> Section | None:
 
 
 def _usage_section(run_dir: Path) -> Section | None:
-    """What each step cost (:func:`components.runs.read_usage`): the figures to size a pod's CPU and memory
-    by, and the first place to look when a step was killed for memory. None for a run that recorded none."""
+    """What each step cost (:func:`components.runs.read_usage`); None for a run that recorded none."""
     from components.runs import read_usage
 
     steps = read_usage(run_dir)

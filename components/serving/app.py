@@ -71,14 +71,10 @@ class _RolloutCollector:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes (declared by ``Content-Length``, or passing it
-    as it is received) is answered 413 and the connection closed.
-
-    The rest of the body is first read and discarded, so that a client that sends its whole body before it
-    reads (urllib, http.client) reads the 413 instead of a connection reset: at most ``drain_bytes``,
-    ``drain_seconds`` long, while bytes keep coming (``idle_seconds``), and not at all for a
-    ``Content-Length`` over ``drain_bytes`` or an ``Expect: 100-continue``. A body not arrived
-    ``body_seconds`` after the request began is a 408."""
+    """ASGI middleware: a request body over ``limit`` bytes (declared, or as received) is a 413 that closes
+    the connection, a body not arrived ``body_seconds`` after the request began a 408. The rest of an
+    oversized body is drained first within the drain bounds, so that a client that sends its whole body
+    before it reads (urllib, http.client) reads the 413 instead of a connection reset."""
 
     def __init__(
         self,
@@ -326,10 +322,9 @@ def create_app(
     verify: Any = None,
     lineage_repo: str | os.PathLike[str] | None = None,
 ) -> Any:
-    """The FastAPI app serving the record at ``record_path`` (``uri`` overrides its index URI; ``verify``
-    checks each query model before it is loaded, see :class:`components.serving.pair.PairFollower`; a hit
-    whose gallery shard is not cached yet takes its caption from the Feast repo ``lineage_repo`` when given,
-    :mod:`components.serving.captions`)."""
+    """The FastAPI app serving the record at ``record_path`` (``uri``, ``verify``: see
+    :class:`~components.serving.pair.PairFollower`; ``lineage_repo``: the Feast repo answering captions of
+    shards not cached yet)."""
     from components.serving.captions import ShardCaptions, lineage_captions
     from components.serving.pair import PairFollower
     from components.serving.thumbnails import ShardThumbnails

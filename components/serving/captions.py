@@ -55,9 +55,7 @@ class ShardCaptions:
     ) -> None:
         if max_shards < 1:
             raise ValueError(f"max_shards must be >= 1, got {max_shards}")
-        self.max_shards = max_shards
-        self.fallback = fallback
-        self.root = root
+        self.max_shards, self.fallback, self.root = max_shards, fallback, root
         self._cache: OrderedDict[str, dict[str, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}

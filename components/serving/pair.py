@@ -79,14 +79,10 @@ def _stamp(path: Path) -> Stamp | None:
 
 
 class PairFollower:
-    """Holds the current :class:`ServingPair` of the record at ``record_path`` and swaps it atomically.
-
-    ``uri`` overrides the record's index URI (e.g. a server URI while another process holds an embedded
-    directory); ``index`` and ``encoder`` replace a freshly opened index and the record's query model.
-    ``verify(query_model)`` is called before a query model is loaded and raises to refuse it (the CLI and the
-    service pass :class:`components.serving.verify.RegistryDigestCheck`).
-    ``on_swap(old, new)`` is called after each swap. Thread-safe.
-    """
+    """Holds the current :class:`ServingPair` of the record at ``record_path`` and swaps it atomically
+    (thread-safe). ``uri`` overrides the record's index URI; ``index`` and ``encoder`` replace the ones the
+    record names; ``verify(query_model)`` raises to refuse a query model before it is loaded; ``on_swap(old,
+    new)`` is called after each swap."""
 
     def __init__(
         self,
@@ -98,12 +94,9 @@ class PairFollower:
         on_swap: Callable[[ServingPair | None, ServingPair], None] | None = None,
         verify: Callable[[Mapping[str, Any]], None] | None = None,
     ) -> None:
-        self.record_path = Path(record_path)
-        self._verify = verify
-        self.uri = uri
-        self._given_index = index
-        self._fixed_encoder = encoder
-        self._on_swap = on_swap
+        self.record_path, self.uri = Path(record_path), uri
+        self._given_index, self._fixed_encoder = index, encoder
+        self._verify, self._on_swap = verify, on_swap
         self._indexes: dict[str, Any] = {}  # by URI; closed at close(): in-flight queries may still hold one
         self._pair: ServingPair | None = None
         self._failed: tuple[Stamp | None, str, float] | None = None  # stamp that failed, why, when

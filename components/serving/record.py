@@ -48,8 +48,7 @@ def read_serving(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def same_index(a: str, b: str) -> bool:
-    """Whether two index URIs name one index: local paths (milvus-lite files) by their real path, server
-    URIs as written, without a trailing slash."""
+    """Whether two index URIs name one index (local paths by their real path, URIs as written)."""
     if "://" not in a and "://" not in b:
         return os.path.realpath(a) == os.path.realpath(b)
     return a.rstrip("/") == b.rstrip("/")

@@ -29,8 +29,7 @@ class Searcher(PairFollower):
         captions: bool = False,
         thumbnails: bool = False,
     ) -> list[list[dict[str, Any]]]:
-        """Hits (``item_id``, ``score``, ``model_version``; ``caption`` and ``thumbnail``, a JPEG data URI,
-        when asked) per text."""
+        """Hits per text: ``item_id``, ``score``, ``model_version``; ``caption``, ``thumbnail`` if asked."""
         if isinstance(texts, str):
             raise TypeError("search expects a list of texts, got a single string")
         empty = [i for i, text in enumerate(texts) if not str(text).strip()]

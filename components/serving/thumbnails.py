@@ -40,8 +40,7 @@ def thumbnail_uri(data: bytes, side: int = THUMBNAIL_SIDE, max_pixels: int | Non
 def shard_thumbnails(
     url: str, keys: Iterable[str], side: int = THUMBNAIL_SIDE, max_pixels: int | None = None
 ) -> dict[str, str | None]:
-    """``{key: data URI or None}`` for ``keys`` of shard ``url``: one pass over the shard, stopped when every
-    key is found; a key absent from the shard, or whose picture does not decode, is None."""
+    """``{key: data URI or None}`` for ``keys`` of shard ``url``, one pass stopped once all are found."""
     from compat.data.loader import IMAGE_EXTS
     from compat.data.shards import iter_raw_samples
 
@@ -63,8 +62,7 @@ def shard_thumbnails(
 
 
 class ShardThumbnails:
-    """Thumbnails by ``source_uri``, up to ``max_items`` of them cached (thread-safe; ~3 KB each); a relative
-    shard path lies under ``root`` (the workspace)."""
+    """Thumbnails by ``source_uri``, up to ``max_items`` cached (thread-safe); shards relative to ``root``."""
 
     def __init__(
         self,
@@ -77,8 +75,7 @@ class ShardThumbnails:
             raise ValueError(f"side must be at least 8 pixels, got {side}")
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
-        self.side, self.max_items, self.max_pixels = side, max_items, max_pixels
-        self.root = root
+        self.side, self.max_items, self.max_pixels, self.root = side, max_items, max_pixels, root
         self._cache: OrderedDict[str, str | None] = OrderedDict()
         self._lock = threading.Lock()
         self.failures = 0

@@ -1,11 +1,8 @@
-"""The validation stage of one data phase: read, check, run the suites, route, summarize.
+"""The validation step of one data phase: read, check, run the suites, route, summarize.
 
-Two passes over the shards keep memory flat for phases of any size: the first reads every
-sample and collects its facts (Python checks, then the GX suites over all facts, since
-duplicate keys are only known once every shard is read); the second re-reads the shards and
-writes each sample, unchanged, to an accepted or a quarantine shard. ``validation.json`` is
-written last (atomically), so its presence marks a finished run.
-"""
+Two passes keep memory flat for phases of any size: the first reads every sample's facts (duplicate keys
+are only known once every shard is read), the second re-reads the shards and writes each sample, unchanged,
+to an accepted or a quarantine shard. ``validation.json`` is written last: it marks a finished run."""
 
 from __future__ import annotations
 
@@ -85,10 +82,7 @@ class ValidationSummary:
 
 
 def resolve_shards(shard_spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Shard]:
-    """Expand shard patterns into sorted, unique shard files, as training expands them
-    (:func:`compat.data.loader.expand_urls`): local paths, globs, brace patterns, folders and fsspec URLs
-    (``file://``, ``s3://``, ``gs://``, ``memory://``, ...). Raises :class:`ShardSpecError` when a pattern
-    matches nothing or names a shard that is not there."""
+    """Sorted, unique shard files of the patterns, expanded as training expands them."""
     from compat.data.loader import LoaderError, expand_urls
     from compat.data.shards import ShardError, is_local, local_path, stat_url
 
@@ -120,13 +114,7 @@ def resolve_shards(shard_spec: str | os.PathLike | Sequence[str | os.PathLike]) 
 def validate_phase(
     shard_spec: str | list[str], out_dir: Path, policy: ValidationPolicy | None = None, *, force: bool = False
 ) -> ValidationSummary:
-    """Validate the shards of one data phase into ``out_dir`` (see the module docstring).
-
-    Writes ``out_dir/validation.json`` (``schemas/validation.schema.json``), accepted samples to
-    ``out_dir/accepted/`` and rejected ones, with reasons, to ``out_dir/quarantine/``. A rerun over
-    unchanged inputs and policy returns the finished summary without redoing the work unless
-    ``force``. Raises :class:`ShardSpecError` when a pattern matches nothing.
-    """
+    """Validate one data phase's shards into ``out_dir``; an unchanged rerun returns the finished summary."""
     policy = policy or ValidationPolicy()
     shards = resolve_shards(shard_spec)
     out_dir = Path(out_dir)
@@ -399,13 +387,8 @@ def _finished_summary(out_dir: Path, fingerprint: str) -> ValidationSummary | No
 
 def _log_outcome(summary: ValidationSummary) -> None:
     doc = summary.document
-    logger.info(
-        "validated %d samples in %d shards: %d passed, %d quarantined (%.2f%%)",
-        doc["total"],
-        len(doc["shards"]),
-        doc["passed"],
-        doc["quarantined"],
-        100 * doc["quarantined_fraction"],
-    )
+    counts = (doc["total"], len(doc["shards"]), doc["passed"], doc["quarantined"])
+    share = 100 * doc["quarantined_fraction"]
+    logger.info("validated %d samples in %d shards: %d passed, %d quarantined (%.2f%%)", *counts, share)
     for reason in doc["blocked_reasons"]:
         logger.error("blocked: %s", reason)

@@ -1,12 +1,8 @@
-"""Output shards of the validation step, written atomically with members unchanged.
-
-Accepted samples go to ``accepted/shard-NNNNN.tar``, rejected ones to ``quarantine/quarantine-NNNNN.tar``
-with a ``{key}.reason.json`` member (``NNNNN``: the input shard's index, so reruns write the same files).
-A quarantine shard never holds more than the reader read: an unread member is kept empty (its reason gives
-the declared size and the limit), a cut-off one keeps its bytes, and one that is not a regular file is kept
-as an empty regular file, what it was recorded under ``links`` in the reason file: no quarantine shard
-carries a link that an extraction would follow.
-"""
+"""Output shards of the validation step, written atomically with members unchanged: accepted samples in
+``accepted/shard-NNNNN.tar``, rejected ones in ``quarantine/quarantine-NNNNN.tar`` with a
+``{key}.reason.json`` (``NNNNN``: the input shard's index, so reruns write the same files). A quarantine
+shard holds no more than the reader read, and no link an extraction would follow (kept empty, its kind
+recorded in the reason file)."""
 
 from __future__ import annotations
 

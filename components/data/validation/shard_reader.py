@@ -27,8 +27,7 @@ _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators
 
 
 def split_member_name(name: str) -> tuple[str, str]:
-    """``(key, extension)`` of a member name as webdataset splits it, the extension lower-cased (webdataset
-    matches it case-insensitively; ``""`` for none)."""
+    """``(key, extension)`` of a member name as webdataset splits it, the extension lower-cased."""
     match = _KEY_EXT.match(name)
     if match is None:
         return name, ""
@@ -68,12 +67,8 @@ class MemberLimits:
 
 @dataclass(frozen=True)
 class Member:
-    """One tar member as read: its header, its bytes and whether the shard ended inside its data.
-
-    A member left unread has empty ``data`` and ``unread`` says why (its header declares more than the
-    limit for its extension, ``oversized`` being that limit, or reading it would pass the shard's
-    decompression cap).
-    """
+    """One tar member as read: its header, its bytes and whether the shard ended inside its data; an unread
+    one has empty ``data`` and ``unread`` says why (``oversized``: the limit its declared size breaks)."""
 
     info: tarfile.TarInfo
     data: bytes
@@ -104,11 +99,7 @@ class SampleGroup:
 
 
 class ShardReader:
-    """Iterate the samples of one tar shard; after iteration ``error`` says what stopped it early.
-
-    ``path`` is a local path or an fsspec URL (``file://``, ``s3://``, ``memory://``, ...); ``name`` is how
-    messages refer to the shard (the path as the glob matched it).
-    """
+    """The samples of one tar shard (a path or fsspec URL); after iteration ``error`` says what stopped it."""
 
     def __init__(self, path: Path | str, name: str | None = None, limits: MemberLimits | None = None) -> None:
         from compat.data.shards import is_local, local_path
@@ -120,8 +111,7 @@ class ShardReader:
         self.name = name or self.url
         self.limits = limits or MemberLimits()
         self.error: str | None = None
-        self.samples = 0
-        self.members = 0
+        self.samples, self.members = 0, 0
 
     def __iter__(self) -> Iterator[SampleGroup]:
         self.error, self.samples, self.members = None, 0, 0
@@ -248,8 +238,7 @@ _DAMAGE = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError, Valu
 
 
 def _decompressed(raw):
-    """The shard's tar stream: ``raw`` itself, or a streaming decompressor over it (chosen by magic bytes,
-    as ``tarfile.open(mode='r:*')`` would)."""
+    """``raw``, or a streaming decompressor over it chosen by magic bytes as tarfile's ``r:*`` would."""
     magic = raw.read(6)
     raw.seek(0)
     if magic.startswith(b"\x1f\x8b"):
@@ -262,10 +251,8 @@ def _decompressed(raw):
 
 
 class _BoundedStream:
-    """The shard's tar stream as ``tarfile`` and :class:`ShardReader` see it: reads take at most the
-    allowance of the step in progress (:meth:`allow`), and no read or seek goes past ``cap`` (the
-    decompression cap; infinite for a plain tar). What would break a bound raises :class:`ShardRefused`
-    before any byte of it is read."""
+    """The shard's tar stream: reads take at most the allowance of the step in progress (:meth:`allow`) and
+    none goes past ``cap``, the decompression cap; :class:`ShardRefused` before any byte of a refused read."""
 
     def __init__(self, inner, cap: float, compressed: int) -> None:
         self._inner, self._cap, self._compressed = inner, cap, compressed

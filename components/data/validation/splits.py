@@ -1,12 +1,9 @@
 """Validation of every split of a phase (train, eval, gallery) with one policy, summarized in one document.
 
-The train split is validated into ``out_dir`` itself (``accepted/``, ``quarantine/``, ``validation.json``: the
-layout every reader of a train validation knows), every other split into ``out_dir/<split>/``. ``out_dir/
-validation.json`` is then rewritten (atomically) as the train document plus ``splits``: each split's counts,
-reasons, caption lengths and shards; the phase is blocked when any split is. A gallery item that fails lands
-in its split's quarantine and nowhere else, so nothing indexes it. Captions longer than the text context are
-counted in every split, judged (``max_over_context_fraction``) in the train split only.
-"""
+The train split is validated into ``out_dir`` itself (the layout every reader of a train validation knows),
+every other split into ``out_dir/<split>/``; ``out_dir/validation.json`` is then rewritten as the train
+document plus ``splits``, the phase blocked when any split is. A failing gallery item lands in its split's
+quarantine only, so nothing indexes it."""
 
 from __future__ import annotations
 
@@ -37,12 +34,8 @@ def validate_splits(
     *,
     force: bool = False,
 ) -> ValidationSummary:
-    """Validate each split's shards (see the module doc); the returned summary is the combined document's.
-
-    ``splits`` maps a split name to its shard pattern(s) and must hold ``train``; a split with no shards
-    is recorded with no samples. Raises :class:`components.data.validation.ShardSpecError` when a pattern
-    matches nothing, ``ValueError`` for a split name that is not a plain directory name.
-    """
+    """Validate each split's shards (``splits`` maps a name to its patterns and must hold ``train``; a split
+    with no shards is recorded with no samples); the returned summary is the combined document's."""
     if TRAIN not in splits:
         raise ValueError(f"validate_splits needs the train split; got {sorted(splits)}")
     for name in splits:
