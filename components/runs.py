@@ -174,8 +174,7 @@ DONE_STATUSES = ("succeeded", "rejected")
 
 
 def next_pending_phase(state: dict[str, Any], n_phases: int) -> int | None:
-    """The lowest phase not yet done: ``succeeded``, or ``rejected`` (judged: the same seeds would only
-    repeat the verdict). ``blocked`` (fix the shards) and ``failed`` phases are retried."""
+    """The lowest phase neither succeeded nor rejected (the same seeds would only repeat the verdict)."""
     for phase in range(n_phases):
         if state["phases"].get(str(phase), {}).get("status") not in DONE_STATUSES:
             return phase
@@ -385,8 +384,7 @@ def run_dir_of_job(deployment: Deployment, run_id: str, job_name: str) -> Path:
 
 
 def run_outcome(run_dir: Path, pipeline_state: str) -> str:
-    """``succeeded``, ``blocked`` (validation stopped it), ``rejected`` (the gate or the rollout's probes
-    refused the candidate) or ``failed``."""
+    """``succeeded``, ``blocked`` (by validation), ``rejected`` (by the gate or the probes) or ``failed``."""
     if pipeline_state.upper() not in ("SUCCEEDED", "SUCCESS"):
         return "failed"
     blocked = read_blocked(run_dir)

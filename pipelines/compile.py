@@ -39,8 +39,7 @@ def _build(settings: dict[str, Any]) -> GraphComponent:
 
 
 def default_run_config(deployment: Deployment) -> str:
-    """The resolved config as JSON, its gate policy left null when the config leaves it so (the task reads
-    the policy shipped in its image)."""
+    """The resolved config as JSON, a null gate policy kept (the task reads the one shipped in its image)."""
     resolved = deployment.resolved()
     if deployment.gate.policy is None:
         resolved = resolved.model_copy(update={"gate": deployment.gate})

@@ -25,8 +25,7 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
 
 
 def setting_option(setting: str) -> str:
-    """The option of ``compatflow train continual`` that sets a training setting (``batch_size``:
-    ``--batch-size``)."""
+    """The option of ``compatflow train continual`` that sets a training setting."""
     return "--config" if setting == "config_name" else "--" + setting.replace("_", "-")
 
 

@@ -24,8 +24,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def exit_codes(codes: Mapping[int, str] | None = None) -> Callable[[F], F]:
-    """Declare a command's exit codes (``codes`` over :data:`DEFAULT_EXIT_CODES`): its help ends with them
-    as an "Exit codes:" part, and tests read them from the callback's ``exit_codes``."""
+    """Declare a command's exit codes over :data:`DEFAULT_EXIT_CODES`: its help ends with them."""
 
     def declare(command: F) -> F:
         declared = {**DEFAULT_EXIT_CODES, **(codes or {})}
@@ -60,8 +59,7 @@ def echo_json(document: Any) -> None:
 
 @contextlib.contextmanager
 def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
-    """Hold the workspace lock (:mod:`components.state.lock`) for the block; exit 1 naming the holder if
-    taken."""
+    """Hold the workspace lock for the block; exit 1 naming the holder if taken."""
     from components.state.lock import WorkspaceBusy, workspace_lock
     from components.state.workspace import Workspace
 
@@ -87,8 +85,7 @@ ConfigOpt = Annotated[
 
 
 def config_of(config: str | None) -> Any:
-    """The resolved config (default ``local``) an operator command reads; what only a run or training reads
-    is not checked here (``compatflow run`` checks all of it)."""
+    """The resolved config (default ``local``), unchecked in what only a run or training reads."""
     from pipelines.config import ConfigError, load_config, resolve
 
     with refusing(ConfigError):
@@ -103,8 +100,7 @@ def _bare_workspace(config: str | None, workspace: Path | None) -> bool:
 
 
 def serving_workspace(config: str | None, workspace: Path | None) -> tuple[Any, Any]:
-    """The workspace a query command serves (:func:`reading_workspace`) and the check of its query models
-    against the registry's digests (of the config's ``registry.model_name``, else the default one)."""
+    """The workspace a query command serves and the check of its query models against the registry."""
     from components.serving.verify import RegistryDigestCheck
 
     deployment = None if _bare_workspace(config, workspace) else config_of(config)
@@ -130,8 +126,7 @@ def reading_workspace(config: str | None, workspace: Path | None, deployment: An
 def workspace_of(
     config: str | None, workspace: Path | None, deployment: Any = None, *, index_uri: str | None = None
 ) -> Any:
-    """The :class:`~components.state.workspace.Workspace` of the config, or a bare ``--workspace`` directory
-    with its local services; ``index_uri`` (a command's ``--uri``) replaces the index URI."""
+    """The config's workspace, or a bare ``--workspace`` directory; ``index_uri`` replaces the index URI."""
     from components.state.workspace import Workspace, WorkspaceError
 
     if config is not None and workspace is not None:

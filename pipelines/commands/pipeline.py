@@ -53,8 +53,7 @@ ParamOpt = Annotated[
 
 
 def _package(path: Path | None, params: list[str] | None) -> tuple[Any, dict[str, Any]]:
-    """The compiled pipeline at ``path`` (default: the one ``compatflow compile`` writes) and the run
-    parameters ``--param`` gives it; exit 2 naming what is wrong with either."""
+    """The compiled pipeline at ``path`` and the run parameters ``--param`` gives it (else exit 2)."""
     from pipelines.compile import COMPILED_DIR, COMPILED_NAME
     from pipelines.submit import SubmitError, load_package, parse_parameters
 
@@ -64,8 +63,7 @@ def _package(path: Path | None, params: list[str] | None) -> tuple[Any, dict[str
 
 
 def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, Any]:
-    """Print the requests (dry run) and exit, or send them; exit 2 for a request that cannot be built, 1 for
-    one the API refused or could not answer."""
+    """Print the requests (dry run) and exit, or send them; exit 2 if one cannot be built, 1 if refused."""
     from pipelines.submit import KfpApi, SubmitError, plan
 
     with refusing(SubmitError):

@@ -168,8 +168,7 @@ def _settings(
     p99_factor: float | None,
     max_items_per_s: float | None,
 ) -> Any:
-    """The config's rollout section with the options given over it, validated as the config is (exit 2
-    naming each bad field)."""
+    """The config's rollout section with the options given over it, validated (exit 2 naming each field)."""
     from pydantic import ValidationError
 
     from components.deployment import RolloutSection, error_lines

@@ -154,8 +154,7 @@ def _phase_summary(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def show_stream(stream_dir: Path, extra: dict[str, Any] | None = None) -> None:
-    """Print a stream's phases (domain, counts, shards), missing shards and ``extra`` fields as JSON; exit 1
-    when a shard is missing."""
+    """Print a stream's phases, missing shards and ``extra`` fields as JSON; exit 1 if a shard is missing."""
     from compat.data.manifest import StreamError, load_manifest, missing_shards
 
     with refusing(StreamError):

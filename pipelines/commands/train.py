@@ -24,8 +24,7 @@ DeploymentOpt = Annotated[
 
 
 def settings_given(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The training settings the command's options set (:func:`pipelines.config.setting_option`), from its
-    parsed parameters (the rest left to the section), the trainer's own options included."""
+    """The training settings the command's parsed options set (the rest left to the section)."""
     from components.training.continual import SECTION_FIELDS
     from pipelines.config import setting_option
 
