@@ -15,7 +15,6 @@ from typing import Any
 from compat.data.domains import Domain
 
 COUNT_WORDS = ("no", "one", "two", "three", "four", "five")
-N_TEMPLATES = 5
 
 
 def article(word: str) -> str:

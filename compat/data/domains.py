@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 RGB = tuple[int, int, int]
-Role = str | RGB
 # ("ellipse", (x0, y0, x1, y1), role) | ("poly", ((x, y), ...), role)
 # | ("ring", box, role, width_frac) | ("pieslice", box, role, (start_deg, end_deg))
 # | ("line", ((x, y), ...), role, width_frac)

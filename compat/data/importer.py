@@ -1047,14 +1047,14 @@ def _sample_json(item: dict[str, Any]) -> bytes:
 
 
 def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
-    counts = {s: sum(len(sh["items"]) for sh in plan["shards"][s]) for s in SPLITS}
-    caption_counts = {
-        s: sum(len(i["captions"]) for sh in plan["shards"][s] for i in sh["items"]) for s in SPLITS
-    }
+    items_of = {s: [i for sh in plan["shards"][s] for i in sh["items"]] for s in SPLITS}
+    counts = {s: len(of_split) for s, of_split in items_of.items()}
+    caption_counts = {s: sum(len(i["captions"]) for i in of_split) for s, of_split in items_of.items()}
     by_reason = Counter(r["reason"] for r in plan["refused"])
-    items = [i for s in SPLITS for sh in plan["shards"][s] for i in sh["items"]]
+    items = [i for of_split in items_of.values() for i in of_split]
     converted = sum(1 for i in items if i["format"] not in KEPT_FORMATS and not i.get("resize"))
-    originals = plan["settings"].get("keep_originals")
+    originals = {s: [f"{ORIGINALS}/{sh['path']}" for sh in plan["shards"][s]] for s in SPLITS}
+    in_stream = plan.get("in_stream")
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -1069,18 +1069,10 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
         "converted_to_png_or_jpeg": converted,
         "resized": sum(1 for i in items if i.get("resize")),
         "matted_on_white": sum(1 for i in items if i["transparent"]),
-        **(
-            {"originals": {s: [f"{ORIGINALS}/{sh['path']}" for sh in plan["shards"][s]] for s in SPLITS}}
-            if originals
-            else {}
-        ),
+        **({"originals": originals} if plan["settings"].get("keep_originals") else {}),
         "duplicates": len(plan["duplicates"]),
         "duplicate_files": plan["duplicates"],
-        **(
-            {"in_stream": len(plan["in_stream"]), "in_stream_files": plan["in_stream"]}
-            if "in_stream" in plan
-            else {}
-        ),
+        **({"in_stream": len(in_stream), "in_stream_files": in_stream} if in_stream is not None else {}),
         "refused": len(plan["refused"]),
         "refused_by_reason": dict(sorted(by_reason.items())),
         "refused_files": plan["refused"],
