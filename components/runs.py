@@ -141,14 +141,9 @@ def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
         if not plan or status not in ("succeeded", "rejected", "blocked", "failed"):
             continue
         when = outcome_path.stat().st_mtime
-        entry = {
-            "status": status,
-            "run_id": plan["run_id"],
-            "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
-        }
         key = str(plan["phase"])
         if key not in runs or runs[key][0] < when:
-            runs[key] = (when, entry)
+            runs[key] = (when, _phase_entry(status, plan["run_id"], when))
     state = {
         "schema_version": 1,
         "phases": {k: v for k, (_, v) in sorted(runs.items(), key=lambda kv: int(kv[0]))},
@@ -161,13 +156,18 @@ def record_phase(workspace: Workspace | str | Path, phase: int, status: str, run
     """Record a phase's outcome; returns the new state."""
     ws = Workspace.coerce(workspace)
     state = read_state(ws)
-    state["phases"][str(phase)] = {
-        "status": status,
-        "run_id": run_id,
-        "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+    state["phases"][str(phase)] = _phase_entry(status, run_id)
     write_json_atomic(ws.state_path, state)
     return state
+
+
+def _phase_entry(status: str, run_id: str, when: float | None = None) -> dict[str, Any]:
+    """A phase record's entry, ``at`` in local time (``when``: a file's mtime, else now)."""
+    return {
+        "status": status,
+        "run_id": run_id,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
+    }
 
 
 DONE_STATUSES = ("succeeded", "rejected")
