@@ -158,9 +158,8 @@ def local_weights(weights: str, tracking_uri: str | None, into: Path) -> str:
 
     try:
         uri = weights
-        if weights.startswith(
-            "models:/"
-        ):  # resolved here: MLflow's own resolution reads its default registry
+        # a models:/ URI resolved here: MLflow's own resolution reads its default registry
+        if weights.startswith("models:/"):
             client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
             name, at, alias = weights[len("models:/") :].partition("@")
             if at:

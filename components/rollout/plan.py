@@ -126,17 +126,16 @@ def stage_plan(mode: str, n: int, fractions: Sequence[float]) -> list[dict[str, 
     one backfill stage per fraction."""
     from compat.backfill import backfilled_count
 
-    if mode == "blue_green":
-        return [{"stage": 1, "fraction": 1.0, "target_position": n, "status": "pending", "kind": "fill"}]
-    return [
-        {"stage": 0, "fraction": 0.0, "target_position": 0, "status": "pending", "kind": "query_switch"}
-    ] + [
-        {
-            "stage": j + 1,
-            "fraction": f,
-            "target_position": backfilled_count(n, f),
+    def pending(stage: int, fraction: float, position: int, kind: str) -> dict[str, Any]:
+        return {
+            "stage": stage,
+            "fraction": fraction,
+            "target_position": position,
             "status": "pending",
-            "kind": "backfill",
+            "kind": kind,
         }
-        for j, f in enumerate(fractions)
-    ]
+
+    if mode == "blue_green":
+        return [pending(1, 1.0, n, "fill")]
+    backfill = [pending(j + 1, f, backfilled_count(n, f), "backfill") for j, f in enumerate(fractions)]
+    return [pending(0, 0.0, 0, "query_switch"), *backfill]

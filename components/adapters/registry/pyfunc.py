@@ -99,10 +99,9 @@ def _as_frame(model_input: Any) -> Any:
 
     if isinstance(model_input, pd.DataFrame):
         cells = {c: model_input[c].iloc[0] for c in ("text", "image") if c in model_input}
+        # MLflow makes {"text": [...]} one row
         if len(model_input) == 1 and cells and all(isinstance(v, list | tuple) for v in cells.values()):
-            return pd.DataFrame(
-                {c: list(v) for c, v in cells.items()}
-            )  # MLflow makes {"text": [...]} one row
+            return pd.DataFrame({c: list(v) for c, v in cells.items()})
         return model_input.reset_index(drop=True)
     if isinstance(model_input, dict):
         return pd.DataFrame(
