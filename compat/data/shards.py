@@ -35,8 +35,6 @@ class RawSample:
 
     key: str
     members: dict[str, bytes]
-    shard: str
-    index: int = 0
 
 
 def write_shard(path: str | os.PathLike[str], samples: Iterable[tuple[str, Mapping[str, bytes]]]) -> int:
@@ -167,13 +165,13 @@ def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
     state: dict[str, Any] = {"member": None}
     try:
         records = itertools.groupby(_tar_members(stream, skip, state), key=lambda record: record[0])
-        for index, (key, members) in enumerate(records, start=skip):
+        for key, members in records:
             sample: dict[str, bytes] = {}
             for _, ext, data in members:
                 if ext in sample:
                     raise ValueError(f"{state['member']}: duplicate file name in tar file {ext}")
                 sample[ext] = data
-            yield RawSample(key=key, members=sample, shard=url, index=index)
+            yield RawSample(key, sample)
     except (tarfile.TarError, OSError, ValueError, EOFError) as exc:
         where = f"at or after member {state['member']!r}" if state["member"] else "before its first member"
         detail = exc.args[0] if exc.args else type(exc).__name__
