@@ -10,9 +10,7 @@ One run takes the next data phase through every step::
 Validation and the gate are ``dsl.If``/``dsl.Else`` pairs: nothing downstream runs when the phase is
 blocked or the candidate fails the gate (the candidate is still registered, tagged with the gate's
 decision, so on-call can see what was refused). An exit handler writes the on-call report whatever
-happened. Every task gets the settings of the config the pipeline is built under
-(:mod:`pipelines.resources`); the same definition runs locally (:mod:`pipelines.local_runner`) and on a
-cluster from the compiled YAML (``compatflow compile``).
+happened. The same definition runs locally (:mod:`pipelines.local_runner`) and on a cluster.
 """
 
 from collections.abc import Mapping
@@ -34,11 +32,9 @@ def _task(op: Any, **inputs: Any) -> dsl.PipelineTask:
 
 
 def _rollout(step: Any, version: Any, ingest: dsl.PipelineTask) -> None:
-    """The rollout after a gate pass. With ``rollout.workers`` > 1 in the config compiled for, every backfill
-    stage's rank ranges run as parallel GPU tasks (``dsl.ParallelFor``, parallelism = workers) between
-    ``rollout_ranges_op`` calls (each probes the stage before, then returns the next stage's ranges);
-    ``rollout_op`` then finishes the step (and runs, in local processes, any stage a run-time config adds).
-    ``step``: an op called with the run's config and run folder."""
+    """The rollout after a gate pass. With ``rollout.workers`` > 1, each backfill stage's rank ranges run as
+    parallel GPU tasks between ``rollout_ranges_op`` calls (each probes the stage before and returns the
+    next stage's ranges); ``rollout_op`` then finishes (and runs any stage a run-time config adds)."""
     from pipelines import resources
 
     rollout = getattr(resources.compile_settings().get("config"), "rollout", None)
@@ -64,11 +60,9 @@ def continual_upgrade_steps(
     compat_steps: int = 0,
     rollout_fractions: list = [],  # noqa: B006 (KFP reads the default)
 ) -> None:
-    """The pipeline's graph: ``dsl.pipeline`` of this under a config's task settings is the pipeline
-    (:func:`pipelines.compile.build_pipeline`). ``config``: the resolved config as JSON; ``phase`` -1: the
-    next pending one; ``run_id`` "": the KFP job name; the rest (:data:`components.runs.RUN_PARAMETERS`)
-    override their config field for this run ("", 0, []: the config's; a compiled package's defaults are
-    the config's values, so the KFP UI shows and compares them per run)."""
+    """The pipeline's graph. ``config``: the resolved config as JSON; ``phase`` -1: the next pending one;
+    ``run_id`` "": the KFP job name; the rest (:data:`components.runs.RUN_PARAMETERS`) override their
+    config field for this run ("", 0, []: the config's)."""
     job_name = dsl.PIPELINE_JOB_NAME_PLACEHOLDER
     job_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER  # the KFP run's ID: the report links its page
     finish = _task(kfp_ops.finish_op, config=config, run_id=run_id, job_name=job_name, job_id=job_id)
@@ -106,8 +100,7 @@ def _train_and_ship(
     step: Any, blocked: Any, plan: Mapping[str, Any], production: Any, validation: Mapping[str, Any]
 ) -> None:
     """A valid phase: drift and continual training, then the first model served, or an upgrade made
-    compatible, evaluated, gated, registered and (on a pass) rolled out. ``plan`` and ``validation``: those
-    tasks' outputs; ``production``: the production model's path ("" before the first model)."""
+    compatible, evaluated, gated, registered and (on a pass) rolled out; ``production`` "": none yet."""
     phase, accepted = plan["phase"], validation["accepted"]
     drift = step(
         kfp_ops.drift_op, reference_shards=plan["reference_shards"], current=accepted, production=production
