@@ -30,6 +30,10 @@ def _regular(n: int, radius: float = 1.0, phase_deg: float = -90.0) -> tuple[tup
     return tuple((radius * math.cos(start + i * step), radius * math.sin(start + i * step)) for i in range(n))
 
 
+def _rect(x0: float, y0: float, x1: float, y1: float) -> tuple[tuple[float, float], ...]:
+    return (x0, y0), (x1, y0), (x1, y1), (x0, y1)
+
+
 def _cross(w: float) -> tuple[tuple[float, float], ...]:
     """A plus sign of arm half-width ``w``: one arm's three corners, turned a quarter at a time."""
     points = [(-w, -1), (w, -1), (w, -w)]
@@ -120,11 +124,7 @@ GEOMETRIC = Domain(
     collective=("shape", "shapes"),
     kinds=(
         Kind(("circle", "disc"), ("circles", "discs"), (("ellipse", (-1, -1, 1, 1), "main"),)),
-        Kind(
-            ("square", "box"),
-            ("squares", "boxes"),
-            (("poly", ((-0.85, -0.85), (0.85, -0.85), (0.85, 0.85), (-0.85, 0.85)), "main"),),
-        ),
+        Kind(("square", "box"), ("squares", "boxes"), (("poly", _rect(-0.85, -0.85, 0.85, 0.85), "main"),)),
         Kind(
             ("triangle", "wedge"),
             ("triangles", "wedges"),
@@ -277,16 +277,16 @@ TOWN = Domain(
             ("house", "cottage"),
             ("houses", "cottages"),
             (
-                ("poly", ((-0.75, -0.05), (0.75, -0.05), (0.75, 1.0), (-0.75, 1.0)), "main"),
+                ("poly", _rect(-0.75, -0.05, 0.75, 1.0), "main"),
                 ("poly", ((0, -1.0), (1.0, -0.05), (-1.0, -0.05)), "dark"),
-                ("poly", ((-0.18, 0.45), (0.18, 0.45), (0.18, 1.0), (-0.18, 1.0)), BROWN),
+                ("poly", _rect(-0.18, 0.45, 0.18, 1.0), BROWN),
             ),
         ),
         Kind(
             ("tree", "oak"),
             ("trees", "oaks"),
             (
-                ("poly", ((-0.15, 0.2), (0.15, 0.2), (0.15, 1.0), (-0.15, 1.0)), BROWN),
+                ("poly", _rect(-0.15, 0.2, 0.15, 1.0), BROWN),
                 ("ellipse", (-0.85, -1.0, 0.85, 0.45), "main"),
             ),
         ),
@@ -294,7 +294,7 @@ TOWN = Domain(
             ("car", "automobile"),
             ("cars", "automobiles"),
             (
-                ("poly", ((-1.0, -0.05), (1.0, -0.05), (1.0, 0.55), (-1.0, 0.55)), "main"),
+                ("poly", _rect(-1.0, -0.05, 1.0, 0.55), "main"),
                 ("poly", ((-0.55, -0.05), (-0.35, -0.55), (0.4, -0.55), (0.6, -0.05)), "dark"),
                 ("ellipse", (-0.8, 0.35, -0.35, 0.8), BLACK),
                 ("ellipse", (0.35, 0.35, 0.8, 0.8), BLACK),
@@ -304,9 +304,9 @@ TOWN = Domain(
             ("tower", "spire"),
             ("towers", "spires"),
             (
-                ("poly", ((-0.4, -0.45), (0.4, -0.45), (0.4, 1.0), (-0.4, 1.0)), "main"),
+                ("poly", _rect(-0.4, -0.45, 0.4, 1.0), "main"),
                 ("poly", ((0, -1.0), (0.5, -0.45), (-0.5, -0.45)), "dark"),
-                ("poly", ((-0.12, -0.2), (0.12, -0.2), (0.12, 0.15), (-0.12, 0.15)), CREAM),
+                ("poly", _rect(-0.12, -0.2, 0.12, 0.15), CREAM),
             ),
         ),
     ),

@@ -579,7 +579,7 @@ def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
 
 def resized_size(width: int, height: int, max_side: int, mode: str) -> tuple[int, int] | None:
     """The size ``mode`` stores a ``width`` x ``height`` picture at, or None when it is stored as it is
-    (img2dataset's modes, never enlarging: see the module doc)."""
+    (img2dataset's modes, never enlarging)."""
     short, long = min(width, height), max(width, height)
     if mode == "keep_ratio" and short > max_side:
         scaled = max(1, round(long * max_side / short))
@@ -1191,17 +1191,17 @@ def _import(
     wall, cpu = time.perf_counter(), time.process_time()
     plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool=spool)
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
+    shards = [sh for s in SPLITS for sh in plan["shards"][s]]
     if report is not None:
         if report.get("plan_sha256") == plan["digest"] and all(
-            (out_path / sh["path"]).is_file() for s in SPLITS for sh in plan["shards"][s]
+            (out_path / sh["path"]).is_file() for sh in shards
         ):
             log.info("%s already holds this import: nothing written", out_path)
-            return ImportResult(out_path, report, 0, sum(len(plan["shards"][s]) for s in SPLITS), timings)
+            return ImportResult(out_path, report, 0, len(shards), timings)
         raise DataImportError(
             f"{out_path} holds a finished import of other input or settings ({out_path / REPORT}); "
             "give a new --out folder or delete this one"
         )
-    out_path.mkdir(parents=True, exist_ok=True)
     folders = [out_path / s for s in SPLITS] + [out_path / ORIGINALS / s for s in SPLITS]
     if pending is not None and pending.get("digest") != plan["digest"]:
         log.warning("%s: the source or settings changed since the import started; starting over", out_path)
@@ -1217,10 +1217,9 @@ def _import(
         original = out_path / ORIGINALS / shard["path"]
         return (out_path / shard["path"]).is_file() and (not settings.keep_originals or original.is_file())
 
-    todo = [sh for s in SPLITS for sh in plan["shards"][s] if not written(sh)]
-    total = sum(len(plan["shards"][s]) for s in SPLITS)
+    todo = [sh for sh in shards if not written(sh)]
     wall, cpu = time.perf_counter(), time.process_time()
-    for shard in show(todo, f"writing {len(todo)} of {total} shards", total=len(todo)):
+    for shard in show(todo, f"writing {len(todo)} of {len(shards)} shards", total=len(todo)):
         if settings.keep_originals:
             write_shard(out_path / ORIGINALS / shard["path"], (_original_members(i) for i in shard["items"]))
         write_shard(out_path / shard["path"], (_members(item, spool) for item in shard["items"]))
@@ -1228,4 +1227,4 @@ def _import(
     write_json_atomic(out_path / REPORT, report)
     (out_path / PENDING).unlink()
     timings.update(write_s=time.perf_counter() - wall, write_cpu_s=time.process_time() - cpu)
-    return ImportResult(out_path, report, len(todo), total - len(todo), timings)
+    return ImportResult(out_path, report, len(todo), len(shards) - len(todo), timings)

@@ -201,14 +201,12 @@ def add_phase(
     source: str = "",
     in_place: bool = False,
 ) -> dict[str, Any]:
-    """Append the next phase to the stream in ``directory`` (created with its manifest when missing).
+    """Append the next phase to the stream in ``directory`` (created when missing); returns its entry.
 
-    ``shards`` gives each split's local tar paths, each read to its end before anything is written. A
-    sample the stream already holds (same key, same :func:`content_digest`) is left out and counted in
-    ``repeats_skipped``. Refused: a key held for other bytes or shared by two new shards, and a phase with
-    nothing new or a split under :data:`MIN_COUNTS`. The shards are hard-linked (or copied, or rewritten
-    without repeats) to ``phase-PP/{split}/shard-NNNNN.tar`` in a folder renamed into place, then the
-    manifest replaced atomically; ``in_place`` lists them where they are instead. Returns the entry.
+    Each split's shards are read to their end before anything is written. A sample the stream already holds
+    (same key, same :func:`content_digest`) is left out and counted in ``repeats_skipped``; a key held for
+    other bytes is refused. The shards are linked (or rewritten without repeats) into a folder renamed into
+    place, then the manifest replaced atomically; ``in_place`` lists them where they are instead.
     """
     if not isinstance(domain, str) or not domain.strip():
         raise StreamError("the phase's domain must be a non-empty name (--domain)")
