@@ -68,8 +68,7 @@ _DEFAULT_PORTS = {"http": 80, "https": 443, "tcp": 19530, "grpc": 19530}
 
 
 def connect(uri: str, timeout: float) -> None:
-    """Open and close a TCP connection to the server ``uri`` names (OSError when it accepts none in
-    ``timeout`` s); a URI of no server (a path, an embedded store) is left alone."""
+    """Open and close a TCP connection to the server ``uri`` names (OSError if none); a path is left alone."""
     import socket
     from urllib.parse import urlsplit
 
@@ -250,8 +249,7 @@ def keep_validated(
 
 
 def validated_shards(deployment: Deployment, shards: Sequence[str], split: str) -> list[str]:
-    """Raw ``shards`` of ``split`` with each phase's replaced by what its validation kept; raw ones where
-    nothing was kept (with a warning) and shards of no phase pass through."""
+    """Raw ``shards`` of ``split``, each phase's replaced by what its validation kept (if it kept any)."""
     from compat.data.manifest import load_manifest, phase_urls
 
     ws, stream_dir = Workspace.of(deployment), Path(deployment.stream.uri)

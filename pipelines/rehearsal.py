@@ -296,8 +296,7 @@ class Rehearsal:
             )
 
     def ship(self, *, run_id: str = "", stop_at: str | None = None) -> Step:
-        """Run the package once as the task user, as a recurring run does, or resubmit ``run_id``.
-        ``stop_at``: SIGKILL the run's processes (as a node loss) when that task starts."""
+        """Run the package once as the task user, or resubmit ``run_id``; ``stop_at``: a node loss there."""
         from components.runs import read_state
         from pipelines.compile import COMPILED_NAME
 
@@ -453,8 +452,7 @@ def rehearse(
     milvus_binaries: str | os.PathLike[str] | None = None,
     echo: Callable[[str], None] = print,
 ) -> Outcome:
-    """Start the services, prepare, ship ``phases`` phases, run the checks; the outcome is also written to
-    ``<root>/rehearsal.json``. Stops at the first failed phase (the checks still run)."""
+    """Services, prepare, ship ``phases`` phases (to the first failure), checks; also ``rehearsal.json``."""
     rehearsal = Rehearsal(claim_root(root), milvus_binaries=milvus_binaries, echo=echo)
     outcome = Outcome(str(rehearsal.layout.root))
     started = time.monotonic()
@@ -481,8 +479,7 @@ def _echoed(echo: Callable[[str], None], step: Step) -> Step:
 
 
 def _stop_when_started(process: subprocess.Popen, log: Path, task: str | None) -> bool:
-    """Wait for ``process``; when ``task`` is named, kill its process group with SIGKILL as soon as the log
-    shows the task starting. True when it was stopped so."""
+    """Wait for ``process``, or SIGKILL its process group once the log shows ``task`` starting (True)."""
     import re
     import signal
 

@@ -22,8 +22,7 @@ def collect(
     model_name: str = DEFAULT_MODEL_NAME,
     count: bool = True,
 ) -> dict[str, Any]:
-    """The status document of a workspace (absent parts ``None``, unreadable files under ``unreadable``).
-    ``count``: the gallery counted in the index, else described from the serving record."""
+    """The status document of a workspace; ``count``: the gallery counted in the index, not just described."""
     from components.runs import StateError
 
     ws = Workspace.coerce(workspace)

@@ -191,8 +191,7 @@ def _refusal(request: dict) -> str | None:
 
 
 def _run_task(request: dict, fds: list[int]) -> int:
-    """In the forked child: become the task (streams, folder, environment) and run ``-m MODULE args``;
-    returns the exit status ``python -m MODULE`` would end with."""
+    """In the forked child: become the task and run it; the exit status ``python -m MODULE`` would have."""
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
