@@ -1,15 +1,9 @@
 """Task-level Kubernetes settings of the compiled pipeline: resources, GPUs, retries, caching, wiring.
 
-The pipeline calls :func:`configure` on every task with the settings of the config it is compiled with
-(:func:`compile_settings`): its ``resources`` section plus the names of the cluster objects under
-``manifests/k8s/`` (``tests/unit/test_manifests_services.py`` keeps the two in step). ``kfp.local`` ignores
-resources, images and the platform spec but honours retries and caching, so a local build
-(``runner="local"``) carries the caching options alone (the rest costs ~2.5 s a build: kfp's setters call
-``inspect.stack()``). Per op, :data:`STEPS` says its kind, whether it is retried and cached, and why.
-
-KFP's cache key is the component and its inputs, the run directory among them: a cache hit only happens
-when a run is submitted again with the same ``run_id`` (or, under ``compatflow run``, continued after a
-kill), and the steps it completed are skipped.
+:func:`configure` applies the compile config's ``resources`` section and the cluster objects of
+``manifests/k8s/`` to every task; a local build carries the caching options alone (kfp.local ignores the
+rest, and kfp's setters cost ~2.5 s a build). KFP's cache key includes the run directory, so a cache hit
+only happens when a run is submitted again with the same ``run_id``.
 """
 
 from __future__ import annotations
@@ -112,12 +106,8 @@ def compile_settings(
     *,
     runner: str = "kubernetes",
 ) -> dict[str, Any]:
-    """The task settings (:func:`task_settings`) of the config the pipeline is compiled with.
-
-    ``config``: a deployment, a config mapping, or a shipped name / YAML path (checked whole, its paths
-    left to the tasks). None: the settings made active by :func:`using`, else ``$COMPATFLOW_COMPILE_CONFIG``,
-    else the shipped ``cluster`` config. Raises ``pipelines.config.ConfigError`` on a bad config.
-    """
+    """The task settings of the config the pipeline is compiled with. ``config`` None: the settings made
+    active by :func:`using`, else ``$COMPATFLOW_COMPILE_CONFIG``, else the shipped ``cluster`` config."""
     if config is None:
         active = _ACTIVE.get()
         if active is not None:
@@ -131,9 +121,8 @@ def compile_settings(
 
 
 def task_settings(deployment: Deployment, *, runner: str = "kubernetes") -> dict[str, Any]:
-    """What :func:`configure` applies to every task of a pipeline built for ``deployment``. ``runner``
-    ``"local"`` drops the retry policy (kfp.local honours it, and a local failure is a bug or bad data that a
-    retry only repeats)."""
+    """What :func:`configure` applies to every task. ``runner`` ``"local"`` drops the retry policy: a local
+    failure is a bug or bad data that a retry only repeats."""
     if runner not in RUNNERS:
         raise ValueError(f"runner {runner!r} is not one of {RUNNERS}")
     resources = deployment.resources
@@ -160,8 +149,7 @@ def using(settings: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> PipelineTask:
-    """Apply the step's resources, scheduling, retry, caching and cluster wiring to ``task`` (one kfp.local
-    has already executed, a component called outside a pipeline, is returned as is)."""
+    """Apply the op's resources, retry, caching and cluster wiring to ``task`` (one already run: as is)."""
     if op_name not in STEP_KINDS:
         raise ValueError(
             f"pipeline op {op_name!r} has no entry in pipelines.resources.STEP_KINDS: "
@@ -199,8 +187,7 @@ def _configure_gpu(task: PipelineTask, settings: dict[str, Any]) -> None:
 
 
 def _wire_cluster(task: PipelineTask, settings: dict[str, Any]) -> None:
-    """Service URIs, credentials and volumes. The pod's service account is not a task setting in
-    kfp-kubernetes: it is the run's (``service_account`` of the run or recurring run)."""
+    """Service URIs, credentials and volumes (the service account is the run's, not a task setting)."""
     kubernetes.use_config_map_as_env(task, PIPELINE_CONFIG_MAP, {key: key for key in CONFIG_MAP_ENV})
     kubernetes.use_config_map_as_env(
         task, PIPELINE_CONFIG_MAP, {key: key for key in OPTIONAL_CONFIG_MAP_ENV}, optional=True
@@ -227,10 +214,8 @@ def torchrun_command(
     seed: int | None = None,
 ) -> list[str]:
     """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node, every
-    setting of the ``training`` section an option (:func:`pipelines.config.setting_option`); ``seed``
-    overrides its seed; ``epochs`` must have been turned into steps, and the batch must split evenly over
-    the ranks (DDP, :mod:`compat.training.ddp`). Several nodes: the PyTorchJob of ``manifests/k8s/training/``.
-    """
+    setting of ``training`` an option; ``epochs`` must have been turned into steps. Several nodes: the
+    PyTorchJob of ``manifests/k8s/training/``."""
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
     from components.training.continual import SECTION_FIELDS, TrainingSettings
@@ -249,7 +234,7 @@ def torchrun_command(
     command = ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc_per_node}", "--no-python"]
     command += ["compatflow", "train", "continual", f"--stream={stream}", f"--phase={int(phase)}"]
     command.append(f"--out={out}")
-    for setting in SECTION_FIELDS.values():  # every setting of the section
+    for setting in SECTION_FIELDS.values():
         value = getattr(settings, setting)
         if value is not None:  # None: the trainer's own default (no alpha but Mod-X's, the model's resize)
             command.append(f"{setting_option(setting)}={value}")
