@@ -8,13 +8,13 @@ from typing import Annotated, Any
 
 import typer
 
+from compat.data.manifest import SPLITS
 from pipelines.commands._common import echo_json, exit_codes, fail
 
 data_app = typer.Typer(
     help="Captioned-image data: import images into img2dataset-layout tar shards, synthetic streams.",
     no_args_is_help=True,
 )
-SPLITS = ("train", "eval", "gallery")
 
 
 def _stream(name: str, **limits: Any) -> Any:
@@ -174,11 +174,10 @@ def import_(
     start = time.perf_counter()
     exclude = _stream_keys(exclude_stream) if exclude_stream is not None else None
     try:
-        fractions = importer.parse_split(split)
         settings = importer.ImportSettings(
             source_format=importer.detect_format(src) if source_format == "auto" else source_format,
             template=template,
-            split=fractions,
+            split=importer.parse_split(split),
             seed=seed,
             samples_per_shard=samples_per_shard,
             key_prefix=key_prefix,
