@@ -177,8 +177,6 @@ def decode_rgb(
             pass
     try:
         rgb = _to_rgb(image, background)
-    except ImageDecodeError:
-        raise
     except Exception as exc:
         raise ImageDecodeError(f"cannot convert an image of mode {image.mode!r} to RGB: {exc}") from exc
     if size is not None and min(rgb.size) > size:

@@ -15,7 +15,8 @@ from compat.data.images import MAX_PIXELS, ImageTooLargeError, decode_rgb, read_
 def test_planted_headers_are_refused_before_decoding():
     png, jpeg = flat_png(15000, 10000), forged_jpeg(20000, 20000)
     assert len(png) < 2 * MiB and len(jpeg) < 1024  # cheap to carry: the bytes say nothing of the pixels
-    assert read_header(png).pixels == 150_000_000
+    header = read_header(png)
+    assert header.width * header.height == 150_000_000
     with pytest.raises(ImageTooLargeError, match="decompression-bomb|400.0 megapixels"):
         read_header(jpeg)  # past PIL's own limit: refused by PIL's header check, reported as too large
     for data in (png, jpeg):
