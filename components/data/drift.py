@@ -9,6 +9,7 @@ between ``NOISE_SPLITS`` random halves of it is its noise floor, and only the ex
 
 from __future__ import annotations
 
+import bisect
 import colorsys
 import logging
 import random
@@ -155,12 +156,8 @@ def column_scores(reference_df: Any, current_df: Any, numeric: Sequence[str]) ->
 
 
 def severity_for(score: float, method: str) -> str:
-    """Map a drift score to a severity band of :data:`SEVERITY_BANDS`."""
-    bands = SEVERITY_BANDS[method]
-    for name, upper in zip(SEVERITIES, bands, strict=False):
-        if score < upper:
-            return name
-    return SEVERITIES[-1]
+    """Map a drift score to a severity band of :data:`SEVERITY_BANDS` (each band's upper bound exclusive)."""
+    return SEVERITIES[bisect.bisect_right(SEVERITY_BANDS[method], score)]
 
 
 def image_statistics(image: Any, original_size: tuple[int, int] | None = None) -> dict[str, Any]:

@@ -62,8 +62,7 @@ class GatePolicy:
         merged = merge_policy(base, dict(overrides or {}))
         errors = schemas.schema_errors(merged, "gate_policy")
         errors += [f"{path}: {value!r} is not a finite number" for path, value in non_finite(merged)]
-        missing = sorted(set(base) - set(merged))
-        errors += [f"{key}: required" for key in missing]
+        errors += [f"{key}: required" for key in sorted(set(base) - set(merged))]
         if errors:
             raise PolicyError(
                 f"{source} is not a valid gate policy (schemas/gate_policy.schema.json):\n  "

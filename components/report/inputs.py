@@ -7,30 +7,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.state.run_dir import (
-    BLOCKED_FILE,
-    COMPAT_REPORT_FILE,
-    DRIFT_FILE,
-    EXAMPLES_FILE,
-    FAILURE_FILE,
-    GATE_FILE,
-    METRICS_FILE,
-    ROLLOUT_STATE_FILE,
-    VALIDATION_FILE,
-)
+from components.state import run_dir as files
 
-# file name (components.state.run_dir.RunDir) -> step directory names preferred when several files share the
-# name (the step's own first, then the names of earlier versions)
+# file name -> step directory names preferred when several files share the name (the step's own first, then
+# the names of earlier versions)
 SOURCES = {
-    "validation": (VALIDATION_FILE, ("validate", "validation")),
-    "drift": (DRIFT_FILE, ("drift",)),
-    "metrics": (METRICS_FILE, ("continual", "train", "training")),
-    "compat_report": (COMPAT_REPORT_FILE, ("evaluate", "compat")),
-    "gate": (GATE_FILE, ("gate",)),
-    "rollout": (ROLLOUT_STATE_FILE, ("rollout",)),
-    "examples": (EXAMPLES_FILE, ("rollout",)),  # retrieval examples (components.steps.examples)
-    "blocked": (BLOCKED_FILE, ()),  # written when a step stopped the run
-    "failure": (FAILURE_FILE, ()),  # written when a step raised (components.runs.record_failure)
+    "validation": (files.VALIDATION_FILE, ("validate", "validation")),
+    "drift": (files.DRIFT_FILE, ("drift",)),
+    "metrics": (files.METRICS_FILE, ("continual", "train", "training")),
+    "compat_report": (files.COMPAT_REPORT_FILE, ("evaluate", "compat")),
+    "gate": (files.GATE_FILE, ("gate",)),
+    "rollout": (files.ROLLOUT_STATE_FILE, ("rollout",)),
+    "examples": (files.EXAMPLES_FILE, ("rollout",)),  # retrieval examples (components.steps.examples)
+    "blocked": (files.BLOCKED_FILE, ()),  # written when a step stopped the run
+    "failure": (files.FAILURE_FILE, ()),  # written when a step raised (components.runs.record_failure)
 }
 
 

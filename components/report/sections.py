@@ -1,7 +1,5 @@
-"""The report's content as plain data (sections of notes, tables, figures, links), built from a run's inputs.
-
-Both renderers (HTML and Markdown) walk the same sections, so they always say the same thing.
-"""
+"""The report's content as plain data (notes, tables, figures, links) built from a run's inputs: both
+renderers walk the same sections, so they always say the same thing."""
 
 from __future__ import annotations
 
@@ -441,9 +439,7 @@ def _nested_table(value: Any) -> list[list[Any]] | None:
     if not all(isinstance(v, Mapping) for v in value.values()):
         return None
     flat = {name: _flatten_numbers(inner) for name, inner in value.items()}
-    columns: list[str] = []
-    for inner in flat.values():
-        columns += [k for k in inner if k not in columns]
+    columns = list(dict.fromkeys(k for inner in flat.values() for k in inner))  # first-seen order
     if not columns:
         return None
     rows = [[str(name), *(_fmt(inner.get(c)) for c in columns)] for name, inner in flat.items()]

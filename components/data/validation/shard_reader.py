@@ -56,13 +56,9 @@ class MemberLimits:
         return max(self.expansion_floor_bytes, self.max_expansion * compressed)
 
     def for_ext(self, ext: str) -> int:
-        if ext == "txt":
-            return self.caption_bytes
-        if ext == "json":
-            return self.metadata_bytes
         if ext in ("jpg", "jpeg", "png", "webp"):
             return self.image_bytes
-        return self.other_bytes
+        return {"txt": self.caption_bytes, "json": self.metadata_bytes}.get(ext, self.other_bytes)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """Validation of every split of a phase (train, eval, gallery) with one policy, summarized in one document.
 
-The train split is validated into ``out_dir`` itself (the layout every reader of a train validation knows),
-every other split into ``out_dir/<split>/``; ``out_dir/validation.json`` is then rewritten as the train
-document plus ``splits``, the phase blocked when any split is. A failing gallery item lands in its split's
-quarantine only, so nothing indexes it."""
+Train is validated into ``out_dir`` itself (the layout every reader knows), every other split into
+``out_dir/<split>/``; ``validation.json`` is then rewritten as the train document plus ``splits``, blocked
+when any split is. A failing gallery item lands in its split's quarantine only, so nothing indexes it."""
 
 from __future__ import annotations
 
