@@ -21,16 +21,18 @@ from compat.io import atomic_write
 
 log = logging.getLogger(__name__)
 
-ITEM_COLUMNS = (
-    "item_id",
-    "caption",
-    "image_uri",
-    "model_version",
-    "space_id",
-    "embedded_at",
-    "phase",
-    "domain",
-)
+# Each lineage column and its Arrow type (embedded_at: epoch us; parts written as timestamp[us] read alike).
+_COLUMN_TYPES = {
+    "item_id": "string",
+    "caption": "string",
+    "image_uri": "string",
+    "model_version": "string",
+    "space_id": "string",
+    "embedded_at": "int64",
+    "phase": "int64",
+    "domain": "string",
+}
+ITEM_COLUMNS = tuple(_COLUMN_TYPES)
 REQUIRED = ("item_id", "model_version", "space_id")
 _CARRIED = ("caption", "image_uri", "domain")  # what a sync keeps from an item's lineage
 _SYNC_FEATURES = ("model_version", "space_id", *_CARRIED)
@@ -370,20 +372,8 @@ def _rows(items: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
 def _arrow_schema() -> Any:
     import pyarrow as pa
 
-    ts = pa.timestamp("us", tz="UTC")
-    return pa.schema(
-        [
-            ("item_id", pa.string()),
-            ("caption", pa.string()),
-            ("image_uri", pa.string()),
-            ("model_version", pa.string()),
-            ("space_id", pa.string()),
-            ("embedded_at", pa.int64()),  # epoch us (parts written as timestamp[us] read the same)
-            ("phase", pa.int64()),
-            ("domain", pa.string()),
-            ("written_at", ts),
-        ]
-    )
+    columns = [(name, pa.type_for_alias(kind)) for name, kind in _COLUMN_TYPES.items()]
+    return pa.schema([*columns, ("written_at", pa.timestamp("us", tz="UTC"))])
 
 
 def _write_part(frame: Any, directory: Path) -> Path:

@@ -126,9 +126,8 @@ class Rollout:
             return state
 
     def _measure_idle(self) -> None:
-        """The idle query p99 the SLO is a multiple of, measured before the rollout touches anything: on the
-        users' queries of the running services, or on searches of the serving collection with a probe text
-        under the serving query model."""
+        """The idle query p99 the SLO is a multiple of, measured before the rollout touches anything
+        (:func:`components.rollout.pacing.latency_sources`)."""
         serving = self.index.serving_collection()
         if self.config.slo_p99_factor is None or serving is None or not self.probe.texts:
             return
@@ -309,10 +308,9 @@ class Rollout:
         state["curve"].sort(key=lambda p: p["fraction"])
 
     def _ensure_target(self, state: dict[str, Any]) -> None:
-        """The rollout's own collection, created at its first stage (its size: the source's, the transform's,
-        or, for a fill in another space, what the gallery encoder makes of one item), and the centres its rows
-        are keyed against: fitted on the plan's sample of the source, as the serving contract reads it (a
-        fill in another space has none yet)."""
+        """The rollout's own collection, created at its first stage (a fill in another space is as wide as the
+        gallery encoder's vector of one item), and the centres its rows are keyed against, fitted on the
+        plan's sample of the source as the serving contract reads it (a fill in another space has none)."""
         g = state["gallery"]
         if self.index.has_collection(g["collection"]):
             return
