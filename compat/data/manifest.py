@@ -15,6 +15,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from compat.data.shards import ShardError, iter_raw_samples, sample_keys, write_shard
+from compat.io import utc_now, write_json_atomic
+
 log = logging.getLogger(__name__)
 
 FORMAT = "compatflow-stream"
@@ -124,8 +127,6 @@ def content_digest(members: Mapping[str, bytes]) -> str:
 def check_shards(urls: Sequence[str], split: str) -> dict[str, tuple[str, str]]:
     """Every sample key of ``split``'s shards (each read to its end), with its shard and
     :func:`content_digest`; :class:`StreamError` for an unreadable, truncated or empty shard or a repeat."""
-    from compat.data.shards import ShardError, iter_raw_samples
-
     keys: dict[str, tuple[str, str]] = {}
     for url in urls:
         try:
@@ -147,8 +148,6 @@ def check_shards(urls: Sequence[str], split: str) -> dict[str, tuple[str, str]]:
 def stream_keys(directory: str | os.PathLike[str], manifest: dict[str, Any] | None = None) -> dict[str, str]:
     """Every sample key of the stream in ``directory``, each with its shard (tar headers only); raise
     :class:`StreamError` naming the phase and shard when one cannot be read."""
-    from compat.data.shards import ShardError, sample_keys
-
     root = Path(directory)
     manifest = manifest if manifest is not None else load_manifest(root)
     held: dict[str, str] = {}
@@ -167,8 +166,6 @@ def stream_keys(directory: str | os.PathLike[str], manifest: dict[str, Any] | No
 def _repeats(root: Path, manifest: dict[str, Any], new: Mapping[str, tuple[str, str]]) -> set[str]:
     """The keys of the new phase that the stream already holds with the same picture bytes (a key it holds
     for other bytes is refused: evaluation, validation and the gallery key samples by it)."""
-    from compat.data.shards import ShardError, iter_raw_samples
-
     held = stream_keys(root, manifest)
     by_shard: dict[str, set[str]] = {}
     for key in new.keys() & held.keys():
@@ -300,8 +297,6 @@ def _stream_lock(root: Path) -> Iterator[None]:
 def _append_locked(
     root: Path, urls: dict[str, list[str]], fields: dict[str, Any], in_place: bool, skip: set[str]
 ) -> dict[str, Any]:
-    from compat.io import utc_now, write_json_atomic
-
     path = manifest_path(root)
     manifest = load_manifest(root) if path.is_file() else {"format": FORMAT, "version": VERSION, "phases": []}
     phase = len(manifest["phases"])
@@ -346,8 +341,6 @@ def _relative_or_absolute(url: str, root: Path) -> str:
 def _copy_without(src: Path, dst: Path, skip: set[str]) -> bool:
     """Put shard ``src`` at ``dst``, linked, or rewritten without the keys of ``skip``; whether it was written
     (not when no sample is left)."""
-    from compat.data.shards import iter_raw_samples, sample_keys, write_shard
-
     if not skip or not (sample_keys(str(src)) & skip):
         try:
             os.link(src, dst)  # shards are never rewritten in place
