@@ -78,11 +78,8 @@ def validate_splits(
 
 
 def _validate(shards: Any, out_dir: Path, policy: ValidationPolicy, force: bool) -> ValidationSummary | None:
-    if not isinstance(shards, (str, os.PathLike)) and not list(shards):
-        return None
-    return validate_phase(
-        shards if isinstance(shards, (str, os.PathLike)) else list(shards), out_dir, policy, force=force
-    )
+    patterns = shards if isinstance(shards, (str, os.PathLike)) else list(shards)
+    return None if patterns == [] else validate_phase(patterns, out_dir, policy, force=force)
 
 
 def _split_entry(
