@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from compat.data.shards import is_local, local_path
+
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB: ~70,000 samples decoded at 64 px, ~6,000 at 224 px
 _SAMPLE_OVERHEAD = 1024  # bytes per sample besides its pixels (objects, caption, metadata)
 
@@ -39,8 +41,6 @@ class SampleCache:
 
     def key(self, url: str, settings: Sequence[Any]) -> Hashable | None:
         """The cache key of shard ``url`` decoded with ``settings`` (None: not cacheable, e.g. remote)."""
-        from compat.data.shards import is_local, local_path
-
         if self.max_bytes == 0 or not is_local(url):
             return None
         path = local_path(url)

@@ -17,6 +17,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -194,8 +195,6 @@ def read_image_file(uri: str, size: int | None = None, max_bytes: int = 32 << 20
     """The RGB image of a file named by a local path or ``file://`` URI (an item's own image, outside any
     shard), at most ``max_bytes``, decoded by :func:`decode_rgb` to ``size``. Raises :class:`OSError` for a
     file it cannot read or another scheme, :class:`ImageDecodeError` for one that is not an image."""
-    from pathlib import Path
-
     path = uri[len("file://") :] if uri.startswith("file://") else uri
     if "://" in path:
         raise OSError(f"{uri!r}: only local paths and file:// URIs are read")

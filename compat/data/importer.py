@@ -28,7 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compat.data.images import MAX_PIXELS
+from compat.data.images import MAX_PIXELS, ImageDecodeError, ImageTooLargeError, decode_rgb, read_header
+from compat.data.shards import write_shard
+from compat.io import read_json, write_json_atomic
+from compat.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -535,8 +538,6 @@ def _header(data: bytes, max_pixels: int) -> dict[str, Any]:
     when it is not an image or declares more than ``max_pixels`` (``image_pixels``)."""
     from PIL import UnidentifiedImageError
 
-    from compat.data.images import ImageDecodeError, ImageTooLargeError, read_header
-
     try:
         return asdict(read_header(data, formats=None, max_pixels=max_pixels))
     except ImageTooLargeError as exc:
@@ -600,8 +601,6 @@ def resize_image(
     :class:`compat.data.images.ImageDecodeError` when it does not decode."""
     from PIL import Image
 
-    from compat.data.images import decode_rgb
-
     short, long = min(size), max(size)
     need = max_side if mode in ("keep_ratio", "center_crop") else max(1, math.ceil(max_side * short / long))
     # area averaging for the last scaling, as img2dataset downscales (OpenCV's INTER_AREA)
@@ -626,8 +625,6 @@ def resize_image(
 def flatten_image(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
     """A picture with transparency as img2dataset stores it: on white, upright, as PNG, with the facts
     :func:`resize_image` gives; :class:`compat.data.images.ImageDecodeError` when it does not decode."""
-    from compat.data.images import decode_rgb
-
     image = decode_rgb(data, formats=None, max_pixels=None)
     return _encoded(image, image.info["original_size"], as_jpeg=False)
 
@@ -1082,7 +1079,6 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
 
 def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The finished report and the pending plan found in ``out`` (refuses a folder that holds other files)."""
-    from compat.io import read_json
 
     def damaged(why: str) -> DataImportError:
         return DataImportError(f"{why}; delete {out} and import again")
@@ -1108,8 +1104,6 @@ def import_images(
     finished import of other input. ``allow_outside``: folders outside SRC whose files may be read.
     ``exclude``: keys a stream holds, each with its shard (:func:`compat.data.manifest.stream_keys`).
     """
-    from compat.progress import track
-
     settings = settings or ImportSettings(source_format=detect_format(Path(src)))
     settings.check()
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
@@ -1184,9 +1178,6 @@ def _import(
     pending: dict[str, Any] | None,
 ) -> ImportResult:
     """:func:`import_images` once its arguments are checked: scan, then write the missing shards."""
-    from compat.data.shards import write_shard
-    from compat.io import write_json_atomic
-
     spool = out_path / SPOOL
     wall, cpu = time.perf_counter(), time.process_time()
     plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool=spool)

@@ -10,9 +10,14 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import multiprocessing
 import os
 import re
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -210,9 +215,6 @@ _WORKER: dict[str, Any] = {}
 def _worker_start(decode_settings: tuple[Any, ...], prepare: Callable[[Sample, int], Any] | None) -> None:
     """A decoding worker's set-up: one torch thread, its decoder and step, and a watch that ends the worker
     when its parent is gone (killed, it cannot say so)."""
-    import threading
-    import time
-
     import torch
 
     torch.set_num_threads(1)
@@ -399,10 +401,6 @@ class ShardStream:
         """``items`` decoded (and prepared) by a pool of :attr:`workers` processes, in order, not past a
         barrier until everything before it is consumed. A read error ends the stream after the samples
         before it."""
-        import multiprocessing
-        from collections import deque
-        from concurrent.futures import ProcessPoolExecutor
-
         pool = ProcessPoolExecutor(
             self.workers,
             mp_context=multiprocessing.get_context(),

@@ -15,6 +15,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from compat.data.manifest import load_manifest, phase_urls
+from compat.data.shards import iter_raw_samples
+
 WORD = re.compile(r"[a-z0-9]+(?:[-'][a-z0-9]+)*")
 
 
@@ -45,9 +48,6 @@ def iter_phase_captions(
     directory: str | os.PathLike[str], phase: int, split: str, manifest: dict[str, Any]
 ) -> Iterator[str]:
     """Every caption of ``split`` in ``phase`` of the stream in ``directory``, shard by shard."""
-    from compat.data.manifest import phase_urls
-    from compat.data.shards import iter_raw_samples
-
     for url in phase_urls(directory, phase, split, manifest):
         for sample in iter_raw_samples(url):
             yield from sample_captions(sample.members)
@@ -59,8 +59,6 @@ def earlier_word_shares(
     """Per phase: captions, vocabulary size, words new to the stream, and the share of its captions that
     use only words of earlier phases' ``split`` captions (``None`` for phase 0). Raises
     :class:`~compat.data.manifest.StreamError` or :class:`~compat.data.shards.ShardError`."""
-    from compat.data.manifest import load_manifest
-
     manifest = manifest if manifest is not None else load_manifest(directory)
     seen: set[str] = set()
     rows = []

@@ -16,9 +16,11 @@ import io
 import json
 import logging
 import math
+import multiprocessing
 import os
 import random
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from compat.data.manifest import (  # noqa: F401 -- the manifest's owner; re-exp
 from compat.data.render import render_scene, shade
 from compat.data.shards import write_shard
 from compat.io import read_json, write_json_atomic
+from compat.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -304,11 +307,6 @@ def _check_existing(out: Path, settings: dict[str, Any], phases: int) -> None:
 
 def _run_jobs(write: Callable[[ShardJob], int], jobs: list[ShardJob], workers: int) -> None:
     """``write`` (picklable) each job, in ``workers`` processes when there are several."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from compat.progress import track
-
     desc = f"writing {len(jobs)} shards ({sum(j.count for j in jobs)} samples)"
     with contextlib.ExitStack() as stack:
         run = map
