@@ -672,8 +672,8 @@ class GalleryIndex:
             return
         last: str | None = None
         while True:
-            after = f"item_id > {quote(last)}" if last is not None else 'item_id != ""'
-            where = f"({filter}) and {after}" if filter else after
+            after = f"item_id > {quote(last)}" if last is not None else ""
+            where = " and ".join(f"({c})" for c in (filter, after) if c) or 'item_id != ""'
             page = self._query(name, consistency, filter=where, output_fields=fields, limit=int(batch_size))
             if not page:
                 return

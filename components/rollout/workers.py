@@ -180,10 +180,14 @@ class _SliceWriter:
         done; the next page is encoded on a second thread while the caller writes this one."""
         from components.adapters.index import ROW_FIELDS
 
+        # a re-embedding needs the rows' fields, not their old vectors (a transform maps those)
+        transform = self.spec["action"] == "transform"
+        fields = ROW_FIELDS if transform else [f for f in ROW_FIELDS if f != "vector"]
+
         def pages() -> Iterator[tuple[int, list[dict[str, Any]] | None]]:
             for i in slices:
                 for page in self.index.iter_rows(
-                    ROW_FIELDS,
+                    fields,
                     self.spec["source"],
                     filter=filters[i],
                     batch_size=int(self.spec["batch_size"]),
