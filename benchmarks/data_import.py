@@ -24,13 +24,14 @@ import platform
 import shutil
 import statistics
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.validation import raw_tar_read  # noqa: E402
 
 
 def source_images(samples: int):
@@ -63,15 +64,6 @@ def write_folder(folder: Path, pairs, size: int | None) -> int:
         image.save(folder / f"{i:06d}.{'png' if i % 2 == 0 else 'jpg'}")
         (folder / f"{i:06d}.txt").write_text(caption + "\n")
     return sum(p.stat().st_size for p in folder.iterdir())
-
-
-def raw_tar_read(paths: list[Path]) -> int:
-    total = 0
-    for path in paths:
-        with tarfile.open(path) as tar:
-            for member in tar:
-                total += len(tar.extractfile(member).read())
-    return total
 
 
 def raw_file_read(folder: Path) -> int:
