@@ -35,13 +35,17 @@ DIM = 64
 SEARCH_EF = (64, 128, 256)
 
 
-def _recall(index: Any, name: str, gallery: np.ndarray, ef: int) -> tuple[float, float]:
-    """Recall@10 of 200 noisy gallery vectors against an exact search, and milliseconds per query."""
+def _queries(gallery: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """200 noisy gallery vectors and their exact top 10 (the recall's reference, computed once)."""
     rng = np.random.default_rng(1)
     queries = gallery[rng.choice(len(gallery), 200, replace=False)]
     queries = queries + 0.05 * rng.normal(size=queries.shape).astype(np.float32)
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-    exact = np.argsort(-(queries @ gallery.T), axis=1)[:, :10]
+    return queries, np.argsort(-(queries @ gallery.T), axis=1)[:, :10]
+
+
+def _recall(index: Any, name: str, queries: np.ndarray, exact: np.ndarray, ef: int) -> tuple[float, float]:
+    """Recall@10 of ``queries`` against their ``exact`` top 10 at search ``ef``; milliseconds a query."""
     t0 = time.monotonic()
     hits = index.client.search(
         name, data=queries.tolist(), limit=10, output_fields=[], search_params={"params": {"ef": ef}}
@@ -82,8 +86,8 @@ def measure(server: Any, size: int, m: int, ef_construction: int) -> dict[str, A
             segments = [int(s.num_rows) for s in utility.get_query_segment_info(name, using="segments")]
         finally:
             connections.disconnect("segments")
-        gallery = np.concatenate(parts)
-        search = {ef: _recall(index, name, gallery, ef) for ef in SEARCH_EF}
+        queries, exact = _queries(np.concatenate(parts))
+        search = {ef: _recall(index, name, queries, exact, ef) for ef in SEARCH_EF}
         index.client.drop_collection(name)
     return {
         "size": size,
