@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import importlib
 import json
 import os
@@ -302,6 +303,9 @@ class _Host:
                 os.close(fd)
             return None
         sys.stdout.flush()
+        # The preloaded objects leave the collector's view (gc.freeze, as its docs advise before a fork): a
+        # task's pages stay shared, and its interpreter's exit collects only its own objects (5 s less).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             for own in (self.listener, self.selector, conn, *self.tasks.values()):

@@ -30,6 +30,9 @@ if mode == "raise":
 if mode == "random":
     import numpy
     print(numpy.random.randint(1 << 30))
+if mode == "frozen":
+    import gc
+    print(gc.get_freeze_count())
 if mode == "sleep":
     Path(sys.argv[2]).write_text(str(os.getpid()))
     time.sleep(120)
@@ -110,6 +113,12 @@ def test_a_tasks_exit_functions_run_as_it_ends(host):
     proc = _launch(launcher, "atexit")
     out, err = proc.communicate("", timeout=60)
     assert proc.returncode == 0 and out.strip() == "exit function ran", err
+
+
+def test_a_task_starts_with_the_hosts_objects_frozen_so_its_exit_collects_only_its_own(host):
+    launcher, _, _ = host
+    out, err = _launch(launcher, "frozen").communicate("", timeout=60)
+    assert int(out) > 10_000, err  # numpy's preloaded objects, outside the task's collections
 
 
 def test_forked_tasks_draw_fresh_random_numbers(host):
