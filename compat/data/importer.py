@@ -45,10 +45,7 @@ SOURCE_FORMATS = ("sidecar", "class-folders", "table", "karpathy")
 # A Karpathy split file's splits: restval (COCO's 30k validation pictures outside val and test) trains;
 # test is the split the retrieval literature reports recall on, so it is evaluated on here.
 KARPATHY_SPLITS = {"train": "train", "restval": "train", "test": "eval", "val": "gallery"}
-DEFAULT_TEMPLATE = "a photo of a {label}"
-DEFAULT_SPLIT = (0.8, 0.1, 0.1)
 KEY_HEX = 20
-MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
 MAX_SIDECAR_BYTES = 1024 * 1024  # a metadata file (the validation policy's max_metadata_bytes)
 MAX_CAPTION_BYTES = 64 * 1024  # one caption, UTF-8; also the validation policy's max_caption_bytes
 MAX_CAPTIONS = 1000  # distinct captions of one picture (COCO and Flickr30k have five)
@@ -59,17 +56,9 @@ MAX_DECODE_PIXELS = 178_956_970
 CAPTION_EXT, METADATA_EXT = ".txt", ".json"
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # what the pipeline decodes
 RESIZE_MODES = ("keep_ratio", "center_crop", "border", "no")  # img2dataset's --resize_mode names
-DEFAULT_RESIZE_MODE = "keep_ratio"
-# 2x the largest model input of the shipped configs (224 px, pipelines/configs/cluster.yaml) and room for a
-# bigger one; a 12-megapixel photo is stored as 768 x 512.
-DEFAULT_MAX_SIDE = 512
 ORIGINALS = "originals"  # the folder of --keep-originals shards
 SPOOL = ".import-spool"  # pictures stored resized or converted, from the scan until their shard is written
 _KEY_PREFIX = re.compile(r"^[A-Za-z0-9_-]*$")
-# The report's counts that `data import` prints, in order.
-SUMMARY_FIELDS = tuple(
-    "imported counts captions caption_counts grouped duplicates in_stream refused refused_by_reason".split()
-)
 # Fields the importer writes into every {key}.json; a table's extra column may not reuse one.
 RESERVED_FIELDS = tuple(
     "key caption captions source width height original_width original_height mode format sha256 "
@@ -92,16 +81,18 @@ class ImportSettings:
     """What decides the output bytes besides the source files."""
 
     source_format: str = "sidecar"
-    template: str = DEFAULT_TEMPLATE
-    split: tuple[float, float, float] = DEFAULT_SPLIT
+    template: str = "a photo of a {label}"
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
     seed: int = 0
     samples_per_shard: int = 1000
     key_prefix: str = ""
-    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_bytes: int = 32 * 1024 * 1024  # the validation policy's default max_image_bytes
     path_column: str = "path"
     caption_column: str = "caption"
-    max_side: int = DEFAULT_MAX_SIDE
-    resize_mode: str = DEFAULT_RESIZE_MODE
+    # 2x the largest model input of the shipped configs (224 px, pipelines/configs/cluster.yaml) and room for
+    # a bigger one; a 12-megapixel photo is stored as 768 x 512.
+    max_side: int = 512
+    resize_mode: str = "keep_ratio"
     keep_originals: bool = False
     max_pixels: int = MAX_DECODE_PIXELS
 
@@ -188,8 +179,11 @@ class ImportResult:
 
     def summary(self) -> dict[str, Any]:
         """What ``compatflow data import`` prints: the report's counts and the shards this run wrote."""
+        keys = (
+            "imported counts captions caption_counts grouped duplicates in_stream refused refused_by_reason"
+        )
         return {
-            **{k: self.report[k] for k in SUMMARY_FIELDS if k in self.report},
+            **{k: self.report[k] for k in keys.split() if k in self.report},
             "shards_written": self.written_shards,
             "shards_already_there": self.reused_shards,
             "report": str(self.out / REPORT),
@@ -334,19 +328,13 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
             out.append(_Candidate(where, None, refused=("image_missing", f"{where}: the path cell is empty")))
             continue
         rel = str(cell).strip()
-        path = Path(rel) if Path(rel).is_absolute() else base / rel
-        source = f"{where}: {rel}"
+        source, path = f"{where}: {rel}", base / rel  # an absolute rel stays as it is
         refused = _not_a_file(source, path)
-        if refused:
-            out.append(_Candidate(source, path, refused=refused))
-            continue
-        out.append(_Candidate(source, path, caption=caption, extra=extra, listed=rel, row=n))
+        out.append(_Candidate(source, path, caption, extra=extra, listed=rel, row=n, refused=refused))
     return out
 
 
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
-
-
 _SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")  # one as it is, or a JSON escape of one
 
 
@@ -385,8 +373,7 @@ def _json_array_items(text: str, key: str, where: Path, decoder: json.JSONDecode
     Karpathy file is 140 MB of text, several GB as one decoded tree)."""
 
     def skip(i: int) -> int:
-        match = _JSON_SPACE.match(text, i)
-        return match.end() if match else i
+        return _JSON_SPACE.match(text, i).end()  # type: ignore[union-attr]  # the pattern matches ""
 
     def expect(i: int, chars: str, what: str) -> tuple[str, int]:
         i = skip(i)
@@ -458,12 +445,9 @@ def _karpathy_candidate(file: Path, where: str, entry: Any, problem: str | None)
     filename = entry.get("filename") if isinstance(entry, dict) else None
     if problem or not isinstance(filename, str) or not filename.strip():
         return _Candidate(where, None, refused=("entry_invalid", f"{where}: {problem or 'no filename'}"))
-    folder = entry.get("filepath")
-    rel = (
-        f"{folder.strip().rstrip('/')}/{filename.strip()}"
-        if isinstance(folder, str) and folder.strip()
-        else filename.strip()
-    )
+    folder, rel = entry.get("filepath"), filename.strip()
+    if isinstance(folder, str) and folder.strip():
+        rel = f"{folder.strip().rstrip('/')}/{rel}"
     source = f"{where}: {rel}"
     split, sentences = entry.get("split"), entry.get("sentences")
     if not isinstance(split, str) or split not in KARPATHY_SPLITS:
@@ -476,9 +460,8 @@ def _karpathy_candidate(file: Path, where: str, entry: Any, problem: str | None)
     if not texts or any(t is None for t in texts):
         problem = f"{source}: 'sentences' must be a non-empty list of {{\"raw\": caption}} objects"
         return _Candidate(source, None, refused=("entry_invalid", problem))
-    path = Path(rel) if Path(rel).is_absolute() else file.parent / rel
-    refused = _not_a_file(source, path)
-    if refused:
+    path = file.parent / rel  # an absolute rel stays as it is
+    if refused := _not_a_file(source, path):
         return _Candidate(source, path, refused=refused)
     meta = _json_safe({k: v for k, v in entry.items() if k != "sentences"})
     split = KARPATHY_SPLITS[split]
@@ -523,16 +506,6 @@ def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candida
 # ------------------------------------------------------------------------------------------------ scan
 
 
-def _too_many_pixels(pixels: int | None, limit: int, size: tuple[int, int] | None = None) -> _Refused:
-    amount = f"{pixels:,} pixels, {pixels / 1e6:.1f} megapixels" if pixels else "over Pillow's limit"
-    what = f"{size[0]}x{size[1]} ({amount})" if size else amount
-    return _Refused(
-        "image_pixels",
-        f"the image is {what}, above max_pixels {limit:,} ({limit / 1e6:g} megapixels; --max-pixels, "
-        "at most Pillow's decompression-bomb limit): not decoded",
-    )
-
-
 def _header(data: bytes, max_pixels: int) -> dict[str, Any]:
     """Format, mode, size and transparency an image's header declares (nothing decoded); raises ``_Refused``
     when it is not an image or declares more than ``max_pixels`` (``image_pixels``)."""
@@ -541,7 +514,14 @@ def _header(data: bytes, max_pixels: int) -> dict[str, Any]:
     try:
         return asdict(read_header(data, formats=None, max_pixels=max_pixels))
     except ImageTooLargeError as exc:
-        raise _too_many_pixels(exc.pixels, max_pixels, exc.size) from exc
+        pixels, size = exc.pixels, exc.size
+        amount = f"{pixels:,} pixels, {pixels / 1e6:.1f} megapixels" if pixels else "over Pillow's limit"
+        what = f"{size[0]}x{size[1]} ({amount})" if size else amount
+        raise _Refused(
+            "image_pixels",
+            f"the image is {what}, above max_pixels {max_pixels:,} ({max_pixels / 1e6:g} megapixels; "
+            "--max-pixels, at most Pillow's decompression-bomb limit): not decoded",
+        ) from exc
     except ImageDecodeError as exc:
         if isinstance(exc.__cause__, UnidentifiedImageError):
             raise _Refused("not_an_image", "not an image PIL can identify") from exc
@@ -620,13 +600,6 @@ def resize_image(
         canvas.paste(image, ((max_side - inner[0]) // 2, (max_side - inner[1]) // 2))
         image = canvas
     return _encoded(image, original, as_jpeg=fmt in ("JPEG", "MPO"))
-
-
-def flatten_image(data: bytes) -> tuple[str, bytes, dict[str, Any]]:
-    """A picture with transparency as img2dataset stores it: on white, upright, as PNG, with the facts
-    :func:`resize_image` gives; :class:`compat.data.images.ImageDecodeError` when it does not decode."""
-    image = decode_rgb(data, formats=None, max_pixels=None)
-    return _encoded(image, image.info["original_size"], as_jpeg=False)
 
 
 def _encoded(image: Any, original: tuple[int, int], as_jpeg: bool) -> tuple[str, bytes, dict[str, Any]]:
@@ -851,8 +824,9 @@ def _store(
         try:
             if target is not None:
                 made = resize_image(data, info["format"], settings.max_side, settings.resize_mode, size)
-            else:
-                made = flatten_image(data)
+            else:  # upright, on white, as PNG
+                image = decode_rgb(data, formats=None, max_pixels=None)
+                made = _encoded(image, image.info["original_size"], as_jpeg=False)
         except ValueError as exc:  # compat.data.images.ImageDecodeError
             raise _Refused("image_unreadable", str(exc)) from exc
     elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
@@ -947,7 +921,13 @@ def _plan(
         plan["in_stream"] = in_stream
     content = {
         "settings": plan["settings"],
-        "shards": {s: [[_portable(i) for i in sh["items"]] for sh in v] for s, v in shards.items()},
+        # the items without their absolute path (SRC may move) and stored picture (its bytes decide it)
+        "shards": {
+            s: [
+                [{k: v for k, v in i.items() if k not in ("path", "stored")} for i in sh["items"]] for sh in v
+            ]
+            for s, v in shards.items()
+        },
     }
     plan["digest"] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
     return plan
@@ -976,11 +956,6 @@ def _add_captions(
             item["captions"].append(caption)
             added += 1
     return added
-
-
-def _portable(item: dict[str, Any]) -> dict[str, Any]:
-    """An item without its absolute path (SRC may move) and its stored picture (its bytes decide it)."""
-    return {k: v for k, v in item.items() if k not in ("path", "stored")}
 
 
 # ----------------------------------------------------------------------------------------------- write
@@ -1077,18 +1052,6 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _check_out_dir(out: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The finished report and the pending plan found in ``out`` (refuses a folder that holds other files)."""
-
-    def damaged(why: str) -> DataImportError:
-        return DataImportError(f"{why}; delete {out} and import again")
-
-    report, pending = read_json(out / REPORT, damaged), read_json(out / PENDING, damaged)
-    if report is None and pending is None and any(p.name not in (SPOOL, LOCK) for p in out.iterdir()):
-        raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
-    return report, pending
-
-
 def import_images(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -1125,8 +1088,7 @@ def import_images(
         out_path.mkdir(parents=True, exist_ok=True)
         with _out_lock(out_path):
             try:
-                report, pending = _check_out_dir(out_path)
-                return _import(src_path, out_path, settings, show, tuple(allowed), exclude, report, pending)
+                return _import(src_path, out_path, settings, show, tuple(allowed), exclude)
             finally:  # the spool goes whatever happened (a killed import's is overwritten by the next scan)
                 shutil.rmtree(out_path / SPOOL, ignore_errors=True)
     finally:
@@ -1174,10 +1136,17 @@ def _import(
     show: Callable[..., Iterator[Any]],
     allowed: tuple[Path, ...],
     exclude: Mapping[str, str] | None,
-    report: dict[str, Any] | None,
-    pending: dict[str, Any] | None,
 ) -> ImportResult:
     """:func:`import_images` once its arguments are checked: scan, then write the missing shards."""
+
+    def damaged(why: str) -> DataImportError:
+        return DataImportError(f"{why}; delete {out_path} and import again")
+
+    report, pending = read_json(out_path / REPORT, damaged), read_json(out_path / PENDING, damaged)
+    if report is None and pending is None and any(p.name not in (SPOOL, LOCK) for p in out_path.iterdir()):
+        raise DataImportError(
+            f"{out_path} is not empty and holds no import; give a new or empty --out folder"
+        )
     spool = out_path / SPOOL
     wall, cpu = time.perf_counter(), time.process_time()
     plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool=spool)
