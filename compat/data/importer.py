@@ -372,41 +372,32 @@ def _json_array_items(text: str, key: str, where: Path, decoder: json.JSONDecode
     """The elements of the top-level object's ``key`` array in ``text``, decoded one at a time (COCO's
     Karpathy file is 140 MB of text, several GB as one decoded tree)."""
 
-    def skip(i: int) -> int:
-        return _JSON_SPACE.match(text, i).end()  # type: ignore[union-attr]  # the pattern matches ""
-
     def expect(i: int, chars: str, what: str) -> tuple[str, int]:
-        i = skip(i)
+        """The mark among ``chars`` after the blanks at ``i``, and where the next value starts."""
+        i = _JSON_SPACE.match(text, i).end()  # type: ignore[union-attr]  # the pattern matches ""
         if i >= len(text) or text[i] not in chars:
             found = repr(text[i]) if i < len(text) else "the end of the file"
             raise DataImportError(
                 f"{where} is not a Karpathy split file: {what} expected at character {i}, found {found}"
             )
-        return text[i], skip(i + 1)
+        return text[i], _JSON_SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
 
     _, i = expect(0, "{", "a JSON object")
-    found = False
-    if text[skip(i) : skip(i) + 1] != "}":  # else an empty object
-        while True:
-            name, i = decoder.raw_decode(text, skip(i))
-            _, i = expect(i, ":", "':'")
-            if name == key and not found:
-                found = True
-                _, i = expect(i, "[", f"the {key!r} array")
-                if text[i : i + 1] == "]":
-                    i += 1
-                else:
-                    while True:
-                        element, i = decoder.raw_decode(text, i)
-                        yield element
-                        mark, i = expect(i, ",]", "',' or ']'")
-                        if mark == "]":
-                            break
-            else:
-                _, i = decoder.raw_decode(text, i)
-            mark, i = expect(i, ",}", "',' or '}'")
-            if mark == "}":
-                break
+    found, mark = False, "}" if text[i : i + 1] == "}" else ","  # "}": an empty object
+    while mark == ",":
+        name, i = decoder.raw_decode(text, i)
+        _, i = expect(i, ":", "':'")
+        if name == key and not found:
+            found = True
+            _, i = expect(i, "[", f"the {key!r} array")
+            mark, i = ("]", i + 1) if text[i : i + 1] == "]" else (",", i)
+            while mark == ",":
+                element, i = decoder.raw_decode(text, i)
+                yield element
+                mark, i = expect(i, ",]", "',' or ']'")
+        else:
+            _, i = decoder.raw_decode(text, i)
+        mark, i = expect(i, ",}", "',' or '}'")
     if not found:
         raise DataImportError(
             f"{where} has no {key!r} list: not a Karpathy split file (dataset_coco.json, "
@@ -536,23 +527,17 @@ def _load(image: Any) -> None:
         raise _Refused("image_unreadable", f"cannot decode the image: {exc}") from exc
 
 
-def stored_image(data: bytes, fmt: str) -> tuple[str, bytes]:
-    """The member extension and bytes of an image whose format the pipeline does not decode: lossless PNG
-    (CMYK: JPEG quality 95); raises ``_Refused`` for a mode neither can hold."""
+def stored_image(data: bytes, fmt: str) -> tuple[str, bytes, dict[str, Any]]:
+    """An image whose format the pipeline does not decode as lossless PNG (CMYK: JPEG quality 95), with the
+    facts :func:`resize_image` gives; raises ``_Refused`` for a mode neither can hold."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
         _load(image)
-        buf = io.BytesIO()
-        try:
-            image.save(buf, format="PNG")
-            return "png", buf.getvalue()
-        except (OSError, KeyError, ValueError):
-            pass
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            return _encoded(image, image.size, as_jpeg=False)
         if image.mode == "CMYK":
-            buf = io.BytesIO()
-            image.save(buf, format="JPEG", quality=95)
-            return "jpg", buf.getvalue()
+            return _encoded(image, image.size, as_jpeg=True)
     raise _Refused(
         "unsupported_mode", f"a {fmt} image in mode {image.mode} can be stored neither as PNG nor JPEG"
     )
@@ -690,19 +675,17 @@ def _read_captions(candidate: _Candidate, place: _Place) -> tuple[list[str], lis
 
 
 def _read_caption(candidate: _Candidate, place: _Place) -> str:
-    if candidate.caption_file is None and candidate.caption is None:
-        assert candidate.path is not None
-        raise _Refused("caption_missing", f"no caption file {candidate.path.stem}{CAPTION_EXT} beside it")
     if candidate.caption_file is not None:
         data = _read_sidecar(candidate.caption_file, "caption", MAX_CAPTION_BYTES, place)
         try:
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             raise _Refused("caption_not_utf8", f"{candidate.caption_file.name} is not UTF-8: {exc}") from exc
-    else:
-        text = candidate.caption or ""
-    problem = _caption_problem(text.strip())
-    if problem:
+    elif candidate.caption is not None:
+        text = candidate.caption
+    else:  # a sidecar picture
+        raise _Refused("caption_missing", f"no caption file {candidate.path.stem}{CAPTION_EXT} beside it")
+    if problem := _caption_problem(text.strip()):
         raise _Refused(*problem)
     return text.strip()
 
@@ -830,8 +813,7 @@ def _store(
         except ValueError as exc:  # compat.data.images.ImageDecodeError
             raise _Refused("image_unreadable", str(exc)) from exc
     elif info["format"] not in KEPT_FORMATS:  # decoded and stored as PNG (refuses what cannot be)
-        ext, converted = stored_image(data, info["format"])
-        made = ext, converted, {"width": size[0], "height": size[1], "original_size": size}
+        made = stored_image(data, info["format"])
     else:  # the one decode: the bytes are stored as they are
         from PIL import Image
 
