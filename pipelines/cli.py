@@ -49,23 +49,18 @@ NOISY_LOGGERS = ("faiss", "milvus_lite")
 PROGRESS_LOGGER = "compat.progress"
 
 
-def version() -> str:
-    """The installed compatflow version."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("compatflow")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        from compat import __version__
-
-        return __version__
-
-
 def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"compatflow {version()}")
-        raise typer.Exit()
+    """``--version``: print the installed compatflow version and exit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if not value:
+        return
+    try:
+        installed = version("compatflow")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        from compat import __version__ as installed
+    typer.echo(f"compatflow {installed}")
+    raise typer.Exit()
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -56,22 +56,17 @@ def load_config(name_or_path: str | Path, *, local_paths: bool = True, training:
 def check(
     deployment: Deployment, *, source: str, local_paths: bool = True, training: bool = True
 ) -> Deployment:
-    """``deployment`` when the code that uses its fields accepts them; else :class:`ConfigError`."""
-    problems = _problems(deployment, local_paths=local_paths, training=training)
+    """``deployment`` when the code that uses its fields accepts them; else :class:`ConfigError` with what a
+    well-typed config gets wrong by that code, as ``field: why`` sentences."""
+    problems = []
+    if training:
+        problems += _model_problems(deployment, local_paths=local_paths) + _compat_problems(deployment.compat)
+    if local_paths:
+        problems += _gate_problems(deployment.gate)
+    problems += _rollout_problems(deployment.rollout)
     if problems:
         raise ConfigError("\n".join(f"{source}: {problem}" for problem in problems))
     return deployment
-
-
-def _problems(deployment: Deployment, *, local_paths: bool, training: bool = True) -> list[str]:
-    """What a well-typed config gets wrong by the code that uses it, as ``field: why`` sentences."""
-    problems = []
-    if training:
-        problems += _model_problems(deployment, local_paths=local_paths)
-        problems += _compat_problems(deployment.compat)
-    if local_paths:
-        problems += _gate_problems(deployment.gate)
-    return problems + _rollout_problems(deployment.rollout)
 
 
 def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list[str]:
@@ -86,7 +81,6 @@ def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list
         ("compat.foundation_config", deployment.compat.foundation_config),
     ):
         try:
-            config_path(name)
             resize_mode_of(read_config(name), str(config_path(name)))
         except KeyError as err:
             problems.append(f"{field}: {err.args[0]}")
@@ -95,7 +89,7 @@ def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list
     if local_paths and not problems:
         model_config = read_config(training.model_config_name)
         pretrained = training.pretrained or model_config.get("pretrained")
-        where = "training.pretrained" if training.pretrained else f"{config_path(training.model_config_name)}"
+        where = "training.pretrained" if training.pretrained else str(config_path(training.model_config_name))
         from components.state.workspace import Workspace, WorkspaceError
 
         try:

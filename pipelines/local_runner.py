@@ -181,11 +181,8 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
             log.close_file()
     recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
     status = recorded.get("status", "failed") if recorded.get("run_id") == plan["run_id"] else "failed"
-    outputs = {
-        "log": str(log_path),
-        "run_dir": str(run_dir),
-        "report": str(RunDir(run_dir).report_file("html")),
-    }
+    report = RunDir(run_dir).report_file("html")
+    outputs = {"log": str(log_path), "run_dir": str(run_dir), "report": str(report)}
     unwritten = broke or log.error
     failure = None
     if status == "failed" or broke is not None:

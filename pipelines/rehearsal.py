@@ -365,7 +365,6 @@ class Rehearsal:
             f"changed: {', '.join(changed)}" if changed else "config, feature repo, stream, package unchanged"
         )
         steps.append(Step("read-only inputs", time.monotonic() - started, not changed, detail))
-
         return steps
 
     def _task_env(self) -> dict[str, str]:
@@ -399,8 +398,7 @@ def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
     interpreter), deepest first, each with the names in it that lead there."""
     import compat
 
-    targets = [Path(sys.executable).resolve(), Path(sys.prefix).resolve(), Path(compat.__file__).resolve()]
-    targets.append(root.resolve())
+    targets = [Path(path).resolve() for path in (sys.executable, sys.prefix, compat.__file__, root)]
     blocked: dict[Path, set[str]] = {}
     for target in targets:
         for folder in target.parents:

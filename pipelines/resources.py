@@ -88,10 +88,7 @@ OPTIONAL_CONFIG_MAP_ENV: tuple[str, ...] = ("AWS_ENDPOINT_URL_S3", "COMPATFLOW_K
 MILVUS_SECRET = "compatflow-milvus"
 MILVUS_SECRET_ENV = {"token": "COMPATFLOW_MILVUS_TOKEN"}
 OBJECT_STORE_SECRET = "compatflow-object-store"  # optional: absent where pods have workload identity
-OBJECT_STORE_SECRET_ENV = {
-    "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-}
+OBJECT_STORE_SECRET_ENV = {key: key for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
 WORKSPACE_PVC = "compatflow-workspace"
 FEAST_CONFIG_MAP = "compatflow-feast-repo"
 SHM_VOLUME = "dshm"
@@ -248,6 +245,4 @@ def torchrun_command(
 
 def _absolute_path(value: str | None) -> str | None:
     """A mount path for ``value`` if it is an absolute filesystem path (not a URI), else None."""
-    if not value or "://" in value or not Path(value).is_absolute():
-        return None
-    return str(PurePosixPath(value))
+    return str(PurePosixPath(value)) if value and "://" not in value and Path(value).is_absolute() else None

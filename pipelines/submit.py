@@ -166,10 +166,7 @@ def kfp_cron(cron: str) -> str:
             f"{', '.join(CRON_DESCRIPTORS)}"
         )
     for value, (name, low, high, names) in zip(fields, _CRON_FIELDS, strict=True):
-        problem = _cron_field_problem(
-            value.upper(), low, high, names, name in ("day of month", "day of week")
-        )
-        if problem:
+        if problem := _cron_field_problem(value.upper(), low, high, names, name.startswith("day of")):
             raise SubmitError(f"--cron {cron!r}: {name} {value!r}: {problem} ({name}: {low}-{high})")
     return " ".join(fields)
 
@@ -388,11 +385,7 @@ def _ensure(send: Send, kind: str, name: str, create: Request, **scope: str) -> 
     """The ID of the ``kind`` named ``name`` in ``scope``: looked up, else made by ``create``."""
     path, call, key = _LISTS[kind]
     args = {k: v for k, v in scope.items() if "{" + k + "}" in path}
-    query = {
-        "filter": _name_filter(name),
-        **{k: v for k, v in scope.items() if k not in args},
-        "page_size": 2,
-    }
+    query = {"filter": _name_filter(name), **{k: scope[k] for k in scope if k not in args}, "page_size": 2}
     items = send(Request("GET", path.format(**args), call, query=query, args=args)).get(kind) or []
     if items:
         return str(items[0][key])

@@ -186,11 +186,6 @@ def _receive(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def _refusal(request: dict) -> str | None:
-    differs = [name for name in STARTUP_ENV if request["env"].get(name) != os.environ.get(name)]
-    return f"{differs[0]} differs from the host's" if differs else None
-
-
 def _run_task(request: dict, fds: list[int]) -> int:
     """In the forked child: become the task and run it; the exit status ``python -m MODULE`` would have."""
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
@@ -289,7 +284,8 @@ class _Host:
             print(f"refused a launcher: {exc}", flush=True)
             conn.close()
             return None
-        refusal = _refusal(request)
+        differs = [name for name in STARTUP_ENV if request["env"].get(name) != os.environ.get(name)]
+        refusal = f"{differs[0]} differs from the host's" if differs else None
         # Libraries' own pools (BLAS, jemalloc) are fork-safe by their atfork handlers; a Python thread is not
         # (it may hold a lock the child then waits on forever).
         if refusal is None and threading.active_count() != 1:
