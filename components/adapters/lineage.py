@@ -13,7 +13,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +229,7 @@ def sync_from_index(
     """Bring the lineage in ``repo_dir`` in line with the collection serving ``alias`` (after a halt, a
     blue-green switch or a rollback), read by :func:`over_slices`; returns the rows written."""
     LineageStore(repo_dir, definition=definition).apply()
-    return sum(over_slices(_sync_slices, str(repo_dir), definition, uri, alias, workers))
+    return sum(over_slices("sync_with_index", str(repo_dir), definition, uri, alias, workers))
 
 
 def check_from_index(
@@ -237,12 +237,9 @@ def check_from_index(
 ) -> dict[str, Any]:
     """:meth:`LineageStore.check_against_index` of the collection serving ``alias``, read by
     :func:`over_slices`, the slices' answers added up."""
-    parts = over_slices(_check_slices, str(repo_dir), definition, uri, alias, workers)
-    index: Counter[str] = Counter()
-    lineage: Counter[str] = Counter()
-    for part in parts:
-        index.update(part["index"])
-        lineage.update(part["lineage"])
+    parts = over_slices("check_against_index", str(repo_dir), definition, uri, alias, workers)
+    index = sum((Counter(part["index"]) for part in parts), Counter())
+    lineage = sum((Counter(part["lineage"]) for part in parts), Counter())
     examples = [e for part in parts for e in part["examples"]][:5]
     return _agreement(index, lineage, sum(part["disagreeing"] for part in parts), examples)
 
@@ -257,11 +254,11 @@ def _agreement(index: Counter[str], lineage: Counter[str], disagreeing: int, exa
     }
 
 
-def over_slices(work: Any, repo: str, definition: Any, uri: str, alias: str, workers: int) -> list[Any]:
-    """``work(repo, definition, uri, alias, filters)`` over the serving collection cut into slices of about
-    :data:`SLICE_ROWS` rows by ``order_key``: in this process, or spread over ``workers`` processes when the
-    index is a server (a milvus-lite directory opens in one process only). A collection written before
-    per-row keys is one slice."""
+def over_slices(work: str, repo: str, definition: Any, uri: str, alias: str, workers: int) -> list[Any]:
+    """:class:`LineageStore` method ``work`` (:func:`_read_slices`) over the serving collection cut into
+    slices of about :data:`SLICE_ROWS` rows by ``order_key``: in this process, or spread over ``workers``
+    processes when the index is a server (a milvus-lite directory opens in one process only). A collection
+    written before per-row keys is one slice."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
@@ -275,29 +272,20 @@ def over_slices(work: Any, repo: str, definition: Any, uri: str, alias: str, wor
         n = index.count(collection)
     filters = key_slices(max(1, n // SLICE_ROWS)) if keyed else [""]
     if workers <= 1 or len(filters) == 1 or not is_remote(uri):
-        return [work(repo, definition, uri, alias, filters)]
+        return [_read_slices(work, repo, definition, uri, alias, filters)]
     shares = [filters[i::workers] for i in range(min(workers, len(filters)))]
     with ProcessPoolExecutor(len(shares), mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(work, repo, definition, uri, alias, share) for share in shares]
+        futures = [pool.submit(_read_slices, work, repo, definition, uri, alias, share) for share in shares]
         return [future.result() for future in futures]
 
 
-def _sync_slices(repo: str, definition: Any, uri: str, alias: str, filters: list[str]) -> int:
+def _read_slices(work: str, repo: str, definition: Any, uri: str, alias: str, filters: list[str]) -> Any:
+    """``LineageStore.<work>`` of the serving collection's rows that match any of ``filters``."""
     from components.adapters.index import GalleryIndex
 
     store = LineageStore(repo, definition=definition)
     with GalleryIndex(uri, alias) as index:
-        return sum(store.sync_with_index(index_rows(index, filter=f)) for f in filters)
-
-
-def _check_slices(repo: str, definition: Any, uri: str, alias: str, filters: list[str]) -> dict[str, Any]:
-    from itertools import chain
-
-    from components.adapters.index import GalleryIndex
-
-    store = LineageStore(repo, definition=definition)
-    with GalleryIndex(uri, alias) as index:
-        return store.check_against_index(chain.from_iterable(index_rows(index, filter=f) for f in filters))
+        return getattr(store, work)(chain.from_iterable(index_rows(index, filter=f) for f in filters))
 
 
 def index_rows(
@@ -336,30 +324,19 @@ def _normalise(items: Any) -> Any:
                 f"lineage column {column!r} is empty for item(s) {frame.loc[bad, 'item_id'].tolist()[:5]}"
             )
     now = datetime.now(UTC)
-    for column in ("caption", "image_uri", "domain"):
+    for column in ITEM_COLUMNS:
         if column not in frame.columns:
-            frame[column] = None
-    if "embedded_at" not in frame.columns:
-        frame["embedded_at"] = now
+            frame[column] = None  # (no embedded_at: now)
     embedded = pd.to_datetime(frame["embedded_at"], utc=True).fillna(pd.Timestamp(now))
-    frame["embedded_at"] = _to_micros(embedded)
-    frame["phase"] = pd.array(
-        frame["phase"] if "phase" in frame.columns else [None] * len(frame), dtype="Int64"
-    )
-    for column in ("item_id", "model_version", "space_id", "caption", "image_uri", "domain"):
+    frame["embedded_at"] = ((embedded - _EPOCH) // pd.Timedelta(microseconds=1)).astype("int64")
+    frame["phase"] = pd.array(frame["phase"], dtype="Int64")
+    for column in (*REQUIRED, *_CARRIED):
         frame[column] = (
             frame[column].map(lambda v: None if v is None or v is pd.NA else str(v)).astype(object)
         )
     frame["written_at"] = pd.Timestamp(now)
     frame = frame.sort_values("embedded_at", kind="stable").drop_duplicates("item_id", keep="last")
     return frame[[*ITEM_COLUMNS, "written_at"]].reset_index(drop=True)
-
-
-def _to_micros(times: Any) -> Any:
-    """UTC datetimes as int64 epoch microseconds (how lineage stores ``embedded_at``)."""
-    import pandas as pd
-
-    return ((times - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(microseconds=1)).astype("int64")
 
 
 def _rows(items: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
