@@ -99,11 +99,6 @@ def evaluate_domains(
     return results, embedded
 
 
-def _mean_of(history: list[dict[str, float]], key: str) -> float | None:
-    values = [h[key] for h in history if key in h]
-    return round(sum(values) / len(values), 4) if values else None
-
-
 def _checked_phase(
     settings: TrainingSettings, stream: Path, phase: int, production: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -214,12 +209,14 @@ def run_continual(
     ``train_urls`` / ``replay_urls`` (one list per earlier phase) replace the manifest's shards;
     ``production`` is the teacher and the student's start; a run resumes from ``train_dir``."""
     from compat.io import write_json_atomic
+    from compat.models import save_checkpoint
     from compat.production import load_production
     from compat.training import init_distributed, shutdown_distributed, train
 
     stream, out_dir = Path(stream), Path(out_dir)
     manifest, entry = _checked_phase(settings, stream, phase, production)
     method_used, alpha_used = _method_and_alpha(settings, bootstrap=production is None)
+    run = {"phase": phase, "domain": entry["domain"], "method": method_used, "alpha": alpha_used}
     dist = init_distributed()
     dev = _device(settings.device, dist)
     parent = None if production is None else load_production(production, device=dev)
@@ -228,7 +225,7 @@ def run_continual(
     urls = _train_urls(stream, manifest, phase, method_used, train_urls)
     replay = settings.replay_buffer_size > 0 and method_used in ("modx", "finetune")
     config = _train_config(settings, alpha_used)
-    _log_plan(phase, entry["domain"], settings, method_used, alpha_used, urls, replay)
+    _log_plan(run, settings, len(urls), replay)
     t0 = time.perf_counter()
     workdir = Path(train_dir) if train_dir is not None else out_dir / TRAIN_DIR
     earlier = (replay_urls or _earlier_train_urls(stream, manifest, phase)) if replay else None
@@ -244,8 +241,17 @@ def run_continual(
     replay_doc = (
         {"buffer_size": settings.replay_buffer_size, "rows": settings.replay_rows} if replay else None
     )
-    run = {"phase": phase, "domain": entry["domain"], "method": method_used, "alpha": alpha_used}
-    sidecar = _save_candidate(student, out_dir, version, settings, run, replay_doc, manifest, parent)
+    extra = {
+        **run,
+        "steps": settings.steps,
+        "batch_size": settings.batch_size,
+        "replay": replay_doc,
+        "seed": settings.seed,
+        "stream_seed": manifest.get("seed"),  # synthetic streams only
+        "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
+    }
+    # the candidate's sidecar records the run, the settings and the model it started from
+    sidecar = save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
     sets = _eval_sets(stream, manifest, phase, student.image_size)
     candidate, start_metrics, sd_doc = _evaluate(student, parent, sets, dev, settings, run, version, out_dir)
     doc = {
@@ -274,32 +280,6 @@ def run_continual(
     return doc
 
 
-def _save_candidate(
-    student: ClipBundle,
-    out_dir: Path,
-    version: str,
-    settings: TrainingSettings,
-    run: dict[str, Any],
-    replay: dict[str, Any] | None,
-    manifest: dict[str, Any],
-    parent: Any,
-) -> Path:
-    """The candidate's checkpoint, its sidecar recording the run, the settings and the model it started from;
-    returns the sidecar."""
-    from compat.models import save_checkpoint
-
-    extra = {
-        **run,
-        "steps": settings.steps,
-        "batch_size": settings.batch_size,
-        "replay": replay,
-        "seed": settings.seed,
-        "stream_seed": manifest.get("seed"),  # synthetic streams only
-        "parent": None if parent is None else {"version": parent.version, "sha256": parent.sha256},
-    }
-    return save_checkpoint(student, out_dir / MODEL_DIR, version=version, extra=extra)
-
-
 def _evaluate(
     student: ClipBundle,
     parent: Any,
@@ -311,34 +291,37 @@ def _evaluate(
     out_dir: Path,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """The candidate's metrics on every domain so far; with a production model, its metrics and the Spatial
-    Disorder of the newest domain between the two (written to ``out_dir``; None without one)."""
+    Disorder (RAM/SAM/ImAV, Mod-X Sec 3.2, App B.2) of the newest domain, production against the candidate
+    (written to ``out_dir``; None without a production model or when the two embed in different dimensions:
+    rotation angles need one)."""
     from compat.io import write_json_atomic
+    from compat.metrics import spatial_disorder
 
     candidate, cand_emb = evaluate_domains(student, sets, device, settings.eval_batch_size)
     if parent is None:
         return candidate, None, None
     start_metrics, start_emb = evaluate_domains(parent.encoder, sets, device, settings.eval_batch_size)
-    sd_doc = _spatial_disorder(start_emb, cand_emb, run["domain"], run["phase"], parent.version, version)
-    if sd_doc is not None:
-        write_json_atomic(out_dir / SD_FILE, sd_doc)
+    before, after = start_emb[run["domain"]], cand_emb[run["domain"]]
+    if before.images.shape[1] != after.images.shape[1]:
+        return candidate, start_metrics, None
+    sd_doc = {
+        "phase": run["phase"],
+        "domain": run["domain"],
+        "old_model": parent.version,
+        "new_model": version,
+        **spatial_disorder(before.images, before.first_captions(), after.images, after.first_captions()),
+    }
+    write_json_atomic(out_dir / SD_FILE, sd_doc)
     return candidate, start_metrics, sd_doc
 
 
-def _log_plan(
-    phase: int,
-    domain: str,
-    settings: TrainingSettings,
-    method: str,
-    alpha: float,
-    urls: list[str],
-    replay: bool,
-) -> None:
+def _log_plan(run: dict[str, Any], settings: TrainingSettings, shards: int, replay: bool) -> None:
     replayed = (
         f" ({settings.replay_rows} rows per batch replayed from {settings.replay_buffer_size} earlier pairs)"
     )
-    steps = f"{settings.steps} steps x {settings.batch_size} pairs on {len(urls)} shards"
-    plan = f"{method}, alpha {alpha:g}, {steps}" + (replayed if replay else "")
-    log.info("phase %d (%s): %s", phase, domain, plan)
+    steps = f"{settings.steps} steps x {settings.batch_size} pairs on {shards} shards"
+    plan = f"{run['method']}, alpha {run['alpha']:g}, {steps}" + (replayed if replay else "")
+    log.info("phase %d (%s): %s", run["phase"], run["domain"], plan)
 
 
 def _method_and_alpha(settings: TrainingSettings, *, bootstrap: bool) -> tuple[str, float]:
@@ -423,23 +406,14 @@ def _batch_source(
     buffer of earlier phases' pairs when ``earlier`` is given (Mod-X + buffer, paper Table 2)."""
     from compat.training import ReplayBatchSource, ReplayBuffer, ShardBatchSource
 
+    transforms = (student.preprocess_train, student.tokenizer)
     common = {"seed": settings.seed, "image_size": student.image_size, "workers": settings.loader_workers}
     if earlier is None:
-        return ShardBatchSource(
-            urls, settings.batch_size, student.preprocess_train, student.tokenizer, **common
-        )
+        return ShardBatchSource(urls, settings.batch_size, *transforms, **common)
     buffer = ReplayBuffer.from_phases(
         earlier, settings.replay_buffer_size, seed=settings.seed, image_size=student.image_size
     )
-    return ReplayBatchSource(
-        urls,
-        buffer,
-        settings.batch_size,
-        settings.replay_rows,
-        student.preprocess_train,
-        student.tokenizer,
-        **common,
-    )
+    return ReplayBatchSource(urls, buffer, settings.batch_size, settings.replay_rows, *transforms, **common)
 
 
 def _train_config(settings: TrainingSettings, alpha: float) -> Any:
@@ -471,34 +445,16 @@ def _eval_sets(stream: Path, manifest: dict[str, Any], phase: int, image_size: i
     return sets
 
 
-def _spatial_disorder(
-    start: dict[str, Embedded], candidate: dict[str, Embedded], domain: str, phase: int, old: str, new: str
-) -> dict[str, Any] | None:
-    """RAM/SAM/ImAV of the newest domain, production against the candidate (Mod-X Sec 3.2, App B.2); None when
-    the two embed in different dimensions (rotation angles need one)."""
-    from compat.metrics import spatial_disorder
-
-    before, after = start[domain], candidate[domain]
-    if before.images.shape[1] != after.images.shape[1]:
-        return None
-    return {
-        "phase": phase,
-        "domain": domain,
-        "old_model": old,
-        "new_model": new,
-        **spatial_disorder(before.images, before.first_captions(), after.images, after.first_captions()),
-    }
-
-
 def _trained(result: Any) -> dict[str, Any]:
     """What training did: samples seen, the step it resumed from, the steady-state step time (the median,
     first step left out: it builds the caches) and how many teacher rows Mod-X kept on average."""
     times = result.step_times[1:] or result.step_times
+    kept = [h["teacher_rows_kept"] for h in result.state.history if "teacher_rows_kept" in h]
     return {
         "samples_seen": result.state.samples_seen,
         "resumed_from_step": result.resumed_from,
         "median_step_s": round(sorted(times)[len(times) // 2], 5) if times else None,
-        "teacher_rows_kept_mean": _mean_of(result.state.history, "teacher_rows_kept"),
+        "teacher_rows_kept_mean": round(sum(kept) / len(kept), 4) if kept else None,
     }
 
 
