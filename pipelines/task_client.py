@@ -6,6 +6,7 @@ plain interpreter. Signals are passed to the task, and a SIGKILL of this process
 """
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -21,17 +22,10 @@ def _plain(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def _read_line(conn: socket.socket) -> dict | None:
-    data = b""
-    while not data.endswith(b"\n"):
-        try:
-            chunk = conn.recv(4096)
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
+def _read_line(replies: io.BufferedReader) -> dict | None:
+    """The host's next JSON line (its socket read buffered: two may arrive at once), or None at its end."""
+    line = replies.readline()
+    return json.loads(line) if line.endswith(b"\n") else None
 
 
 def main(path: str, argv: list[str]) -> None:
@@ -43,7 +37,8 @@ def main(path: str, argv: list[str]) -> None:
         request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
         socket.send_fds(conn, [b"F"], [0, 1, 2])
         conn.sendall(struct.pack("!I", len(request)) + request)
-        started = _read_line(conn)
+        replies = conn.makefile("rb")
+        started = _read_line(replies)
     except OSError:
         started = None
     if not started or "pid" not in started:  # no host, a host busy starting, or a refusal: run it here
@@ -52,7 +47,7 @@ def main(path: str, argv: list[str]) -> None:
     pid = int(started["pid"])
     for signum in FORWARDED:
         signal.signal(signum, lambda signum, _frame: os.kill(pid, signum))
-    ended = _read_line(conn)
+    ended = _read_line(replies)
     if ended is None:  # the host went away with the task running: it is ended rather than left alone
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
