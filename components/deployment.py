@@ -512,12 +512,6 @@ def json_schema() -> dict[str, Any]:
     }
 
 
-def write_json_schema(path: Path = SCHEMA_FILE) -> Path:
-    """Write :func:`json_schema` to ``path`` (``python -m components.deployment`` after changing a model)."""
-    path.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
-    return path
-
-
 def defaults_yaml() -> str:
     """Every setting with its default and its description as a comment: ``pipelines/configs/local.yaml``
     (a section's line carries the first sentence of its class's docstring, a choice its choices)."""
@@ -580,12 +574,7 @@ def _first_sentence(doc: str | None) -> str | None:
     return text.split(". ")[0].rstrip(".") or None
 
 
-def write_defaults(path: Path = DEFAULTS_FILE) -> Path:
-    """Write :func:`defaults_yaml` to ``path``."""
-    path.write_text(defaults_yaml())
-    return path
-
-
-if __name__ == "__main__":
-    print(write_json_schema())
-    print(write_defaults())
+if __name__ == "__main__":  # after changing a model: the schema and local.yaml follow it
+    SCHEMA_FILE.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+    DEFAULTS_FILE.write_text(defaults_yaml())
+    print(SCHEMA_FILE, DEFAULTS_FILE, sep="\n")

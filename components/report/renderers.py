@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import base64
-from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
+from compat.io import utc_now
 from components.report.header import SEAL_MARK, SEAL_SLOT, Header
 from components.report.sections import Figure, Hits, Link, Note, Section, Table
 
@@ -71,7 +71,7 @@ def html(title: str, head: Header, sections: list[Section]) -> str:
         parts.append(f'<h2>{escape(section.title)} <span class="badge">{escape(section.status)}</span></h2>')
         parts += [_html_item(item) for item in section.items]
         parts.append("</section>")
-    parts.append(f'<p class="muted">generated {escape(_now())} by compatflow</p></main></body></html>')
+    parts.append(f'<p class="muted">generated {escape(utc_now())} by compatflow</p></main></body></html>')
     return "\n".join(parts) + "\n"
 
 
@@ -133,7 +133,7 @@ def markdown(title: str, head: Header, sections: list[Section]) -> str:
         lines += [f"## {section.title} — {section.status}", ""]
         for item in section.items:
             lines += _md_item(item) + [""]
-    lines.append(f"_generated {_now()} by compatflow_")
+    lines.append(f"_generated {utc_now()} by compatflow_")
     return "\n".join(lines) + "\n"
 
 
@@ -170,7 +170,3 @@ def _cell(value: Any) -> str:
 
 def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")

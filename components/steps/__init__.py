@@ -11,8 +11,8 @@ validate, drift), ``training`` (continual, compat), ``release`` (production, eva
 ``outcome`` (blocked, finish, report).
 """
 
-from components.steps.base import registry_of, step
-from components.steps.data import accepted_shards, drift_step, plan_step, validate_step
+from components.steps.base import registry_of
+from components.steps.data import drift_step, plan_step, validate_step
 from components.steps.gallery import (
     ingest_step,
     rollout_range_step,
@@ -20,21 +20,12 @@ from components.steps.gallery import (
     rollout_step,
     serve_first_model_step,
 )
-from components.steps.outcome import finish_step, note_blocked, report_step
-from components.steps.release import (
-    bootstrap_gate,
-    evaluate_step,
-    gate_step,
-    model_dir_of,
-    register_step,
-    resolve_production,
-)
+from components.steps.outcome import finish_step, note_blocked
+from components.steps.release import evaluate_step, gate_step, register_step, resolve_production
 from components.steps.rollback import rollback_production
 from components.steps.training import compat_step, continual_step, training_budget
 
 __all__ = [
-    "accepted_shards",
-    "bootstrap_gate",
     "compat_step",
     "continual_step",
     "drift_step",
@@ -42,19 +33,16 @@ __all__ = [
     "finish_step",
     "gate_step",
     "ingest_step",
-    "model_dir_of",
     "note_blocked",
     "plan_step",
     "register_step",
     "registry_of",
-    "report_step",
     "resolve_production",
     "rollback_production",
     "rollout_range_step",
     "rollout_ranges_step",
     "rollout_step",
     "serve_first_model_step",
-    "step",
     "training_budget",
     "validate_step",
 ]

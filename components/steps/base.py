@@ -69,30 +69,11 @@ def run_params(deployment: Deployment) -> dict[str, Any]:
     """The settings a phase's MLflow run records as parameters (``training.lr``, ``compat.options.<key>``,
     ...): what trained the candidate and how it was made compatible. The same for every step of a run, so
     each step may log them (MLflow refuses only a changed value)."""
-    training, compat = deployment.training, deployment.compat
+    unrecorded = {"weights_dir", "resize_mode", "checkpoint_every", "device", "loader_workers"}  # how it ran
+    training = deployment.training.model_dump(by_alias=True, exclude=unrecorded)
     return {
-        "training": {
-            "model_config": training.model_config_name,
-            "pretrained": training.pretrained or "",
-            "method": training.method,
-            "alpha": training.alpha,
-            "lr": training.lr,
-            "steps": training.steps,
-            "epochs": training.epochs if training.epochs is not None else "",
-            "batch_size": training.batch_size,
-            "warmup_fraction": training.warmup_fraction,
-            "replay_buffer_size": training.replay_buffer_size,
-            "replay_rows": training.replay_rows,
-            "seed": training.seed,
-        },
-        "compat": {
-            "scenario": compat.scenario,
-            "method": compat.method,
-            "steps": compat.steps,
-            "batch_size": compat.batch_size,
-            "foundation_config": compat.foundation_config,
-            "options": dict(compat.options),
-        },
+        "training": {key: "" if value is None else value for key, value in training.items()},
+        "compat": deployment.compat.model_dump(exclude={"replay_shards_per_phase"}),
     }
 
 

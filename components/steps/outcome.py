@@ -25,11 +25,12 @@ def finish_step(
     job_name: str = "",
     job_id: str = "",
 ) -> dict:
-    """Exit handler: the run's outcome into the workspace state, then the on-call report. On a cluster whose
-    ConfigMap names the KFP UI (``$COMPATFLOW_KFP_UI_URL``) the outcome keeps the run's page (``job_id``:
-    the KFP run's ID), for the report's header."""
+    """Exit handler: the run's outcome into the workspace state, then the on-call report, whatever happened
+    before. On a cluster whose ConfigMap names the KFP UI (``$COMPATFLOW_KFP_UI_URL``) the outcome keeps the
+    run's page (``job_id``: the KFP run's ID), for the report's header."""
     import os
 
+    from components.report import write_reports
     from components.runs import finish_run, run_dir_of_job
 
     deployment = Deployment.coerce(config)
@@ -41,9 +42,8 @@ def finish_step(
         outcome["kfp_run_url"] = f"{ui}/#/runs/details/{job_id}"
         write_json_atomic(RunDir(run_dir).outcome_file, outcome)
     end_mlflow_run(deployment, run_dir.name, outcome["status"], pipeline_state)
-    paths = report_step(run_dir)
     html_path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(paths["html"], html_path)
+    shutil.copyfile(write_reports(run_dir, RunDir(run_dir).report_dir)["html"], html_path)
     return outcome
 
 
@@ -66,11 +66,3 @@ def end_mlflow_run(deployment: Deployment, pipeline_run_id: str, status: str, pi
         registry_of(deployment).end_pipeline_run(pipeline_run_id, mlflow_status)
     except Exception as err:  # the report must still be written
         logging.getLogger(__name__).warning("MLflow run of %s not ended: %s", pipeline_run_id, err)
-
-
-def report_step(run_dir: Path) -> dict[str, str]:
-    """The on-call report (HTML + Markdown) of the run, written whatever happened before."""
-    from components.report import write_reports
-
-    paths = write_reports(run_dir, RunDir(run_dir).report_dir)
-    return {fmt: str(path) for fmt, path in paths.items()}

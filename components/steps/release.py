@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from compat.io import write_json_atomic
 from components.deployment import Deployment
 from components.state.run_dir import COMPAT_REPORT_FILE, GATE_FILE, RunDir
 from components.steps.base import Config, copy_summaries, model_dir_in, registry_of, run_params, step
-
-if TYPE_CHECKING:
-    from components.gate import GateDecision
 
 
 @step("resolve-production")
@@ -31,7 +28,7 @@ def model_dir_of(config: Config, version: str) -> str:
     Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
     on a cluster).
     """
-    return str(registry_of(Deployment.coerce(config)).local_copy(version))
+    return str(registry_of(config).local_copy(version))
 
 
 @step("evaluate")
@@ -75,15 +72,6 @@ def gate_step(
     return decision.decision
 
 
-def bootstrap_gate(run_dir: Path) -> GateDecision:
-    """The gate record of the first model (nothing to be compatible with), written into the run."""
-    from components.gate import GateDecision
-
-    decision = GateDecision.bootstrap_record()
-    decision.write(RunDir(run_dir).gate_file.parent)
-    return decision
-
-
 @step("register")
 def register_step(
     deployment: Deployment, run_dir: Path, phase: int, model_dir: str, *, bootstrap: bool = False
@@ -93,11 +81,13 @@ def register_step(
 
     method = "bootstrap" if bootstrap else deployment.compat.method
     run = RunDir(run_dir)
-    gate_path = run.gate_file
-    gate = GateDecision.read(gate_path) if gate_path.is_file() else bootstrap_gate(run_dir)
+    if run.gate_file.is_file():
+        gate = GateDecision.read(run.gate_file)
+    else:  # the first model: nothing to be compatible with
+        gate = GateDecision.bootstrap_record()
+        gate.write(run.gate_file.parent)
     reports = [run.validation_summary, run.drift_summary, run.drift_report, run.gate_file]
-    metrics = run.continual_metrics
-    report = run.compat_report
+    metrics, report = run.continual_metrics, run.compat_report
     info = registry_of(deployment).register_run(
         run_dir.name,
         model_dir_in(model_dir),
