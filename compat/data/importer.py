@@ -240,13 +240,10 @@ def _sidecar_candidates(root: Path, skip: Path | None) -> list[_Candidate]:
 def _class_folder_candidates(root: Path, skip: Path | None, template: str) -> list[_Candidate]:
     out = []
     for f in _walk(root, skip):
-        rel = f.relative_to(root)
-        if len(rel.parts) < 2:
-            reason = ("not_in_class_folder", f"{rel.as_posix()}: not inside a label folder")
-            out.append(_Candidate(rel.as_posix(), f, refused=reason))
-            continue
-        label = rel.parts[0].replace("_", " ").strip()
-        out.append(_Candidate(rel.as_posix(), f, caption=template.format(label=label), label=rel.parts[0]))
+        rel, label = f.relative_to(root).as_posix(), f.relative_to(root).parts[0]
+        refused = None if "/" in rel else ("not_in_class_folder", f"{rel}: not inside a label folder")
+        caption = template.format(label=label.replace("_", " ").strip())
+        out.append(_Candidate(rel, f, caption, label=label, refused=refused))
     return out
 
 
@@ -478,14 +475,11 @@ def detect_format(src: Path) -> str:
 
 def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candidate]:
     fmt = settings.source_format
-    if fmt == "table":
+    if fmt in ("table", "karpathy"):
         if not src.is_file():
-            raise DataImportError(f"--format table needs a .csv or .parquet file; {src} is not a file")
-        return _table_candidates(src, settings)
-    if fmt == "karpathy":
-        if not src.is_file():
-            raise DataImportError(f"--format karpathy needs the split .json file; {src} is not a file")
-        return _karpathy_candidates(src)
+            needs = "a .csv or .parquet file" if fmt == "table" else "the split .json file"
+            raise DataImportError(f"--format {fmt} needs {needs}; {src} is not a file")
+        return _table_candidates(src, settings) if fmt == "table" else _karpathy_candidates(src)
     if not src.is_dir():
         raise DataImportError(f"--format {fmt} needs a folder; {src} is not a folder")
     skip = out if out.is_relative_to(src) else None
@@ -719,11 +713,6 @@ def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | Non
     return _json_safe(doc)
 
 
-def _key(sha: str, settings: ImportSettings) -> str:
-    """The sample key of a picture whose bytes have SHA-256 ``sha``."""
-    return settings.key_prefix + sha[:KEY_HEX]
-
-
 def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
     """The split of ``key``: a seeded hash mapped to [0, 1), cut at the cumulative fractions."""
     digest = hashlib.sha256(f"compatflow-split/{seed}/{key}".encode()).digest()
@@ -773,7 +762,7 @@ def _inspect(
     stored = _store(data, sha, info, target, settings, spool)
     captions, skipped = _read_captions(candidate, place)
     return {
-        "key": _key(sha, settings),
+        "key": settings.key_prefix + sha[:KEY_HEX],
         "split": candidate.split or split_of(sha[:KEY_HEX], settings.seed, settings.split),
         "path": str(real),
         "source": candidate.listed or candidate.source,
@@ -879,7 +868,7 @@ def _plan(
             first_of[sha] = (source, None if held else item, set())
             items += [] if held else [item]
         if first_of[sha][1] is None:  # the stream given as ``exclude`` holds the picture
-            key = _key(sha, settings)
+            key = settings.key_prefix + sha[:KEY_HEX]
             in_stream.append({"source": source, "key": key, "shard": (exclude or {})[key]})
             continue
         added = _add_captions(source, captions, first_of[sha], duplicates, refused)

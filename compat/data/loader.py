@@ -204,10 +204,6 @@ class _Item:
     end_of: Any = None
     barrier: bool = False
 
-    @property
-    def work(self) -> bool:
-        return self.raw is not None or self.sample is not None
-
 
 _WORKER: dict[str, Any] = {}
 
@@ -330,7 +326,7 @@ class ShardStream:
         items = self._walk()
         if self.workers == 0:
             done: Iterator[tuple[_Item, Sample | None, Any]] = (
-                (item, *(_work(item, self._decoder, prepare) if item.work else (None, None)))
+                (item, *(_work(item, self._decoder, prepare) if item.raw or item.sample else (None, None)))
                 for item in items
             )
         else:

@@ -7,6 +7,7 @@ to the directory (or absolute, for shards referenced in place).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -114,8 +115,6 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")  # the members that make a sample
 def content_digest(members: Mapping[str, bytes]) -> str:
     """SHA-256 of a sample's picture members (of every member when it has none): what a key names.
     Captions and metadata are left out: a repeat of a picture under another file name is the same sample."""
-    import hashlib
-
     names = sorted(e for e in members if e in IMAGE_MEMBERS) or sorted(members)
     digest = hashlib.sha256()
     for ext in names:

@@ -21,9 +21,6 @@ from urllib.request import url2pathname
 
 from compat.io import atomic_write
 
-TAR_MTIME = 0
-TAR_MODE = 0o644
-
 
 class ShardError(ValueError):
     """A shard cannot be opened or read; the message names the shard and, where known, the key."""
@@ -50,12 +47,8 @@ def write_shard(path: str | os.PathLike[str], samples: Iterable[tuple[str, Mappi
                 if "/" in key or "." in key:
                     raise ShardError(f"{path}: sample key {key!r} must not contain '/' or '.'")
                 for ext, data in members.items():
-                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info = tarfile.TarInfo(f"{key}.{ext}")  # mtime 0, mode 0o644, uid/gid 0, no owner names
                     info.size = len(data)
-                    info.mtime = TAR_MTIME
-                    info.mode = TAR_MODE
-                    info.uid = info.gid = 0
-                    info.uname = info.gname = ""
                     tar.addfile(info, io.BytesIO(data))
                 count += 1
 
