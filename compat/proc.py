@@ -4,18 +4,17 @@ is no ``/proc``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 
 def status_mib(field: str, pid: int | str = "self") -> float | None:
     """A memory field of ``/proc/<pid>/status`` (``VmHWM``: peak resident, ``VmRSS``: resident) in MiB."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        return None
     return None
 
 

@@ -78,10 +78,6 @@ PRELOAD = (
 STARTUP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONHASHSEED")
 
 
-def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 @dataclasses.dataclass(frozen=True)
 class TaskHost:
     launcher: Path  # the ``python`` the tasks are started with (it knows the socket)
@@ -94,7 +90,7 @@ def warm_task_host(
 ) -> Iterator[TaskHost | None]:
     """A warm host for the ``with`` body (None when off), logging to ``log_path`` (``folder/host.log``);
     it stops taking tasks when the body ends and exits when its last task has."""
-    if not enabled():
+    if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         yield None
         return
     folder = Path(folder)
