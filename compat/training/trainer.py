@@ -111,25 +111,16 @@ class TrainResult:
 
 
 # --------------------------------------------------------------------------------------------- set-up
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``auto``: bf16 on a CUDA device that supports it, else fp16 on CUDA, fp32 on CPU."""
-    import torch
-
-    if precision != "auto":
-        if precision == "fp16" and device.type != "cuda":
-            raise ValueError("fp16 mixed precision needs a CUDA device; use fp32 or bf16 on CPU")
-        return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
-
-
 def mixed_precision(precision: str, device: torch.device) -> tuple[Any, Any]:
-    """The autocast context of ``precision`` (resolved) and, for fp16, its GradScaler (else None)."""
+    """The autocast context of ``precision`` and, for fp16, its GradScaler (else None). ``auto``: bf16 on a
+    CUDA device that supports it, else fp16 on CUDA, fp32 on CPU."""
     import torch
 
-    precision = resolve_precision(precision, device)
-    if precision == "fp32":
+    if precision == "auto" and device.type == "cuda":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    elif precision == "fp16" and device.type != "cuda":
+        raise ValueError("fp16 mixed precision needs a CUDA device; use fp32 or bf16 on CPU")
+    if precision in ("auto", "fp32"):
         return contextlib.nullcontext(), None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
@@ -246,8 +237,7 @@ def loss_and_backward(
             terms = loss_fn(g_i.float(), g_t.float(), s.float(), old_i, old_t)
             (scaler.scale(terms.total) if scaler is not None else terms.total).backward()
     assert terms is not None
-    kept = None if terms.kept is None else terms.kept.detach()
-    return LossTerms(terms.total.detach(), terms.contrastive.detach(), terms.kl.detach(), kept)
+    return LossTerms(*(None if t is None else t.detach() for t in terms))
 
 
 # ------------------------------------------------------------------------------------------ the loop
@@ -255,7 +245,6 @@ class _Ledger:
     """``samples.jsonl``: the keys each optimizer step trained on, cut back to the checkpoint on resume."""
 
     def __init__(self, path: Path, keep_through_step: int, enabled: bool) -> None:
-        self.path, self.enabled = path, enabled
         self._fh = None
         if not enabled:
             return
@@ -364,7 +353,8 @@ def train(
                 on_step(record)
             bar.advance(1, loss=record["loss"])
             if config.log_every and state.step % config.log_every == 0:
-                _log_step(record, config.steps)
+                line = "step %(step)d/%(steps)d loss %(loss).4f (contrastive %(contrastive).4f, kl %(kl).4f)"
+                log.info(line + " lr %(lr).2e", {**record, "steps": config.steps})
             due = config.checkpoint_every and state.step % config.checkpoint_every == 0
             if due or state.step == config.steps:
                 last_ckpt = ckpt_root / checkpoint_name(state.step)
@@ -464,11 +454,6 @@ def _optimizer_step(
     else:
         optimizer.step()
     clamp_logit_scale(model)
-
-
-def _log_step(record: dict[str, float], steps: int) -> None:
-    values = (record["step"], steps, record["loss"], record["contrastive"], record["kl"], record["lr"])
-    log.info("step %d/%d loss %.4f (contrastive %.4f, kl %.4f) lr %.2e", *values)
 
 
 def _step_record(
