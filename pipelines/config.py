@@ -14,12 +14,9 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
     """A path to a YAML file, or the name of a shipped config (``local``, ``cluster``)."""
-    candidate = Path(name_or_path)
-    if candidate.is_file():
-        return candidate
-    shipped = CONFIG_DIR / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
+    for candidate in (Path(name_or_path), CONFIG_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
     known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
     raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a shipped config ({known})")
 

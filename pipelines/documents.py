@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from pathlib import Path
 
 from schemas import SCHEMA_DIR
 
@@ -29,16 +28,8 @@ def schema_text(name: str) -> str:
     return json.dumps(schema, indent=2) + "\n"
 
 
-def write_schemas() -> list[Path]:
-    """Write every generated schema into ``schemas/``; returns the files written."""
-    written = []
+if __name__ == "__main__":  # ``make schemas``: every generated schema written into ``schemas/``
     for name in DOCUMENTS:
         path = SCHEMA_DIR / f"{name}.schema.json"
         path.write_text(schema_text(name))
-        written.append(path)
-    return written
-
-
-if __name__ == "__main__":
-    for path in write_schemas():
         print(path)
