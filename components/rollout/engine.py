@@ -42,7 +42,7 @@ from components.rollout.types import (
 )
 from components.rollout.writes import GalleryWriter, new_rows, rows_of_other_versions
 from components.serving.record import read_serving, write_serving
-from components.state.rollout_document import SCHEMA_VERSION
+from components.state.rollout_document import SCHEMA_VERSION, CurvePoint, RolloutState, StageRecord
 
 log = logging.getLogger(__name__)
 
@@ -90,35 +90,34 @@ class Rollout:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
     # ---- entry point
-    def run(self) -> dict[str, Any]:
+    def run(self) -> RolloutState:
         """Plan or resume, then run to ``completed`` or ``halted``; returns the final state. With
         ``config.range_tasks`` it returns earlier, state ``running``, when a stage's slice ranges wait for
         their pipeline tasks (``cursor.ranges``; :func:`components.rollout.workers.pending_ranges`)."""
         with exclusive(self.paths.state):
             state = load_state(self.paths.state)
-            if state is None or state["rollout_id"] != self.rollout_id:
+            if state is None or state.rollout_id != self.rollout_id:
                 if state is not None:
                     self._replace(state)
                 self.pace = Pace(self.config.slo_p99_factor, self.config.max_items_per_s)
                 self._measure_idle()
                 state = self._plan()
             else:
-                if "cuts" not in state["order"]:
+                if state.order.cuts is None:
                     raise RolloutError(
-                        f"rollout {state['rollout_id']} at {self.paths.state} was planned by an earlier "
+                        f"rollout {state.rollout_id} at {self.paths.state} was planned by an earlier "
                         "release (it wrote the gallery in place): finish or roll it back with that release"
                     )
-                self.pace = Pace.resumed(
-                    state.get("pace"), self.config.slo_p99_factor, self.config.max_items_per_s
-                )
+                recorded = state.pace.document() if state.pace else None
+                self.pace = Pace.resumed(recorded, self.config.slo_p99_factor, self.config.max_items_per_s)
             try:
-                while state["status"] == "running":
-                    if state["stage"] == 0:
+                while state.status == "running":
+                    if state.stage == 0:
                         self._stage0(state)
                     else:
-                        self._stage(state, state["stage"])
+                        self._stage(state, state.stage)
             except RangesPending as pending:
-                log.info("rollout %s: %s", state["rollout_id"], pending)
+                log.info("rollout %s: %s", state.rollout_id, pending)
             finally:
                 if self._pool is not None:
                     self._pool.close()
@@ -143,21 +142,21 @@ class Rollout:
         dim = self.index.collection_dim(collection)
         return check_vectors(self.encoders.old_query(self.probe.texts[:1]), 1, dim, "old_query")[0]
 
-    def _save(self, state: dict[str, Any]) -> None:
+    def _save(self, state: RolloutState) -> None:
         save_state(self.paths.state, state)
 
-    def _replace(self, old: dict[str, Any]) -> None:
+    def _replace(self, old: RolloutState) -> None:
         """Archive the finished rollout ``old`` before a new one is planned; the target of one that was rolled
         back or halted is dropped (nothing serves it)."""
-        if old["status"] in ("pending", "running"):
+        if old.status in ("pending", "running"):
             raise RolloutError(
-                f"rollout {old['rollout_id']} ({old['new_version']}) is {old['status']} at "
+                f"rollout {old.rollout_id} ({old.new_version}) is {old.status} at "
                 f"{self.paths.state}: run it to the end with its own configuration, or roll it back"
             )
-        g = old["gallery"]
-        if old["status"] in ("rolled_back", "halted") and g["collection"] != g["source_collection"]:
-            self._drop_unserved(g["collection"])
-        save_state(self.paths.archived_state(old["rollout_id"]), old, root=self.paths.root)
+        g = old.gallery
+        if old.status in ("rolled_back", "halted") and g.collection != g.source_collection:
+            self._drop_unserved(g.collection)
+        save_state(self.paths.archived_state(old.rollout_id), old, root=self.paths.root)
 
     def _drop_unserved(self, collection: str | None) -> None:
         record = read_serving(self.paths.serving) or {}
@@ -168,7 +167,7 @@ class Rollout:
                 log.info("dropped collection %s (served by no version)", collection)
 
     # ---- planning
-    def _plan(self) -> dict[str, Any]:
+    def _plan(self) -> RolloutState:
         """Decide the mode, order, floors and stages from the serving collection and a bounded sample of it
         (:func:`components.rollout.plan.read_sample`): nothing reads the whole gallery."""
         c, idx = self.config, self.index
@@ -191,22 +190,21 @@ class Rollout:
             self.encoders.old_query(self.probe.texts), len(self.probe.texts), source.dim, "old_query"
         )
         baseline, floors = probe_floors(idx, source, old_queries, self.probe, c)
-        state = {
-            "schema_version": SCHEMA_VERSION,
-            "rollout_id": rid,
-            "status": "running",
-            "mode": mode,
-            "created_at": utc_now(),
-            "updated_at": utc_now(),
-            "new_version": c.new_version,
-            "model_version": c.new_version,
-            "stage": 1 if mode == "blue_green" else 0,
-            "fractions": list(c.fractions),
-            "n_items": n,
-            "fraction_backfilled": 0.0,
-            "batch_size": c.batch_size,
-            "workers": c.workers,
-            "order": {
+        state = RolloutState(
+            schema_version=SCHEMA_VERSION,
+            rollout_id=rid,
+            status="running",
+            mode=mode,
+            created_at=utc_now(),
+            new_version=c.new_version,
+            model_version=c.new_version,
+            stage=1 if mode == "blue_green" else 0,
+            fractions=c.fractions,
+            n_items=n,
+            fraction_backfilled=0.0,
+            batch_size=c.batch_size,
+            workers=c.workers,
+            order={
                 "policy": c.order,
                 "seed": c.seed,
                 **selection.to_record(),
@@ -214,28 +212,28 @@ class Rollout:
                 "centres": str(self.paths.centres(target)),
                 "sample": len(sample),
             },
-            "cursor": {"position": 0, "batches": 0, "ranges": None},
-            "query_model": source.record["query_model"],
-            "previous_query_model": source.record["query_model"],
-            "new_query_model": c.query_model,
-            "gallery": self._gallery_record(source, target, space, keyed, sample),
-            "ks": list(c.ks),
-            "baseline": baseline,
-            "floors": floors,
-            "probe_tolerance": c.probe_tolerance,
-            "stages": stage_plan(mode, n, c.fractions),
-            "curve": [],
-            "restored": True,
-            "halt_reason": None,
-            "rollback": None,
-            "plan_seconds": round(time.perf_counter() - t0, 3),
-            "pace": self.pace.to_dict(),  # the idle p99 measured before this plan read anything
-        }
+            cursor={"position": 0, "batches": 0, "ranges": None},
+            query_model=source.record["query_model"],
+            previous_query_model=source.record["query_model"],
+            new_query_model=c.query_model,
+            gallery=self._gallery_record(source, target, space, keyed, sample),
+            ks=c.ks,
+            baseline=baseline,
+            floors=floors,
+            probe_tolerance=c.probe_tolerance,
+            stages=stage_plan(mode, n, c.fractions),
+            curve=[],
+            restored=True,
+            halt_reason=None,
+            rollback=None,
+            plan_seconds=round(time.perf_counter() - t0, 3),
+            pace=self.pace.to_dict(),  # the idle p99 measured before this plan read anything
+        )
         self._save(state)
         log.info(
             "rollout %s planned in %.1f s: %s, %d items, order %s (sample of %d), floors %s",
             rid,
-            state["plan_seconds"],
+            state.plan_seconds,
             mode,
             n,
             c.order,
@@ -289,59 +287,59 @@ class Rollout:
             )
         return self._queries
 
-    def _layers(self, state: dict[str, Any], j: int) -> Layers:
+    def _layers(self, state: RolloutState, j: int) -> Layers:
         """What serves once stage ``j`` is accepted: the target whole, over the source less stages 1..j (the
         target alone once it holds every item: a transformed copy, a fill, the last stage)."""
-        g = state["gallery"]
-        if self.adapt or state["mode"] == "blue_green" or _stage_of(state, j) is state["stages"][-1]:
-            return [(g["collection"], "")]
-        done = Selection.of(state["order"], state["fractions"]).upto(j)
-        return [(g["collection"], ""), (g["source_collection"], f"not ({done})" if j else "")]
+        g = state.gallery
+        if self.adapt or state.mode == "blue_green" or state.stage_record(j) is state.stages[-1]:
+            return [(g.collection, "")]
+        done = Selection.of(state.order.document(), state.fractions).upto(j)
+        return [(g.collection, ""), (g.source_collection, f"not ({done})" if j else "")]
 
-    def _probe(self, state: dict[str, Any], layers: Layers) -> dict[str, float]:
-        queries = self._serving_queries(state["gallery"]["dim"])
-        return probe_metrics(self.index, layers[0][0], queries, self.probe, state["ks"], layers=layers)
+    def _probe(self, state: RolloutState, layers: Layers) -> dict[str, float]:
+        queries = self._serving_queries(state.gallery.dim)
+        return probe_metrics(self.index, layers[0][0], queries, self.probe, state.ks, layers=layers)
 
-    def _curve_point(self, state: dict[str, Any], fraction: float, metrics: Mapping[str, float]) -> None:
-        point = {"fraction": round(float(fraction), 6), "t2i_R@1": metrics["R@1"]}  # the stages keep every k
-        state["curve"] = [p for p in state["curve"] if p["fraction"] != point["fraction"]] + [point]
-        state["curve"].sort(key=lambda p: p["fraction"])
+    def _curve_point(self, state: RolloutState, fraction: float, metrics: Mapping[str, float]) -> None:
+        point = CurvePoint.model_validate({"fraction": round(float(fraction), 6), "t2i_R@1": metrics["R@1"]})
+        kept = [p for p in state.curve if p.fraction != point.fraction]  # the stages keep every k
+        state.curve = sorted([*kept, point], key=lambda p: p.fraction)
 
-    def _ensure_target(self, state: dict[str, Any]) -> None:
+    def _ensure_target(self, state: RolloutState) -> None:
         """The rollout's own collection, created at its first stage (a fill in another space is as wide as the
         gallery encoder's vector of one item), and the centres its rows are keyed against, fitted on the
         plan's sample of the source as the serving contract reads it (a fill in another space has none)."""
-        g = state["gallery"]
-        if self.index.has_collection(g["collection"]):
+        g = state.gallery
+        if self.index.has_collection(g.collection):
             return
-        if state["mode"] == "staged":
-            sample = read_sample(self.index, g["source_collection"], state["n_items"], vectors=True)
+        if state.mode == "staged":
+            sample = read_sample(self.index, g.source_collection, state.n_items, vectors=True)
             vectors = np.asarray([r["vector"] for r in sample], dtype=np.float32)
             if self.adapt:
                 vectors = np.asarray(self.encoders.gallery_transform(vectors), dtype=np.float32)
             c = self.config
-            save_centres(Path(state["order"]["centres"]), fit_centres(vectors, c.n_clusters, c.seed))
-        if state["mode"] == "blue_green":
-            first = self.index.rows_where('item_id != ""', ROW_FIELDS, g["source_collection"], limit=1)
+            save_centres(Path(state.order.centres), fit_centres(vectors, c.n_clusters, c.seed))
+        else:
+            first = self.index.rows_where('item_id != ""', ROW_FIELDS, g.source_collection, limit=1)
             made = self.encoders.new_gallery([item_ref(r) for r in first])
-            g["dim"] = check_vectors(made, 1, None, "gallery encoder").shape[1]
-        self.index.create_collection(g["space"], g["dim"], name=g["collection"])
+            g.dim = check_vectors(made, 1, None, "gallery encoder").shape[1]
+        self.index.create_collection(g.space, g.dim, name=g.collection)
         self._save(state)
 
-    def _run_stage(self, state: dict[str, Any], j: int, *, whole: bool, action: str) -> None:
+    def _run_stage(self, state: RolloutState, j: int, *, whole: bool, action: str) -> None:
         """Write stage ``j``'s slices (``whole``: every item of the source) into the target, in
         ``config.workers`` slice ranges (:mod:`components.rollout.workers`); returns once every range is
         written, or raises :class:`RangesPending` when pipeline tasks run them."""
-        c, g = self.config, state["gallery"]
-        fractions = [0.0, *state["fractions"]]
+        c, g = self.config, state.gallery
+        fractions = [0.0, *state.fractions]
         share = 1.0 if whole else fractions[j] - fractions[j - 1]
-        n = workers.n_slices(share * state["n_items"], c.batch_size)
+        n = workers.n_slices(share * state.n_items, c.batch_size)
         ranges = workers.split_ranges(n, c.workers)
         if c.workers > 1 and not c.range_tasks:
             self._check_fan_out()
-        state["cursor"]["ranges"] = [list(r) for r in ranges]
+        state.cursor.ranges = ranges
         self._save(state)
-        work = self.paths.work(state["rollout_id"])
+        work = self.paths.work(state.rollout_id)
         spec = workers.write_spec(work, self._stage_spec(state, j, n, whole, action, len(ranges)))
         pending = [r for r in ranges if not workers.range_done(work, j, *r)]
         if pending and c.range_tasks:
@@ -351,27 +349,23 @@ class Rollout:
             if self._pool is None:
                 self._pool = workers.WorkerPool(c.workers)
             self._pool.run(spec, pending)
-            self.index.written_elsewhere(g["collection"])  # the probe reads what the workers wrote
+            self.index.written_elsewhere(g.collection)  # the probe reads what the workers wrote
         else:
             for start, end in pending:
                 workers.run_range(spec, start, end, encoders=self.encoders, index=self.index, pace=self.pace)
-            state["pace"] = self.pace.to_dict()
+            state.pace = self.pace.to_dict()
         done = [workers.read_cursor(workers.range_cursor(work, j, *r), r[0]) for r in ranges]
         written = sum(int(d["written"]) for d in done)
-        _stage_of(state, j)["workers"] = [
-            {"slices": list(r), **{k: d.get(k) for k in WORKER_FIELDS}}
-            for r, d in zip(ranges, done, strict=True)
+        state.stage_record(j).workers = [
+            {"slices": r, **{k: d.get(k) for k in WORKER_FIELDS}} for r, d in zip(ranges, done, strict=True)
         ]
-        state["cursor"].update(
-            position=state["cursor"]["position"] + written,
-            batches=state["cursor"]["batches"] + n,
-            ranges=None,
-        )
-        state["fraction_backfilled"] = fractions[j] if action == "reembed" else 0.0
+        position, batches = state.cursor.position + written, state.cursor.batches + n
+        state.cursor = {"position": position, "batches": batches, "ranges": None}
+        state.fraction_backfilled = fractions[j] if action == "reembed" else 0.0
         self._save(state)
         log.info(
             "rollout %s: stage %d, %d items in %d slices by %d worker(s) (%.0f items/s)",
-            state["rollout_id"],
+            state.rollout_id,
             j,
             written,
             n,
@@ -380,35 +374,35 @@ class Rollout:
         )
 
     def _stage_spec(
-        self, state: dict[str, Any], j: int, n: int, whole: bool, action: str, n_ranges: int
+        self, state: RolloutState, j: int, n: int, whole: bool, action: str, n_ranges: int
     ) -> dict[str, Any]:
         """What every worker of stage ``j`` reads (:func:`components.rollout.workers.write_spec`)."""
-        c, g = self.config, state["gallery"]
-        staged = state["mode"] == "staged"
+        c, g = self.config, state.gallery
+        staged = state.mode == "staged"
         return {
             "uri": self.index.uri,
             "alias": self.index.alias,
-            "source": g["source_collection"],
-            "target": g["collection"],
-            "order": state["order"],
-            "fractions": state["fractions"],
+            "source": g.source_collection,
+            "target": g.collection,
+            "order": state.order.document(),
+            "fractions": state.fractions,
             "stage": j,
             "n_slices": n,
             "whole": whole,
-            "keyed": g["keyed"],
+            "keyed": g.keyed,
             "action": action,
             "upsert": self.adapt and action == "reembed",  # over the transformed copy
             "row_stage": j + 1,
             **self._row_spec(state),
-            "centres": state["order"]["centres"],
+            "centres": state.order.centres,
             "encoders": self.encoders.recipe,
             "batch_size": c.batch_size,
             "flush_rows": c.flush_rows,
             "pace": self.pace.to_dict(),
             "workers": n_ranges,
             "services_dir": str(self.paths.services),
-            "serving": g["source_collection"] if staged else None,
-            "latency_query": self._latency_query(g["source_collection"]).tolist() if staged else None,
+            "serving": g.source_collection if staged else None,
+            "latency_query": self._latency_query(g.source_collection).tolist() if staged else None,
             "lineage": self.paths.lineage_spec(),
         }
 
@@ -425,82 +419,77 @@ class Rollout:
             )
 
     # ---- stage 0: the query switch (after the transformed copy when the contract needs one)
-    def _stage0(self, state: dict[str, Any]) -> None:
-        rec = state["stages"][0]
-        rec.setdefault("started_at", utc_now())
-        rec["status"] = "running"
+    def _stage0(self, state: RolloutState) -> None:
+        rec = state.stages[0]
+        rec.started_at = rec.started_at or utc_now()
+        rec.status = "running"
         self._ensure_target(state)
         if self.adapt:
             self._run_stage(state, 0, whole=True, action="transform")
-            self.index.flush(state["gallery"]["collection"], wait_indexed=True)
+            self.index.flush(state.gallery.collection, wait_indexed=True)
         layers = self._layers(state, 0)
         metrics = self._probe(state, layers)
-        rec["probe"] = metrics
+        rec.probe = metrics
         self._curve_point(state, 0.0, metrics)
-        broken = broken_floors(metrics, state["floors"])
+        broken = broken_floors(metrics, state.floors)
         if broken:
             self._halt(state, rec, broken)
             return
         self._serve(state, layers)
-        rec.update(status="accepted", finished_at=utc_now())
-        state["stage"] = 1
+        rec.status, rec.finished_at = "accepted", utc_now()
+        state.stage = 1
         self._save(state)
 
     # ---- stages 1..k, or the blue-green fill
-    def _stage(self, state: dict[str, Any], j: int) -> None:
-        rec, g = _stage_of(state, j), state["gallery"]
-        rec.setdefault("started_at", utc_now())
-        if rec["status"] != "running":
-            rec["status"] = "running"
+    def _stage(self, state: RolloutState, j: int) -> None:
+        rec, g = state.stage_record(j), state.gallery
+        rec.started_at = rec.started_at or utc_now()
+        if rec.status != "running":
+            rec.status = "running"
             self._save(state)
-        fill = state["mode"] == "blue_green"
+        fill = state.mode == "blue_green"
         if fill:
             self._ensure_target(state)
         t0 = time.perf_counter()
         self._run_stage(state, j, whole=fill, action="reembed")
-        last = rec is state["stages"][-1]
+        last = rec is state.stages[-1]
         if last:
             self._sweep(state)
-        self.index.flush(g["collection"], wait_indexed=last)  # served whole once accepted
-        rec["items_per_s"] = round(
-            sum(w["written"] or 0 for w in rec.get("workers", [])) / max(time.perf_counter() - t0, 1e-9), 1
-        )
+        self.index.flush(g.collection, wait_indexed=last)  # served whole once accepted
+        written = sum(w.written or 0 for w in rec.workers or ())
+        rec.items_per_s = round(written / max(time.perf_counter() - t0, 1e-9), 1)
         layers = self._layers(state, j)
         metrics = self._probe(state, layers)
-        rec["probe"], rec["seconds"] = metrics, round(time.perf_counter() - t0, 3)
+        rec.probe, rec.seconds = metrics, round(time.perf_counter() - t0, 3)
         if fill:
-            self._curve_point(state, 0.0, state["baseline"])
-        self._curve_point(state, rec["fraction"], metrics)
-        broken = broken_floors(metrics, state["floors"])
+            self._curve_point(state, 0.0, state.baseline)
+        self._curve_point(state, rec.fraction, metrics)
+        broken = broken_floors(metrics, state.floors)
         if broken:
             self._halt(state, rec, broken)
             return
-        rec.update(status="accepted", finished_at=utc_now())
+        rec.status, rec.finished_at = "accepted", utc_now()
         if last:
             self._complete(state)
         else:
             self._serve(state, layers)
-            state["stage"] = j + 1
+            state.stage = j + 1
             self._save(state)
         log.info(
-            "rollout %s: stage %d (%.0f%%) accepted: %s",
-            state["rollout_id"],
-            j,
-            100 * rec["fraction"],
-            metrics,
+            "rollout %s: stage %d (%.0f%%) accepted: %s", state.rollout_id, j, 100 * rec.fraction, metrics
         )
 
-    def _sweep(self, state: dict[str, Any]) -> None:
+    def _sweep(self, state: RolloutState) -> None:
         """Re-embed the target's rows of another version (items indexed by the serving model while the
         rollout ran), a batch at a time until none is left (each write takes its rows out of the filter)."""
-        g = state["gallery"]
-        self.index.flush(g["collection"])
+        g = state.gallery
+        self.index.flush(g.collection)
         spec = {**self._row_spec(state), "action": "reembed", "row_stage": 0}
-        centres = load_centres(state["order"]["centres"])
-        writer, swept = GalleryWriter(self.index, g["collection"]), 0
+        centres = load_centres(state.order.centres)
+        writer, swept = GalleryWriter(self.index, g.collection), 0
         lineage = workers.lineage_store(self.paths.lineage_spec())
         for rows in rows_of_other_versions(
-            self.index, g["collection"], state["new_version"], self.config.batch_size
+            self.index, g.collection, state.new_version, self.config.batch_size
         ):
             written = new_rows(self.encoders, rows, spec, centres)
             writer.write(written)
@@ -508,76 +497,68 @@ class Rollout:
                 lineage.sync_with_index(written)
             swept += len(rows)
         if swept:
-            log.info("rollout %s: swept %d items added during the rollout", state["rollout_id"], swept)
+            log.info("rollout %s: swept %d items added during the rollout", state.rollout_id, swept)
             writer.flush()
 
-    def _row_spec(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _row_spec(self, state: RolloutState) -> dict[str, Any]:
         """What :func:`components.rollout.writes.new_rows` stamps on the rows it writes."""
-        g = state["gallery"]
+        g = state.gallery
         return {
-            "new_version": state["new_version"],
-            "space": g["space"],
-            "dim": g["dim"],
-            "rollout_id": state["rollout_id"],
-            "transform": g["transform"],
+            "new_version": state.new_version,
+            "space": g.space,
+            "dim": g.dim,
+            "rollout_id": state.rollout_id,
+            "transform": g.transform,
         }
 
     # ---- what serves
-    def _serve(self, state: dict[str, Any], layers: Layers) -> None:
+    def _serve(self, state: RolloutState, layers: Layers) -> None:
         """The new query model on ``layers`` (the target first); the record keeps the source (rollback)."""
-        g = state["gallery"]
+        g = state.gallery
         write_serving(
             self.paths.serving,
-            uri=g["uri"],
-            alias=g["alias"],
-            collection=g["collection"],
-            space=g["space"],
-            dim=self.index.collection_dim(g["collection"]),
-            query_model=state["new_query_model"],
+            uri=g.uri,
+            alias=g.alias,
+            collection=g.collection,
+            space=g.space,
+            dim=self.index.collection_dim(g.collection),
+            query_model=state.new_query_model.document(),
             previous={
-                "collection": g["source_collection"],
-                "space": g["source_space"],
-                "query_model": state["previous_query_model"],
+                "collection": g.source_collection,
+                "space": g.source_space,
+                "query_model": state.previous_query_model.document(),
             },
-            rollout_id=state["rollout_id"],
+            rollout_id=state.rollout_id,
             layers=layers if len(layers) > 1 else None,
         )
-        state["query_model"] = dict(state["new_query_model"])
+        state.query_model = state.new_query_model.model_copy()
 
-    def _complete(self, state: dict[str, Any]) -> None:
+    def _complete(self, state: RolloutState) -> None:
         """The target serves alone, behind the alias; the source stays for a rollback, the collection the
         version before it served is dropped."""
-        g = state["gallery"]
-        self._serve(state, [(g["collection"], "")])
-        self.index.switch_alias(g["collection"])
-        stale = (g.get("source_previous") or {}).get("collection")
-        if stale not in (g["collection"], g["source_collection"]):
+        g = state.gallery
+        self._serve(state, [(g.collection, "")])
+        self.index.switch_alias(g.collection)
+        stale = (g.source_previous or {}).get("collection")
+        if stale not in (g.collection, g.source_collection):
             self._drop_unserved(stale)
-        state["status"] = "completed"
-        state["fraction_backfilled"] = 1.0
-        g["versions_after"] = self.index.count_by_version(g["collection"])
+        state.status = "completed"
+        state.fraction_backfilled = 1.0
+        g.versions_after = self.index.count_by_version(g.collection)
         self._save(state)
 
-    def _halt(self, state: dict[str, Any], rec: dict[str, Any], broken: list[str]) -> None:
+    def _halt(self, state: RolloutState, rec: StageRecord, broken: list[str]) -> None:
         """A stage below its floor: queries go back to the source with the previous query model (a switch)
         and the target is dropped."""
-        g = state["gallery"]
-        rec.update(status="halted", finished_at=utc_now())
-        state.update(
-            status="halted", halt_reason=f"stage {rec['stage']} probe below its floor: " + "; ".join(broken)
-        )
-        log.error("rollout %s halted: %s", state["rollout_id"], state["halt_reason"])
+        rec.status, rec.finished_at = "halted", utc_now()
+        state.status = "halted"
+        state.halt_reason = f"stage {rec.stage} probe below its floor: " + "; ".join(broken)
+        log.error("rollout %s halted: %s", state.rollout_id, state.halt_reason)
         serve_source(self.paths, self.index, state, keep_previous=True)
-        state["fraction_backfilled"] = 0.0
-        self._drop_unserved(g["collection"])
-        state["restored"] = True
+        state.fraction_backfilled = 0.0
+        self._drop_unserved(state.gallery.collection)
+        state.restored = True
         self._save(state)
-
-
-# ------------------------------------------------------------------------------------------- functions
-def _stage_of(state: dict[str, Any], j: int) -> dict[str, Any]:
-    """The record of stage ``j`` (a blue-green fill has stage 1 alone)."""
-    return next(rec for rec in state["stages"] if rec["stage"] == j)
 
 
 def run_rollout(
@@ -587,5 +568,6 @@ def run_rollout(
     encoders: RolloutEncoders,
     probe: ProbeSet,
 ) -> dict[str, Any]:
-    """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns the state."""
-    return Rollout(index, paths, config, encoders, probe).run()
+    """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns the state's
+    document."""
+    return Rollout(index, paths, config, encoders, probe).run().document()

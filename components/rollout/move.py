@@ -36,9 +36,9 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     if same_index(source_uri, to_uri):
         return {"from": source_uri, "to": to_uri, "collections": {}, "served": served}
     state = load_state(paths.state)
-    if state is not None and state["status"] in UNDER_WAY:
+    if state is not None and state.status in UNDER_WAY:
         raise RolloutError(
-            f"rollout {state['rollout_id']} is {state['status']}: let the run finish it (compatflow run) or "
+            f"rollout {state.rollout_id} is {state.status}: let the run finish it (compatflow run) or "
             "roll it back (compatflow rollback) before moving the gallery"
         )
     copied: dict[str, int] = {}
@@ -87,7 +87,7 @@ def _point_states_at(paths: Any, to_uri: str) -> None:
     for path in [paths.state, *paths.archived_states()]:
         with exclusive(paths.state):
             state = load_state(path, paths.root)
-            if state is None or state.get("gallery", {}).get("uri") == to_uri:
+            if state is None or state.gallery.uri == to_uri:
                 continue
-            state["gallery"]["uri"] = to_uri
+            state.gallery.uri = to_uri
             save_state(path, state, paths.root)

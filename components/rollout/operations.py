@@ -112,7 +112,7 @@ def gallery_collections(workspace: Any = None) -> list[str]:
     for path in [paths.state, *paths.archived_states()]:
         state = load_state(path, paths.root)
         if state is not None:
-            names += [state["gallery"].get("collection"), state["gallery"].get("source_collection")]
+            names += [state.gallery.collection, state.gallery.source_collection]
     return [str(name) for name in dict.fromkeys(names) if name]
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from components.state.rollout_document import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +36,14 @@ def prepare_rollback(event: dict[str, Any]) -> None:
             "model embeds each item: run it with the config that names the deployment's repo (--config)"
         )
     state = load_state(rollout_of(paths, event["from_version"]), paths.root)
-    check_returning_model(_registry(event), state["previous_query_model"])
-    model = Path(str(state["previous_query_model"].get("uri", "")))
+    check_returning_model(_registry(event), state.previous_query_model.document())
+    model = Path(str(state.previous_query_model.uri))
     if not model.is_dir():
         raise RolloutError(f"the model version {event['to_version']} served from is gone ({model})")
-    g = state["gallery"]
-    with GalleryIndex(g["uri"], g["alias"]) as index:
-        if not index.has_collection(g["source_collection"]):
-            raise RolloutError(f"collection {g['source_collection']} that served before the rollout is gone")
+    g = state.gallery
+    with GalleryIndex(g.uri, g.alias) as index:
+        if not index.has_collection(g.source_collection):
+            raise RolloutError(f"collection {g.source_collection} that served before the rollout is gone")
 
 
 def on_rollback(event: dict[str, Any]) -> None:
@@ -89,32 +92,28 @@ def _lineage_repo(event: dict[str, Any]) -> Any:
     return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).lineage_dir)
 
 
-def unfinished_rollout(paths: Any, production: str | None) -> dict[str, Any] | None:
+def unfinished_rollout(paths: Any, production: str | None) -> RolloutState | None:
     """The rollout state in ``paths.state`` when its change is not promoted yet
     (:func:`components.state.rollout_document.unpromoted`), else None."""
     from components.rollout import load_state
     from components.state.rollout_document import unpromoted
 
     current = load_state(paths.state)
-    return current if current is not None and unpromoted(current, production) else None
+    return current if current is not None and unpromoted(current.document(), production) else None
 
 
 def _roll_back_unfinished(
-    paths: Any, index: Any, current: dict[str, Any], why: str
+    paths: Any, index: Any, current: RolloutState, why: str
 ) -> tuple[dict[str, Any], int]:
     """Undo the unfinished rollout ``current`` (a completed one's items indexed since are embedded again by
     the returning model), its state ``rolled_back`` with ``why`` and where it stood in ``halt_reason``, so no
     run takes it for one in progress. Returns the state and how many items were embedded again."""
     from components.rollout import rollback
-    from components.rollout.state import exclusive, save_state
 
-    completed = current["status"] == "completed"
-    state = rollback(paths, index, promoted=not completed)
-    written = complete_gallery(index, current["gallery"]["collection"], state, paths.root) if completed else 0
-    where = "completed, never promoted" if completed else f"{current['status']} at stage {current['stage']}"
-    with exclusive(paths.state):
-        state["halt_reason"] = f"{why} while this rollout was {where}"
-        save_state(paths.state, state)
+    completed = current.status == "completed"
+    where = "completed, never promoted" if completed else f"{current.status} at stage {current.stage}"
+    state = rollback(paths, index, promoted=not completed, reason=f"{why} while this rollout was {where}")
+    written = complete_gallery(index, current.gallery.collection, state, paths.root) if completed else 0
     return state, written
 
 
@@ -126,8 +125,8 @@ def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str
         return None
     log.warning(
         "rolling back unfinished rollout %s of %s first: production %s -> %s supersedes it",
-        current["rollout_id"],
-        current["new_version"],
+        current.rollout_id,
+        current.new_version,
         event["from_version"],
         event.get("to_version"),
     )
@@ -149,8 +148,8 @@ def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
     current = unfinished_rollout(paths, production)
     if current is None:
         return None
-    check_returning_model(registry, current["previous_query_model"])
-    log.warning("rolling back unfinished rollout %s of %s", current["rollout_id"], current["new_version"])
+    check_returning_model(registry, current.previous_query_model.document())
+    log.warning("rolling back unfinished rollout %s of %s", current.rollout_id, current.new_version)
     why = f"rolled back by compatflow rollback (production stays {production})"
     with open_index(ws) as index:
         state, written = _roll_back_unfinished(paths, index, current, why)
@@ -158,10 +157,10 @@ def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
     if (ws.lineage_dir / "feature_store.yaml").is_file():
         sync_from_index(ws.lineage_dir, gallery["uri"], gallery["alias"], definition=ws.lineage_definition)
     return {
-        "rollout_id": current["rollout_id"],
-        "candidate": str(current["new_version"]),
-        "was": current["status"],
-        "stage": current["stage"],
+        "rollout_id": current.rollout_id,
+        "candidate": str(current.new_version),
+        "was": current.status,
+        "stage": current.stage,
         "production": production,
         "state": state,
         "reembedded": written,

@@ -1,7 +1,7 @@
 """The rollout state document (``rollout_state.json``): its typed model, from which
-``schemas/rollout_state.schema.json`` is generated (``make schemas``), and the one reader every process uses
+``schemas/rollout_state.schema.json`` is generated (``make schemas``), with the one reader every process uses
 (the rollout engine, the search service, ``compatflow status``), which brings a file an earlier release wrote
-to this version on read.
+to this version on read, and its writer.
 
 Written atomically after every batch by :mod:`components.rollout`. Stage 0 is the query-model switch;
 stages 1..k reach the configured fractions of the gallery in the recorded order. Metrics are percentages.
@@ -16,9 +16,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from compat.io import read_json
+from compat.io import read_json, utc_now, write_json_atomic
+from components.state.workspace import map_paths, resolved_path, stored_path
 
 SCHEMA_VERSION = 2
+# the paths a rollout state names, stored relative to the workspace (components.state.workspace)
+PATHS = ("gallery.uri", "order.centres", "query_model.uri", "new_query_model.uri", "previous_query_model.uri")
 
 Percent = Annotated[float, Field(ge=0, le=100)]
 MetricName = Annotated[str, StringConstraints(pattern=r"^R@[0-9]+$")]
@@ -35,7 +38,12 @@ Status = Literal["pending", "running", "halted", "completed", "rolled_back"]
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # every key the engine writes is declared here
+    # every key the engine writes is declared here; an assignment is checked as a read is
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def document(self) -> dict[str, Any]:
+        """The record as its file holds it: the keys it was read or made with, and those set since."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 class ModelRef(_Record):
@@ -130,7 +138,7 @@ class CurvePoint(_Record):
 class RolloutState(_Record):
     """Durable progress of a gallery rollout (staged partial backfill or blue-green)."""
 
-    model_config = ConfigDict(extra="forbid", title="Rollout state")
+    model_config = ConfigDict(title="Rollout state")
     schema_version: Literal[2]
     rollout_id: str = Field(pattern=r"^[0-9a-f]{12}$")
     status: Status
@@ -162,6 +170,32 @@ class RolloutState(_Record):
     halt_reason: str | None
     rollback: dict[str, Any] | None = None
     pace: Pace | None = None
+
+    def stage_record(self, j: int) -> StageRecord:
+        """The record of stage ``j`` (a blue-green fill has stage 1 alone)."""
+        return next(rec for rec in self.stages if rec.stage == j)
+
+    @classmethod
+    def read(
+        cls, path: str | Path, damaged: Callable[[str], Exception], root: Path | None = None
+    ) -> RolloutState | None:
+        """The rollout state at ``path`` (an earlier version's brought to this one), or None when there is no
+        file; the paths it names resolve against ``root`` (:data:`PATHS`). A file that cannot be read or
+        parsed raises ``damaged(reason)``, one that does not match raises SchemaError naming each field."""
+        from components.state.documents import validated
+
+        document = read_json(path, damaged)
+        if document is None:
+            return None
+        document = migrated(document)
+        if root is not None:
+            document = map_paths(document, PATHS, lambda value: resolved_path(root, value))
+        return validated(cls, document, str(path))
+
+    def write(self, path: Path, root: Path) -> None:
+        """Save the state atomically, the paths it names relative to ``root``."""
+        self.updated_at = utc_now()
+        write_json_atomic(path, map_paths(self.document(), PATHS, lambda value: stored_path(root, value)))
 
 
 UNDER_WAY = ("pending", "running", "halted")  # a rollout whose candidate may answer over a mixed gallery
@@ -197,18 +231,7 @@ def _renamed(record: Any, old: str, new: str) -> Any:
     return {new if key == old else key: value for key, value in record.items()}
 
 
-def checked(document: Any, source: str) -> dict[str, Any]:
-    """``document`` (migrated) when it is a valid rollout state; else :class:`schemas.SchemaError` naming
-    ``source`` and each bad field."""
-    from components.state.documents import validated
-
-    document = migrated(document)
-    validated(RolloutState, document, source)
-    return document
-
-
 def read_rollout_state(path: str | Path, damaged: Callable[[str], Exception]) -> dict[str, Any] | None:
-    """The rollout state at ``path`` as this version's document, or None when there is no file; a file that
-    cannot be read or parsed raises ``damaged(reason)``, one that does not match raises SchemaError."""
-    document = read_json(path, damaged)
-    return None if document is None else checked(document, str(path))
+    """:meth:`RolloutState.read`'s state as the document its file holds, for a reader that shows it."""
+    state = RolloutState.read(path, damaged)
+    return None if state is None else state.document()

@@ -44,10 +44,9 @@ def serve_first_model_step(
         seed=deployment.training.seed,
         on_items=lineage,
     )
-    record["lineage_recorded"] = lineage.recorded
-    state = {"status": "completed", "model_version": version, "kind": "initial_index"}
-    registry_of(deployment).promote(version, rollout_state=state)
-    summary = {**record, "version": version, "promoted": True}
+    initial = {"status": "completed", "model_version": version, "kind": "initial_index"}
+    registry_of(deployment).promote(version, rollout_state=initial)
+    summary = {**record, "lineage_recorded": lineage.recorded, "version": version, "promoted": True}
     write_json_atomic(RunDir(run_dir).rollout_summary, summary)
     record_examples(workspace, run_dir, gallery_shards)
     return summary
@@ -70,16 +69,10 @@ def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]
     serving = read_serving(workspace.serving_path)
     if serving is None:
         raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
-    served = serving["query_model"]
-    lineage = LineageRecorder(workspace)
+    served, lineage = serving["query_model"], LineageRecorder(workspace)
+    seed = deployment.training.seed
     added = index_new_items(
-        workspace,
-        served["uri"],
-        served["version"],
-        "",
-        gallery_shards,
-        seed=deployment.training.seed,
-        on_items=lineage,
+        workspace, served["uri"], served["version"], "", gallery_shards, seed=seed, on_items=lineage
     )
     summary = {
         "model_version": served["version"],
@@ -95,12 +88,10 @@ def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]
 def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[str, Any]:
     """After a gate pass: roll ``version`` out and make it ``production``.
 
-    The phase's new gallery items are already indexed with the serving model (:func:`ingest_step` runs
-    before it in the pipeline); the rollout switches queries and backfills the whole gallery in stages,
-    probing each (resumable; a rollback switches back to the collection it started from). Its writers record
-    the lineage of the items they write; after a halt the lineage is brought back in line with the index. A
-    rollout that halts (a stage probe fell below its floor; the stage was restored) ends the run
-    ``rejected`` and leaves ``production`` where it was.
+    The phase's new items are already indexed with the serving model (:func:`ingest_step`); the rollout
+    switches queries and backfills the gallery in stages, probing each (resumable). Its writers record the
+    lineage of the items they write; after a halt the lineage is brought back in line with the index, the
+    run ends ``rejected`` and ``production`` stays where it was.
     """
     from components.adapters.lineage import sync_from_index
     from components.rollout import RolloutPaths, rollback
@@ -114,25 +105,22 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         # serving record and the index agree on what is served (the next upgrade is compatible with it).
         with open_index(workspace) as index:
             state = rollback(RolloutPaths.for_workspace(workspace), index)
-    gallery = state["gallery"]
-    summary: dict[str, Any] = {
+    promoted, synced = state["status"] == "completed", 0
+    if not promoted:  # a completed rollout recorded its items' lineage as it wrote them (its workers)
+        g, workers = state["gallery"], deployment.rollout.workers
+        definition = workspace.lineage_definition
+        synced = sync_from_index(
+            workspace.lineage_dir, g["uri"], g["alias"], definition=definition, workers=workers
+        )
+    summary = {
         "version": version,
         "undone_first": undone,
         "rollout": state,
-        # a completed rollout recorded its items' lineage as it wrote them (components.rollout.workers)
-        "lineage_updated": 0
-        if state["status"] == "completed"
-        else sync_from_index(
-            workspace.lineage_dir,
-            gallery["uri"],
-            gallery["alias"],
-            definition=workspace.lineage_definition,
-            workers=deployment.rollout.workers,
-        ),
-        "promoted": state["status"] == "completed",
+        "lineage_updated": synced,
+        "promoted": promoted,
     }
     run = RunDir(run_dir)
-    if summary["promoted"]:
+    if promoted:
         registry_of(deployment).promote(version, rollout_state=state)
     else:
         reason = state.get("halt_reason") or f"see {run.rollout_summary.relative_to(run.path)}"
@@ -175,10 +163,10 @@ def rollout_range_step(deployment: Deployment, run_dir: Path | None, rank_range:
         return {"idle": True}
     paths = RolloutPaths.for_workspace(Workspace.of(deployment))
     state = load_state(paths.state)
-    if state is None or state["status"] != "running":
+    if state is None or state.status != "running":
         raise RolloutError(f"no rollout is running in {paths.state}: nothing for rank range {rank_range}")
     start, _, end = rank_range.partition("-")
-    return run_range(paths.work(state["rollout_id"]) / SPEC_FILE, int(start), int(end))
+    return run_range(paths.work(state.rollout_id) / SPEC_FILE, int(start), int(end))
 
 
 def _roll_out(
@@ -206,24 +194,20 @@ def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, An
     is resumed by the caller. Returns what was undone (for the report), or None."""
     from components.rollout import RolloutPaths, load_state, rollback
     from components.rollout.operations import open_index
+    from components.state.rollout_document import UNDER_WAY
 
     paths = RolloutPaths.for_workspace(workspace)
     state = load_state(paths.state)
     # Halted counts too: one left by `compatflow rollout run` keeps its accepted stages (a mixed gallery
     # queried by its candidate), which the candidate here was not trained to read.
-    unfinished = state is not None and state["status"] in ("pending", "running", "halted")
-    if not unfinished or str(state["model_version"]) == str(version):
+    if state is None or state.status not in UNDER_WAY or str(state.model_version) == str(version):
         return None
     logger.warning(
-        "rolling back unfinished rollout %s of version %s first", state["rollout_id"], state["model_version"]
+        "rolling back unfinished rollout %s of version %s first", state.rollout_id, state.model_version
     )
     with open_index(workspace) as index:
         rollback(paths, index)
-    return {
-        "rollout_id": state["rollout_id"],
-        "model_version": state["model_version"],
-        "status": state["status"],
-    }
+    return {"rollout_id": state.rollout_id, "model_version": state.model_version, "status": state.status}
 
 
 class LineageRecorder:

@@ -81,7 +81,7 @@ def test_a_completed_rollout_never_promoted_is_the_change_rollback_undoes(
     registry, paths, uri, production = _served(tmp_path, f"clip-unpromoted-{promoted_before}")
     for seed in range(2, 2 + promoted_before):  # upgrades that shipped before the killed one
         version = _complete(registry, tmp_path, paths, uri, seed)
-        registry.promote(version, rollout_state=ro.load_state(paths.state))
+        registry.promote(version, rollout_state=ro.load_state(paths.state).document())
         production = version
     aliases = {a: registry.alias_version(a) for a in ("production", "previous")}
     source = read_serving(paths.serving)["collection"]
@@ -150,7 +150,7 @@ def test_a_production_rollback_checks_and_restores_the_returning_model_first(tmp
 
     registry, paths, uri, v1 = _served(tmp_path, "clip-production-rollback")
     v2 = _complete(registry, tmp_path, paths, uri, 2)
-    registry.promote(v2, rollout_state=ro.load_state(paths.state))
+    registry.promote(v2, rollout_state=ro.load_state(paths.state).document())
     lineage = registry.workspace.lineage_dir
     lineage.mkdir(parents=True, exist_ok=True)
     (lineage / "feature_store.yaml").write_text("project: items\n")  # the preparation only looks for it

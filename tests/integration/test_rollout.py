@@ -149,7 +149,7 @@ def test_crash_between_writes_and_state_write_repeats_the_stage_once(setup, monk
     real_save = ro.save_state
 
     def flaky_save(path, state):
-        if state["stage"] == 2 and "workers" in state["stages"][2] and state["status"] == "running":
+        if state.stage == 2 and state.stages[2].workers is not None and state.status == "running":
             raise _Crash("power cut after the stage's writes")
         real_save(path, state)
 

@@ -83,9 +83,7 @@ def test_the_rollout_engines_reader_migrates_too(tmp_path):
     path = tmp_path / "rollout_state.json"
     path.write_text(json.dumps(_document(version=1)))
     state = load_state(path)
-    assert state["status"] == "halted" and state["order"]["centres"] == str(
-        tmp_path / "rollout/x/centres.npy"
-    )
+    assert state.status == "halted" and state.order.centres == str(tmp_path / "rollout/x/centres.npy")
 
 
 @pytest.mark.parametrize(
@@ -112,7 +110,9 @@ def test_a_broken_rollout_state_is_refused_naming_the_file_and_field(tmp_path, c
 
 
 def test_a_valid_state_passes_unchanged(tmp_path):
-    from components.state.rollout_document import checked
+    from components.state.rollout_document import read_rollout_state
 
     document = _document()
-    assert checked(copy.deepcopy(document), "x") == document
+    path = tmp_path / "rollout_state.json"
+    path.write_text(json.dumps(document))
+    assert read_rollout_state(path, ValueError) == document
