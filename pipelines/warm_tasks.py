@@ -365,12 +365,6 @@ def _reseed() -> None:
         sys.modules["torch"].seed()
 
 
-def serve(socket_path: Path, preload: Sequence[str] = PRELOAD) -> int:
-    """Serve tasks on ``socket_path`` (0 when done); in a forked child, run its task (its exit status)."""
-    task = _Host(socket_path, preload).run()
-    return 0 if task is None else _run_task(*task)
-
-
 def _function_of(argv: list[str]) -> str:
     return argv[argv.index("--function_to_execute") + 1] if "--function_to_execute" in argv else ""
 
@@ -378,4 +372,6 @@ def _function_of(argv: list[str]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m pipelines.warm_tasks SOCKET MODULE,...  (started by warm_task_host)")
-    sys.exit(serve(Path(sys.argv[1]), [name for name in sys.argv[2].split(",") if name]))
+    # Serve tasks until the run ends (exit 0); a forked child comes back with its task, and exits as it does.
+    task = _Host(Path(sys.argv[1]), [name for name in sys.argv[2].split(",") if name]).run()
+    sys.exit(0 if task is None else _run_task(*task))
