@@ -15,27 +15,18 @@ log = logging.getLogger(__name__)
 
 def model_ref(path: str | Path) -> dict[str, Any]:
     """``{name, version, config, sha256, path}`` of a checkpoint or compatible-model directory."""
-    from compat.methods.model import COMPAT_FILE, is_compat_dir
     from compat.models import read_sidecar
-    from compat.models.checkpoint import sha256_file
+    from compat.production import backbone_path, identity, model_root
 
-    path = Path(path)
-    root = path if path.is_dir() else path.parent
-    if is_compat_dir(path):
-        import json
-
-        doc = json.loads((root / COMPAT_FILE).read_text())
-        new_part = read_sidecar(root / "new") if (root / "new").is_dir() else {}
-        version, config = doc["contract"]["query_model_version"], new_part.get("config_name", "")
-        sha256 = sha256_file(root / COMPAT_FILE)
-    else:
-        sidecar = read_sidecar(path)
-        version, config, sha256 = sidecar["version"], sidecar["config_name"], sidecar["sha256"]
+    root = model_root(path)
+    backbone = backbone_path(root)  # a compatible model's config is its ``new`` part's
+    config = read_sidecar(backbone)["config_name"] if backbone.is_dir() else ""
+    ident = identity(root)
     return {
         "name": root.name,
-        "version": version,
+        "version": ident["version"],
         "config": config,
-        "sha256": sha256,
+        "sha256": ident["sha256"],
         "path": str(root.resolve()),
     }
 
