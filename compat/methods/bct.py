@@ -42,17 +42,7 @@ from compat.methods.config import MethodConfig
 from compat.methods.contract import Batch, Encoder
 from compat.methods.layers import truncate, zero_pad
 from compat.methods.none import PlainModel
-from compat.methods.training import (
-    TrainingLog,
-    adamw_cosine,
-    cycle_batches,
-    freeze,
-    frozen_features,
-    logit_scale_of,
-    prepare_images,
-    texts_of,
-    working_copy,
-)
+from compat.methods.training import TrainingLog, adamw_cosine, freeze, logit_scale_of, working_copy
 from compat.models import ClipBundle
 from compat.training.trainer import clamp_logit_scale
 
@@ -162,10 +152,8 @@ def train_new_model(
         student.model.parameters(), config.lr, config.weight_decay, config.steps, config.warmup_fraction
     )
     history = TrainingLog("bct", config.log_every, f"lr ({config.lr})")
-    for step, batch in history.track(cycle_batches(batches, config.steps), config.steps):
-        images = prepare_images(batch.images, student, train=True).to(device)
-        tokens = student.tokenizer(texts_of(batch)).to(device)
-        old_img, old_txt = frozen_features(old, batch, device, images)
+    steps = history.student_steps(batches, config.steps, student, old, device)
+    for step, _, images, tokens, (old_img, old_txt) in steps:
         img = F.normalize(student.model.encode_image(images), dim=-1)
         txt = F.normalize(student.model.encode_text(tokens), dim=-1)
         s_new, unmatched = student.model.logit_scale.exp(), config.synthesize_unmatched

@@ -52,12 +52,9 @@ from compat.methods.training import (
     TrainingLog,
     adamw_cosine,
     contract_lineage,
-    cycle_batches,
     freeze,
     frozen_features,
     logit_scale_of,
-    prepare_images,
-    texts_of,
     working_copy,
 )
 from compat.models import ClipBundle
@@ -324,10 +321,8 @@ class BT2(CompatMethod):
         )
         s_old = logit_scale_of(old)
         history = TrainingLog("bt2", config.log_every, f"lr ({config.lr})")
-        for step, batch in history.track(cycle_batches(batches, config.steps), config.steps):
-            images = prepare_images(batch.images, student, train=True).to(device)
-            tokens = student.tokenizer(texts_of(batch)).to(device)
-            old_img, old_txt = frozen_features(old, batch, device, images)
+        steps = history.student_steps(batches, config.steps, student, old, device)
+        for step, batch, images, tokens, (old_img, old_txt) in steps:
             ref_img, ref_txt = frozen_features(new, batch, device, images)
             out_img = head(student.model.encode_image(images))
             out_txt = head(student.model.encode_text(tokens))

@@ -183,17 +183,13 @@ def paired_contrastive(
 
 
 def lambda_orth_losses(
-    adapters: Adapters,
-    feats: PairedFeatures,
-    *,
-    w_forward: float = 1.0,
-    w_backward: float = 1.0,
-    w_contrastive: float = 1.0,
-    lam: float = 12.0,
-    alpha: float = 10.0,
-    temperature: float = 0.07,
+    adapters: Adapters, feats: PairedFeatures, config: LambdaOrthConfig | None = None, **settings: float
 ) -> LambdaOrthTerms:
-    """Eq. 10 on a batch of cached features: ``w1 L_F + w2 L_B + w3 L_C + L_lambda`` (FCT: ``L_F`` to h_t)."""
+    """Eq. 10 on a batch of cached features: ``w1 L_F + w2 L_B + w3 L_C + L_lambda`` (FCT: ``L_F`` to h_t).
+
+    The weights, ``lam``, ``alpha`` and ``temperature`` are ``config``'s (default: ``settings`` over the
+    defaults of :class:`LambdaOrthConfig`)."""
+    c = config or LambdaOrthConfig(**settings)
     old_img, old_txt = feats.old_image, feats.old_text
     f_img, f_txt = adapters(old_img), adapters(old_txt)
     zero = f_img.new_zeros(())
@@ -206,11 +202,11 @@ def lambda_orth_losses(
     k_img, k_txt = truncate(old_img, m), truncate(old_txt, m)
     backward = (_sq_dist(b_img, k_img) + _sq_dist(b_txt, k_txt)) / 2
     forward = (_sq_dist(f_img, b_img) + _sq_dist(f_txt, b_txt)) / 2
-    contrastive = paired_contrastive(f_img, f_txt, b_img, b_txt, temperature) + paired_contrastive(
-        f_img, f_txt, k_img, k_txt, temperature
+    contrastive = paired_contrastive(f_img, f_txt, b_img, b_txt, c.temperature) + paired_contrastive(
+        f_img, f_txt, k_img, k_txt, c.temperature
     )
-    penalty = zero if adapters.backward.strict else lambda_orth_penalty(weight, lam, alpha)
-    total = w_forward * forward + w_backward * backward + w_contrastive * contrastive + penalty
+    penalty = zero if adapters.backward.strict else lambda_orth_penalty(weight, c.lam, c.alpha)
+    total = c.w_forward * forward + c.w_backward * backward + c.w_contrastive * contrastive + penalty
     return LambdaOrthTerms(total, forward, backward, contrastive, penalty)
 
 
@@ -272,14 +268,11 @@ def fit_adapters(
     adapters = Adapters(config.variant, old_dim, new_dim).to(device)
     feats = feats.map(lambda t: t.to(device).float())
     optimizer = torch.optim.Adam(adapters.parameters(), lr=config.lr)
-    weights = {k: getattr(config, k) for k in ("w_forward", "w_backward", "w_contrastive", "lam", "alpha")}
     n = len(feats)
     batches = minibatches(n, min(config.batch_size, n), torch.Generator().manual_seed(config.seed))
     history = TrainingLog("lambda_orth adapters", config.log_every, f"lr ({config.lr})")
     for step, idx in history.track(itertools.islice(batches, config.steps), config.steps):
-        terms = lambda_orth_losses(
-            adapters, feats.map(itemgetter(idx.to(device))), temperature=config.temperature, **weights
-        )
+        terms = lambda_orth_losses(adapters, feats.map(itemgetter(idx.to(device))), config)
         history.step(optimizer, step, **terms._asdict())
     adapters.eval().cpu()
     info = history.finish(cached_pairs=n)

@@ -217,6 +217,16 @@ class TrainingLog:
         self.progress = track(items, self.name, total=total, unit="steps")
         return enumerate(self.progress)
 
+    def student_steps(
+        self, batches: Iterable[Batch], steps: int, student: ClipBundle, old: Encoder, device: torch.device
+    ) -> Iterator[tuple]:
+        """:meth:`track` over ``steps`` batches (:func:`cycle_batches`): each step's index, batch,
+        ``student``'s image tensor and tokens of it, and the frozen ``old`` features of the same pairs."""
+        for step, batch in self.track(cycle_batches(batches, steps), steps):
+            images = prepare_images(batch.images, student, train=True).to(device)
+            tokens = student.tokenizer(texts_of(batch)).to(device)
+            yield step, batch, images, tokens, frozen_features(old, batch, device, images)
+
     def step(
         self,
         optimizer: torch.optim.Optimizer,
