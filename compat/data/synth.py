@@ -70,23 +70,17 @@ def shard_path(phase: int, split: str, shard: int) -> str:
 
 def _texture_params(texture: str, rng: random.Random) -> dict[str, Any]:
     r4 = lambda lo, hi: round(rng.uniform(lo, hi), 4)  # noqa: E731
-    if texture == "stripes":
-        return {"angle": rng.choice([0, 45, 90, 135]), "period": r4(0.08, 0.16)}
-    if texture == "checks":
-        return {"period": r4(0.08, 0.16)}
-    if texture == "dots":
-        return {"period": r4(0.1, 0.18), "radius": r4(0.2, 0.3)}
-    if texture == "weave":
-        return {"period": r4(0.06, 0.12)}
-    if texture == "gradient":
-        return {"direction": rng.choice(["down", "up"])}
-    if texture == "noise":
-        return {"seed": rng.getrandbits(32), "cells": rng.choice([4, 6, 8])}
-    if texture == "waves":
-        return {"period": r4(0.1, 0.2), "amplitude": r4(0.5, 2.0)}
-    if texture == "bubbles":
-        return {"seed": rng.getrandbits(32), "count": rng.randint(6, 14)}
-    return {}
+    draws = {  # each texture's parameters, drawn only for the texture asked
+        "stripes": lambda: {"angle": rng.choice([0, 45, 90, 135]), "period": r4(0.08, 0.16)},
+        "checks": lambda: {"period": r4(0.08, 0.16)},
+        "dots": lambda: {"period": r4(0.1, 0.18), "radius": r4(0.2, 0.3)},
+        "weave": lambda: {"period": r4(0.06, 0.12)},
+        "gradient": lambda: {"direction": rng.choice(["down", "up"])},
+        "noise": lambda: {"seed": rng.getrandbits(32), "cells": rng.choice([4, 6, 8])},
+        "waves": lambda: {"period": r4(0.1, 0.2), "amplitude": r4(0.5, 2.0)},
+        "bubbles": lambda: {"seed": rng.getrandbits(32), "count": rng.randint(6, 14)},
+    }
+    return draws.get(texture, dict)()
 
 
 def sample_scene(domain: Domain, rng: random.Random) -> dict[str, Any]:

@@ -41,8 +41,7 @@ def angle_histogram(angles: torch.Tensor, edges: Sequence[float]) -> list[float]
     angles = torch.as_tensor(angles, dtype=torch.float64)
     if angles.numel() == 0:
         return [0.0] * (len(edges) - 1)
-    counts = _bin_counts(angles, edges)
-    return (100.0 * counts.double() / angles.numel()).tolist()
+    return (100.0 * _bin_counts(angles, edges).double() / angles.numel()).tolist()
 
 
 def _unit64(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -104,20 +103,11 @@ def correctly_retrieved(image: torch.Tensor, text: torch.Tensor, direction: str 
     """
     image, text = _unit64(image, "image embeddings"), _unit64(text, "text embeddings")
     sims = image @ text.T
-    diag = sims.diagonal()
-
-    def right(m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        off = m.clone()
-        off.fill_diagonal_(-torch.inf)
-        return d > off.max(dim=1).values
-
-    if direction == "i2t":
-        return right(sims, diag)
-    if direction == "t2i":
-        return right(sims.T, diag)
-    if direction == "both":
-        return right(sims, diag) & right(sims.T, diag)
-    raise ValueError(f"direction must be 'i2t', 't2i' or 'both', got {direction!r}")
+    off = sims.clone().fill_diagonal_(-torch.inf)
+    i2t, t2i = sims.diagonal() > off.max(dim=1).values, sims.diagonal() > off.max(dim=0).values
+    if direction not in ("i2t", "t2i", "both"):
+        raise ValueError(f"direction must be 'i2t', 't2i' or 'both', got {direction!r}")
+    return {"i2t": i2t, "t2i": t2i, "both": i2t & t2i}[direction]
 
 
 def imav_angles(
