@@ -44,18 +44,13 @@ def _grid(res: int) -> tuple[np.ndarray, np.ndarray]:
     return xs, ys
 
 
-def _palette(a: RGB, b: RGB) -> np.ndarray:
-    """256 colours from ``a`` (index 0) to ``b`` (index 255), linearly."""
-    t = np.linspace(0.0, 1.0, 256, dtype=np.float32)[:, None]
-    return (np.asarray(a, np.float32) + t * (np.asarray(b, np.float32) - np.asarray(a, np.float32))).astype(
-        np.uint8
-    )
-
-
 def _paint(index: np.ndarray, a: RGB, b: RGB) -> Image.Image:
-    """Colour an index map (bool: two tones; float in [0, 1]: a blend from ``a`` to ``b``)."""
+    """Colour an index map (bool: two tones; float in [0, 1]: a blend from ``a`` to ``b``) through a palette
+    of 256 colours from ``a`` (index 0) to ``b`` (index 255)."""
     idx = index.astype(np.uint8) * 255 if index.dtype == bool else (index * 255).astype(np.uint8)
-    return Image.fromarray(np.take(_palette(a, b), idx, axis=0), "RGB")
+    start, end = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    palette = (start + np.linspace(0.0, 1.0, 256, dtype=np.float32)[:, None] * (end - start)).astype(np.uint8)
+    return Image.fromarray(np.take(palette, idx, axis=0), "RGB")
 
 
 def render_background(background: dict[str, Any], res: int) -> Image.Image:
@@ -167,9 +162,7 @@ def render_scene(scene: dict[str, Any], domain: Domain, size: int) -> Image.Imag
     background = dict(scene["background"])
     if effect == "neon":
         background["rgb"] = shade(tuple(background["rgb"]), 0.3)
-    img = render_background(background, size)
-    if SUPERSAMPLE > 1:
-        img = img.resize((res, res), Image.NEAREST)
+    img = render_background(background, size).resize((res, res), Image.NEAREST)
     draw = ImageDraw.Draw(img)
     kinds = {k.names[0]: k for k in domain.kinds}
     objects = scene["objects"]
@@ -181,8 +174,7 @@ def render_scene(scene: dict[str, Any], domain: Domain, size: int) -> Image.Imag
     if effect == "pixel":
         cells = max(8, size // 3)
         return img.resize((cells, cells), Image.BOX).resize((size, size), Image.NEAREST)
-    if SUPERSAMPLE > 1:
-        img = img.reduce(SUPERSAMPLE)
+    img = img.reduce(SUPERSAMPLE)
     if effect == "neon":
         img = img.filter(ImageFilter.GaussianBlur(1.5))
         draw = ImageDraw.Draw(img)
