@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import numpy as np
 
 from compat.data.images import read_image_file
 from compat.io import atomic_write, utc_now, write_json_atomic
+from components.serving.record import DEFAULT_FACTORY, read_serving, write_serving
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,8 @@ class Proof:
     def summary(self) -> str:
         return (
             f"{self.n_sample} sampled items, {self.n_unreadable} unreadable images; cosine stored vs "
-            f"re-embedded: min {self.cosine_min:.4f}, p5 {self.cosine_p5:.4f}, "
-            f"median {self.cosine_median:.4f} "
-            f"(threshold {self.threshold})"
+            f"re-embedded: min {self.cosine_min:.4f}, p5 {self.cosine_p5:.4f}, median "
+            f"{self.cosine_median:.4f} (threshold {self.threshold})"
         )
 
 
@@ -110,12 +110,8 @@ def check_source(client: Any, source: Source, embed_dim: int) -> dict[str, Any]:
             "load or change the team's collection)"
         )
     fields = {str(f["name"]): f for f in client.describe_collection(name)["fields"]}
-    for option, value in (
-        ("--id-field", source.id_field),
-        ("--vector-field", source.vector_field),
-        ("--image-field", source.image_field),
-        ("--caption-field", source.caption_field),
-    ):
+    for attribute in ("id_field", "vector_field", "image_field", "caption_field"):
+        value, option = getattr(source, attribute), "--" + attribute.replace("_", "-")
         if value and value not in fields:
             raise AdoptionRefused(f"{option} {value!r} is not a field of {name!r} (it has {sorted(fields)})")
     vector = fields[source.vector_field]
@@ -258,22 +254,10 @@ def prove(
     return proof
 
 
-def pages(client: Any, source: Source, batch_size: int) -> Iterator[list[dict[str, Any]]]:
-    """Every row of the team's collection (its named fields), a page at a time (pymilvus's query iterator)."""
-    iterator = client.query_iterator(source.collection, batch_size=batch_size, output_fields=source.fields)
-    try:
-        while batch := iterator.next():
-            yield [dict(row) for row in batch]
-    finally:
-        iterator.close()
-
-
 # -- the adoption -------------------------------------------------------------------------------------------
 def _refuse_workspace_taken(workspace: Any, registry: Any) -> None:
     """Ownership, before the proof: the workspace serves nothing yet and its registry holds no version of the
     model (the adopted one is version 1)."""
-    from components.serving.record import read_serving
-
     if read_serving(workspace.serving_path) is not None:
         raise AdoptionRefused(
             f"workspace {workspace.root} already serves a gallery ({workspace.serving_path}): adopt into a "
@@ -335,7 +319,10 @@ def adopt(
         proof = prove(
             bundle, sample, source, shape["metric"], threshold=threshold, max_unreadable=max_unreadable
         )
-        _refuse_unproven(proof, on_proof)
+        if on_proof is not None:
+            on_proof(proof)
+        if not proof.passed:
+            raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
         proof_s = time.monotonic() - started
         owner = deployment_owner(workspace, legacy=False)  # the copy is marked as this deployment's
         with GalleryIndex(workspace.index_uri, alias=workspace.index_alias, owner=owner) as target:
@@ -350,7 +337,16 @@ def adopt(
             if registered["version"] != version:
                 raise RuntimeError(f"the registry numbered the adopted model {registered['version']}, not 1")
             model_dir = registry.local_copy(version)
-            record = _serve(target, paths.serving, collection, version, shape["dim"], model_dir)
+            target.switch_alias(collection)  # the adopted model answers queries from now on
+            record = write_serving(
+                paths.serving,
+                uri=target.uri,
+                alias=target.alias,
+                collection=collection,
+                space=version,  # a plain checkpoint's space is its version (compat.production.space_id_of)
+                dim=shape["dim"],
+                query_model={"version": version, "uri": str(model_dir), "factory": DEFAULT_FACTORY},
+            )
     if source.caption_field:
         _write_probe(paths.probe, source, sample)
     registry.promote(version, rollout_state={"status": "completed", "model_version": version})
@@ -371,14 +367,12 @@ def adopt(
     }
     folder = workspace.run_dir(run_id) / ADOPT_STEP
     write_json_atomic(folder / SUMMARY_FILE, summary)
-    atomic_write(folder / REPORT_FILE, lambda tmp: tmp.write_text(on_call_note(summary)))
+    atomic_write(folder / REPORT_FILE, lambda tmp: tmp.write_text(on_call_note(summary, proof)))
     return summary
 
 
 def _built_model(workspace: Any, arch: str, weights: str, tracking_uri: str | None) -> Any:
     """The team's model, ``arch`` with ``weights`` (:func:`local_weights`), or a refusal."""
-    import tempfile
-
     from compat.models import build_model
 
     with tempfile.TemporaryDirectory(dir=scratch(workspace)) as tmp:
@@ -388,42 +382,16 @@ def _built_model(workspace: Any, arch: str, weights: str, tracking_uri: str | No
             raise AdoptionRefused(f"--arch {arch!r} / --weights {weights!r}: {err}") from err
 
 
-def _serve(
-    target: Any, serving: Path, collection: str, version: str, dim: int, model_dir: Path
-) -> dict[str, Any]:
-    """The alias and the serving record moved to the copy, the adopted model answering queries."""
-    from components.serving.record import DEFAULT_FACTORY, write_serving
-
-    target.switch_alias(collection)
-    return write_serving(
-        serving,
-        uri=target.uri,
-        alias=target.alias,
-        collection=collection,
-        space=version,  # a plain checkpoint's space is its version (compat.production.space_id_of)
-        dim=dim,
-        query_model={"version": version, "uri": str(model_dir), "factory": DEFAULT_FACTORY},
-    )
-
-
-def _refuse_unproven(proof: Proof, on_proof: Any) -> None:
-    """``on_proof(proof)``, then a refusal naming every reason when the proof failed."""
-    if on_proof is not None:
-        on_proof(proof)
-    if not proof.passed:
-        raise AdoptionRefused("; ".join(proof.reasons) + "; nothing was written")
-
-
 def _write_probe(path: Path, source: Source, sample: list[dict[str, Any]]) -> None:
     """The rollout's probe set: the sample's captions, each finding its own item."""
     probe = [(str(r[source.id_field]), str(r.get(source.caption_field) or "")) for r in sample]
     write_json_atomic(path, {"texts": [c for _, c in probe if c], "positives": [[i] for i, c in probe if c]})
 
 
-def on_call_note(summary: dict[str, Any]) -> str:
+def on_call_note(summary: dict[str, Any], proof: Proof) -> str:
     """The adoption for whoever is on call: what serves now, what the proof saw, what was left alone and how
     to go back."""
-    source, proof, model = summary["source"], summary["proof"], summary["model"]
+    source, model = summary["source"], summary["model"]
     team = f"{source['uri']}#{source['collection']}"
     seconds, per_item = summary["seconds"], summary["seconds_per_item"]
     lines = [
@@ -434,9 +402,7 @@ def on_call_note(summary: dict[str, Any]) -> str:
         "re-embedding.",
         f"- Model: `{model['arch']}` weights `{model['weights']}`, registered as version "
         f"{model['version']} (`{model['dir']}`).",
-        f"- Proof: {proof['n_sample']} sampled items, {proof['n_unreadable']} unreadable images; cosine "
-        f"stored vs re-embedded min {proof['cosine_min']:.4f}, p5 {proof['cosine_p5']:.4f}, median "
-        f"{proof['cosine_median']:.4f} (threshold {proof['threshold']}).",
+        f"- Proof: {proof.summary()}.",
         f"- Cost: proof {seconds['proof']:.1f} s, copy with lineage {seconds['copy']:.1f} s "
         f"({1e3 * per_item['copy']:.2f} ms per item).",
         f"- Untouched: `{team}` (read only: no row, field, index or alias of it changed).",
@@ -459,7 +425,7 @@ def copy_rows(
     a page at a time, each page's lineage written before its rows; the centres (the rows' order keys) fitted
     on the proof's sample. Returns the collection and the rows copied, checked against the source's count."""
     from compat.backfill import fit_centres
-    from components.adapters.index import make_rows
+    from components.adapters.index import make_rows, query_batches
     from components.adapters.lineage import LineageStore
     from components.rollout.keys import save_centres
     from components.rollout.types import RolloutPaths
@@ -471,7 +437,7 @@ def copy_rows(
     lineage.apply()
     copied = 0
     try:
-        for page in pages(client, source, page_size):
+        for page in query_batches(client, source.collection, source.fields, page_size):
             ids = [str(r[source.id_field]) for r in page]
             uris = [source.image_uri(r) for r in page]
             captions = [str(r.get(source.caption_field) or "") if source.caption_field else "" for r in page]
@@ -507,8 +473,6 @@ def _register(
     proof: Proof,
 ) -> dict[str, Any]:
     """The model saved as this project's checkpoint and registered (the adoption's record as its gate)."""
-    import tempfile
-
     from compat.models import save_checkpoint
     from components.gate.decision import GateDecision, Reason
 

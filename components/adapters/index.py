@@ -661,14 +661,10 @@ class GalleryIndex:
         name = self.resolve(collection)
         wanted, fields = list(fields), self._readable(name, fields)
         if self.lite:
-            iterator = self.client.query_iterator(
-                name, batch_size=batch_size, filter=filter, output_fields=fields, timeout=self.timeout
+            batches = query_batches(
+                self.client, name, fields, batch_size, filter=filter, timeout=self.timeout
             )
-            try:
-                while batch := iterator.next():
-                    yield self._completed(batch, wanted)
-            finally:
-                iterator.close()
+            yield from (self._completed(batch, wanted) for batch in batches)
             return
         last: str | None = None
         while True:
@@ -744,6 +740,16 @@ class GalleryIndex:
         rows = [{f: r[f] for f in fields} for r in self._get(name, ids, fields, chunk, consistency)]
         found = {str(row["item_id"]): row for row in self._completed(rows, ROW_FIELDS)}
         return [found[i] for i in map(str, ids) if i in found]
+
+
+def query_batches(client: Any, name: str, fields: Sequence[str], size: int, **query: Any) -> Iterator[list]:
+    """Every row of collection ``name`` (its ``fields``), ``size`` at a time (pymilvus's query iterator)."""
+    iterator = client.query_iterator(name, batch_size=size, output_fields=list(fields), **query)
+    try:
+        while batch := iterator.next():
+            yield [dict(row) for row in batch]
+    finally:
+        iterator.close()
 
 
 KEY_SPACE = 1 << 63  # order_key lies in [0, 2^63)
