@@ -17,20 +17,19 @@ Writes benchmarks/results/drift.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.baseline import module_at  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "drift.md"
 # The last commit whose noise floors drew one Evidently report per split.
@@ -40,22 +39,6 @@ BASELINE_COMMIT = "6e3e8a85cbf7a61b68cc3d9c78539f30f1eda746"
 def cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     return own.ru_utime + own.ru_stime
-
-
-def baseline_module(commit: str, work: Path) -> ModuleType:
-    """components/data/drift.py as it was at ``commit``, imported under another name."""
-    source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{commit}:components/data/drift.py"], capture_output=True, text=True
-    )
-    if source.returncode != 0:
-        raise SystemExit(f"cannot read components/data/drift.py at {commit}: {source.stderr.strip()}")
-    path = work / "drift_before.py"
-    path.write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location("drift_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["drift_before"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, float, Any]:
@@ -80,7 +63,7 @@ def main() -> None:
     from compat.production import load_encoder
 
     work = Path(tempfile.mkdtemp(prefix="bench-drift-"))
-    before = baseline_module(args.baseline_commit, work)
+    before = module_at(args.baseline_commit, "components/data/drift.py", work)
     largest = max(args.sizes)
     generate_stream(work / "stream", phases=2, samples_per_phase=largest, seed=3)
     bundle = load_encoder(save_checkpoint(build_model("cf-tiny", seed=0), work / "prod", version="v1").parent)

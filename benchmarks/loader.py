@@ -38,6 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.baseline import module_at  # noqa: E402
+
 RESULT = ROOT / "benchmarks" / "results" / "loader.md"
 BASELINE_COMMIT = "c0a8a6720c73662c8295a845983db17568438e5b"  # compat/data/loader.py before parallel decoding
 PHASES = 5
@@ -123,24 +125,6 @@ def batches(urls: list[str]) -> int:
 
     stream = ShardStream(urls, seed=0)
     return sum(len(b.keys) for b in iter_batches(stream, 256, to_tensor, open_clip.tokenize, "random"))
-
-
-def baseline_loader(commit: str, work: Path) -> Any:
-    """compat/data/loader.py as it was at ``commit``, imported under another name."""
-    import importlib.util
-    import subprocess
-
-    show = ["git", "-C", str(ROOT), "show", f"{commit}:compat/data/loader.py"]
-    source = subprocess.run(show, capture_output=True, text=True)
-    if source.returncode != 0:
-        raise SystemExit(f"cannot read compat/data/loader.py at {commit}: {source.stderr.strip()}")
-    path = work / "loader_before.py"
-    path.write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location("loader_before", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["loader_before"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def train_steps(urls: list[str], loader: Any, bundle: Any, workers: int, steps: int, batch: int) -> int:
@@ -285,7 +269,7 @@ def main() -> None:
         import compat.data.loader as loader
         from compat.models import build_model
 
-        before = baseline_loader(args.baseline_commit, Path(tmp))
+        before = module_at(args.baseline_commit, "compat/data/loader.py", Path(tmp))
         bundle = build_model("cf-tiny", seed=0)
         runs = [(f"before: loader at {args.baseline_commit[:7]}, 1 process", before, 0)]
         runs += [
