@@ -31,6 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sections import publish  # noqa: E402
+
 RESULT = ROOT / "benchmarks" / "results" / "backfill_order.md"
 DIM = 64
 METHODS = (
@@ -163,8 +165,7 @@ def main() -> None:
         *rows,
         "",
     ]
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.baseline import module_at  # noqa: E402
+from benchmarks.sections import publish  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "drift.md"
 # The last commit whose noise floors drew one Evidently report per split.
@@ -120,8 +121,7 @@ def main() -> None:
         "HTML on-call reads) is drawn per call; its t-SNE picture of each embedding is most of what is left.",
         "",
     ]
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(args.out, lines)
 
 
 if __name__ == "__main__":

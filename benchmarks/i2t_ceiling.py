@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sections import publish  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "i2t_ceiling.md"
 
 
@@ -172,9 +174,7 @@ def main() -> None:
         f"({both['ridge'] - both['old']:+.1f}).",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(args.out, lines)
 
 
 if __name__ == "__main__":

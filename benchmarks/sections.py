@@ -1,4 +1,5 @@
-"""Results files shared by several benchmark scripts: each script owns one marked section of a file.
+"""Results files of the benchmark scripts: :func:`publish` writes a script's own file; a file shared by
+several scripts gives each one marked section.
 
 A section lies between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``; :func:`write_section` replaces
 that section only (or appends it when the file has none), so running one script keeps what the others wrote.
@@ -33,3 +34,11 @@ def write_section(path: Path, name: str, body: str, title: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return section
+
+
+def publish(path: Path, lines: list[str]) -> None:
+    """Write ``lines`` as the results file ``path`` (its folder made when missing) and print them."""
+    text = "\n".join(lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)

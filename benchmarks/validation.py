@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.sections import publish  # noqa: E402
+
 WORDS = (
     "red green blue purple small large circle square triangle wedge disc above below left right of "
     "the a on black white striped outlined plain background near beside two three shapes"
@@ -182,9 +184,7 @@ def main() -> None:
         + "`",
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    publish(args.out, lines)
 
 
 if __name__ == "__main__":
