@@ -584,7 +584,8 @@ def resize_image(
 def _encoded(image: Any, original: tuple[int, int], as_jpeg: bool) -> tuple[str, bytes, dict[str, Any]]:
     buffer = io.BytesIO()
     image.save(buffer, "JPEG" if as_jpeg else "PNG", **({"quality": 95} if as_jpeg else {}))
-    facts = {"width": image.width, "height": image.height, "original_size": original}
+    facts = {"width": image.width, "height": image.height}
+    facts |= {"original_width": original[0], "original_height": original[1]}
     return ("jpg" if as_jpeg else "png"), buffer.getvalue(), facts
 
 
@@ -814,15 +815,7 @@ def _store(
     ext, made_bytes, facts = made
     spool.mkdir(parents=True, exist_ok=True)
     (spool / f"{sha}.{ext}").write_bytes(made_bytes)
-    return {
-        "ext": ext,
-        "sha256": hashlib.sha256(made_bytes).hexdigest(),
-        "size": len(made_bytes),
-        "width": facts["width"],
-        "height": facts["height"],
-        "original_width": facts["original_size"][0],
-        "original_height": facts["original_size"][1],
-    }
+    return {"ext": ext, "sha256": hashlib.sha256(made_bytes).hexdigest(), "size": len(made_bytes), **facts}
 
 
 def _plan(
@@ -886,22 +879,14 @@ def _plan(
         ]
         for split, of_split in ((s, [i for i in items if i["split"] == s]) for s in SPLITS)
     }
-    plan = {"settings": asdict(settings), "shards": shards, "refused": refused, "duplicates": duplicates}
-    plan["grouped"] = grouped
-    if exclude is not None:
-        plan["in_stream"] = in_stream
-    content = {
-        "settings": plan["settings"],
-        # the items without their absolute path (SRC may move) and stored picture (its bytes decide it)
-        "shards": {
-            s: [
-                [{k: v for k, v in i.items() if k not in ("path", "stored")} for i in sh["items"]] for sh in v
-            ]
-            for s, v in shards.items()
-        },
+    portable = {  # without each item's absolute path (SRC may move) and stored picture (its bytes decide it)
+        s: [[{k: v for k, v in i.items() if k not in ("path", "stored")} for i in sh["items"]] for sh in v]
+        for s, v in shards.items()
     }
-    plan["digest"] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-    return plan
+    content = json.dumps({"settings": asdict(settings), "shards": portable}, sort_keys=True)
+    plan = {"settings": asdict(settings), "shards": shards, "refused": refused, "duplicates": duplicates}
+    plan |= {"grouped": grouped, "digest": hashlib.sha256(content.encode()).hexdigest()}
+    return plan | ({"in_stream": in_stream} if exclude is not None else {})
 
 
 def _add_captions(
