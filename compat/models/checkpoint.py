@@ -61,11 +61,6 @@ def tensors_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _plain_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached, contiguous CPU copies: safetensors refuses tensors sharing storage."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-
-
 def save_checkpoint(
     bundle: ClipBundle,
     out_dir: Path,
@@ -83,7 +78,9 @@ def save_checkpoint(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = _plain_tensors(state_dict if state_dict is not None else bundle.model.state_dict())
+    state_dict = state_dict if state_dict is not None else bundle.model.state_dict()
+    # detached, contiguous CPU copies: safetensors refuses tensors sharing storage
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     param_names = {name for name, _ in bundle.model.named_parameters()}
     metadata = {"format": FORMAT, "config_name": bundle.config_name, "version": str(version)}
     weights = out_dir / WEIGHTS_FILE

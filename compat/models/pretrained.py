@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SAFETENSORS_SUFFIXES = (".safetensors",)
-PICKLE_FREE_SUFFIXES = (".pt", ".pth", ".bin")  # read with torch.load(weights_only=True)
-WEIGHT_SUFFIXES = SAFETENSORS_SUFFIXES + PICKLE_FREE_SUFFIXES
+# .pt/.pth/.bin are read with torch.load(weights_only=True)
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 # The file names open_clip's hub repos use, preferred in this order when a folder holds several.
 HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
@@ -151,10 +150,9 @@ def _cached_tag(
     into = f" --to {weights_dirs[0]}" if weights_dirs else " --to DIR"
     raise PretrainedError(
         f"{where}: open_clip pretrained weights {arch}/{tag} are not in the local cache or a weights folder "
-        "and nothing is "
-        f"downloaded at run time (looked in {', '.join(tried)}): run `compatflow models fetch {arch} {tag}"
-        f"{into}` where huggingface.co can be reached (it puts the weights where the pipeline reads them; "
-        "copy the folder over if that is another machine), or point pretrained at a local "
+        f"and nothing is downloaded at run time (looked in {', '.join(tried)}): run `compatflow models fetch "
+        f"{arch} {tag}{into}` where huggingface.co can be reached (it puts the weights where the pipeline "
+        "reads them; copy the folder over if that is another machine), or point pretrained at a local "
         ".pt/.safetensors file"
     )
 
@@ -209,7 +207,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     import torch
 
     path = Path(path)
-    if path.suffix.lower() in SAFETENSORS_SUFFIXES:
+    if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
 
         try:
@@ -252,11 +250,7 @@ def load_pretrained(
     path = resolve_pretrained(spec, arch=arch, where=where, weights_dirs=weights_dirs)
     state = read_state_dict(path)
     own = model.state_dict()
-    if (
-        "logit_scale" in state
-        and "logit_scale" in own
-        and state["logit_scale"].shape != own["logit_scale"].shape
-    ):
+    if "logit_scale" in state and "logit_scale" in own:
         state["logit_scale"] = state["logit_scale"].reshape(own["logit_scale"].shape)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

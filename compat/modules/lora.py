@@ -30,7 +30,7 @@ BLOCK_LISTS: dict[str, tuple[str, ...]] = {
     "image": ("visual.transformer.resblocks",),
     "text": ("transformer.resblocks", "text.transformer.resblocks", "text.transformer.encoder.layer"),
 }
-DEFAULT_ADAPTER = "compat"
+ADAPTER = "compat"  # peft's adapter name
 
 
 def _exact_mha_class() -> type:
@@ -83,15 +83,7 @@ def lora_targets(model: nn.Module, towers: tuple[str, ...] = TOWERS) -> list[str
 class LoraHandle:
     """LoRA injected in place into ``model`` (no wrapper); :meth:`remove` restores the original model."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        targets: list[str],
-        r: int,
-        alpha: float,
-        dropout: float,
-        adapter_name: str = DEFAULT_ADAPTER,
-    ) -> None:
+    def __init__(self, model: nn.Module, targets: list[str], r: int, alpha: float, dropout: float) -> None:
         from peft import LoraConfig
         from peft.tuners.lora import LoraModel
 
@@ -104,14 +96,13 @@ class LoraHandle:
         if hasattr(model, "peft_config"):
             raise ValueError("this model already carries peft adapters; remove them first")
         self.model = model
-        self.adapter_name = adapter_name
         self.targets = list(targets)
         self._flags = {n: p.requires_grad for n, p in model.named_parameters()}
         config = LoraConfig(
             r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=self.targets, bias="none"
         )
         config._register_custom_module({nn.MultiheadAttention: _exact_mha_class()})
-        self._tuner = LoraModel(model, config, adapter_name)
+        self._tuner = LoraModel(model, config, ADAPTER)
         missing = set(self.targets) - set(self._tuner.targeted_module_names)
         if missing:
             self.remove()
@@ -123,7 +114,7 @@ class LoraHandle:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The LoRA matrices, by their full names in ``model``."""
-        marker = f".{self.adapter_name}."
+        marker = f".{ADAPTER}."
         return [(n, p) for n, p in self.model.named_parameters() if ".lora_" in n and marker in n]
 
     def remove(self) -> nn.Module:
@@ -141,15 +132,10 @@ class LoraHandle:
 
 
 def attach_lora(
-    model: nn.Module,
-    towers: tuple[str, ...] = TOWERS,
-    r: int = 16,
-    alpha: float = 16,
-    dropout: float = 0.1,
-    adapter_name: str = DEFAULT_ADAPTER,
+    model: nn.Module, towers: tuple[str, ...] = TOWERS, r: int = 16, alpha: float = 16, dropout: float = 0.1
 ) -> LoraHandle:
     """Inject LoRA (``r``, ``alpha``, ``dropout``; XBT Sec. 4.1: 16, 16, 0.1) into ``towers`` of ``model``.
 
     peft freezes every non-LoRA parameter of ``model`` while the adapters are attached.
     """
-    return LoraHandle(model, lora_targets(model, towers), r, alpha, dropout, adapter_name)
+    return LoraHandle(model, lora_targets(model, towers), r, alpha, dropout)
