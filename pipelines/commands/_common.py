@@ -53,6 +53,17 @@ def refusing(*errors: type[Exception], code: int = USAGE) -> Iterator[None]:
         fail(str(err), code)
 
 
+def key_values(pairs: list[str], option: str, example: str = "KEY=VALUE") -> dict[str, str]:
+    """The ``KEY=VALUE`` pairs of a repeatable option, stripped (exit 2 on a pair without ``=`` or key)."""
+    values = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            fail(f"{option} {pair!r}: expected {example}")
+        values[key.strip()] = value.strip()
+    return values
+
+
 def echo_json(document: Any) -> None:
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
 
@@ -69,6 +80,10 @@ def holding_workspace(workspace: Any, purpose: str) -> Iterator[None]:
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+DeviceOpt = Annotated[str | None, typer.Option(help="cpu, cuda or auto.")]
+OldModelOpt = Annotated[
+    Path, typer.Option(help="Production checkpoint (frozen), or a compatible-model directory.")
+]
 WorkspaceOpt = Annotated[
     Path | None,
     typer.Option("--workspace", help="Workspace directory with local services (instead of --config)."),

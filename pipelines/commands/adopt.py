@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -82,17 +82,13 @@ def adopt(
             max_unreadable=max_unreadable,
             model_name=model_name,
             tracking_uri=weights_tracking_uri,
-            on_proof=_show_proof,
+            on_proof=lambda proof: typer.echo(f"proof: {proof.summary()}"),
         )
     typer.echo(
         f"adopted {summary['n_items']} items of {collection!r} as version {summary['model']['version']}: "
         f"served from {summary['collection']!r} (alias {summary['alias']!r}); {collection!r} is unchanged"
     )
     echo_json({k: summary[k] for k in ("run_id", "collection", "n_items", "seconds_per_item")})
-
-
-def _show_proof(proof: Any) -> None:
-    typer.echo(f"proof: {proof.summary()}")
 
 
 def register(app: typer.Typer) -> None:

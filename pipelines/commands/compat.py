@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail, refusing
+from pipelines.commands._common import DeviceOpt, JsonOpt, OldModelOpt, echo_json, exit_codes, fail, refusing
 
 compat_app = typer.Typer(
     help="Make a candidate compatible with the production model (BCT, lambda-orth, BT2, ...).",
@@ -19,6 +19,8 @@ def _settings(config: Path | None, assignments: list[str]) -> dict[str, Any]:
     """The method settings of ``--config`` (a YAML mapping) with each ``--set KEY=VALUE`` over them."""
     import yaml
 
+    from pipelines.commands._common import key_values
+
     values: dict[str, Any] = {}
     if config is not None:
         try:
@@ -28,12 +30,8 @@ def _settings(config: Path | None, assignments: list[str]) -> dict[str, Any]:
         if not isinstance(loaded, dict):
             fail(f"--config {config}: expected a mapping of method settings")
         values.update(loaded)
-    for item in assignments:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            fail(f"--set {item!r}: expected KEY=VALUE, e.g. --set lam=12")
-        values[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-    return values
+    given = key_values(assignments, "--set", "KEY=VALUE, e.g. --set lam=12")
+    return values | {key: yaml.safe_load(raw) if raw else "" for key, raw in given.items()}
 
 
 @compat_app.command("train")
@@ -42,9 +40,7 @@ def train(
     method: Annotated[
         str, typer.Option(help="bct, lambda_orth, bt2, none, ... (see: compatflow compat methods).")
     ],
-    old: Annotated[
-        Path, typer.Option(help="Production checkpoint (frozen), or a compatible-model directory.")
-    ],
+    old: OldModelOpt,
     new: Annotated[Path, typer.Option(help="New model checkpoint (candidate / independently trained).")],
     shards: Annotated[
         list[str], typer.Option(help="Training shards: path, glob, brace pattern or URL (repeatable).")
@@ -54,7 +50,7 @@ def train(
         int | None, typer.Option(help="Optimisation steps (overrides the method default).")
     ] = None,
     batch_size: Annotated[int, typer.Option(help="Image-text pairs per batch.")] = 64,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or auto.")] = None,
+    device: DeviceOpt = None,
     config: Annotated[Path | None, typer.Option(help="YAML mapping of method settings.")] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Method setting KEY=VALUE (repeatable).")
@@ -83,7 +79,7 @@ def train(
 
 @compat_app.command("methods")
 @exit_codes()
-def methods(as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False) -> None:
+def methods(as_json: JsonOpt = False) -> None:
     """List the registered methods and their default settings."""
     from compat.methods import available_methods, get_method
 

@@ -8,7 +8,6 @@ from typing import Annotated, Any
 
 import typer
 
-from compat.data.manifest import SPLITS
 from pipelines.commands._common import echo_json, exit_codes, fail
 
 data_app = typer.Typer(
@@ -24,6 +23,7 @@ def _stream(name: str, **limits: Any) -> Any:
 @data_app.command("generate")
 @exit_codes()
 def generate(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", help="Output directory of the stream (created if missing).")],
     phases: Annotated[int | None, _stream("phases", min=1)] = None,
     samples_per_phase: Annotated[int | None, _stream("samples_per_phase", min=1)] = None,
@@ -41,25 +41,17 @@ def generate(
     byte-identical shards."""
     from compat.data.synth import StreamError
     from components.deployment import StreamSection
+    from pipelines.commands.stream import stream_summary
     from pipelines.config import generate_stream_of
 
-    given = {
-        "phases": phases,
-        "samples_per_phase": samples_per_phase,
-        "seed": seed,
-        "eval_per_domain": eval_per_domain,
-        "gallery_per_domain": gallery_per_domain,
-        "image_size": image_size,
-        "shift": shift,
-        "old_word_share": old_word_share,
-    }
-    stream = StreamSection().model_copy(update={k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in ctx.params.items() if k in StreamSection.model_fields and v is not None}
+    stream = StreamSection().model_copy(update=given)
     start = time.perf_counter()
     try:
         manifest = generate_stream_of(stream, out, samples_per_shard=samples_per_shard, workers=workers)
     except (StreamError, ValueError) as exc:
         fail(str(exc))
-    echo_json({"out": str(out), "seconds": round(time.perf_counter() - start, 2), **_summary(manifest)})
+    echo_json({"out": str(out), "seconds": round(time.perf_counter() - start, 2), **stream_summary(manifest)})
 
 
 # `data import`'s longer options, named here so that its signature reads as the list of its settings.
@@ -258,22 +250,6 @@ def _vocabulary(stream_dir: Path) -> dict[str, Any]:
         **({"old_word_share": generator["old_word_share"]} if "old_word_share" in generator else {}),
         "captions": captions,
         "vocabulary": rows,
-    }
-
-
-def _summary(manifest: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "seed": manifest.get("seed"),
-        "image_size": manifest.get("image_size"),
-        "phases": [
-            {
-                "phase": p["phase"],
-                "domain": p["domain"],
-                "counts": p.get("counts"),
-                "shards": {s: len(p[s]) for s in SPLITS},
-            }
-            for p in manifest["phases"]
-        ],
     }
 
 

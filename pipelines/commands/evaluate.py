@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail, refusing
+from pipelines.commands._common import DeviceOpt, JsonOpt, OldModelOpt, echo_json, exit_codes, fail, refusing
 
 
 @exit_codes()
 def evaluate(
-    old: Annotated[Path, typer.Option(help="Production checkpoint (or compatible-model directory).")],
+    old: OldModelOpt,
     new: Annotated[Path, typer.Option(help="Candidate: a compatible-model directory or a plain checkpoint.")],
     eval_shards: Annotated[
         list[str], typer.Option(help="Evaluation shards: path, glob, brace pattern or URL (repeatable).")
@@ -24,9 +24,9 @@ def evaluate(
     bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples of every margin.")] = 1000,
     confidence: Annotated[float, typer.Option(help="Confidence level of the intervals.")] = 0.95,
     seed: Annotated[int, typer.Option(help="Seed of the bootstrap.")] = 0,
-    device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "cpu",
+    device: DeviceOpt = "cpu",
     max_items: Annotated[int | None, typer.Option(help="Evaluate the first N images only.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the whole report as JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write OUT/compat_report.json (retrieval old/old, new/old, new/new; margins with intervals; ECC)."""
     if bootstrap < 1 or not 0 < confidence < 1:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, fail
+from pipelines.commands._common import JsonOpt, echo_json, exit_codes, fail
 
 EXIT_PASS, EXIT_BLOCK, EXIT_USAGE = 0, 1, 2
 
@@ -27,7 +27,7 @@ def gate(
     validation: Annotated[Path | None, typer.Option(help="validation.json of the data phase.")] = None,
     drift: Annotated[Path | None, typer.Option(help="drift.json of the data phase.")] = None,
     out: Annotated[Path | None, typer.Option(help="Directory receiving gate.json.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the whole decision as JSON.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Decide pass or block for a candidate; writes OUT/gate.json. Fails closed."""
     from components.gate import block_decision, run_gate

@@ -23,16 +23,6 @@ rollout_app = typer.Typer(
 )
 
 
-def _options(pairs: list[str]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            fail(f"--option {pair!r}: expected KEY=VALUE")
-        out[key.strip()] = value.strip()
-    return out
-
-
 @rollout_app.command("index")
 @exit_codes()
 def index_cmd(
@@ -119,7 +109,7 @@ def run_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Roll NEW_VERSION out: switch queries, backfill in stages with probes; resumes after any crash."""
-    from pipelines.commands._common import config_of, workspace_of
+    from pipelines.commands._common import config_of, key_values, workspace_of
 
     deployment = config_of(config)  # the settings' defaults, and the workspace unless --workspace is given
     workspace = workspace_of(config, workspace, deployment, index_uri=uri)
@@ -139,7 +129,7 @@ def run_cmd(
             space=space,
             encoders=encoders,
             query_factory=query_factory,
-            options=_options(option),
+            options=key_values(option, "--option"),
         )
     _print_rollout(state, as_json)
 
@@ -172,6 +162,7 @@ def _settings(
     from pydantic import ValidationError
 
     from components.deployment import RolloutSection, error_lines
+    from pipelines.commands._common import key_values
 
     slo = given.slo.model_dump()
     if p99_factor is not None:
@@ -188,7 +179,7 @@ def _settings(
             {
                 **given.model_dump(),
                 **{key: value for key, value in chosen.items() if value is not None},
-                "floors": {**given.floors, **{k: float(v) for k, v in _options(floors).items()}},
+                "floors": {**given.floors, **{k: float(v) for k, v in key_values(floors, "--floor").items()}},
                 "slo": slo,
             }
         )

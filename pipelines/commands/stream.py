@@ -7,13 +7,13 @@ from typing import Annotated, Any
 
 import typer
 
+from compat.data.manifest import SPLITS
 from pipelines.commands._common import echo_json, exit_codes, fail, refusing
 
 stream_app = typer.Typer(
     help="Data streams: the phases a scheduled run picks up (stream.json, schemas/stream.schema.json).",
     no_args_is_help=True,
 )
-SPLITS = ("train", "eval", "gallery")
 SplitOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -153,6 +153,14 @@ def _phase_summary(entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def stream_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A stream's seed and image size (when it has them) and each phase's counts and shards."""
+    return {
+        **{k: manifest[k] for k in ("seed", "image_size") if k in manifest},
+        "phases": [_phase_summary(p) for p in manifest["phases"]],
+    }
+
+
 def show_stream(stream_dir: Path, extra: dict[str, Any] | None = None) -> None:
     """Print a stream's phases, missing shards and ``extra`` fields as JSON; exit 1 if a shard is missing."""
     from compat.data.manifest import StreamError, load_manifest, missing_shards
@@ -160,14 +168,9 @@ def show_stream(stream_dir: Path, extra: dict[str, Any] | None = None) -> None:
     with refusing(StreamError):
         manifest = load_manifest(stream_dir)
     missing = missing_shards(stream_dir, manifest)
-    doc = {
-        "dir": str(stream_dir),
-        **{k: manifest[k] for k in ("seed", "image_size") if k in manifest},
-        "phases": [_phase_summary(p) for p in manifest["phases"]],
-        "missing_shards": missing,
-        **(extra or {}),
-    }
-    echo_json(doc)
+    echo_json(
+        {"dir": str(stream_dir), **stream_summary(manifest), "missing_shards": missing, **(extra or {})}
+    )
     if missing:
         raise typer.Exit(1)
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipelines.commands._common import echo_json, exit_codes, refusing
+from pipelines.commands._common import JsonOpt, echo_json, exit_codes, refusing
 
 EXIT_BLOCKED = 3
 
@@ -45,9 +45,7 @@ def validate(
     force: Annotated[
         bool, typer.Option("--force", help="Redo the work even if validation.json is up to date.")
     ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the whole validation.json document.")
-    ] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Validate a phase's shards into OUT, quarantining bad samples; over the threshold it is blocked."""
     from components.data.validation import (
