@@ -171,10 +171,9 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000,100000")
-    parser.add_argument("--backend", choices=("lite", "standalone"), default="standalone")
-    parser.add_argument("--json", type=Path, help="Write the records here.")
+    from benchmarks.sections import print_records, sizes_parser
+
+    parser = sizes_parser(__doc__)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
@@ -195,9 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights, vectors = team_model(root)
         for size in (int(s) for s in args.sizes.split(",")):
             records.append(measure(size, root, args.backend, uri, weights, vectors))
-    print(table(records))
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
+    print_records(table(records), records, args.json)
     return 0
 
 

@@ -168,10 +168,9 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000,100000")
-    parser.add_argument("--backend", choices=("lite", "standalone"), default="standalone")
-    parser.add_argument("--json", type=Path, help="Write the records here.")
+    from benchmarks.sections import print_records, sizes_parser
+
+    parser = sizes_parser(__doc__)
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--repo", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--uri", help=argparse.SUPPRESS)
@@ -189,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_uri = stack.enter_context(milvus_standalone(Path(root) / "milvus")).uri
         for size in (int(s) for s in args.sizes.split(",")):
             records += measure(size, Path(root), args.backend, server_uri)
-    print(table(records))
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1))
+    print_records(table(records), records, args.json)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""Results files of the benchmark scripts: :func:`publish` writes a script's own file; a file shared by
-several scripts gives each one marked section.
+"""Results of the benchmark scripts: :func:`publish` writes a script's own file; a file shared by several
+scripts gives each one marked section; :func:`sizes_parser` and :func:`print_records` serve the scripts timed
+at gallery sizes on either Milvus backend.
 
 A section lies between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``; :func:`write_section` replaces
 that section only (or appends it when the file has none), so running one script keeps what the others wrote.
@@ -7,7 +8,10 @@ that section only (or appends it when the file has none), so running one script 
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -42,3 +46,19 @@ def publish(path: Path, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)
+
+
+def sizes_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a script timed at gallery sizes on either Milvus backend: --sizes, --backend, --json."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000")
+    parser.add_argument("--backend", choices=("lite", "standalone"), default="standalone")
+    parser.add_argument("--json", type=Path, help="Write the records here.")
+    return parser
+
+
+def print_records(table: str, records: list[dict[str, Any]], json_path: Path | None) -> None:
+    """Print a script's ``table``; write its ``records`` as JSON to ``json_path`` when one is given."""
+    print(table)
+    if json_path:
+        json_path.write_text(json.dumps(records, indent=1))
