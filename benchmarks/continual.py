@@ -412,6 +412,12 @@ def domain0_disorder(
 
 
 # ------------------------------------------------------------------------------------------------ report
+def _kept(doc: dict[str, Any]) -> str:
+    """The share of teacher rows Eq 3 kept in a run, as a table cell (empty when none was measured)."""
+    kept = doc["training"].get("teacher_rows_kept_mean")
+    return "" if kept is None else f"{100 * kept:.1f}%"
+
+
 def _cell(pair: tuple[float, float] | None) -> str:
     return "" if pair is None else f"{pair[0]:.1f} / {pair[1]:.1f}"
 
@@ -576,10 +582,7 @@ def render(
             "|---|" + "---:|" * n,
         ]
         for label in modx_labels:
-            kept = [d["training"].get("teacher_rows_kept_mean") for d in results[label]]
-            lines.append(
-                f"| {label} | " + " | ".join("" if k is None else f"{100 * k:.1f}%" for k in kept) + " |"
-            )
+            lines.append(f"| {label} | " + " | ".join(_kept(d) for d in results[label]) + " |")
         lines.append("")
 
     if sweep:
@@ -592,11 +595,9 @@ def render(
         ]
         for row in sweep:
             doc = row["doc"]
-            kept = doc["training"].get("teacher_rows_kept_mean")
             lines.append(
                 f"| {row['lr']:g} | {row['alpha']:g}{'' if row['eq3'] else ' without Eq 3 (ablation)'} | "
-                f"{_cell(r1(doc, d0))} | {_cell(r1(doc, domains[1]))} | "
-                f"{'' if kept is None else f'{100 * kept:.1f}%'}"
+                f"{_cell(r1(doc, d0))} | {_cell(r1(doc, domains[1]))} | {_kept(doc)}"
                 f"{'' if row['eq3'] else ' (all rows distilled)'} |"
             )
         lines.append("")
@@ -637,10 +638,8 @@ def render(
         ]
         for row in buffer_sweep:
             doc = row["doc"]
-            kept = doc["training"].get("teacher_rows_kept_mean")
             lines.append(
-                f"| {row['alpha']:g} | {_cell(r1(doc, d0))} | {_cell(r1(doc, domains[1]))} | "
-                f"{'' if kept is None else f'{100 * kept:.1f}%'} |"
+                f"| {row['alpha']:g} | {_cell(r1(doc, d0))} | {_cell(r1(doc, domains[1]))} | {_kept(doc)} |"
             )
         lines.append("")
 
