@@ -615,6 +615,17 @@ class _Place:
             )
         return real
 
+    def read(self, path: Path, limit: int, what: str, reason: str) -> tuple[Path, bytes | None]:
+        """The real path of ``path`` once checked and its bytes (:func:`read_regular`); ``_Refused`` with
+        ``reason`` when it cannot be read."""
+        real = self.check(path, what)
+        try:
+            return real, read_regular(real, limit, what)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link that appeared after the check
+                raise _Refused("not_a_regular_file", f"{what} {path.name} is a symbolic link") from exc
+            raise _Refused(reason, f"cannot read {what} {path.name}: {exc}") from exc
+
 
 def read_regular(path: Path, limit: int, what: str = "the file") -> bytes | None:
     """The bytes of ``path`` (None when over ``limit``, never more read), opened without following a link
@@ -634,18 +645,8 @@ def read_regular(path: Path, limit: int, what: str = "the file") -> bytes | None
     return None if len(data) > limit else data
 
 
-def _open_error(path: Path, what: str, exc: OSError, reason: str) -> _Refused:
-    if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link that appeared after the check
-        return _Refused("not_a_regular_file", f"{what} {path.name} is a symbolic link")
-    return _Refused(reason, f"cannot read {what} {path.name}: {exc}")
-
-
 def _read_sidecar(path: Path, what: str, limit: int, place: _Place) -> bytes:
-    real = place.check(path, f"the {what} file")
-    try:
-        data = read_regular(real, limit, f"the {what} file")
-    except OSError as exc:
-        raise _open_error(path, f"the {what} file", exc, "sidecar_unreadable") from exc
+    _, data = place.read(path, limit, f"the {what} file", "sidecar_unreadable")
     if data is None:
         reason = "caption_too_large" if what == "caption" else "sidecar_unreadable"
         raise _Refused(reason, f"the {what} file {path.name} is over {limit} bytes")
@@ -738,11 +739,7 @@ def _inspect(
     if candidate.refused:
         raise _Refused(*candidate.refused)
     assert candidate.path is not None
-    real = place.check(candidate.path)
-    try:
-        data = read_regular(real, settings.max_image_bytes)
-    except OSError as exc:
-        raise _open_error(candidate.path, "the file", exc, "image_unreadable") from exc
+    real, data = place.read(candidate.path, settings.max_image_bytes, "the file", "image_unreadable")
     if data is None:
         raise _Refused("image_too_large", f"over max_image_bytes {settings.max_image_bytes}")
     if not data:
@@ -949,29 +946,23 @@ def _members(item: dict[str, Any], spool: Path) -> tuple[str, dict[str, bytes]]:
 
 def _sample_json(item: dict[str, Any]) -> bytes:
     """The sample's ``{key}.json`` member."""
-    resize, made = item["resize"], item.get("stored")
-    width, height = item["width"], item["height"]
+    made, width, height = item.get("stored"), item["width"], item["height"]
     stored = made or {"width": width, "height": height, "original_width": width, "original_height": height}
     meta: dict[str, Any] = {
-        "key": item["key"],
+        **{k: item[k] for k in ("key", "source", "mode", "format", "split", "label", "source_meta")},
+        **{k: stored[k] for k in ("width", "height", "original_width", "original_height")},
         "caption": item["captions"][0],
         "captions": item["captions"],
-        "source": item["source"],
-        **{k: stored[k] for k in ("width", "height", "original_width", "original_height")},
-        "mode": item["mode"],
-        "format": item["format"],
         "sha256": made["sha256"] if made is not None else item["sha256"],
         "status": "success",
-        "split": item["split"],
-        "resize": {**(resize or {}), "applied": bool(resize)},
+        "resize": {**(item["resize"] or {}), "applied": bool(item["resize"])},
         "source_row": item["row"],
         "source_sha256": item["sha256"] if made is not None else None,
-        "label": item["label"],
-        "source_meta": item["source_meta"],
     }
     meta = {k: v for k, v in meta.items() if v is not None}  # the optional fields only when they apply
-    meta.update(item["extra"])
-    return json.dumps(meta, ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    return json.dumps(
+        meta | item["extra"], ensure_ascii=False, separators=(",", ":"), sort_keys=True
+    ).encode()
 
 
 def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
@@ -1086,8 +1077,8 @@ def _out_lock(out: Path) -> Iterator[None]:
 
 
 def _import(
-    src_path: Path,
-    out_path: Path,
+    src: Path,
+    out: Path,
     settings: ImportSettings,
     show: Callable[..., Iterator[Any]],
     allowed: tuple[Path, ...],
@@ -1096,52 +1087,48 @@ def _import(
     """:func:`import_images` once its arguments are checked: scan, then write the missing shards."""
 
     def damaged(why: str) -> DataImportError:
-        return DataImportError(f"{why}; delete {out_path} and import again")
+        return DataImportError(f"{why}; delete {out} and import again")
 
-    report, pending = read_json(out_path / REPORT, damaged), read_json(out_path / PENDING, damaged)
-    if report is None and pending is None and any(p.name not in (SPOOL, LOCK) for p in out_path.iterdir()):
-        raise DataImportError(
-            f"{out_path} is not empty and holds no import; give a new or empty --out folder"
-        )
-    spool = out_path / SPOOL
+    report, pending = read_json(out / REPORT, damaged), read_json(out / PENDING, damaged)
+    if report is None and pending is None and any(p.name not in (SPOOL, LOCK) for p in out.iterdir()):
+        raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
+    spool = out / SPOOL
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = _plan(src_path, out_path, settings, show, allowed, exclude, spool=spool)
+    plan = _plan(src, out, settings, show, allowed, exclude, spool=spool)
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     shards = [sh for s in SPLITS for sh in plan["shards"][s]]
     if report is not None:
-        if report.get("plan_sha256") == plan["digest"] and all(
-            (out_path / sh["path"]).is_file() for sh in shards
-        ):
-            log.info("%s already holds this import: nothing written", out_path)
-            return ImportResult(out_path, report, 0, len(shards), timings)
+        if report.get("plan_sha256") == plan["digest"] and all((out / sh["path"]).is_file() for sh in shards):
+            log.info("%s already holds this import: nothing written", out)
+            return ImportResult(out, report, 0, len(shards), timings)
         raise DataImportError(
-            f"{out_path} holds a finished import of other input or settings ({out_path / REPORT}); "
+            f"{out} holds a finished import of other input or settings ({out / REPORT}); "
             "give a new --out folder or delete this one"
         )
-    folders = [out_path / s for s in SPLITS] + [out_path / ORIGINALS / s for s in SPLITS]
+    folders = [out / s for s in SPLITS] + [out / ORIGINALS / s for s in SPLITS]
     if pending is not None and pending.get("digest") != plan["digest"]:
-        log.warning("%s: the source or settings changed since the import started; starting over", out_path)
+        log.warning("%s: the source or settings changed since the import started; starting over", out)
         for folder in folders:
             for tar in folder.glob("*.tar"):
                 tar.unlink()
     for folder in folders:
         for stale in folder.glob(".*.tmp"):  # temporary files of a killed write
             stale.unlink()
-    write_json_atomic(out_path / PENDING, {"digest": plan["digest"], "settings": plan["settings"]})
+    write_json_atomic(out / PENDING, {"digest": plan["digest"], "settings": plan["settings"]})
 
     def written(shard: dict[str, Any]) -> bool:
-        original = out_path / ORIGINALS / shard["path"]
-        return (out_path / shard["path"]).is_file() and (not settings.keep_originals or original.is_file())
+        original = out / ORIGINALS / shard["path"]
+        return (out / shard["path"]).is_file() and (not settings.keep_originals or original.is_file())
 
     todo = [sh for sh in shards if not written(sh)]
     wall, cpu = time.perf_counter(), time.process_time()
     for shard in show(todo, f"writing {len(todo)} of {len(shards)} shards", total=len(todo)):
         if settings.keep_originals:
             originals = (_original_members(i) for i in shard["items"])
-            shard_io.write_shard(out_path / ORIGINALS / shard["path"], originals)
-        shard_io.write_shard(out_path / shard["path"], (_members(item, spool) for item in shard["items"]))
-    report = _report(src_path, plan)
-    write_json_atomic(out_path / REPORT, report)
-    (out_path / PENDING).unlink()
+            shard_io.write_shard(out / ORIGINALS / shard["path"], originals)
+        shard_io.write_shard(out / shard["path"], (_members(item, spool) for item in shard["items"]))
+    report = _report(src, plan)
+    write_json_atomic(out / REPORT, report)
+    (out / PENDING).unlink()
     timings.update(write_s=time.perf_counter() - wall, write_cpu_s=time.process_time() - cpu)
-    return ImportResult(out_path, report, len(todo), len(shards) - len(todo), timings)
+    return ImportResult(out, report, len(todo), len(shards) - len(todo), timings)
