@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -127,6 +128,7 @@ _ExcludeStream = Annotated[
 @data_app.command("import")
 @exit_codes({0: "something was imported", 1: "nothing was imported"})
 def import_(
+    ctx: typer.Context,
     src: _Source,
     out: Annotated[
         Path, typer.Option("--out", help="Output folder: {train,eval,gallery}/*.tar and import.json.")
@@ -165,22 +167,11 @@ def import_(
 
     start = time.perf_counter()
     exclude = _stream_keys(exclude_stream) if exclude_stream is not None else None
+    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(importer.ImportSettings)}  # its options
     try:
-        settings = importer.ImportSettings(
-            source_format=importer.detect_format(src) if source_format == "auto" else source_format,
-            template=template,
-            split=importer.parse_split(split),
-            seed=seed,
-            samples_per_shard=samples_per_shard,
-            key_prefix=key_prefix,
-            max_image_bytes=max_image_bytes,
-            path_column=path_column,
-            caption_column=caption_column,
-            max_side=max_side,
-            resize_mode=resize_mode,
-            keep_originals=keep_originals,
-            max_pixels=max_pixels,
-        )
+        given["source_format"] = importer.detect_format(src) if source_format == "auto" else source_format
+        given["split"] = importer.parse_split(split)
+        settings = importer.ImportSettings(**given)
         result = importer.import_images(
             src, out, settings, allow_outside=allow_outside or (), exclude=exclude
         )
