@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,15 @@ def publish(path: Path, lines: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)
+
+
+def machine() -> str:
+    """The machine line of a results file: platform, CPUs, Python and the load average now (1 and 5 min)."""
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg()[:2])
+    return (
+        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"shared with other work (load average {load} at the end)"
+    )
 
 
 def sizes_parser(doc: str) -> argparse.ArgumentParser:
