@@ -385,16 +385,13 @@ class Deployment(Section):
             return data  # resolved() and Workspace.of refuse this workspace, naming the field
         if old.root == new.root:
             return data
-        document, was, now = dict(data), _derived_services(old), _derived_services(new)
-        for (section, key), derived in was.items():
+        document, now = dict(data), _derived_services(new)
+        for (section, key), derived in _derived_services(old).items():
             given = document.get(section)
-            value = given.get(key) if isinstance(given, Mapping) else getattr(given, key, None)
-            if value == derived:
-                document[section] = (
-                    {**given, key: now[section, key]}
-                    if isinstance(given, Mapping)
-                    else given.model_copy(update={key: now[section, key]})
-                )
+            if isinstance(given, BaseModel):  # a section given as its model
+                given = given.model_dump(by_alias=True)
+            if isinstance(given, Mapping) and given.get(key) == derived:
+                document[section] = {**given, key: now[section, key]}
         document["resolved_for"] = str(new.root)
         return document
 

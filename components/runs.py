@@ -169,15 +169,7 @@ def _phase_entry(status: str, run_id: str, when: float | None = None) -> dict[st
     }
 
 
-DONE_STATUSES = ("succeeded", "rejected")
-
-
-def next_pending_phase(state: dict[str, Any], n_phases: int) -> int | None:
-    """The lowest phase neither succeeded nor rejected (the same seeds would only repeat the verdict)."""
-    for phase in range(n_phases):
-        if state["phases"].get(str(phase), {}).get("status") not in DONE_STATUSES:
-            return phase
-    return None
+DONE_STATUSES = ("succeeded", "rejected")  # a run of the phase again would only repeat the verdict
 
 
 def run_dir_for(deployment: Deployment, run_id: str) -> Path:
@@ -331,11 +323,12 @@ def plan_run(
     _refuse_lost_state(deployment, state)  # a missing, emptied or stale phase record
     _refuse_another_index(Workspace.of(deployment))
     _refuse_unreachable_services(deployment)
-    if phase < 0:
-        pending = next_pending_phase(state, n_phases)
-        if pending is None:
+    if phase < 0:  # the lowest phase not done
+        done = {int(k) for k, entry in state["phases"].items() if entry.get("status") in DONE_STATUSES}
+        pending = [p for p in range(n_phases) if p not in done]
+        if not pending:
             return None
-        phase = pending
+        phase = pending[0]
     if phase >= n_phases:
         raise PlanError(f"phase {phase} does not exist: {stream_dir}/stream.json lists {n_phases} phases")
     reference = 0 if phase == 0 or deployment.drift.reference_phase == "first" else phase - 1

@@ -5,11 +5,10 @@ checks and their thresholds are described beside their settings in ``default_pol
 """
 
 from components.gate.decision import GateDecision, block_decision, decide, run_gate
-from components.gate.policy import DEFAULT_POLICY_PATH, SEVERITIES, GatePolicy, PolicyError, load_gate_policy
+from components.gate.policy import DEFAULT_POLICY_PATH, GatePolicy, PolicyError, load_gate_policy
 
 __all__ = [
     "DEFAULT_POLICY_PATH",
-    "SEVERITIES",
     "GateDecision",
     "GatePolicy",
     "PolicyError",

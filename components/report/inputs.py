@@ -57,17 +57,12 @@ class RunInputs:
 
 def find(run_dir: Path, filename: str, prefer: tuple[str, ...] = ()) -> Path | None:
     """The best ``filename`` under ``run_dir``: in a preferred step directory, then shallowest, newest."""
-    if not run_dir.is_dir():
-        return None
-    found = [p for p in run_dir.rglob(filename) if p.is_file()]
-    if not found:
-        return None
 
     def rank(path: Path) -> tuple[int, int, float]:
         preferred = 0 if path.parent.name in prefer else 1
         return preferred, len(path.relative_to(run_dir).parts), -path.stat().st_mtime
 
-    return min(found, key=rank)
+    return min((p for p in run_dir.rglob(filename) if p.is_file()), key=rank, default=None)
 
 
 def load(run_dir: str | Path) -> RunInputs:

@@ -103,7 +103,6 @@ class PairFollower:
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
-        self.swaps = 0
 
     @property
     def pair(self) -> ServingPair | None:
@@ -165,7 +164,6 @@ class PairFollower:
             self._failed = None
             self._pair = new  # the one reference: queries from here on run on the new pair
             if pair is None or (pair.version, pair.collection) != (new.version, new.collection):
-                self.swaps += pair is not None
                 was = f"{pair.version} on {pair.collection}" if pair else "- on -"
                 log.info("serving %s on %s (was %s)", new.version, new.collection, was)
             if self._on_swap is not None:

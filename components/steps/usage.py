@@ -33,11 +33,12 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
     rss_at_start = status_mib("VmRSS")
     rss_at_start = None if rss_at_start is None else round(rss_at_start, 1)
     start_wall, start_cpu = time.monotonic(), time.process_time()
-    start_children = os.times()
+    start = os.times()
+    start_workers_cpu = start.children_user + start.children_system
     try:
         yield usage
     finally:
-        children = os.times()
+        now = os.times()
         workers_peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         usage.update(
             wall_s=round(time.monotonic() - start_wall, 3),
@@ -45,12 +46,6 @@ def measured(usage: dict[str, Any]) -> Iterator[dict[str, Any]]:
             peak_rss_mib=peak_rss_mib(),
             peak_is_step_only=own_peak,
             rss_at_start_mib=rss_at_start,
-            workers_cpu_s=round(
-                children.children_user
-                + children.children_system
-                - start_children.children_user
-                - start_children.children_system,
-                3,
-            ),
+            workers_cpu_s=round(now.children_user + now.children_system - start_workers_cpu, 3),
             workers_peak_rss_mib=round(workers_peak_kib / 1024, 1) if workers_peak_kib else None,
         )
