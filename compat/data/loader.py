@@ -50,7 +50,6 @@ def _expand_one(spec: str) -> list[str]:
             raise LoaderError(str(exc)) from exc
         if is_local(item):
             path = local_path(item)
-            as_file_url = item.startswith("file:")
             if _GLOB_CHARS.search(path):
                 matches = sorted(m for m in glob.glob(path, recursive=True) if os.path.isfile(m))
             elif os.path.isdir(path):
@@ -59,7 +58,7 @@ def _expand_one(spec: str) -> list[str]:
                 matches = [path] if os.path.isfile(path) else []
             if not matches:
                 raise LoaderError(f"shard spec {spec!r} matches no shard ({item!r} names nothing on disk)")
-            out += [f"file://{os.path.abspath(m)}" if as_file_url else m for m in matches]
+            out += [f"file://{os.path.abspath(m)}" if item.startswith("file:") else m for m in matches]
         elif _GLOB_CHARS.search(item):
             import fsspec
 
@@ -135,7 +134,7 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> l
 
 
 def _decoder(
-    background: Sequence[int] = WHITE, image_size: int | None = None, max_pixels: int | None = MAX_PIXELS
+    image_size: int | None = None, background: Sequence[int] = WHITE, max_pixels: int | None = MAX_PIXELS
 ) -> Callable[[dict[str, Any]], dict[str, Any]]:
     from webdataset import autodecode
 
@@ -154,8 +153,7 @@ def _decoder(
             return json.loads(data)
         return None
 
-    only = {*IMAGE_EXTS, "txt", "json"}
-    return autodecode.Decoder([decode], pre=[], post=[], only=only)
+    return autodecode.Decoder([decode], pre=[], post=[], only={*IMAGE_EXTS, "txt", "json"})
 
 
 def decode_sample(
@@ -222,8 +220,7 @@ def _worker_start(decode_settings: tuple[Any, ...], prepare: Callable[[Sample, i
         os._exit(0)
 
     threading.Thread(target=watch, name="loader-parent-watch", daemon=True).start()
-    image_size, background, max_pixels = decode_settings
-    _WORKER["decoder"] = _decoder(background, image_size, max_pixels)
+    _WORKER["decoder"] = _decoder(*decode_settings)
     _WORKER["prepare"] = prepare
 
 
@@ -309,7 +306,7 @@ class ShardStream:
             raise ValueError(
                 f"position shard_index {self.position.shard_index} is past the {len(self.urls)} shards"
             )
-        self._decoder = _decoder(background, image_size, max_pixels)
+        self._decoder = _decoder(*self._decode_settings)
 
     def order(self, epoch: int) -> list[str]:
         """Shard URLs in the order epoch ``epoch`` visits them."""
@@ -517,29 +514,21 @@ def iter_batches(
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    images: list[Any] = []
-    texts: list[str] = []
-    keys: list[str] = []
+    rows: list[tuple[Any, str, str]] = []  # (image, caption, key) of the batch being filled
     position = stream.position
 
     def collate() -> Batch:
-        tokens = tokenizer(texts)
-        return Batch(
-            torch.stack([torch.as_tensor(i) for i in images]),
-            tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens),
-            list(keys),
-            position,
-        )
+        images, texts, keys = zip(*rows, strict=True)
+        tokens = torch.as_tensor(tokenizer(list(texts)))  # a tensor comes back as it is
+        return Batch(torch.stack([torch.as_tensor(i) for i in images]), tokens, list(keys), position)
 
     for sample, image in stream.prepared(SeededTransform(image_transform, seed)):
-        images.append(image)
-        texts.append(pick_caption(sample, caption_choice, seed, stream.position.epoch))
-        keys.append(sample.key)
+        rows.append((image, pick_caption(sample, caption_choice, seed, stream.position.epoch), sample.key))
         position = stream.position
-        if len(keys) == batch_size:
+        if len(rows) == batch_size:
             yield collate()
-            images, texts, keys = [], [], []
-    if keys and not drop_last:
+            rows = []
+    if rows and not drop_last:
         yield collate()
 
 
