@@ -8,6 +8,7 @@ release of it must go blue-green. Evaluation still scores its raw vectors agains
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, Self
 
@@ -53,16 +54,8 @@ def independent_model(new: ClipBundle, old_dim: int, config: MethodConfig | None
     """Wrap ``new`` as the ``none`` method would: own space, raw vectors against the old gallery."""
     config = config or MethodConfig()
     rule = "as_is" if new.embed_dim == old_dim else "truncate"
-    contract = ServingContract(
-        method="none",
-        space_id=config.version,
-        dim=new.embed_dim,
-        old_vector_rule=rule,
-        query_model_version=config.version,
-        old_space_id=config.old_space_id,
-        old_dim=old_dim,
-    )
-    return PlainModel(new, contract, config)
+    kept = NoCompatibility().contract(config, new.embed_dim, old_dim, rule)
+    return PlainModel(new, dataclasses.replace(kept, space_id=config.version), config)
 
 
 @register_method("none")
