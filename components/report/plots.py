@@ -43,8 +43,8 @@ def training_curves(metrics: Mapping[str, Any]) -> bytes | None:
     if not isinstance(curve, Sequence) or not curve:
         return None
     points = [p for p in curve if isinstance(p, Mapping) and _finite(p.get("step"))]
-    series = sorted({k for p in points for k, v in p.items() if k not in NOT_SERIES and _finite(v)})
-    series = (["loss"] if "loss" in series else []) + [s for s in series if s != "loss"]
+    names = {k for p in points for k, v in p.items() if k not in NOT_SERIES and _finite(v)}
+    series = sorted(names, key=lambda name: (name != "loss", name))  # loss first
     if not points or not series:
         return None
     shown = series[:6]

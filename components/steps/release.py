@@ -13,21 +13,16 @@ from components.steps.base import Config, copy_summaries, model_dir_in, registry
 
 @step("resolve-production")
 def resolve_production(deployment: Deployment, run_dir: Path | None = None) -> str:
-    """Path of the production model (downloaded and verified once per version), or "" if none.
-
-    The model may be a plain checkpoint or a compatible model of any method (:mod:`compat.production`).
-    ``run_dir`` is where a failure is recorded."""
+    """Path of the production model (downloaded and verified once per version), or "" if none: a plain
+    checkpoint or a compatible model of any method (:mod:`compat.production`); ``run_dir`` gets a failure."""
     registry = registry_of(deployment)
     version = registry.alias_version("production") if registry.exists() else None
     return "" if version is None else model_dir_of(deployment, version)
 
 
 def model_dir_of(config: Config, version: str) -> str:
-    """The workspace copy of a registered model version, downloaded once and hash-verified on reuse.
-
-    Serving records and rollouts name this copy (never a pipeline artifact path, which is task-local
-    on a cluster).
-    """
+    """The workspace copy of a registered model version, downloaded once and hash-verified on reuse: what
+    serving records and rollouts name (never a pipeline artifact path, which is task-local on a cluster)."""
     return str(registry_of(config).local_copy(version))
 
 
