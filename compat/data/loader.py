@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import threading
@@ -395,10 +394,7 @@ class ShardStream:
         barrier until everything before it is consumed. A read error ends the stream after the samples
         before it."""
         pool = ProcessPoolExecutor(
-            self.workers,
-            mp_context=multiprocessing.get_context(),
-            initializer=_worker_start,
-            initargs=(self._decode_settings, prepare),
+            self.workers, initializer=_worker_start, initargs=(self._decode_settings, prepare)
         )
         pending: deque[tuple[list[_Item], Any]] = deque()  # (items, future of their results or None)
         chunk: list[_Item] = []
@@ -416,10 +412,7 @@ class ShardStream:
                 while error is None and not draining and len(pending) < CHUNKS_AHEAD * self.workers:
                     try:
                         item = next(items)
-                    except StopIteration:
-                        error = StopIteration()
-                        break
-                    except LoaderError as exc:
+                    except (StopIteration, LoaderError) as exc:
                         error = exc
                         break
                     if item.barrier:
