@@ -112,14 +112,10 @@ class ImportSettings:
                 ) from exc
             if "{label}" not in self.template:
                 raise DataImportError(f"--template {self.template!r} must contain {{label}}")
-        fractions = self.split
-        if (
-            len(fractions) != 3
-            or any(not math.isfinite(f) or f < 0 for f in fractions)
-            or abs(sum(fractions) - 1.0) > 1e-6
-        ):
+        split = self.split
+        if len(split) != 3 or not all(0 <= f < math.inf for f in split) or abs(sum(split) - 1) > 1e-6:
             raise DataImportError(
-                f"--split {','.join(str(f) for f in fractions)} must be three non-negative fractions "
+                f"--split {','.join(str(f) for f in split)} must be three non-negative fractions "
                 "(train,eval,gallery) summing to 1, e.g. 0.8,0.1,0.1"
             )
         if self.samples_per_shard < 1:
@@ -413,7 +409,6 @@ def _sentence_text(sentence: Any) -> str | None:
 
 
 def _karpathy_candidates(file: Path) -> list[_Candidate]:
-    """One candidate per image entry of a Karpathy split file, decoded entry by entry."""
     try:
         text = file.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
@@ -514,7 +509,6 @@ def _header(data: bytes, max_pixels: int) -> dict[str, Any]:
 
 
 def _load(image: Any) -> None:
-    """Decode an opened image fully; raises ``_Refused`` (``image_unreadable``) when it does not decode."""
     try:
         image.load()
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
