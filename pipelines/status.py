@@ -84,7 +84,7 @@ def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     from components.state.rollout_document import read_rollout_state
 
     ws = Workspace.coerce(workspace)
-    state = read_rollout_state(ws.rollout_state_path, ValueError) if ws.rollout_state_path.is_file() else None
+    state = read_rollout_state(ws.rollout_state_path, ValueError)
     state = state or {"status": "none", "stage": None, "fraction_backfilled": None}
     doc: dict[str, Any] = {"rollout": {k: state[k] for k in ("status", "stage", "fraction_backfilled")}}
     record = read_serving(ws.serving_path)
@@ -216,7 +216,7 @@ def last_gate(ws: Workspace) -> dict[str, Any] | None:
     from components.gate import GateDecision
     from schemas import SchemaError
 
-    where = {"path": str(path), "run_id": _run_id(ws, path)}
+    where = {"path": str(path), "run_id": path.relative_to(ws.runs_dir).parts[0]}
     try:
         gate = GateDecision.read(path)
     except SchemaError as err:
@@ -251,13 +251,6 @@ def rollout_state(ws: Workspace) -> dict[str, Any] | None:
 def _newest(paths: Any) -> Path | None:
     candidates = [p for p in paths if p.is_file()]
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
-
-
-def _run_id(ws: Workspace, path: Path) -> str | None:
-    try:
-        return path.relative_to(ws.runs_dir).parts[0]
-    except (ValueError, IndexError):
-        return None
 
 
 def _deep_merge(target: dict[str, Any], extra: Mapping[str, Any]) -> None:

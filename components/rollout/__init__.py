@@ -11,7 +11,6 @@ from components.rollout.rollback import rollback, rollout_of
 from components.rollout.state import load_state, save_state, status
 from components.rollout.types import (
     DEFAULT_KS,
-    STATES,
     GalleryEncoder,
     ItemRef,
     ProbeSet,
@@ -27,7 +26,6 @@ from components.serving.record import ServingError, read_serving, write_serving
 
 __all__ = [
     "DEFAULT_KS",
-    "STATES",
     "GalleryEncoder",
     "ItemRef",
     "ProbeSet",

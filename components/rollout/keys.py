@@ -18,19 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from compat.backfill import fit_centres, order_keys, order_scores
+from compat.backfill import fit_centres, order_keys, order_scores  # noqa: F401 - the rollout's key functions
 from components.adapters.index import KEY_SPACE
 from components.adapters.index import key_window as _window  # the index's filter vocabulary
-
-__all__ = [
-    "Selection",
-    "fit_centres",
-    "load_centres",
-    "order_keys",
-    "order_scores",
-    "plan_selection",
-    "save_centres",
-]
 
 SAMPLE_ROWS = 4096  # rows a plan reads to place its cuts and fit the centres
 KEY_FIELDS = {

@@ -127,13 +127,7 @@ def stage_plan(mode: str, n: int, fractions: Sequence[float]) -> list[dict[str, 
     from compat.backfill import backfilled_count
 
     def pending(stage: int, fraction: float, position: int, kind: str) -> dict[str, Any]:
-        return {
-            "stage": stage,
-            "fraction": fraction,
-            "target_position": position,
-            "status": "pending",
-            "kind": kind,
-        }
+        return dict(stage=stage, fraction=fraction, target_position=position, status="pending", kind=kind)
 
     if mode == "blue_green":
         return [pending(1, 1.0, n, "fill")]

@@ -9,10 +9,23 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from components.state.rollout_document import RolloutState
+import numpy as np
+
+from compat.production import load_encoder
+from components.adapters.index import ROW_FIELDS, GalleryIndex
+from components.rollout.encoders import ShardImages
+from components.rollout.operations import deployment_owner, open_index
+from components.rollout.rollback import rollback, rollout_of
+from components.rollout.state import load_state
+from components.rollout.types import RolloutError, RolloutPaths, item_ref
+from components.rollout.writes import rows_of_other_versions
+from components.serving.record import read_serving
+from components.serving.verify import check_returning_model
+from components.state.rollout_document import RolloutState, unpromoted
+from components.state.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +33,7 @@ log = logging.getLogger(__name__)
 def prepare_rollback(event: dict[str, Any]) -> None:
     """Refuse (before anything changes) a rollback whose gallery part cannot be done: the rollout that made
     the leaving version served is missing or unreadable, or its source collection or old model is gone."""
-    from pathlib import Path
-
-    from components.adapters.index import GalleryIndex
-    from components.rollout import RolloutError, RolloutPaths, load_state, read_serving, rollout_of
-    from components.serving.verify import check_returning_model
+    from components.adapters.registry import Registry
 
     paths = RolloutPaths.for_workspace(event["workspace"])
     if read_serving(paths.serving) is None:
@@ -36,7 +45,10 @@ def prepare_rollback(event: dict[str, Any]) -> None:
             "model embeds each item: run it with the config that names the deployment's repo (--config)"
         )
     state = load_state(rollout_of(paths, event["from_version"]), paths.root)
-    check_returning_model(_registry(event), state.previous_query_model.document())
+    registry = Registry(
+        event["workspace"], tracking_uri=event.get("tracking_uri"), model_name=event["model_name"]
+    )
+    check_returning_model(registry, state.previous_query_model.document())
     model = Path(str(state.previous_query_model.uri))
     if not model.is_dir():
         raise RolloutError(f"the model version {event['to_version']} served from is gone ({model})")
@@ -50,11 +62,6 @@ def on_rollback(event: dict[str, Any]) -> None:
     """Put the gallery back to the version production returns to: undo the rollout that made the leaving
     version served, then give every item written by another model since (items ingested after that
     rollout) the returning model's vector, so queries meet only vectors of the model that answers them."""
-
-    from components.adapters.index import GalleryIndex
-    from components.rollout import RolloutPaths, read_serving, rollback, rollout_of
-    from components.rollout.operations import deployment_owner
-
     paths = RolloutPaths.for_workspace(event["workspace"])
     record = read_serving(paths.serving)
     if record is None:
@@ -75,29 +82,14 @@ def on_rollback(event: dict[str, Any]) -> None:
         log.warning("no lineage repo at %s: item lineage not updated", repo)
 
 
-def _registry(event: dict[str, Any]) -> Any:
-    """The registry the rollback event names (its workspace, tracking URI and model)."""
-    from components.adapters.registry import Registry
-
-    uri = event.get("tracking_uri")
-    return Registry(event["workspace"], tracking_uri=uri, model_name=event["model_name"])
-
-
 def _lineage_repo(event: dict[str, Any]) -> Any:
     """The lineage repo the rollback event names, else its workspace's."""
-    from pathlib import Path
-
-    from components.state.workspace import Workspace
-
     return Path(event.get("lineage_repo") or Workspace.coerce(event["workspace"]).lineage_dir)
 
 
 def unfinished_rollout(paths: Any, production: str | None) -> RolloutState | None:
     """The rollout state in ``paths.state`` when its change is not promoted yet
     (:func:`components.state.rollout_document.unpromoted`), else None."""
-    from components.rollout import load_state
-    from components.state.rollout_document import unpromoted
-
     current = load_state(paths.state)
     return current if current is not None and unpromoted(current.document(), production) else None
 
@@ -108,8 +100,6 @@ def _roll_back_unfinished(
     """Undo the unfinished rollout ``current`` (a completed one's items indexed since are embedded again by
     the returning model), its state ``rolled_back`` with ``why`` and where it stood in ``halt_reason``, so no
     run takes it for one in progress. Returns the state and how many items were embedded again."""
-    from components.rollout import rollback
-
     completed = current.status == "completed"
     where = "completed, never promoted" if completed else f"{current.status} at stage {current.stage}"
     state = rollback(paths, index, promoted=not completed, reason=f"{why} while this rollout was {where}")
@@ -139,9 +129,6 @@ def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
     rollout alone, back to the ``registry``'s production (checked against its digest first; no alias moves),
     the item lineage synced. Returns what it undid, or None."""
     from components.adapters.lineage import sync_from_index
-    from components.rollout import RolloutPaths
-    from components.rollout.operations import open_index
-    from components.serving.verify import check_returning_model
 
     ws, production = registry.workspace, registry.alias_version("production")
     paths = RolloutPaths.for_workspace(ws)
@@ -171,12 +158,6 @@ def complete_gallery(index: Any, leaving: str, state: dict[str, Any], root: Any 
     """After a rolled-back rollout: embed with the restored query model every item of the serving collection
     written by another version, and every item indexed into the ``leaving`` collection since the rollout
     (relative source URIs lie under ``root``); returns how many were written."""
-    import numpy as np
-
-    from compat.production import load_encoder
-    from components.rollout import item_ref
-    from components.rollout.encoders import ShardImages
-
     g, model = state["gallery"], state["previous_query_model"]
     target, version = g["source_collection"], str(model["version"])
     batches = _stale_batches(index, target, leaving, version)
@@ -211,9 +192,6 @@ def _stale_batches(
     """Batches of at most ``size`` rows to re-embed with ``version`` into ``target``: its rows of another
     version (until none is left: each write takes its rows out of the filter), then the rows of ``leaving``
     that no rollout took from ``target`` and ``target`` lacks."""
-    from components.adapters.index import ROW_FIELDS
-    from components.rollout.writes import rows_of_other_versions
-
     yield from rows_of_other_versions(index, target, version, size)
     if leaving != target and index.has_collection(leaving):
         # rows a rollout did not take from its source (backfill_stage 0: indexed into it since); a collection

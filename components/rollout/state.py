@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from components.rollout.types import RolloutError
+from components.state.lock import flocked
 from components.state.rollout_document import RolloutState
 
 
@@ -33,22 +32,14 @@ def save_state(path: Path, state: RolloutState, root: Path | None = None) -> Non
     state.write(path, Path(root) if root is not None else Path(path).resolve().parent)
 
 
-@contextlib.contextmanager
-def exclusive(path: Path) -> Iterator[None]:
+def exclusive(path: Path) -> contextlib.AbstractContextManager[None]:
     """One rollout or rollback at a time per state file (released by the OS even on kill -9)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            raise RolloutError(
-                f"another process is running a rollout or rollback on {path}; wait for it "
-                "(or check it with `compatflow rollout status`)"
-            ) from exc
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    busy = RolloutError(
+        f"another process is running a rollout or rollback on {path}; wait for it "
+        "(or check it with `compatflow rollout status`)"
+    )
+    return flocked(path.with_name(path.name + ".lock"), busy=busy)
 
 
 def status(state_path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ DEFAULT_KS: tuple[int, ...] = (1, 5, 10)
 # thousands of them every query slows down several-fold (measured in benchmarks/results/backfill.md, part E),
 # while a flush of up to ~1,000 rows costs about as much as a few searches.
 DEFAULT_FLUSH_ROWS = 1024
-STATES = ("pending", "running", "halted", "completed", "rolled_back")
 
 
 class RolloutError(RuntimeError):

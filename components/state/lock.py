@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from components.state.workspace import Workspace
 
@@ -72,28 +73,33 @@ def _describe(text: str) -> str:
 
 
 @contextlib.contextmanager
-def step_lock(workspace: Workspace | str | os.PathLike[str]) -> Iterator[None]:
-    """Hold the workspace's shared step lock while a pipeline step runs (see the module docstring)."""
-    ws = Workspace.coerce(workspace)
-    ws.root.mkdir(parents=True, exist_ok=True)
-    with open(ws.steps_lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
+def flocked(path: Path, mode: int = fcntl.LOCK_EX, busy: Exception | None = None) -> Iterator[None]:
+    """Hold the flock ``mode`` on ``path`` for the block (the OS releases it even on kill -9); with ``busy``,
+    a lock held elsewhere is not waited for: ``busy`` is raised."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, mode if busy is None else mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def step_lock(workspace: Workspace | str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """Hold the workspace's shared step lock while a pipeline step runs (see the module docstring)."""
+    ws = Workspace.coerce(workspace)
+    ws.root.mkdir(parents=True, exist_ok=True)
+    return flocked(ws.steps_lock_path, fcntl.LOCK_SH)
+
+
 def _refuse_orphaned_steps(ws: Workspace) -> None:
     path = ws.steps_lock_path
-    if not path.exists():
-        return
-    with open(path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise WorkspaceBusy(
-                f"a step of an earlier run is still running in workspace {ws.root} (its runner was stopped "
-                f"alone); wait for it to end or stop it (`fuser {path}` shows its pid)"
-            ) from None
-        fcntl.flock(handle, fcntl.LOCK_UN)
+    busy = WorkspaceBusy(
+        f"a step of an earlier run is still running in workspace {ws.root} (its runner was stopped alone); "
+        f"wait for it to end or stop it (`fuser {path}` shows its pid)"
+    )
+    if path.exists():
+        with flocked(path, busy=busy):
+            pass

@@ -40,6 +40,11 @@ def report_file_name(fmt: str) -> str:
     return f"report.{fmt}"
 
 
+def _at(*parts: str) -> property:
+    """A :class:`RunDir` path: ``parts`` under the run's folder."""
+    return property(lambda run: run.path.joinpath(*parts))
+
+
 @dataclass(frozen=True)
 class RunDir:
     """One run's folder; creates nothing. Each step writes into the folder named after it; who writes what:
@@ -84,34 +89,36 @@ class RunDir:
         """``<run>/<step>/``: the folder a step copies its summaries into."""
         return self.path / step
 
-    # ------------------------------------------------------------------------------------ the run's own
-    @property
-    def plan_file(self) -> Path:
-        return self.path / RUN_FILE
-
-    @property
-    def outcome_file(self) -> Path:
-        return self.path / OUTCOME_FILE
-
-    @property
-    def failure_file(self) -> Path:
-        return self.path / FAILURE_FILE
-
-    @property
-    def blocked_file(self) -> Path:
-        return self.path / BLOCKED_FILE
-
-    @property
-    def pipeline_log(self) -> Path:
-        return self.path / PIPELINE_LOG
-
-    @property
-    def task_host_log(self) -> Path:
-        return self.path / TASK_HOST_LOG
-
-    @property
-    def usage_dir(self) -> Path:
-        return self.path / USAGE_DIR
+    # the run's own files
+    plan_file = _at(RUN_FILE)
+    outcome_file = _at(OUTCOME_FILE)
+    failure_file = _at(FAILURE_FILE)
+    blocked_file = _at(BLOCKED_FILE)
+    pipeline_log = _at(PIPELINE_LOG)
+    task_host_log = _at(TASK_HOST_LOG)
+    usage_dir = _at(USAGE_DIR)
+    attempts_dir = _at(ATTEMPTS_DIR)
+    # the steps' outputs
+    validation_summary = _at("validate", VALIDATION_FILE)
+    drift_dir = _at("drift")
+    drift_summary = _at("drift", DRIFT_FILE)
+    drift_report = _at("drift", DRIFT_REPORT_FILE)
+    continual_dir = _at("continual")
+    continual_metrics = _at("continual", METRICS_FILE)
+    training_dir = _at("continual", "train")  # resumable checkpoints, removed when the run ends
+    compat_model_dir = _at("compat", "model")
+    compat_record = _at(
+        "compat", COMPAT_RECORD_FILE
+    )  # what trained compat_model_dir (a resumed run reuses it)
+    compat_report = _at("evaluate", COMPAT_REPORT_FILE)
+    gate_file = _at("gate", GATE_FILE)
+    registered_file = _at("register", REGISTERED_FILE)
+    ingest_summary = _at("ingest", INGEST_FILE)
+    rollout_dir = _at("rollout")
+    rollout_summary = _at("rollout", ROLLOUT_FILE)
+    rollout_state = _at("rollout", ROLLOUT_STATE_FILE)
+    examples_file = _at("rollout", EXAMPLES_FILE)
+    report_dir = _at("report")
 
     def usage_file(self, step: str) -> Path:
         return self.usage_dir / f"step-{step}.json"
@@ -121,87 +128,8 @@ class RunDir:
         """Every step's usage file present, in no particular order."""
         return list(self.usage_dir.glob("step-*.json")) if self.usage_dir.is_dir() else []
 
-    @property
-    def attempts_dir(self) -> Path:
-        return self.path / ATTEMPTS_DIR
-
     def attempt_dir(self, number: int) -> Path:
         return self.attempts_dir / str(number)
-
-    # ------------------------------------------------------------------------------------ step outputs
-    @property
-    def validation_summary(self) -> Path:
-        return self.step_dir("validate") / VALIDATION_FILE
-
-    @property
-    def drift_dir(self) -> Path:
-        return self.step_dir("drift")
-
-    @property
-    def drift_summary(self) -> Path:
-        return self.drift_dir / DRIFT_FILE
-
-    @property
-    def drift_report(self) -> Path:
-        return self.drift_dir / DRIFT_REPORT_FILE
-
-    @property
-    def continual_dir(self) -> Path:
-        return self.step_dir("continual")
-
-    @property
-    def continual_metrics(self) -> Path:
-        return self.continual_dir / METRICS_FILE
-
-    @property
-    def training_dir(self) -> Path:
-        """Resumable training checkpoints (kept while the run can resume, removed when it ends)."""
-        return self.continual_dir / "train"
-
-    @property
-    def compat_model_dir(self) -> Path:
-        return self.step_dir("compat") / "model"
-
-    @property
-    def compat_record(self) -> Path:
-        """What trained :attr:`compat_model_dir` (reused by a resumed run with the same inputs)."""
-        return self.step_dir("compat") / COMPAT_RECORD_FILE
-
-    @property
-    def compat_report(self) -> Path:
-        return self.step_dir("evaluate") / COMPAT_REPORT_FILE
-
-    @property
-    def gate_file(self) -> Path:
-        return self.step_dir("gate") / GATE_FILE
-
-    @property
-    def registered_file(self) -> Path:
-        return self.step_dir("register") / REGISTERED_FILE
-
-    @property
-    def ingest_summary(self) -> Path:
-        return self.step_dir("ingest") / INGEST_FILE
-
-    @property
-    def rollout_dir(self) -> Path:
-        return self.step_dir("rollout")
-
-    @property
-    def rollout_summary(self) -> Path:
-        return self.rollout_dir / ROLLOUT_FILE
-
-    @property
-    def rollout_state(self) -> Path:
-        return self.rollout_dir / ROLLOUT_STATE_FILE
-
-    @property
-    def examples_file(self) -> Path:
-        return self.rollout_dir / EXAMPLES_FILE
-
-    @property
-    def report_dir(self) -> Path:
-        return self.step_dir("report")
 
     def report_file(self, fmt: str = "html") -> Path:
         return self.report_dir / report_file_name(fmt)

@@ -56,6 +56,11 @@ ENV_INDEX_URI = "COMPATFLOW_MILVUS_URI"
 ENV_LINEAGE_REPO = "COMPATFLOW_FEAST_REPO"
 
 
+def _at(*parts: str) -> property:
+    """A :class:`Workspace` path: ``parts`` under its root."""
+    return property(lambda workspace: workspace.root.joinpath(*parts))
+
+
 class Workspace:
     """Every path of a workspace and every service URI a deployment uses; creates nothing until asked.
     Built from a deployment (:meth:`of`); a service URI left unset resolves here, once: the configured value,
@@ -106,9 +111,12 @@ class Workspace:
         return value if isinstance(value, Workspace) else cls(value)
 
     # ---------------------------------------------------------------------------------------- services
-    @property
-    def mlflow_store(self) -> Path:
-        return self.root / "mlflow.db"
+    mlflow_store = _at("mlflow.db")
+    artifacts_dir = _at("mlartifacts")
+    milvus_dir = _at("milvus")
+    # the Feast repo lineage is written to and read from (made from feast_dir when that is elsewhere); its
+    # relative paths (offline parts, a file registry, an online store) lie inside it
+    lineage_dir = _at("feast")
 
     @property
     def mlflow_uri(self) -> str:
@@ -116,20 +124,10 @@ class Workspace:
         return self._tracking_uri or f"sqlite:///{self.mlflow_store}"
 
     @property
-    def artifacts_dir(self) -> Path:
-        return self.root / "mlartifacts"
-
-    @property
     def feast_dir(self) -> Path:
         """The Feast repo definition (``feature_store.yaml``, optionally ``items.py``): the configured one,
         else ``<root>/feast``. Read, never written: on a cluster it is a read-only ConfigMap volume."""
         return self._lineage_repo
-
-    @property
-    def lineage_dir(self) -> Path:
-        """The Feast repo lineage is written to and read from (made from :attr:`feast_dir` when that is
-        elsewhere); its relative paths (offline parts, a file registry, an online store) lie inside it."""
-        return self.root / "feast"
 
     @property
     def lineage_definition(self) -> Path | None:
@@ -154,20 +152,13 @@ class Workspace:
         return self._index_uri or str(self.milvus_dir / "gallery.db")
 
     @property
-    def milvus_dir(self) -> Path:
-        return self.root / "milvus"
-
-    @property
     def index_alias(self) -> str:
         """The serving alias a first indexing creates: ``index.alias``, else ``gallery_<8 hex of the
         deployment's seed>``, unique to this deployment (makes the deployment file)."""
         return self._index_alias or f"{DEFAULT_ALIAS_PREFIX}_{self.deployment_seed()[:8]}"
 
     # ------------------------------------------------------------------------------------------ identity
-    @property
-    def deployment_path(self) -> Path:
-        """The deployment's seed (``{"seed": <32 hex>}``), made once by :meth:`deployment_seed`."""
-        return self.root / "deployment.json"
+    deployment_path = _at("deployment.json")  # the deployment's seed, made once by deployment_seed()
 
     def deployment_seed(self) -> str:
         """The deployment's random seed: read from :attr:`deployment_path`, else made there once (created
@@ -211,64 +202,26 @@ class Workspace:
         return _read_seed(Path(folder) / self.deployment_path.name)[0] != seed
 
     # ------------------------------------------------------------------------------------------- state
-    @property
-    def state_path(self) -> Path:
-        return self.root / "state.json"
-
-    @property
-    def serving_path(self) -> Path:
-        return self.root / "serving.json"
-
-    @property
-    def rollout_state_path(self) -> Path:
-        return self.root / ROLLOUT_STATE_FILE
-
-    @property
-    def rollout_dir(self) -> Path:
-        return self.root / "rollout"
-
-    @property
-    def probe_path(self) -> Path:
-        return self.rollout_dir / "probe.json"
-
-    @property
-    def services_dir(self) -> Path:
-        return self.root / "services"
-
-    @property
-    def lock_path(self) -> Path:
-        return self.root / ".compatflow.lock"
-
-    @property
-    def steps_lock_path(self) -> Path:
-        return self.root / ".compatflow.steps.lock"
-
+    state_path = _at("state.json")
+    serving_path = _at("serving.json")
+    rollout_state_path = _at(ROLLOUT_STATE_FILE)
+    rollout_dir = _at("rollout")
+    probe_path = _at("rollout", "probe.json")
+    services_dir = _at("services")
+    lock_path = _at(".compatflow.lock")
+    steps_lock_path = _at(".compatflow.steps.lock")
     # ---------------------------------------------------------------------------------------- folders
-    @property
-    def models_dir(self) -> Path:
-        return self.root / "models"
+    models_dir = _at("models")
+    validated_root = _at("validated")
+    tmp_dir = _at("tmp")
+    kfp_dir = _at("kfp")
+    runs_dir = _at("runs")
 
     def model_dir(self, version: str | int) -> Path:
         return self.models_dir / f"v{version}"
 
-    @property
-    def validated_root(self) -> Path:
-        return self.root / "validated"
-
     def validated_dir(self, phase: int) -> Path:
         return self.validated_root / f"phase-{phase:03d}"
-
-    @property
-    def tmp_dir(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def kfp_dir(self) -> Path:
-        return self.root / "kfp"
-
-    @property
-    def runs_dir(self) -> Path:
-        return self.root / "runs"
 
     def run_dir(self, run_id: str) -> Path:
         """``<root>/runs/<run_id>``; refuses ids that would escape the runs directory."""
