@@ -67,8 +67,7 @@ def launch(step: str, nproc: int, arguments: dict[str, Any], work_dir: Path) -> 
     spec.write_text(json.dumps(arguments))
     log_dir = ranks_dir / "logs"
     command = launch_command(step, nproc, spec, log_dir, free_loopback_port())
-    env = {**os.environ}
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # CPU ranks (gloo) talk over loopback; NCCL is not affected
+    env = {"GLOO_SOCKET_IFNAME": "lo", **os.environ}  # CPU ranks (gloo) talk over loopback; NCCL unaffected
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     (ranks_dir / "torchrun.log").write_text(done.stdout)
     if done.returncode != 0:

@@ -44,8 +44,6 @@ def continual_step(
     """
     ranks = deployment.resources.gpu.accelerator_count
     if ranks > 1 and not under_launcher():
-        # One process per GPU: the same body on every rank (DDP), rank 0 writes
-        # (components.training.continual).
         arguments = {
             "config": deployment.to_json(),
             "run_dir": str(run_dir),
@@ -107,7 +105,7 @@ def train_candidate(
             production=production or None,
             replay_urls=replay_shards(deployment, phase) if training.replay_buffer_size else None,
             train_urls=accepted or None,
-            version=f"{run_dir.name}",
+            version=run_dir.name,
             # In the run directory, not the task's artifact: a resumed run (same run id) continues from there.
             train_dir=RunDir(run_dir).training_dir,
             on_step=live,
