@@ -23,11 +23,6 @@ _MISSING_OPS = (
 _state: dict[str, Any] = {"library": None, "repaired": False}
 
 
-def _drop_torchvision_modules() -> None:
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]
-
-
 def import_torchvision() -> ModuleType:
     """Import torchvision, registering the missing operator schemas if needed."""
     try:
@@ -37,7 +32,8 @@ def import_torchvision() -> ModuleType:
             raise
         import torch
 
-        _drop_torchvision_modules()
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]  # the half-imported modules
         if _state["library"] is None:
             library = torch.library.Library("torchvision", "DEF")
             for schema in _MISSING_OPS:

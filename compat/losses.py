@@ -177,8 +177,7 @@ class ModXLoss(nn.Module):
     ) -> LossTerms:
         contrastive = clip_loss(image_features, text_features, logit_scale)
         if not self.needs_teacher:
-            zero = contrastive.new_zeros(())
-            return LossTerms(contrastive, contrastive, zero)
+            return LossTerms(contrastive, contrastive, contrastive.new_zeros(()))
         old = (old_image_features, old_text_features)
         if any(features is None for features in old):
             raise ValueError(f"ModXLoss(alpha={self.alpha}) needs the teacher's image and text features")

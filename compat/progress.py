@@ -165,11 +165,9 @@ class Task:
         self.fields.update(fields)
         if self._bar is not None:
             _DISPLAY.update(self._bar, completed=self.done, info=_fields_text(self.fields))
-        elif self.mode == "plain":
-            now = time.monotonic()
-            if now - self._last >= self.every_s:
-                self._last = now
-                self._line(now)
+        elif self.mode == "plain" and (now := time.monotonic()) - self._last >= self.every_s:
+            self._last = now
+            self._line(now)
 
     def set(self, **fields: Any) -> None:
         """Show ``fields`` (e.g. ``loss=0.83``) with the step's progress from now on."""

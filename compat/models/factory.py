@@ -105,14 +105,6 @@ def read_config(config_name: str) -> dict[str, Any]:
     return config
 
 
-def _resolve(value: Any, where: str) -> Any:
-    if isinstance(value, str) and value.startswith("@"):
-        if value not in PLACEHOLDERS:
-            raise ValueError(f"{where}: unknown placeholder {value!r}; known: {sorted(PLACEHOLDERS)}")
-        return PLACEHOLDERS[value]()
-    return value
-
-
 @cache
 def _register() -> None:
     """Register ``configs/`` with open_clip (once per process, before the first model is built). Hugging Face
@@ -141,8 +133,12 @@ def _resolve_registered(config_name: str) -> None:
         registered.pop(key, None)
     text_cfg = registered.get("text_cfg", {})
     for key in _HF_KEYS:
-        if key in text_cfg:
-            text_cfg[key] = _resolve(text_cfg[key], f"{config_path(config_name)}: text_cfg.{key}")
+        value = text_cfg.get(key)
+        if isinstance(value, str) and value.startswith("@"):
+            if value not in PLACEHOLDERS:
+                where = f"{config_path(config_name)}: text_cfg.{key}"
+                raise ValueError(f"{where}: unknown placeholder {value!r}; known: {sorted(PLACEHOLDERS)}")
+            text_cfg[key] = PLACEHOLDERS[value]()
 
 
 def tokenizer_name_of(config: dict[str, Any]) -> str:
@@ -203,9 +199,7 @@ class ClipBundle:
                         feats = torch.nn.functional.normalize(feats, dim=-1)
                     out.append(feats.cpu())
                     progress.advance(len(batch))
-            if not out:
-                return torch.empty(0, self.embed_dim)
-            return torch.cat(out)
+            return torch.cat(out) if out else torch.empty(0, self.embed_dim)
         finally:
             self.model.train(was_training).to(original)
 
@@ -245,9 +239,8 @@ class ClipBundle:
         return self._encode(self.model.encode_text, batches, device, normalize, "texts")
 
 
-class _DropRandomInit(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("No pretrained weights loaded")
+def _drop_random_init(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("No pretrained weights loaded")
 
 
 def _build(
@@ -269,14 +262,13 @@ def _build(
         {"preprocess_cfg": {"resize_mode": resize_mode}} if resize_mode else config, where
     )
     _resolve_registered(config_name)
-    # Without pretrained_text the caller loads weights right after: open_clip's "No pretrained weights
-    # loaded ... initialized randomly" (on the root logger) would be false, so it is dropped.
-    quiet = _DropRandomInit() if not pretrained_text else None
     root = logging.getLogger()
     with torch.random.fork_rng(devices=[]), contextlib.ExitStack() as stack:
-        if quiet is not None:
-            root.addFilter(quiet)
-            stack.callback(root.removeFilter, quiet)
+        if not pretrained_text:
+            # The caller loads weights right after: open_clip's "No pretrained weights loaded ... initialized
+            # randomly" (on the root logger) would be false, so it is dropped.
+            root.addFilter(_drop_random_init)
+            stack.callback(root.removeFilter, _drop_random_init)
         if seed is not None:
             torch.manual_seed(seed)
         # Built on CPU so that the seed alone fixes the initialisation, then moved.

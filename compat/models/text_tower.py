@@ -223,11 +223,8 @@ class ClipTokenizer:
         if token in self.cache:
             return self.cache[token]
         word = (*token[:-1], token[-1] + "</w>")
-        pairs = set(itertools.pairwise(word))
-        if not pairs:
-            return token + "</w>"
-        while True:
-            bigram = min(pairs, key=lambda pair: self.ranks.get(pair, float("inf")))
+        while len(word) > 1:
+            bigram = min(itertools.pairwise(word), key=lambda pair: self.ranks.get(pair, float("inf")))
             if bigram not in self.ranks:
                 break
             merged: list[str] = []
@@ -240,8 +237,5 @@ class ClipTokenizer:
                     merged.append(word[i])
                     i += 1
             word = tuple(merged)
-            if len(word) == 1:
-                break
-            pairs = set(itertools.pairwise(word))
         self.cache[token] = " ".join(word)
         return self.cache[token]

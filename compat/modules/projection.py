@@ -7,13 +7,25 @@ import torch
 from torch import nn
 
 
-def _check_dims(**dims: int) -> None:
-    for name, value in dims.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+class _Projection(nn.Module):
+    """An MLP ``net`` from ``in_dim`` to ``out_dim`` through ``hidden_dim``; inputs are checked."""
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        for name, value in (("in_dim", in_dim), ("out_dim", out_dim), ("hidden_dim", hidden_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.in_dim, self.out_dim, self.hidden_dim = in_dim, out_dim, hidden_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_dim:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs of dimension {self.in_dim}, got {x.shape[-1]}"
+            )
+        return self.net(x)
 
 
-class XBTProjection(nn.Module):
+class XBTProjection(_Projection):
     """XBT's ``phi``: ``in_dim -> 4*out_dim -> 4*out_dim -> out_dim`` (Linear-LN-GELU-Linear-LN-GELU-Linear),
     hidden width four times the *output* (old) dimension.
 
@@ -22,10 +34,8 @@ class XBTProjection(nn.Module):
     """
 
     def __init__(self, in_dim: int, out_dim: int, hidden_dim: int | None = None) -> None:
-        super().__init__()
         hidden_dim = 4 * out_dim if hidden_dim is None else hidden_dim
-        _check_dims(in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim)
-        self.in_dim, self.out_dim, self.hidden_dim = in_dim, out_dim, hidden_dim
+        super().__init__(in_dim, out_dim, hidden_dim)
         self.net = nn.Sequential(
             nn.Linear(in_dim, hidden_dim),
             nn.LayerNorm(hidden_dim),
@@ -35,11 +45,6 @@ class XBTProjection(nn.Module):
             nn.GELU(),
             nn.Linear(hidden_dim, out_dim),
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_dim:
-            raise ValueError(f"XBTProjection expects inputs of dimension {self.in_dim}, got {x.shape[-1]}")
-        return self.net(x)
 
     def layernorm_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of the LayerNorms only: what XBT's stage 2 fine-tunes (Sec. 3.3)."""
@@ -51,18 +56,9 @@ class XBTProjection(nn.Module):
         ]
 
 
-class TwoLayerProjector(nn.Module):
+class TwoLayerProjector(_Projection):
     """TaCA's dimension projector ``d_n -> d_p -> d_o`` (Linear-GELU-Linear), ``d_p = 4096`` by default."""
 
     def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 4096) -> None:
-        super().__init__()
-        _check_dims(in_dim=in_dim, out_dim=out_dim, hidden_dim=hidden_dim)
-        self.in_dim, self.out_dim, self.hidden_dim = in_dim, out_dim, hidden_dim
+        super().__init__(in_dim, out_dim, hidden_dim)
         self.net = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, out_dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_dim:
-            raise ValueError(
-                f"TwoLayerProjector expects inputs of dimension {self.in_dim}, got {x.shape[-1]}"
-            )
-        return self.net(x)

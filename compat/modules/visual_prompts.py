@@ -60,9 +60,7 @@ class PromptHandle:
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
             return (self.prompts.insert(args[0]), *args[1:]), kwargs
-        kwargs = dict(kwargs)
-        kwargs["x"] = self.prompts.insert(kwargs["x"])
-        return args, kwargs
+        return args, {**kwargs, "x": self.prompts.insert(kwargs["x"])}
 
     def _post_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return self.prompts.strip(output)

@@ -65,11 +65,6 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
 def remove_stale_temporaries(root: Path) -> None:
     """Delete half-written checkpoint directories left by a killed run."""
     root = Path(root)
@@ -102,9 +97,7 @@ def restore_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None
     import torch
 
     torch.set_rng_state(tensors["torch"])
-    cuda = [
-        tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))
-    ]
+    cuda = [tensors[f"cuda.{i}"] for i in range(sum(k.startswith("cuda.") for k in tensors))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
     version, internal, gauss = plain["python"]

@@ -32,7 +32,7 @@ from compat.training.state import (
     ResumeError,
     TrainState,
     checkpoint_name,
-    latest_checkpoint,
+    list_checkpoints,
     load_training_checkpoint,
     read_state_document,
     remove_stale_temporaries,
@@ -414,7 +414,7 @@ def _start_or_resume(
             shutil.rmtree(ckpt_root)  # a fresh start must not leave older checkpoints to resume from
         remove_stale_temporaries(ckpt_root)
     barrier(dist)
-    found = latest_checkpoint(ckpt_root) if resume else None
+    found = next(reversed(list_checkpoints(ckpt_root)), None) if resume else None  # the newest
     if found is None:
         seed_everything(config.seed)
         return None, TrainState()
