@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+import schemas
+from compat.io import write_json_atomic
 from components.state.run_dir import DRIFT_FILE, DRIFT_REPORT_FILE
 
 logger = logging.getLogger(__name__)
@@ -40,10 +42,7 @@ CATEGORICAL_COLUMNS = {"image_dominant_hue": "image"}
 HUE_NAMES = ("red", "orange", "yellow", "green", "cyan", "blue", "purple", "magenta", "grey")
 NO_DRIFT_SCORE = {"wasserstein": 0.0, "jensenshannon": 0.0, "model": 0.5, "oov_rate": 0.0}
 NOISE_SPLITS = 10  # random halves of the reference scored against each other, per signal
-
-
 STATISTICS_IMAGE_SIZE = 128  # short side the image statistics are computed at (larger pictures scaled down)
-
 EVIDENTLY_SERIES = "0.7"  # the release series written for: before 1.0 a minor release may break the API
 
 
@@ -139,14 +138,11 @@ def column_scores(reference_df: Any, current_df: Any, numeric: Sequence[str]) ->
             column_name=column,
             options=DataDriftOptions(all_features_stattest=method, all_features_threshold=None, nbinsx=None),
             dataset_columns=DatasetColumns(
-                utility_columns=DatasetUtilityColumns(date=None, id=None, target=None, prediction=None),
-                target_type=None,
-                task=None,
+                utility_columns=DatasetUtilityColumns(),
                 num_feature_names=[column] if numerical else [],
                 cat_feature_names=[] if numerical else [column],
                 text_feature_names=[],
                 datetime_feature_names=[],
-                target_names=None,
             ),
             column_type=column_type,
             agg_data=True,
@@ -186,19 +182,13 @@ def _words(caption: str) -> list[str]:
     return [w.strip(".,;:!?\"'()").lower() for w in caption.split() if w.strip(".,;:!?\"'()")]
 
 
-def vocabulary_verdict(reference: Sequence[Any], current: Sequence[Any]) -> dict[str, Any]:
-    """Share of the current captions' words that no reference caption uses: a rate, not a distribution test,
-    calibrated and banded like every other signal."""
-    rate, unseen = _unseen_words(reference, current)
-    return {"kind": "caption", "method": "oov_rate", "score": rate, "examples": sorted(set(unseen))[:20]}
-
-
 def _captions(sample: Any) -> list[str]:
     """Every caption of a sample (a picture may carry several), its first one when it lists none."""
     return list(getattr(sample, "captions", None) or [sample.caption])
 
 
 def _unseen_words(reference: Sequence[Any], current: Sequence[Any]) -> tuple[float, list[str]]:
+    """The share of the current captions' words that no reference caption uses, and those words."""
     vocabulary = {w for s in reference for c in _captions(s) for w in _words(c)}
     words = [w for s in current for c in _captions(s) for w in _words(c)]
     unseen = [w for w in words if w not in vocabulary]
@@ -237,18 +227,14 @@ def _frame(samples: Iterable[Any]) -> Any:
     )
 
 
-def _embedding_columns(samples: Sequence[Any], bundle: Any, prefix: str) -> dict[str, np.ndarray]:
+def _with_embeddings(frame: Any, samples: Sequence[Any], bundle: Any) -> Any:
+    """``frame`` with both towers' embeddings of ``samples`` as columns ``emb_<tower>_<i>``."""
+    import pandas as pd
+
     images = bundle.encode_images([s.image for s in samples]).cpu().numpy()
     texts = bundle.encode_texts([s.caption for s in samples]).cpu().numpy()
-    columns: dict[str, np.ndarray] = {}
-    for name, matrix in (("image", images), ("text", texts)):
-        for i in range(matrix.shape[1]):
-            columns[f"{prefix}{name}_{i}"] = matrix[:, i]
-    return columns
-
-
-def _is_drift(method: str, score: float, threshold: float) -> bool:
-    return score >= threshold if method != "model" else score > threshold
+    towers = [pd.DataFrame(m).add_prefix(f"emb_{t}_") for t, m in (("image", images), ("text", texts))]
+    return pd.concat([frame, *towers], axis=1)
 
 
 def calibrated_verdict(method: str, score: float, noise_floor: float | None) -> dict[str, Any]:
@@ -261,7 +247,7 @@ def calibrated_verdict(method: str, score: float, noise_floor: float | None) -> 
         "noise_floor": noise_floor,
         "calibrated_score": calibrated,
         "threshold": threshold,
-        "drift": _is_drift(method, calibrated, threshold),
+        "drift": calibrated > threshold if method == "model" else calibrated >= threshold,
         "severity": severity_for(calibrated, method),
     }
 
@@ -308,12 +294,8 @@ def compute_drift(
     sides = (("reference", reference), ("current", current))
     embeddings: dict[str, list[str]] = {}
     if production_model is not None:
-        import pandas as pd
-
-        ref_df, cur_df = (
-            pd.concat([df, pd.DataFrame(_embedding_columns(samples, production_model, "emb_"))], axis=1)
-            for df, samples in ((ref_df, reference), (cur_df, current))
-        )
+        ref_df = _with_embeddings(ref_df, reference, production_model)
+        cur_df = _with_embeddings(cur_df, current, production_model)
         for tower in ("image", "text"):
             embeddings[f"{tower}_embedding"] = [c for c in ref_df.columns if c.startswith(f"emb_{tower}_")]
 
@@ -323,7 +305,14 @@ def compute_drift(
     with threadpool_limits(limits=threads):
         scores = evidently_scores(ref_df, cur_df, numeric, embeddings, html_path)
         floors = noise_floors(reference, ref_df, numeric, embeddings)
-    verdicts: dict[str, Any] = {"caption_vocabulary": vocabulary_verdict(reference, current)}
+    rate, unseen = _unseen_words(reference, current)  # a rate, not a distribution test; banded like the rest
+    vocabulary = {
+        "kind": "caption",
+        "method": "oov_rate",
+        "score": rate,
+        "examples": sorted(set(unseen))[:20],
+    }
+    verdicts: dict[str, Any] = {"caption_vocabulary": vocabulary}
     for name, score in scores.items():
         if name in embeddings:
             verdicts[name] = {"kind": "embedding", "method": "model", "score": score}
@@ -354,9 +343,6 @@ def run_drift(
     seed: int = 0,
 ) -> dict[str, Any]:
     """The drift stage: sample both phases, compare, write ``drift.json`` and ``drift_report.html``."""
-    import schemas
-    from compat.io import write_json_atomic
-
     out_dir = Path(out_dir)
     logger.info("sampling up to %d reference and current samples", sample_size)
     bundle, image_size = None, STATISTICS_IMAGE_SIZE
