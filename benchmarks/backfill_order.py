@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sections import machine, publish  # noqa: E402
+from benchmarks.sections import publish, results_head  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "backfill_order.md"
 DIM = 64
@@ -140,12 +140,12 @@ def main() -> None:
                 f"{results['dense']['seconds'] / r['seconds']:.1f}x | {r['rss_mib']:,.0f} | {inertia:.2f} | "
                 f"{ari:.3f} | {overlap:.3f} |"
             )
-    sizes = " ".join(map(str, args.sizes))
     lines = [
-        "# k-means for the backfill order: MiniBatchKMeans against dense Lloyd's",
-        "",
-        f"Command: `.venv/bin/python benchmarks/backfill_order.py --sizes {sizes}`  ",
-        f"{machine()}.  ",
+        *results_head(
+            "k-means for the backfill order: MiniBatchKMeans against dense Lloyd's",
+            f".venv/bin/python benchmarks/backfill_order.py --sizes {' '.join(map(str, args.sizes))}",
+            ".",
+        ),
         f"Data: N points around k = round(sqrt(N/2)) random centres, {DIM}-d, centre coordinates and noise "
         "N(0, 1). "
         f"MiniBatchKMeans: n_init={KMEANS_N_INIT}, batch_size={KMEANS_BATCH_SIZE}, seed 0; dense: one "

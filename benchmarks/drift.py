@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.baseline import module_at  # noqa: E402
-from benchmarks.sections import machine, publish  # noqa: E402
+from benchmarks.sections import publish, results_head  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "drift.md"
 # The last commit whose noise floors drew one Evidently report per split.
@@ -94,12 +94,12 @@ def main() -> None:
                 floors = (verdict["noise_floor"], new["noise_floor"])
                 if abs(verdict["score"] - new["score"]) > 1e-9 or floors[0] != floors[1]:
                     mismatches.append(f"{n} per side, {name}: {verdict['score']} -> {new['score']}")
-    sizes = " ".join(map(str, args.sizes))
     lines = [
-        "# Drift comparison: noise-floor splits without a report, against a report per split",
-        "",
-        f"Command: `.venv/bin/python benchmarks/drift.py --sizes {sizes}`  ",
-        f"{machine()}: wall figures move with the load.  ",
+        *results_head(
+            "Drift comparison: noise-floor splits without a report, against a report per split",
+            f".venv/bin/python benchmarks/drift.py --sizes {' '.join(map(str, args.sizes))}",
+            ": wall figures move with the load.",
+        ),
         f"Data: a generated stream, phase 0 (reference) against phase 1 (current), N samples per side; image "
         f"and text embeddings under a random-init cf-tiny. One compute_drift call per row (Evidently report, "
         f"its HTML, {today.NOISE_SPLITS} noise-floor splits); baseline: components/data/drift.py at "

@@ -50,13 +50,17 @@ def publish(path: Path, lines: list[str]) -> None:
     print(text)
 
 
-def machine() -> str:
-    """The machine line of a results file: platform, CPUs, Python and the load average now (1 and 5 min)."""
+def results_head(title: str, command: str, machine_note: str) -> list[str]:
+    """The first lines of a results file: ``# title``, the command that wrote it and the machine it ran on
+    (platform, CPUs, Python, load average at the end), that line ending with ``machine_note``."""
     load = " / ".join(f"{v:.1f}" for v in os.getloadavg()[:2])
-    return (
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{command}`  ",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-        f"shared with other work (load average {load} at the end)"
-    )
+        f"shared with other work (load average {load} at the end){machine_note}  ",
+    ]
 
 
 def sizes_parser(doc: str) -> argparse.ArgumentParser:
