@@ -33,10 +33,6 @@ class Source:
     data: dict[str, Any] | None = None
     error: str | None = None
 
-    @property
-    def present(self) -> bool:
-        return self.data is not None
-
 
 @dataclass
 class RunInputs:

@@ -118,7 +118,7 @@ def _absent(source: Source, key: str, title: str, what: str) -> Section | None:
     """The section saying why ``source`` is not there (not run, or unreadable); None when it is."""
     if source.error:
         return Section(key, title, "unreadable", "bad", [Note(source.error, "bad")])
-    if not source.present:
+    if source.data is None:
         note = Note(f"No {what} for this run: the step did not run.", "muted")
         return Section(key, title, "not run", "muted", [note])
     return None
