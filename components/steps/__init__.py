@@ -3,12 +3,8 @@
 Each reads its inputs (paths), calls the service adapter or engine that does the work, writes its summary
 under ``<run_dir>/<step>/`` (what the on-call report and ``compatflow status`` read) and returns what the
 next step needs. The KFP ops in :mod:`components.kfp_ops` are thin wrappers around these; tests call them
-directly. "Stage" is kept for the stages of a backfill (:mod:`components.rollout`).
-
-Modules: :mod:`~components.steps.base` (the ``step`` decorator, config, workspace), ``data`` (plan,
-validate, drift), ``training`` (continual, compat), ``release`` (production, evaluate, gate, register),
-``gallery`` (first index, ingest, rollout), ``rollback`` (production and the gallery back together) and
-``outcome`` (blocked, finish, report).
+directly. "Stage" is kept for the stages of a backfill (:mod:`components.rollout`). What every step shares
+(the ``step`` decorator, the config, the registry) is in :mod:`~components.steps.base`.
 """
 
 from components.steps.base import registry_of
