@@ -149,12 +149,9 @@ def decode_rgb(
     background = check_background(background, "decode_rgb")
     if size is not None and size < 1:
         raise ValueError(f"decode_rgb: size must be a positive number of pixels, got {size}")
-    if isinstance(data, Image.Image):
-        image = data
-        if max_pixels is not None and image.width * image.height > max_pixels:
-            raise ImageTooLargeError(image.width * image.height, max_pixels, image.size)
-    else:
-        image = _open(data, formats, max_pixels)
+    image = data if isinstance(data, Image.Image) else _open(data, formats, max_pixels)
+    if max_pixels is not None and image.width * image.height > max_pixels:  # an opened image's own check
+        raise ImageTooLargeError(image.width * image.height, max_pixels, image.size)
     stored = image.size
     try:
         if size is not None and image.format in ("JPEG", "MPO") and min(stored) > size:

@@ -101,14 +101,6 @@ def render_background(background: dict[str, Any], res: int) -> Image.Image:
     return _paint(index, tone, other)
 
 
-def _role_colour(role: Any, main: RGB) -> RGB:
-    if role == "main":
-        return main
-    if role == "dark":
-        return shade(main, 0.6)
-    return tuple(role)  # type: ignore[return-value]
-
-
 def _draw_kind(
     draw: ImageDraw.ImageDraw,
     kind: Kind,
@@ -132,7 +124,7 @@ def _draw_kind(
     stroke = max(1, round(width_frac * hx))
     for part in kind.parts:
         shape, geom, role = part[0], part[1], part[2]
-        colour = _role_colour(role, main)
+        colour = main if role == "main" else shade(main, 0.6) if role == "dark" else tuple(role)
         if effect == "watercolor":
             colour = shade(colour, 1.2)
         fill = None if outline_only else colour
@@ -167,10 +159,8 @@ def render_scene(scene: dict[str, Any], domain: Domain, size: int) -> Image.Imag
     kinds = {k.names[0]: k for k in domain.kinds}
     objects = scene["objects"]
     for obj in objects:
-        kind = kinds[obj["kind"]]
         box = tuple(c * res for c in obj["box"])
-        main: RGB = tuple(obj["rgb"])  # type: ignore[assignment]
-        _draw_kind(draw, kind, box, main, effect, **_STROKES.get(effect, {}))
+        _draw_kind(draw, kinds[obj["kind"]], box, tuple(obj["rgb"]), effect, **_STROKES.get(effect, {}))
     if effect == "pixel":
         cells = max(8, size // 3)
         return img.resize((cells, cells), Image.BOX).resize((size, size), Image.NEAREST)
