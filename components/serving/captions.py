@@ -93,7 +93,9 @@ class ShardCaptions:
         """The caption of each ``<shard url>#<key>`` (None: the row names no shard, or the key is absent)."""
         parts = [str(uri or "").rpartition("#") for uri in source_uris]
         named = [(url, key) for url, sep, key in parts if sep and url]
-        answered = self._from_fallback([(u, k) for u, k in named if not self._cached(u)])
+        with self._lock:
+            uncached = [(url, key) for url, key in named if url not in self._cache]
+        answered = self._from_fallback(uncached)
         out = [
             (answered[(url, key)] if (url, key) in answered else self._shard(url).get(key))
             if sep and url
@@ -102,10 +104,6 @@ class ShardCaptions:
         ]
         self._load_in_background({url for url, _ in answered})  # after the answer: the request waits for none
         return out
-
-    def _cached(self, url: str) -> bool:
-        with self._lock:
-            return url in self._cache
 
     def _from_fallback(self, missing: list[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
         """The fallback's captions of ``missing`` (url, key) pairs; {} without a fallback or when it fails
