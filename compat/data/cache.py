@@ -33,9 +33,7 @@ class SampleCache:
         if max_bytes < 0:
             raise ValueError(f"a sample cache needs max_bytes >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
+        self.bytes = self.hits = self.misses = 0
         self._shards: OrderedDict[Hashable, tuple[list[Any], int]] = OrderedDict()
         self._digests: dict[tuple[str, int, int], str] = {}
 

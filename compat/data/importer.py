@@ -307,7 +307,6 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
             f"{table}: column(s) {', '.join(clash)} would overwrite field(s) the importer writes into each "
             "sample's .json; rename them"
         )
-    base = table.parent
     out = []
     for n, row in enumerate(rows, start=1):  # data rows, the header not counted
         cell = row.get(settings.path_column)
@@ -321,7 +320,7 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
             out.append(_Candidate(where, None, refused=("image_missing", f"{where}: the path cell is empty")))
             continue
         rel = str(cell).strip()
-        source, path = f"{where}: {rel}", base / rel  # an absolute rel stays as it is
+        source, path = f"{where}: {rel}", table.parent / rel  # an absolute rel stays as it is
         refused = _not_a_file(source, path)
         out.append(_Candidate(source, path, caption, extra=extra, listed=rel, row=n, refused=refused))
     return out
@@ -1054,11 +1053,9 @@ def _out_lock(out: Path) -> Iterator[None]:
                 f"another import (process {holder}) is writing into {out} (it holds {path}): wait for it to "
                 "end, or give another --out folder"
             ) from None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not a file its last holder removed meanwhile
                 break
-        except FileNotFoundError:
-            pass
         os.close(fd)
     try:
         os.ftruncate(fd, 0)

@@ -286,18 +286,15 @@ class ShardStream:
         chunk: int = DEFAULT_CHUNK,
     ) -> None:
         self.urls = expand_urls(urls)
-        self.cache = cache
         self._decode_settings = (image_size, tuple(check_background(background, "shard reader")), max_pixels)
-        self.shuffle_shards = shuffle_shards
-        self.seed = seed
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
         if workers < 0 or chunk < 1:
             raise ValueError(
                 f"loader workers must be >= 0 and chunk >= 1, got workers={workers}, chunk={chunk}"
             )
-        self.epochs = epochs
-        self.workers, self.chunk = workers, chunk
+        self.shuffle_shards, self.seed, self.epochs = shuffle_shards, seed, epochs
+        self.cache, self.workers, self.chunk = cache, workers, chunk
         if isinstance(position, dict):
             position = StreamPosition.from_dict(position)
         self.position = position or StreamPosition()
