@@ -31,31 +31,26 @@ class MethodConfig:
         """Raise ``ValueError`` naming a setting out of its range (each method checks its own)."""
 
 
+_EXPECTED = {  # a setting's type -> (whether a value is one, what the error says it expected)
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and int(v) == v, "an integer"),
+    float: (lambda v: not isinstance(v, bool) and isinstance(v, (int, float)), "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = typing.get_args(annotation)
         if value is None and type(None) in args:
             return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise CompatError(f"{where}: expected true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise CompatError(f"{where}: expected an integer, got {value!r}")
-        return int(value)
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise CompatError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise CompatError(f"{where}: expected a string, got {value!r}")
+        return _coerce(value, next(a for a in args if a is not type(None)), where)
+    if annotation not in _EXPECTED:
         return value
-    return value
+    accepts, expected = _EXPECTED[annotation]
+    if not accepts(value):
+        raise CompatError(f"{where}: expected {expected}, got {value!r}")
+    return annotation(value)
 
 
 def config_from_mapping(
