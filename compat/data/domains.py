@@ -423,9 +423,7 @@ def domain_for_phase(phase: int) -> Domain:
 SHIFTS = ("realistic", "disjoint")
 DEFAULT_OLD_WORD_SHARE = 0.6
 CORE_KINDS = ("circle", "square", "triangle")
-CORE_TONES = ("white", "gray", "black")
-CORE_STYLES = ("flat",)
-CORE_NAMES = {"kind": CORE_KINDS, "tone": CORE_TONES, "style": CORE_STYLES}
+CORE_NAMES = {"kind": CORE_KINDS, "tone": ("white", "gray", "black"), "style": ("flat",)}
 NOVEL_DECAY = 0.5  # weight of an item brought by phase q, at phase p > q: NOVEL_DECAY ** (p - q)
 NEW_WEIGHT = 1.5  # weight of an item in the phase that brings it
 

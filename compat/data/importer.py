@@ -294,15 +294,13 @@ def _not_a_file(source: str, path: Path) -> tuple[str, str] | None:
 
 def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]:
     columns, rows = _read_table(table)
-    missing = [c for c in (settings.path_column, settings.caption_column) if c not in columns]
-    if missing:
+    if missing := [c for c in (settings.path_column, settings.caption_column) if c not in columns]:
         raise DataImportError(
             f"{table} has no column {', '.join(repr(c) for c in missing)} (columns: {', '.join(columns)}); "
             "name them path and caption, or pass --path-column / --caption-column"
         )
     extras = [c for c in columns if c not in (settings.path_column, settings.caption_column)]
-    clash = [c for c in extras if c in RESERVED_FIELDS]
-    if clash:
+    if clash := [c for c in extras if c in RESERVED_FIELDS]:
         raise DataImportError(
             f"{table}: column(s) {', '.join(clash)} would overwrite field(s) the importer writes into each "
             "sample's .json; rename them"
@@ -653,8 +651,7 @@ def _read_captions(candidate: _Candidate, place: _Place) -> tuple[list[str], lis
         return [_read_caption(candidate, place)], []
     kept, skipped = [], []
     for n, raw in enumerate(candidate.captions, start=1):
-        problem = _caption_problem(raw.strip())
-        if problem:
+        if problem := _caption_problem(raw.strip()):
             skipped.append((f"sentence {n}", *problem))
         else:
             kept.append(raw.strip())
@@ -700,8 +697,7 @@ def _read_metadata(candidate: _Candidate, place: _Place) -> dict[str, Any] | Non
         doc = decoder.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not JSON: {exc}") from exc
-    problem = _doc_problem(doc, decoder)
-    if problem:
+    if problem := _doc_problem(doc, decoder):
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} holds {problem}")
     if not isinstance(doc, dict):
         raise _Refused("metadata_not_json", f"{candidate.metadata_file.name} is not a JSON object")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from compat.data.cache import sample_bytes
 from compat.data.images import MAX_PIXELS, WHITE, ImageDecodeError, check_background, decode_rgb
-from compat.data.shards import ShardError, is_local, iter_raw_samples, local_path, refuse_pipe
+from compat.data.shards import IMAGE_EXTS, ShardError, is_local, iter_raw_samples, local_path, refuse_pipe
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
     from compat.data.cache import SampleCache
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from compat.data.shards import IMAGE_EXTS as IMAGE_MEMBERS
 from compat.data.shards import ShardError, iter_raw_samples, sample_keys, write_shard
 from compat.io import utc_now, write_json_atomic
 
@@ -107,9 +108,6 @@ def missing_shards(directory: str | os.PathLike[str], manifest: dict[str, Any]) 
     return [
         rel for p in manifest["phases"] for split in SPLITS for rel in p[split] if not (root / rel).is_file()
     ]
-
-
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")  # the members that make a sample's content (its picture)
 
 
 def content_digest(members: Mapping[str, bytes]) -> str:
@@ -244,16 +242,14 @@ def _read_new_shards(
 ) -> tuple[dict[str, list[str]], dict[str, dict[str, tuple[str, str]]], dict[str, tuple[str, str]]]:
     """A new phase's shard paths and keys per split (:func:`check_shards`), and all its keys; refuses an
     unknown split, a path that is no file or is listed twice, and a key in two splits."""
-    unknown = sorted(set(shards) - set(SPLITS))
-    if unknown:
+    if unknown := sorted(set(shards) - set(SPLITS)):
         raise StreamError(f"unknown split(s) {', '.join(unknown)}; splits are {', '.join(SPLITS)}")
     urls = {split: [str(Path(u).resolve()) for u in shards.get(split, ())] for split in SPLITS}
     for split in SPLITS:
         for url in urls[split]:
             if not Path(url).is_file():
                 raise StreamError(f"{split} shard {url} is not a file")
-        dupes = {u for u in urls[split] if urls[split].count(u) > 1}
-        if dupes:
+        if dupes := {u for u in urls[split] if urls[split].count(u) > 1}:
             raise StreamError(f"{split} lists {sorted(dupes)[0]} more than once")
     keys = {split: check_shards(urls[split], split) for split in SPLITS}
     every: dict[str, tuple[str, str]] = {}

@@ -21,6 +21,8 @@ from urllib.request import url2pathname
 
 from compat.io import atomic_write
 
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # a sample's picture members: what makes its content
+
 
 class ShardError(ValueError):
     """A shard cannot be opened or read; the message names the shard and, where known, the key."""
