@@ -38,9 +38,6 @@ class PairBatch:
     keys: list[str]
 
 
-DEFAULT_SHUFFLE_BUFFER = 4096
-
-
 @dataclass(eq=False)
 class ShardBatches:
     """Re-iterable batches from shards: each pass over it is the next epoch (its own shard order).
@@ -60,7 +57,7 @@ class ShardBatches:
     seed: int = 0
     caption_choice: str = "random"
     max_samples: int | None = None
-    shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER
+    shuffle_buffer: int = 4096
     image_size: int | None = None  # decoded to this short side when larger (the largest model input)
     cache_bytes: int = 1 << 30  # decoded shards kept across epochs: later ones decode nothing
 

@@ -75,7 +75,6 @@ def recalls(hits: torch.Tensor, ks: Sequence[int]) -> dict[str, float]:
     return {metric_name(k): round(float(means[j]), 4) for j, k in enumerate(ks)}
 
 
-# ------------------------------------------------------------------------------------------ bootstrap
 def paired_bootstrap(
     hits_a: torch.Tensor,
     hits_b: torch.Tensor,
@@ -125,7 +124,6 @@ def paired_bootstrap(
     ]
 
 
-# --------------------------------------------------------------------------------------------- report
 def report_from_hits(
     hits: dict[str, dict[str, torch.Tensor]],
     ks: Sequence[int] = DEFAULT_KS,
@@ -156,8 +154,7 @@ def flatten_captions(data: CaptionedSet) -> tuple[list[str], list[int]]:
     if len(data) == 0:
         raise ValueError("the evaluation set is empty")
     counts = [len(c) for c in data.captions]
-    if any(c == 0 for c in counts):
-        missing = [data.keys[i] for i, c in enumerate(counts) if c == 0][:5]
+    if missing := [data.keys[i] for i, c in enumerate(counts) if c == 0][:5]:
         raise ValueError(f"evaluation samples without captions: {missing}")
     return [c for caps in data.captions for c in caps], counts
 

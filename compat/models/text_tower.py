@@ -156,19 +156,13 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + erf)
 
 
-# ---------------------------------------------------------------------------------------------- tokenizer
 @cache
 def _byte_encoder() -> dict[int, str]:
     """CLIP's reversible map of bytes to printable characters (open_clip ``bytes_to_unicode``)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in shown]  # mapped to the characters from 256 on
+    chars = shown + [256 + n for n in range(len(others))]
+    return dict(zip(shown + others, map(chr, chars), strict=True))
 
 
 @cache
@@ -199,10 +193,7 @@ class ClipTokenizer:
     def __call__(self, texts: list[str]) -> np.ndarray:
         result = np.zeros((len(texts), self.context_length), dtype=np.int64)
         for i, text in enumerate(texts):
-            tokens = [self.sot, *self.encode(text), self.eot]
-            if len(tokens) > self.context_length:
-                tokens = tokens[: self.context_length]
-                tokens[-1] = self.eot
+            tokens = [self.sot, *self.encode(text)][: self.context_length - 1] + [self.eot]  # truncated
             result[i, : len(tokens)] = tokens
         return result
 

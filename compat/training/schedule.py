@@ -6,7 +6,7 @@ The Mod-X paper warms up for 20% of each phase's steps (Table 4); the schedule r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,3 @@ class CosineWarmup:
         return self.min_lr + 0.5 * (1 + math.cos(math.pi * e / max(decay_steps, 1))) * (
             self.base_lr - self.min_lr
         )
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-
-def set_lr(optimizer, lr: float) -> None:
-    """Set every parameter group's learning rate."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr

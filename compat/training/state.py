@@ -74,7 +74,6 @@ def remove_stale_temporaries(root: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------------------------- RNG states
 def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Torch generator states (tensors) and Python / NumPy states (JSON)."""
     import numpy as np
@@ -106,7 +105,6 @@ def restore_rng(tensors: dict[str, torch.Tensor], plain: dict[str, Any]) -> None
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-# ------------------------------------------------------------------------------------------ optimizer state
 def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     import torch
 
@@ -134,7 +132,6 @@ def _optimizer_from_files(tensors: dict[str, torch.Tensor], doc: dict[str, Any])
     return {"state": state, "param_groups": groups}
 
 
-# ------------------------------------------------------------------------------------------- save and load
 def save_training_checkpoint(
     root: Path,
     bundle: ClipBundle,

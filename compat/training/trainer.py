@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from compat.io import atomic_write
 from compat.training.ddp import SINGLE, DistInfo, barrier, gather_no_grad, gather_with_grad
-from compat.training.schedule import CosineWarmup, set_lr
+from compat.training.schedule import CosineWarmup
 from compat.training.state import (
     ResumeError,
     TrainState,
@@ -110,7 +110,6 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------------------------- set-up
 def mixed_precision(precision: str, device: torch.device) -> tuple[Any, Any]:
     """The autocast context of ``precision`` and, for fp16, its GradScaler (else None). ``auto``: bf16 on a
     CUDA device that supports it, else fp16 on CUDA, fp32 on CPU."""
@@ -164,7 +163,6 @@ def clamp_logit_scale(model: torch.nn.Module) -> None:
             scale.clamp_(0.0, LOGIT_SCALE_MAX)
 
 
-# ------------------------------------------------------------------------------------------- one step
 def clip_features(
     model: torch.nn.Module, images: torch.Tensor, texts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -240,7 +238,6 @@ def loss_and_backward(
     return LossTerms(*(None if t is None else t.detach() for t in terms))
 
 
-# ------------------------------------------------------------------------------------------ the loop
 class _Ledger:
     """``samples.jsonl``: the keys each optimizer step trained on, cut back to the checkpoint on resume."""
 
@@ -311,7 +308,7 @@ def train(
     from compat.progress import Task
 
     loss_fn = ModXLoss(config.alpha, config.selective_correction)
-    _check_inputs(student, source, config, dist, teacher, needs_teacher=loss_fn.needs_teacher)
+    _check_inputs(student, source, config, dist, teacher)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt_root = workdir / CHECKPOINT_DIR
@@ -332,14 +329,15 @@ def train(
     step_times: list[float] = []
     batches = source.batches(state.position)
     options = {"dist": dist, "accum_steps": config.accum_steps, "autocast": autocast, "scaler": scaler}
-    saved = {"config": config.to_dict(), "schedule": schedule.state_dict(), "keep": config.keep_checkpoints}
+    saved = {"config": config.to_dict(), "schedule": asdict(schedule), "keep": config.keep_checkpoints}
     bar = Task("training", config.steps, "steps", completed=state.step, enabled=dist.is_main)
     try:  # the order of a step's effects (state, ledger, record, checkpoint) makes a resumed run exact
         for _ in range(state.step, config.steps):
             t0 = time.perf_counter()
             batch = next(batches)
             lr = schedule.lr_at(state.step)
-            set_lr(optimizer, lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             images, texts = (t[rows].to(device, non_blocking=True) for t in (batch.images, batch.texts))
             terms = loss_and_backward(model, images, texts, loss_fn, teacher=teacher_model, **options)
@@ -370,13 +368,7 @@ def train(
 
 
 def _check_inputs(
-    student: ClipBundle,
-    source: BatchSource,
-    config: TrainConfig,
-    dist: DistInfo,
-    teacher: ClipBundle | None,
-    *,
-    needs_teacher: bool,
+    student: ClipBundle, source: BatchSource, config: TrainConfig, dist: DistInfo, teacher: ClipBundle | None
 ) -> None:
     """Refuse what cannot train, before anything is read or written; each message says what to change."""
     if source.batch_size != config.batch_size:
@@ -388,7 +380,7 @@ def _check_inputs(
             f"batch_size {config.batch_size} must split evenly over {dist.world_size} ranks x "
             f"{config.accum_steps} accumulation steps"
         )
-    if needs_teacher and teacher is None:
+    if config.alpha > 0 and teacher is None:  # ModXLoss.needs_teacher
         raise ValueError(f"alpha={config.alpha} (Mod-X) needs a teacher model; use alpha=0 to fine-tune")
     if teacher is not None and teacher.model is student.model:
         raise ValueError("the teacher must be a separate copy of the model, not the student itself")
