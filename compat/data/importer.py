@@ -717,11 +717,7 @@ def split_of(key: str, seed: int, fractions: Sequence[float]) -> str:
 
 
 def _inspect(
-    candidate: _Candidate,
-    settings: ImportSettings,
-    place: _Place,
-    spool: Path,
-    planned: Container[str] = (),
+    candidate: _Candidate, settings: ImportSettings, place: _Place, spool: Path, planned: Container[str]
 ) -> dict[str, Any]:
     """The plan item of one candidate (raises ``_Refused``), its stored picture's facts in ``stored``. A
     picture already ``planned`` is not decoded again: the item then holds only its SHA-256 and captions."""
@@ -746,7 +742,7 @@ def _inspect(
             f"{size[0]}x{size[1]} is more than the {MAX_PIXELS:,} pixels readers decode: "
             f"store it smaller (--resize-mode keep_ratio, center_crop or border; --max-side)",
         )
-    stored = _store(data, sha, info, target, settings, spool)
+    stored = _store(data, sha, info, target is not None, settings, spool)
     captions, skipped = _read_captions(candidate, place)
     return {
         "key": settings.key_prefix + sha[:KEY_HEX],
@@ -768,20 +764,15 @@ def _inspect(
 
 
 def _store(
-    data: bytes,
-    sha: str,
-    info: dict[str, Any],
-    target: tuple[int, int] | None,
-    settings: ImportSettings,
-    spool: Path,
+    data: bytes, sha: str, info: dict[str, Any], resize: bool, settings: ImportSettings, spool: Path
 ) -> dict[str, Any] | None:
     """Decode the picture once, making the resized, converted or flattened one into ``spool``; returns the
     facts of what was made (None when stored as it is)."""
     size = (info["width"], info["height"])
     made: tuple[str, bytes, dict[str, Any]] | None = None
-    if target is not None or info["transparent"]:  # resized, or matted on white as img2dataset stores it
+    if resize or info["transparent"]:  # resized, or matted on white as img2dataset stores it
         try:
-            if target is not None:
+            if resize:
                 made = resize_image(data, info["format"], settings.max_side, settings.resize_mode, size)
             else:  # upright, on white, as PNG
                 image = decode_rgb(data, formats=None, max_pixels=None)
@@ -811,8 +802,6 @@ def _plan(
     progress: Callable[..., Iterator[Any]],
     allowed: tuple[Path, ...] = (),
     exclude: Mapping[str, str] | None = None,
-    *,
-    spool: Path,
 ) -> dict[str, Any]:
     """Which picture goes to which shard with which captions: the files or rows of one picture join the first
     one's item, in source order (the scan holds pictures and distinct captions, never their bytes)."""
@@ -829,7 +818,7 @@ def _plan(
     for candidate in progress(candidates, f"reading {len(candidates)} files", total=len(candidates)):
         source = candidate.source
         try:
-            item = _inspect(candidate, settings, place, spool, first_of)
+            item = _inspect(candidate, settings, place, out / SPOOL, first_of)
         except _Refused as refusal:
             message = (
                 refusal.message if refusal.message.startswith(source) else f"{source}: {refusal.message}"
@@ -1081,7 +1070,7 @@ def _import(
         raise DataImportError(f"{out} is not empty and holds no import; give a new or empty --out folder")
     spool = out / SPOOL
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = _plan(src, out, settings, show, allowed, exclude, spool=spool)
+    plan = _plan(src, out, settings, show, allowed, exclude)
     timings = {"scan_s": time.perf_counter() - wall, "scan_cpu_s": time.process_time() - cpu}
     shards = [sh for s in SPLITS for sh in plan["shards"][s]]
     if report is not None:
