@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from compat.data.cache import sample_bytes
@@ -349,8 +349,7 @@ class ShardStream:
 
     def _walk(self) -> Iterator[_Item]:
         """The stream from :attr:`position` as undecoded (or cached) samples and markers, in order."""
-        pos = self.position
-        epoch, shard_index, offset, seen = pos.epoch, pos.shard_index, pos.sample_offset, pos.samples_seen
+        epoch, shard_index, offset, seen = astuple(self.position)
         while self.epochs is None or epoch < self.epochs:
             order = self.order(epoch)
             while shard_index < len(order):

@@ -33,11 +33,6 @@ def shade(rgb: RGB, factor: float) -> RGB:
     return tuple(int(c + (255 - c) * t) for c in rgb)  # type: ignore[return-value]
 
 
-def second_tone(rgb: RGB) -> RGB:
-    """The contrasting tone a two-tone texture pairs with ``rgb`` (darker if light, lighter if dark)."""
-    return shade(rgb, 0.72) if sum(rgb) > 380 else shade(rgb, 1.35)
-
-
 @lru_cache(maxsize=8)
 def _grid(res: int) -> tuple[np.ndarray, np.ndarray]:
     ys, xs = np.mgrid[0:res, 0:res].astype(np.float32)
@@ -58,7 +53,7 @@ def render_background(background: dict[str, Any], res: int) -> Image.Image:
     tone: RGB = tuple(background["rgb"])  # type: ignore[assignment]
     texture = background["texture"]
     p = background.get("params", {})
-    other = second_tone(tone)
+    other = shade(tone, 0.72) if sum(tone) > 380 else shade(tone, 1.35)  # the second tone: contrasting
     xs, ys = _grid(res)
     if texture == "plain":
         return Image.new("RGB", (res, res), tone)
