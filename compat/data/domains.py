@@ -400,11 +400,8 @@ def domain_for_phase(phase: int) -> Domain:
     if phase < n:
         return BASE_DOMAINS[phase]
     j = phase - n
-    cycle = j // n
-    k = BASE_DOMAINS[j % n]
-    c = BASE_DOMAINS[(j + 1 + cycle) % n]
-    b = BASE_DOMAINS[(j + 2 + 2 * cycle) % n]
-    s = BASE_DOMAINS[(j + 3 + 3 * cycle) % n]
+    # the kinds', colours', backgrounds' and styles' base domains: offsets 0, 1, 2, 3 (+ i per cycle of five)
+    k, c, b, s = (BASE_DOMAINS[(j + i + i * (j // n)) % n] for i in range(4))
     if c is k:
         c = BASE_DOMAINS[(j + 4) % n]
     return replace(

@@ -177,13 +177,8 @@ def iter_raw_samples(url: str, skip: int = 0) -> Iterator[RawSample]:
 
 def sample_keys(url: str) -> set[str]:
     """The sample keys of shard ``url`` (reads headers only, decodes nothing)."""
-    keys = set()
     try:
         with open_url(url) as stream, tarfile.open(fileobj=stream, mode="r|*") as tar:
-            for info in tar:
-                prefix = base_plus_ext(info.name)[0] if info.isreg() else None
-                if prefix is not None:
-                    keys.add(prefix)
+            return {base_plus_ext(info.name)[0] for info in tar if info.isreg()} - {None}
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise ShardError(f"shard {url} is malformed: {exc}") from exc
-    return keys
