@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from compat.data.images import read_image_file
-from compat.io import atomic_write, utc_now, write_json_atomic
+from compat.io import atomic_write, own_folder, utc_now, write_json_atomic
 from components.serving.record import DEFAULT_FACTORY, read_serving, write_serving
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,6 @@ def _count(client: Any, collection: str) -> int:
 
 def scratch(workspace: Any) -> Path:
     """The workspace's ``tmp`` folder, made without following a link (:func:`compat.io.own_folder`)."""
-    from compat.io import own_folder
-
     workspace.root.mkdir(parents=True, exist_ok=True)
     os.close(own_folder(workspace.root, workspace.tmp_dir.name))
     return workspace.tmp_dir
@@ -188,8 +186,7 @@ def read_sample(client: Any, source: Source, size: int, count: int, seed: int) -
         starts, per = [0], reach
     else:
         per = -(-size // 8)
-        rng = np.random.default_rng(seed)
-        starts = sorted({int(s) for s in rng.integers(0, reach - per + 1, size=8)})
+        starts = sorted({int(s) for s in np.random.default_rng(seed).integers(0, reach - per + 1, size=8)})
     rows: dict[Any, dict[str, Any]] = {}
     for start in starts:
         for row in client.query(
@@ -271,16 +268,6 @@ def _refuse_workspace_taken(workspace: Any, registry: Any) -> None:
         )
 
 
-def _refuse_alias_taken(target: Any) -> None:
-    """Ownership, before the first write: the alias the workspace would create is not someone's already."""
-    taken = target.serving_collection()
-    if taken is not None:
-        raise AdoptionRefused(
-            f"alias {target.alias!r} at {target.uri} already points at {taken!r}, which this workspace does "
-            "not serve: give the workspace another index.alias"
-        )
-
-
 def adopt(
     workspace: Any,
     source: Source,
@@ -326,11 +313,14 @@ def adopt(
         proof_s = time.monotonic() - started
         owner = deployment_owner(workspace, legacy=False)  # the copy is marked as this deployment's
         with GalleryIndex(workspace.index_uri, alias=workspace.index_alias, owner=owner) as target:
-            _refuse_alias_taken(target)
+            if (taken := target.serving_collection()) is not None:  # ownership, before the first write
+                raise AdoptionRefused(
+                    f"alias {target.alias!r} at {target.uri} already points at {taken!r}, which this "
+                    "workspace does not serve: give the workspace another index.alias"
+                )
             copy_started = time.monotonic()
-            sample_vectors = np.asarray([r[source.vector_field] for r in sample])
             collection, copied = copy_rows(
-                client, source, target, workspace, version, sample_vectors, page_size, seed
+                client, source, target, workspace, version, sample, page_size, seed
             )
             copy_s = time.monotonic() - copy_started
             registered = _register(registry, bundle, workspace, run_id, arch, weights, source, proof)
@@ -417,7 +407,7 @@ def copy_rows(
     target: Any,
     workspace: Any,
     version: str,
-    sample_vectors: np.ndarray,
+    sample: list[dict[str, Any]],
     page_size: int,
     seed: int,
 ) -> tuple[str, int]:
@@ -430,8 +420,9 @@ def copy_rows(
     from components.rollout.keys import save_centres
     from components.rollout.types import RolloutPaths
 
+    sample_vectors = unit(np.asarray([r[source.vector_field] for r in sample]))
     collection = target.create_collection(version, int(sample_vectors.shape[1]))
-    centres = fit_centres(unit(sample_vectors), seed=seed)
+    centres = fit_centres(sample_vectors, seed=seed)
     save_centres(RolloutPaths.for_workspace(workspace).centres(collection), centres)
     lineage = LineageStore.of(workspace)
     lineage.apply()

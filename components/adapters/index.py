@@ -17,8 +17,8 @@ its own whatever the marks say (a copied workspace carries its index along).
 ``uri`` is a milvus-lite directory (``.../gallery.db``; one process at a time), the URI of a
 ``milvus-lite server`` on 127.0.0.1 (several processes), or a Milvus server (2.3 or newer).
 
-Reads name their consistency (a server's default, Bounded, may miss the last seconds' writes; milvus-lite
-is always current):
+Every read names its consistency, the index's or a search's own (a server's default, Bounded, may miss the
+last seconds' writes; milvus-lite is always current):
 
 - ``SESSION`` (the default): the process reads its own writes. A collection it has not written yet is read
   ``STRONG`` the first time (a resumed process sees what the one before wrote), then as of that first read.
@@ -159,15 +159,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class GalleryIndex:
-    """Gallery collections behind a serving alias (see the module doc)."""
+class GalleryIndex(contextlib.AbstractContextManager["GalleryIndex"]):
+    """Gallery collections behind a serving alias (see the module doc); a ``with`` block closes it."""
 
     def __init__(
         self,
         uri: str | os.PathLike[str],
         alias: str = DEFAULT_ALIAS,
         *,
-        token: str | None = None,
         timeout: float | None = 60.0,
         consistency: str = SESSION,
         owner: Owner | None = None,
@@ -183,7 +182,6 @@ class GalleryIndex:
         self._loaded: set[str] = set()
         self._fields: dict[str, tuple[str, ...]] = {}
         self._caught_up: dict[str, float] = {}  # collection -> the time its first STRONG read was made
-        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
         self._local = None if is_remote(self.uri) else os.path.abspath(Path(self.uri).expanduser())
         if self._local:
             Path(self._local).parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +192,7 @@ class GalleryIndex:
         self._private = bool(home and self._local and Path(self._local).resolve().is_relative_to(home))
         loopback = self._local or urlparse(self.uri).hostname in ("127.0.0.1", "localhost", "::1")
         extra = {"grpc_options": dict(LITE_GRPC_OPTIONS)} if loopback else {}
+        token = os.environ.get(TOKEN_ENV, "")
         try:
             self.client = MilvusClient(uri=self.uri, token=token, timeout=timeout, **extra)
         except Exception as exc:  # pymilvus wraps milvus-lite's lock error in a generic one
@@ -217,8 +216,7 @@ class GalleryIndex:
         self.lite = self.server_version.startswith("milvus_lite")
 
     def _read_args(self, name: str, consistency: str | None, as_of: float | None = None) -> dict[str, Any]:
-        """The read's consistency arguments (see the module doc). A SESSION read of a collection this process
-        has not written is STRONG (on a server the first time only; later ones read as of that first one)."""
+        """The read's consistency arguments (see the module doc for SESSION's)."""
         if as_of is None:
             level = consistency or self.consistency
             if level not in CONSISTENCY_LEVELS:
@@ -252,9 +250,6 @@ class GalleryIndex:
 
                 server_manager_instance.release_server(self._local)
 
-    def __enter__(self) -> GalleryIndex:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -274,14 +269,7 @@ class GalleryIndex:
         return f"{base}{max((int(n) for n in suffixes if n.isdigit()), default=0) + 1}"
 
     def create_collection(
-        self,
-        space: str,
-        dim: int,
-        *,
-        name: str | None = None,
-        metric: str = "COSINE",
-        hnsw_m: int = 16,
-        ef_construction: int = 64,
+        self, space: str, dim: int, *, name: str | None = None, hnsw_m: int = 16, ef_construction: int = 64
     ) -> str:
         """Create a collection for ``space`` (dimension ``dim``) with an HNSW index on its vectors and a
         scalar index on ``order_key``; returns its name. ``ef_construction`` 64 builds at about half
@@ -291,8 +279,6 @@ class GalleryIndex:
 
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
-        if metric not in ("COSINE", "IP"):
-            raise ValueError(f"metric must be COSINE or IP (IP on L2-normalised vectors), got {metric!r}")
         name = name or self.next_collection_name(space)
         if self.client.has_collection(name):
             raise GalleryIndexError(f"collection {name!r} already exists at {self.uri}")
@@ -302,15 +288,13 @@ class GalleryIndex:
         for field in META_FIELDS:
             if field in _VARCHAR_LEN:
                 schema.add_field(field, DataType.VARCHAR, max_length=_VARCHAR_LEN[field])
-            elif field in _FLOAT_FIELDS:
-                schema.add_field(field, DataType.FLOAT)
             else:
-                schema.add_field(field, DataType.INT64)
+                schema.add_field(field, DataType.FLOAT if field in _FLOAT_FIELDS else DataType.INT64)
         index_params = self.client.prepare_index_params()
         index_params.add_index(
             field_name="vector",
             index_type="HNSW",
-            metric_type=metric,
+            metric_type="COSINE",
             params={"M": hnsw_m, "efConstruction": ef_construction},
         )
         # a stage's slices are order_key ranges: a scalar index makes each a lookup, not a scan of the column
@@ -326,7 +310,7 @@ class GalleryIndex:
         self._loaded.add(name)
         if self.owner is not None:
             self._claimed.add(name)
-        log.info("created gallery collection %s (space %s, dim %d, HNSW %s)", name, space, dim, metric)
+        log.info("created gallery collection %s (space %s, dim %d, HNSW COSINE)", name, space, dim)
         return name
 
     def has_collection(self, name: str) -> bool:
@@ -584,7 +568,6 @@ class GalleryIndex:
         k: int = 10,
         filter: str | None = None,
         collection: str | None = None,
-        ef: int | None = None,
         output_fields: Sequence[str] = (),
         consistency: str | None = None,
         as_of: float | None = None,
@@ -592,14 +575,14 @@ class GalleryIndex:
     ) -> list[list[Hit]]:
         """Top-``k`` hits per query row (cosine score), with the model version that wrote each vector and
         the ``output_fields`` of its row (in :attr:`Hit.fields`, e.g. ``source_uri``). ``as_of`` (a Unix
-        time) replaces ``consistency`` (see the module doc). ``ef``: HNSW's search breadth, 128 at least.
+        time) replaces ``consistency`` (see the module doc).
 
         ``layers`` (``[(collection, filter), ...]``, newest first) searches a gallery that a rollout is
         moving from one collection to another (:mod:`components.rollout.engine`): each layer with its own
         filter (and ``filter``), the hits merged by score, an item met in two layers kept from the newest.
         """
         if layers:
-            found, same = [], (ef, output_fields, consistency, as_of)
+            found, same = [], (output_fields, consistency, as_of)
             for i, (name, where) in enumerate(layers):
                 both = " and ".join(f"({x})" for x in (where, filter) if x) or None
                 found.append(self.search(query_vectors, 2 * k if i else k, both, name, *same))
@@ -610,7 +593,7 @@ class GalleryIndex:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         name = self.resolve(collection)
-        params = {"params": {"ef": max(int(ef or 0), k, 128)}}  # the recall of efConstruction 64
+        params = {"params": {"ef": max(k, 128)}}  # HNSW's search breadth: the recall of efConstruction 64
         result = self.client.search(
             name,
             data=q.tolist(),
@@ -624,12 +607,10 @@ class GalleryIndex:
         )
         return [[Hit.found(h["entity"], h["distance"], output_fields) for h in row] for row in result]
 
-    def _query(self, name: str, consistency: str | None, **query: Any) -> list[dict[str, Any]]:
-        return self.client.query(name, **query, **self._read_args(name, consistency), timeout=self.timeout)
+    def _query(self, name: str, **query: Any) -> list[dict[str, Any]]:
+        return self.client.query(name, **query, **self._read_args(name, None), timeout=self.timeout)
 
-    def _get(
-        self, name: str, ids: Sequence[str], fields: list[str], chunk: int, consistency: str | None
-    ) -> Iterator[dict[str, Any]]:
+    def _get(self, name: str, ids: Sequence[str], fields: list[str], chunk: int = 1000) -> Iterator[dict]:
         """The rows of ``ids`` that exist, a get by primary key per ``chunk`` of them."""
         ids = [str(i) for i in ids]
         for start in range(0, len(ids), chunk):
@@ -637,14 +618,14 @@ class GalleryIndex:
                 name,
                 ids=ids[start : start + chunk],
                 output_fields=fields,
-                **self._read_args(name, consistency),
+                **self._read_args(name, None),
                 timeout=self.timeout,
             )
 
-    def count(self, collection: str | None = None, filter: str = "", consistency: str | None = None) -> int:
+    def count(self, collection: str | None = None, filter: str = "") -> int:
         """Number of gallery rows (optionally matching ``filter``)."""
         name = self.resolve(collection)
-        return int(self._query(name, consistency, filter=filter, output_fields=["count(*)"])[0]["count(*)"])
+        return int(self._query(name, filter=filter, output_fields=["count(*)"])[0]["count(*)"])
 
     def iter_rows(
         self,
@@ -652,10 +633,9 @@ class GalleryIndex:
         collection: str | None = None,
         filter: str = "",
         batch_size: int = 2000,
-        consistency: str | None = None,
     ) -> Iterator[list[dict[str, Any]]]:
         """All rows (the given fields), in batches: milvus-lite (always current, unordered under a limit)
-        through the query iterator, a server in pages in primary-key order (``item_id > last``) at the given
+        through the query iterator, a server in pages in primary-key order (``item_id > last``) at the index's
         consistency (the iterator takes its snapshot time from the server, which Milvus 2.3 does not send:
         right after a write its client-side fallback returned nothing)."""
         name = self.resolve(collection)
@@ -670,7 +650,7 @@ class GalleryIndex:
         while True:
             after = f"item_id > {quote(last)}" if last is not None else ""
             where = " and ".join(f"({c})" for c in (filter, after) if c) or 'item_id != ""'
-            page = self._query(name, consistency, filter=where, output_fields=fields, limit=int(batch_size))
+            page = self._query(name, filter=where, output_fields=fields, limit=int(batch_size))
             if not page:
                 return
             keys = [str(r["item_id"]) for r in page]
@@ -684,9 +664,7 @@ class GalleryIndex:
                 return
             last = keys[-1]
 
-    def count_by_version(
-        self, collection: str | None = None, consistency: str | None = None
-    ) -> dict[str, int]:
+    def count_by_version(self, collection: str | None = None) -> dict[str, int]:
         """Rows per model version (sums to :meth:`count`) by count queries, one more query finding each
         version not counted yet: the cost grows with the number of versions, not of rows."""
         name = self.resolve(collection)
@@ -694,11 +672,11 @@ class GalleryIndex:
         while True:
             counted = ", ".join(quote(v) for v in counts)
             where = f"model_version not in [{counted}]" if counts else 'item_id != ""'
-            found = self._query(name, consistency, filter=where, output_fields=["model_version"], limit=1)
+            found = self._query(name, filter=where, output_fields=["model_version"], limit=1)
             if not found:
                 return dict(sorted(counts.items()))
             version = str(found[0]["model_version"])
-            counts[version] = self.count(name, f"model_version == {quote(version)}", consistency=consistency)
+            counts[version] = self.count(name, f"model_version == {quote(version)}")
 
     def rows_where(
         self,
@@ -706,38 +684,23 @@ class GalleryIndex:
         fields: Sequence[str] = ROW_FIELDS,
         collection: str | None = None,
         limit: int = 1000,
-        consistency: str | None = None,
     ) -> list[dict[str, Any]]:
         """Up to ``limit`` rows matching ``filter`` (the caller rewrites them so that they stop matching, and
         asks again until none is left: a bounded read of a set that shrinks)."""
         name = self.resolve(collection)
-        rows = self._query(
-            name, consistency, filter=filter, output_fields=self._readable(name, fields), limit=int(limit)
-        )
+        rows = self._query(name, filter=filter, output_fields=self._readable(name, fields), limit=int(limit))
         return self._completed(rows, fields)
 
-    def existing_ids(
-        self,
-        ids: Sequence[str],
-        collection: str | None = None,
-        chunk: int = 1000,
-        consistency: str | None = None,
-    ) -> set[str]:
-        """Those of ``ids`` the collection holds (a get by primary key per ``chunk``; bounded by ``ids``)."""
+    def existing_ids(self, ids: Sequence[str], collection: str | None = None) -> set[str]:
+        """Those of ``ids`` the collection holds (gets by primary key: bounded by ``ids``)."""
         name = self.resolve(collection)
-        return {str(r["item_id"]) for r in self._get(name, ids, ["item_id"], chunk, consistency)}
+        return {str(r["item_id"]) for r in self._get(name, ids, ["item_id"])}
 
-    def fetch(
-        self,
-        ids: Sequence[str],
-        collection: str | None = None,
-        chunk: int = 1000,
-        consistency: str | None = None,
-    ) -> list[dict[str, Any]]:
+    def fetch(self, ids: Sequence[str], collection: str | None = None) -> list[dict[str, Any]]:
         """Complete rows (vector included) of ``ids`` that exist, in the order of ``ids``."""
         name = self.resolve(collection)
         fields = self._readable(name, ROW_FIELDS)
-        rows = [{f: r[f] for f in fields} for r in self._get(name, ids, fields, chunk, consistency)]
+        rows = [{f: r[f] for f in fields} for r in self._get(name, ids, fields)]
         found = {str(row["item_id"]): row for row in self._completed(rows, ROW_FIELDS)}
         return [found[i] for i in map(str, ids) if i in found]
 
@@ -797,7 +760,6 @@ def make_rows(
     rollout_id: str = "",
     dim: int | None = None,
     centres: np.ndarray | None = None,
-    backfill_stage: int = 0,
 ) -> list[dict[str, Any]]:
     """Gallery rows for :meth:`GalleryIndex.upsert`, validating shapes and values, with their order keys
     (against the space's ``centres``: :mod:`components.rollout.keys`)."""
@@ -844,7 +806,7 @@ def make_rows(
             "order_key": int(keys[j]),
             "key_lambda_orth": float(scores["key_lambda_orth"][j]),
             "key_uncertainty": float(scores["key_uncertainty"][j]),
-            "backfill_stage": int(backfill_stage),
+            "backfill_stage": 0,
         }
         for j, i in enumerate(ids)
     ]

@@ -35,7 +35,6 @@ _COLUMN_TYPES = {
 ITEM_COLUMNS = tuple(_COLUMN_TYPES)
 REQUIRED = ("item_id", "model_version", "space_id")
 _CARRIED = ("caption", "image_uri", "domain")  # what a sync keeps from an item's lineage
-_SYNC_FEATURES = ("model_version", "space_id", *_CARRIED)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -67,7 +66,7 @@ class LineageStore:
 
     @property
     def store(self) -> Any:
-        """The ``feast.FeatureStore`` of this repo (the repo must have been scaffolded)."""
+        """The ``feast.FeatureStore`` of this repo (made by :meth:`apply`)."""
         if self._store is None:
             if not (self.repo_dir / "feature_store.yaml").is_file():
                 raise LineageError(
@@ -78,11 +77,12 @@ class LineageStore:
             self._store = FeatureStore(repo_path=str(self.repo_dir))
         return self._store
 
-    def scaffold(self) -> None:
-        """Make the repo: without a definition, copy the template's ``feature_store.yaml`` and ``items.py``
-        when missing (never overwrites); with one, copy its files (``items.py``: the template's when it has
-        none) whenever they differ, reading the definition only."""
-        from components.adapters.feature_repo import REPO_FILES, REPO_TEMPLATE_DIR
+    def apply(self) -> None:
+        """Make the repo and register the entity and feature view (idempotent). Without a definition, the
+        template's ``feature_store.yaml`` and ``items.py`` are copied when missing (never overwritten); with
+        one, its files (``items.py``: the template's when it has none) whenever they differ, reading the
+        definition only."""
+        from components.adapters.feature_repo import REPO_FILES, REPO_TEMPLATE_DIR, items
 
         self.repo_dir.mkdir(parents=True, exist_ok=True)
         if self.definition is None:
@@ -103,12 +103,6 @@ class LineageStore:
                 )
         (self.repo_dir / "data").mkdir(exist_ok=True)
         self.items_dir.mkdir(parents=True, exist_ok=True)
-
-    def apply(self) -> None:
-        """Scaffold the repo and register the entity and feature view (idempotent)."""
-        from components.adapters.feature_repo import items
-
-        self.scaffold()
         self.store.apply([items.item, items.items_push, items.gallery_items])
         log.info("feast repo %s applied (feature view %s)", self.repo_dir, items.ITEMS_VIEW)
 
@@ -116,14 +110,14 @@ class LineageStore:
         """Record item vectors written by a model (a DataFrame or mappings of :data:`ITEM_COLUMNS`, the
         :data:`REQUIRED` ones given, ``embedded_at`` default now): append offline, upsert online; returns the
         row count. The newest row per item wins."""
+        from feast.data_source import PushMode
+
         from components.adapters.feature_repo import items as defs
 
         frame = _normalise(items)
         if frame.empty:
             return 0
         self.items_dir.mkdir(parents=True, exist_ok=True)
-        from feast.data_source import PushMode
-
         _write_part(frame, self.items_dir)  # offline: one append-only part (Feast's file store rewrites)
         self.store.push(defs.ITEMS_PUSH, frame, to=PushMode.ONLINE)
         log.info(
@@ -138,39 +132,26 @@ class LineageStore:
         written = 0
         for rows in _chunks(index_rows, batch_size):
             changed = []
-            for row, known, agrees in self._compared(rows, _SYNC_FEATURES):
+            for row, known, agrees in self._compared(rows, ("model_version", "space_id", *_CARRIED)):
                 if agrees:
                     continue
-                carried = {name: known[name] for name in _CARRIED}
+                item = {name: known[name] for name in _CARRIED} | {name: row[name] for name in REQUIRED}
                 if known["model_version"] is None:  # not in the lineage yet: the index's own source
-                    carried["image_uri"] = row.get("source_uri")
-                changed.append(
-                    {
-                        "item_id": str(row["item_id"]),
-                        "model_version": str(row["model_version"]),
-                        "space_id": str(row["space_id"]),
-                        "embedded_at": _EPOCH + timedelta(milliseconds=int(row["embedded_at"])),
-                        "phase": row.get("phase"),
-                        **carried,
-                    }
-                )
+                    item["image_uri"] = row.get("source_uri")
+                embedded_at = _EPOCH + timedelta(milliseconds=int(row["embedded_at"]))
+                changed.append({**item, "embedded_at": embedded_at, "phase": row.get("phase")})
             written += self.write_items(changed)
         return written
 
     def _compared(
-        self, rows: list[Mapping[str, Any]], names: Iterable[str]
+        self, rows: list[Mapping[str, Any]], names: tuple[str, ...]
     ) -> Iterator[tuple[Mapping[str, Any], dict[str, Any], bool]]:
         """Each index row of a batch with its online lineage (``names``, one keyed read for the batch) and
         whether the two name the same model version and space."""
-        names = tuple(names)
         known = self._online([str(row["item_id"]) for row in rows], names)
         for position, row in enumerate(rows):
             had = {name: known[name][position] for name in names}
-            agrees = (had["model_version"], had["space_id"]) == (
-                str(row["model_version"]),
-                str(row["space_id"]),
-            )
-            yield row, had, agrees
+            yield row, had, all(had[f] == str(row[f]) for f in ("model_version", "space_id"))
 
     def _online(self, item_ids: list[str], names: Iterable[str]) -> dict[str, list[Any]]:
         """``{feature: [value per id]}`` from the online store (``None`` where an item has none)."""
@@ -188,9 +169,7 @@ class LineageStore:
         """Whether the online lineage of every indexed item names the model version and space its index row
         does, streamed in batches: items per model version in the index and in their lineage (``"none"``: an
         item it lacks), the count that disagree, up to five of their ids, and ``agree``."""
-        index: Counter[str] = Counter()
-        lineage: Counter[str] = Counter()
-        disagreeing, examples = 0, []
+        index, lineage, disagreeing, examples = Counter[str](), Counter[str](), 0, []
         for rows in _chunks(index_rows, batch_size):
             for row, known, agrees in self._compared(rows, ("model_version", "space_id")):
                 index[str(row["model_version"])] += 1
@@ -207,12 +186,10 @@ class LineageStore:
 
         ids = [str(i) for i in item_ids]
         known = self._online(ids, defs.FEATURE_NAMES)
-        rows = []
-        for position, item_id in enumerate(ids):
-            row = {"item_id": item_id, **{name: known[name][position] for name in defs.FEATURE_NAMES}}
+        rows = [{"item_id": i, **{name: known[name][p] for name in known}} for p, i in enumerate(ids)]
+        for row in rows:
             if isinstance(row["embedded_at"], int):  # (online rows from before it was an int: datetimes)
                 row["embedded_at"] = _EPOCH + timedelta(microseconds=row["embedded_at"])
-            rows.append(row)
         return rows
 
     def has_items(self) -> bool:
@@ -288,13 +265,11 @@ def _read_slices(work: str, repo: str, definition: Any, uri: str, alias: str, fi
         return getattr(store, work)(chain.from_iterable(index_rows(index, filter=f) for f in filters))
 
 
-def index_rows(
-    index: Any, batch_size: int = 2000, collection: str | None = None, filter: str = ""
-) -> Iterator[dict[str, Any]]:
+def index_rows(index: Any, collection: str | None = None, filter: str = "") -> Iterator[dict[str, Any]]:
     """The rows of ``collection`` (default: the one ``index`` serves) that match ``filter``, with the fields
     lineage compares, read in batches."""
     fields = ("model_version", "space_id", "embedded_at", "phase", "source_uri")
-    for batch in index.iter_rows(fields, collection, filter, batch_size=batch_size):
+    for batch in index.iter_rows(fields, collection, filter):
         yield from batch
 
 

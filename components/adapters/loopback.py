@@ -3,6 +3,7 @@ server``): waiting until one is ready, or saying why it is not, and stopping it.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ class ServerStartError(RuntimeError):
 
 
 @dataclass
-class LoopbackServer:
+class LoopbackServer(contextlib.AbstractContextManager["LoopbackServer"]):
     """A server process listening on 127.0.0.1:``port``, its output in ``data_dir/server.log``; a ``with``
     block stops it at its end."""
 
@@ -50,9 +51,6 @@ class LoopbackServer:
                 self._signal(signal.SIGKILL)
                 self.process.wait()
         return int(self.process.returncode)
-
-    def __enter__(self) -> LoopbackServer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

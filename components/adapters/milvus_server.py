@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from compat.io import free_loopback_port
 from components.adapters.loopback import LoopbackServer, ServerStartError, launch, wait_until_ready
 
 CLONE_NEWNET = 0x40000000
@@ -107,28 +108,22 @@ def _write_config(data_dir: Path, graceful_stop_s: int) -> tuple[int, int]:
     config.resolve()  # picks the first free port from each default and writes the file
     health, sock = config.resolve_port(9091)
     sock.close()
-    _embedded_etcd_on_free_ports(data_dir / "configs")
-    # A standalone query node has no peer to hand its segments to: waiting for one (30 s by default) runs
-    # past common.gracefulStopTimeout, and Milvus then force-quits (a panic) without revoking its etcd
-    # sessions, which a restart on this folder must wait out.
-    _add_keys(data_dir / "configs" / "milvus.yaml", "queryNode", ["gracefulStopTimeout: 0"])
-    return int(config.get("proxy_port")), int(health)
-
-
-def _embedded_etcd_on_free_ports(configs: Path) -> None:
-    """Give the embedded etcd its own loopback ports (``etcd.config.path``): by default it listens on 2379 and
-    2380 whatever ``milvus.yaml`` says, so a second server on this machine would fail to start."""
-    from compat.io import free_loopback_port
-
+    # the embedded etcd gets its own loopback ports (``etcd.config.path``): by default it listens on 2379 and
+    # 2380 whatever ``milvus.yaml`` says, so a second server on this machine would fail to start
     client, peer = (f"http://127.0.0.1:{free_loopback_port()}" for _ in range(2))
-    etcd = configs / "embedEtcd.yaml"
+    etcd = data_dir / "configs" / "embedEtcd.yaml"
     etcd.write_text(
         "name: default\n"
         f"listen-client-urls: {client}\nadvertise-client-urls: {client}\n"
         f"listen-peer-urls: {peer}\ninitial-advertise-peer-urls: {peer}\n"
         f"initial-cluster: default={peer}\n"
     )
-    _add_keys(configs / "milvus.yaml", "etcd", ["config:", f"  path: {etcd}"])
+    _add_keys(data_dir / "configs" / "milvus.yaml", "etcd", ["config:", f"  path: {etcd}"])
+    # A standalone query node has no peer to hand its segments to: waiting for one (30 s by default) runs
+    # past common.gracefulStopTimeout, and Milvus then force-quits (a panic) without revoking its etcd
+    # sessions, which a restart on this folder must wait out.
+    _add_keys(data_dir / "configs" / "milvus.yaml", "queryNode", ["gracefulStopTimeout: 0"])
+    return int(config.get("proxy_port")), int(health)
 
 
 def _add_keys(milvus_yaml: Path, section: str, lines: list[str]) -> None:
@@ -172,7 +167,6 @@ def start(
     *,
     bin_dir: str | os.PathLike[str] | None = None,
     graceful_stop_s: int = 10,
-    wait_s: float = 180,
 ) -> MilvusStandalone:
     """Start Milvus standalone with its data under ``data_dir`` and wait until it is healthy; a ``with``
     block stops it at its end.
@@ -187,10 +181,9 @@ def start(
             "serve-milvus` creates one, or run inside `unshare --net sh -c 'ip link set lo up; ...'`"
         )
     data = Path(data_dir).expanduser().resolve()
-    data.mkdir(parents=True, exist_ok=True)
+    (data / "logs").mkdir(parents=True, exist_ok=True)
     exe = unpack_binaries(Path(bin_dir).expanduser().resolve() if bin_dir else data)
     port, health = _write_config(data, graceful_stop_s)
-    (data / "logs").mkdir(exist_ok=True)
     env = {
         **os.environ,
         "DEPLOY_MODE": "STANDALONE",
@@ -202,5 +195,5 @@ def start(
     argv, log = [str(exe), "run", "standalone"], data / "logs" / "milvus-stdout.log"
     process = launch(argv, log, cwd=data, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     server = MilvusStandalone(data, process, port, health, graceful_stop_s)
-    wait_until_ready(server, server.healthy, name="Milvus standalone", wait_s=wait_s, error=MilvusServerError)
+    wait_until_ready(server, server.healthy, name="Milvus standalone", wait_s=180, error=MilvusServerError)
     return server

@@ -17,15 +17,12 @@ class MlflowServerError(ServerStartError):
     """The server did not start; the message carries its log's tail."""
 
 
-def start(
-    data_dir: str | os.PathLike[str], *, port: int | None = None, wait_s: float = 120
-) -> LoopbackServer:
-    """Start ``mlflow server`` on 127.0.0.1 (a free port unless ``port``) with its store under ``data_dir``
-    and wait until it accepts connections; a ``with`` block stops it at its end."""
-    data = Path(data_dir).resolve()
-    port = port or free_loopback_port()
+def start(data_dir: str | os.PathLike[str]) -> LoopbackServer:
+    """Start ``mlflow server`` on a free 127.0.0.1 port with its store under ``data_dir`` and wait until it
+    accepts connections; a ``with`` block stops it at its end."""
+    data, port = Path(data_dir).resolve(), free_loopback_port()
     mlflow = str(Path(sys.executable).with_name("mlflow"))
     argv = [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     argv += ["--backend-store-uri", f"sqlite:///{data / 'backend.db'}"]
     argv += ["--artifacts-destination", str(data / "artifacts")]
-    return start_server(argv, data, port, name="mlflow server", wait_s=wait_s, error=MlflowServerError)
+    return start_server(argv, data, port, name="mlflow server", error=MlflowServerError)
