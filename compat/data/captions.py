@@ -29,10 +29,6 @@ def join_and(items: list[str]) -> str:
     return ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def _count_phrase(n: int, singular: str, plural: str) -> str:
-    return f"{COUNT_WORDS[n] if n < len(COUNT_WORDS) else n} {singular if n == 1 else plural}"
-
-
 def scene_captions(scene: dict[str, Any], domain: Domain) -> list[str]:
     """The five paraphrases of ``scene`` in template order (template 0 is the most explicit)."""
     kinds = {k.names[0]: k for k in domain.kinds}
@@ -41,7 +37,8 @@ def scene_captions(scene: dict[str, Any], domain: Domain) -> list[str]:
     tex, tone = bg["name"], bg["tone"]
     objs = scene["objects"]
     n = len(objs)
-    collective = _count_phrase(n, *domain.collective)
+    count = COUNT_WORDS[n] if n < len(COUNT_WORDS) else n
+    collective = f"{count} {domain.collective[0] if n == 1 else domain.collective[1]}"
 
     def full(o: dict[str, Any]) -> str:
         return f"{o['size']} {o['colour']} {o['kind']}"

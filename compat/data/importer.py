@@ -947,7 +947,6 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
     items_of = {s: [i for sh in plan["shards"][s] for i in sh["items"]] for s in SPLITS}
     counts = {s: len(of_split) for s, of_split in items_of.items()}
     caption_counts = {s: sum(len(i["captions"]) for i in of_split) for s, of_split in items_of.items()}
-    by_reason = Counter(r["reason"] for r in plan["refused"])
     items = [i for of_split in items_of.values() for i in of_split]
     converted = sum(1 for i in items if i["format"] not in KEPT_FORMATS and not i.get("resize"))
     originals = {s: [f"{ORIGINALS}/{sh['path']}" for sh in plan["shards"][s]] for s in SPLITS}
@@ -971,7 +970,7 @@ def _report(src: Path, plan: dict[str, Any]) -> dict[str, Any]:
         "duplicate_files": plan["duplicates"],
         **({"in_stream": len(in_stream), "in_stream_files": in_stream} if in_stream is not None else {}),
         "refused": len(plan["refused"]),
-        "refused_by_reason": dict(sorted(by_reason.items())),
+        "refused_by_reason": dict(sorted(Counter(r["reason"] for r in plan["refused"]).items())),
         "refused_files": plan["refused"],
         "plan_sha256": plan["digest"],
     }

@@ -289,9 +289,7 @@ class ShardStream:
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
         if workers < 0 or chunk < 1:
-            raise ValueError(
-                f"loader workers must be >= 0 and chunk >= 1, got workers={workers}, chunk={chunk}"
-            )
+            raise ValueError(f"loader workers must be >= 0 and chunk >= 1, got {workers=!s}, {chunk=!s}")
         self.shuffle_shards, self.seed, self.epochs = shuffle_shards, seed, epochs
         self.cache, self.workers, self.chunk = cache, workers, chunk
         if isinstance(position, dict):
