@@ -1081,13 +1081,10 @@ def _import(
             "give a new --out folder or delete this one"
         )
     folders = [out / s for s in SPLITS] + [out / ORIGINALS / s for s in SPLITS]
-    if pending is not None and pending.get("digest") != plan["digest"]:
+    if restart := pending is not None and pending.get("digest") != plan["digest"]:
         log.warning("%s: the source or settings changed since the import started; starting over", out)
-        for folder in folders:
-            for tar in folder.glob("*.tar"):
-                tar.unlink()
-    for folder in folders:
-        for stale in folder.glob(".*.tmp"):  # temporary files of a killed write
+    for folder in folders:  # temporary files of a killed write, and the shards of another plan
+        for stale in [*folder.glob(".*.tmp"), *(folder.glob("*.tar") if restart else ())]:
             stale.unlink()
     write_json_atomic(out / PENDING, {"digest": plan["digest"], "settings": plan["settings"]})
 

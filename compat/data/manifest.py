@@ -296,8 +296,12 @@ def _append_locked(
     manifest = load_manifest(root) if path.is_file() else {"format": FORMAT, "version": VERSION, "phases": []}
     phase = len(manifest["phases"])
     name = f"phase-{phase:02d}"
-    if in_place:
-        listed = {split: [_relative_or_absolute(u, root) for u in urls[split]] for split in SPLITS}
+    if in_place:  # relative to the stream folder when they lie in it
+        here = root.resolve()
+        listed = {
+            s: [Path(u).relative_to(here).as_posix() if Path(u).is_relative_to(here) else u for u in urls[s]]
+            for s in SPLITS
+        }
     else:
         final = root / name
         if final.exists():  # a phase folder the manifest does not list: left by an add that was killed
@@ -324,13 +328,6 @@ def _append_locked(
     check_manifest(updated, path)
     write_json_atomic(path, updated)
     return entry
-
-
-def _relative_or_absolute(url: str, root: Path) -> str:
-    try:
-        return Path(url).relative_to(root.resolve()).as_posix()
-    except ValueError:
-        return url
 
 
 def _copy_without(src: Path, dst: Path, skip: set[str]) -> bool:
