@@ -34,11 +34,8 @@ def sample_captions(members: dict[str, bytes]) -> list[str]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             meta = {}
         if isinstance(meta, dict):
-            if (
-                isinstance(caps := meta.get("captions"), list)
-                and caps
-                and all(isinstance(c, str) for c in caps)
-            ):
+            caps = meta.get("captions")
+            if isinstance(caps, list) and caps and all(isinstance(c, str) for c in caps):
                 return list(caps)
             if isinstance(meta.get("caption"), str) and meta["caption"]:
                 return [meta["caption"]]
