@@ -363,7 +363,6 @@ def _json_array_items(text: str, key: str, where: Path, decoder: json.JSONDecode
     Karpathy file is 140 MB of text, several GB as one decoded tree)."""
 
     def expect(i: int, chars: str, what: str) -> tuple[str, int]:
-        """The mark among ``chars`` after the blanks at ``i``, and where the next value starts."""
         i = _JSON_SPACE.match(text, i).end()  # type: ignore[union-attr]  # the pattern matches ""
         if i >= len(text) or text[i] not in chars:
             found = repr(text[i]) if i < len(text) else "the end of the file"
@@ -607,8 +606,7 @@ class _Place:
         return real
 
     def read(self, path: Path, limit: int, what: str, reason: str) -> tuple[Path, bytes | None]:
-        """The real path of ``path`` once checked and its bytes (:func:`read_regular`); ``_Refused`` with
-        ``reason`` when it cannot be read."""
+        """:meth:`check`, then :func:`read_regular`; an unreadable file is refused with ``reason``."""
         real = self.check(path, what)
         try:
             return real, read_regular(real, limit, what)
