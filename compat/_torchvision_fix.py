@@ -48,8 +48,7 @@ class _ExistingModuleLoader(importlib.abc.Loader):
     """Hands the import system a module that :func:`import_torchvision` already loaded."""
 
     def __init__(self, module: ModuleType) -> None:
-        self._module = module
-        self._original_spec = module.__spec__
+        self._module, self._original_spec = module, module.__spec__
 
     def create_module(self, spec: Any) -> ModuleType:
         return self._module

@@ -33,9 +33,7 @@ def _check_pair(image: torch.Tensor, text: torch.Tensor, what: str) -> None:
 
 
 def _check_normalised(x: torch.Tensor, what: str) -> None:
-    with torch.no_grad():
-        norms = x.detach().float().norm(dim=-1)
-        worst = (norms - 1).abs().max().item()
+    worst = (x.detach().float().norm(dim=-1) - 1).abs().max().item()
     if not worst <= _NORM_TOLERANCE:  # also catches NaN
         raise ValueError(
             f"{what}: rows must be L2-normalised (largest |norm - 1| = {worst:.3g}); "

@@ -26,6 +26,7 @@ until the next scheduled rollout rolls it back (``components.steps.gallery``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,8 +75,6 @@ def backbone_path(path: str | Path) -> Path:
 def identity(path: str | Path) -> dict[str, str]:
     """``{version, sha256, method}`` of a model directory: the query model version it serves, the sha256
     of the file that pins every byte of it (sidecar weights hash, or ``compat.json``), its method."""
-    import json
-
     from compat.methods.contract import COMPAT_FILE
     from compat.models import read_sidecar
     from compat.models.checkpoint import sha256_file
@@ -98,11 +97,9 @@ def load_encoder(path: str | Path, device: Any = "cpu") -> ClipBundle | CompatMo
     from compat.models import load_checkpoint
 
     root = model_root(path)
-    return (
-        load_compat_model(root, device=device)
-        if model_kind(root) == "compat"
-        else load_checkpoint(root, device=device)
-    )
+    if model_kind(root) == "compat":
+        return load_compat_model(root, device=device)
+    return load_checkpoint(root, device=device)
 
 
 def space_id_of(path: str | Path, encoder: ClipBundle | CompatModel | None = None) -> str:
@@ -113,8 +110,6 @@ def space_id_of(path: str | Path, encoder: ClipBundle | CompatModel | None = Non
         if isinstance(encoder, CompatModel):
             return encoder.contract.space_id
     if model_kind(path) == "compat":
-        import json
-
         from compat.methods.contract import COMPAT_FILE
 
         return str(json.loads((model_root(path) / COMPAT_FILE).read_text())["contract"]["space_id"])

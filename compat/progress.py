@@ -43,15 +43,10 @@ def mode() -> str:
         log.warning("%s=%r is not one of %s; using auto", MODE_ENV, chosen, ", ".join(MODES))
         chosen = "auto"
     if chosen == "auto":
-        return "bar" if _isatty(sys.stderr) else "plain"
+        with contextlib.suppress(AttributeError, ValueError):  # a replaced or closed stderr is no terminal
+            return "bar" if sys.stderr.isatty() else "plain"
+        return "plain"
     return chosen
-
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
 
 
 def _every_s() -> float:

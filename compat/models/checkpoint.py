@@ -177,7 +177,6 @@ def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> ClipBu
     CheckpointError or ChecksumError with the file named.
     """
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     sidecar_path = _sidecar_path(path)
     doc = read_sidecar(sidecar_path)
@@ -185,7 +184,7 @@ def load_checkpoint(path: Path, *, device: str | torch.device = "cpu") -> ClipBu
     try:
         with safe_open(str(weights), framework="pt") as fh:
             meta = fh.metadata() or {}
-        state_dict = load_file(str(weights), device="cpu")
+            state_dict = {name: fh.get_tensor(name) for name in fh.keys()}
     except Exception as exc:  # safetensors raises its own SafetensorError for malformed files
         raise CheckpointError(f"{weights}: not a readable safetensors file ({exc})") from exc
     if meta.get("config_name") != doc["config_name"]:

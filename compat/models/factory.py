@@ -279,10 +279,9 @@ def _build(
         # open_clip's training transform is a random crop whatever the mode; a model that keeps whole images
         # (longest, squash) trains on the geometry it is served with.
         preprocess_train = preprocess_eval
-    model = model.to(device)
     image_size = config["vision_cfg"]["image_size"]
     return ClipBundle(
-        model=model,
+        model=model.to(device),
         config_name=config_name,
         embed_dim=int(config["embed_dim"]),
         image_size=int(image_size if isinstance(image_size, int) else image_size[0]),

@@ -24,12 +24,8 @@ class CheckpointIntegrityError(ValueError):
 
 def file_manifest(directory: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``directory`` (the manifest itself excluded)."""
-    manifest = {}
-    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel != MANIFEST:
-            manifest[rel] = sha256_file(path)
-    return manifest
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file() and p != Path(directory) / MANIFEST)
+    return {p.relative_to(directory).as_posix(): sha256_file(p) for p in files}
 
 
 def manifest_digest(manifest: Mapping[str, str]) -> str:

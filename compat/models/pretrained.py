@@ -14,6 +14,8 @@ folder may also hold tags of its own (a team's weights under a name of theirs).
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,9 +172,6 @@ def fetch(arch: str, tag: str, weights_dir: str | os.PathLike[str]) -> Path:
             f"open_clip has no Hugging Face pretrained tag {tag!r} for {arch!r}; "
             f"known: {', '.join(list_pretrained_tags_by_model(arch)) or 'none'}"
         )
-    import shutil
-    import uuid
-
     folder = Path(weights_dir).expanduser() / arch / tag
     repo, candidates = hub_files(cfg)
     # Downloaded beside its place and renamed into it: a folder under <ARCH>/<TAG> always holds the weights.

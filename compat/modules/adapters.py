@@ -62,8 +62,7 @@ class AdapterHandle:
     """The inserted adapters (one per block, in block order); :meth:`remove` undoes the insertion."""
 
     def __init__(self, blocks: list[nn.Module], adapters: list[TiedAdapter]) -> None:
-        self.blocks = blocks
-        self.adapters = adapters
+        self.blocks, self.adapters = blocks, adapters
         self._hooks = [
             block.mlp.register_forward_hook(adapter._hook)
             for block, adapter in zip(blocks, adapters, strict=True)

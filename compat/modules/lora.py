@@ -95,8 +95,7 @@ class LoraHandle:
             raise ValueError("LoRA needs at least one target module")
         if hasattr(model, "peft_config"):
             raise ValueError("this model already carries peft adapters; remove them first")
-        self.model = model
-        self.targets = list(targets)
+        self.model, self.targets = model, list(targets)
         self._flags = {n: p.requires_grad for n, p in model.named_parameters()}
         config = LoraConfig(
             r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=self.targets, bias="none"
@@ -123,8 +122,7 @@ class LoraHandle:
             return self.model
         self._tuner.unload()
         self._tuner = None
-        if "peft_config" in self.model.__dict__:
-            del self.model.__dict__["peft_config"]
+        self.model.__dict__.pop("peft_config", None)
         for name, param in self.model.named_parameters():
             if name in self._flags:
                 param.requires_grad_(self._flags[name])

@@ -37,9 +37,7 @@ class ProjectedCLIP(nn.Module):
         normalize_inputs: bool = True,
     ) -> None:
         super().__init__()
-        self.clip = clip
-        self.image_head = image_head
-        self.text_head = text_head
+        self.clip, self.image_head, self.text_head = clip, image_head, text_head
         self.normalize_inputs = normalize_inputs
 
     def _head(self, head: nn.Module, features: torch.Tensor, normalize: bool) -> torch.Tensor:

@@ -49,8 +49,7 @@ class PromptHandle:
     """The inserted prompts and the hooks that apply them; :meth:`remove` undoes the insertion."""
 
     def __init__(self, visual: nn.Module, prompts: VisualPrompts) -> None:
-        self.visual = visual
-        self.prompts = prompts
+        self.visual, self.prompts = visual, prompts
         transformer = visual.transformer
         self._hooks = [
             transformer.register_forward_pre_hook(self._pre_hook, with_kwargs=True),

@@ -77,8 +77,7 @@ def init_distributed(backend: str | None = None, init_method: str | None = None)
                 "MASTER_PORT is unset: launch with torchrun, set MASTER_ADDR/MASTER_PORT, "
                 "or set COMPATFLOW_DIST_INIT=file:///shared/path"
             )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     dist.init_process_group(

@@ -184,8 +184,7 @@ class TrainingSettings:
     def from_section(cls, training: Any, **fields: Any) -> TrainingSettings:
         """The settings the ``training`` section names (:data:`SECTION_FIELDS`), then ``fields`` (the
         trainer's own and any a caller overrides); the section's ``alpha`` is carried for ``modx`` only."""
-        settings = {setting: getattr(training, key) for key, setting in SECTION_FIELDS.items()}
-        settings.update(fields)
+        settings = {setting: getattr(training, key) for key, setting in SECTION_FIELDS.items()} | fields
         if settings["method"] != "modx" and "alpha" not in fields:
             settings["alpha"] = None
         return cls(**settings)

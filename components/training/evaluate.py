@@ -57,7 +57,7 @@ def evaluate(
     from compat.methods.model import CompatModel
     from compat.methods.none import independent_model
     from compat.models import load_checkpoint
-    from compat.production import load_encoder, space_id_of
+    from compat.production import identity, load_encoder, space_id_of
     from schemas import validate
 
     dev = resolve_device(device)
@@ -66,11 +66,8 @@ def evaluate(
     candidate = load_encoder(new, device=dev)
     if not isinstance(candidate, CompatModel):
         from compat.methods.config import MethodConfig
-        from compat.models import read_sidecar
 
-        config = MethodConfig(
-            version=str(read_sidecar(Path(new))["version"]), old_space_id=space_id_of(old, old_model)
-        )
+        config = MethodConfig(version=identity(new)["version"], old_space_id=space_id_of(old, old_model))
         candidate = independent_model(candidate, int(old_model.embed_dim), config)
     ind = load_checkpoint(Path(independent), device=dev) if independent is not None else None
     # images decoded no larger than the largest model input (a big picture never decoded whole)
