@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
+
 log = logging.getLogger(__name__)
 
-DATA_DIR = "data"
 CHECKPOINT_DIR = "checkpoint"  # the model files inside the MLflow model: data/checkpoint
-FILES = f"{DATA_DIR}/{CHECKPOINT_DIR}"
+FILES = f"data/{CHECKPOINT_DIR}"
 MLMODEL = "MLmodel"
-EXAMPLE_TEXT = "a red circle on a striped background"
 
 
 class EmbeddingModel:
@@ -37,7 +37,6 @@ class EmbeddingModel:
     def predict(self, model_input: Any, params: dict[str, Any] | None = None) -> Any:
         """One embedding per row (float32 [n, dim]); see the module docstring for the input."""
         import numpy as np
-        import pandas as pd
 
         frame = _as_frame(model_input)
         if "text" not in frame and "image" not in frame:
@@ -45,31 +44,29 @@ class EmbeddingModel:
                 f"the input has no 'text' or 'image' column (columns: {list(frame.columns)}): give texts as "
                 "{'text': [...]} and images as {'image': [encoded bytes, ...]}"
             )
-        texts = frame["text"] if "text" in frame else pd.Series([None] * len(frame), index=frame.index)
-        images = frame["image"] if "image" in frame else pd.Series([None] * len(frame), index=frame.index)
-        is_image = [_present(v) for v in images]
-        image_rows = [i for i, yes in enumerate(is_image) if yes]
-        text_rows = [i for i, yes in enumerate(is_image) if not yes]
-        missing = [i for i in text_rows if not isinstance(texts.iloc[i], str)]
+        columns = frame.reindex(columns=["text", "image"])  # a missing column reads as all NaN
+        texts, images = list(columns["text"]), list(columns["image"])
+        image_rows = [i for i, v in enumerate(images) if _present(v)]
+        text_rows = sorted(set(range(len(images))) - set(image_rows))
+        missing = [i for i in text_rows if not isinstance(texts[i], str)]
         if missing:
             raise ValueError(
                 f"row {missing[0]} has neither a text nor an image: give each row a 'text' string or "
                 "'image' bytes (an encoded JPEG, PNG or WebP)"
             )
         encoder = self.production.encoder
-        out: np.ndarray | None = None
         parts = []
         if text_rows:
-            parts.append((text_rows, encoder.encode_texts([texts.iloc[i] for i in text_rows])))
+            parts.append((text_rows, encoder.encode_texts([texts[i] for i in text_rows])))
         if image_rows:
-            pictures = [self._decode(images.iloc[i], i) for i in image_rows]
+            pictures = [self._decode(images[i], i) for i in image_rows]
             parts.append((image_rows, encoder.encode_images(pictures)))
+        if not parts:
+            return np.zeros((0, 0), dtype=np.float32)
+        out = np.zeros((len(frame), parts[0][1].shape[1]), dtype=np.float32)
         for rows, vectors in parts:
-            array = vectors.detach().cpu().numpy().astype(np.float32)
-            if out is None:
-                out = np.zeros((len(frame), array.shape[1]), dtype=np.float32)
-            out[rows] = array
-        return out if out is not None else np.zeros((0, 0), dtype=np.float32)
+            out[rows] = vectors.detach().cpu().numpy()
+        return out
 
     def _decode(self, value: Any, row: int) -> Any:
         import base64
@@ -84,8 +81,6 @@ class EmbeddingModel:
 
 
 def _present(value: Any) -> bool:
-    if value is None:
-        return False
     try:
         import pandas as pd
 
@@ -118,11 +113,7 @@ def _as_frame(model_input: Any) -> Any:
 
 
 def _load_pyfunc(data_path: str) -> EmbeddingModel:
-    """MLflow's entry point: check ``data_path`` (``data/checkpoint``) against its manifest and the manifest
-    against the registry's ``checkpoint.sha256`` of the version a ``models:/`` URI names (else the digest in
-    the model's MLmodel: :func:`expected_digest`), then load it."""
-    from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
-
+    """MLflow's entry point: ``data_path`` (``data/checkpoint``) checked against :func:`expected_digest`."""
     digest, where = expected_digest(data_path)
     try:
         verify_checkpoint(data_path, digest)
@@ -139,8 +130,6 @@ def expected_digest(data_path: str | Path) -> tuple[str, str]:
     ``checkpoint.sha256`` of the version when the model is loaded through a ``models:/`` URI (the files and
     the MLmodel beside them can be rewritten together; the registry's record is not theirs), else the
     MLmodel's own (:func:`recorded_digest`). A ``models:/`` version that records none is refused."""
-    from compat.models.integrity import CheckpointIntegrityError
-
     uri = _loading_uri()
     if uri is None or not uri.startswith("models:/"):
         return recorded_digest(data_path), "compatflow.checkpoint_sha256 in the model's MLmodel"
@@ -180,8 +169,6 @@ def recorded_digest(data_path: str | Path) -> str:
     MLmodel metadata (``compatflow.checkpoint_sha256``, the version's ``checkpoint.sha256`` tag);
     :class:`~compat.models.integrity.CheckpointIntegrityError` when there is none to check against."""
     import yaml
-
-    from compat.models.integrity import CheckpointIntegrityError
 
     mlmodel = Path(data_path).parents[1] / MLMODEL
     try:
@@ -251,7 +238,7 @@ def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: s
         loader_module=__name__,
         data_path=str(checkpoint_dir),
         signature=signature,
-        input_example=pd.DataFrame({"text": [EXAMPLE_TEXT]}),
+        input_example=pd.DataFrame({"text": ["a red circle on a striped background"]}),
         pip_requirements=_requirements(),
         code_paths=_code_paths(),  # the flavour's own code travels with the model (not a published package)
         metadata={"compatflow": {**facts, "checkpoint_sha256": digest}},

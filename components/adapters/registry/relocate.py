@@ -10,6 +10,7 @@ write compatflow makes to MLflow's tables itself (MLflow has no call that change
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 from pathlib import Path
@@ -33,31 +34,21 @@ def rebase_artifacts(db: Path, artifacts_dir: Path, experiment: str) -> str | No
     under the old folder is rewritten, in one transaction. Returns the old folder's URI, or None when there
     was nothing to change (no such experiment, already here, or a location compatflow did not choose)."""
     here = artifacts_dir.as_uri()
-    connection = sqlite3.connect(db, timeout=30)
-    try:
-        with connection:  # one transaction
-            row = connection.execute(
-                "SELECT artifact_location FROM experiments WHERE name = ?", (experiment,)
-            ).fetchone()
-            old = row[0] if row else None
-            if not old or old == here or not _is_artifacts_folder(old, artifacts_dir.name):
-                return None
-            tables = {n for (n,) in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-            for table, column in ARTIFACT_COLUMNS:
-                if table in tables:
-                    connection.execute(
-                        f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608 - our names
-                        f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
-                        (here, len(old) + 1, old, len(old) + 1, old + "/"),
-                    )
-    finally:
-        connection.close()
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection, connection:  # one transaction
+        row = connection.execute(
+            "SELECT artifact_location FROM experiments WHERE name = ?", (experiment,)
+        ).fetchone()
+        old = row[0] if row and row[0] else ""
+        local = old.startswith("file:") and Path(unquote(urlparse(old).path)).name == artifacts_dir.name
+        if not local or old == here:
+            return None
+        tables = {n for (n,) in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        for table, column in ARTIFACT_COLUMNS:
+            if table in tables:
+                connection.execute(
+                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608 - our names
+                    f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
+                    (here, len(old) + 1, old, len(old) + 1, old + "/"),
+                )
     log.warning("this workspace's MLflow store named the artifacts at %s: it now names %s", old, here)
     return old
-
-
-def _is_artifacts_folder(uri: str, name: str) -> bool:
-    """Whether ``uri`` is a local ``file:`` URI of a folder called ``name`` (a workspace's artifacts)."""
-    if not uri.startswith("file:"):
-        return False
-    return Path(unquote(urlparse(uri).path)).name == name

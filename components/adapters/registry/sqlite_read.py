@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,19 @@ def version_info(db: Path, model: str, version: str) -> dict[str, Any] | None:
         tags = c.execute(
             "SELECT key, value FROM model_version_tags WHERE name = ? AND version = ?", (model, row[0])
         ).fetchall()
+    return version_record(*row, [a for (a,) in aliases], tags)
+
+
+def version_record(
+    version: Any, run_id: str, source: str, created_ms: int, aliases: Iterable[str], tags: Any
+) -> dict[str, Any]:
+    """A version's facts as :meth:`~components.adapters.registry.Registry.version_info` returns them."""
     return {
-        "version": str(row[0]),
-        "run_id": row[1],
-        "source": row[2],
-        "created_at": datetime.fromtimestamp(row[3] / 1000, UTC).isoformat(timespec="seconds"),
-        "aliases": sorted(a for (a,) in aliases),
+        "version": str(version),
+        "run_id": run_id,
+        "source": source,
+        "created_at": datetime.fromtimestamp(created_ms / 1000, UTC).isoformat(timespec="seconds"),
+        "aliases": sorted(aliases),
         "tags": dict(tags),
     }
 

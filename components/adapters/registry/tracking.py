@@ -13,8 +13,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
-from compat.models.integrity import MANIFEST, file_manifest, pickled_files
+from compat.models.integrity import MANIFEST, file_manifest, manifest_digest, pickled_files
+from components.adapters.registry import pyfunc
+from components.adapters.registry.relocate import rebase_artifacts
 from components.state.workspace import DEFAULT_MODEL_NAME, Workspace
 
 log = logging.getLogger(__name__)
@@ -64,17 +67,13 @@ class Tracking:
                 Path(self.tracking_uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
             db = self.sqlite_file()
             if db is not None and db.resolve() == self.workspace.mlflow_store.resolve():
-                from components.adapters.registry.relocate import rebase_artifacts
-
                 rebase_artifacts(db, self.workspace.artifacts_dir, self.experiment)
             self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         return self._client
 
     def exists(self) -> bool:
         """Whether the store is there (a local sqlite file is not created by asking)."""
-        if self.tracking_uri.startswith("sqlite:///"):
-            return Path(self.tracking_uri.removeprefix("sqlite:///")).is_file()
-        return True
+        return not self.tracking_uri.startswith("sqlite:///") or self.sqlite_file() is not None
 
     def sqlite_file(self) -> Path | None:
         """The embedded store's file when there is one (read directly: :mod:`.sqlite_read`), else None."""
@@ -108,10 +107,8 @@ class Tracking:
                 self.client.update_run(run_id, status="RUNNING")
             log.info("resuming MLflow run %s of pipeline run %s", run_id, pipeline_run_id)
         else:
-            run = self.client.create_run(
-                experiment_id, run_name=pipeline_run_id, tags={RUN_TAG: pipeline_run_id, **(tags or {})}
-            )
-            run_id = run.info.run_id
+            tags = {RUN_TAG: pipeline_run_id, **(tags or {})}
+            run_id = self.client.create_run(experiment_id, run_name=pipeline_run_id, tags=tags).info.run_id
             log.info("started MLflow run %s for pipeline run %s", run_id, pipeline_run_id)
         if params:
             self.log_params(run_id, params)
@@ -135,8 +132,7 @@ class Tracking:
         )
 
     def end_pipeline_run(self, pipeline_run_id: str, status: str) -> str | None:
-        """End the MLflow run of ``pipeline_run_id`` with ``status`` (``FINISHED``, ``FAILED``, ``KILLED``),
-        as its phase ended; returns its id, None when the pipeline run has no MLflow run (nothing logged)."""
+        """End ``pipeline_run_id``'s MLflow run with ``status``; returns its id, None if it logged nothing."""
         if status not in RUN_END_STATUSES:
             raise ValueError(f"an MLflow run ends {' / '.join(RUN_END_STATUSES)}, not {status!r}")
         run_id = self.find_run(pipeline_run_id)
@@ -164,30 +160,10 @@ class Tracking:
         ``n`` of ``run_id``, ``every`` records in one batch (call ``flush()`` at the end)."""
         return StepMetrics(self, run_id, prefix, every)
 
-    def has_metric(self, run_id: str, key: str) -> bool:
-        """Whether ``run_id`` has logged ``key`` at least once."""
-        return bool(self.client.get_metric_history(run_id, metric_key(key)))
-
-    def log_compat_report(
-        self, run_id: str, report: Mapping[str, Any] | str | Path, step: int | None = None
-    ) -> None:
-        """Retrieval matrix and margins of a compat_report as metrics, the file itself as an artifact."""
-        if not isinstance(report, Mapping):
-            self.log_artifact(run_id, report)
-            report = json.loads(Path(report).read_text())
-        phase = report.get("data_phase") if step is None else step
-        self.log_metrics(
-            run_id,
-            {"retrieval": report.get("retrieval", {}), "margins": report.get("margins", {})},
-            step=phase if isinstance(phase, int) else None,
-        )
-
     def local_artifacts(self, artifact_uri: str) -> Path | None:
         """Where a ``file:`` artifact URI of a workspace-local store lives in *this* workspace: the part after
         ``mlartifacts/`` under this workspace's artifacts folder, so a copied workspace reads and writes its
         own artifacts (MLflow records absolute ones: :mod:`~.relocate`). None for a tracking server."""
-        from urllib.parse import unquote, urlparse
-
         if not self.tracking_uri.startswith("sqlite:") or not artifact_uri.startswith("file:"):
             return None
         parts = Path(unquote(urlparse(artifact_uri).path)).parts
@@ -220,12 +196,8 @@ class Tracking:
             raise RegistryError(f"cannot log {path}: no such file or directory")
 
     def log_model(self, run_id: str, checkpoint_dir: str | Path) -> tuple[str, dict[str, str]]:
-        """Log a safetensors model directory plus its sha256 manifest as the run's MLflow model
-        (:mod:`components.adapters.registry.pyfunc`; a directory that is not a compatflow model is logged as
-        plain files under ``checkpoint``). Returns the artifact path logged and the manifest."""
-        from compat.models.integrity import manifest_digest
-        from components.adapters.registry import pyfunc
-
+        """Log a safetensors model folder and its sha256 manifest as the run's MLflow model (:mod:`.pyfunc`,
+        or plain files under ``checkpoint`` if not a compatflow model); the artifact path and the manifest."""
         checkpoint_dir = Path(checkpoint_dir)
         if not checkpoint_dir.is_dir():
             raise RegistryError(f"checkpoint {checkpoint_dir} is not a directory")
@@ -298,11 +270,9 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` as ``{"a.b": 1}``."""
     flat: dict[str, Any] = {}
     for key, value in doc.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, name))
-        else:
-            flat[name] = value
+        name = f"{prefix}{key}"
+        flat.update(_flatten(value, f"{name}.") if isinstance(value, Mapping) else {name: value})
     return flat

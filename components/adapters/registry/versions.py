@@ -8,7 +8,6 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +55,7 @@ def _call_all(hooks: Sequence[RollbackHook], event: dict[str, Any]) -> list[dict
 
 
 class Registry(Tracking):
-    """MLflow runs (:class:`~components.adapters.registry.tracking.Tracking`), model versions and aliases of
-    one registered model in one workspace."""
+    """Versions and aliases of one registered model in one workspace, and its runs (:class:`Tracking`)."""
 
     # --- model versions --------------------------------------------------------------------
 
@@ -96,19 +94,18 @@ class Registry(Tracking):
             self.client.delete_model_version(self.model_name, str(earlier.version))
             self._remove_copy(str(earlier.version), earlier.tags.get("checkpoint.sha256"))
         logged, manifest = self.log_model(run_id, checkpoint_dir)
-        artifact_uri = self.client.get_run(run_id).info.artifact_uri
-        pipeline_run = self.client.get_run(run_id).data.tags.get(RUN_TAG, "")
+        run = self.client.get_run(run_id)
         version_tags = {
             "data_phase": str(data_phase),
             "method": method,
             "checkpoint.sha256": manifest_digest(manifest),
-            RUN_TAG: pipeline_run,
+            RUN_TAG: run.data.tags.get(RUN_TAG, ""),
             **_gate_tags(gate),
             **{k: str(v)[:_TAG_LIMIT] for k, v in (tags or {}).items()},
         }
         version = str(
             self.client.create_model_version(
-                self.model_name, source=f"{artifact_uri}/{logged}", run_id=run_id, tags=version_tags
+                self.model_name, source=f"{run.info.artifact_uri}/{logged}", run_id=run_id, tags=version_tags
             ).version
         )
         self.client.set_registered_model_alias(self.model_name, "candidate", version)
@@ -146,16 +143,10 @@ class Registry(Tracking):
             mv = self.client.get_model_version(self.model_name, str(version))
         except MlflowException as err:
             raise RegistryError(f"{missing} ({err.error_code})") from err
-        return {
-            "version": str(mv.version),
-            "run_id": mv.run_id,
-            "source": mv.source,
-            "created_at": datetime.fromtimestamp(mv.creation_timestamp / 1000, UTC).isoformat(
-                timespec="seconds"
-            ),
-            "aliases": sorted(getattr(mv, "aliases", []) or []),
-            "tags": dict(mv.tags),
-        }
+        aliases = getattr(mv, "aliases", []) or []
+        return sqlite_read.version_record(
+            mv.version, mv.run_id, mv.source, mv.creation_timestamp, aliases, mv.tags
+        )
 
     def alias_version(self, alias: str) -> str | None:
         """The version an alias points at, or None (also when the model is not registered yet)."""
@@ -171,9 +162,8 @@ class Registry(Tracking):
 
     def promote(self, version: str | int | None = None, *, rollout_state: Mapping[str, Any]) -> dict:
         """Move ``production`` to ``version`` (default: ``candidate``); old production becomes ``previous``.
-        Refuses unless the version's gate decision is ``pass`` and ``rollout_state`` (the rollout's state, as
-        :func:`components.rollout.load_state` reads it) is ``completed`` (of this version, when it names
-        one)."""
+        Refuses unless the version's gate decision is ``pass`` and ``rollout_state`` (as
+        :func:`components.rollout.load_state` reads it) is ``completed``, of this version if it names one."""
         version = str(version) if version is not None else self.alias_version("candidate")
         if version is None:
             raise PromotionError(f"{self.model_name} has no candidate version to promote")
@@ -307,7 +297,9 @@ class Registry(Tracking):
             self.download(version, staging)  # verified against the registered digest
             if damaged is not None:
                 log.warning("%s fails its check (%s): the registry's files replace it", target, damaged)
-                _set_aside(target)
+                aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-damaged-", dir=target.parent))
+                target.rename(aside / target.name)  # out of the way first: its name is free for the good copy
+                shutil.rmtree(aside, ignore_errors=True)
             elif target.is_dir() and not (target / MANIFEST).is_file():
                 log.warning("%s holds no %s (an interrupted download): replacing it", target, MANIFEST)
                 shutil.rmtree(target, ignore_errors=True)
@@ -402,22 +394,23 @@ class Registry(Tracking):
         reports: Iterable[str | Path] = (),
         params: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Resume the pipeline run's MLflow run, log ``params``, the compatibility report and the training
-        metrics (at step ``data_phase``; the loss curve by step unless the training step logged it as it ran),
-        their files and any other ``reports``, and register ``checkpoint_dir`` as a candidate version."""
+        """Log a pipeline run's params, reports and metrics to its MLflow run; register ``checkpoint_dir``."""
         run_id = self.start_run(pipeline_run_id, params=params)
         if compat_report is not None:
-            self.log_compat_report(run_id, compat_report, step=data_phase)
+            self.log_artifact(run_id, compat_report)
+            report = json.loads(Path(compat_report).read_text())
+            self.log_metrics(
+                run_id, {k: report.get(k, {}) for k in ("retrieval", "margins")}, step=data_phase
+            )
         if training_metrics is not None:
             self.log_artifact(run_id, training_metrics)
             doc = json.loads(Path(training_metrics).read_text())
-            logged_live = self.has_metric(run_id, "train.loss")  # by the training step, as it ran
-            for point in [] if logged_live else doc.get("curve") or []:
-                step = point.get("step")
-                if isinstance(step, int):
-                    self.log_metrics(
-                        run_id, {f"train.{k}": v for k, v in point.items() if k != "step"}, step=step
-                    )
+            if not self.client.get_metric_history(run_id, "train.loss"):  # else the training step logged it
+                log_point = self.step_logger(run_id, "train.", every=500)
+                for point in doc.get("curve") or []:
+                    if isinstance(point.get("step"), int):
+                        log_point(point)
+                log_point.flush()
             per_domain = {k: doc[k] for k in ("domains", "forgetting_r1") if isinstance(doc.get(k), Mapping)}
             self.log_metrics(run_id, {"phase": per_domain}, step=data_phase)
         for path in reports:
@@ -432,13 +425,6 @@ class Registry(Tracking):
             "tracking_uri": self.tracking_uri,
             **info,
         }
-
-
-def _set_aside(folder: Path) -> None:
-    """Take a damaged folder out of the way (renamed, then deleted), so its name is free for the good copy."""
-    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}-damaged-", dir=folder.parent))
-    folder.rename(aside / folder.name)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _gate_tags(gate: Any) -> dict[str, str]:
