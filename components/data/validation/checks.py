@@ -12,6 +12,7 @@ from typing import Any
 
 from components.data.validation.policy import ValidationPolicy
 from components.data.validation.shard_reader import Member, SampleGroup
+from schemas import load_schema
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 CAPTION_EXTENSION = "txt"
@@ -75,15 +76,14 @@ def inspect_sample(
     shard_index: int,
     row: int,
     policy: ValidationPolicy,
-    timings: CheckTimings | None = None,
+    timings: CheckTimings,
 ) -> tuple[dict[str, Any], list[Reason]]:
     """Check one sample; return its facts (one DataFrame row for the suites) and the reasons found here."""
-    timings = timings if timings is not None else CheckTimings()
     start = time.perf_counter()
     members = group.members
     reasons = _member_reasons(members)
     # Safe regular files count as present; a cut-off one is present but its content is not checked.
-    present = [m for m in members if m.is_file and not m.unread and not unsafe_member_problem(m)]
+    present = [m for m in members if not m.unread and not unsafe_member_problem(m)]
     images = [m for m in present if m.ext in IMAGE_EXTENSIONS]
     captions = [m for m in present if m.ext == CAPTION_EXTENSION]
     metadata = [m for m in present if m.ext == METADATA_EXTENSION]
@@ -97,9 +97,8 @@ def inspect_sample(
         **dict.fromkeys(SAMPLE_FACTS),
     }
     if len(images) > 1:
-        reasons.append(
-            Reason("image_multiple", "several image members: " + ", ".join(repr(m.name) for m in images))
-        )
+        names = ", ".join(repr(m.name) for m in images)
+        reasons.append(Reason("image_multiple", f"several image members: {names}"))
     if captions:
         facts["caption_member"] = captions[0].name
         if not captions[0].truncated:
@@ -220,8 +219,6 @@ def _check_image(
 @lru_cache(maxsize=1)
 def _sample_validator():
     import jsonschema
-
-    from schemas import load_schema
 
     schema = load_schema("sample")
     cls = jsonschema.validators.validator_for(schema)

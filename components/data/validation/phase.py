@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from compat.io import write_json_atomic
+from compat.progress import track
 from components.data.validation.checks import CheckTimings, Reason, inspect_sample
 from components.data.validation.policy import ValidationPolicy
 from components.data.validation.quarantine import (
@@ -28,7 +29,9 @@ from components.data.validation.quarantine import (
     remove_stale_outputs,
 )
 from components.data.validation.shard_reader import SampleGroup, ShardReader
+from components.data.validation.suite import facts_frame, run_suite, suite_path
 from components.state.run_dir import VALIDATION_FILE as SUMMARY_FILE
+from schemas import validate
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +135,6 @@ def validate_phase(
     timings["read_and_check_s"] = time.perf_counter() - start
     timings["decode_s"], timings["other_checks_s"] = check_timings.decode_s, check_timings.other_s
 
-    from components.data.validation.suite import facts_frame, run_suite
-
     start = time.perf_counter()
     frame = facts_frame(facts)
     sample_run = run_suite("samples", frame, policy.suite_parameters())
@@ -143,7 +144,8 @@ def validate_phase(
     timings["gx_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    outputs = _write_outputs(shards, out_dir, facts, reasons, shard_stats, policy)
+    _write_outputs(shards, out_dir, facts, reasons, shard_stats, policy)
+    outputs = {kind: [s[kind] for s in shard_stats if s[kind]] for kind in ("accepted", "quarantine")}
     removed = remove_stale_outputs(out_dir, set(outputs["accepted"]) | set(outputs["quarantine"]))
     if removed:
         logger.info("removed %d output shards of an earlier run: %s", len(removed), ", ".join(removed))
@@ -153,19 +155,18 @@ def validate_phase(
     document = _summary_document(
         shard_spec, shards, policy, fingerprint, facts, reasons, shard_stats, records, outputs
     )
-    from schemas import validate
-
     validate(document, "validation", source=str(out_dir / SUMMARY_FILE))
     write_json_atomic(out_dir / SUMMARY_FILE, document)
-    summary = ValidationSummary(out_dir=out_dir, document=document, timings=timings)
-    _log_outcome(summary)
-    return summary
+    counts = (document["total"], len(shards), document["passed"], document["quarantined"])
+    share = 100 * document["quarantined_fraction"]
+    logger.info("validated %d samples in %d shards: %d passed, %d quarantined (%.2f%%)", *counts, share)
+    for reason in document["blocked_reasons"]:
+        logger.error("blocked: %s", reason)
+    return ValidationSummary(out_dir=out_dir, document=document, timings=timings)
 
 
 def _inspect(shards: list[Shard], policy: ValidationPolicy):
     """Pass 1: facts and Python-check reasons per sample, and what each shard yielded."""
-    from compat.progress import track
-
     facts: list[dict[str, Any]] = []
     reasons: dict[int, list[Reason]] = {}
     stats: list[dict[str, Any]] = []
@@ -196,12 +197,10 @@ def _write_outputs(
     reasons: dict[int, list[Reason]],
     stats: list[dict[str, Any]],
     policy: ValidationPolicy,
-) -> dict[str, list[str]]:
-    """Pass 2: re-read each shard and write every sample, unchanged, to its accepted or quarantine shard."""
-    outputs: dict[str, list[str]] = {"accepted": [], "quarantine": []}
+) -> None:
+    """Pass 2: re-read each shard and write every sample, unchanged, to its accepted or quarantine shard
+    (named in its ``stats`` entry)."""
     first_row = 0
-    from compat.progress import track
-
     written = track(
         zip(shards, stats, strict=True), "validate: writing shards", total=len(shards), unit="shards"
     )
@@ -228,10 +227,7 @@ def _write_outputs(
         stat["accepted"] = accepted_name(shard.index) if accepted.commit() else None
         stat["quarantine"] = quarantine_name(shard.index) if quarantine.commit() else None
         stat["passed"], stat["quarantined"] = accepted.samples, quarantine.samples
-        outputs["accepted"] += [stat["accepted"]] if stat["accepted"] else []
-        outputs["quarantine"] += [stat["quarantine"]] if stat["quarantine"] else []
         first_row += stat["samples"]
-    return outputs
 
 
 def _summary_document(
@@ -336,12 +332,8 @@ def _caption_facts(accepted: list[dict[str, Any]], context: int) -> dict[str, An
     tokens = [f["caption_tokens"] for f in accepted if f["caption_tokens"] is not None]
     over = sum(t > context for t in tokens)
     if over:
-        logger.warning(
-            "%d of %d accepted captions are longer than the %d-token context (the tokenizer cuts them)",
-            over,
-            len(tokens),
-            context,
-        )
+        cut = f"{over} of {len(tokens)} accepted captions are longer than the {context}-token context"
+        logger.warning("%s (the tokenizer cuts them)", cut)
     return {"context_tokens": context, "over_context": over, "max_tokens": max(tokens, default=None)}
 
 
@@ -350,20 +342,15 @@ def _image_facts(accepted: list[dict[str, Any]]) -> dict[str, Any]:
     transparent = [f["key"] for f in accepted if f.get("image_transparent")]
     if transparent:  # readers here matte it on white; a reader converting to RGB shows what lies beneath
         logger.warning(
-            "%d of %d accepted pictures are stored with transparency (e.g. key %s): readers that convert "
-            "them to RGB without a background see black; import them with `compatflow data import`, which "
-            "stores them matted on white",
-            len(transparent),
-            len(accepted),
-            transparent[0],
+            f"{len(transparent)} of {len(accepted)} accepted pictures are stored with transparency (e.g. key "
+            f"{transparent[0]}): readers that convert them to RGB without a background see black; import "
+            "them with `compatflow data import`, which stores them matted on white"
         )
     return {"transparent": len(transparent), "transparent_keys": transparent[:TRANSPARENT_KEYS_LISTED]}
 
 
 def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:
     """Identity of a run's inputs: shard names, sizes, mtimes, the policy, the suites, the stage version."""
-    from components.data.validation.suite import suite_path
-
     digest = hashlib.sha256()
     inputs = [[s.name, s.url, s.size, s.version] for s in shards]
     suites = [hashlib.sha256(suite_path(n).read_bytes()).hexdigest() for n in ("samples", "phase")]
@@ -383,12 +370,3 @@ def _finished_summary(out_dir: Path, fingerprint: str) -> ValidationSummary | No
     if not all((out_dir / p).is_file() for p in outputs):
         return None
     return ValidationSummary(out_dir=out_dir, document=document, reused=True)
-
-
-def _log_outcome(summary: ValidationSummary) -> None:
-    doc = summary.document
-    counts = (doc["total"], len(doc["shards"]), doc["passed"], doc["quarantined"])
-    share = 100 * doc["quarantined_fraction"]
-    logger.info("validated %d samples in %d shards: %d passed, %d quarantined (%.2f%%)", *counts, share)
-    for reason in doc["blocked_reasons"]:
-        logger.error("blocked: %s", reason)

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from compat.data.importer import MAX_CAPTION_BYTES
+from components.data.validation.shard_reader import MemberLimits
+from schemas import validate
 
 
 def _default_quantile_ranges() -> dict[str, list]:
@@ -52,8 +54,6 @@ class ValidationPolicy:
     max_expansion: float = 100.0  # a compressed shard may decompress to this many times its size
 
     def __post_init__(self) -> None:
-        from schemas import validate
-
         validate(self.to_dict(), "validation_policy", source="validation policy")
         for low, high in (
             ("min_width", "max_width"),
@@ -83,10 +83,8 @@ class ValidationPolicy:
         parameters["min_within_context_fraction"] = 1.0 - self.max_over_context_fraction
         return parameters
 
-    def member_limits(self) -> Any:
-        """The shard reader's bounds (:class:`components.data.validation.shard_reader.MemberLimits`)."""
-        from components.data.validation.shard_reader import MemberLimits
-
+    def member_limits(self) -> MemberLimits:
+        """The shard reader's bounds."""
         return MemberLimits(**{bound: getattr(self, name) for name, bound in _READ_LIMITS.items()})
 
     def replace(self, **changes: Any) -> ValidationPolicy:
@@ -95,8 +93,6 @@ class ValidationPolicy:
     @classmethod
     def from_dict(cls, document: dict[str, Any], source: str = "validation policy") -> ValidationPolicy:
         """Build a policy from a (partial) mapping; unknown or ill-typed fields raise ``SchemaError``."""
-        from schemas import validate
-
         validate(document, "validation_policy", source=source)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in document.items() if k in known})

@@ -10,9 +10,7 @@ import copy
 import io
 import json
 import tarfile
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from compat.io import replace_durably
 from components.data.validation.checks import Reason
@@ -92,18 +90,6 @@ class AtomicTarWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def reason_document(group: SampleGroup, shard: str, reasons: Iterable[Reason]) -> dict[str, Any]:
-    """The ``{key}.reason.json`` member written next to a quarantined sample."""
-    return {
-        "key": group.key,
-        "source_shard": shard,
-        "sample_index": group.index,
-        "members": [m.name for m in group.members],
-        "reasons": [r.to_dict() for r in reasons],
-        **({"links": links} if (links := _links(group)) else {}),
-    }
-
-
 _TYPES = {
     tarfile.SYMTYPE: "symlink",
     tarfile.LNKTYPE: "hardlink",
@@ -126,9 +112,17 @@ def _links(group: SampleGroup) -> dict[str, dict[str, str]]:
 def quarantine_sample(writer: AtomicTarWriter, group: SampleGroup, shard: str, reasons: list[Reason]) -> None:
     """Write the sample's members unchanged, then ``{key}.reason.json`` (deterministic bytes and mtime)."""
     writer.add_sample(group)
-    document = json.dumps(reason_document(group, shard, reasons), indent=2, sort_keys=True).encode()
+    document = {
+        "key": group.key,
+        "source_shard": shard,
+        "sample_index": group.index,
+        "members": [m.name for m in group.members],
+        "reasons": [r.to_dict() for r in reasons],
+        **({"links": links} if (links := _links(group)) else {}),
+    }
     mtime = max((m.info.mtime for m in group.members), default=0)
-    writer.add_bytes(group.key + REASON_SUFFIX, document, mtime)
+    data = json.dumps(document, indent=2, sort_keys=True).encode()
+    writer.add_bytes(group.key + REASON_SUFFIX, data, mtime)
 
 
 def remove_stale_outputs(out_dir: Path, keep: set[str]) -> list[str]:

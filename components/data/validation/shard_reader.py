@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from compat.data.importer import MAX_CAPTION_BYTES
+from compat.data.shards import is_local, local_path
 
 BLOCK = tarfile.BLOCKSIZE
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset.tariterators.base_plus_ext
@@ -80,10 +81,6 @@ class Member:
     def ext(self) -> str:
         return split_member_name(self.info.name)[1]
 
-    @property
-    def is_file(self) -> bool:
-        return self.info.isreg()
-
 
 @dataclass
 class SampleGroup:
@@ -98,8 +95,6 @@ class ShardReader:
     """The samples of one tar shard (a path or fsspec URL); after iteration ``error`` says what stopped it."""
 
     def __init__(self, path: Path | str, name: str | None = None, limits: MemberLimits | None = None) -> None:
-        from compat.data.shards import is_local, local_path
-
         self.url = os.fspath(path)
         self.path = (
             Path(path) if isinstance(path, Path) else Path(local_path(path)) if is_local(path) else None

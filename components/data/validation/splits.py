@@ -15,6 +15,7 @@ from typing import Any
 from compat.io import write_json_atomic
 from components.data.validation.phase import SUMMARY_FILE, ValidationSummary, validate_phase
 from components.data.validation.policy import ValidationPolicy
+from schemas import validate
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ def validate_splits(
     ]
     document["blocked"] = bool(document["blocked_reasons"])
     document["splits"] = entries
-    from schemas import validate
-
     validate(document, "validation", source=str(out_dir / SUMMARY_FILE))
     write_json_atomic(out_dir / SUMMARY_FILE, document)
     for name, entry in document["splits"].items():

@@ -22,23 +22,11 @@ logger = logging.getLogger(__name__)
 
 EXPECTATIONS_DIR = SCHEMA_DIR / "expectations"
 ROW_ID = "row"
-FACT_COLUMNS: dict[str, str] = {
-    "row": "int64",
-    "shard": "object",
-    "shard_index": "int64",
-    "sample_index": "int64",
-    "key": "object",
-    "members": "int64",
-    "image_member": "object",
-    "image_bytes": "Int64",
-    "width": "Int64",
-    "height": "Int64",
-    "caption_member": "object",
-    "caption": "object",
-    "caption_chars": "Int64",
-    "caption_tokens": "Int64",
-    "metadata_member": "object",
-    "metadata_key": "object",
+FACT_COLUMNS: dict[str, str] = {  # column -> dtype (Int64: an integer that may be missing)
+    **dict.fromkeys((ROW_ID, "shard_index", "sample_index", "members"), "int64"),
+    **dict.fromkeys(("image_bytes", "width", "height", "caption_chars", "caption_tokens"), "Int64"),
+    **dict.fromkeys(("shard", "key", "image_member", "caption_member", "caption"), "object"),
+    **dict.fromkeys(("metadata_member", "metadata_key"), "object"),
 }
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _GX_LOGGERS = ("great_expectations", "great_expectations.data_context.types.base")
@@ -48,7 +36,6 @@ _GX_LOGGERS = ("great_expectations", "great_expectations.data_context.types.base
 class SuiteRun:
     """What one suite found: a record per expectation, and the reasons per unexpected row id."""
 
-    suite: str
     records: list[dict[str, Any]] = field(default_factory=list)
     row_reasons: dict[int, list[Reason]] = field(default_factory=dict)
 
@@ -62,18 +49,6 @@ def facts_frame(rows: list[dict[str, Any]]):
 
 def suite_path(name: str) -> Path:
     return EXPECTATIONS_DIR / f"{name}.json"
-
-
-def load_suite(name: str):
-    """Load ``schemas/expectations/<name>.json`` as a ``great_expectations.ExpectationSuite``."""
-    import great_expectations as gx
-
-    _register_custom_expectations()
-    path = suite_path(name)
-    try:
-        return gx.ExpectationSuite(**json.loads(path.read_text()))
-    except Exception as exc:
-        raise ValueError(f"expectation suite {path} cannot be loaded: {exc}") from exc
 
 
 @contextmanager
@@ -99,9 +74,17 @@ def run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
     """Every result of suite ``name`` on ``frame``; unexpected rows of an expectation with a ``meta.reason``
     become :class:`Reason` s, the meta message filled from the row's facts and ``parameters``."""
     import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
 
-    context = _ephemeral_context()
-    suite = context.suites.add(load_suite(name))
+    _register_custom_expectations()
+    path = suite_path(name)
+    try:
+        suite = gx.ExpectationSuite(**json.loads(path.read_text()))
+    except Exception as exc:
+        raise ValueError(f"expectation suite {path} cannot be loaded: {exc}") from exc
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    suite = context.suites.add(suite)
     batch = (
         context.data_sources.add_pandas(f"{name}_facts")
         .add_dataframe_asset(name)
@@ -115,7 +98,7 @@ def run_suite(name: str, frame, parameters: dict[str, Any]) -> SuiteRun:
         expectation_parameters=parameters,
         result_format={"result_format": "COMPLETE", "unexpected_index_column_names": [ROW_ID]},
     )
-    run = SuiteRun(suite=name)
+    run = SuiteRun()
     by_row = frame.set_index(ROW_ID, drop=False) if len(frame) else frame
     locations = cache(lambda: _key_locations(frame))  # only a duplicate_key message needs them
     for item in result.results:
@@ -219,18 +202,7 @@ def jsonable(value: Any) -> Any:
         return None
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
-    if _is_missing(value):
-        return None
-    return str(value)
-
-
-def _ephemeral_context():
-    import great_expectations as gx
-    from great_expectations.data_context.types.base import ProgressBarsConfig
-
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    return context
+    return None if _is_missing(value) else str(value)
 
 
 @lru_cache(maxsize=1)
