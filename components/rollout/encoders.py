@@ -24,13 +24,19 @@ class ShardImages:
         self._cache: dict[str, dict[str, Any]] = {}
 
     def load(self, refs: Sequence[ItemRef]) -> list[Any]:
+        from compat.data.images import ImageDecodeError, read_image_file
         from compat.data.loader import load_captioned_set
 
         out = []
         for ref in refs:
             url, sep, key = ref.source_uri.rpartition("#")
             if not sep:  # an item of its own image file (an adopted gallery: compatflow adopt)
-                out.append(self._image_file(ref))
+                try:
+                    out.append(read_image_file(ref.source_uri, self.image_size))
+                except (OSError, ImageDecodeError) as exc:
+                    raise RolloutError(
+                        f"item {ref.item_id!r}: cannot read image {ref.source_uri!r}: {exc}"
+                    ) from exc
                 continue
             if not url:
                 raise RolloutError(
@@ -47,14 +53,6 @@ class ShardImages:
                 raise RolloutError(f"item {ref.item_id!r}: key {key!r} is not in shard {url}")
             out.append(self._cache[url][key])
         return out
-
-    def _image_file(self, ref: ItemRef) -> Any:
-        from compat.data.images import ImageDecodeError, read_image_file
-
-        try:
-            return read_image_file(ref.source_uri, self.image_size)
-        except (OSError, ImageDecodeError) as exc:
-            raise RolloutError(f"item {ref.item_id!r}: cannot read image {ref.source_uri!r}: {exc}") from exc
 
 
 def _old_vector_transform(model: Any) -> tuple[VectorTransform | None, str]:

@@ -130,11 +130,8 @@ class Rollout:
         serving = self.index.serving_collection()
         if self.config.slo_p99_factor is None or serving is None or not self.probe.texts:
             return
-        self.pace.watch(
-            latency_sources(
-                self.index, serving, self._latency_query(serving), live_services(self.paths.services)
-            )
-        )
+        query, services = self._latency_query(serving), live_services(self.paths.services)
+        self.pace.watch(latency_sources(self.index, serving, query, services))
         self.pace.latency = None
 
     def _latency_query(self, collection: str) -> np.ndarray:
@@ -231,14 +228,8 @@ class Rollout:
         )
         self._save(state)
         log.info(
-            "rollout %s planned in %.1f s: %s, %d items, order %s (sample of %d), floors %s",
-            rid,
-            state.plan_seconds,
-            mode,
-            n,
-            c.order,
-            len(sample),
-            floors,
+            f"rollout {rid} planned in {state.plan_seconds:.1f} s: {mode}, {n} items, order {c.order} "
+            f"(sample of {len(sample)}), floors {floors}"
         )
         return state
 
@@ -277,16 +268,6 @@ class Rollout:
         }
 
     # ---- shared pieces
-    def _serving_queries(self, dim: int) -> np.ndarray:
-        if self._queries is None:
-            self._queries = check_vectors(
-                self.encoders.serving_queries(self.probe.texts),
-                len(self.probe.texts),
-                dim,
-                "new query encoder",
-            )
-        return self._queries
-
     def _layers(self, state: RolloutState, j: int) -> Layers:
         """What serves once stage ``j`` is accepted: the target whole, over the source less stages 1..j (the
         target alone once it holds every item: a transformed copy, a fill, the last stage)."""
@@ -297,8 +278,10 @@ class Rollout:
         return [(g.collection, ""), (g.source_collection, f"not ({done})" if j else "")]
 
     def _probe(self, state: RolloutState, layers: Layers) -> dict[str, float]:
-        queries = self._serving_queries(state.gallery.dim)
-        return probe_metrics(self.index, layers[0][0], queries, self.probe, state.ks, layers=layers)
+        if self._queries is None:  # the serving queries of the probe texts, encoded once
+            made, n = self.encoders.serving_queries(self.probe.texts), len(self.probe.texts)
+            self._queries = check_vectors(made, n, state.gallery.dim, "new query encoder")
+        return probe_metrics(self.index, layers[0][0], self._queries, self.probe, state.ks, layers=layers)
 
     def _curve_point(self, state: RolloutState, fraction: float, metrics: Mapping[str, float]) -> None:
         point = CurvePoint.model_validate({"fraction": round(float(fraction), 6), "t2i_R@1": metrics["R@1"]})
@@ -364,13 +347,8 @@ class Rollout:
         state.fraction_backfilled = fractions[j] if action == "reembed" else 0.0
         self._save(state)
         log.info(
-            "rollout %s: stage %d, %d items in %d slices by %d worker(s) (%.0f items/s)",
-            state.rollout_id,
-            j,
-            written,
-            n,
-            len(ranges),
-            written / max(time.perf_counter() - t0, 1e-9),
+            f"rollout {state.rollout_id}: stage {j}, {written} items in {n} slices by {len(ranges)} "
+            f"worker(s) ({written / max(time.perf_counter() - t0, 1e-9):.0f} items/s)"
         )
 
     def _stage_spec(
@@ -428,8 +406,7 @@ class Rollout:
             self._run_stage(state, 0, whole=True, action="transform")
             self.index.flush(state.gallery.collection, wait_indexed=True)
         layers = self._layers(state, 0)
-        metrics = self._probe(state, layers)
-        rec.probe = metrics
+        rec.probe = metrics = self._probe(state, layers)
         self._curve_point(state, 0.0, metrics)
         broken = broken_floors(metrics, state.floors)
         if broken:
@@ -542,8 +519,7 @@ class Rollout:
         stale = (g.source_previous or {}).get("collection")
         if stale not in (g.collection, g.source_collection):
             self._drop_unserved(stale)
-        state.status = "completed"
-        state.fraction_backfilled = 1.0
+        state.status, state.fraction_backfilled = "completed", 1.0
         g.versions_after = self.index.count_by_version(g.collection)
         self._save(state)
 

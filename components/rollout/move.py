@@ -11,6 +11,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from components.adapters.index import ROW_FIELDS, GalleryIndex
+from components.rollout.operations import deployment_owner, gallery_collections
+from components.rollout.state import exclusive, load_state, save_state
+from components.rollout.types import RolloutError, RolloutPaths
+from components.serving.record import read_serving, same_index, write_serving
+from components.state.rollout_document import UNDER_WAY
+from components.state.workspace import Workspace
+
 log = logging.getLogger(__name__)
 
 
@@ -18,13 +26,6 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
     """Move the workspace's served gallery to the index at ``to_uri`` (see the module doc). The caller holds
     the workspace lock. Returns ``{"from", "to", "collections": {name: rows}, "served": collection}``;
     ``collections`` is empty when the gallery is already served from ``to_uri``."""
-    from components.adapters.index import ROW_FIELDS, GalleryIndex
-    from components.rollout import RolloutError, RolloutPaths, load_state
-    from components.rollout.operations import deployment_owner, gallery_collections
-    from components.serving.record import read_serving, same_index, write_serving
-    from components.state.rollout_document import UNDER_WAY
-    from components.state.workspace import Workspace
-
     ws = Workspace.coerce(workspace)
     paths = RolloutPaths.for_workspace(ws)
     record = read_serving(paths.serving)
@@ -64,7 +65,12 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
             copied[name] = written
             log.info("moved %s: %d rows to %s", name, written, to_uri)
         target.switch_alias(served)
-    _point_states_at(paths, to_uri)
+    for path in [paths.state, *paths.archived_states()]:  # the rollout states name the new index too
+        with exclusive(paths.state):
+            state = load_state(path, paths.root)
+            if state is not None and state.gallery.uri != to_uri:
+                state.gallery.uri = to_uri
+                save_state(path, state, paths.root)
     write_serving(
         paths.serving,
         uri=to_uri,
@@ -77,17 +83,3 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
         rollout_id=record.get("rollout_id", ""),
     )
     return {"from": source_uri, "to": to_uri, "collections": copied, "served": served}
-
-
-def _point_states_at(paths: Any, to_uri: str) -> None:
-    """Name ``to_uri`` as the gallery index in the live and the archived rollout states (a rollback finds
-    its collections there)."""
-    from components.rollout.state import exclusive, load_state, save_state
-
-    for path in [paths.state, *paths.archived_states()]:
-        with exclusive(paths.state):
-            state = load_state(path, paths.root)
-            if state is None or state.gallery.uri == to_uri:
-                continue
-            state.gallery.uri = to_uri
-            save_state(path, state, paths.root)

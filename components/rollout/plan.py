@@ -67,11 +67,9 @@ def check_probe_covers(probe: ProbeSet, index: GalleryIndex, collection: str) ->
             "another gallery (item ids must match the indexed item_id values)"
         )
     if answerable < len(probe.positives):
+        unanswerable = len(probe.positives) - answerable
         log.warning(
-            "%d of %d probe queries have no relevant item in %s",
-            len(probe.positives) - answerable,
-            len(probe.positives),
-            collection,
+            f"{unanswerable} of {len(probe.positives)} probe queries have no relevant item in {collection}"
         )
 
 

@@ -13,7 +13,7 @@ from components.adapters.index import GalleryIndex
 from components.rollout.state import exclusive, load_state, save_state
 from components.rollout.types import RolloutError, RolloutPaths
 from components.serving.record import write_serving
-from components.state.rollout_document import GalleryRecord, RolloutState
+from components.state.rollout_document import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,7 @@ def rollback(
     state's document (``rolled_back``)."""
     state_path = Path(state_path or paths.state)
     with exclusive(paths.state):
-        root = paths.root
-        state = load_state(state_path, root)
+        state = load_state(state_path, paths.root)
         if state is None:
             raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
         if state.status == "rolled_back":
@@ -54,20 +53,20 @@ def rollback(
         try:
             t0 = time.perf_counter()
             started = {"started_at": utc_now(), "from_status": state.status}
-            keep = state.status != "completed" or (not promoted and _target_kept(index, g))
+            # a completed rollout dropped the collection production's record named as its rollback target
+            previous = (g.source_previous or {}).get("collection")
+            kept = bool(previous) and index.has_collection(previous)
+            keep = state.status != "completed" or (not promoted and kept)
             serve_source(paths, index, state, keep_previous=keep)
             index.switch_alias(source)
             state.status, state.fraction_backfilled = "rolled_back", 0.0
             state.cursor.position = 0
-            state.rollback = {
-                **started,
-                "finished_at": utc_now(),
-                "seconds": round(time.perf_counter() - t0, 3),
-            }
+            seconds = round(time.perf_counter() - t0, 3)
+            state.rollback = {**started, "finished_at": utc_now(), "seconds": seconds}
             g.versions_after = index.count_by_version(source)
             if reason is not None:
                 state.halt_reason = reason
-            save_state(state_path, state, root)
+            save_state(state_path, state, paths.root)
             log.info("rollout %s rolled back: alias %s -> %s", state.rollout_id, g.alias, source)
             return state.document()
         finally:
@@ -93,13 +92,6 @@ def serve_source(
         rollout_id=state.rollout_id,
     )
     state.query_model = state.previous_query_model.model_copy()
-
-
-def _target_kept(index: GalleryIndex, gallery: GalleryRecord) -> bool:
-    """Whether the collection production's record named as its rollback target before the rollout is still
-    there (a rollout that completes drops it)."""
-    previous = (gallery.source_previous or {}).get("collection")
-    return bool(previous) and index.has_collection(previous)
 
 
 def rollout_of(paths: RolloutPaths, version: str) -> Path:

@@ -187,10 +187,7 @@ class _SliceWriter:
         def pages() -> Iterator[tuple[int, list[dict[str, Any]] | None]]:
             for i in slices:
                 for page in self.index.iter_rows(
-                    fields,
-                    self.spec["source"],
-                    filter=filters[i],
-                    batch_size=int(self.spec["batch_size"]),
+                    fields, self.spec["source"], filter=filters[i], batch_size=int(self.spec["batch_size"])
                 ):
                     yield i, page
                 yield i, None

@@ -14,11 +14,6 @@ from compat.io import read_json
 Document = TypeVar("Document", bound=BaseModel)
 
 
-def field_errors(err: ValidationError) -> list[str]:
-    """Each violation as ``field.path: message`` (``<root>`` for the whole document)."""
-    return [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors()]
-
-
 def read_document(model: type[Document], path: str | Path, remedy: str) -> Document:
     """The document at ``path`` as ``model``; a missing, unreadable, non-JSON or non-matching file raises
     :class:`schemas.SchemaError` naming the file, each bad field and ``remedy`` (what to do)."""
@@ -38,7 +33,10 @@ def validated(model: type[Document], document: Any, source: str, remedy: str = "
     try:
         return model.model_validate(document)
     except ValidationError as err:
-        problems = "\n  ".join(field_errors(err))
+        # each violation as ``field.path: message`` (``<root>`` for the whole document)
+        problems = "\n  ".join(
+            f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in err.errors()
+        )
         raise SchemaError(
             f"{source} is not a valid {model.__name__}:\n  {problems}\n{remedy}".rstrip()
         ) from None

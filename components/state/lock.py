@@ -30,16 +30,14 @@ def workspace_lock(
 ) -> Iterator[dict[str, object]]:
     """Hold the workspace lock for the block; raises :class:`WorkspaceBusy` when it is taken."""
     ws = Workspace.coerce(workspace)
-    root = ws.root
-    root.mkdir(parents=True, exist_ok=True)
-    path = ws.lock_path
-    handle = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # noqa: SIM115 - held for the block
+    ws.root.mkdir(parents=True, exist_ok=True)
+    handle = open(os.open(ws.lock_path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # noqa: SIM115 - held for the block
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise WorkspaceBusy(
-                f"workspace {root} is in use by {_describe(handle.read())}; wait for it to finish "
+                f"workspace {ws.root} is in use by {_describe(handle.read())}; wait for it to finish "
                 "(a holder that dies releases the lock at once; nothing needs deleting)"
             ) from None
         _refuse_orphaned_steps(ws)

@@ -226,7 +226,7 @@ def migrated(document: Any) -> Any:
 
 def _renamed(record: Any, old: str, new: str) -> Any:
     """``record`` with its key ``old`` named ``new`` (in place in the order); anything else as it is."""
-    if not isinstance(record, dict) or old not in record:
+    if not isinstance(record, dict):
         return record
     return {new if key == old else key: value for key, value in record.items()}
 

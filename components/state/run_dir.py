@@ -85,10 +85,6 @@ class RunDir:
         """The run's id: its folder's name."""
         return self.path.name
 
-    def step_dir(self, step: str) -> Path:
-        """``<run>/<step>/``: the folder a step copies its summaries into."""
-        return self.path / step
-
     # the run's own files
     plan_file = _at(RUN_FILE)
     outcome_file = _at(OUTCOME_FILE)
