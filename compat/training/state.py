@@ -58,20 +58,14 @@ def checkpoint_name(step: int) -> str:
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
+    found = [p for p in Path(root).glob(f"{_PREFIX}*") if p.is_dir() and p.name[len(_PREFIX) :].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def remove_stale_temporaries(root: Path) -> None:
     """Delete half-written checkpoint directories left by a killed run."""
-    root = Path(root)
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
+    for p in Path(root).glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -155,8 +149,7 @@ def save_training_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     weights = getattr(bundle.model, "module", bundle.model).state_dict()
-    extra = {"train_step": state.step}
-    save_checkpoint(bundle, tmp, version=final.name, extra=extra, state_dict=weights)
+    save_checkpoint(bundle, tmp, version=final.name, extra={"train_step": state.step}, state_dict=weights)
     opt_tensors, opt_doc = _optimizer_to_files(optimizer)
     save_file(opt_tensors, str(tmp / OPTIMIZER_FILE))
     rng_tensors, rng_doc = capture_rng()

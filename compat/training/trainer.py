@@ -97,9 +97,7 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
+        return {**asdict(self), "betas": list(self.betas)}
 
 
 @dataclass
@@ -156,8 +154,7 @@ def clamp_logit_scale(model: torch.nn.Module) -> None:
     """Clamp the learnable log temperature to [0, ln 100] (CLIP; Mod-X App B.1)."""
     import torch
 
-    target = getattr(model, "module", model)
-    scale = getattr(target, "logit_scale", None)
+    scale = getattr(getattr(model, "module", model), "logit_scale", None)
     if scale is not None:
         with torch.no_grad():
             scale.clamp_(0.0, LOGIT_SCALE_MAX)
