@@ -416,7 +416,6 @@ def domain_for_phase(phase: int) -> Domain:
     )
 
 
-# ------------------------------------------------------------------------------------ realistic shift
 SHIFTS = ("realistic", "disjoint")
 DEFAULT_OLD_WORD_SHARE = 0.6
 CORE_KINDS = ("circle", "square", "triangle")

@@ -196,9 +196,6 @@ def parse_split(text: str) -> tuple[float, float, float]:
         ) from None
 
 
-# ---------------------------------------------------------------------------------------------- sources
-
-
 def _walk(root: Path, skip: Path | None) -> list[Path]:
     """Every non-hidden file under ``root`` (not under ``skip``), sorted by relative POSIX path."""
     found = []
@@ -477,9 +474,6 @@ def _candidates(src: Path, out: Path, settings: ImportSettings) -> list[_Candida
     if fmt == "class-folders":
         return _class_folder_candidates(src, skip, settings.template)
     return _sidecar_candidates(src, skip)
-
-
-# ------------------------------------------------------------------------------------------------ scan
 
 
 def _header(data: bytes, max_pixels: int) -> dict[str, Any]:
@@ -885,9 +879,6 @@ def _add_captions(
             item["captions"].append(caption)
             added += 1
     return added
-
-
-# ----------------------------------------------------------------------------------------------- write
 
 
 def _checked_bytes(path: Path, size: int, sha: str) -> bytes:

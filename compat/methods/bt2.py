@@ -61,7 +61,6 @@ from compat.models import ClipBundle
 from compat.training.trainer import LOGIT_SCALE_MAX
 
 
-# ------------------------------------------------------------------------------------------------- head
 class BT2Output(NamedTuple):
     phi_new: torch.Tensor
     phi3: torch.Tensor
@@ -103,7 +102,6 @@ class BT2Head(nn.Module):
         return sum(p.numel() for p in self.f.parameters()) + self.b1.num_trainable() + self.b2.num_trainable()
 
 
-# ------------------------------------------------------------------------------------ widened projections
 def _projection_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """The output projections of both towers: state-dict prefix -> (owner module, attribute)."""
     slots: dict[str, tuple[nn.Module, str]] = {}
@@ -168,7 +166,6 @@ def split_widened(
     return base, extra
 
 
-# ------------------------------------------------------------------------------------------------ config
 @dataclass
 class BT2Config(MethodConfig):
     """BT^2 settings: ``extra_dims`` is Algorithm 1's ``d``, ``scale_c`` its ``C``; lambdas: module doc.
@@ -226,7 +223,6 @@ def bt2_losses(
     return BT2Terms(total, new_clip, new_cos, influence, old_cos)
 
 
-# ------------------------------------------------------------------------------------------------- model
 class BT2Model(CompatModel):
     """The BT^2 network: widened backbone + head; serves ``phi_new / ||phi_new||``."""
 

@@ -71,7 +71,6 @@ def lambda_orth_penalty(W: torch.Tensor, lam: float, alpha: float) -> torch.Tens
     return torch.sigmoid(alpha * (norm - lam)) * norm
 
 
-# ---------------------------------------------------------------------------------------------- adapters
 def prefix_linear(in_dim: int, out_dim: int) -> nn.Linear:
     """An affine map initialised to the prefix map: identity on the first ``min(in, out)`` coordinates."""
     layer = nn.Linear(in_dim, out_dim)
@@ -131,7 +130,6 @@ class Adapters(nn.Module):
         return b + sum(p.numel() for p in self.forward_map.parameters())
 
 
-# ------------------------------------------------------------------------------------------------ losses
 @dataclass
 class PairedFeatures:
     """Frozen, L2-normalised embeddings of the same N image-text pairs by the old and the new model."""
@@ -210,7 +208,6 @@ def lambda_orth_losses(
     return LambdaOrthTerms(total, forward, backward, contrastive, penalty)
 
 
-# ------------------------------------------------------------------------------------------------- config
 @dataclass
 class LambdaOrthConfig(MethodConfig):
     """lambda-orth settings: Adam, lr 1e-3 (Sec. 4.3), lambda = 12 (downstream setting), weight 1 on L_lambda.
@@ -301,7 +298,6 @@ def cache_features(
     return PairedFeatures(*(torch.cat(column)[:max_items] for column in zip(*parts, strict=True)))
 
 
-# --------------------------------------------------------------------------------------------- backfill
 def backfill_scores(
     forward_vectors: torch.Tensor,
     labels: torch.Tensor | None = None,
@@ -326,7 +322,6 @@ def backfill_scores(
     return torch.from_numpy(backfill.class_mean_distances(x, labels, metric=metric)).float()
 
 
-# ------------------------------------------------------------------------------------------------- model
 class LambdaOrthModel(CompatModel):
     """The frozen new model behind ``B`` (queries) with ``F`` for old gallery vectors."""
 

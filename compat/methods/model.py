@@ -194,12 +194,6 @@ class AdaptedModel(CompatModel):
         return self.adapted.adapter_state()
 
 
-def is_compat_dir(path: Path | str) -> bool:
-    """True when ``path`` is a directory written by :meth:`CompatModel.save` (or its ``compat.json``)."""
-    path = Path(path)
-    return (path / COMPAT_FILE).is_file() or (path.name == COMPAT_FILE and path.is_file())
-
-
 def load_compat_model(path: Path | str, device: str | torch.device = "cpu") -> CompatModel:
     """Load a model saved by :meth:`CompatModel.save`; every file is checked and named in errors."""
     from safetensors.torch import load_file

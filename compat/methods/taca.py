@@ -61,7 +61,6 @@ from compat.modules.projection import TwoLayerProjector
 from compat.modules.serving import ProjectedCLIP, load_named_tensors, projected_bundle
 
 
-# ------------------------------------------------------------------------------------------------ losses
 class TaCATerms(NamedTuple):
     """One step's loss: ``total = contra + distill_weight * distill``."""
 
@@ -98,7 +97,6 @@ def taca_loss(
     return TaCATerms(contra + distill_weight * distill, contra, distill)
 
 
-# ------------------------------------------------------------------------------------------------ config
 @dataclass
 class TaCAConfig(MethodConfig):
     """TaCA settings; defaults from Sec. 4.1 where the paper gives them (see the module docstring)."""
@@ -125,7 +123,6 @@ class TaCAConfig(MethodConfig):
             raise ValueError(f"logit_scale must be > 0 (or null for the old model's), got {self.logit_scale}")
 
 
-# ---------------------------------------------------------------------------------- adapted vision tower
 class AdaptedVisual:
     """The new model with tied adapters in every vision block and the projector on its image embedding."""
 
@@ -179,7 +176,6 @@ class AdaptedVisual:
         return self.bundle
 
 
-# ----------------------------------------------------------------------------------------- served model
 class TaCAModel(AdaptedModel):
     """Images through the adapted new encoder + projector; texts through the old text encoder."""
 
@@ -219,7 +215,6 @@ class TaCAModel(AdaptedModel):
         return cls(adapted, old, contract, config)
 
 
-# -------------------------------------------------------------------------------------------- training
 def train_taca(
     adapted: AdaptedVisual, old: Encoder, batches: Iterable[Batch], config: TaCAConfig, logit_scale: float
 ) -> dict[str, Any]:

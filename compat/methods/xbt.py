@@ -73,7 +73,6 @@ from compat.modules.visual_prompts import PromptHandle, insert_visual_prompts
 PAPER_LOG_LOGIT_SCALE = 2.6592  # ln(1/0.07): "temperature ... fixed at 2.6592" (Sec. 4.1)
 
 
-# ------------------------------------------------------------------------------------------------ losses
 def stage1_loss(
     phi: torch.nn.Module,
     w_new: torch.Tensor,
@@ -103,7 +102,6 @@ def direct_loss(
     return clip_loss(v_bar, w_old.detach(), logit_scale) + clip_loss(w_bar, v_old.detach(), logit_scale)
 
 
-# ------------------------------------------------------------------------------------------------ config
 @dataclass
 class XBTStage2Config(MethodConfig):
     """Stage-2 settings (shared with the "Base" baseline). Defaults: the paper's Sec. 4.1."""
@@ -157,7 +155,6 @@ class XBTConfig(XBTStage2Config):
             raise ValueError("stage1_lr must be > 0 and noise_std >= 0")
 
 
-# -------------------------------------------------------------------------------------- adapted new model
 class AdaptedNewModel:
     """The new model with LoRA on both towers and visual prompts, served through ``phi``.
 
@@ -229,7 +226,6 @@ class AdaptedNewModel:
         return self.bundle
 
 
-# ----------------------------------------------------------------------------------------- served model
 class XBTModel(AdaptedModel):
     """New queries ``norm(phi(norm(E_new(x))))`` read the old gallery as it is; removing LoRA and prompts
     gives back the original new model."""
@@ -253,7 +249,6 @@ class XBTModel(AdaptedModel):
         return cls(adapted, contract, config)
 
 
-# -------------------------------------------------------------------------------------------- training
 def stage1_texts(batches: Iterable[Batch], config: XBTConfig) -> list[str]:
     """D_T: the lines of ``config.text_corpus`` or the captions of one pass over ``batches``, deduplicated."""
     if config.text_corpus:
