@@ -13,18 +13,31 @@ import contextlib
 import functools
 import json
 import os
+import pwd
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from components.deployment import Deployment
+import yaml
+
+import compat
+from compat.models.integrity import file_manifest, manifest_digest
+from components.adapters import milvus_server, mlflow_server
+from components.deployment import Deployment
+from components.runs import read_state
+from components.state.run_dir import RUN_FILE
+from components.state.workspace import SYSTEM_FOLDERS, Workspace
+from pipelines.compile import COMPILED_NAME, compile_pipeline
+from pipelines.config import CONFIG_DIR, generate_stream_of, load_config
 
 # The images' user (manifests/docker/Dockerfile.*: USER 10001:10001; the manifests' runAsUser/runAsGroup).
 TASK_UID = TASK_GID = 10001
@@ -128,8 +141,6 @@ class Outcome:
 
 def rehearsal_config(layout: Layout, *, index_uri: str, tracking_uri: str) -> Deployment:
     """The shipped ``cluster.yaml`` scaled (:data:`SCALED`), pointed at this rehearsal's folders, servers."""
-    from pipelines.config import load_config
-
     cluster = load_config("cluster", local_paths=False, training=False)
     return cluster.with_changes(
         **{**SCALED, "stream": {**SCALED["stream"], "uri": str(layout.stream)}},
@@ -194,10 +205,6 @@ def image_environment(layout: Layout) -> dict[str, str]:
 
 def feature_store_yaml() -> str:
     """The cluster's ``feature_store.yaml``: the data of the ConfigMap ``compatflow-feast-repo``."""
-    import yaml
-
-    from pipelines.config import CONFIG_DIR
-
     manifest = CONFIG_DIR.parents[1] / "manifests/k8s/feast/configmap.yaml"
     for doc in yaml.safe_load_all(manifest.read_text()):
         if doc and doc.get("kind") == "ConfigMap" and doc["metadata"]["name"] == "compatflow-feast-repo":
@@ -207,8 +214,6 @@ def feature_store_yaml() -> str:
 
 def tree_digest(folder: Path) -> str:
     """A digest of every file's path and bytes under ``folder`` (:mod:`compat.models.integrity`)."""
-    from compat.models.integrity import file_manifest, manifest_digest
-
     return manifest_digest(file_manifest(folder))
 
 
@@ -232,8 +237,6 @@ class Rehearsal:
     @contextlib.contextmanager
     def services(self) -> Iterator[Rehearsal]:
         """Milvus standalone and an MLflow server on loopback; their data stays for the next rehearsal."""
-        from components.adapters import milvus_server, mlflow_server
-
         if not milvus_server.loopback_only():
             raise RehearsalError(
                 "the rehearsal runs in a network namespace with loopback alone (Milvus 2.3 listens on every "
@@ -254,11 +257,6 @@ class Rehearsal:
 
     def prepare(self) -> Step:
         """Write the read-only inputs, compile the package, give the tasks their volume and home."""
-        import yaml
-
-        from pipelines.compile import compile_pipeline
-        from pipelines.config import generate_stream_of
-
         if not self.index_uri:
             raise RehearsalError("prepare() needs the services running (inside `with rehearsal.services()`)")
         started = time.monotonic()
@@ -297,9 +295,6 @@ class Rehearsal:
 
     def ship(self, *, run_id: str = "", stop_at: str | None = None) -> Step:
         """Run the package once as the task user, or resubmit ``run_id``; ``stop_at``: a node loss there."""
-        from components.runs import read_state
-        from pipelines.compile import COMPILED_NAME
-
         before = read_state(self.layout.workspace)["phases"]
         number = sum(1 for p in self.layout.logs.glob("ship-*.log")) + 1
         log = self.layout.logs / f"ship-{number}.log"
@@ -331,9 +326,6 @@ class Rehearsal:
 
     def _newest_run(self) -> tuple[int, str]:
         """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
-        from components.state.run_dir import RUN_FILE
-        from components.state.workspace import Workspace
-
         plans = sorted(Workspace(self.layout.workspace).runs_dir.glob(f"*/{RUN_FILE}"), key=os.path.getmtime)
         if not plans:
             return -1, ""
@@ -355,7 +347,8 @@ class Rehearsal:
             done = self._as_task_user(argv)  # stdout alone is the answer (--json)
             log = self.layout.logs / f"{name.split()[0]}.log"
             log.write_text(done.stdout + done.stderr)
-            detail = _last_line(done.stdout) if done.returncode == 0 else f"exit {done.returncode}"
+            last = (done.stdout.strip().splitlines() or [""])[-1].strip()[:120]
+            detail = last if done.returncode == 0 else f"exit {done.returncode}"
             if name == "search" and done.returncode == 0:
                 detail = f"{len(json.loads(done.stdout))} hits for {SEARCH_QUERY!r}"
             steps.append(Step(name, time.monotonic() - started, done.returncode == 0, detail, str(log)))
@@ -381,8 +374,6 @@ class Rehearsal:
         )
 
     def isolation(self) -> dict[str, Any]:
-        from components.adapters import milvus_server
-
         return {
             "network_interfaces": milvus_server.interfaces(),
             "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user), no supplementary groups",
@@ -396,8 +387,6 @@ class Rehearsal:
 def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
     """Folders above Python, its packages or ``root`` that others cannot search (e.g. ``/root`` of a pyenv
     interpreter), deepest first, each with the names in it that lead there."""
-    import compat
-
     targets = [Path(path).resolve() for path in (sys.executable, sys.prefix, compat.__file__, root)]
     blocked: dict[Path, set[str]] = {}
     for target in targets:
@@ -478,9 +467,6 @@ def _echoed(echo: Callable[[str], None], step: Step) -> Step:
 
 def _stop_when_started(process: subprocess.Popen, log: Path, task: str | None) -> bool:
     """Wait for ``process``, or SIGKILL its process group once the log shows ``task`` starting (True)."""
-    import re
-    import signal
-
     if task is None:
         process.wait()
         return False
@@ -498,18 +484,9 @@ def _stop_when_started(process: subprocess.Popen, log: Path, task: str | None) -
     return False
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:120] if lines else ""
-
-
 def claim_root(root: str | os.PathLike[str], *, fresh: bool = False) -> Path:
     """The rehearsal folder ``root``, made with :data:`MARKER` (``fresh``: deleted first). Refuses a system or
     home folder, the checkout and a folder of files no rehearsal made (it is given to uid 10001)."""
-    import pwd
-
-    from components.state.workspace import SYSTEM_FOLDERS
-
     path = Path(root).expanduser().resolve()
     homes = {Path(user.pw_dir).resolve() for user in pwd.getpwall() if user.pw_dir not in ("", "/")}
     homes |= {Path.home().resolve(), *(p for p in Path("/home").glob("*") if p.is_dir())}
@@ -547,11 +524,8 @@ def _own_tree(folder: Path, uid: int, gid: int, *, read_only: bool = False) -> N
 
 def _ship_package(package: str, run_id: str = "") -> int:
     """Run the package with ``kfp.local`` in this (the task user's) process; 0 when it succeeded."""
-    import warnings
-
     from kfp import components, local
 
-    from components.state.workspace import Workspace
     from pipelines.warm_tasks import on_host, warm_task_host
 
     workspace = Workspace()  # $COMPATFLOW_WORKSPACE, as in a pod
