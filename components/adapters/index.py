@@ -436,12 +436,9 @@ class GalleryIndex(contextlib.AbstractContextManager["GalleryIndex"]):
         elif mark != self.owner.id and self.owner.moved_from(mark, workspace):
             self.client.alter_collection_properties(name, properties=self._marks(), timeout=self.timeout)
             log.warning(
-                "collection %s at %s was marked by this deployment in %s, which no longer holds it: the "
-                "workspace moved to %s, and the collection is marked as its own there",
-                name,
-                self.uri,
-                workspace,
-                self.owner.workspace,
+                f"collection {name} at {self.uri} was marked by this deployment in {workspace}, which no "
+                f"longer holds it: the workspace moved to {self.owner.workspace}, and the collection is "
+                "marked as its own there"
             )
         elif mark != self.owner.id:
             theirs = (

@@ -77,22 +77,15 @@ class BodyLimit:
     before it reads (urllib, http.client) reads the 413 instead of a connection reset."""
 
     def __init__(
-        self,
-        app: Any,
-        limit: int = limits.MAX_BODY_BYTES,
-        drain_bytes: int = limits.MAX_DRAIN_BYTES,
-        drain_seconds: float = limits.DRAIN_SECONDS,
-        idle_seconds: float = limits.DRAIN_IDLE_SECONDS,
-        body_seconds: float = limits.BODY_READ_SECONDS,
+        self, app: Any, limit: int = limits.MAX_BODY_BYTES, body_seconds: float = limits.BODY_READ_SECONDS
     ) -> None:
         self.app, self.limit, self.body_seconds = app, limit, body_seconds
-        self.drain_bytes, self.drain_seconds, self.idle_seconds = drain_bytes, drain_seconds, idle_seconds
 
     async def _drain(self, receive: Any, received: int) -> int:
         """Read and discard the body up to its end or a bound; the bytes received by then."""
-        deadline = time.monotonic() + self.drain_seconds
-        while received <= self.drain_bytes:
-            left = min(self.idle_seconds, deadline - time.monotonic())
+        deadline = time.monotonic() + limits.DRAIN_SECONDS
+        while received <= limits.MAX_DRAIN_BYTES:
+            left = min(limits.DRAIN_IDLE_SECONDS, deadline - time.monotonic())
             if left <= 0:
                 break
             try:
@@ -124,7 +117,7 @@ class BodyLimit:
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             waits = headers.get(b"expect", b"").lower() == b"100-continue"
-            if declared.isdigit() and int(declared) <= self.drain_bytes and not waits:
+            if declared.isdigit() and int(declared) <= limits.MAX_DRAIN_BYTES and not waits:
                 await self._drain(receive, 0)
             await self._answer(send, 413, self._too_large(f"of {declared.decode(errors='replace')} bytes"))
             return
@@ -330,7 +323,7 @@ def create_app(
     from components.serving.thumbnails import ShardThumbnails
 
     app = FastAPI(title="compatflow search", lifespan=_lifespan)
-    app.add_middleware(BodyLimit, limit=limits.MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_api_route("/search", search, methods=["POST"])
     for path, route in (("/healthz", healthz), ("/readyz", readyz), ("/metrics", metrics)):

@@ -371,11 +371,8 @@ def _student_and_teacher(
     else:
         student = parent.backbone(device=device)
         if student.config_name != settings.config_name:
-            log.info(
-                "production model is %s; training that config (not %s)",
-                student.config_name,
-                settings.config_name,
-            )
+            name, configured = student.config_name, settings.config_name
+            log.info(f"production model is {name}; training that config (not {configured})")
     teacher = parent.backbone(device=device) if method == "modx" else None
     return student, teacher
 
@@ -384,11 +381,8 @@ def _say_when_resized(manifest: dict[str, Any], student: ClipBundle) -> None:
     stream_size = manifest.get("image_size")  # synthetic streams record the size they rendered
     if stream_size is not None and int(stream_size) != student.image_size:
         log.warning(
-            "the stream's images are %spx but %s takes %dpx: they are resized (%s) to the model's size",
-            stream_size,
-            student.config_name,
-            student.image_size,
-            student.resize_mode,
+            f"the stream's images are {stream_size}px but {student.config_name} takes "
+            f"{student.image_size}px: they are resized ({student.resize_mode}) to the model's size"
         )
 
 

@@ -9,12 +9,7 @@ pushes and rollback pops, so repeated rollbacks walk back.
 
 from compat.models.integrity import CheckpointIntegrityError
 from components.adapters.registry.tracking import RegistryError, Tracking, metric_key
-from components.adapters.registry.versions import (
-    ALIASES,
-    PromotionError,
-    Registry,
-    RollbackHookError,
-)
+from components.adapters.registry.versions import ALIASES, PromotionError, Registry, RollbackHookError
 
 __all__ = [
     "ALIASES",
