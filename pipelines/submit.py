@@ -394,7 +394,7 @@ def _ensure(send: Send, kind: str, name: str, create: Request, **scope: str) -> 
 
 
 def plan(host: str, job: Job) -> dict[str, Any]:
-    """What :meth:`KfpApi.send_all` sends, without sending it (the server's IDs as placeholders)."""
+    """What :func:`send_all` sends, without sending it (the server's IDs as placeholders)."""
     requests: list[Request] = []
 
     def record(request: Request) -> dict[str, Any]:
@@ -466,7 +466,3 @@ class KfpApi:
             what, getattr(getattr(self.client, service), method), _request_timeout=TIMEOUT_S, **kwargs
         )
         return answer.to_dict() if hasattr(answer, "to_dict") else {}
-
-    def send_all(self, job: Job) -> dict[str, Any]:
-        """Send ``job`` (see :func:`send_all`); returns the IDs."""
-        return send_all(self.send, job)

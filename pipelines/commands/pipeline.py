@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -64,7 +65,7 @@ def _package(path: Path | None, params: list[str] | None) -> tuple[Any, dict[str
 
 def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, Any]:
     """Print the requests (dry run) and exit, or send them; exit 2 if one cannot be built, 1 if refused."""
-    from pipelines.submit import KfpApi, SubmitError, plan
+    from pipelines.submit import KfpApi, SubmitError, plan, send_all
 
     with refusing(SubmitError):
         planned = plan(host, job)  # checks everything before the first request
@@ -72,7 +73,8 @@ def _start(host: str, job: Any, token: str | None, dry_run: bool) -> dict[str, A
         echo_json(planned)
         raise typer.Exit(0)
     with refusing(SubmitError, code=1):
-        return {"host": planned["host"], **KfpApi(host, namespace=job.namespace, token=token).send_all(job)}
+        api = KfpApi(host, namespace=job.namespace, token=token)
+        return {"host": planned["host"], **send_all(api.send, job)}
 
 
 @pipeline_app.command("submit")
@@ -178,8 +180,6 @@ def rehearse(
     standalone and an MLflow server on loopback, run its tasks from the compiled YAML as the images' user
     (uid 10001) with the config and feature repo read-only, ship PHASES phases, then status, search and
     lineage --check. What a rehearsal cannot show: README, "Running on Kubeflow"."""
-    import os
-
     from components.adapters import milvus_server
     from pipelines.rehearsal import RehearsalError, claim_root
     from pipelines.rehearsal import rehearse as run_rehearsal
