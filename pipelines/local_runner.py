@@ -12,13 +12,17 @@ import logging
 import os
 import re
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compat.progress import LINE_MARK
 from components.deployment import Deployment
+from components.state.lock import workspace_lock
 from components.state.run_dir import RunDir
+from components.state.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +45,8 @@ class _EchoingLog(io.TextIOBase):
     place). A log file that cannot be written fails nothing: its first error is kept in ``error``."""
 
     def __init__(self, log_file: io.TextIOBase, terminal: Any) -> None:
-        from compat.progress import LINE_MARK
-
         self._log, self._terminal, self._pending = log_file, terminal, ""
-        self._mark, self._live, self._status = LINE_MARK, _isatty(terminal), False
+        self._live, self._status = _isatty(terminal), False
         self.error: OSError | None = None
 
     def _to_file(self, write: Any) -> None:
@@ -60,21 +62,16 @@ class _EchoingLog(io.TextIOBase):
         self._pending += text
         while "\n" in self._pending:
             line, self._pending = self._pending.split("\n", 1)
-            if self._mark in line:
-                shown = "  " + _ANSI.sub("", line.split(self._mark, 1)[1]).strip()
-                if self._live:  # one status line, rewritten in place
-                    width = shutil.get_terminal_size().columns - 1
-                    self._terminal.write("\r\x1b[K" + shown[:width])
-                    self._status = True
-                else:
-                    self._terminal.write(shown + "\n")
-                self._terminal.flush()
-            elif _ECHO.search(line):
-                if self._status:
-                    self._terminal.write("\r\x1b[K")
-                    self._status = False
-                self._terminal.write("  " + _ANSI.sub("", line).strip() + "\n")
-                self._terminal.flush()
+            progress = LINE_MARK in line
+            if not progress and not _ECHO.search(line):
+                continue
+            shown = "  " + _ANSI.sub("", line.split(LINE_MARK, 1)[-1]).strip()
+            if progress and self._live:  # one status line, rewritten in place
+                self._terminal.write("\r\x1b[K" + shown[: shutil.get_terminal_size().columns - 1])
+            else:
+                self._terminal.write(("\r\x1b[K" if self._status else "") + shown + "\n")
+            self._status = progress and self._live
+            self._terminal.flush()
         return len(text)
 
     def flush(self) -> None:
@@ -88,10 +85,9 @@ class _EchoingLog(io.TextIOBase):
 
 
 def _isatty(stream: Any) -> bool:
-    try:
+    with contextlib.suppress(AttributeError, ValueError):
         return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
+    return False
 
 
 def ensure_stream(deployment: Deployment) -> Path:
@@ -115,17 +111,12 @@ def ensure_stream(deployment: Deployment) -> Path:
 
 def run_local(deployment: Deployment, *, phase: int | None = None, echo: Any = None) -> RunResult:
     """Run the pipeline on the next pending phase (or ``phase``), holding the workspace lock throughout."""
-    from components.state.lock import workspace_lock
-    from components.state.workspace import Workspace
-
     workspace = Workspace.of(deployment)
     with workspace_lock(workspace, f"compatflow run (phase {'next' if phase is None else phase})"):
         return _run_locked(deployment, workspace, phase, echo)
 
 
 def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo: Any) -> RunResult:
-    import sys
-
     from kfp import local
 
     from components.runs import plan_run, read_state
