@@ -257,17 +257,16 @@ def noise_floors(
     ref_df: Any,
     numeric: Sequence[str],
     embeddings: dict[str, list[str]],
-    splits: int = NOISE_SPLITS,
-    seed: int = 0,
 ) -> dict[str, float]:
-    """The largest score of each signal between random halves of the reference: what sampling gives."""
+    """The largest score of each signal between :data:`NOISE_SPLITS` random halves of the reference: what
+    sampling gives."""
     n = len(reference)
     if n < 4:
         return {}
     method = embedding_drift_method() if embeddings else None
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     scores: dict[str, list[float]] = {}
-    for _ in range(splits):
+    for _ in range(NOISE_SPLITS):
         order = rng.permutation(n)
         a, b = order[: n // 2], order[n // 2 :]
         half_a, half_b = ref_df.iloc[a].reset_index(drop=True), ref_df.iloc[b].reset_index(drop=True)
@@ -285,11 +284,10 @@ def compute_drift(
     current: Sequence[Any],
     production_model: Any | None = None,
     html_path: Path | None = None,
-    threads: int | None = 1,
 ) -> dict[str, Any]:
     """Per-column verdicts and an overall severity of ``current`` against ``reference``; with a
-    ``production_model`` (a :class:`compat.models.ClipBundle`) both towers' embeddings too. ``threads`` caps
-    BLAS/OpenMP threads (one by default, as benchmarks/results/drift.md measures on a shared CPU)."""
+    ``production_model`` (a :class:`compat.models.ClipBundle`) both towers' embeddings too. BLAS/OpenMP run
+    one thread (as benchmarks/results/drift.md measures on a shared CPU)."""
     ref_df, cur_df = _frame(reference), _frame(current)
     sides = (("reference", reference), ("current", current))
     embeddings: dict[str, list[str]] = {}
@@ -302,16 +300,12 @@ def compute_drift(
     numeric = [c for c in NUMERIC_COLUMNS if ref_df[c].nunique() > 1 or cur_df[c].nunique() > 1]
     from threadpoolctl import threadpool_limits
 
-    with threadpool_limits(limits=threads):
+    with threadpool_limits(limits=1):
         scores = evidently_scores(ref_df, cur_df, numeric, embeddings, html_path)
         floors = noise_floors(reference, ref_df, numeric, embeddings)
     rate, unseen = _unseen_words(reference, current)  # a rate, not a distribution test; banded like the rest
-    vocabulary = {
-        "kind": "caption",
-        "method": "oov_rate",
-        "score": rate,
-        "examples": sorted(set(unseen))[:20],
-    }
+    examples = sorted(set(unseen))[:20]
+    vocabulary = {"kind": "caption", "method": "oov_rate", "score": rate, "examples": examples}
     verdicts: dict[str, Any] = {"caption_vocabulary": vocabulary}
     for name, score in scores.items():
         if name in embeddings:
@@ -358,15 +352,13 @@ def run_drift(
     current_samples = sample_phase(current, sample_size, seed + 1, image_size=image_size)
     summary = compute_drift(reference_samples, current_samples, bundle, out_dir / DRIFT_REPORT_FILE)
     summary.update(
-        {
-            "schema_version": 1,
-            "reference": {"shards": _describe(reference), "samples": len(reference_samples)},
-            "current": {"shards": _describe(current), "samples": len(current_samples)},
-            "production_model": str(production_checkpoint) if production_checkpoint else None,
-            "html_report": DRIFT_REPORT_FILE,
-            "severity_bands": {k: list(v) for k, v in SEVERITY_BANDS.items()},
-            "noise_splits": NOISE_SPLITS,
-        }
+        schema_version=1,
+        reference={"shards": _describe(reference), "samples": len(reference_samples)},
+        current={"shards": _describe(current), "samples": len(current_samples)},
+        production_model=str(production_checkpoint) if production_checkpoint else None,
+        html_report=DRIFT_REPORT_FILE,
+        severity_bands={k: list(v) for k, v in SEVERITY_BANDS.items()},
+        noise_splits=NOISE_SPLITS,
     )
     schemas.validate(summary, "drift_summary", source=str(out_dir / DRIFT_FILE))
     write_json_atomic(out_dir / DRIFT_FILE, summary)
