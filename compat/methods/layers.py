@@ -36,12 +36,11 @@ class OrthogonalMatrix(nn.Module):
         return self.dim * (self.dim - 1) // 2
 
 
-def truncate(x: torch.Tensor, dim: int, renormalize: bool = True) -> torch.Tensor:
-    """The first ``dim`` coordinates of every row (the prefix rule), re-normalised by default."""
+def truncate(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The first ``dim`` coordinates of every row (the prefix rule), re-normalised."""
     if x.shape[-1] < dim:
         raise ValueError(f"cannot truncate vectors of dimension {x.shape[-1]} to {dim}")
-    out = x[..., :dim]
-    return nn.functional.normalize(out, dim=-1) if renormalize else out
+    return nn.functional.normalize(x[..., :dim], dim=-1)
 
 
 def zero_pad(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -201,9 +201,8 @@ class AdaptedNewModel:
         self.bundle.model.requires_grad_(False)
         self.phi.requires_grad_(False)
         groups = self.trainable_groups(phi_part)
-        for items in groups.values():
-            for _, p in items:
-                p.requires_grad_(True)
+        for _, p in itertools.chain(*groups.values()):
+            p.requires_grad_(True)
         return groups
 
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:

@@ -33,13 +33,10 @@ class ChecksumError(CheckpointError):
     """The weights file's sha256 differs from the one recorded in the sidecar."""
 
 
-def sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
+def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, streamed."""
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(chunk_size):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def tensors_digest(path: Path) -> str:
