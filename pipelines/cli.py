@@ -44,7 +44,6 @@ OFFLINE_DEFAULTS = {
     "DO_NOT_TRACK": "1",
 }
 
-
 NOISY_LOGGERS = ("faiss", "milvus_lite")
 PROGRESS_LOGGER = "compat.progress"
 

@@ -35,10 +35,9 @@ def _into_namespace(name: str) -> None:
 
 
 def _in_named_namespace(name: str) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.stat(f"/run/netns/{name}").st_ino == os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        return False
+    return False
 
 
 @index_app.command("serve-milvus")

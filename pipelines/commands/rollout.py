@@ -131,11 +131,6 @@ def run_cmd(
             query_factory=query_factory,
             options=key_values(option, "--option"),
         )
-    _print_rollout(state, as_json)
-
-
-def _print_rollout(state: dict[str, Any], as_json: bool) -> None:
-    """The rollout's outcome and probe curve; exit 1 when it halted."""
     if as_json:
         echo_json(state)
     else:

@@ -119,14 +119,9 @@ def continual(
             resume=not fresh,
         )
     if doc:  # empty on a non-zero DDP rank
-        echo_json(_summary(doc, out / METRICS_FILE))
-
-
-def _summary(doc: Mapping[str, Any], metrics: Path) -> dict[str, Any]:
-    """What the command prints: the phase, the new model and each domain's R@1 both ways."""
-    r1 = {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()}
-    summary = {k: doc[k] for k in ("phase", "domain", "method")}
-    return {**summary, "model": doc["candidate"]["path"], "metrics": str(metrics), "r1": r1}
+        r1 = {d: {k: m[k]["R@1"] for k in ("t2i", "i2t")} for d, m in doc["domains"].items()}
+        shown = {k: doc[k] for k in ("phase", "domain", "method")}
+        echo_json({**shown, "model": doc["candidate"]["path"], "metrics": str(out / METRICS_FILE), "r1": r1})
 
 
 @contextlib.contextmanager
