@@ -21,14 +21,8 @@ COMPILED_NAME = "continual_upgrade.yaml"
 ConfigRef = Mapping[str, Any] | str | os.PathLike[str] | None
 
 
-def build_pipeline(deployment: Deployment, *, runner: str = "kubernetes") -> GraphComponent:
-    """The continual-upgrade pipeline built under ``deployment``'s task settings."""
-    from pipelines import resources
-
-    return _build(resources.task_settings(deployment, runner=runner))
-
-
-def _build(settings: dict[str, Any]) -> GraphComponent:
+def build_pipeline(settings: dict[str, Any]) -> GraphComponent:
+    """The continual-upgrade pipeline built under task ``settings`` (:mod:`pipelines.resources`)."""
     from kfp import dsl
 
     from pipelines import resources
@@ -73,7 +67,7 @@ def compile_pipeline(
     from pipelines import resources
 
     settings = resources.compile_settings(pinned(config, digests) if digests else config)
-    pipeline = _build(settings)
+    pipeline = build_pipeline(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / COMPILED_NAME
     compiler.Compiler().compile(

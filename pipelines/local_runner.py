@@ -121,6 +121,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
 
     from components.runs import plan_run, read_state
     from pipelines.compile import build_pipeline
+    from pipelines.resources import task_settings
     from pipelines.warm_tasks import on_host, warm_task_host
 
     echo = echo or sys.stderr
@@ -150,7 +151,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
             raise_on_error=True,
             enable_caching=True,
         )
-        pipeline = on_host(build_pipeline(deployment, runner="local"), host, env)
+        pipeline = on_host(build_pipeline(task_settings(deployment, runner="local")), host, env)
         log_path = RunDir(run_dir).pipeline_log
         # line-buffered: the exit handler's report reads the failed task's traceback while the file is open
         log = _EchoingLog(open(log_path, "w", buffering=1), echo)
