@@ -279,13 +279,12 @@ class ShardStream:
         position: StreamPosition | dict[str, int] | None = None,
         background: Sequence[int] = WHITE,
         image_size: int | None = None,
-        max_pixels: int | None = MAX_PIXELS,
         cache: SampleCache | None = None,
         workers: int = 0,
         chunk: int = DEFAULT_CHUNK,
     ) -> None:
         self.urls = expand_urls(urls)
-        self._decode_settings = (image_size, tuple(check_background(background, "shard reader")), max_pixels)
+        self._decode_settings = (image_size, tuple(check_background(background, "shard reader")), MAX_PIXELS)
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
         if workers < 0 or chunk < 1:
@@ -532,19 +531,14 @@ class CaptionedSet:
 
 
 def load_captioned_set(
-    urls: str | Sequence[str],
-    background: Sequence[int] = WHITE,
-    image_size: int | None = None,
-    max_pixels: int | None = MAX_PIXELS,
+    urls: str | Sequence[str], background: Sequence[int] = WHITE, image_size: int | None = None
 ) -> CaptionedSet:
     """Every sample of ``urls`` (in spec order) in a :class:`CaptionedSet`, images decoded to ``image_size``
     on the short side (give the model input so the set holds no more); :class:`LoaderError` on a duplicate
     key."""
     out = CaptionedSet([], [], [], [])
     seen: dict[str, str] = {}
-    stream = ShardStream(
-        urls, shuffle_shards=False, background=background, image_size=image_size, max_pixels=max_pixels
-    )
+    stream = ShardStream(urls, shuffle_shards=False, background=background, image_size=image_size)
     for sample in stream:
         if sample.key in seen:
             raise LoaderError(f"key {sample.key!r} appears twice: in {seen[sample.key]} and {sample.shard}")

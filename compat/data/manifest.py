@@ -278,15 +278,12 @@ def _check_counts(counts: Mapping[str, int], skipped: Mapping[str, int]) -> None
 
 @contextlib.contextmanager
 def _stream_lock(root: Path) -> Iterator[None]:
-    """Hold ``root/.stream.lock`` (released by the OS when the holder dies); a second add waits for it."""
+    """Hold ``root/.stream.lock`` until closed (the OS closes it when the holder dies); a second add waits."""
     import fcntl
 
     with open(root / LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def _append_locked(

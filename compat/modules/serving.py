@@ -30,11 +30,7 @@ class ProjectedCLIP(nn.Module):
     """
 
     def __init__(
-        self,
-        clip: nn.Module,
-        image_head: nn.Module,
-        text_head: nn.Module | None = None,
-        normalize_inputs: bool = True,
+        self, clip: nn.Module, image_head: nn.Module, text_head: nn.Module | None, normalize_inputs: bool
     ) -> None:
         super().__init__()
         self.clip, self.image_head, self.text_head = clip, image_head, text_head
