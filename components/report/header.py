@@ -59,29 +59,13 @@ def build(inputs: RunInputs, base: Path) -> Header:
     if failure:
         facts.append(("failed step", str(failure.get("step", "?"))))
     header = Header(outcome, facts, _links(registered, outcome_doc, run, base))
-    _next(header, run, plan, outcome, shipped, before, first, failure or {})
-    return header
-
-
-def _next(
-    header: Header,
-    run: RunDir,
-    plan: Mapping[str, Any],
-    outcome: str,
-    shipped: str | None,
-    before: str | None,
-    first: bool,
-    failure: Mapping[str, Any],
-) -> None:
-    """The undo command of a run that shipped, else what to do next."""
-    workspace = _workspace(run).root
-    phase = plan.get("phase", "N")
-    rerun = f"compatflow run --phase {phase}"
+    # the undo command of a run that shipped, else what to do next
+    rerun = f"compatflow run --phase {plan.get('phase', 'N')}"
     kept = f"production v{before} still serves" if before else "production is unchanged"
     if shipped and first:
         header.next = f"v{shipped} is the first production model: there is no earlier version to go back to."
     elif shipped:
-        header.command = f"compatflow rollback --workspace {shlex.quote(str(workspace))}"
+        header.command = f"compatflow rollback --workspace {shlex.quote(str(_workspace(run).root))}"
         header.next = (
             f"Undo: production v{shipped} back to v{before or '?'} (registry, serving record, index alias "
             "and lineage together):"
@@ -97,10 +81,11 @@ def _next(
         header.command = rerun
     elif outcome == "failed":
         header.next = (
-            f"Next: {failure.get('next_action') or 'see the log, then run again (the run resumes)'}."
+            f"Next: {(failure or {}).get('next_action') or 'see the log, then run again (the run resumes)'}."
         )
     else:
         header.next = "The run has not finished (no outcome recorded): see the pipeline's log."
+    return header
 
 
 def _links(registered: Mapping[str, Any], outcome: Mapping[str, Any], run: RunDir, base: Path) -> list[Link]:

@@ -47,13 +47,12 @@ class Tracking:
         *,
         tracking_uri: str | None = None,
         model_name: str = DEFAULT_MODEL_NAME,
-        experiment: str = EXPERIMENT,
     ) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         self.workspace = Workspace.coerce(workspace)
         self.tracking_uri = tracking_uri or self.workspace.mlflow_uri
         self.model_name = model_name
-        self.experiment = experiment
+        self.experiment = EXPERIMENT
         self._client: Any = None
 
     @property
