@@ -24,9 +24,7 @@ def article(word: str) -> str:
 
 def join_and(items: list[str]) -> str:
     """``x``, ``x and y``, ``x, y and z``."""
-    if len(items) <= 1:
-        return "".join(items)
-    return ", ".join(items[:-1]) + " and " + items[-1]
+    return "".join(items) if len(items) <= 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def scene_captions(scene: dict[str, Any], domain: Domain) -> list[str]:

@@ -39,9 +39,7 @@ def sample_captions(members: dict[str, bytes]) -> list[str]:
                 return list(caps)
             if isinstance(meta.get("caption"), str) and meta["caption"]:
                 return [meta["caption"]]
-    if "txt" in members:
-        return [members["txt"].decode("utf-8", errors="replace")]
-    return []
+    return [members["txt"].decode("utf-8", errors="replace")] if "txt" in members else []
 
 
 def iter_phase_captions(

@@ -270,8 +270,7 @@ def plan_phase(phase: int, counts: dict[str, int], samples_per_shard: int) -> li
 
 def _check_settings(found: dict[str, Any], wanted: dict[str, Any], source: Path) -> None:
     found = {"shift": "disjoint", **found}  # streams written before the realistic shift existed
-    diff = {k: (found.get(k), v) for k, v in wanted.items() if found.get(k) != v}
-    if diff:
+    if diff := {k: (found.get(k), v) for k, v in wanted.items() if found.get(k) != v}:
         detail = ", ".join(f"{k}: {a!r} there, {b!r} asked" for k, (a, b) in diff.items())
         raise StreamError(
             f"{source} was generated with other settings ({detail}); "

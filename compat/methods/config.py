@@ -60,8 +60,7 @@ def config_from_mapping(
     values = dict(values or {})
     hints = typing.get_type_hints(config_class)
     known = {f.name for f in dataclasses.fields(config_class)}
-    unknown = sorted(set(values) - known)
-    if unknown:
+    if unknown := sorted(set(values) - known):
         raise CompatError(
             f"{source}: unknown setting(s) {unknown} for {config_class.__name__}; known: {sorted(known)}"
         )

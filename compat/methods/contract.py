@@ -80,8 +80,7 @@ class ServingContract:
         if not isinstance(doc, Mapping):
             raise CompatError(f"{source}: the serving contract must be a JSON object")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in doc and n != "old_dims"]
-        if missing:
+        if missing := [n for n in names if n not in doc and n != "old_dims"]:
             raise CompatError(f"{source}: serving contract misses field(s) {missing}")
         values = {n: doc[n] for n in names if n in doc}
         values["old_dims"] = tuple(values.get("old_dims") or ())

@@ -117,9 +117,7 @@ class Adapters(nn.Module):
 
     def queries(self, new: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """``B(h_t)`` on the (truncated, re-normalised) new embedding; raw ``h_t`` for FCT."""
-        if self.backward is None:
-            return new
-        return self.backward(truncate(new, self.dim), weight)
+        return new if self.backward is None else self.backward(truncate(new, self.dim), weight)
 
     def forward(self, old: torch.Tensor) -> torch.Tensor:
         """``F(h_k)``."""

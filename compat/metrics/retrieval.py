@@ -40,8 +40,7 @@ def _positive_pairs(
         pos = [int(p) for p in pos]
         if not pos:
             raise ValueError(f"positives[{i}] is empty: every query needs at least one relevant gallery item")
-        bad = [p for p in pos if not 0 <= p < n_gallery]
-        if bad:
+        if bad := [p for p in pos if not 0 <= p < n_gallery]:
             raise ValueError(f"positives[{i}] holds gallery indices {bad[:5]} outside [0, {n_gallery})")
         q_idx.extend([i] * len(pos))
         g_idx.extend(pos)

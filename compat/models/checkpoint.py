@@ -121,8 +121,7 @@ def read_sidecar(path: Path) -> dict:
     doc = read_json(path, CheckpointError)
     if not isinstance(doc, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
-    missing = [k for k in REQUIRED_FIELDS if k not in doc]
-    if missing:
+    if missing := [k for k in REQUIRED_FIELDS if k not in doc]:
         raise CheckpointError(f"{path}: missing field(s) {missing}")
     if doc["format"] != FORMAT:
         raise CheckpointError(f"{path}: field 'format' is {doc['format']!r}, expected {FORMAT!r}")

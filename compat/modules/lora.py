@@ -102,8 +102,7 @@ class LoraHandle:
         )
         config._register_custom_module({nn.MultiheadAttention: _exact_mha_class()})
         self._tuner = LoraModel(model, config, ADAPTER)
-        missing = set(self.targets) - set(self._tuner.targeted_module_names)
-        if missing:
+        if missing := set(self.targets) - set(self._tuner.targeted_module_names):
             self.remove()
             raise ValueError(f"LoRA could not adapt {sorted(missing)}")
 

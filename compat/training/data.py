@@ -211,8 +211,7 @@ class ReplayBatchSource:
             rng = random.Random(f"replay-{self.seed}-{drawn}")
             idx = rng.sample(range(len(self.buffer)), self.replay)
             images = torch.stack([torch.as_tensor(self.image_transform(self.buffer.images[i])) for i in idx])
-            tokens = self.tokenizer([rng.choice(self.buffer.captions[i]) for i in idx])
-            tokens = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
+            tokens = torch.as_tensor(self.tokenizer([rng.choice(self.buffer.captions[i]) for i in idx]))
             drawn += 1
             yield TrainBatch(
                 torch.cat([b.images, images]),
