@@ -195,7 +195,10 @@ def _run_task(request: dict, fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    _reseed()
+    if "numpy" in sys.modules:  # seeded afresh, as a new process is (random reseeds itself at fork)
+        sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     import runpy
 
     sys.argv = [request["argv"][1], *request["argv"][2:]]
@@ -209,16 +212,13 @@ def _run_task(request: dict, fds: list[int]) -> int:
             print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
+    imported = set(sys.modules) - preloaded  # what PRELOAD could still hold
+    tops = sorted({name.split(".", 1)[0] for name in imported if not name.startswith("ephemeral_component")})
+    line = f"task {os.getpid()}: imported {len(imported)} modules itself ({', '.join(tops[:12]) or 'none'})\n"
     with contextlib.suppress(OSError):
-        os.write(host_log, _imported_line(os.getpid(), set(sys.modules) - preloaded).encode())
+        os.write(host_log, line.encode())
         os.close(host_log)
     return code
-
-
-def _imported_line(pid: int, modules: set[str]) -> str:
-    """``task PID: imported N modules itself (top-level packages)``: what :data:`PRELOAD` could still hold."""
-    tops = sorted({name.split(".", 1)[0] for name in modules if not name.startswith("ephemeral_component")})
-    return f"task {pid}: imported {len(modules)} modules itself ({', '.join(tops[:12]) or 'none'})\n"
 
 
 class _Host:
@@ -355,14 +355,6 @@ class _Host:
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
             conn.close()
-
-
-def _reseed() -> None:
-    """Seed the global generators a fork copied (``random`` reseeds itself at fork) as a new process would."""
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))
-    if "torch" in sys.modules:
-        sys.modules["torch"].seed()
 
 
 def _function_of(argv: list[str]) -> str:

@@ -67,13 +67,16 @@ def models(
             continue
         kind = "compatflow" if name in own else "open_clip"
         arch_name = name if kind == "open_clip" else read_config(name).get("open_clip_model")
+        known = list_pretrained_tags_by_model(arch_name) if arch_name else []
         tags = []
-        for tag in list_pretrained_tags_by_model(arch_name) if arch_name else []:
+        for tag in known:
             path, _ = find_cached(arch_name, tag, [folder])
             if path is not None or not cached_only:
                 tags.append({"tag": tag, "cached": path is not None, "path": str(path) if path else None})
-        for own_tag in _own_tags(folder, arch_name):
-            tags.append({"tag": own_tag, "cached": True, "path": str(folder / arch_name / own_tag)})
+        if arch_name and (folder / arch_name).is_dir():  # a team's own weights: tags open_clip does not list
+            for p in sorted((folder / arch_name).iterdir()):
+                if p.is_dir() and p.name not in known and not p.name.startswith("."):
+                    tags.append({"tag": p.name, "cached": True, "path": str(p)})
         if cached_only and not tags:
             continue
         rows.append({"config": name, "kind": kind, "open_clip_model": arch_name, "tags": tags})
@@ -90,20 +93,6 @@ def models(
         for tag in row["tags"]:
             where = f"cached  {tag['path']}" if tag["cached"] else "-"
             typer.echo(f"    {tag['tag']:<36} {where}")
-
-
-def _own_tags(folder: Path, arch: str | None) -> list[str]:
-    """Tags of ``arch`` in the weights folder that open_clip does not list (a team's own weights)."""
-    if not arch or not (folder / arch).is_dir():
-        return []
-    from open_clip.pretrained import list_pretrained_tags_by_model
-
-    known = set(list_pretrained_tags_by_model(arch))
-    return sorted(
-        p.name
-        for p in (folder / arch).iterdir()
-        if p.is_dir() and p.name not in known and not p.name.startswith(".")
-    )
 
 
 @models_app.command("fetch")

@@ -107,9 +107,7 @@ def _format_status(doc: dict[str, Any]) -> str:
         f"workspace   {doc.get('workspace')}",
         f"model       {registry.get('model')}  ({registry.get('tracking_uri')})",
     ]
-    for key in ("note", "error"):
-        if registry.get(key):
-            lines.append(f"            {key}: {registry[key]}")
+    lines += [f"            {key}: {registry[key]}" for key in ("note", "error") if registry.get(key)]
     for alias in ("production", "candidate", "previous"):
         info = registry.get(alias)
         if info is None:
