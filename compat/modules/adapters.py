@@ -96,9 +96,7 @@ def vision_blocks(visual: nn.Module) -> list[nn.Module]:
     return list(blocks)
 
 
-def insert_tied_adapters(
-    visual: nn.Module, bottleneck: int, init_std: float = 0.01, generator: torch.Generator | None = None
-) -> AdapterHandle:
+def insert_tied_adapters(visual: nn.Module, bottleneck: int, init_std: float = 0.01) -> AdapterHandle:
     """Put a :class:`TiedAdapter` of bottleneck ``bottleneck`` after the MLP of every block of ``visual``."""
     blocks = vision_blocks(visual)
     if any(hasattr(b, ATTRIBUTE) for b in blocks):
@@ -106,11 +104,7 @@ def insert_tied_adapters(
     adapters = []
     for block in blocks:
         weight = block.mlp.c_proj.weight  # [width, mlp_width]
-        adapter = TiedAdapter(weight.shape[0], bottleneck, init_std)
-        if generator is not None:
-            with torch.no_grad():
-                adapter.weight.copy_(torch.randn(adapter.weight.shape, generator=generator) * init_std)
-        adapter = adapter.to(device=weight.device, dtype=weight.dtype)
+        adapter = TiedAdapter(weight.shape[0], bottleneck, init_std).to(weight)  # its device and dtype
         setattr(block, ATTRIBUTE, adapter)
         adapters.append(adapter)
     return AdapterHandle(blocks, adapters)
