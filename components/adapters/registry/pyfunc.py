@@ -227,6 +227,9 @@ def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: s
     from mlflow.pyfunc import save_model
     from mlflow.types import ColSpec, Schema, TensorSpec
 
+    import compat
+    import components
+
     signature = ModelSignature(
         inputs=Schema(
             [ColSpec("string", "text", required=False), ColSpec("binary", "image", required=False)]
@@ -240,21 +243,13 @@ def save(model_dir: Path, checkpoint_dir: Path, facts: dict[str, Any], digest: s
         signature=signature,
         input_example=pd.DataFrame({"text": ["a red circle on a striped background"]}),
         pip_requirements=_requirements(),
-        code_paths=_code_paths(),  # the flavour's own code travels with the model (not a published package)
+        # compatflow's own packages, which the loader imports (not published): MLflow puts code/ on the path
+        code_paths=[str(Path(package.__file__).parent) for package in (compat, components)],
         metadata={"compatflow": {**facts, "checkpoint_sha256": digest}},
     )
     if not (model_dir / FILES).is_dir():  # MLflow copies data_path to data/<its name>
         raise RuntimeError(f"{model_dir}: the MLflow model holds no {FILES}")
     return model_dir
-
-
-def _code_paths() -> list[str]:
-    """compatflow's own packages the loader imports (``compat``, ``components``): copied into the model's
-    ``code/``, which MLflow puts on the path when it loads the model."""
-    import compat
-    import components
-
-    return [str(Path(package.__file__).parent) for package in (compat, components)]
 
 
 def _requirements() -> list[str]:
