@@ -212,8 +212,7 @@ def _to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image
         return _deep_to_l(image).convert("RGB")
     if not has_transparency(image):
         if mode == "CMYK" and image.info.get("icc_profile"):
-            converted = _cmyk_with_profile(image)
-            if converted is not None:
+            if (converted := _cmyk_with_profile(image)) is not None:
                 return converted
         return image.convert("RGB")
     rgba = image if mode == "RGBA" else image.convert("RGBA")

@@ -136,8 +136,6 @@ def _decoder(
 ) -> Callable[[dict[str, Any]], dict[str, Any]]:
     from webdataset import autodecode
 
-    background = check_background(background, "shard reader")
-
     def decode(key: str, data: bytes) -> Any:
         ext = key.rsplit(".", 1)[-1].lower()
         if ext in IMAGE_EXTS:
