@@ -90,13 +90,10 @@ class _Display:
 
     def update(self, task_id: int, **kwargs: Any) -> None:
         with self.lock:
-            if self.progress is not None:
-                self.progress.update(task_id, **kwargs)
+            self.progress.update(task_id, **kwargs)
 
     def remove(self, task_id: int) -> None:
         with self.lock:
-            if self.progress is None:
-                return
             self.progress.remove_task(task_id)
             self.users -= 1
             if self.users == 0:
