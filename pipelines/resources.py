@@ -165,26 +165,16 @@ def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> Pip
     if op_name in RETRYABLE and settings["retry"]:
         task.set_retry(**settings["retry"])
     if kind == "gpu":
-        _configure_gpu(task, settings)
-    _wire_cluster(task, settings)
-    return task
-
-
-def _configure_gpu(task: PipelineTask, settings: dict[str, Any]) -> None:
-    gpu = settings["gpu"]
-    if gpu["accelerator"]:
-        task.set_accelerator_type(gpu["accelerator"]).set_accelerator_limit(gpu["accelerator_count"])
-    for key, value in sorted(gpu["node_selector"].items()):
-        kubernetes.add_node_selector(task, label_key=key, label_value=value)
-    for toleration in settings["config"].resources.gpu.tolerations:
-        kubernetes.add_toleration(task, **toleration.model_dump())
-    # DataLoader workers and NCCL exchange tensors through /dev/shm (64 MiB by default in a pod);
-    # a memory-backed emptyDir counts against, and is bounded by, the task's memory limit.
-    kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path=SHM_PATH, medium="Memory")
-
-
-def _wire_cluster(task: PipelineTask, settings: dict[str, Any]) -> None:
-    """Service URIs, credentials and volumes (the service account is the run's, not a task setting)."""
+        if res["accelerator"]:
+            task.set_accelerator_type(res["accelerator"]).set_accelerator_limit(res["accelerator_count"])
+        for key, value in sorted(res["node_selector"].items()):
+            kubernetes.add_node_selector(task, label_key=key, label_value=value)
+        for toleration in settings["config"].resources.gpu.tolerations:
+            kubernetes.add_toleration(task, **toleration.model_dump())
+        # DataLoader workers and NCCL exchange tensors through /dev/shm (64 MiB by default in a pod);
+        # a memory-backed emptyDir counts against, and is bounded by, the task's memory limit.
+        kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path=SHM_PATH, medium="Memory")
+    # Service URIs, credentials and volumes (the service account is the run's, not a task setting).
     kubernetes.use_config_map_as_env(task, PIPELINE_CONFIG_MAP, {key: key for key in CONFIG_MAP_ENV})
     kubernetes.use_config_map_as_env(
         task, PIPELINE_CONFIG_MAP, {key: key for key in OPTIONAL_CONFIG_MAP_ENV}, optional=True
@@ -196,6 +186,7 @@ def _wire_cluster(task: PipelineTask, settings: dict[str, Any]) -> None:
     if settings["feast_mount"]:
         kubernetes.use_config_map_as_volume(task, FEAST_CONFIG_MAP, mount_path=settings["feast_mount"])
     kubernetes.set_image_pull_policy(task, IMAGE_PULL_POLICY)
+    return task
 
 
 def torchrun_command(

@@ -197,10 +197,10 @@ def check_cluster_wiring(k8s: dict[str, Any], config: dict[str, Any], where: str
 
 def compile_stages(tmp_path: Path, settings: dict[str, Any], name: str = "stages.yaml") -> Path:
     """The real pipeline built under ``settings`` (every task goes through ``resources.configure``)."""
-    from pipelines.compile import _build
+    from pipelines.compile import build_pipeline
 
     path = tmp_path / name
-    compiler.Compiler().compile(_build(settings), str(path))
+    compiler.Compiler().compile(build_pipeline(settings), str(path))
     return path
 
 
