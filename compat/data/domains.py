@@ -285,10 +285,7 @@ TOWN = Domain(
         Kind(
             ("tree", "oak"),
             ("trees", "oaks"),
-            (
-                ("poly", _rect(-0.15, 0.2, 0.15, 1.0), BROWN),
-                ("ellipse", (-0.85, -1.0, 0.85, 0.45), "main"),
-            ),
+            (("poly", _rect(-0.15, 0.2, 0.15, 1.0), BROWN), ("ellipse", (-0.85, -1.0, 0.85, 0.45), "main")),
         ),
         Kind(
             ("car", "automobile"),

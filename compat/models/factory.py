@@ -244,12 +244,7 @@ def _drop_random_init(record: logging.LogRecord) -> bool:
 
 
 def _build(
-    config_name: str,
-    *,
-    device: Any,
-    seed: int | None,
-    pretrained_text: bool,
-    resize_mode: str | None = None,
+    config_name: str, *, device: Any, seed: int | None, pretrained_text: bool, resize_mode: str | None = None
 ) -> ClipBundle:
     import open_clip
     import torch
