@@ -42,20 +42,16 @@ def shard_captions(url: str) -> dict[str, str]:
 Fallback = Callable[[Sequence[str]], Mapping[str, str | None]]
 
 
+MAX_SHARDS = 64  # shards whose captions are cached
+
+
 class ShardCaptions:
-    """Captions by ``source_uri``, with the captions of up to ``max_shards`` shards cached (thread-safe);
+    """Captions by ``source_uri``, with the captions of up to :data:`MAX_SHARDS` shards cached (thread-safe);
     with a ``fallback``, a hit whose shard is not cached is answered by it while the shard loads in the
     background (see the module docstring). A relative shard path lies under ``root`` (the workspace)."""
 
-    def __init__(
-        self,
-        max_shards: int = 64,
-        fallback: Fallback | None = None,
-        root: str | os.PathLike[str] | None = None,
-    ) -> None:
-        if max_shards < 1:
-            raise ValueError(f"max_shards must be >= 1, got {max_shards}")
-        self.max_shards, self.fallback, self.root = max_shards, fallback, root
+    def __init__(self, fallback: Fallback | None = None, root: str | os.PathLike[str] | None = None) -> None:
+        self.fallback, self.root = fallback, root
         self._cache: OrderedDict[str, dict[str, str]] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Lock] = {}
@@ -84,7 +80,7 @@ class ShardCaptions:
                 captions = {}
             with self._lock:
                 self._cache[url] = captions
-                while len(self._cache) > self.max_shards:
+                while len(self._cache) > MAX_SHARDS:
                     self._cache.popitem(last=False)
                 self._loading.pop(url, None)
             return captions

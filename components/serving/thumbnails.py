@@ -21,15 +21,14 @@ THUMBNAIL_SIDE = 96  # pixels on the longer side
 THUMBNAIL_QUALITY = 85  # JPEG quality: about 3 KB a thumbnail
 
 
-def thumbnail_uri(data: bytes, side: int = THUMBNAIL_SIDE, max_pixels: int | None = None) -> str:
+def thumbnail_uri(data: bytes, side: int = THUMBNAIL_SIDE) -> str:
     """``data`` (an encoded picture) as a JPEG data URI at most ``side`` pixels on its longer side, decoded
     through the bounded path. Raises :class:`compat.data.images.ImageDecodeError` (a ``ValueError``)."""
     from compat.data.images import MAX_PIXELS, decode_rgb, read_header
 
-    limit = MAX_PIXELS if max_pixels is None else max_pixels
-    header = read_header(data, max_pixels=limit)
+    header = read_header(data, max_pixels=MAX_PIXELS)
     short, long = sorted((header.width, header.height))
-    image = decode_rgb(data, size=max(1, math.ceil(side * short / long)), max_pixels=limit)
+    image = decode_rgb(data, size=max(1, math.ceil(side * short / long)), max_pixels=MAX_PIXELS)
     if max(image.size) > side:  # rounding of the short side's scaling
         image.thumbnail((side, side))
     buffer = io.BytesIO()
@@ -37,9 +36,7 @@ def thumbnail_uri(data: bytes, side: int = THUMBNAIL_SIDE, max_pixels: int | Non
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def shard_thumbnails(
-    url: str, keys: Iterable[str], side: int = THUMBNAIL_SIDE, max_pixels: int | None = None
-) -> dict[str, str | None]:
+def shard_thumbnails(url: str, keys: Iterable[str], side: int = THUMBNAIL_SIDE) -> dict[str, str | None]:
     """``{key: data URI or None}`` for ``keys`` of shard ``url``, one pass stopped once all are found."""
     from compat.data.loader import IMAGE_EXTS
     from compat.data.shards import iter_raw_samples
@@ -53,7 +50,7 @@ def shard_thumbnails(
         data = next((raw.members[e] for e in IMAGE_EXTS if isinstance(raw.members.get(e), bytes)), None)
         if data is not None:
             try:
-                out[raw.key] = thumbnail_uri(data, side, max_pixels)
+                out[raw.key] = thumbnail_uri(data, side)
             except ValueError as exc:  # ImageDecodeError, ImageTooLargeError: no thumbnail for this hit
                 log.warning("no thumbnail for %s#%s: %s", url, raw.key, exc)
         if not left:
@@ -65,17 +62,13 @@ class ShardThumbnails:
     """Thumbnails by ``source_uri``, up to ``max_items`` cached (thread-safe); shards relative to ``root``."""
 
     def __init__(
-        self,
-        side: int = THUMBNAIL_SIDE,
-        max_items: int = 4096,
-        max_pixels: int | None = None,
-        root: str | os.PathLike[str] | None = None,
+        self, side: int = THUMBNAIL_SIDE, max_items: int = 4096, root: str | os.PathLike[str] | None = None
     ) -> None:
         if side < 8:
             raise ValueError(f"side must be at least 8 pixels, got {side}")
         if max_items < 1:
             raise ValueError(f"max_items must be >= 1, got {max_items}")
-        self.side, self.max_items, self.max_pixels, self.root = side, max_items, max_pixels, root
+        self.side, self.max_items, self.root = side, max_items, root
         self._cache: OrderedDict[str, str | None] = OrderedDict()
         self._lock = threading.Lock()
         self.failures = 0
@@ -98,7 +91,7 @@ class ShardThumbnails:
         for url, keys in missing.items():
             try:
                 shard = resolved_path(self.root, url) if self.root else url
-                read = shard_thumbnails(shard, keys, self.side, self.max_pixels)
+                read = shard_thumbnails(shard, keys, self.side)
             except Exception as exc:  # noqa: BLE001 - a missing shard costs thumbnails, not the query
                 log.warning("thumbnails of %s unavailable: %s", url, exc)
                 with self._lock:
