@@ -165,11 +165,7 @@ def on_device(encoder: Encoder, device: torch.device) -> Iterator[None]:
 
 
 def adamw_cosine(
-    params: Iterable[torch.nn.Parameter] | list[dict],
-    lr: float,
-    weight_decay: float,
-    steps: int,
-    warmup_fraction: float,
+    params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, steps: int, warmup_fraction: float
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with linear warm-up over ``warmup_fraction`` of ``steps`` then cosine decay to zero."""
     from compat.training.schedule import CosineWarmup
