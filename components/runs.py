@@ -151,13 +151,12 @@ def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
     return state
 
 
-def record_phase(workspace: Workspace | str | Path, phase: int, status: str, run_id: str) -> dict[str, Any]:
-    """Record a phase's outcome; returns the new state."""
+def record_phase(workspace: Workspace | str | Path, phase: int, status: str, run_id: str) -> None:
+    """Record a phase's outcome in the workspace's phase record."""
     ws = Workspace.coerce(workspace)
     state = read_state(ws)
     state["phases"][str(phase)] = _phase_entry(status, run_id)
     write_json_atomic(ws.state_path, state)
-    return state
 
 
 def _phase_entry(status: str, run_id: str, when: float | None = None) -> dict[str, Any]:
