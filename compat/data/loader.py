@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from compat.data.cache import SampleCache
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
+Decoder = Callable[[dict[str, Any]], dict[str, Any]]  # webdataset's: a raw sample to its decoded members
 
 
 class LoaderError(ValueError):
@@ -131,9 +132,7 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> l
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n_shards)]
 
 
-def _decoder(
-    image_size: int | None = None, background: Sequence[int] = WHITE, max_pixels: int | None = MAX_PIXELS
-) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def _decoder(image_size: int | None, background: Sequence[int], max_pixels: int | None) -> Decoder:
     from webdataset import autodecode
 
     def decode(key: str, data: bytes) -> Any:
@@ -152,15 +151,13 @@ def _decoder(
     return autodecode.Decoder([decode], pre=[], post=[], only={*IMAGE_EXTS, "txt", "json"})
 
 
-def decode_sample(
-    raw: dict[str, Any], shard: str, decoder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-) -> Sample:
+def decode_sample(raw: dict[str, Any], shard: str, decoder: Decoder) -> Sample:
     """Decode a webdataset raw sample (``__key__`` plus members) into a :class:`Sample`."""
     from webdataset.autodecode import DecodingError
 
     key = raw.get("__key__", "?")
     try:
-        decoded = (decoder or _decoder())(raw)
+        decoded = decoder(raw)
     except DecodingError as exc:
         raise LoaderError(
             f"shard {shard}, key {key!r}: cannot decode member .{exc.k}: {exc.__cause__}"
@@ -220,9 +217,7 @@ def _worker_start(decode_settings: tuple[Any, ...], prepare: Callable[[Sample, i
     _WORKER["prepare"] = prepare
 
 
-def _work(
-    item: _Item, decoder: Callable[[dict[str, Any]], dict[str, Any]], prepare: Any
-) -> tuple[Sample, Any]:
+def _work(item: _Item, decoder: Decoder, prepare: Any) -> tuple[Sample, Any]:
     sample = item.sample if item.sample is not None else decode_sample(item.raw, item.url, decoder)
     return sample, (prepare(sample, item.position.epoch) if prepare is not None else None)
 
