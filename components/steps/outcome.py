@@ -55,13 +55,9 @@ def end_mlflow_run(deployment: Deployment, pipeline_run_id: str, status: str, pi
 
     from components.steps.base import registry_of
 
-    mlflow_status = (
-        "KILLED"
-        if pipeline_state.upper() in ("CANCELED", "CANCELLED", "CANCELING")
-        else "FAILED"
-        if status == "failed"
-        else "FINISHED"
-    )
+    mlflow_status = "FAILED" if status == "failed" else "FINISHED"
+    if pipeline_state.upper() in ("CANCELED", "CANCELLED", "CANCELING"):
+        mlflow_status = "KILLED"
     try:
         registry_of(deployment).end_pipeline_run(pipeline_run_id, mlflow_status)
     except Exception as err:  # the report must still be written
