@@ -106,8 +106,6 @@ def backfilled_count(n: int, fraction: float) -> int:
     return min(n, int(math.floor(fraction * n + 1e-9)))
 
 
-# What a gallery index stores with each row so that a backfill stage is a filter on it
-# (components.rollout.keys): a hash of the id, and the lambda-orth / uncertainty keys against centres.
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 

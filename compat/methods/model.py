@@ -113,7 +113,6 @@ class CompatModel(ABC):
         k = min(queries.shape[-1], dim)
         return truncate(queries, k), truncate(old_vectors, k)
 
-    # ---- persistence
     @abstractmethod
     def checkpoint_parts(self) -> dict[str, tuple[ClipBundle, Tensors | None]]:
         """Backbones to save with ``save_checkpoint``: name -> (bundle, state dict or None for its own)."""

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-# .pt/.pth/.bin are read with torch.load(weights_only=True)
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 # The file names open_clip's hub repos use, preferred in this order when a folder holds several.
 HUB_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")

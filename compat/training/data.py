@@ -151,8 +151,7 @@ class ReplayBuffer:
         n = len(urls_by_phase)
         for j, urls in enumerate(urls_by_phase):
             share = size // n + (1 if j < size % n else 0)
-            # Reservoir sampling (Algorithm R) in one streaming pass: memory stays O(share) however
-            # large the phase is.
+            # Reservoir sampling (Algorithm R), one streaming pass: memory O(share) whatever the phase's size
             kept: list[tuple[int, Any]] = []
             stream = ShardStream(urls, shuffle_shards=False, epochs=1, image_size=image_size)
             for seen, sample in enumerate(stream):
