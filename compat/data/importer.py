@@ -307,10 +307,8 @@ def _table_candidates(table: Path, settings: ImportSettings) -> list[_Candidate]
         cell = row.get(settings.path_column)
         where = f"{table.name} row {n}"
         extra = {c: _json_safe(row.get(c)) for c in extras}
-        caption = row.get(settings.caption_column)
-        caption = (
-            "" if caption is None or (isinstance(caption, float) and math.isnan(caption)) else str(caption)
-        )
+        text = row.get(settings.caption_column)
+        caption = "" if text is None or (isinstance(text, float) and math.isnan(text)) else str(text)
         if cell is None or not str(cell).strip():
             out.append(_Candidate(where, None, refused=("image_missing", f"{where}: the path cell is empty")))
             continue
