@@ -140,17 +140,12 @@ def markdown(title: str, head: Header, sections: list[Section]) -> str:
 def _md_item(item: Note | Table | Figure | Link | Hits) -> list[str]:
     if isinstance(item, Hits):
         width = max((len(hits) for _, hits in item.queries), default=0)
-        head = [
-            "| query | " + " | ".join(f"hit {i}" for i in range(1, width + 1)) + " |",
-            "|---|" + "---|" * width,
-        ]
+        headers = ["query", *(f"hit {i}" for i in range(1, width + 1))]
         rows = [
-            f"| {_md(text)} | "
-            + " | ".join(_md(f"{_cell(h.get('caption'))} ({_score(h.get('score'))})") for h in hits)
-            + " |"
+            [text, *(f"{_cell(h.get('caption'))} ({_score(h.get('score'))})" for h in hits)]
             for text, hits in item.queries
         ]
-        return [*head, *rows, "", "*Thumbnails in the HTML report.*"]
+        return [*_md_table(headers, rows), "", "*Thumbnails in the HTML report.*"]
     if isinstance(item, Note):
         return [f"_{_md(item.text)}_" if item.tone == "muted" else _md(item.text)]
     if isinstance(item, Link):
@@ -158,10 +153,12 @@ def _md_item(item: Note | Table | Figure | Link | Hits) -> list[str]:
     if isinstance(item, Figure):
         return [f"*Plot: {_md(item.title)} (in the HTML report)*"]
     out = [f"**{_md(item.caption)}**", ""] if item.caption else []
-    out.append("| " + " | ".join(_md(str(h)) for h in item.headers) + " |")
-    out.append("|" + "---|" * len(item.headers))
-    out += ["| " + " | ".join(_md(_cell(c)) for c in row) + " |" for row in item.rows]
-    return out
+    return out + _md_table([str(h) for h in item.headers], [[_cell(c) for c in row] for row in item.rows])
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(map(_md, headers)) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(map(_md, row)) + " |" for row in rows]
 
 
 def _cell(value: Any) -> str:
