@@ -34,8 +34,7 @@ def _positive_pairs(
         raise ValueError(
             f"positives: {len(positives)} lists for {n_queries} queries; give one list per query"
         )
-    q_idx: list[int] = []
-    g_idx: list[int] = []
+    q_idx, g_idx = [], []
     for i, pos in enumerate(positives):
         pos = [int(p) for p in pos]
         if not pos:
@@ -122,11 +121,9 @@ def recall_at_k(
 
 def caption_owners(captions_per_image: int | Sequence[int], n_images: int) -> list[int]:
     """Image index of every caption, listed image by image (``captions_per_image``: fixed or per image)."""
-    counts = (
-        [int(captions_per_image)] * n_images
-        if isinstance(captions_per_image, int)
-        else [int(c) for c in captions_per_image]
-    )
+    if isinstance(captions_per_image, int):
+        captions_per_image = [captions_per_image] * n_images
+    counts = [int(c) for c in captions_per_image]
     if len(counts) != n_images:
         raise ValueError(f"captions_per_image lists {len(counts)} counts for {n_images} images")
     if any(c < 1 for c in counts):
