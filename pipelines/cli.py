@@ -66,13 +66,7 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is at each record, so log lines go above live progress bars
     (rich redirects stderr while it draws them) instead of through them."""
 
-    @property  # type: ignore[override]
-    def stream(self) -> object:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value: object) -> None:
-        pass
+    stream = property(lambda _self: sys.stderr, lambda _self, _value: None)  # type: ignore[assignment]
 
 
 @app.callback()

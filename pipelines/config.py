@@ -79,10 +79,8 @@ def _model_problems(deployment: Deployment, *, local_paths: bool = True) -> list
     ):
         try:
             resize_mode_of(read_config(name), str(config_path(name)))
-        except KeyError as err:
-            problems.append(f"{field}: {err.args[0]}")
-        except ValueError as err:
-            problems.append(f"{field}: {err}")
+        except (KeyError, ValueError) as err:
+            problems.append(f"{field}: {err.args[0] if isinstance(err, KeyError) else err}")
     if local_paths and not problems:
         model_config = read_config(training.model_config_name)
         pretrained = training.pretrained or model_config.get("pretrained")

@@ -373,15 +373,6 @@ class Rehearsal:
             check=False,
         )
 
-    def isolation(self) -> dict[str, Any]:
-        return {
-            "network_interfaces": milvus_server.interfaces(),
-            "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user), no supplementary groups",
-            "task_capabilities": "none",
-            "task_views": {str(f): list(n) for f, n in unsearchable_folders(self.layout.root).items()},
-            "read_only": [str(f) for f in self.layout.read_only],
-        }
-
 
 @functools.cache
 def unsearchable_folders(root: Path) -> dict[Path, tuple[str, ...]]:
@@ -452,7 +443,13 @@ def rehearse(
             if not step.ok:
                 break
         outcome.steps.extend(_echoed(echo, step) for step in rehearsal.check())
-    outcome.isolation = rehearsal.isolation()
+    outcome.isolation = {
+        "network_interfaces": milvus_server.interfaces(),
+        "task_user": f"uid {TASK_UID}, gid {TASK_GID} (the images' user), no supplementary groups",
+        "task_capabilities": "none",
+        "task_views": {str(f): list(n) for f, n in unsearchable_folders(rehearsal.layout.root).items()},
+        "read_only": [str(f) for f in rehearsal.layout.read_only],
+    }
     (rehearsal.layout.root / "rehearsal.json").write_text(
         json.dumps({**asdict(outcome), "ok": outcome.ok}, indent=2) + "\n"
     )

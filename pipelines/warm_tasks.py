@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -154,16 +155,6 @@ def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None 
     return components.load_component_from_text(yaml.safe_dump(spec))
 
 
-def _native_threads() -> list[str]:
-    """The names of this process's threads, Python's and the libraries' own (BLAS pools, jemalloc)."""
-    with contextlib.suppress(OSError):
-        return [
-            Path(f"/proc/self/task/{t}/comm").read_text().strip()
-            for t in sorted(os.listdir("/proc/self/task"))
-        ]
-    return []
-
-
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     conn.settimeout(10)
     _, fds, _, _ = socket.recv_fds(conn, 1, 3)
@@ -263,16 +254,18 @@ class _Host:
             print(f"preload {name}: {type(exc).__name__}: {exc}", flush=True)
         else:
             print(f"preload {name}: {time.monotonic() - start:.2f} s", flush=True)
-        if not self.pending:
+        if not self.pending:  # the threads: Python's and the libraries' own (BLAS pools, jemalloc)
+            threads = []
+            with contextlib.suppress(OSError):
+                tasks = sorted(os.listdir("/proc/self/task"))
+                threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tasks]
             print(
                 f"preloaded in {time.monotonic() - self.started:.1f} s, "
-                f"{status_mib('VmRSS') or 0:.0f} MiB resident, threads: {', '.join(_native_threads())}",
+                f"{status_mib('VmRSS') or 0:.0f} MiB resident, threads: {', '.join(threads)}",
                 flush=True,
             )
 
     def _accept(self, _listener: object) -> tuple[dict, list[int]] | None:
-        import threading
-
         conn, _ = self.listener.accept()
         try:
             request, fds = _read_request(conn)

@@ -3,6 +3,7 @@ agrees with the index."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any
 
 import typer
@@ -23,8 +24,6 @@ def lineage(
 ) -> None:
     """Show the lineage of ITEM_IDS (model version, space, when embedded, image, caption) from Feast's
     online store; with --check, whether Feast and the index hold the same versions (exit 1 when not)."""
-    import warnings
-
     from pipelines.commands._common import reading_workspace
 
     ws = reading_workspace(config, workspace)  # before Feast is imported: a disagreeing config costs nothing
