@@ -195,11 +195,8 @@ def rehearse(
         milvus_server.enter_private_network()
     with refusing(RehearsalError, code=1):
         outcome = run_rehearsal(root, phases=phases, milvus_binaries=milvus_binaries, echo=typer.echo)
-    typer.echo("")
-    typer.echo(outcome.table())
-    typer.echo(
-        f"\n{'rehearsal passed' if outcome.ok else 'REHEARSAL FAILED'}; logs and rehearsal.json in {root}"
-    )
+    verdict = "rehearsal passed" if outcome.ok else "REHEARSAL FAILED"
+    typer.echo(f"\n{outcome.table()}\n\n{verdict}; logs and rehearsal.json in {root}")
     if not outcome.ok:
         raise typer.Exit(1)
 
