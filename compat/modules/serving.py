@@ -80,10 +80,7 @@ def original_model(adapted: ClipBundle) -> ClipBundle:
 
 
 def load_named_tensors(
-    own: dict[str, nn.Parameter],
-    tensors: dict[str, torch.Tensor],
-    what: str,
-    error: type[Exception] = ValueError,
+    own: dict[str, nn.Parameter], tensors: dict[str, torch.Tensor], what: str, error: type[Exception]
 ) -> None:
     """Copy ``tensors`` into the parameters ``own`` of the same names; names and shapes must all match."""
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
