@@ -234,8 +234,7 @@ def load_compat_model(path: Path | str, device: str | torch.device = "cpu") -> C
         file = root / doc["adapters"]["file"]
         if not file.is_file():
             raise FileNotFoundError(f"{file} is missing ({doc_path} refers to it)")
-        actual = sha256_file(file)
-        if actual != doc["adapters"]["sha256"]:
+        if (actual := sha256_file(file)) != doc["adapters"]["sha256"]:
             raise CompatError(
                 f"{file}: sha256 mismatch: expected {doc['adapters']['sha256']} (from {doc_path}), "
                 f"actual {actual}; the file was modified or truncated"

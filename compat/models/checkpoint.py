@@ -156,8 +156,7 @@ def verified_weights(sidecar_path: Path, doc: dict) -> Path:
         raise FileNotFoundError(
             f"checkpoint weights {weights} are missing (sidecar {sidecar_path} refers to them)"
         )
-    actual = sha256_file(weights)
-    if actual != doc["sha256"]:
+    if (actual := sha256_file(weights)) != doc["sha256"]:
         raise ChecksumError(
             f"{weights}: sha256 mismatch: expected {doc['sha256']} (from {sidecar_path}), "
             f"actual {actual}; the file was modified or truncated"
