@@ -46,14 +46,12 @@ def verify_checkpoint(directory: str | Path, expected_digest: str | None = None)
     if not manifest_path.is_file():
         raise CheckpointIntegrityError(f"{directory} has no {MANIFEST}: cannot verify the checkpoint")
     manifest = json.loads(manifest_path.read_text())
-    found = manifest_digest(manifest)
-    if expected_digest is not None and found != expected_digest:
+    if expected_digest is not None and (found := manifest_digest(manifest)) != expected_digest:
         raise CheckpointIntegrityError(
             f"{manifest_path} does not match the digest registered with the model version: expected sha256 "
             f"{expected_digest}, found sha256 {found}"
         )
-    actual = file_manifest(directory)
-    if actual != manifest:
+    if (actual := file_manifest(directory)) != manifest:
         bad = sorted(k for k in set(actual) | set(manifest) if actual.get(k) != manifest.get(k))
         raise CheckpointIntegrityError(
             f"checkpoint {directory} differs from its manifest in: {', '.join(bad)}"

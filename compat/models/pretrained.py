@@ -115,8 +115,7 @@ def find_cached(
 
         repo, candidates = hub_files(cfg)
         for name in candidates:
-            cached = try_to_load_from_cache(repo_id=repo, filename=name)
-            if isinstance(cached, str):
+            if isinstance(cached := try_to_load_from_cache(repo_id=repo, filename=name), str):
                 return Path(cached), tried
             tried.append(f"hf://{repo}/{name}")
     if cfg.get("url"):
