@@ -154,8 +154,7 @@ def clamp_logit_scale(model: torch.nn.Module) -> None:
     """Clamp the learnable log temperature to [0, ln 100] (CLIP; Mod-X App B.1)."""
     import torch
 
-    scale = getattr(getattr(model, "module", model), "logit_scale", None)
-    if scale is not None:
+    if (scale := getattr(getattr(model, "module", model), "logit_scale", None)) is not None:
         with torch.no_grad():
             scale.clamp_(0.0, LOGIT_SCALE_MAX)
 
@@ -271,8 +270,7 @@ class _Ledger:
 
 def _check_resumable(saved: dict[str, Any], config: TrainConfig, path: Path) -> None:
     current = config.to_dict()
-    diff = {k: (saved.get(k), current[k]) for k in _TRAJECTORY_FIELDS if saved.get(k) != current[k]}
-    if diff:
+    if diff := {k: (saved.get(k), current[k]) for k in _TRAJECTORY_FIELDS if saved.get(k) != current[k]}:
         detail = ", ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, (a, b) in diff.items())
         raise ResumeError(
             f"cannot resume from {path}: the run was started with other settings ({detail}); "
@@ -428,8 +426,7 @@ def _optimizer_step(
     logit scale within its bound. A loss that is not finite stops the run first (fp16's scaler skips it)."""
     import torch
 
-    loss = float(terms.total)
-    if not math.isfinite(loss) and scaler is None:
+    if not math.isfinite(loss := float(terms.total)) and scaler is None:
         raise FloatingPointError(
             f"loss is {loss} at step {step}; lower the learning rate (now {lr:g}) or use fp32"
         )
