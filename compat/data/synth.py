@@ -383,7 +383,7 @@ def generate_stream(
         return manifest  # complete: nothing is written
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(pending_path, settings)
-    for stale in out.glob("phase-*/*/.shard-*.tar.tmp-*"):
+    for stale in out.glob("phase-*/*/.shard-*.tar.*.tmp"):  # compat.io.atomic_write's temporaries
         stale.unlink()
     if todo:
         log.info("writing %d of %d shards into %s", len(todo), n_shards, out)

@@ -123,6 +123,7 @@ def test_interrupted_generation_completes_and_complete_stream_is_untouched(
 
     with pytest.raises(StreamError, match="other settings"):
         generate_stream(out, **{**args, "seed": 6})
+    (out / "phase-00/train/.shard-00002.tar.4242.deadbeef.tmp").write_bytes(b"cut")  # a SIGKILLed write's
     generate_stream(out, **args)
     assert tree_bytes(out) == tree_bytes(reference)
 
