@@ -55,38 +55,89 @@ def generate(
     echo_json({"out": str(out), "seconds": round(time.perf_counter() - start, 2), **stream_summary(manifest)})
 
 
+# `data import`'s longer options, named here so that its signature reads as the list of its settings.
+_Source = Annotated[
+    Path,
+    typer.Argument(
+        help="A folder of images (x.jpg + x.txt captions, or class folders), a .csv/.parquet table or a "
+        "Karpathy split .json (dataset_coco.json, dataset_flickr30k.json)."
+    ),
+]
+_Format = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="auto (a folder: sidecar, a .csv/.parquet file: table, a .json file: karpathy) | sidecar | "
+        "class-folders | table | karpathy (keeps the file's splits: train+restval, test as eval, val as "
+        "gallery).",
+    ),
+]
+_Split = Annotated[
+    str,
+    typer.Option(
+        help="train,eval,gallery fractions of the pictures (a seeded hash of each key; not for karpathy)."
+    ),
+]
+_MaxSide = Annotated[
+    int,
+    typer.Option(
+        min=16, help="img2dataset's --image_size: the size --resize-mode stores pictures at (never enlarged)."
+    ),
+]
+_ResizeMode = Annotated[
+    str,
+    typer.Option(
+        help="img2dataset's: keep_ratio (shorter side to --max-side) | center_crop (then the "
+        "centre square) | border (longer side to --max-side, black borders) | no (as they are).",
+    ),
+]
+_KeepOriginals = Annotated[
+    bool,
+    typer.Option(
+        "--keep-originals",
+        help="Also keep the untouched files (transparent ones unmatted), in shards of the same keys "
+        "under OUT/originals/.",
+    ),
+]
+_MaxPixels = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="Pictures whose header declares more pixels are refused undecoded (image_pixels); at most "
+        "Pillow's decompression-bomb limit, the default.",
+    ),
+]
+_AllowOutside = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--allow-outside",
+        help="A folder outside SRC whose files may be read (table paths, symbolic links into it); "
+        "repeatable. Without it every file read must be a regular file inside SRC.",
+    ),
+]
+_ExcludeStream = Annotated[
+    Path | None,
+    typer.Option(
+        "--exclude-stream",
+        help="A stream folder (stream.json): pictures it already holds (same key) are left out and "
+        "listed in import.json's in_stream_files.",
+    ),
+]
+
+
 @data_app.command("import")
 @exit_codes({0: "something was imported", 1: "nothing was imported"})
 def import_(
     ctx: typer.Context,
-    src: Annotated[
-        Path,
-        typer.Argument(
-            help="A folder of images (x.jpg + x.txt captions, or class folders), a .csv/.parquet table or a "
-            "Karpathy split .json (dataset_coco.json, dataset_flickr30k.json)."
-        ),
-    ],
+    src: _Source,
     out: Annotated[
         Path, typer.Option("--out", help="Output folder: {train,eval,gallery}/*.tar and import.json.")
     ],
-    source_format: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="auto (a folder: sidecar, a .csv/.parquet file: table, a .json file: karpathy) | sidecar | "
-            "class-folders | table | karpathy (keeps the file's splits: train+restval, test as eval, val as "
-            "gallery).",
-        ),
-    ] = "auto",
+    source_format: _Format = "auto",
     template: Annotated[
         str, typer.Option(help="class-folders: the caption of each image, {label} being its folder's name.")
     ] = "a photo of a {label}",
-    split: Annotated[
-        str,
-        typer.Option(
-            help="train,eval,gallery fractions of the pictures (a seeded hash of each key; not for karpathy)."
-        ),
-    ] = "0.8,0.1,0.1",
+    split: _Split = "0.8,0.1,0.1",
     seed: Annotated[int, typer.Option(help="Seed of the split hash.")] = 0,
     samples_per_shard: Annotated[int, typer.Option(min=1, help="Samples per tar shard.")] = 1000,
     key_prefix: Annotated[
@@ -97,52 +148,12 @@ def import_(
     max_image_bytes: Annotated[
         int, typer.Option(min=1, help="Larger image files are refused (the validation policy's default).")
     ] = 32 * 1024 * 1024,
-    max_side: Annotated[
-        int,
-        typer.Option(
-            min=16,
-            help="img2dataset's --image_size: the size --resize-mode stores pictures at (never enlarged).",
-        ),
-    ] = 512,
-    resize_mode: Annotated[
-        str,
-        typer.Option(
-            help="img2dataset's: keep_ratio (shorter side to --max-side) | center_crop (then the "
-            "centre square) | border (longer side to --max-side, black borders) | no (as they are).",
-        ),
-    ] = "keep_ratio",
-    keep_originals: Annotated[
-        bool,
-        typer.Option(
-            "--keep-originals",
-            help="Also keep the untouched files (transparent ones unmatted), in shards of the same keys "
-            "under OUT/originals/.",
-        ),
-    ] = False,
-    max_pixels: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="Pictures whose header declares more pixels are refused undecoded (image_pixels); at most "
-            "Pillow's decompression-bomb limit, the default.",
-        ),
-    ] = 178_956_970,
-    allow_outside: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--allow-outside",
-            help="A folder outside SRC whose files may be read (table paths, symbolic links into it); "
-            "repeatable. Without it every file read must be a regular file inside SRC.",
-        ),
-    ] = None,
-    exclude_stream: Annotated[
-        Path | None,
-        typer.Option(
-            "--exclude-stream",
-            help="A stream folder (stream.json): pictures it already holds (same key) are left out and "
-            "listed in import.json's in_stream_files.",
-        ),
-    ] = None,
+    max_side: _MaxSide = 512,
+    resize_mode: _ResizeMode = "keep_ratio",
+    keep_originals: _KeepOriginals = False,
+    max_pixels: _MaxPixels = 178_956_970,
+    allow_outside: _AllowOutside = None,
+    exclude_stream: _ExcludeStream = None,
 ) -> None:
     """Turn images with captions into webdataset shards split train/eval/gallery; print import.json's counts.
 
@@ -153,13 +164,9 @@ def import_(
     OUT/import.json. Exit 0 when something was imported, 1 when nothing was.
     """
     from compat.data import importer  # imported here: the CLI starts without it
-    from compat.data.manifest import StreamError, stream_keys
 
     start = time.perf_counter()
-    try:
-        exclude = stream_keys(exclude_stream) if exclude_stream is not None else None
-    except StreamError as exc:
-        fail(f"--exclude-stream: {exc}")
+    exclude = _stream_keys(exclude_stream) if exclude_stream is not None else None
     given = {f.name: ctx.params[f.name] for f in dataclasses.fields(importer.ImportSettings)}  # its options
     try:
         given["source_format"] = importer.detect_format(src) if source_format == "auto" else source_format
@@ -180,6 +187,16 @@ def import_(
             f"see {result.out / importer.REPORT} for every file's reason",
             code=1,
         )
+
+
+def _stream_keys(stream_dir: Path) -> dict[str, str]:
+    """The sample keys --exclude-stream's stream holds, each with its shard."""
+    from compat.data.manifest import StreamError, stream_keys
+
+    try:
+        return stream_keys(stream_dir)
+    except StreamError as exc:
+        fail(f"--exclude-stream: {exc}")
 
 
 @data_app.command("info")
