@@ -4,6 +4,7 @@ server``): waiting until one is ready, or saying why it is not, and stopping it.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -91,9 +92,10 @@ def start_server(
     name: str,
     wait_s: float = 120,
     error: type[ServerStartError] = ServerStartError,
+    env: dict[str, str] | None = None,
 ) -> LoopbackServer:
-    """Start ``argv`` (a server that listens on 127.0.0.1:``port``), its output appended to
-    ``data_dir/server.log``, and wait until it accepts connections."""
+    """Start ``argv`` (a server that listens on 127.0.0.1:``port``; ``env`` added to this process's
+    environment), its output appended to ``data_dir/server.log``, and wait until it accepts connections."""
 
     def accepts_connections() -> bool:
         try:
@@ -103,6 +105,7 @@ def start_server(
             return False
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = LoopbackServer(data_dir, launch(argv, data_dir / "server.log"), port)
+    process = launch(argv, data_dir / "server.log", env={**os.environ, **(env or {})})
+    server = LoopbackServer(data_dir, process, port)
     wait_until_ready(server, accepts_connections, name=name, wait_s=wait_s, error=error)
     return server

@@ -25,4 +25,6 @@ def start(data_dir: str | os.PathLike[str]) -> LoopbackServer:
     argv = [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     argv += ["--backend-store-uri", f"sqlite:///{data / 'backend.db'}"]
     argv += ["--artifacts-destination", str(data / "artifacts")]
-    return start_server(argv, data, port, name="mlflow server", error=MlflowServerError)
+    # No job runner: compatflow submits no MLflow server jobs, and the runner is four more processes.
+    no_jobs = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return start_server(argv, data, port, name="mlflow server", error=MlflowServerError, env=no_jobs)
