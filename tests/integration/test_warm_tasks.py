@@ -25,6 +25,13 @@ if mode == "echo":
 if mode == "atexit":
     import atexit
     atexit.register(print, "exit function ran")
+    sys.stdout.write("buffered, ")  # a pipe's stdout is block-buffered: written out only as the task ends
+
+    class Kept:  # alive until the interpreter's teardown, which a forked task skips
+        def __del__(self, write=os.write):
+            write(1, b"torn down")
+
+    sys.modules["kept"] = Kept()
 if mode == "raise":
     raise ValueError("the task failed")
 if mode == "random":
@@ -37,8 +44,6 @@ if mode == "sleep":
     Path(sys.argv[2]).write_text(str(os.getpid()))
     time.sleep(120)
 """
-
-
 @pytest.fixture
 def host(tmp_path, monkeypatch):
     """A host serving ``probe`` (a module on this test's PYTHONPATH), preloading numpy only."""
@@ -108,11 +113,11 @@ def test_a_task_that_raises_prints_its_traceback_and_exits_1(host):
     assert "ValueError: the task failed" in err and "Traceback" in err
 
 
-def test_a_tasks_exit_functions_run_as_it_ends(host):
+def test_a_task_ends_after_its_exit_functions_and_output_without_the_interpreters_teardown(host):
     launcher, _, _ = host
     proc = _launch(launcher, "atexit")
     out, err = proc.communicate("", timeout=60)
-    assert proc.returncode == 0 and out.strip() == "exit function ran", err
+    assert proc.returncode == 0 and out == "buffered, exit function ran\n", (out, err)
 
 
 def test_a_task_starts_with_the_hosts_objects_frozen_so_its_exit_collects_only_its_own(host):
