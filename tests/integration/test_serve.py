@@ -146,6 +146,12 @@ class Service:
         return code
 
 
+# The service's own behaviour (HTTP contract, bounds, digests, commands) is the same over either server: those
+# tests run on milvus-lite's; the rollouts under load, where the index server's writes and alias switches
+# meet live queries, run on both.
+on_milvus_lite = pytest.mark.parametrize("milvus_server", ["milvus-lite"], indirect=True)
+
+
 @pytest.fixture
 def gallery(tmp_path, milvus_server):
     """A workspace whose v1 gallery lives on the milvus-lite server (its own alias), rows pointing to a
@@ -185,6 +191,7 @@ def _top_ids(index: GalleryIndex, text: str, side: str, collection: str, rot=Non
     return [h.item_id for h in index.search(q, k=K, collection=collection)[0]]
 
 
+@on_milvus_lite
 def test_contract_health_and_metrics(gallery, service) -> None:
     paths, index, _ = gallery
     client = Client(service.port)
@@ -283,6 +290,7 @@ class Load:
             t.join(timeout=30)
 
 
+@on_milvus_lite
 def test_thumbnails_on_request(gallery, service) -> None:
     """``"thumbnails": true``: each hit carries its gallery picture as a small JPEG data URI, read from the
     shard its row points to; without it, no thumbnail field."""
@@ -385,6 +393,7 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
     assert "compatflow_serving_swaps_total 1.0" in metrics
 
 
+@on_milvus_lite
 def test_service_announces_itself_while_it_runs(gallery, tmp_path) -> None:
     """A running service is found in its workspace (services/<port>.json) and gone after SIGTERM; a file
     left by a process that no longer runs is ignored."""
@@ -404,6 +413,7 @@ def test_service_announces_itself_while_it_runs(gallery, tmp_path) -> None:
     assert live_services(paths.services) == []
 
 
+@on_milvus_lite
 def test_search_command_prints_captions(gallery, capsys) -> None:
     paths, index, uri = gallery
     text = UPGRADE.query_texts[0]
@@ -424,6 +434,7 @@ def test_search_command_prints_captions(gallery, capsys) -> None:
         assert refused.value.exit_code == 2 and "every interface is refused" in capsys.readouterr().err
 
 
+@on_milvus_lite
 def test_search_command_asks_the_running_service(gallery, service) -> None:
     """With a compatflow serve of the workspace announced, the command's hits are the service's answer."""
     paths, index, _ = gallery
@@ -460,6 +471,7 @@ def _raw_post(port: int, head: bytes, chunks: list[bytes] = ()) -> bytes:
     return answer
 
 
+@on_milvus_lite
 def test_every_search_bound_is_refused_before_the_work(gallery, service) -> None:
     """k, queries per request and characters per query are 422s naming the field (the CLI refuses the same
     k); a body over the limit is a 413 answered before it is read, declared or chunked."""
@@ -508,6 +520,7 @@ def _checkpoint(directory: Path, seed: int) -> Path:
     return directory
 
 
+@on_milvus_lite
 def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None:
     """A served model folder whose weights are swapped for an earlier version's, every sidecar digest and the
     manifest rewritten to match, passes a check against itself: the search command and the service refuse it
@@ -575,6 +588,7 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
         RegistryDigestCheck(ws)({"version": "7", "uri": str(copy)})
 
 
+@on_milvus_lite
 def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> None:
     """What status says is true: a search whose query model's ``models/vN`` is missing downloads the
     registered files (verified) and answers; a copy that differs is refused, and deleting it downloads it
@@ -629,6 +643,7 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
     verify_checkpoint(copy, digest)
 
 
+@on_milvus_lite
 def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:
     """Stage 0 of an in-place rollout moves the query model on the same collection while a query runs: the
     answer comes from the new query model (the old one could meet the backfill's first new vectors)."""
