@@ -44,6 +44,8 @@ if mode == "sleep":
     Path(sys.argv[2]).write_text(str(os.getpid()))
     time.sleep(120)
 """
+
+
 @pytest.fixture
 def host(tmp_path, monkeypatch):
     """A host serving ``probe`` (a module on this test's PYTHONPATH), preloading numpy only."""
