@@ -14,7 +14,6 @@ installed package's model directory at build time; that tower is loaded with its
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -283,16 +282,16 @@ def _build(
         image_size=int(image_size if isinstance(image_size, int) else image_size[0]),
         preprocess_train=preprocess_train,
         preprocess_eval=preprocess_eval,
-        tokenizer=_tokenizer(config_name, json.dumps(config.get("text_cfg", {}), sort_keys=True)),
+        tokenizer=_tokenizer(config_name),
         tokenizer_name=tokenizer_name_of(config),
         resize_mode=resize_mode,
     )
 
 
 @cache
-def _tokenizer(config_name: str, text_cfg: str) -> Callable[..., torch.Tensor]:
-    """open_clip's tokenizer of ``config_name`` (its ``text_cfg`` as JSON in the key), made once a process:
-    its BPE tables take a third of a second to build, and every model load asked for them again."""
+def _tokenizer(config_name: str) -> Callable[..., torch.Tensor]:
+    """open_clip's tokenizer of ``config_name`` (a shipped config file), made once a process: its BPE tables
+    take a third of a second to build, and every model load asked for them again."""
     import open_clip
 
     return open_clip.get_tokenizer(config_name)
