@@ -16,6 +16,9 @@ export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export GX_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+# Python keeps the sources it compiles (__pycache__, ignored by git) even where the environment says not to:
+# otherwise every process of a run and of the tests compiles them again.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: run test test-fast durations rehearse env lock lint schemas bench clean-env
 

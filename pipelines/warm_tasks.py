@@ -37,6 +37,7 @@ from compat.io import own_folder, write_in
 from compat.proc import status_mib
 
 ENABLE_ENV = "COMPATFLOW_WARM_TASKS"
+SHARED_ENV = "COMPATFLOW_TASK_HOST"  # the socket of a host that outlives runs: they hand it their tasks
 SOCKET_NAME = "task-host.sock"
 SOCKET_PATH_MAX = 100  # bytes: a Unix socket's path must fit sun_path (108 on Linux)
 CLIENT = Path(__file__).with_name("task_client.py")
@@ -91,18 +92,20 @@ def warm_task_host(
     folder: Path, log_path: Path | None = None, preload: Sequence[str] = PRELOAD
 ) -> Iterator[TaskHost | None]:
     """A warm host for the ``with`` body (None when off), logging to ``log_path`` (``folder/host.log``);
-    it stops taking tasks when the body ends and exits when its last task has."""
+    it stops taking tasks when the body ends and exits when its last task has. With ``$COMPATFLOW_TASK_HOST``
+    set, the host listening there (started by another ``with``, which it outlives) serves the body instead,
+    its imports made once for every run it serves and its log its own."""
     if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         yield None
         return
     folder = Path(folder)
     folder.parent.parent.mkdir(parents=True, exist_ok=True)
     folder_fd = own_folder(folder.parent.parent, folder.parent.name, folder.name)  # no link followed there
-    socket_path = folder / SOCKET_NAME
-    if len(os.fsencode(socket_path)) > SOCKET_PATH_MAX:  # a deep workspace: the socket goes to a short folder
+    shared = os.environ.get(SHARED_ENV)
+    socket_path = Path(shared) if shared else folder / SOCKET_NAME
+    if not shared and len(os.fsencode(socket_path)) > SOCKET_PATH_MAX:  # a deep workspace: a short folder
         short = "/tmp" if os.path.isdir("/tmp") else None  # not $TMPDIR: a run points it into the workspace
         socket_path = Path(tempfile.mkdtemp(prefix="compatflow-tasks-", dir=short)) / SOCKET_NAME
-    socket_path.unlink(missing_ok=True)
     launcher = folder / "task-python"
     python, client, sock = (shlex.quote(str(part)) for part in (sys.executable, CLIENT, socket_path))
     try:
@@ -113,6 +116,14 @@ def warm_task_host(
     finally:
         os.close(folder_fd)
     log = os.fdopen(log_fd, "ab")
+    if shared:
+        with log:
+            log.write(
+                f"tasks handed to the host at {socket_path} (${SHARED_ENV}), which logs them\n".encode()
+            )
+        yield TaskHost(launcher, socket_path)
+        return
+    socket_path.unlink(missing_ok=True)
     host = subprocess.Popen(
         [sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(preload)],
         stdin=subprocess.PIPE,
@@ -187,6 +198,7 @@ def _run_task(request: dict, fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the task's TMPDIR, not the folder the host's imports asked for and Python kept
     if "numpy" in sys.modules:  # seeded afresh, as a new process is (random reseeds itself at fork)
         sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))
     if "torch" in sys.modules:

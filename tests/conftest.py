@@ -410,6 +410,27 @@ def mlflow_server(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def _session_task_host(tmp_path_factory):
+    """One warm task host for this test process, started when a test first asks for :func:`task_host`."""
+    from pipelines.warm_tasks import warm_task_host
+
+    folder = tmp_path_factory.mktemp("task-host")
+    with warm_task_host(folder / "host", folder / "host.log") as host:
+        yield host, folder / "host.log"
+
+
+@pytest.fixture
+def task_host(_session_task_host, monkeypatch) -> Path:
+    """The runs this test makes hand their tasks to the session's warm host (``$COMPATFLOW_TASK_HOST``), which
+    imports the steps' libraries once for them all; yields the host's log."""
+    from pipelines.warm_tasks import SHARED_ENV
+
+    host, log = _session_task_host
+    monkeypatch.setenv(SHARED_ENV, str(host.socket))
+    return log
+
+
+@pytest.fixture(scope="session")
 def stream_dir(tmp_path_factory):
     """A small synthetic stream of four phases (16 gallery items each), shared by the upgrade-chain tests."""
     from compat.data.synth import generate_stream

@@ -148,32 +148,38 @@ def _snapshot(root: Path) -> dict[str, str]:
     }
 
 
-def test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone(tmp_path, stream_dir):
+def test_a_copied_workspace_works_where_it_is_and_leaves_the_original_alone(
+    bootstrapped, tmp_path, stream_dir
+):
     """Copy a workspace that has served and shipped; upgrade, search and roll back in the copy with the
-    original moved away: the copy answers from its own files (gallery rows name their shards relative to the
-    workspace) and the original's bytes do not change."""
+    original (and the workspace it was copied from in turn) moved away: the copy answers from its own files
+    (gallery rows name their shards relative to the workspace) and the original's bytes do not change."""
     from typer.testing import CliRunner
 
     from pipelines.cli import app
 
-    original = chain_config(tmp_path / "a", stream_dir, "bct")
-    Cycle(original).bootstrap()
-    Cycle(original).ship(1)
+    original, cycle = _cycle_from(bootstrapped, tmp_path / "a", stream_dir, "bct")
+    cycle.ship(1)
     shutil.copytree(tmp_path / "a" / "ws", tmp_path / "b" / "ws", symlinks=True)
     before = _snapshot(tmp_path / "a" / "ws")
 
     moved = chain_config(tmp_path / "b", stream_dir, "bct")
     serving = json.loads((tmp_path / "b" / "ws" / "serving.json").read_text())
     assert not serving["uri"].startswith("/") and serving["query_model"]["uri"] == "models/v2"
-    (tmp_path / "a" / "ws").rename(tmp_path / "a" / "away")  # nothing of the copy may need the original
-    assert_serves(moved, "2", 32)
-    assert Cycle(moved).ship(2)["promoted"]
-    assert_serves(moved, "3", 48)
-    status = CliRunner().invoke(app, ["status", "--workspace", moved["workspace"]])
-    assert "checksum    ok" in status.output and str(tmp_path / "b" / "ws") in status.output
-    assert CliRunner().invoke(app, ["rollback", "--workspace", moved["workspace"]]).exit_code == 0
-    assert_serves(moved, "2", 48)
-    (tmp_path / "a" / "away").rename(tmp_path / "a" / "ws")
+    earlier = [tmp_path / "a" / "ws", bootstrapped]  # nothing of the copy may need either
+    for folder in earlier:
+        folder.rename(folder.with_name("away"))
+    try:
+        assert_serves(moved, "2", 32)
+        assert Cycle(moved).ship(2)["promoted"]
+        assert_serves(moved, "3", 48)
+        status = CliRunner().invoke(app, ["status", "--workspace", moved["workspace"]])
+        assert "checksum    ok" in status.output and str(tmp_path / "b" / "ws") in status.output
+        assert CliRunner().invoke(app, ["rollback", "--workspace", moved["workspace"]]).exit_code == 0
+        assert_serves(moved, "2", 48)
+    finally:
+        for folder in earlier:
+            folder.with_name("away").rename(folder)
 
     assert _snapshot(tmp_path / "a" / "ws") == before
     assert_serves(original, "2", 32)

@@ -16,6 +16,8 @@ from _pipelines import PERMISSIVE_POLICY, local_config, served_gallery
 
 from components.deployment import Deployment
 
+pytestmark = pytest.mark.usefixtures("task_host")
+
 
 class WeeklyCycle:
     """Five runs on one workspace, as a weekly schedule lives them (shared by the ``test_weekly_*`` tests).

@@ -19,7 +19,9 @@ from pathlib import Path
 
 mode = sys.argv[1]
 if mode == "echo":
+    import tempfile
     print(os.getcwd(), os.environ.get("PROBE_VALUE"), sys.stdin.read().strip(), os.getpid(), os.getppid())
+    print(tempfile.gettempdir())
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[2]))
 if mode == "atexit":
@@ -48,15 +50,17 @@ if mode == "sleep":
 
 @pytest.fixture
 def host(tmp_path, monkeypatch):
-    """A host serving ``probe`` (a module on this test's PYTHONPATH), preloading numpy only."""
+    """A host serving ``probe`` (a module on this test's PYTHONPATH), preloading numpy and a module that asks
+    for the temp folder (as torch's import does: Python keeps the answer)."""
     from pipelines.warm_tasks import warm_task_host
 
     modules = tmp_path / "modules"
     modules.mkdir()
     (modules / "probe.py").write_text(PROBE)
+    (modules / "asks_for_tmp.py").write_text("import tempfile\ntempfile.gettempdir()\n")
     monkeypatch.setenv("PYTHONPATH", str(modules))
     log = tmp_path / "host.log"
-    with warm_task_host(tmp_path / "host", log, preload=("numpy",)) as host:
+    with warm_task_host(tmp_path / "host", log, preload=("numpy", "asks_for_tmp")) as host:
         launcher, socket_path = host.launcher, tmp_path / "host" / "task-host.sock"
         assert host.socket == socket_path
         deadline = time.monotonic() + 60
@@ -97,11 +101,12 @@ def test_a_forked_task_has_the_launchers_streams_folder_environment_and_status(h
     launcher, log, tmp_path = host
     work = tmp_path / "work"
     work.mkdir()
-    proc = _launch(launcher, "echo", "3", cwd=work, env={**os.environ, "PROBE_VALUE": "seen"})
+    env = {**os.environ, "PROBE_VALUE": "seen", "TMPDIR": str(work)}
+    proc = _launch(launcher, "echo", "3", cwd=work, env=env)
     out, err = proc.communicate("from-stdin", timeout=60)
     assert proc.returncode == 3, err
-    cwd, value, stdin, pid, ppid = out.split()
-    assert (cwd, value, stdin) == (str(work), "seen", "from-stdin")
+    cwd, value, stdin, pid, ppid, tmp = out.split()
+    assert (cwd, value, stdin, tmp) == (str(work), "seen", "from-stdin", str(work))
     assert int(pid) != proc.pid  # forked by the host, not the launcher turned into Python
     assert f"task {pid}: exit 3" in log.read_text()
     assert err.strip() == "to stderr"
@@ -226,3 +231,19 @@ def test_a_workspace_too_deep_for_a_socket_path_is_still_served(tmp_path, monkey
         out, err = proc.communicate("x", timeout=60)
         assert proc.returncode == 0 and int(out.split()[3]) != proc.pid, err
     assert not socket_path.parent.exists()
+
+
+def test_a_run_hands_its_tasks_to_the_host_named_in_the_environment_and_starts_none(host, monkeypatch):
+    from pipelines.warm_tasks import SHARED_ENV, warm_task_host
+
+    launcher, log, tmp_path = host
+    monkeypatch.setenv(SHARED_ENV, str(tmp_path / "host" / "task-host.sock"))
+    with warm_task_host(tmp_path / "run", tmp_path / "run.log") as handed:
+        assert handed.socket == tmp_path / "host" / "task-host.sock" and handed.launcher != launcher
+        proc = _launch(handed.launcher, "echo", "0")
+        out, err = proc.communicate("x", timeout=60)
+    assert proc.returncode == 0, err
+    assert f"task {out.split()[3]}: exit 0" in log.read_text()  # forked by the host that was running
+    assert (tmp_path / "run.log").read_text().startswith("tasks handed to the host at")
+    hosts = subprocess.run(["pgrep", "-f", f"pipelines.warm_tasks {tmp_path / 'run'}"], capture_output=True)
+    assert hosts.stdout == b""
