@@ -313,7 +313,8 @@ class _Host:
             return request, fds
         for fd in fds:
             os.close(fd)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        with contextlib.suppress(OSError):  # a launcher gone already: its connection's end kills the task
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.tasks[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, functools.partial(self._launcher, pid))
         print(f"task {pid}: {_function_of(request['argv'])} ({len(self.pending)} preloads to go)", flush=True)
