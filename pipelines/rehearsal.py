@@ -34,10 +34,11 @@ from compat.models.integrity import file_manifest, manifest_digest
 from components.adapters import milvus_server, mlflow_server
 from components.deployment import Deployment
 from components.runs import read_state
-from components.state.run_dir import RUN_FILE
+from components.state.run_dir import RUN_FILE, TASK_HOST_LOG
 from components.state.workspace import SYSTEM_FOLDERS, Workspace
 from pipelines.compile import COMPILED_NAME, compile_pipeline
 from pipelines.config import CONFIG_DIR, generate_stream_of, load_config
+from pipelines.warm_tasks import PRELOAD, SHARED_ENV, SOCKET_NAME
 
 # The images' user (manifests/docker/Dockerfile.*: USER 10001:10001; the manifests' runAsUser/runAsGroup).
 TASK_UID = TASK_GID = 10001
@@ -233,6 +234,8 @@ class Rehearsal:
         self.index_uri = ""
         self.tracking_uri = ""
         self.digests: dict[str, str] = {}
+        self.task_socket = ""  # the warm task host every ship hands its tasks to (started by the first)
+        self._services: contextlib.ExitStack | None = None
 
     @contextlib.contextmanager
     def services(self) -> Iterator[Rehearsal]:
@@ -253,6 +256,7 @@ class Rehearsal:
                 raise RehearsalError(f"a service did not start: {err}") from err
             self.index_uri, self.tracking_uri = milvus.uri, mlflow.uri
             self.echo(f"services: Milvus standalone {milvus.uri}, MLflow {mlflow.uri}")
+            self._services = stack
             yield self
 
     def prepare(self) -> Step:
@@ -301,6 +305,7 @@ class Rehearsal:
         package = str(self.layout.compiled / COMPILED_NAME)
         argv = [sys.executable, "-m", "pipelines.rehearsal", "ship", package, run_id]
         started = time.monotonic()
+        self._start_task_host()
         with open(log, "w") as out:
             process = subprocess.Popen(
                 [*task_launcher(self.layout), *argv],
@@ -323,6 +328,25 @@ class Rehearsal:
         status, code = record.get("status", "?"), process.returncode
         detail = f"phase {phase}: {status}" + ("" if code == 0 else f" (exit {code})")
         return Step(name, seconds, code == 0 and status in ("succeeded", "rejected"), detail, str(log), run)
+
+    def _start_task_host(self) -> None:
+        """Once, as the task user: the warm host the ships hand their tasks to, its imports made once for
+        them all (its log in ``logs/``); it lives as long as the services (their end closes its stdin)."""
+        if self.task_socket or self._services is None:
+            return
+        socket_path = self.layout.home / "tmp" / SOCKET_NAME
+        argv = [sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(PRELOAD)]
+        with open(self.layout.logs / TASK_HOST_LOG, "ab") as log:
+            host = subprocess.Popen(
+                [*task_launcher(self.layout), *argv],
+                cwd=self.layout.home,
+                env=self._task_env(),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self._services.enter_context(host)
+        self.task_socket = str(socket_path)
 
     def _newest_run(self) -> tuple[int, str]:
         """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
@@ -361,7 +385,8 @@ class Rehearsal:
         return steps
 
     def _task_env(self) -> dict[str, str]:
-        return task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri)
+        env = task_environment(self.layout, index_uri=self.index_uri, tracking_uri=self.tracking_uri)
+        return {**env, SHARED_ENV: self.task_socket} if self.task_socket else env
 
     def _as_task_user(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -9,7 +9,7 @@ only happens when a run is submitted again with the same ``run_id``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path, PurePosixPath
@@ -19,8 +19,8 @@ from kfp import kubernetes
 from kfp.dsl import PipelineTask
 from kfp.dsl.pipeline_task import TaskState
 
-from components.deployment import Deployment, TrainingSection
-from pipelines.config import load_config, setting_option
+from components.deployment import Deployment
+from pipelines.config import load_config
 
 COMPILE_CONFIG_ENV = "COMPATFLOW_COMPILE_CONFIG"
 DEFAULT_COMPILE_CONFIG = "cluster"
@@ -187,51 +187,6 @@ def configure(task: PipelineTask, op_name: str, settings: dict[str, Any]) -> Pip
         kubernetes.use_config_map_as_volume(task, FEAST_CONFIG_MAP, mount_path=settings["feast_mount"])
     kubernetes.set_image_pull_policy(task, IMAGE_PULL_POLICY)
     return task
-
-
-def torchrun_command(
-    nproc_per_node: int,
-    *,
-    stream: str,
-    phase: int,
-    out: str,
-    training: TrainingSection | Mapping[str, Any],
-    production: str | None = None,
-    train_shards: Sequence[str] = (),
-    version: str | None = None,
-    seed: int | None = None,
-) -> list[str]:
-    """``torchrun`` running ``compatflow train continual`` on ``nproc_per_node`` GPUs of one node, every
-    setting of ``training`` an option; ``epochs`` must have been turned into steps. Several nodes: the
-    PyTorchJob of ``manifests/k8s/training/``."""
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
-    from components.training.continual import SECTION_FIELDS, TrainingSettings
-
-    training = TrainingSection.model_validate(training)
-    if training.epochs is not None:
-        raise ValueError(
-            f"training.epochs is {training.epochs}: turn it into steps first "
-            "(components.steps.training.training_budget), as the continual step does"
-        )
-    settings = TrainingSettings.from_section(training, **({} if seed is None else {"seed": seed}))
-    if settings.batch_size % nproc_per_node:
-        raise ValueError(
-            f"training.batch_size {settings.batch_size} does not split evenly over {nproc_per_node} processes"
-        )
-    command = ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc_per_node}", "--no-python"]
-    command += ["compatflow", "train", "continual", f"--stream={stream}", f"--phase={int(phase)}"]
-    command.append(f"--out={out}")
-    for setting in SECTION_FIELDS.values():
-        value = getattr(settings, setting)
-        if value is not None:  # None: the trainer's own default (no alpha but Mod-X's, the model's resize)
-            command.append(f"{setting_option(setting)}={value}")
-    if production:
-        command.append(f"--production={production}")
-    command += [f"--train-shard={shard}" for shard in train_shards]
-    if version:
-        command.append(f"--version={version}")
-    return command
 
 
 def _absolute_path(value: str | None) -> str | None:

@@ -168,21 +168,14 @@ def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None 
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The launcher's streams and its request (a cut-short one fails to parse: ValueError)."""
     conn.settimeout(10)
     _, fds, _, _ = socket.recv_fds(conn, 1, 3)
-    body = _receive(conn, struct.unpack("!I", _receive(conn, 4))[0])
+    with conn.makefile("rb") as stream:
+        head = stream.read(4)
+        body = stream.read(struct.unpack("!I", head)[0]) if len(head) == 4 else b""
     conn.settimeout(None)
     return json.loads(body), fds
-
-
-def _receive(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("the launcher closed its connection mid-request")
-        data += chunk
-    return data
 
 
 def _run_task(request: dict, fds: list[int]) -> int:

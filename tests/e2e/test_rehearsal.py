@@ -114,6 +114,11 @@ def test_the_run_resubmitted_skips_its_cached_steps_and_fans_its_backfill_out(re
     assert sum(t.startswith("rollout-range-op") for t in tasks) == 2
     assert sum(t.startswith("rollout-ranges-op") for t in tasks) == 2
     assert tasks[-1] == "finish-op"
+    # the three ships handed their tasks to one warm host, which imported the steps' libraries once
+    ships = (rehearsal.layout.workspace / "tmp" / "task-host" / "host.log").read_text()
+    assert ships.count(f"tasks handed to the host at {rehearsal.task_socket} ") == 3, ships
+    host = (rehearsal.layout.logs / "task-host.log").read_text()
+    assert host.count("preloaded in") == 1 and "finish_op" in host
 
 
 def test_the_operator_commands_reach_the_services_and_the_inputs_stay_read_only(rehearsal):

@@ -477,27 +477,29 @@ def test_compile_command_takes_a_config(tmp_path: Path, monkeypatch) -> None:
 # torchrun
 
 
-def test_torchrun_command_parses_as_torchrun_and_the_training_command(monkeypatch) -> None:
+def test_the_documented_torchrun_line_trains_every_rank_with_the_deployments_section(monkeypatch) -> None:
+    """manifests/README.md's command for a run outside the pipeline: torchrun parses it, the training command
+    takes its options, and the settings are the config's training section, the options given overriding."""
     import typer.main
     from torch.distributed.run import get_args_parser
 
+    from components.deployment import TrainingSection
+    from components.training.continual import TrainingSettings
     from pipelines.cli import app
+    from pipelines.commands.train import _training_section, settings_given
+    from pipelines.config import CONFIG_DIR
 
     for key in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_STANDALONE"):
         monkeypatch.delenv(key, raising=False)
-    training = dict(shipped("cluster")["training"], batch_size=256)
-    command = resources.torchrun_command(
-        4,
-        stream="/mnt/compatflow/stream",
-        phase=3,
-        out="/mnt/compatflow/runs/r/continual",
-        training=training,
-        production="/mnt/compatflow/models/v7",
-        train_shards=["/s/a.tar", "/s/b.tar"],
-        version="r",
-        seed=23,
-    )
-    assert command[0] == "torchrun"
+    readme = (Path(__file__).resolve().parents[2] / "manifests" / "README.md").read_text()
+    line = re.search(r"torchrun --standalone .*? compatflow train continual \\\n(.*)\n", readme)
+    assert line, "manifests/README.md no longer shows the torchrun line"
+    documented = line.group(0).replace("\\\n", " ")
+    config = CONFIG_DIR / "cluster.yaml"
+    placeholders = {"N": "4", "CONFIG": config, "STREAM": "/mnt/stream", "P": "3", "RUN_DIR": "/mnt/runs/r"}
+    for name, value in placeholders.items():
+        documented = re.sub(rf"={name}\b", f"={value}", documented)
+    command = documented.split() + ["--seed=23"]
     args = get_args_parser().parse_args(command[1:])
     assert (args.standalone, args.nnodes, args.nproc_per_node, args.no_python) == (True, "1", "4", True)
     assert [args.training_script, *args.training_script_args][:3] == ["compatflow", "train", "continual"]
@@ -505,39 +507,16 @@ def test_torchrun_command_parses_as_torchrun_and_the_training_command(monkeypatc
     train = typer.main.get_command(app).commands["train"].commands["continual"]
     params = train.make_context("continual", list(args.training_script_args[2:])).params
     assert (str(params["stream"]), params["phase"], str(params["out"])) == (
-        "/mnt/compatflow/stream",
+        "/mnt/stream",
         3,
-        "/mnt/compatflow/runs/r/continual",
+        "/mnt/runs/r/continual",
     )
-    assert str(params["production"]) == "/mnt/compatflow/models/v7"
-    assert (params["train_shard"], params["version"]) == (["/s/a.tar", "/s/b.tar"], "r")
-    # every rank trains with the section's settings, the seed the pipeline gives: none fall back to defaults
-    from components.deployment import TrainingSection
-    from components.training.continual import TrainingSettings
-    from pipelines.commands.train import settings_given
-
-    section = TrainingSection.model_validate(training)
-    from_command = TrainingSettings.from_section(TrainingSection(), **settings_given(params))
-    assert from_command == TrainingSettings.from_section(section, seed=23)
-
-    first = resources.torchrun_command(1, stream="s", phase=0, out="o", training=shipped("local")["training"])
-    params = train.make_context("continual", first[first.index("continual") + 1 :]).params
-    assert params["production"] is None and params["seed"] == shipped("local")["training"]["seed"]
-    with pytest.raises(ValueError, match="epochs"):  # the step turns epochs into steps; the command cannot
-        resources.torchrun_command(1, stream="s", phase=0, out="o", training=dict(training, epochs=2.0))
-    # alpha is Mod-X's weight: the trainer refuses it with another method, so the command leaves it out
-    finetune = dict(shipped("local")["training"], method="finetune")
-    command = resources.torchrun_command(1, stream="s", phase=0, out="o", training=finetune)
-    assert "--method=finetune" in command and not [a for a in command if a.startswith("--alpha")]
-
-
-@pytest.mark.parametrize(
-    ("nproc", "message"), [(3, "does not split evenly"), (0, "positive"), (True, "positive")]
-)
-def test_torchrun_command_rejects_uneven_or_empty_worlds(nproc, message: str) -> None:
-    training = dict(shipped("local")["training"], batch_size=64)
-    with pytest.raises(ValueError, match=message):
-        resources.torchrun_command(nproc, stream="s", phase=0, out="o", training=training)
+    section = TrainingSection.model_validate(shipped("cluster")["training"])
+    from_command = TrainingSettings.from_section(
+        _training_section(params["deployment"]), **settings_given(params)
+    )
+    weights = f"{shipped('cluster')['workspace']}/weights"  # the deployment's workspace's weights folder
+    assert from_command == TrainingSettings.from_section(section, seed=23, weights_dir=weights)
 
 
 def test_the_committed_pipeline_fans_each_backfill_stage_out_over_gpu_tasks() -> None:

@@ -249,7 +249,8 @@ def test_a_run_hands_its_tasks_to_the_host_named_in_the_environment_and_starts_n
     assert hosts.stdout == b""
 
 
-def test_a_launcher_gone_before_the_host_answers_ends_its_task_and_leaves_the_host_serving(host):
+def test_a_launcher_gone_mid_request_or_before_the_answer_leaves_the_host_serving(host):
+    """A request cut short is refused; a launcher gone before the host's answer has its task ended."""
     import json
     import socket
     import struct
@@ -257,14 +258,15 @@ def test_a_launcher_gone_before_the_host_answers_ends_its_task_and_leaves_the_ho
     launcher, log, tmp_path = host
     argv = ["-m", "probe", "sleep", str(tmp_path / "pid")]
     request = json.dumps({"argv": argv, "cwd": str(tmp_path), "env": dict(os.environ)}).encode()
-    with open(os.devnull, "r+") as null, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.connect(str(tmp_path / "host" / "task-host.sock"))
-        socket.send_fds(conn, [b"F"], [null.fileno()] * 3)
-        conn.sendall(struct.pack("!I", len(request)) + request)  # and gone before the host's answer
-    deadline = time.monotonic() + 60
-    while ": exit -9" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    for sent, logged in ((request[:10], "refused a launcher"), (request, ": exit -9")):
+        with open(os.devnull, "r+") as null, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(tmp_path / "host" / "task-host.sock"))
+            socket.send_fds(conn, [b"F"], [null.fileno()] * 3)
+            conn.sendall(struct.pack("!I", len(request)) + sent)  # and gone before the host's answer
+        deadline = time.monotonic() + 60
+        while logged not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
     proc = _launch(launcher, "echo", "0")
     out, err = proc.communicate("x", timeout=60)
     assert proc.returncode == 0 and int(out.split()[3]) != proc.pid, err  # forked by the same host
