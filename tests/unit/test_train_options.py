@@ -79,3 +79,13 @@ def test_a_missing_deployment_is_named(tmp_path, bad):
         app, ["train", "continual", f"--deployment={tmp_path / bad}", "--stream=s", "--phase=0", "--out=o"]
     )
     assert result.exit_code != 0 and bad in result.output
+
+
+def test_every_rank_takes_an_equal_share_of_the_global_batch_or_the_batch_is_refused() -> None:
+    """What a torchrun of the training command needs of ``batch_size``: it splits evenly over the ranks."""
+    from compat.training.ddp import DistInfo
+
+    shares = [DistInfo(rank=r, world_size=4).local_slice(8) for r in range(4)]
+    assert shares == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    with pytest.raises(ValueError, match="global batch 8 does not split evenly over 3 ranks"):
+        DistInfo(rank=0, world_size=3).local_slice(8)
