@@ -38,7 +38,7 @@ from components.state.run_dir import RUN_FILE, TASK_HOST_LOG
 from components.state.workspace import SYSTEM_FOLDERS, Workspace
 from pipelines.compile import COMPILED_NAME, compile_pipeline
 from pipelines.config import CONFIG_DIR, generate_stream_of, load_config
-from pipelines.warm_tasks import PRELOAD, SHARED_ENV, SOCKET_NAME
+from pipelines.warm_tasks import SHARED_ENV, SOCKET_NAME, start_host
 
 # The images' user (manifests/docker/Dockerfile.*: USER 10001:10001; the manifests' runAsUser/runAsGroup).
 TASK_UID = TASK_GID = 10001
@@ -335,16 +335,9 @@ class Rehearsal:
         if self.task_socket or self._services is None:
             return
         socket_path = self.layout.home / "tmp" / SOCKET_NAME
-        argv = [sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(PRELOAD)]
         with open(self.layout.logs / TASK_HOST_LOG, "ab") as log:
-            host = subprocess.Popen(
-                [*task_launcher(self.layout), *argv],
-                cwd=self.layout.home,
-                env=self._task_env(),
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            launch = task_launcher(self.layout)
+            host = start_host(socket_path, log, launch=launch, cwd=self.layout.home, env=self._task_env())
         self._services.enter_context(host)
         self.task_socket = str(socket_path)
 

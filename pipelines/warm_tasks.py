@@ -124,12 +124,7 @@ def warm_task_host(
         yield TaskHost(launcher, socket_path)
         return
     socket_path.unlink(missing_ok=True)
-    host = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(preload)],
-        stdin=subprocess.PIPE,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    host = start_host(socket_path, log, preload)
     try:
         yield TaskHost(launcher, socket_path)
     finally:
@@ -143,6 +138,15 @@ def warm_task_host(
         log.close()
         if socket_path.parent != folder:
             shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def start_host(
+    socket_path: Path, log: Any, preload: Sequence[str] = PRELOAD, launch: Sequence[str] = (), **popen: Any
+) -> subprocess.Popen:
+    """A host process at ``socket_path`` (``launch``: the command it runs under), logging to ``log``; closing
+    its stdin makes it stop taking tasks and exit once its last task has."""
+    argv = [*launch, sys.executable, "-m", "pipelines.warm_tasks", str(socket_path), ",".join(preload)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, **popen)
 
 
 def on_host(pipeline: Any, host: TaskHost | None, env: Mapping[str, str] | None = None) -> Any:
