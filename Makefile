@@ -56,9 +56,11 @@ rehearse: $(STAMP)
 durations: $(STAMP)
 	$(PY) -m pytest $(PYTEST_PARALLEL) --durations-file tests/durations.json $(PYTEST_ARGS)
 
-# Regenerate the JSON schemas of the typed documents from their models (pipelines/documents.py).
+# Regenerate the JSON schemas of the typed documents from their models (pipelines/documents.py) and the
+# config of embedded defaults from the deployment's model (pipelines/configs/local.yaml).
 schemas: $(STAMP)
 	$(PY) -m pipelines.documents
+	$(PY) -m components.deployment
 
 lint: $(STAMP)
 	$(PY) -m ruff check compat components pipelines schemas tests benchmarks

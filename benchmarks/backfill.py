@@ -185,7 +185,9 @@ def part_b(uri: str, work: Path, n_items: int, n_queries: int) -> dict[str, Any]
                 },
             )
             t0 = time.perf_counter()
-            state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": opts}), probe)
+            state = ro.run_rollout(
+                index, paths, config, synthetic_encoders({"options": opts}), probe
+            ).document()
             seconds = time.perf_counter() - t0
             by_version = index.count_by_version()
             # the stage that wrote each item (backfill_stage: 1 + its stage): the order the engine ran
@@ -424,7 +426,7 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
             with contextlib.ExitStack() as stack:
                 load = stack.enter_context(QueryLoad(uri, alias, queries)) if load_s is not None else None
                 t0, c0, s0 = time.perf_counter(), time.process_time(), server.cpu_seconds()
-                state = ro.run_rollout(index, paths, config, encoders, probe)
+                state = ro.run_rollout(index, paths, config, encoders, probe).document()
                 wall = time.perf_counter() - t0
                 client_cpu, server_cpu = time.process_time() - c0, server.cpu_seconds() - s0
             during = load.result if load is not None else None

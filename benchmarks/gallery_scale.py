@@ -119,7 +119,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - t0, "peak_rss_mib": peak_rss_mib(), **doc}
     with GalleryIndex(args.uri, args.alias) as index:
         if args.child == "rollback":
-            state = ro.rollback(paths, index)
+            state = ro.rollback(paths, index).document()
         else:
             options = {"dim": str(args.dim), "encode_us": str(args.encode_us)}
             encoders = stand_in_encoders({"options": options})
@@ -133,7 +133,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
                 batch_size=args.batch_size,
                 workers=args.k,
             )
-            state = ro.run_rollout(index, paths, config, encoders, ro.ProbeSet.from_file(paths.probe))
+            state = ro.run_rollout(
+                index, paths, config, encoders, ro.ProbeSet.from_file(paths.probe)
+            ).document()
     return {
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time(),

@@ -224,7 +224,9 @@ def run(
         watcher.start()
         t0 = time.perf_counter()
         try:
-            state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": options}), probe)
+            state = ro.run_rollout(
+                index, paths, config, synthetic_encoders({"options": options}), probe
+            ).document()
         finally:
             done.set()
             watcher.join()
@@ -241,7 +243,7 @@ def run(
 
     def rolled_back() -> dict[str, Any]:
         t0 = time.perf_counter()
-        state = ro.rollback(paths, index)
+        state = ro.rollback(paths, index).document()
         return {
             "status": state["status"],
             "rollback_s": time.perf_counter() - t0,

@@ -339,7 +339,7 @@ def adopt(
             )
     if source.caption_field:
         _write_probe(paths.probe, source, sample)
-    registry.promote(version, rollout_state={"status": "completed", "model_version": version})
+    registry.promote(version, rollout=None)  # the first production model: the served index is its own
     registry.end_run(registered["mlflow_run_id"])
     record_phase(workspace, 0, "succeeded", run_id)
     summary = {

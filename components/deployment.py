@@ -4,8 +4,8 @@ A YAML config (``pipelines/configs/*.yaml``) is parsed once into a :class:`Deplo
 :func:`pipelines.config.load_config`, which adds the checks that need the model factory, the methods and the
 gate); every step, op and command then reads typed attributes, and a KFP op rebuilds the same object from
 the JSON string it receives (:meth:`Deployment.coerce`). Each default lives in its field definition (the
-local config's values); ``schemas/pipeline_config.schema.json`` is generated from this model
-(:func:`json_schema`, checked by a test), so the two cannot drift apart.
+local config's values); ``schemas/pipeline_config.schema.json`` and ``pipelines/configs/local.yaml`` are
+generated from this model (``make schemas``, checked by tests), so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA_FILE = ROOT / "schemas" / "pipeline_config.schema.json"
 DEFAULTS_FILE = ROOT / "pipelines" / "configs" / "local.yaml"
 COMMENT_COLUMN = 37
 DEFAULTS_HEADER = """\
 # Embedded defaults: every service runs in-process on this machine (milvus-lite, MLflow on
 # sqlite, Feast's local registry), CPU, tiny models. `make run` uses this file.
-# Generated from components/deployment.py (`python -m components.deployment`): every setting, its
+# Generated from components/deployment.py (`make schemas`): every setting, its
 # default and what it means; a key left out of a config takes this value. cluster.yaml sets what
 # production changes."""
 
@@ -497,18 +496,6 @@ def error_lines(err: ValidationError) -> list[str]:
     return lines
 
 
-def json_schema() -> dict[str, Any]:
-    """The JSON schema of a config file, generated from :class:`Deployment` (by alias: the YAML's names);
-    ``schemas/pipeline_config.schema.json`` holds it for editors and other tools."""
-    schema = Deployment.model_json_schema(by_alias=True, mode="validation")
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "pipeline_config.schema.json",
-        "title": "compatflow pipeline config (generated from components/deployment.py)",
-        **{k: v for k, v in schema.items() if k != "title"},
-    }
-
-
 def defaults_yaml() -> str:
     """Every setting with its default and its description as a comment: ``pipelines/configs/local.yaml``
     (a section's line carries the first sentence of its class's docstring, a choice its choices)."""
@@ -571,7 +558,6 @@ def _first_sentence(doc: str | None) -> str | None:
     return text.split(". ")[0].rstrip(".") or None
 
 
-if __name__ == "__main__":  # after changing a model: the schema and local.yaml follow it
-    SCHEMA_FILE.write_text(json.dumps(json_schema(), indent=2, sort_keys=True) + "\n")
+if __name__ == "__main__":  # after changing a model (`make schemas`): local.yaml follows it
     DEFAULTS_FILE.write_text(defaults_yaml())
-    print(SCHEMA_FILE, DEFAULTS_FILE, sep="\n")
+    print(DEFAULTS_FILE)

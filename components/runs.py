@@ -14,7 +14,9 @@ import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from compat.io import read_json_object_or_none, utc_now, write_json_atomic
 from components.deployment import Deployment
@@ -35,22 +37,39 @@ class StateError(ValueError):
     """The phase record is unreadable, breaks its schema, or is missing or lacks work the workspace holds."""
 
 
-def read_state(workspace: Workspace | str | Path) -> dict[str, Any]:
-    """The workspace's phase record (an empty one when there is none), schema-checked; errors name it."""
-    import schemas
+class PhaseEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    status: Literal["succeeded", "rejected", "blocked", "failed"]
+    run_id: str = Field(min_length=1)
+    at: str = Field(description="local time the run ended")
+
+
+class PhaseRecord(BaseModel):
+    """The workspace's ``state.json``: the outcome of every phase, by phase number."""
+
+    model_config = ConfigDict(extra="forbid", title="Workspace phase record")
+    schema_version: Literal[1] = 1
+    phases: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]+$")], PhaseEntry]
+
+    def write(self, path: Path) -> None:
+        write_json_atomic(path, self.model_dump(mode="json"))
+
+
+def read_state(workspace: Workspace | str | Path) -> PhaseRecord:
+    """The workspace's phase record (an empty one when there is none); errors name it and what to do."""
+    from components.state.documents import read_document
+    from schemas import SchemaError
 
     path = Workspace.coerce(workspace).state_path
     if not path.is_file():
-        return {"schema_version": 1, "phases": {}}
+        return PhaseRecord(phases={})
     try:
-        state = json.loads(path.read_text())
-        schemas.validate(state, "workspace_state", source=str(path))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, schemas.SchemaError) as err:
+        return read_document(PhaseRecord, path, "")
+    except SchemaError as err:
         raise StateError(
             f"{path} is unreadable or malformed ({err}); rebuild it from the run folders with "
             "`compatflow state rebuild`"
-        ) from err
-    return state
+        ) from None
 
 
 def _refuse_another_index(ws: Workspace) -> None:
@@ -93,12 +112,12 @@ def _refuse_unreachable_services(deployment: Deployment) -> None:
             ) from None
 
 
-def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
+def _refuse_lost_state(deployment: Deployment, state: PhaseRecord) -> None:
     """Refuse a phase record that misses the workspace's work: a finished run of a phase it does not record,
     or a production model while it records nothing. A killed run is not finished: the next run resumes it."""
     ws = Workspace.of(deployment)
     path = ws.state_path
-    recorded = state["phases"]
+    recorded = state.phases
     unrecorded = sorted(
         {
             int(plan["phase"])
@@ -130,10 +149,10 @@ def _refuse_lost_state(deployment: Deployment, state: dict[str, Any]) -> None:
         )
 
 
-def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
+def rebuild_state(workspace: Workspace | str | Path) -> PhaseRecord:
     """The phase record rebuilt from each phase's newest finished run folder, written atomically."""
     ws = Workspace.coerce(workspace)
-    runs: dict[str, tuple[float, dict[str, Any]]] = {}
+    runs: dict[str, tuple[float, PhaseEntry]] = {}
     for outcome_path in ws.runs_dir.glob(f"*/{OUTCOME_FILE}"):
         plan = read_json_object_or_none(RunDir(outcome_path.parent).plan_file)
         status = (read_json_object_or_none(outcome_path) or {}).get("status")
@@ -143,11 +162,8 @@ def rebuild_state(workspace: Workspace | str | Path) -> dict[str, Any]:
         key = str(plan["phase"])
         if key not in runs or runs[key][0] < when:
             runs[key] = (when, _phase_entry(status, plan["run_id"], when))
-    state = {
-        "schema_version": 1,
-        "phases": {k: v for k, (_, v) in sorted(runs.items(), key=lambda kv: int(kv[0]))},
-    }
-    write_json_atomic(ws.state_path, state)
+    state = PhaseRecord(phases={k: v for k, (_, v) in sorted(runs.items(), key=lambda kv: int(kv[0]))})
+    state.write(ws.state_path)
     return state
 
 
@@ -155,17 +171,14 @@ def record_phase(workspace: Workspace | str | Path, phase: int, status: str, run
     """Record a phase's outcome in the workspace's phase record."""
     ws = Workspace.coerce(workspace)
     state = read_state(ws)
-    state["phases"][str(phase)] = _phase_entry(status, run_id)
-    write_json_atomic(ws.state_path, state)
+    state.phases[str(phase)] = _phase_entry(status, run_id)
+    state.write(ws.state_path)
 
 
-def _phase_entry(status: str, run_id: str, when: float | None = None) -> dict[str, Any]:
+def _phase_entry(status: str, run_id: str, when: float | None = None) -> PhaseEntry:
     """A phase record's entry, ``at`` in local time (``when``: a file's mtime, else now)."""
-    return {
-        "status": status,
-        "run_id": run_id,
-        "at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
-    }
+    at = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when))
+    return PhaseEntry.model_validate({"status": status, "run_id": run_id, "at": at})
 
 
 DONE_STATUSES = ("succeeded", "rejected")  # a run of the phase again would only repeat the verdict
@@ -323,7 +336,7 @@ def plan_run(
     _refuse_another_index(Workspace.of(deployment))
     _refuse_unreachable_services(deployment)
     if phase < 0:  # the lowest phase not done
-        done = {int(k) for k, entry in state["phases"].items() if entry.get("status") in DONE_STATUSES}
+        done = {int(k) for k, entry in state.phases.items() if entry.status in DONE_STATUSES}
         pending = [p for p in range(n_phases) if p not in done]
         if not pending:
             return None

@@ -11,8 +11,12 @@ from schemas import SCHEMA_DIR
 
 # schema name -> "module:Model", the model that owns the document.
 DOCUMENTS = {
+    "pipeline_config": "components.deployment:Deployment",
+    "workspace_state": "components.runs:PhaseRecord",
     "gate_decision": "components.gate.decision:GateDecision",
+    "gate_policy": "components.gate.policy:GatePolicy",
     "rollout_state": "components.state.rollout_document:RolloutState",
+    "validation_policy": "components.data.validation.policy:ValidationPolicy",
 }
 
 

@@ -171,8 +171,8 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
                     log.write(f"\npipeline failed: {err}\n")
         finally:
             log.close_file()
-    recorded = read_state(workspace)["phases"].get(str(plan["phase"]), {})
-    status = recorded.get("status", "failed") if recorded.get("run_id") == plan["run_id"] else "failed"
+    recorded = read_state(workspace).phases.get(str(plan["phase"]))
+    status = recorded.status if recorded and recorded.run_id == plan["run_id"] else "failed"
     report = RunDir(run_dir).report_file("html")
     outputs = {"log": str(log_path), "run_dir": str(run_dir), "report": str(report)}
     unwritten = broke or log.error

@@ -299,7 +299,7 @@ class Rehearsal:
 
     def ship(self, *, run_id: str = "", stop_at: str | None = None) -> Step:
         """Run the package once as the task user, or resubmit ``run_id``; ``stop_at``: a node loss there."""
-        before = read_state(self.layout.workspace)["phases"]
+        before = read_state(self.layout.workspace).phases
         number = sum(1 for p in self.layout.logs.glob("ship-*.log")) + 1
         log = self.layout.logs / f"ship-{number}.log"
         package = str(self.layout.compiled / COMPILED_NAME)
@@ -318,14 +318,14 @@ class Rehearsal:
             stopped = _stop_when_started(process, log, stop_at)
         seconds = time.monotonic() - started
         phase, run = self._newest_run()
-        record = read_state(self.layout.workspace)["phases"].get(str(phase), {})
+        record = read_state(self.layout.workspace).phases.get(str(phase))
         name = f"ship {number}"
         if stopped:
             return Step(name, seconds, True, f"phase {phase}: stopped at {stop_at}", str(log), run)
-        if record == before.get(str(phase)) or record.get("run_id") != run:
+        if record is None or record == before.get(str(phase)) or record.run_id != run:
             detail = f"no outcome recorded (exit {process.returncode})"
             return Step(name, seconds, False, detail, str(log), run)
-        status, code = record.get("status", "?"), process.returncode
+        status, code = record.status, process.returncode
         detail = f"phase {phase}: {status}" + ("" if code == 0 else f" (exit {code})")
         return Step(name, seconds, code == 0 and status in ("succeeded", "rejected"), detail, str(log), run)
 

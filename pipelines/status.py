@@ -81,12 +81,12 @@ INDEX_CONNECT_S = 3.0  # a server index that accepts no connection within this i
 def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     """What :func:`gallery_part` says without opening the index (slow), and whether a server index answers."""
     from components.serving.record import read_serving
-    from components.state.rollout_document import read_rollout_state
+    from components.state.rollout_document import RolloutState
 
     ws = Workspace.coerce(workspace)
-    state = read_rollout_state(ws.rollout_state_path, ValueError)
-    state = state or {"status": "none", "stage": None, "fraction_backfilled": None}
-    doc: dict[str, Any] = {"rollout": {k: state[k] for k in ("status", "stage", "fraction_backfilled")}}
+    state = RolloutState.read(ws.rollout_state_path, ValueError)
+    rollout = {k: getattr(state, k, None) for k in ("stage", "fraction_backfilled", "new_version")}
+    doc: dict[str, Any] = {"rollout": {"status": state.status if state else "none", **rollout}}
     record = read_serving(ws.serving_path)
     if record is None:
         return {**doc, "gallery": _no_gallery()}
@@ -117,7 +117,8 @@ def unfinished_change(doc: Mapping[str, Any]) -> bool:
     from components.state.rollout_document import unpromoted
 
     production = ((doc.get("registry") or {}).get("production") or {}).get("version")
-    return unpromoted(doc.get("rollout") or {}, production)
+    rollout = doc.get("rollout") or {}
+    return unpromoted(rollout.get("status"), rollout.get("new_version"), production)
 
 
 def problems(doc: Mapping[str, Any]) -> list[str]:
@@ -196,9 +197,9 @@ def phase_history(ws: Workspace) -> list[dict[str, Any]]:
     from components.runs import read_blocked, read_failure, read_state
 
     rows = []
-    for phase, entry in sorted(read_state(ws)["phases"].items(), key=lambda kv: int(kv[0])):
-        run_dir = ws.runs_dir / str(entry.get("run_id", ""))
-        row = {"phase": int(phase), **entry, "why": None}
+    for phase, entry in sorted(read_state(ws).phases.items(), key=lambda kv: int(kv[0])):
+        run_dir = ws.runs_dir / entry.run_id
+        row = {"phase": int(phase), **entry.model_dump(), "why": None}
         failure, blocked = read_failure(run_dir), read_blocked(run_dir)
         if failure:
             row["why"] = f"step {failure['step']}: {failure['error']['type']}: {failure['error']['message']}"
@@ -237,15 +238,14 @@ def rollout_state(ws: Workspace) -> dict[str, Any] | None:
         path = _newest(ws.runs_dir.glob(f"*/**/{ROLLOUT_STATE_FILE}"))
     if path is None:
         return None
-    from components.state.rollout_document import read_rollout_state
-    from schemas import SchemaError
+    from components.state.rollout_document import RolloutState
 
     try:
-        doc = read_rollout_state(path, ValueError)
-    except (ValueError, SchemaError) as err:
+        state = RolloutState.read(path, ValueError)
+    except ValueError as err:  # SchemaError too
         log.warning("%s", err)
         return {"path": str(path), "status": "unreadable", "error": str(err)}
-    return {"path": str(path), **(doc or {})}
+    return {"path": str(path), **(state.document() if state else {})}
 
 
 def _newest(paths: Any) -> Path | None:

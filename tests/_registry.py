@@ -10,6 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from components.adapters.registry import Registry
+from components.state.rollout_document import RolloutState
 
 PASS = {
     "decision": "pass",
@@ -25,7 +26,12 @@ BLOCK = {
     "report_sha256": "b" * 64,
     "decided_at": "2026-11-22T00:00:00+00:00",
 }
-DONE = {"status": "completed", "stage": 4, "fraction_backfilled": 1.0}
+
+
+def done(version: str) -> RolloutState:
+    """A completed rollout of ``version``: the fields :meth:`Registry.promote` reads (the rollout tests run
+    real ones)."""
+    return RolloutState.model_construct(status="completed", new_version=str(version))
 
 
 def make_checkpoint(directory: Path, seed: int) -> dict[str, str]:

@@ -213,7 +213,7 @@ def sample_phase(
             if slot < size:
                 reservoir[slot] = sample
     if not reservoir:
-        raise ValueError(f"no samples in {shard_spec!r}: the drift stage needs at least one sample per side")
+        raise ValueError(f"no samples in {shard_spec!r}: the drift step needs at least one sample per side")
     return reservoir
 
 
@@ -336,7 +336,7 @@ def run_drift(
     sample_size: int = 500,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The drift stage: sample both phases, compare, write ``drift.json`` and ``drift_report.html``."""
+    """The drift step: sample both phases, compare, write ``drift.json`` and ``drift_report.html``."""
     out_dir = Path(out_dir)
     logger.info("sampling up to %d reference and current samples", sample_size)
     bundle, image_size = None, STATISTICS_IMAGE_SIZE

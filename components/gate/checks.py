@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from components.gate.policy import SEVERITIES, GatePolicy, non_finite
+from components.gate.policy import SEVERITIES, GatePolicy
 
 MARGIN_TOLERANCE = 0.05  # percentage points of rounding allowed between reported and recomputed margins
 _MISSING = object()
@@ -207,8 +207,8 @@ def _check_retention(
     name = f"retention.{direction}.{metric}"
     tags = {"direction": direction, "metric": metric}
     new_new = _number(doc, ("retrieval", direction, "new/new", metric), checks, name, **tags)
-    if policy.retention_reference == "independent" or (
-        policy.retention_reference == "auto" and doc.get("independent_new_new") is not None
+    if policy.retention.reference == "independent" or (
+        policy.retention.reference == "auto" and doc.get("independent_new_new") is not None
     ):
         label = "the independent new model's new/new"
         reference = _number(doc, ("independent_new_new", direction, metric), checks, name, **tags)
@@ -217,11 +217,11 @@ def _check_retention(
         reference = _number(doc, ("retrieval", direction, "old/old", metric), checks, name, **tags)
     if new_new is None or reference is None:
         return
-    threshold = policy.retention_floor * reference
+    threshold = policy.retention.floor * reference
     share = f"{100 * new_new / reference:.1f}%" if reference > 0 else "n/a"
     text = (
         f"{direction} {metric}: new/new {new_new:.2f} is {share} of {label} {reference:.2f} "
-        f"(floor {100 * policy.retention_floor:g}%)"
+        f"(floor {100 * policy.retention.floor:g}%)"
     )
     failed = text + ": the candidate's own space regressed"
     fields = {"value": new_new, "threshold": threshold, **tags}
@@ -342,3 +342,19 @@ def describe(source: Any) -> str | None:
     if source is None:
         return None
     return "<mapping>" if isinstance(source, Mapping) else str(source)
+
+
+def non_finite(doc: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Paths of every NaN / infinite number in a nested document."""
+    if isinstance(doc, float):
+        return [] if math.isfinite(doc) else [(prefix or "<root>", doc)]
+    if isinstance(doc, Mapping):
+        items = doc.items()
+    elif isinstance(doc, list | tuple):
+        items = enumerate(doc)
+    else:
+        return []
+    found: list[tuple[str, float]] = []
+    for key, value in items:
+        found += non_finite(value, f"{prefix}.{key}" if prefix else str(key))
+    return found

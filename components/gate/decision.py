@@ -150,7 +150,7 @@ def decide(
         decision="pass" if not reasons and resolved is not None and doc is not None else "block",
         reasons=[Reason.model_validate(r) for r in reasons],
         checks=[CheckResult.model_validate(c) for c in checks.items],
-        policy=resolved.to_dict() if resolved else None,
+        policy=resolved.model_dump(mode="json") if resolved else None,
         policy_source=resolved.source
         if resolved
         else (str(policy) if isinstance(policy, str | Path) else None),
@@ -180,7 +180,7 @@ def run_gate(
     validation: str | Path | None = None,
     drift: str | Path | None = None,
 ) -> GateDecision:
-    """The gate stage: decide and write ``<out_dir>/gate.json``; an internal error still writes a block."""
+    """The gate step: decide and write ``<out_dir>/gate.json``; an internal error still writes a block."""
     try:
         decision = decide(report, policy, validation=validation, drift=drift)
     except Exception as err:  # noqa: BLE001 - the gate must never fail open

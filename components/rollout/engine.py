@@ -194,7 +194,6 @@ class Rollout:
             mode=mode,
             created_at=utc_now(),
             new_version=c.new_version,
-            model_version=c.new_version,
             stage=1 if mode == "blue_green" else 0,
             fractions=c.fractions,
             n_items=n,
@@ -543,7 +542,6 @@ def run_rollout(
     config: RolloutConfig,
     encoders: RolloutEncoders,
     probe: ProbeSet,
-) -> dict[str, Any]:
-    """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns the state's
-    document."""
-    return Rollout(index, paths, config, encoders, probe).run().document()
+) -> RolloutState:
+    """Plan or resume the rollout of ``config``, run it to ``completed`` or ``halted``; returns its state."""
+    return Rollout(index, paths, config, encoders, probe).run()

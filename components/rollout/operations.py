@@ -21,6 +21,7 @@ from components.serving.record import (
     read_serving,
     write_serving,
 )
+from components.state.rollout_document import RolloutState
 
 DEFAULT_ENCODERS = "components.rollout.encoders:model_encoders"
 
@@ -249,7 +250,7 @@ def roll_out(
     query_factory: str = DEFAULT_FACTORY,
     options: Mapping[str, Any] | None = None,
     range_tasks: bool = False,
-) -> dict[str, Any]:
+) -> RolloutState:
     """Roll ``new_version`` out (plan, or resume after a crash) and return the final rollout state (with
     ``range_tasks``, the state as it waits for ranges run by pipeline tasks). ``old_model`` defaults to the
     serving record's query model, ``probe`` to the workspace's probe set."""

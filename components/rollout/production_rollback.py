@@ -72,12 +72,12 @@ def on_rollback(event: dict[str, Any]) -> None:
         finish_superseded(paths, index, event)
         state = rollback(paths, index, state_path=state_path)
         written = complete_gallery(index, record["collection"], state, root=paths.root)
-    log.info("rollback: %d item(s) re-embedded by %s", written, state["previous_query_model"]["version"])
+    log.info("rollback: %d item(s) re-embedded by %s", written, state.previous_query_model.version)
     from components.adapters.lineage import sync_from_index
 
     repo = _lineage_repo(event)
     if (repo / "feature_store.yaml").is_file():  # prepare_rollback refuses a served gallery without one
-        sync_from_index(repo, state["gallery"]["uri"], state["gallery"]["alias"])
+        sync_from_index(repo, state.gallery.uri, state.gallery.alias)
     else:
         log.warning("no lineage repo at %s: item lineage not updated", repo)
 
@@ -91,12 +91,14 @@ def unfinished_rollout(paths: Any, production: str | None) -> RolloutState | Non
     """The rollout state in ``paths.state`` when its change is not promoted yet
     (:func:`components.state.rollout_document.unpromoted`), else None."""
     current = load_state(paths.state)
-    return current if current is not None and unpromoted(current.document(), production) else None
+    if current is None or not unpromoted(current.status, current.new_version, production):
+        return None
+    return current
 
 
 def _roll_back_unfinished(
     paths: Any, index: Any, current: RolloutState, why: str
-) -> tuple[dict[str, Any], int]:
+) -> tuple[RolloutState, int]:
     """Undo the unfinished rollout ``current`` (a completed one's items indexed since are embedded again by
     the returning model), its state ``rolled_back`` with ``why`` and where it stood in ``halt_reason``, so no
     run takes it for one in progress. Returns the state and how many items were embedded again."""
@@ -107,7 +109,7 @@ def _roll_back_unfinished(
     return state, written
 
 
-def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> dict[str, Any] | None:
+def finish_superseded(paths: Any, index: Any, event: dict[str, Any]) -> RolloutState | None:
     """Roll back the rollout in ``paths.state`` when its change is unfinished, a production rollback
     superseding it; returns its final state, or None when there was none."""
     current = unfinished_rollout(paths, event["from_version"])
@@ -140,33 +142,33 @@ def roll_back_unfinished_rollout(registry: Any) -> dict[str, Any] | None:
     why = f"rolled back by compatflow rollback (production stays {production})"
     with open_index(ws) as index:
         state, written = _roll_back_unfinished(paths, index, current, why)
-    gallery = state["gallery"]
     if (ws.lineage_dir / "feature_store.yaml").is_file():
-        sync_from_index(ws.lineage_dir, gallery["uri"], gallery["alias"], definition=ws.lineage_definition)
+        g = state.gallery
+        sync_from_index(ws.lineage_dir, g.uri, g.alias, definition=ws.lineage_definition)
     return {
         "rollout_id": current.rollout_id,
         "candidate": str(current.new_version),
         "was": current.status,
         "stage": current.stage,
         "production": production,
-        "state": state,
+        "state": state.document(),
         "reembedded": written,
     }
 
 
-def complete_gallery(index: Any, leaving: str, state: dict[str, Any], root: Any = None) -> int:
+def complete_gallery(index: Any, leaving: str, state: RolloutState, root: Any = None) -> int:
     """After a rolled-back rollout: embed with the restored query model every item of the serving collection
     written by another version, and every item indexed into the ``leaving`` collection since the rollout
     (relative source URIs lie under ``root``); returns how many were written."""
-    g, model = state["gallery"], state["previous_query_model"]
-    target, version = g["source_collection"], str(model["version"])
+    g, model = state.gallery, state.previous_query_model
+    target, version = g.source_collection, model.version
     batches = _stale_batches(index, target, leaving, version)
     first = next(batches, None)
     if first is None:
         return 0
     from compat.compat_training import decode_size
 
-    encoder = load_encoder(model["uri"])
+    encoder = load_encoder(str(model.uri))
     images = ShardImages(image_size=decode_size(encoder), root=str(root) if root else None)
     space = index.collection_space(target)
     written = 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from compat.io import utc_now
 from components.adapters.index import GalleryIndex
@@ -25,20 +24,20 @@ def rollback(
     *,
     promoted: bool = True,
     reason: str | None = None,
-) -> dict[str, Any]:
+) -> RolloutState:
     """Undo the rollout in ``paths.state`` (or the archived one at ``state_path``): the serving record and
     the alias back to its source collection, which the rollout never wrote, and the previous query model. A
     switch, whatever the gallery's size; the rollout's own collection stays until the next rollout is planned.
     ``promoted=False``: a completed rollout whose version never became production (the record's rollback
     target goes back to production's); ``reason``: why, kept as its ``halt_reason``. Idempotent; returns the
-    state's document (``rolled_back``)."""
+    state (``rolled_back``)."""
     state_path = Path(state_path or paths.state)
     with exclusive(paths.state):
         state = load_state(state_path, paths.root)
         if state is None:
             raise RolloutError(f"no rollout state at {state_path}: nothing to roll back")
         if state.status == "rolled_back":
-            return state.document()
+            return state
         g = state.gallery
         source = g.source_collection
         if g.collection == source and state.status != "halted":
@@ -68,7 +67,7 @@ def rollback(
                 state.halt_reason = reason
             save_state(state_path, state, paths.root)
             log.info("rollout %s rolled back: alias %s -> %s", state.rollout_id, g.alias, source)
-            return state.document()
+            return state
         finally:
             if own:
                 index.close()
@@ -101,7 +100,7 @@ def rollout_of(paths: RolloutPaths, version: str) -> Path:
     candidates = [paths.state, *paths.archived_states()]
     for path in candidates:
         state = load_state(path, paths.root)
-        if state is not None and str(state.model_version) == str(version) and state.status == "completed":
+        if state is not None and state.new_version == str(version) and state.status == "completed":
             return path
     raise RolloutError(
         f"no completed rollout of version {version} in {paths.state} or its archive "

@@ -22,6 +22,7 @@ import numpy as np
 from compat.io import read_json, write_json_atomic
 from compat.proc import peak_rss_mib
 from components.rollout.types import RolloutError
+from components.state.rollout_document import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,11 @@ def range_done(work: Path, stage: int, start: int, end: int) -> bool:
     return read_cursor(range_cursor(work, stage, start, end), start)["position"] >= end
 
 
-def pending_ranges(state: Mapping[str, Any], work: Path) -> list[Range]:
+def pending_ranges(state: RolloutState, work: Path) -> list[Range]:
     """The slice ranges of ``state``'s running stage whose workers have not finished."""
-    if state["status"] != "running":
+    if state.status != "running":
         return []
-    return [
-        (s, e) for s, e in state["cursor"].get("ranges") or () if not range_done(work, state["stage"], s, e)
-    ]
+    return [(s, e) for s, e in state.cursor.ranges or () if not range_done(work, state.stage, s, e)]
 
 
 def write_spec(work: Path, spec: Mapping[str, Any]) -> Path:

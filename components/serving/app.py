@@ -42,24 +42,23 @@ class _RolloutCollector:
     def collect(self) -> Iterator[Any]:
         if self.state_path is None or not self.state_path.is_file():
             return
-        from components.state.rollout_document import read_rollout_state
+        from components.state.rollout_document import RolloutState
 
-        try:  # the rollout's own document, read as it is saved (the rollout engine sits above the service)
-            state = read_rollout_state(self.state_path, ValueError)
+        try:  # the rollout's own document (the rollout engine sits above the service)
+            state = RolloutState.read(self.state_path, ValueError)
         except Exception as exc:  # noqa: BLE001 - a state being rewritten or damaged: no gauges this scrape
             log.warning("rollout state %s unreadable for metrics: %s", self.state_path, exc)
             return
-        if not state:
+        if state is None:
             return
-        curve = [p for p in state.get("curve") or [] if isinstance(p, dict) and "t2i_R@1" in p]
-        probed = [s.get("probe") for s in state.get("stages") or [] if isinstance(s, dict) and s.get("probe")]
-        last = probed[-1].get("R@1") if probed else (curve[-1]["t2i_R@1"] if curve else None)
-        labels = [str(state.get("rollout_id", "")), str(state.get("status", ""))]
+        probed = [s.probe for s in state.stages if s.probe]
+        last = probed[-1]["R@1"] if probed else (state.curve[-1].t2i_r1 if state.curve else None)
+        labels = [state.rollout_id, state.status]
         gauges = {
-            "compatflow_rollout_stage": ("Backfill stage of the rollout", state.get("stage") or 0),
+            "compatflow_rollout_stage": ("Backfill stage of the rollout", state.stage),
             "compatflow_rollout_fraction_backfilled": (
                 "Fraction of the gallery backfilled",
-                state.get("fraction_backfilled") or 0.0,
+                state.fraction_backfilled,
             ),
             "compatflow_rollout_probe_recall_at_1": ("R@1 (%) of the last rollout probe", last),
         }

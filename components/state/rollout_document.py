@@ -10,7 +10,7 @@ Version 2 names a rollout's and a stage's progress ``status`` (version 1: ``stat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -145,8 +145,7 @@ class RolloutState(_Record):
     mode: Literal["staged", "blue_green"]
     created_at: str | None = None
     updated_at: str | None = None
-    new_version: str = Field(min_length=1)
-    model_version: str | None = Field(default=None, description="The registry version served (new_version).")
+    new_version: str = Field(min_length=1, description="The registry version rolled out.")
     stage: int = Field(ge=0)
     fractions: list[Annotated[float, Field(gt=0, le=1)]] = Field(min_length=1)
     n_items: int = Field(ge=1)
@@ -201,20 +200,24 @@ class RolloutState(_Record):
 UNDER_WAY = ("pending", "running", "halted")  # a rollout whose candidate may answer over a mixed gallery
 
 
-def unpromoted(state: Mapping[str, Any], production: str | None) -> bool:
-    """Whether the rollout ``state`` is a change not yet promoted: under way (its run killed or failed
-    mid-backfill), or completed for a version that is not ``production`` (its run killed after the backfill,
-    before the promotion). `compatflow run` finishes such a change and `compatflow rollback` undoes it."""
-    if state.get("status") in UNDER_WAY:
+def unpromoted(status: str | None, version: str | None, production: str | None) -> bool:
+    """Whether a rollout of ``version`` at ``status`` is a change not yet promoted: under way (its run killed
+    or failed mid-backfill), or completed for a version that is not ``production`` (its run killed after the
+    backfill, before the promotion). `compatflow run` finishes such a change and `compatflow rollback` undoes
+    it."""
+    if status in UNDER_WAY:
         return True
-    version = state.get("model_version")
-    return state.get("status") == "completed" and version is not None and str(version) != str(production)
+    return status == "completed" and version is not None and str(version) != str(production)
 
 
 def migrated(document: Any) -> Any:
-    """``document`` brought to :data:`SCHEMA_VERSION` (version 1 named the statuses ``state``); anything else
-    is returned as it is, for validation to refuse."""
-    if not isinstance(document, dict) or document.get("schema_version") != 1:
+    """``document`` brought to :data:`SCHEMA_VERSION` (version 1 named the statuses ``state``; an earlier
+    release repeated ``new_version`` as ``model_version``); anything else is returned as it is, for
+    validation to refuse."""
+    if not isinstance(document, dict):
+        return document
+    document = {key: value for key, value in document.items() if key != "model_version"}
+    if document.get("schema_version") != 1:
         return document
     document = _renamed({**document, "schema_version": SCHEMA_VERSION}, "state", "status")
     if isinstance(document.get("stages"), list):
@@ -229,9 +232,3 @@ def _renamed(record: Any, old: str, new: str) -> Any:
     if not isinstance(record, dict):
         return record
     return {new if key == old else key: value for key, value in record.items()}
-
-
-def read_rollout_state(path: str | Path, damaged: Callable[[str], Exception]) -> dict[str, Any] | None:
-    """:meth:`RolloutState.read`'s state as the document its file holds, for a reader that shows it."""
-    state = RolloutState.read(path, damaged)
-    return None if state is None else state.document()

@@ -8,6 +8,7 @@ from typing import Any
 
 from compat.io import read_json_object_or_none, write_json_atomic
 from components.deployment import Deployment
+from components.state.rollout_document import RolloutState
 from components.state.run_dir import RunDir
 from components.state.workspace import Workspace
 from components.steps.base import registry_of, step
@@ -44,8 +45,7 @@ def serve_first_model_step(
         seed=deployment.training.seed,
         on_items=lineage,
     )
-    initial = {"status": "completed", "model_version": version, "kind": "initial_index"}
-    registry_of(deployment).promote(version, rollout_state=initial)
+    registry_of(deployment).promote(version, rollout=None)  # the first model: its gallery indexed by it
     summary = {**record, "lineage_recorded": lineage.recorded, "version": version, "promoted": True}
     write_json_atomic(RunDir(run_dir).rollout_summary, summary)
     record_examples(workspace, run_dir, gallery_shards)
@@ -99,34 +99,34 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
 
     workspace = Workspace.of(deployment)
     undone, state = _roll_out(deployment, workspace, version)
-    if state["status"] == "halted":
+    if state.status == "halted":
         # Halt means roll back: the stages accepted before the halted one are undone too and queries go back
         # to the production model, so the gallery holds production's vectors only and production, the
         # serving record and the index agree on what is served (the next upgrade is compatible with it).
         with open_index(workspace) as index:
             state = rollback(RolloutPaths.for_workspace(workspace), index)
-    promoted, synced = state["status"] == "completed", 0
+    promoted, synced = state.status == "completed", 0
     if not promoted:  # a completed rollout recorded its items' lineage as it wrote them (its workers)
-        g, workers = state["gallery"], deployment.rollout.workers
+        g, workers = state.gallery, deployment.rollout.workers
         definition = workspace.lineage_definition
         synced = sync_from_index(
-            workspace.lineage_dir, g["uri"], g["alias"], definition=definition, workers=workers
+            workspace.lineage_dir, g.uri, g.alias, definition=definition, workers=workers
         )
     summary = {
         "version": version,
         "undone_first": undone,
-        "rollout": state,
+        "rollout": state.document(),
         "lineage_updated": synced,
         "promoted": promoted,
     }
     run = RunDir(run_dir)
     if promoted:
-        registry_of(deployment).promote(version, rollout_state=state)
+        registry_of(deployment).promote(version, rollout=state)
     else:
-        reason = state.get("halt_reason") or f"see {run.rollout_summary.relative_to(run.path)}"
+        reason = state.halt_reason or f"see {run.rollout_summary.relative_to(run.path)}"
         note_blocked(run_dir, "rollout", f"rollout halted and rolled back: {reason}")
     write_json_atomic(run.rollout_summary, summary)
-    write_json_atomic(run.rollout_state, state)  # where the on-call report reads it
+    write_json_atomic(run.rollout_state, summary["rollout"])  # where the on-call report reads it
     plan = read_json_object_or_none(run.plan_file) or {}
     record_examples(workspace, run_dir, list(plan.get("gallery_shards") or []))  # what is served now
     return summary
@@ -148,7 +148,7 @@ def rollout_ranges_step(deployment: Deployment, run_dir: Path, version: str) -> 
 
     workspace = Workspace.of(deployment)
     _, state = _roll_out(deployment, workspace, version, range_tasks=True)
-    work = RolloutPaths.for_workspace(workspace).work(state["rollout_id"])
+    work = RolloutPaths.for_workspace(workspace).work(state.rollout_id)
     return [f"{start}-{end}" for start, end in pending_ranges(state, work)] or [IDLE_RANGE]
 
 
@@ -171,7 +171,7 @@ def rollout_range_step(deployment: Deployment, run_dir: Path | None, rank_range:
 
 def _roll_out(
     deployment: Deployment, workspace: Workspace, version: str, range_tasks: bool = False
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+) -> tuple[dict[str, Any] | None, RolloutState]:
     """Undo an unfinished rollout of another version, then plan or resume the rollout of ``version``;
     returns (what was undone, the rollout state)."""
     from components.rollout.operations import roll_out
@@ -200,14 +200,14 @@ def _undo_unfinished_rollout(workspace: Workspace, version: str) -> dict[str, An
     state = load_state(paths.state)
     # Halted counts too: one left by `compatflow rollout run` keeps its accepted stages (a mixed gallery
     # queried by its candidate), which the candidate here was not trained to read.
-    if state is None or state.status not in UNDER_WAY or str(state.model_version) == str(version):
+    if state is None or state.status not in UNDER_WAY or state.new_version == str(version):
         return None
     logger.warning(
-        "rolling back unfinished rollout %s of version %s first", state.rollout_id, state.model_version
+        "rolling back unfinished rollout %s of version %s first", state.rollout_id, state.new_version
     )
     with open_index(workspace) as index:
         rollback(paths, index)
-    return {"rollout_id": state.rollout_id, "model_version": state.model_version, "status": state.status}
+    return {"rollout_id": state.rollout_id, "model_version": state.new_version, "status": state.status}
 
 
 class LineageRecorder:

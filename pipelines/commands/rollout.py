@@ -132,16 +132,16 @@ def run_cmd(
             options=key_values(option, "--option"),
         )
     if as_json:
-        echo_json(state)
+        echo_json(state.document())
     else:
         typer.echo(
-            f"rollout {state['rollout_id']}: {state['status']} at stage {state['stage']}, "
-            f"{100 * state['fraction_backfilled']:.0f}% backfilled"
+            f"rollout {state.rollout_id}: {state.status} at stage {state.stage}, "
+            f"{100 * state.fraction_backfilled:.0f}% backfilled"
         )
-        for point in state["curve"]:
-            typer.echo(f"  {100 * point['fraction']:5.1f}%  t2i R@1 {point['t2i_R@1']:.2f}")
-    if state["status"] == "halted":
-        fail(f"rollout halted: {state['halt_reason']}", code=1)
+        for point in state.curve:
+            typer.echo(f"  {100 * point.fraction:5.1f}%  t2i R@1 {point.t2i_r1:.2f}")
+    if state.status == "halted":
+        fail(f"rollout halted: {state.halt_reason}", code=1)
 
 
 def _settings(
@@ -224,11 +224,11 @@ def rollback_cmd(workspace: WorkspaceOpt = None, config: ConfigOpt = None, as_js
         with holding_workspace(workspace, "compatflow rollout rollback"), open_index(workspace) as index:
             state = rollback(RolloutPaths.for_workspace(workspace), index)
     if as_json:
-        echo_json(state)
+        echo_json(state.document())
     else:
         typer.echo(
-            f"rollout {state['rollout_id']} rolled back; queries served by "
-            f"{state['query_model']['version']} on {state['gallery']['source_collection']}"
+            f"rollout {state.rollout_id} rolled back; queries served by "
+            f"{state.query_model.version} on {state.gallery.source_collection}"
         )
 
 

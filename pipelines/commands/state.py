@@ -27,9 +27,9 @@ def rebuild(
         workspace = Workspace.of(resolve(load_config(config)))
     with holding_workspace(workspace, "compatflow state rebuild"):
         state = rebuild_state(workspace)
-    for phase, entry in state["phases"].items():
-        typer.echo(f"phase {phase:>3}  {entry['status']:<9}  run {entry['run_id']}")
-    typer.echo(f"rebuilt {workspace.state_path}: {len(state['phases'])} phase(s)")
+    for phase, entry in state.phases.items():
+        typer.echo(f"phase {phase:>3}  {entry.status:<9}  run {entry.run_id}")
+    typer.echo(f"rebuilt {workspace.state_path}: {len(state.phases)} phase(s)")
 
 
 def register(app: typer.Typer) -> None:

@@ -30,10 +30,7 @@ def validate(
     max_quarantined_fraction: Annotated[
         float | None,
         typer.Option(
-            min=0.0,
-            max=1.0,
-            help="Block the phase when more than this fraction is quarantined (default: the policy's value, "
-            "0.05).",
+            help="Block the phase when more than this fraction is quarantined (default: the policy's)."
         ),
     ] = None,
     policy_file: Annotated[
@@ -54,9 +51,8 @@ def validate(
         load_validation_policy,
         validate_phase,
     )
-    from schemas import SchemaError
 
-    with refusing(OSError, ValueError, SchemaError):
+    with refusing(OSError, ValueError):  # schemas.SchemaError is a ValueError
         policy = load_validation_policy(policy_file) if policy_file else ValidationPolicy()
         if max_quarantined_fraction is not None:
             policy = policy.replace(max_quarantined_fraction=max_quarantined_fraction)

@@ -173,7 +173,7 @@ class KilledRun:
         self.finished = {
             "run_dir": run_dir,
             "run": json.loads((run_dir / "run.json").read_text()),
-            "phase": read_state(self.ws)["phases"]["1"],
+            "phase": read_state(self.ws).phases["1"].model_dump(),
             "rollout": json.loads((run_dir / "rollout" / "rollout.json").read_text())["rollout"],
         }
 

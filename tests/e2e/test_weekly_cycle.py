@@ -143,7 +143,7 @@ class WeeklyCycle:
             "outcome": json.loads((failed_dir / "outcome.json").read_text()),
             "log_lines": (failed_dir / "pipeline.log").read_text().splitlines(),
             "report": (failed_dir / "report" / "report.md").read_text(),
-            "phases": read_state(self.config["workspace"])["phases"],
+            "phases": read_state(self.config["workspace"]).model_dump()["phases"],
             "status": status,
         }
         shutil.rmtree(copy)
@@ -156,7 +156,7 @@ class WeeklyCycle:
         self.config["rollout"]["floors"] = {"R@1": 100.0}
         seen = self.run("rejected", 4)
         seen["serving"] = json.loads((Path(self.config["workspace"]) / "serving.json").read_text())
-        seen["phases"] = read_state(self.config["workspace"])["phases"]
+        seen["phases"] = read_state(self.config["workspace"]).model_dump()["phases"]
         return seen
 
 

@@ -136,7 +136,7 @@ def test_adopts_the_collection_and_its_model_as_production_version_1(team, tmp_p
     assert registry.alias_version("production") == "1"
     assert registry.version_info("1")["tags"]["adopted_from"].endswith(f"#{TEAM}")
     assert Path(record["query_model"]["uri"]) == ws / "models" / "v1"
-    assert read_state(ws)["phases"]["0"]["status"] == "succeeded"
+    assert read_state(ws).phases["0"].status == "succeeded"
     summary = json.loads(next(ws.glob("runs/adopt-*/adopt/adoption.json")).read_text())
     assert summary["n_items"] == N_ITEMS and summary["proof"]["cosine_median"] >= 0.99
     note = next(ws.glob("runs/adopt-*/adopt/adoption.md")).read_text()

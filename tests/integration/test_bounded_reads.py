@@ -95,13 +95,14 @@ def test_an_oversized_member_is_quarantined_unread(tmp_path, good_members):
 
 
 def test_member_limits_come_from_the_policy():
+    from pydantic import ValidationError
+
     from components.data.validation import ValidationPolicy
-    from schemas import SchemaError
 
     limits = ValidationPolicy(max_caption_bytes=300_000, max_image_bytes=5, max_expansion=7).member_limits()
     assert (limits.for_ext("txt"), limits.for_ext("jpg"), limits.for_ext("json")) == (300_000, 5, MiB)
     assert limits.max_expansion == 7
-    with pytest.raises(SchemaError):
+    with pytest.raises(ValidationError, match="max_metadata_bytes"):
         ValidationPolicy(max_metadata_bytes=0)
 
 

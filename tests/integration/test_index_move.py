@@ -36,7 +36,7 @@ def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, 
         config = ro.RolloutConfig.from_section(
             RolloutSection(), new_version="v2", query_model=query_model, batch_size=64, order="random"
         )
-        assert ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE)[
+        assert ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE).document()[
             "status"
         ] == ("completed")
         before = _vectors(index)
@@ -62,7 +62,7 @@ def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, 
 
     # A rollback after the move finds the rollout's collections and saved rows at the new index.
     with GalleryIndex(target) as index:
-        assert ro.rollback(paths, index)["status"] == "rolled_back"
+        assert ro.rollback(paths, index).document()["status"] == "rolled_back"
         assert index.count_by_version() == {"v1": N}
     with GalleryIndex(lite) as index:
         assert index.count_by_version() == {"v2": N}  # the source was left as it was

@@ -46,7 +46,7 @@ def released(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run1.mkdir(parents=True)
     v1 = register_step(config, run1, 0, str(first), bootstrap=True)["version"]
     registry = registry_of(config)
-    registry.promote(v1, rollout_state={"status": "completed"})
+    registry.promote(v1, rollout=None)
 
     compat = tmp / "v2"
     wrapped = independent_model(

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _registry import BLOCK, DONE, PASS, candidate, make_checkpoint
+from _registry import BLOCK, PASS, candidate, done, make_checkpoint
 from safetensors.numpy import load_file
 
 from compat.models.integrity import CheckpointIntegrityError, verify_checkpoint
@@ -18,6 +18,7 @@ from components.adapters.registry import (
     RollbackHookError,
     metric_key,
 )
+from components.state.rollout_document import RolloutState
 from components.state.workspace import Workspace
 
 
@@ -36,19 +37,23 @@ def test_aliases_after_pass_block_and_rollback(workspace: Workspace, tmp_path: P
 
     v1, files1 = candidate(registry, tmp_path, "run-1", 1, PASS, phase=0)
     assert aliases(registry) == {"production": None, "candidate": v1, "previous": None}
-    registry.promote(rollout_state=DONE)
+    registry.promote(rollout=None)  # the first production model
     assert aliases(registry) == {"production": v1, "candidate": v1, "previous": None}
 
     v2, files2 = candidate(registry, tmp_path, "run-2", 2, PASS, phase=1)
     with pytest.raises(PromotionError, match="rollout status is 'backfilling'"):
-        registry.promote(rollout_state={"status": "backfilling", "stage": 2, "fraction_backfilled": 0.25})
+        registry.promote(rollout=RolloutState.model_construct(status="backfilling", new_version=v2))
+    with pytest.raises(PromotionError, match="without a completed rollout"):
+        registry.promote(v2, rollout=None)
+    with pytest.raises(PromotionError, match=f"rollout is of version {v1}, not {v2}"):
+        registry.promote(v2, rollout=done(v1))
     assert registry.alias_version("production") == v1
-    registry.promote(v2, rollout_state=DONE)
+    registry.promote(v2, rollout=done(v2))
     assert aliases(registry) == {"production": v2, "candidate": v2, "previous": v1}
 
     v3, _ = candidate(registry, tmp_path, "run-3", 3, BLOCK, phase=2)
     with pytest.raises(PromotionError, match="gate decision is block.*ecc_margin"):
-        registry.promote(rollout_state=DONE)
+        registry.promote(rollout=done(v3))
     assert aliases(registry) == {"production": v2, "candidate": v3, "previous": v1}
     tags = registry.version_info(v3)["tags"]
     assert tags["gate.decision"] == "block" and "ecc_margin" in tags["gate.reasons"]
@@ -77,7 +82,7 @@ def test_repeated_rollbacks_walk_the_history(workspace: Workspace, tmp_path: Pat
     versions = []
     for i in range(3):
         version, _ = candidate(registry, tmp_path, f"hist-{i}", 10 + i, PASS, phase=i)
-        registry.promote(version, rollout_state=DONE)
+        registry.promote(version, rollout=done(version))
         versions.append(version)
     assert registry.status()["history"] == versions
     registry.rollback()
@@ -92,7 +97,7 @@ def test_a_failing_hook_moves_nothing_and_a_retry_completes(workspace: Workspace
     registry = Registry(workspace, model_name="clip-hook")
     for i in range(2):
         version, _ = candidate(registry, tmp_path, f"hook-{i}", 20 + i, PASS, phase=i)
-        registry.promote(version, rollout_state=DONE)
+        registry.promote(version, rollout=done(version))
 
     def broken(event: dict) -> None:
         raise ConnectionError("index alias unreachable")
@@ -151,7 +156,7 @@ def test_cli_status_and_rollback(workspace: Workspace, tmp_path: Path) -> None:
     registry = Registry(workspace, model_name="clip-cli")
     for i in range(2):
         version, _ = candidate(registry, tmp_path, f"cli-{i}", 40 + i, PASS, phase=i)
-        registry.promote(version, rollout_state=DONE)
+        registry.promote(version, rollout=done(version))
     gate_dir = workspace.run_dir("cli-1") / "gate"
     gate_dir.mkdir(parents=True)
     (gate_dir / "gate.json").write_text(json.dumps({**PASS, "decided_at": "2026-11-22T00:00:00+00:00"}))
@@ -198,7 +203,7 @@ def test_status_names_an_index_that_disagrees_with_the_registry() -> None:
     doc = {
         "registry": {"production": {"version": "2"}},
         "gallery": {"query_model_version": "1"},
-        "rollout": {"status": "completed", "model_version": "2"},  # v2's rollout completed and was promoted
+        "rollout": {"status": "completed", "new_version": "2"},  # v2's rollout completed and was promoted
         "production_check": {"version": "2", "ok": True, "message": "ok"},
     }
     found = problems(doc)

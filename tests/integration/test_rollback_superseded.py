@@ -25,7 +25,8 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
         good = synthetic_encoders({"options": OPTS})
         assert (
-            ro.run_rollout(index, paths, rollout_config("v2"), good, PROBE)["status"] == "completed"
+            ro.run_rollout(index, paths, rollout_config("v2"), good, PROBE).document()["status"]
+            == "completed"
         )  # v2 serves
         with pytest.raises(Died):  # the next candidate's rollout dies in its first backfill stage
             ro.run_rollout(index, paths, rollout_config("v3"), dying_encoders(2), PROBE)
@@ -40,7 +41,7 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         assert read_serving(paths.serving)["query_model"]["version"] == "v1"
 
         # The next run: the killed run of v3 resumed gets its rolled-back rollout back, touching nothing ...
-        again = ro.run_rollout(index, paths, rollout_config("v3"), good, PROBE)
+        again = ro.run_rollout(index, paths, rollout_config("v3"), good, PROBE).document()
         assert again["status"] == "rolled_back" and again["rollout_id"] == died["rollout_id"]
         assert index.count_by_version() == {"v1": N}
     # ... and a run of another candidate finds nothing unfinished to undo over the restored production.
@@ -55,7 +56,7 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
     """The first upgrade's run dies mid-backfill (production v1, no previous version): ``compatflow
     rollback`` undoes that rollout alone, so production v1 answers over an all-v1 gallery; the next rollback
     is the registry's, which has nothing to go back to."""
-    from _registry import DONE, PASS, candidate
+    from _registry import PASS, candidate
 
     from components.adapters.registry import Registry, RegistryError
     from components.state.workspace import Workspace
@@ -66,7 +67,7 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
     uri = str(ws / "milvus" / "gallery.db")
     registry = Registry(Workspace(ws, index_uri=uri), model_name="clip-first-upgrade")
     v1, _ = candidate(registry, tmp_path, "run-1", 1, PASS, phase=0)
-    registry.promote(v1, rollout_state=DONE)
+    registry.promote(v1, rollout=None)
     with GalleryIndex(uri) as index:
         UPGRADE.index_old_gallery(index, paths, OPTS, source_uris=[f"shard#{i}" for i in UPGRADE.item_ids])
         with pytest.raises(Died):  # the first upgrade's rollout dies in its first backfill stage

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _registry import DONE, PASS, candidate
+from _registry import PASS, candidate
 from _synthetic_rollout import OPTS, PROBE, SYNTH_MODULE, UPGRADE, Died, N, dying_encoders, rollout_config
 
 from benchmarks.synthetic_upgrade import synthetic_encoders
@@ -31,7 +31,7 @@ def _served(tmp_path: Path, name: str) -> tuple[Registry, ro.RolloutPaths, str, 
     uri = str(ws / "milvus" / "gallery.db")
     registry = Registry(Workspace(ws, index_uri=uri), model_name=name)
     v1, _ = candidate(registry, tmp_path, "run-1", 1, PASS, phase=0)
-    registry.promote(v1, rollout_state=DONE)
+    registry.promote(v1, rollout=None)
     copy = registry.local_copy(v1)
     query_model = {
         "factory": f"{SYNTH_MODULE}:synthetic_query_encoder",
@@ -60,7 +60,7 @@ def _complete(registry: Registry, tmp_path: Path, paths: ro.RolloutPaths, uri: s
     with GalleryIndex(uri) as index:
         state = ro.run_rollout(
             index, paths, rollout_config(version), synthetic_encoders({"options": OPTS}), PROBE
-        )
+        ).document()
     assert state["status"] == "completed"
     return version
 
@@ -81,7 +81,7 @@ def test_a_completed_rollout_never_promoted_is_the_change_rollback_undoes(
     registry, paths, uri, production = _served(tmp_path, f"clip-unpromoted-{promoted_before}")
     for seed in range(2, 2 + promoted_before):  # upgrades that shipped before the killed one
         version = _complete(registry, tmp_path, paths, uri, seed)
-        registry.promote(version, rollout_state=ro.load_state(paths.state).document())
+        registry.promote(version, rollout=ro.load_state(paths.state))
         production = version
     aliases = {a: registry.alias_version(a) for a in ("production", "previous")}
     source = read_serving(paths.serving)["collection"]
@@ -150,7 +150,7 @@ def test_a_production_rollback_checks_and_restores_the_returning_model_first(tmp
 
     registry, paths, uri, v1 = _served(tmp_path, "clip-production-rollback")
     v2 = _complete(registry, tmp_path, paths, uri, 2)
-    registry.promote(v2, rollout_state=ro.load_state(paths.state).document())
+    registry.promote(v2, rollout=ro.load_state(paths.state))
     lineage = registry.workspace.lineage_dir
     lineage.mkdir(parents=True, exist_ok=True)
     (lineage / "feature_store.yaml").write_text("project: items\n")  # the preparation only looks for it

@@ -54,7 +54,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     source = index.serving_collection()
     state = ro.run_rollout(
         index, paths, _config(order="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
-    )
+    ).document()
     schemas.validate(json.loads(paths.state.read_text()), "rollout_state", str(paths.state))
     assert state["status"] == "completed" and state["fraction_backfilled"] == 1.0
     assert [s["status"] for s in state["stages"]] == ["accepted"] * 5
@@ -82,22 +82,22 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     assert (
         ro.run_rollout(
             index, paths, _config(order="lambda_orth"), synthetic_encoders({"options": OPTS}), PROBE
-        )["status"]
+        ).document()["status"]
         == "completed"
     )
 
-    back = ro.rollback(paths, index)
+    back = ro.rollback(paths, index).document()
     assert back["status"] == "rolled_back" and back["query_model"]["side"] == "old"
     assert back["rollback"]["seconds"] < 5 and index.serving_collection() == source  # a switch
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
     assert read_serving(paths.serving)["query_model"]["version"] == "v1"
-    assert ro.rollback(paths, index)["status"] == "rolled_back"  # idempotent
+    assert ro.rollback(paths, index).document()["status"] == "rolled_back"  # idempotent
 
 
 def test_regression_halts_and_restores_the_stage(setup) -> None:
     paths, index = setup
     broken = synthetic_encoders({"options": {**OPTS, "broken": "1"}})
-    state = ro.run_rollout(index, paths, _config(), broken, PROBE)
+    state = ro.run_rollout(index, paths, _config(), broken, PROBE).document()
     assert state["status"] == "halted" and state["restored"]
     assert state["stages"][0]["status"] == "accepted" and state["stages"][1]["status"] == "halted"
     probe, floors = state["stages"][1]["probe"], state["floors"]
@@ -110,7 +110,7 @@ def test_regression_halts_and_restores_the_stage(setup) -> None:
     assert not index.has_collection(state["gallery"]["collection"])
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
     # fail closed: running the same configuration again does not retry the regression
-    assert ro.run_rollout(index, paths, _config(), broken, PROBE)["status"] == "halted"
+    assert ro.run_rollout(index, paths, _config(), broken, PROBE).document()["status"] == "halted"
     assert index.count_by_version() == {"v1": N}
 
 
@@ -118,7 +118,7 @@ def test_stage0_floor_blocks_the_query_switch(setup) -> None:
     paths, index = setup
     state = ro.run_rollout(
         index, paths, _config(floors={"R@1": 99.0}), synthetic_encoders({"options": OPTS}), PROBE
-    )
+    ).document()
     assert state["status"] == "halted" and state["stage"] == 0
     assert state["floors"]["R@1"] == 99.0  # configured above old/old; R@5's floor: old/old less one SE
     n = len(PROBE.texts)
@@ -163,7 +163,7 @@ def test_crash_between_writes_and_state_write_repeats_the_stage_once(setup, monk
     written = index.count(target)
     assert 0 < written < N
     monkeypatch.setattr(engine, "save_state", real_save)
-    state = ro.run_rollout(index, paths, _config(), encoders, PROBE)
+    state = ro.run_rollout(index, paths, _config(), encoders, PROBE).document()
     assert state["status"] == "completed"
     _assert_gallery(index, UPGRADE.new_gallery, "v2", target)  # N rows: none doubled
     ro.rollback(paths, index)
@@ -205,7 +205,7 @@ def test_encoder_failure_resumes_from_the_cursor(setup, order) -> None:
     other = _config(order="random" if order != "random" else "oldest_first")
     with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
         ro.run_rollout(index, paths, other, good, PROBE)
-    assert ro.run_rollout(index, paths, _config(order=order), good, PROBE)["status"] == "completed"
+    assert ro.run_rollout(index, paths, _config(order=order), good, PROBE).document()["status"] == "completed"
     _assert_gallery(index, UPGRADE.new_gallery, "v2")
 
 
@@ -226,7 +226,7 @@ def test_forward_transform_goes_through_a_new_collection(setup) -> None:
         gallery_transform=pad,
         transform_tag="zero_pad:v2",
     )
-    state = ro.run_rollout(index, paths, _config(order="uncertainty"), enc, PROBE)
+    state = ro.run_rollout(index, paths, _config(order="uncertainty"), enc, PROBE).document()
     assert state["status"] == "completed"
     target = index.serving_collection()
     assert target != source and index.collection_dim(target) == 40
@@ -248,7 +248,7 @@ def test_space_change_goes_blue_green(setup) -> None:
         lambda refs: good.new_gallery(refs) @ rot,
         space="s2",
     )
-    state = ro.run_rollout(index, paths, _config(), enc, PROBE)
+    state = ro.run_rollout(index, paths, _config(), enc, PROBE).document()
     assert state["mode"] == "blue_green" and state["status"] == "completed"
     target = index.serving_collection()
     assert target.endswith("_s2_1") and index.collection_space(target) == "s2"
@@ -351,7 +351,7 @@ def test_rollout_records_its_pace_and_holds_the_cap(setup, monkeypatch) -> None:
         _config(fractions=(0.5, 1.0), batch_size=50, slo_p99_factor=1.5, max_items_per_s=cap),
         synthetic_encoders({"options": OPTS}),
         PROBE,
-    )
+    ).document()
     elapsed = time.perf_counter() - t0
     assert state["status"] == "completed"
     pace = state["pace"]
@@ -420,7 +420,7 @@ def test_a_rollout_reads_a_sample_and_its_slices_and_bounds_unflushed_rows(setup
         _config(fractions=(0.5, 1.0), flush_rows=64),
         synthetic_encoders({"options": OPTS}),
         PROBE,
-    )
+    ).document()
     assert state["status"] == "completed"
     assert calls.rows("fetch") == 0 and calls.rows("upsert") == N
     assert all(f for f in reads)  # every read is a filter: the sample's, then one per slice
@@ -437,7 +437,7 @@ def test_rollback_of_an_unfinished_rollout_is_a_switch(setup, monkeypatch) -> No
     with pytest.raises(_Crash):
         ro.run_rollout(index, paths, _config(), _failing_encoders(4), PROBE)
     writes = _Recorder(index, monkeypatch)
-    state = ro.rollback(paths, index)
+    state = ro.rollback(paths, index).document()
     assert state["status"] == "rolled_back" and state["rollback"]["from_status"] == "running"
     assert writes.rows("upsert") == 0 and writes.rows("fetch") == 0
     assert read_serving(paths.serving)["layers"] is None
@@ -468,7 +468,7 @@ def test_a_crash_between_the_index_write_and_the_lineage_write_is_repaired_by_th
         ro.run_rollout(index, paths, _config(), encoders, PROBE)
     target = json.loads(paths.state.read_text())["gallery"]["collection"]
     assert not store.check_against_index(index_rows(index, collection=target))["agree"]
-    state = ro.run_rollout(index, paths, _config(), encoders, PROBE)
+    state = ro.run_rollout(index, paths, _config(), encoders, PROBE).document()
     assert state["status"] == "completed"
     check = store.check_against_index(index_rows(index))
     assert check["agree"] and check["index"] == {"v2": N}, check

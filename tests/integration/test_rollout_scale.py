@@ -143,7 +143,7 @@ def test_the_plan_reads_a_sample_not_the_gallery(tmp_path, monkeypatch) -> None:
     with GalleryIndex(str(tmp_path / "ws" / "milvus" / "gallery.db")) as index:
         _index_old(paths, index)
         before = _gallery(index)
-        state = ro.run_rollout(index, paths, _config(order="oldest_first"), _encoders(), PROBE)
+        state = ro.run_rollout(index, paths, _config(order="oldest_first"), _encoders(), PROBE).document()
         assert state["status"] == "completed" and state["n_items"] == N
         assert 20 < state["order"]["sample"] < 120
         assert index.count_by_version() == {"v2": N} and index.count() == N
@@ -178,8 +178,8 @@ def on_server(tmp_path, request):
 def test_two_workers_leave_the_same_gallery_as_one(on_server) -> None:
     one_paths, one = on_server("one")
     two_paths, two = on_server("two")
-    a = ro.run_rollout(one, one_paths, _config(), _encoders(), PROBE)
-    b = ro.run_rollout(two, two_paths, _config(workers=2), _encoders(), PROBE)
+    a = ro.run_rollout(one, one_paths, _config(), _encoders(), PROBE).document()
+    b = ro.run_rollout(two, two_paths, _config(workers=2), _encoders(), PROBE).document()
     assert a["status"] == b["status"] == "completed"
     assert all(len(s["workers"]) == 2 for s in b["stages"][1:])
     assert sum(w["written"] for s in b["stages"][1:] for w in s["workers"]) == N
@@ -195,7 +195,7 @@ def test_a_worker_killed_mid_range_resumes_with_nothing_lost_or_doubled(on_serve
     before = _gallery(index)
     config = _config(workers=2, fractions=(1.0,), range_tasks=True)
     state = ro.run_rollout(index, paths, config, _encoders(delay_s="0.15"), PROBE)
-    work = paths.work(state["rollout_id"])
+    work = paths.work(state.rollout_id)
     (start, end), *_ = workers.pending_ranges(state, work)
     cursor = workers.range_cursor(work, 1, start, end)
     root = str(Path(__file__).resolve().parents[2])
@@ -216,11 +216,11 @@ def test_a_worker_killed_mid_range_resumes_with_nothing_lost_or_doubled(on_serve
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:]
     assert json.loads(cursor.read_text())["position"] == end
-    target = state["gallery"]["collection"]
+    target = state.gallery.collection
     mine = index.count(target)
     for s, e in workers.pending_ranges(state, work):
         workers.run_range(work / workers.SPEC_FILE, s, e)
-    state = ro.run_rollout(index, paths, config, _encoders(), PROBE)
+    state = ro.run_rollout(index, paths, config, _encoders(), PROBE).document()
     assert state["status"] == "completed" and 0 < mine < N
     assert index.count(target) == N and index.count_by_version(target) == {"v2": N}  # none doubled
     assert _gallery(index).keys() == before.keys()
@@ -233,7 +233,7 @@ def test_the_rate_cap_is_one_budget_over_two_workers(on_server) -> None:
     0.5 s two uncoordinated workers at the full cap would take."""
     paths, index = on_server("ws")
     config = _config(workers=2, fractions=(1.0,), max_items_per_s=400.0, batch_size=20)
-    state = ro.run_rollout(index, paths, config, _encoders(), PROBE)
+    state = ro.run_rollout(index, paths, config, _encoders(), PROBE).document()
     assert state["status"] == "completed"
     stage = state["stages"][1]
     assert [w["pace"]["items_per_s_allowed"] for w in stage["workers"]] == [200.0, 200.0]
@@ -250,7 +250,7 @@ def test_ranges_run_by_pipeline_tasks_one_stage_at_a_time(on_server) -> None:
     handed_out = []
     for _ in range(4):
         state = ro.run_rollout(index, paths, config, _encoders(), PROBE)
-        work = paths.work(state["rollout_id"])
+        work = paths.work(state.rollout_id)
         pending = workers.pending_ranges(state, work)
         if not pending:
             break
@@ -258,5 +258,5 @@ def test_ranges_run_by_pipeline_tasks_one_stage_at_a_time(on_server) -> None:
         for start, end in pending:
             workers.run_range(work / workers.SPEC_FILE, start, end)
     assert handed_out == [[(0, 3), (3, 7)], [(0, 3), (3, 7)]]  # 200 items a stage: 7 slices of ~32 each
-    assert state["status"] == "completed" and [s["status"] for s in state["stages"]] == ["accepted"] * 3
+    assert state.status == "completed" and [s.status for s in state.stages] == ["accepted"] * 3
     assert index.count() == N and index.count_by_version() == {"v2": N}

@@ -27,7 +27,7 @@ def test_an_emptied_state_over_a_production_model_is_refused(tmp_path):
     version = registry.register_candidate(
         run_id, model, data_phase=0, method="bootstrap", gate={"decision": "pass"}
     )
-    registry.promote(version["version"], rollout_state={"status": "completed"})
+    registry.promote(version["version"], rollout=None)
     (tmp_path / "ws" / "state.json").write_text('{"schema_version": 1, "phases": {}}')
     with pytest.raises(StateError, match=r"records no phase but .* serves production version 1.*rebuild"):
         plan_run(Deployment.coerce(config))

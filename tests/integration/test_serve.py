@@ -327,7 +327,7 @@ def test_blue_green_swap_and_rollback_under_load(gallery, service) -> None:
     load = Load(service.port)
     try:
         load.wait_for(30)
-        state = ro.run_rollout(index, paths, _config(options), encoders, PROBE)
+        state = ro.run_rollout(index, paths, _config(options), encoders, PROBE).document()
         assert state["mode"] == "blue_green" and state["status"] == "completed", state.get("halt_reason")
         target = index.serving_collection()
         assert target != source
@@ -365,7 +365,7 @@ def test_staged_rollout_under_load_and_metrics(gallery, service) -> None:
     try:
         load.wait_for(20)
         config = _config(OPTS, fractions=(0.5, 1.0), slo_p99_factor=1.5)
-        state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE)
+        state = ro.run_rollout(index, paths, config, synthetic_encoders({"options": OPTS}), PROBE).document()
         assert state["status"] == "completed" and state["mode"] != "blue_green"
         pace = state["pace"]  # paced on the users' queries the service answered, read from its /metrics
         assert pace["latency_from"] == "service" and pace["idle_p99_ms"] > 0 and pace["last_p99_ms"] > 0
@@ -612,7 +612,7 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
     registry.register_candidate(
         run_id, _checkpoint(tmp_path / "m1", 1), data_phase=0, method="bct", gate=gate
     )
-    registry.promote("1", rollout_state={"status": "completed"})
+    registry.promote("1", rollout=None)
     digest = registry.version_info("1")["tags"]["checkpoint.sha256"]
     copy = ws.model_dir("1")
     record = read_serving(paths.serving)

@@ -138,8 +138,7 @@ LATE_MISTAKES = {
     ),
     "gate_policy_breaks_its_schema": (
         lambda d, t: d["gate"].update(policy=_policy(t, "min_margin: high\nks: [0]\n")),
-        r"gate\.policy: .*policy\.yaml is not a valid gate policy \(schemas/gate_policy\.schema\.json\):"
-        r"(.|\n)*min_margin",
+        r"gate\.policy: .*policy\.yaml is not a valid GatePolicy:(.|\n)*min_margin",
     ),
     "gate_policy_not_a_mapping": (
         lambda d, t: d["gate"].update(policy=_policy(t, "- t2i\n")),

@@ -164,8 +164,8 @@ def test_partial_policy_merges_over_default(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text("min_margin: 5.0\nretention: {floor: 0.5}\n")
     policy = load_gate_policy(path)
-    assert policy.min_margin == 5.0 and policy.retention_floor == 0.5
-    assert policy.retention_reference == "auto" and policy.directions == ("t2i",)  # the served direction
+    assert policy.min_margin == 5.0 and policy.retention.floor == 0.5
+    assert policy.retention.reference == "auto" and policy.directions == ["t2i"]  # the served direction
     decision = _decide(make_report(), policy=path)  # margins are +4 and +3: below 5
     assert [r.direction for r in decision.reasons if r.code == "ecc_margin"] == ["t2i"]
 

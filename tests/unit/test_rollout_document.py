@@ -1,6 +1,6 @@
 """The rollout state document (components.state.rollout_document): a version-1 file (statuses named
-``state``) reads as this version's, a valid one passes its model, a broken one is refused naming the file
-and the field."""
+``state``, ``new_version`` repeated as ``model_version``) reads as this version's, a valid one passes its
+model, a broken one is refused naming the file and the field."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def _document(version: int = 2) -> dict:
         word: "halted",
         "mode": "staged",
         "new_version": "2",
+        **({"model_version": "2"} if version == 1 else {}),  # an earlier release repeated new_version
         "stage": 1,
         "fractions": [0.5, 1.0],
         "n_items": 10,
@@ -66,14 +67,14 @@ def _document(version: int = 2) -> dict:
 
 
 def test_a_version_1_state_reads_as_this_versions(tmp_path):
-    from components.state.rollout_document import SCHEMA_VERSION, read_rollout_state
+    from components.state.rollout_document import SCHEMA_VERSION, RolloutState
 
     path = tmp_path / "rollout_state.json"
     path.write_text(json.dumps(_document(version=1)))
-    doc = read_rollout_state(path, ValueError)
+    doc = RolloutState.read(path, ValueError).document()
     assert doc["schema_version"] == SCHEMA_VERSION == 2 and doc["status"] == "halted" and "state" not in doc
     assert [s["status"] for s in doc["stages"]] == ["accepted", "halted"]
-    assert doc["rollback"]["from_status"] == "halted" and doc["workers"] == 1
+    assert doc["rollback"]["from_status"] == "halted" and doc["workers"] == 1 and "model_version" not in doc
     validate(doc, "rollout_state", source=str(path))  # the generated schema holds it too
 
 
@@ -98,21 +99,21 @@ def test_the_rollout_engines_reader_migrates_too(tmp_path):
     ],
 )
 def test_a_broken_rollout_state_is_refused_naming_the_file_and_field(tmp_path, change, field):
-    from components.state.rollout_document import read_rollout_state
+    from components.state.rollout_document import RolloutState
 
     document = copy.deepcopy(_document())
     change(document)
     path = tmp_path / "rollout_state.json"
     path.write_text(json.dumps(document))
     with pytest.raises(SchemaError) as err:
-        read_rollout_state(path, ValueError)
+        RolloutState.read(path, ValueError)
     assert str(path) in str(err.value) and field in str(err.value)
 
 
 def test_a_valid_state_passes_unchanged(tmp_path):
-    from components.state.rollout_document import read_rollout_state
+    from components.state.rollout_document import RolloutState
 
     document = _document()
     path = tmp_path / "rollout_state.json"
     path.write_text(json.dumps(document))
-    assert read_rollout_state(path, ValueError) == document
+    assert RolloutState.read(path, ValueError).document() == document

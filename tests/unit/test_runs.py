@@ -67,7 +67,7 @@ def test_state_file_errors_name_the_file_and_a_lost_state_is_refused(tmp_path):
     with pytest.raises(StateError, match=r"finished runs in .* of phase\(s\) 1"):  # stale: phase 1 lost
         plan_run(Deployment.coerce(config))
     rebuilt = rebuild_state(ws)
-    assert {k: v["status"] for k, v in rebuilt["phases"].items()} == {"0": "succeeded", "1": "rejected"}
+    assert {k: v.status for k, v in rebuilt.phases.items()} == {"0": "succeeded", "1": "rejected"}
     assert read_state(ws) == rebuilt
     assert plan_run(Deployment.coerce(config)) is None  # both phases done: nothing pending
 

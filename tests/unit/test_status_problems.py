@@ -16,7 +16,7 @@ def _doc(served: str, production: str, rollout: dict | None) -> dict:
 
 
 def test_a_served_version_other_than_production_with_no_change_under_way_is_a_disagreement() -> None:
-    doc = _doc("3", "2", {"status": "completed", "model_version": "2"})
+    doc = _doc("3", "2", {"status": "completed", "new_version": "2"})
     found = problems(doc)
     assert len(found) == 1 and "disagree" in found[0]
     assert "compatflow rollback" in next_step(doc, found)
@@ -25,9 +25,9 @@ def test_a_served_version_other_than_production_with_no_change_under_way_is_a_di
 @pytest.mark.parametrize(
     "rollout",
     [
-        {"status": "running", "model_version": "3"},
-        {"status": "halted", "model_version": "3"},
-        {"status": "completed", "model_version": "3"},  # killed after the backfill, before the promotion
+        {"status": "running", "new_version": "3"},
+        {"status": "halted", "new_version": "3"},
+        {"status": "completed", "new_version": "3"},  # killed after the backfill, before the promotion
     ],
 )
 def test_a_change_not_yet_promoted_is_unfinished_not_a_disagreement(rollout: dict) -> None:

@@ -9,13 +9,16 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compat.io import utc_now
 from compat.models.integrity import file_manifest, manifest_digest, verify_checkpoint
 from components.adapters.registry import sqlite_read
 from components.adapters.registry.pyfunc import FILES, MLMODEL
 from components.adapters.registry.tracking import RUN_TAG, RegistryError, Tracking
+
+if TYPE_CHECKING:
+    from components.state.rollout_document import RolloutState
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +163,10 @@ class Registry(Tracking):
         except MlflowException:
             return None
 
-    def promote(self, version: str | int | None = None, *, rollout_state: Mapping[str, Any]) -> dict:
+    def promote(self, version: str | int | None = None, *, rollout: RolloutState | None) -> dict:
         """Move ``production`` to ``version`` (default: ``candidate``); old production becomes ``previous``.
-        Refuses unless the version's gate decision is ``pass`` and ``rollout_state`` (as
-        :func:`components.rollout.load_state` reads it) is ``completed``, of this version if it names one."""
+        Refuses unless the version's gate decision is ``pass`` and ``rollout`` is a ``completed`` rollout of
+        it; ``None`` (no rollout) only for the first production model, whose gallery it indexed itself."""
         version = str(version) if version is not None else self.alias_version("candidate")
         if version is None:
             raise PromotionError(f"{self.model_name} has no candidate version to promote")
@@ -175,17 +178,19 @@ class Registry(Tracking):
                 f"{self.model_name} version {version} cannot become production: gate decision is "
                 f"{decision or 'missing'}{f' ({why})' if why and why != '[]' else ''}"
             )
-        status = rollout_state.get("status")
-        if status != ROLLOUT_DONE:
+        current = self.alias_version("production")
+        if rollout is None and current not in (None, version):
+            raise PromotionError(
+                f"{self.model_name} version {version} cannot replace production {current} without a "
+                "completed rollout of it (run `compatflow rollout run` first)"
+            )
+        if rollout is not None and rollout.status != ROLLOUT_DONE:
             raise PromotionError(
                 f"{self.model_name} version {version} cannot become production: rollout status is "
-                f"{status!r}, not {ROLLOUT_DONE!r} (finish `compatflow rollout` first)"
+                f"{rollout.status!r}, not {ROLLOUT_DONE!r} (finish `compatflow rollout` first)"
             )
-        named = rollout_state.get("model_version")
-        if named is not None and str(named) != version:
-            raise PromotionError(f"the completed rollout is of version {named}, not {version}")
-
-        current = self.alias_version("production")
+        if rollout is not None and rollout.new_version != version:
+            raise PromotionError(f"the completed rollout is of version {rollout.new_version}, not {version}")
         if current == version:
             return self.status()
         history = self._history()

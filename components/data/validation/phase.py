@@ -280,7 +280,7 @@ def _summary_document(
         "expectations": records,
         "problems": problems[: policy.max_problems_listed],
         "problems_total": len(problems),
-        "policy": policy.to_dict(),
+        "policy": policy.model_dump(mode="json"),
         "accepted_shards": outputs["accepted"],
         "quarantine_shards": outputs["quarantine"],
         "fingerprint": fingerprint,
@@ -350,11 +350,11 @@ def _image_facts(accepted: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _fingerprint(shards: list[Shard], policy: ValidationPolicy) -> str:
-    """Identity of a run's inputs: shard names, sizes, mtimes, the policy, the suites, the stage version."""
+    """Identity of a run's inputs: shard names, sizes, mtimes, the policy, the suites, the step version."""
     digest = hashlib.sha256()
     inputs = [[s.name, s.url, s.size, s.version] for s in shards]
     suites = [hashlib.sha256(suite_path(n).read_bytes()).hexdigest() for n in ("samples", "phase")]
-    digest.update(json.dumps([CHECKS_VERSION, inputs, policy.to_dict(), suites], sort_keys=True).encode())
+    digest.update(json.dumps([CHECKS_VERSION, inputs, policy.model_dump(), suites], sort_keys=True).encode())
     return digest.hexdigest()
 
 
