@@ -349,7 +349,7 @@ def adopt(
         "model": {"arch": arch, "weights": weights, "version": version, "dir": str(model_dir)},
         "proof": {**asdict(proof), "passed": True},
         "collection": collection,
-        "alias": record["alias"],
+        "alias": record.alias,
         "n_items": copied,
         "seconds": {"proof": proof_s, "copy": copy_s},
         "seconds_per_item": {"proof": proof_s / max(1, len(sample)), "copy": copy_s / max(1, copied)},

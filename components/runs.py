@@ -6,21 +6,20 @@ A run plans itself from the workspace's phase record (:func:`plan_run`) and reco
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints
 
 from compat.io import read_json_object_or_none, utc_now, write_json_atomic
 from components.deployment import Deployment
-from components.state.run_dir import OUTCOME_FILE, RUN_FILE, RunDir
+from components.state.run_dir import RUN_FILE, RunDir
 from components.state.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -37,9 +36,12 @@ class StateError(ValueError):
     """The phase record is unreadable, breaks its schema, or is missing or lacks work the workspace holds."""
 
 
+Status = Literal["succeeded", "rejected", "blocked", "failed"]
+
+
 class PhaseEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    status: Literal["succeeded", "rejected", "blocked", "failed"]
+    status: Status
     run_id: str = Field(min_length=1)
     at: str = Field(description="local time the run ended")
 
@@ -53,6 +55,93 @@ class PhaseRecord(BaseModel):
 
     def write(self, path: Path) -> None:
         write_json_atomic(path, self.model_dump(mode="json"))
+
+
+class _RunDocument(BaseModel):
+    """One of a run's own files: read as its model, saved with the keys it was made or read with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def read(cls, path: Path, lenient: bool = False) -> Self | None:
+        """The document at ``path``; None when there is none or, ``lenient``, when it is damaged (logged);
+        else a damaged file raises SchemaError naming it and each bad field."""
+        from components.state.documents import read_document
+        from schemas import SchemaError
+
+        try:
+            return read_document(cls, path, "restore it, or run the phase again") if path.is_file() else None
+        except SchemaError as err:
+            if not lenient:
+                raise
+            log.warning("%s", err)
+            return None
+
+    def write(self, path: Path) -> Path:
+        return write_json_atomic(path, self.model_dump(mode="json", exclude_unset=True))
+
+
+class RunPlan(_RunDocument):
+    """``run.json``: a run's phase, folder and shards (:func:`plan_run`); an earlier one lacks the attempt."""
+
+    run_id: str = Field(min_length=1)
+    run_dir: str = ""
+    job_name: str = ""
+    resumed: bool = False
+    attempt: int = Field(default=1, ge=1)
+    phase: int = Field(ge=0)
+    domain: str = ""
+    stream_dir: str = ""
+    train_shards: list[str] = []
+    reference_shards: list[str] = []
+    eval_shards: list[str] = []
+    gallery_shards: list[str] = []
+
+
+class StepError(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    message: str
+    traceback: list[str] = []
+
+
+class RunFailure(_RunDocument):
+    """``failure.json``: the first step that raised, its error and what to do (:func:`record_failure`)."""
+
+    step: str
+    error: StepError
+    next_action: str
+    at: str | None = None
+
+
+class RunBlock(_RunDocument):
+    """``blocked.json``: the step that stopped the run and why (:func:`components.steps.note_blocked`)."""
+
+    step: str = Field(validation_alias=AliasChoices("step", "stage"))  # "stage": before 0.2
+    reason: str = ""
+
+
+class RunOutcome(_RunDocument):
+    """``outcome.json``: how the run ended (:func:`finish_run`), a failed one's step, error and log line."""
+
+    status: Status
+    pipeline_state: str = ""
+    error: StepError | str | None = Field(default=None, description="the failed step's, else the pipeline's")
+    failed_step: str | None = None
+    next_action: str | None = None
+    pipeline_error: str | None = None
+    kfp_run_url: str | None = None
+    log: str | None = None
+    log_line: int | None = None
+
+
+def runs_of(ws: Workspace) -> Iterator[tuple[RunDir, RunPlan, RunOutcome | None]]:
+    """Every planned run's folder, plan and outcome (None: not finished, or damaged); a run whose plan is
+    damaged is skipped (each damaged file logged)."""
+    for path in ws.runs_dir.glob(f"*/{RUN_FILE}"):
+        run = RunDir(path.parent)
+        if plan := RunPlan.read(path, lenient=True):
+            yield run, plan, RunOutcome.read(run.outcome_file, lenient=True)
 
 
 def read_state(workspace: Workspace | str | Path) -> PhaseRecord:
@@ -119,12 +208,7 @@ def _refuse_lost_state(deployment: Deployment, state: PhaseRecord) -> None:
     path = ws.state_path
     recorded = state.phases
     unrecorded = sorted(
-        {
-            int(plan["phase"])
-            for outcome in ws.runs_dir.glob(f"*/{OUTCOME_FILE}")
-            if (plan := read_json_object_or_none(RunDir(outcome.parent).plan_file)) and "phase" in plan
-        }
-        - {int(k) for k in recorded}
+        {plan.phase for _, plan, outcome in runs_of(ws) if outcome} - {int(k) for k in recorded}
     )
     how = "rebuild it with `compatflow state rebuild`"
     if unrecorded:
@@ -152,17 +236,11 @@ def _refuse_lost_state(deployment: Deployment, state: PhaseRecord) -> None:
 def rebuild_state(workspace: Workspace | str | Path) -> PhaseRecord:
     """The phase record rebuilt from each phase's newest finished run folder, written atomically."""
     ws = Workspace.coerce(workspace)
-    runs: dict[str, tuple[float, PhaseEntry]] = {}
-    for outcome_path in ws.runs_dir.glob(f"*/{OUTCOME_FILE}"):
-        plan = read_json_object_or_none(RunDir(outcome_path.parent).plan_file)
-        status = (read_json_object_or_none(outcome_path) or {}).get("status")
-        if not plan or status not in ("succeeded", "rejected", "blocked", "failed"):
-            continue
-        when = outcome_path.stat().st_mtime
-        key = str(plan["phase"])
-        if key not in runs or runs[key][0] < when:
-            runs[key] = (when, _phase_entry(status, plan["run_id"], when))
-    state = PhaseRecord(phases={k: v for k, (_, v) in sorted(runs.items(), key=lambda kv: int(kv[0]))})
+    newest: dict[int, PhaseEntry] = {}
+    ended = [(run.outcome_file.stat().st_mtime, plan, end) for run, plan, end in runs_of(ws) if end]
+    for when, plan, end in sorted(ended, key=lambda run: run[0]):  # a phase's newest run last
+        newest[plan.phase] = _phase_entry(end.status, plan.run_id, when)
+    state = PhaseRecord(phases={str(k): v for k, v in sorted(newest.items())})
     state.write(ws.state_path)
     return state
 
@@ -194,12 +272,11 @@ def run_dir_for(deployment: Deployment, run_id: str) -> Path:
 
 def interrupted_run(deployment: Deployment, phase: int) -> str | None:
     """The newest run of ``phase`` that never finished (killed) or failed: the next run continues it."""
-    found = []
-    for plan_path in Workspace.of(deployment).runs_dir.glob(f"*/{RUN_FILE}"):
-        plan = read_json_object_or_none(plan_path) or {}
-        outcome = read_json_object_or_none(RunDir(plan_path.parent).outcome_file) or {}
-        if plan.get("phase") == phase and outcome.get("status") in RESUMABLE:
-            found.append((plan_path.stat().st_mtime, plan["run_id"]))
+    found = [
+        (run.plan_file.stat().st_mtime, plan.run_id)
+        for run, plan, outcome in runs_of(Workspace.of(deployment))
+        if plan.phase == phase and (outcome.status if outcome else None) in RESUMABLE
+    ]
     return max(found)[1] if found else None
 
 
@@ -320,9 +397,7 @@ def with_run_parameters(deployment: Deployment, values: Mapping[str, Any]) -> De
     return deployment.with_changes(**changes) if changes else deployment
 
 
-def plan_run(
-    deployment: Deployment, phase: int = -1, run_id: str = "", job_name: str = ""
-) -> dict[str, Any] | None:
+def plan_run(deployment: Deployment, phase: int = -1, run_id: str = "", job_name: str = "") -> RunPlan | None:
     """The run's plan (phase, run folder, shard lists), written to ``<run_dir>/run.json``; None when every
     phase is done. ``phase`` -1: the next pending one. ``run_id`` "": the phase's interrupted run, else
     ``job_name``, else a new id."""
@@ -347,32 +422,31 @@ def plan_run(
     resumed = not run_id and interrupted_run(deployment, phase)
     run_id = run_id or resumed or job_name or new_run_id(phase)
     run_dir = run_dir_for(deployment, run_id)
-    plan_file = RunDir(run_dir).plan_file
-    earlier = read_json_object_or_none(plan_file) or {}
+    earlier = RunPlan.read(RunDir(run_dir).plan_file) or RunPlan(run_id=run_id, phase=phase)
     if resumed:
         attempt = _archive_attempt(run_dir) + 1
         log.info("resuming run %s of phase %d (attempt %d)", run_id, phase, attempt)
     else:  # the pipeline's plan step re-plans the run its runner planned: keep the attempt it recorded
-        resumed, attempt = bool(earlier.get("resumed")), int(earlier.get("attempt", 1))
-    plan = {
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "job_name": job_name or earlier.get("job_name", ""),
-        "resumed": bool(resumed),
-        "attempt": attempt,
-        "phase": phase,
-        "domain": manifest["phases"][phase]["domain"],
-        "stream_dir": str(stream_dir.resolve()),
-        "train_shards": _shards(stream_dir, manifest, [phase], "train"),
-        "reference_shards": (
+        resumed, attempt = earlier.resumed, earlier.attempt
+    plan = RunPlan(
+        run_id=run_id,
+        run_dir=str(run_dir),
+        job_name=job_name or earlier.job_name,
+        resumed=bool(resumed),
+        attempt=attempt,
+        phase=phase,
+        domain=manifest["phases"][phase]["domain"],
+        stream_dir=str(stream_dir.resolve()),
+        train_shards=_shards(stream_dir, manifest, [phase], "train"),
+        reference_shards=(
             train_shards_of(deployment, reference, manifest)
             if reference < phase
             else _shards(stream_dir, manifest, [reference], "train")
         ),
-        "eval_shards": _shards(stream_dir, manifest, range(phase + 1), "eval"),
-        "gallery_shards": _shards(stream_dir, manifest, range(phase + 1), "gallery"),
-    }
-    write_json_atomic(plan_file, plan)
+        eval_shards=_shards(stream_dir, manifest, range(phase + 1), "eval"),
+        gallery_shards=_shards(stream_dir, manifest, range(phase + 1), "gallery"),
+    )
+    plan.write(RunDir(run_dir).plan_file)
     return plan
 
 
@@ -380,53 +454,33 @@ def run_dir_of_job(deployment: Deployment, run_id: str, job_name: str) -> Path:
     """``run_id``'s run folder, else the one that recorded ``job_name`` (a resumed run keeps its id)."""
     if run_id:
         return run_dir_for(deployment, run_id)
-    for plan_path in Workspace.of(deployment).runs_dir.glob(f"*/{RUN_FILE}"):
-        if (read_json_object_or_none(plan_path) or {}).get("job_name") == job_name:
-            return plan_path.parent
-    return run_dir_for(deployment, job_name)
+    found = (run.path for run, plan, _ in runs_of(Workspace.of(deployment)) if plan.job_name == job_name)
+    return next(found, None) or run_dir_for(deployment, job_name)
 
 
 def run_outcome(run_dir: Path, pipeline_state: str) -> str:
     """``succeeded``, ``blocked`` (by validation), ``rejected`` (by the gate or the probes) or ``failed``."""
     if pipeline_state.upper() not in ("SUCCEEDED", "SUCCESS"):
         return "failed"
-    blocked = read_blocked(run_dir)
+    blocked = RunBlock.read(RunDir(run_dir).blocked_file)
     if blocked is None:
         return "succeeded"
-    return "blocked" if blocked["step"] == "validate" else "rejected"
+    return "blocked" if blocked.step == "validate" else "rejected"
 
 
-def read_blocked(run_dir: Path) -> dict[str, Any] | None:
-    """``{"step", "reason"}`` of the step that stopped the run (``blocked.json``), or None."""
-    path = RunDir(run_dir).blocked_file
-    if not path.is_file():
-        return None
-    doc = json.loads(path.read_text())
-    return {"step": doc.get("step", doc.get("stage")), "reason": doc.get("reason")}  # "stage": before 0.2
-
-
-def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error: str = "") -> dict[str, Any]:
+def finish_run(deployment: Deployment, run_dir: Path, pipeline_state: str, error: str = "") -> RunOutcome:
     """Record the run's outcome in the workspace state and in ``<run_dir>/outcome.json``."""
     run = RunDir(run_dir)
-    outcome = {
-        "status": run_outcome(run_dir, pipeline_state),
-        "pipeline_state": pipeline_state,
-        "error": error or None,
-    }
-    failure = read_failure(run_dir) if outcome["status"] == "failed" else None
-    if failure is not None:
-        outcome.update(
-            failed_step=failure["step"],
-            error=failure["error"],
-            next_action=failure["next_action"],
-            pipeline_error=error or None,
-        )
-    write_json_atomic(run.outcome_file, outcome)
-    if outcome["status"] not in RESUMABLE:  # nothing left to resume: drop the training checkpoints
+    status = run_outcome(run_dir, pipeline_state)
+    outcome = RunOutcome(status=status, pipeline_state=pipeline_state, error=error or None)
+    if outcome.status == "failed" and (failure := RunFailure.read(run.failure_file, lenient=True)):
+        outcome.failed_step, outcome.next_action = failure.step, failure.next_action
+        outcome.error, outcome.pipeline_error = failure.error, error or None
+    outcome.write(run.outcome_file)
+    if outcome.status not in RESUMABLE:  # nothing left to resume: drop the training checkpoints
         shutil.rmtree(run.training_dir / "checkpoints", ignore_errors=True)
-    if run.plan_file.is_file():
-        plan = json.loads(run.plan_file.read_text())
-        record_phase(Workspace.of(deployment), plan["phase"], outcome["status"], plan["run_id"])
+    if plan := RunPlan.read(run.plan_file):
+        record_phase(Workspace.of(deployment), plan.phase, outcome.status, plan.run_id)
     return outcome
 
 
@@ -478,42 +532,33 @@ def next_action(step: str, error_type: str, error: BaseException | None = None) 
     )
 
 
-def record_failure(run_dir: Path, step: str, error: BaseException) -> dict[str, Any]:
+def record_failure(run_dir: Path, step: str, error: BaseException) -> RunFailure:
     """Write ``<run_dir>/failure.json`` (step, exception, what to do next); a run's first failure is kept."""
     import traceback
 
     path = RunDir(run_dir).failure_file
-    if path.is_file():
-        return json.loads(path.read_text())
-    error_type = type(error).__name__
-    document = {
-        "step": step,
-        "error": {
-            "type": error_type,
-            "message": str(error),
-            "traceback": traceback.format_exception(error)[-12:],
-        },
-        "next_action": next_action(step, error_type, error),
-        "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
+    if earlier := RunFailure.read(path, lenient=True):  # a damaged one is replaced
+        return earlier
+    kind, trace = type(error).__name__, traceback.format_exception(error)[-12:]
+    failure = RunFailure(
+        step=step,
+        error=StepError(type=kind, message=str(error), traceback=trace),
+        next_action=next_action(step, kind, error),
+        at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
     try:
-        write_json_atomic(path, document)
+        failure.write(path)
     except OSError as exc:  # a full disk: the step's own error goes on up, not this one chained to it
         log.warning("could not record the failure of step %s in %s: %s", step, path, exc)
-    return document
+    return failure
 
 
-def read_failure(run_dir: Path) -> dict[str, Any] | None:
-    """The run's ``failure.json`` (None when no step recorded a failure or the file is unreadable)."""
-    return read_json_object_or_none(RunDir(run_dir).failure_file)
-
-
-def locate_in_log(log_path: Path, failure: dict[str, Any]) -> int | None:
+def locate_in_log(log_path: Path, failure: RunFailure) -> int | None:
     """The 1-based line of ``log_path`` where the failure's exception is first printed."""
     if not log_path.is_file():
         return None
-    needle = f"{failure['error']['type']}: "
-    first_line = failure["error"]["message"].splitlines()[0] if failure["error"]["message"] else ""
+    needle = f"{failure.error.type}: "
+    first_line = failure.error.message.splitlines()[0] if failure.error.message else ""
     with open(log_path, errors="replace") as fh:
         for number, line in enumerate(fh, start=1):
             if needle in line and first_line in line:

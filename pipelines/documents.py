@@ -13,9 +13,14 @@ from schemas import SCHEMA_DIR
 DOCUMENTS = {
     "pipeline_config": "components.deployment:Deployment",
     "workspace_state": "components.runs:PhaseRecord",
+    "run_plan": "components.runs:RunPlan",
+    "run_outcome": "components.runs:RunOutcome",
+    "run_failure": "components.runs:RunFailure",
+    "run_blocked": "components.runs:RunBlock",
     "gate_decision": "components.gate.decision:GateDecision",
     "gate_policy": "components.gate.policy:GatePolicy",
     "rollout_state": "components.state.rollout_document:RolloutState",
+    "serving_record": "components.serving.record:ServingRecord",
     "validation_policy": "components.data.validation.policy:ValidationPolicy",
 }
 

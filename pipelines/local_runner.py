@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any
 
 from compat.progress import LINE_MARK
 from components.deployment import Deployment
+from components.runs import RunFailure
 from components.state.lock import workspace_lock
 from components.state.run_dir import RunDir
 from components.state.workspace import Workspace
@@ -129,7 +129,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
     plan = plan_run(deployment, -1 if phase is None else phase)
     if plan is None:
         return RunResult("", -1, workspace.root, "nothing-to-do")
-    run_dir = Path(plan["run_dir"])
+    run_dir = Path(plan.run_dir)
     tmp = workspace.tmp_dir
     tmp.mkdir(exist_ok=True)
     # the tasks' temp files (kfp's program folder among them) stay in the workspace
@@ -138,7 +138,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         from compat.progress import EVERY_ENV
 
         env[EVERY_ENV] = os.environ.get(EVERY_ENV, "2")
-    echo.write(f"compatflow: run {plan['run_id']} on phase {plan['phase']} ({plan['domain']})\n")
+    echo.write(f"compatflow: run {plan.run_id} on phase {plan.phase} ({plan.domain})\n")
 
     # The warm task host starts importing now, while this process builds the pipeline.
     with warm_task_host(tmp / "task-host", RunDir(run_dir).task_host_log) as host:
@@ -162,7 +162,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
                 warnings.filterwarnings("ignore", message=".*non-Python base image.*")
                 warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
                 try:
-                    pipeline(config=deployment.to_json(), phase=plan["phase"], run_id=plan["run_id"])
+                    pipeline(config=deployment.to_json(), phase=plan.phase, run_id=plan.run_id)
                 except RuntimeError as err:  # kfp.local raises when a task fails; the exit handler has run
                     log.write(f"\npipeline failed: {err}\n")
                     failed_task = str(err)
@@ -171,8 +171,8 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
                     log.write(f"\npipeline failed: {err}\n")
         finally:
             log.close_file()
-    recorded = read_state(workspace).phases.get(str(plan["phase"]))
-    status = recorded.status if recorded and recorded.run_id == plan["run_id"] else "failed"
+    recorded = read_state(workspace).phases.get(str(plan.phase))
+    status = recorded.status if recorded and recorded.run_id == plan.run_id else "failed"
     report = RunDir(run_dir).report_file("html")
     outputs = {"log": str(log_path), "run_dir": str(run_dir), "report": str(report)}
     unwritten = broke or log.error
@@ -181,7 +181,7 @@ def _run_locked(deployment: Deployment, workspace: Any, phase: int | None, echo:
         status, failure = "failed", _failure_of(run_dir, log_path, unwritten, failed_task)
     elif unwritten is not None:
         echo.write(f"compatflow: the run's log {log_path} is incomplete: {unwritten}\n")
-    return RunResult(plan["run_id"], plan["phase"], run_dir, status, outputs, failure)
+    return RunResult(plan.run_id, plan.phase, run_dir, status, outputs, failure)
 
 
 def _failure_of(
@@ -189,29 +189,26 @@ def _failure_of(
 ) -> dict[str, Any]:
     """The failed step and its error, with the log line to look at (also written into ``outcome.json``).
     ``unwritten``: what kept the run's files from being written; ``failed_task``: kfp.local's failure."""
-    from compat.io import write_json_atomic
-    from components.runs import disk_full, locate_in_log, next_action, read_failure
+    from components.runs import RunOutcome, StepError, disk_full, locate_in_log, next_action
 
-    failure = read_failure(run_dir) or _unrecorded_failure(log_path, failed_task or "")
-    if unwritten is not None:
-        failure = {**failure, "unwritten": f"{log_path.parent}: {unwritten}"}
-        if failure["step"] == "unknown":
-            failure["error"] = {"type": type(unwritten).__name__, "message": str(unwritten)}
-        if disk_full(unwritten):
-            failure["next_action"] = next_action(failure["step"], "", unwritten)
-    failure = {**failure, "log": str(log_path), "log_line": locate_in_log(log_path, failure)}
-    outcome_path = RunDir(run_dir).outcome_file
+    run = RunDir(run_dir)
+    recorded = RunFailure.read(run.failure_file, lenient=True)
+    failure = recorded or _unrecorded_failure(log_path, failed_task or "")
+    if unwritten is not None and failure.step == "unknown":
+        failure.error = StepError(type=type(unwritten).__name__, message=str(unwritten))
+    if disk_full(unwritten):
+        failure.next_action = next_action(failure.step, "", unwritten)
+    at = {"log": str(log_path), "log_line": locate_in_log(log_path, failure)}
     try:
-        if outcome_path.is_file():
-            outcome = json.loads(outcome_path.read_text())
-            outcome.update(log=failure["log"], log_line=failure["log_line"])
-            write_json_atomic(outcome_path, outcome)
-    except (OSError, ValueError) as exc:  # a full disk: the failure is still returned and printed
-        logger.warning("could not update %s: %s", outcome_path, exc)
-    return failure
+        if outcome := RunOutcome.read(run.outcome_file):
+            outcome.model_copy(update=at).write(run.outcome_file)
+    except (OSError, ValueError) as exc:  # a full disk (or a damaged outcome): the failure is still printed
+        logger.warning("could not update %s: %s", run.outcome_file, exc)
+    unwritten_at = {"unwritten": f"{log_path.parent}: {unwritten}"} if unwritten is not None else {}
+    return {**failure.model_dump(), **unwritten_at, **at}
 
 
-def _unrecorded_failure(log_path: Path, failed_task: str) -> dict[str, Any]:
+def _unrecorded_failure(log_path: Path, failed_task: str) -> RunFailure:
     """A failure no step recorded: the step kfp.local names (else ``unknown``), and why, if the log says."""
     found = re.search(r"Inner task failed: \W*'([\w-]+)'", _ANSI.sub("", failed_task))
     step = re.sub(r"-op(-\d+)?$", "", found.group(1)) if found else "unknown"
@@ -225,4 +222,4 @@ def _unrecorded_failure(log_path: Path, failed_task: str) -> dict[str, Any]:
         error = {"type": "TaskFailed", "message": f"{step} ended without recording its error: see the log"}
     else:
         error = {"type": "PipelineError", "message": "no step recorded a failure: see the log"}
-    return {"step": step, "error": error, "next_action": "read the log, then run again"}
+    return RunFailure(step=step, error=error, next_action="read the log, then run again")

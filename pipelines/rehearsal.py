@@ -33,7 +33,7 @@ import compat
 from compat.models.integrity import file_manifest, manifest_digest
 from components.adapters import milvus_server, mlflow_server
 from components.deployment import Deployment
-from components.runs import read_state
+from components.runs import RunPlan, read_state
 from components.state.run_dir import RUN_FILE, TASK_HOST_LOG
 from components.state.workspace import SYSTEM_FOLDERS, Workspace
 from pipelines.compile import COMPILED_NAME, compile_pipeline
@@ -344,10 +344,8 @@ class Rehearsal:
     def _newest_run(self) -> tuple[int, str]:
         """The phase and id of the run folder planned last (``runs/<id>/run.json``)."""
         plans = sorted(Workspace(self.layout.workspace).runs_dir.glob(f"*/{RUN_FILE}"), key=os.path.getmtime)
-        if not plans:
-            return -1, ""
-        plan = json.loads(plans[-1].read_text())
-        return int(plan["phase"]), str(plan["run_id"])
+        plan = RunPlan.read(plans[-1]) if plans else None
+        return (plan.phase, plan.run_id) if plan else (-1, "")
 
     def check(self) -> list[Step]:
         """``status``, ``search`` and ``lineage --check`` as the task user; the read-only inputs unchanged."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from components.state.run_dir import GATE_FILE, ROLLOUT_STATE_FILE
+from components.state.run_dir import GATE_FILE, ROLLOUT_STATE_FILE, RunDir
 from components.state.workspace import DEFAULT_MODEL_NAME, Workspace
 
 log = logging.getLogger(__name__)
@@ -61,13 +61,13 @@ def gallery_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     record = read_serving(paths.serving)
     if record is None:
         return {**doc, "gallery": _no_gallery()}
-    services = [] if is_remote(record["uri"]) else live_services(Workspace.coerce(workspace).services_dir)
+    services = [] if is_remote(record.uri) else live_services(Workspace.coerce(workspace).services_dir)
     counts = (
-        {"count": None, "note": f"not counted: {services[0]} holds {record['uri']}"}
+        {"count": None, "note": f"not counted: {services[0]} holds {record.uri}"}
         if services
-        else gallery_status(record["uri"], record["alias"])
+        else gallery_status(record.uri, record.alias)
     )
-    doc["gallery"] = {**counts, "query_model_version": record["query_model"]["version"]}
+    doc["gallery"] = {**counts, "query_model_version": record.query_model.version}
     return doc
 
 
@@ -90,10 +90,10 @@ def served_part(workspace: Workspace | str | Path) -> dict[str, Any]:
     record = read_serving(ws.serving_path)
     if record is None:
         return {**doc, "gallery": _no_gallery()}
-    _check_reachable(record["uri"])
+    _check_reachable(record.uri)
     doc["gallery"] = {
-        "collection": record["collection"],
-        "query_model_version": record["query_model"]["version"],
+        "collection": record.collection,
+        "query_model_version": record.query_model.version,
         "count": None,
         "note": "not counted (`compatflow status --count` counts it)",
     }
@@ -194,17 +194,18 @@ def production_check(ws: Workspace, model_name: str, registry: Mapping[str, Any]
 
 def phase_history(ws: Workspace) -> list[dict[str, Any]]:
     """Every phase's outcome from the phase record, oldest first, with why a run did not ship."""
-    from components.runs import read_blocked, read_failure, read_state
+    from components.runs import RunBlock, RunFailure, read_state
 
     rows = []
     for phase, entry in sorted(read_state(ws).phases.items(), key=lambda kv: int(kv[0])):
-        run_dir = ws.runs_dir / entry.run_id
+        run = RunDir(ws.runs_dir / entry.run_id)
         row = {"phase": int(phase), **entry.model_dump(), "why": None}
-        failure, blocked = read_failure(run_dir), read_blocked(run_dir)
+        failure = RunFailure.read(run.failure_file, lenient=True)
+        blocked = RunBlock.read(run.blocked_file, lenient=True)
         if failure:
-            row["why"] = f"step {failure['step']}: {failure['error']['type']}: {failure['error']['message']}"
+            row["why"] = f"step {failure.step}: {failure.error.type}: {failure.error.message}"
         elif blocked:
-            row["why"] = f"{blocked['step']}: {blocked['reason']}"
+            row["why"] = f"{blocked.step}: {blocked.reason}"
         rows.append(row)
     return rows
 

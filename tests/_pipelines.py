@@ -203,7 +203,7 @@ def served_gallery(config: dict) -> dict:
     from components.serving.record import read_serving
 
     record = read_serving(Path(config["workspace"]) / "serving.json")
-    return gallery_status(record["uri"], record["alias"])
+    return gallery_status(record.uri, record.alias)
 
 
 def assert_serves(config: dict, version: str, n_items: int) -> None:

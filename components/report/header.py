@@ -32,9 +32,8 @@ class Header:
 def build(inputs: RunInputs, base: Path) -> Header:
     """The header of the run in ``inputs``; local links relative to ``base``."""
     run = RunDir(inputs.run_dir)
-    plan = _json(run.plan_file)
-    outcome_doc = _json(run.outcome_file)
-    outcome = str(outcome_doc.get("status") or "not finished")
+    plan, outcome_doc, failure = (inputs[name].document for name in ("plan", "outcome", "failure"))
+    outcome = outcome_doc.status if outcome_doc else "not finished"
     registered = _json(run.registered_file)
     rollout = _json(run.rollout_summary)
     report = inputs.data("compat_report") or {}
@@ -46,8 +45,8 @@ def build(inputs: RunInputs, base: Path) -> Header:
     shipped = str(rollout["version"]) if rollout.get("promoted") and rollout.get("version") else None
     served_after = _version(state.get("query_model")) or _version(rollout.get("query_model")) or shipped
     facts = [("outcome", outcome), ("run", inputs.run_id)]
-    if plan.get("phase") is not None:
-        facts.append(("phase", str(plan["phase"])))
+    if plan:
+        facts.append(("phase", str(plan.phase)))
     facts.append(("duration", _duration(run, outcome_doc)))
     facts.append(("production", _change(before, shipped or before, first)))
     facts.append(("serving", _change(before, served_after if shipped else before, first)))
@@ -55,12 +54,15 @@ def build(inputs: RunInputs, base: Path) -> Header:
         facts.append(("candidate", f"v{registered['version']}"))
     facts += [(k.replace("_", " "), str(report[k])) for k in ("method", "scenario") if k in report]
     facts.append(("gate", str(gate.get("decision", "not run")).upper()))
-    failure = inputs.data("failure")
     if failure:
-        facts.append(("failed step", str(failure.get("step", "?"))))
+        facts.append(("failed step", failure.step))
+    unread = [inputs[n].error for n in ("plan", "outcome", "failure", "blocked") if inputs[n].error]
+    facts += [
+        ("unreadable", " ".join(str(error).split())) for error in unread
+    ]  # a damaged file of the run's own, named
     header = Header(outcome, facts, _links(registered, outcome_doc, run, base))
     # the undo command of a run that shipped, else what to do next
-    rerun = f"compatflow run --phase {plan.get('phase', 'N')}"
+    rerun = f"compatflow run --phase {plan.phase if plan else 'N'}"
     kept = f"production v{before} still serves" if before else "production is unchanged"
     if shipped and first:
         header.next = f"v{shipped} is the first production model: there is no earlier version to go back to."
@@ -81,14 +83,14 @@ def build(inputs: RunInputs, base: Path) -> Header:
         header.command = rerun
     elif outcome == "failed":
         header.next = (
-            f"Next: {(failure or {}).get('next_action') or 'see the log, then run again (the run resumes)'}."
+            f"Next: {failure.next_action if failure else 'see the log, then run again (the run resumes)'}."
         )
     else:
         header.next = "The run has not finished (no outcome recorded): see the pipeline's log."
     return header
 
 
-def _links(registered: Mapping[str, Any], outcome: Mapping[str, Any], run: RunDir, base: Path) -> list[Link]:
+def _links(registered: Mapping[str, Any], outcome: Any, run: RunDir, base: Path) -> list[Link]:
     """MLflow run and model version (the tracking server's pages, or local paths), the KFP run when known."""
     links: list[Link] = []
     tracking = str(registered.get("tracking_uri") or "").rstrip("/")
@@ -106,7 +108,7 @@ def _links(registered: Mapping[str, Any], outcome: Mapping[str, Any], run: RunDi
         if version:
             links.append(_local(f"model {name} v{version}", _workspace(run).model_dir(version), base))
     links.append(_local("run folder", run.path, base))
-    return links + ([Link("KFP run", str(kfp))] if (kfp := outcome.get("kfp_run_url")) else [])
+    return links + ([Link("KFP run", kfp)] if (kfp := outcome and outcome.kfp_run_url) else [])
 
 
 def _workspace(run: RunDir) -> Any:
@@ -133,7 +135,7 @@ def _change(before: str | None, after: str | None, first: bool) -> str:
     return f"v{before or '?'} -> v{after}"
 
 
-def _duration(run: RunDir, outcome: Mapping[str, Any]) -> str:
+def _duration(run: RunDir, outcome: Any) -> str:
     """From the first step's start (its usage record) to the outcome (or the last step's end)."""
     starts, ends = [], []
     for path in run.usage_dir.glob("*.json") if run.usage_dir.is_dir() else ():

@@ -1,4 +1,4 @@
-"""Locate and read the step outputs of a run for the on-call report; a missing step is "not run"."""
+"""Locate and read a run's step outputs and own files for the on-call report; a missing step is "not run"."""
 
 from __future__ import annotations
 
@@ -19,19 +19,19 @@ SOURCES = {
     "gate": (files.GATE_FILE, ("gate",)),
     "rollout": (files.ROLLOUT_STATE_FILE, ("rollout",)),
     "examples": (files.EXAMPLES_FILE, ("rollout",)),  # retrieval examples (components.steps.examples)
-    "blocked": (files.BLOCKED_FILE, ()),  # written when a step stopped the run
-    "failure": (files.FAILURE_FILE, ()),  # written when a step raised (components.runs.record_failure)
 }
 
 
 @dataclass
 class Source:
-    """One input document: where it was found, its content, or why it could not be read."""
+    """One input document: where it was found, its content (``document``: the model of one of the run's own
+    files, :mod:`components.runs`), or why it could not be read."""
 
     name: str
     path: Path | None = None
     data: dict[str, Any] | None = None
     error: str | None = None
+    document: Any = None
 
 
 @dataclass
@@ -64,10 +64,25 @@ def find(run_dir: Path, filename: str, prefer: tuple[str, ...] = ()) -> Path | N
 def load(run_dir: str | Path) -> RunInputs:
     """Read every known input of the run in ``run_dir`` (only this run's: a run that did not roll a model
     out shows no rollout, whatever the workspace's last rollout was)."""
+    from components.runs import RunBlock, RunFailure, RunOutcome, RunPlan
+    from schemas import SchemaError
+
     run_dir = Path(run_dir).resolve()
     inputs = RunInputs(run_dir)
     for name, (filename, prefer) in SOURCES.items():
         inputs.sources[name] = read_source(name, find(run_dir, filename, prefer))
+    run = files.RunDir(run_dir)
+    own = {
+        "plan": (RunPlan, run.plan_file),
+        "outcome": (RunOutcome, run.outcome_file),
+        "failure": (RunFailure, run.failure_file),  # a step raised (components.runs.record_failure)
+        "blocked": (RunBlock, run.blocked_file),  # a step stopped the run (components.steps.note_blocked)
+    }
+    for name, (model, path) in own.items():
+        try:
+            inputs.sources[name] = Source(name, path, document=model.read(path))
+        except SchemaError as err:  # the report names it and shows the rest
+            inputs.sources[name] = Source(name, path, error=str(err))
     return inputs
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from components.report import plots
 from components.report.inputs import RunInputs, Source
+from components.runs import RunFailure, locate_in_log
 from components.state.run_dir import GATE_FILE, RunDir
 
 
@@ -62,7 +63,7 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     """Every section of the report, in reading order; ``link_base`` is where relative links start."""
     base = link_base or inputs.run_dir
     gate = inputs.data("gate")
-    blocked = inputs.data("blocked")
+    failure, blocked = inputs["failure"].document, inputs["blocked"].document
     sections = [
         _gate_section(inputs["gate"]),
         _validation_section(inputs["validation"]),
@@ -74,19 +75,13 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     ]
     if examples := _examples_section(inputs["examples"]):
         sections.append(examples)
-    failure = inputs.data("failure")
-    blocked_at = blocked.get("step", blocked.get("stage", "?")) if blocked else None
     if failure or blocked:
-        stopped_by = (
-            f"step {failure.get('step', '?')} failed before it"
-            if failure
-            else f"{blocked_at} stopped the run"
-        )
+        stopped_by = f"step {failure.step} failed before it" if failure else f"{blocked.step} stopped the run"
         for section in sections:
             if section.status == "not run":
                 section.items = [Note(f"The step did not run: {stopped_by}.", "muted")]
     if blocked:
-        stop = f"The run stopped at step {blocked_at}: {blocked.get('reason', 'no reason given')}"
+        stop = f"The run stopped at step {blocked.step}: {blocked.reason or 'no reason given'}"
         sections[0].items.insert(0, Note(stop, "bad"))
     if failure:
         sections.insert(0, _failure_section(failure, inputs.run_dir))
@@ -95,21 +90,18 @@ def build(inputs: RunInputs, link_base: Path | None = None) -> list[Section]:
     return sections
 
 
-def _failure_section(failure: Mapping[str, Any], run_dir: Path) -> Section:
+def _failure_section(failure: RunFailure, run_dir: Path) -> Section:
     """First section of a failed run: the step, the exception, where to look, what to do next."""
-    from components.runs import locate_in_log
-
-    error = failure.get("error") or {}
-    message = str(error.get("message", "")).strip() or "(no message)"
+    message = failure.error.message.strip() or "(no message)"
     items: list[Note | Table | Figure | Link] = [
-        Note(f"Step {failure.get('step', '?')} failed: {error.get('type', 'Exception')}: {message}", "bad"),
-        Note(f"What to do: {failure.get('next_action', 'see the log')}.", "warn"),
+        Note(f"Step {failure.step} failed: {failure.error.type}: {message}", "bad"),
+        Note(f"What to do: {failure.next_action}.", "warn"),
     ]
     log = RunDir(run_dir).pipeline_log
     if log.is_file():
-        line = locate_in_log(log, dict(failure))
+        line = locate_in_log(log, failure)
         items.append(Note(f"Log: {log}" + (f", line {line}" if line else ""), "plain"))
-    if trace := [str(t).rstrip() for t in error.get("traceback") or []]:
+    if trace := [t.rstrip() for t in failure.error.traceback]:
         items.append(Table(["traceback (last frames)"], [[t] for t in trace], collapsed=True))
     return Section("failure", "Run failed", "failed", "bad", items)
 

@@ -156,8 +156,8 @@ class Rollout:
         save_state(self.paths.archived_state(old.rollout_id), old, root=self.paths.root)
 
     def _drop_unserved(self, collection: str | None) -> None:
-        record = read_serving(self.paths.serving) or {}
-        served = {record.get("collection"), *(name for name, _ in record.get("layers") or ())}
+        record = read_serving(self.paths.serving)
+        served = record.collections() if record else []
         if collection and collection not in served and self.index.has_collection(collection):
             if collection != self.index.serving_collection():
                 self.index.drop(collection)
@@ -209,8 +209,8 @@ class Rollout:
                 "sample": len(sample),
             },
             cursor={"position": 0, "batches": 0, "ranges": None},
-            query_model=source.record["query_model"],
-            previous_query_model=source.record["query_model"],
+            query_model=source.record.query_model.document(),
+            previous_query_model=source.record.query_model.document(),
             new_query_model=c.query_model,
             gallery=self._gallery_record(source, target, space, keyed, sample),
             ks=c.ks,
@@ -263,7 +263,7 @@ class Rollout:
             "keyed": keyed,
             "transform": self.encoders.transform_tag,
             "versions_before": self.index.count_by_version(source.collection),
-            "source_previous": source.record.get("previous"),  # production's rollback target meanwhile
+            "source_previous": source.record.model_dump(exclude_unset=True).get("previous"),
         }
 
     # ---- shared pieces

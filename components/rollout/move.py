@@ -33,7 +33,7 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
         raise RolloutError(
             f"nothing is served from {ws.root} (no serving record): there is no gallery to move"
         )
-    source_uri, served, alias = record["uri"], record["collection"], record["alias"]
+    source_uri, served, alias = record.uri, record.collection, record.alias
     if same_index(source_uri, to_uri):
         return {"from": source_uri, "to": to_uri, "collections": {}, "served": served}
     state = load_state(paths.state)
@@ -71,15 +71,5 @@ def move_gallery(workspace: Any, to_uri: str, *, batch_size: int = 2000) -> dict
             if state is not None and state.gallery.uri != to_uri:
                 state.gallery.uri = to_uri
                 save_state(path, state, paths.root)
-    write_serving(
-        paths.serving,
-        uri=to_uri,
-        alias=alias,
-        collection=served,
-        space=record["space"],
-        dim=int(record["dim"]),
-        query_model=record["query_model"],
-        previous=record.get("previous"),
-        rollout_id=record.get("rollout_id", ""),
-    )
+    write_serving(paths.serving, **{**record.model_dump(exclude_unset=True), "uri": to_uri})
     return {"from": source_uri, "to": to_uri, "collections": copied, "served": served}

@@ -16,6 +16,7 @@ from components.rollout.engine import run_rollout
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutPaths
 from components.serving.record import (
     DEFAULT_FACTORY,
+    ServingRecord,
     check_index_agrees,
     import_factory,
     read_serving,
@@ -39,7 +40,7 @@ def index_gallery(
     source_uris: Sequence[str] | None = None,
     embedded_at: int | Sequence[int] | None = None,
     batch_size: int = 1000,
-) -> dict[str, Any]:
+) -> ServingRecord:
     """Index a gallery (first run) into the serving collection, creating it and the alias when missing;
     writes the serving record (``query_model`` answers queries). Idempotent; returns the serving record."""
     from components.rollout.keys import SAMPLE_ROWS, fit_centres, load_centres, save_centres
@@ -84,8 +85,8 @@ def open_index(workspace: Any = None) -> GalleryIndex:
     ws = Workspace.coerce(workspace)
     record = read_serving(ws.serving_path)
     check_index_agrees(ws.configured_index_uri, record, ws.serving_path)
-    uri = record["uri"] if record else ws.index_uri
-    alias = record["alias"] if record else ws.index_alias
+    uri = record.uri if record else ws.index_uri
+    alias = record.alias if record else ws.index_alias
     return GalleryIndex(uri, alias=alias, owner=deployment_owner(ws))
 
 
@@ -108,8 +109,7 @@ def gallery_collections(workspace: Any = None) -> list[str]:
     record = read_serving(paths.serving)
     if record is None:
         return []
-    names = [record["collection"], (record.get("previous") or {}).get("collection")]
-    names += [name for name, _ in record.get("layers") or ()]
+    names = [*record.collections(), record.previous.collection if record.previous else None]
     for path in [paths.state, *paths.archived_states()]:
         state = load_state(path, paths.root)
         if state is not None:
@@ -145,11 +145,11 @@ def index_new_items(
     sample = _ProbeSample(probe_size, seed, known={p for positives in probe["positives"] for p in positives})
     n_new = 0
     with open_index(workspace) as index:
-        record = read_serving(paths.serving) or {}
+        record = read_serving(paths.serving)
         # a rollout in progress serves its target over its source: new items go to the target, whichever
         # collection holds an item already counts
-        collection = record.get("collection") or index.serving_collection()
-        held = [name for name, _ in record.get("layers") or [(collection, "")]] if collection else []
+        collection = record.collection if record else index.serving_collection()
+        held = record.collections() if record else [collection] if collection else []
         encoder = None
         for url in expand_urls(gallery):
             encoder = encoder or load_encoder(model)  # its input size bounds the decoded images
@@ -171,7 +171,7 @@ def index_new_items(
                 record = index_gallery(
                     index, paths, ids, vectors, version=version, space=space, query_model=first, **columns
                 )
-                collection, held = record["collection"], [record["collection"]]
+                collection, held = record.collection, record.collections()
             else:
                 centres = load_centres(paths.centres(collection))
                 index.index_items(
@@ -188,7 +188,8 @@ def index_new_items(
         probe["texts"] += captions
         probe["positives"] += [[item_id] for _ in captions]
     write_json_atomic(paths.probe, probe)
-    return {**record, "n_items": n_items, "n_new": n_new, "probe": str(paths.probe)}
+    summary = {"n_items": n_items, "n_new": n_new, "probe": str(paths.probe)}
+    return {**record.model_dump(mode="json"), **summary} if record else summary
 
 
 def _lineage_rows(
@@ -257,7 +258,7 @@ def roll_out(
     paths = RolloutPaths.for_workspace(workspace)
     options = dict(options or {})
     record = read_serving(paths.serving)
-    old = old_model or (record["query_model"].get("uri", "") if record else "")
+    old = old_model or (record.query_model.uri or "" if record else "")
     # root: where gallery rows' relative source URIs lie (components.state.workspace.stored_path)
     args = {"old_model": old, "new_model": new_model, "options": options, "root": str(paths.root)}
     built = import_factory(encoders)(args)

@@ -16,6 +16,7 @@ import numpy as np
 from components.adapters.index import ORDER_FIELDS, GalleryIndex
 from components.rollout.probes import probe_metrics
 from components.rollout.types import ProbeSet, RolloutConfig, RolloutError
+from components.serving.record import ServingRecord
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,13 @@ def check_vectors(vectors: Any, n: int, dim: int | None, what: str) -> np.ndarra
 class Source:
     """The serving collection a rollout starts from."""
 
-    record: Mapping[str, Any]
+    record: ServingRecord
     collection: str
     space: str
     dim: int
 
 
-def serving_source(index: GalleryIndex, serving: Mapping[str, Any] | None, serving_path: Path) -> Source:
+def serving_source(index: GalleryIndex, serving: ServingRecord | None, serving_path: Path) -> Source:
     """The collection behind the alias, with the serving record; refuses a gallery not indexed yet."""
     if serving is None:
         raise RolloutError(

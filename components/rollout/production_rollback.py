@@ -68,10 +68,10 @@ def on_rollback(event: dict[str, Any]) -> None:
         log.info("no gallery indexed in %s: nothing to restore", event["workspace"])
         return
     state_path = rollout_of(paths, event["from_version"])
-    with GalleryIndex(record["uri"], record["alias"], owner=deployment_owner(paths.root)) as index:
+    with GalleryIndex(record.uri, record.alias, owner=deployment_owner(paths.root)) as index:
         finish_superseded(paths, index, event)
         state = rollback(paths, index, state_path=state_path)
-        written = complete_gallery(index, record["collection"], state, root=paths.root)
+        written = complete_gallery(index, record.collection, state, root=paths.root)
     log.info("rollback: %d item(s) re-embedded by %s", written, state.previous_query_model.version)
     from components.adapters.lineage import sync_from_index
 

@@ -17,12 +17,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, TypeVar
 
 import numpy as np
 
-from components.serving.record import QueryEncoder, ServingError, load_query_encoder, read_serving
+from components.serving.record import (
+    QueryEncoder,
+    ServingError,
+    ServingRecord,
+    load_query_encoder,
+    read_serving,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +44,14 @@ class ServingPair:
     encoder: QueryEncoder
     index: Any  # components.adapters.index.GalleryIndex
     collection: str
-    record: Mapping[str, Any]
+    record: ServingRecord
     stamp: Stamp
     complete_at: float = field(default_factory=time.time)  # the collection held all it serves by then
 
     @property
     def version(self) -> str:
         """The query model version."""
-        return str(self.record["query_model"]["version"])
+        return self.record.query_model.version
 
     def search(
         self, texts: Sequence[str], k: int, *, filter: str | None = None, output_fields: Sequence[str] = ()
@@ -66,7 +71,7 @@ class ServingPair:
             collection=self.collection,
             output_fields=output_fields,
             as_of=self.complete_at,
-            layers=self.record.get("layers"),
+            layers=self.record.layers,
         )
 
 
@@ -133,7 +138,7 @@ class PairFollower:
             if (
                 now is pair
                 or now.collection != pair.collection
-                or now.record["query_model"] == dict(pair.record["query_model"])
+                or now.record.query_model == pair.record.query_model
             ):
                 break
             pair, result = now, query(now)
@@ -174,30 +179,28 @@ class PairFollower:
         record = read_serving(self.record_path) if stamp is not None else None
         if record is None:
             raise ServingError(f"no serving record at {self.record_path}: index the gallery first")
-        index = self._index(self.uri or record["uri"], record["alias"])
-        collection = str(record["collection"])
-        for name, _ in record.get("layers") or [(collection, "")]:
+        index = self._index(self.uri or record.uri, record.alias)
+        collection = record.collection
+        for name in record.collections():
             index.resolve(name)  # the collections exist and are loaded before any query reaches them
         dim = index.collection_dim(collection)
-        if int(record.get("dim") or dim) != dim:
+        if record.dim != dim:
             raise ServingError(
-                f"{self.record_path}: field 'dim' is {record['dim']}, collection {collection!r} stores {dim}"
+                f"{self.record_path}: field 'dim' is {record.dim}, collection {collection!r} stores {dim}"
             )
         if self._fixed_encoder is not None:
             encoder = self._fixed_encoder
-        elif pair is not None and dict(pair.record["query_model"]) == record["query_model"]:
+        elif pair is not None and pair.record.query_model == record.query_model:
             encoder = pair.encoder  # same query model: keep it
         else:
-            if self._verify is not None:
-                self._verify(record["query_model"])  # the registry's digest, before any weight is read
-            encoder = load_query_encoder(record["query_model"])
+            if self._verify is not None:  # the registry's digest, before any weight is read
+                self._verify(record.query_model.document())
+            encoder = load_query_encoder(record.query_model.document())
         # an in-place switch (same collection: stage 0, its rollback) keeps the moment the collection was
         # complete; the backfill's later writes are compatible vectors either way
         same = pair is not None and pair.index is index and pair.collection == collection
         complete_at = pair.complete_at if same else time.time()
-        return ServingPair(
-            encoder, index, collection, MappingProxyType(record), stamp or (0, 0, 0), complete_at=complete_at
-        )
+        return ServingPair(encoder, index, collection, record, stamp or (0, 0, 0), complete_at=complete_at)
 
     def _index(self, uri: str, alias: str) -> Any:
         if self._given_index is not None:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from compat.io import read_json, utc_now, write_json_atomic
+from components.state.documents import validated
+from components.state.rollout_document import ModelRef
 from components.state.workspace import map_paths, resolved_path, stored_path
+from schemas import SchemaError
 
 SERVING_PATHS = ("uri", "query_model.uri", "previous.query_model.uri")  # stored relative to the workspace
 DEFAULT_FACTORY = "components.serving.record:model_query_encoder"
@@ -26,25 +30,54 @@ RENAMED_FACTORIES = {  # named by older records
 QueryEncoder = Callable[[list[str]], np.ndarray]  # texts -> (n, dim) query vectors
 TRUSTED_ENV = "COMPATFLOW_TRUSTED_MODULES"
 TRUSTED_PREFIXES = ("compat.", "components.")
+REMEDY = "restore it from the rollout state or re-index"
 
 
 class ServingError(RuntimeError):
     """The serving record is missing or malformed, or names an encoder that cannot be built."""
 
 
-def read_serving(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+class PreviousServing(BaseModel):
+    """What served before the last rollout: the rollback target."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    collection: str
+    space: str
+    query_model: ModelRef
+
+
+class ServingRecord(BaseModel):
+    """``serving.json`` (its schema: ``make schemas``): which collection and query model answer queries;
+    ``layers``: while a rollout moves the gallery into ``collection``, what each collection serves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, title="Serving record")
+    schema_version: Literal[1]
+    uri: str = Field(description="The index the gallery is served from.")
+    alias: str
+    collection: str = Field(description="The collection searched, whatever the alias says.")
+    space: str
+    dim: int = Field(ge=1)
+    query_model: ModelRef
+    previous: PreviousServing | None = None
+    rollout_id: str = ""
+    layers: list[tuple[str, str]] | None = Field(None, description="(collection, filter), newest first")
+    updated_at: str | None = None
+
+    def collections(self) -> list[str]:
+        """The collections queries read: the layers' while a rollout moves the gallery, else the one."""
+        return [name for name, _ in self.layers or [(self.collection, "")]]
+
+
+def read_serving(path: str | os.PathLike[str]) -> ServingRecord | None:
     """The serving record at ``path``; None when there is none yet; ServingError when it is malformed."""
-    path = Path(path)
-    doc = read_json(path, lambda why: ServingError(f"{why}; restore it from the rollout state or re-index"))
+    doc = read_json(path, lambda why: ServingError(f"{why}; {REMEDY}"))
     if doc is None:
         return None
-    missing = [k for k in ("uri", "alias", "collection", "query_model") if k not in doc]
-    if not isinstance(doc, dict) or missing:
-        raise ServingError(f"{path}: missing field(s) {missing} of a serving record")
-    if not isinstance(doc["query_model"], dict) or "version" not in doc["query_model"]:
-        raise ServingError(f"{path}: field 'query_model' must be an object with a 'version'")
-    root = Path(path).resolve().parent
-    return map_paths(doc, SERVING_PATHS, lambda value: resolved_path(root, value))
+    doc = map_paths(doc, SERVING_PATHS, lambda value: resolved_path(Path(path).resolve().parent, value))
+    try:
+        return validated(ServingRecord, doc, str(path), REMEDY)
+    except SchemaError as err:
+        raise ServingError(str(err)) from None
 
 
 def same_index(a: str, b: str) -> bool:
@@ -54,51 +87,26 @@ def same_index(a: str, b: str) -> bool:
     return a.rstrip("/") == b.rstrip("/")
 
 
-def check_index_agrees(configured: str | None, record: Mapping[str, Any] | None, record_path: Any) -> None:
+def check_index_agrees(configured: str | None, record: ServingRecord | None, record_path: Any) -> None:
     """Refuse a configured index URI (``index.uri``, ``$COMPATFLOW_MILVUS_URI``) other than the one the
     serving record says the gallery is served from: reading or writing the configured one would serve, roll
     out and record lineage against another gallery than the served one."""
-    if configured is None or record is None or same_index(configured, record["uri"]):
+    if configured is None or record is None or same_index(configured, record.uri):
         return
     raise ServingError(
-        f"index.uri is {configured} but this workspace's gallery is served from {record['uri']} (serving "
-        f"record {record_path}): set index.uri to {record['uri']} (or leave it unset) to go on serving this "
+        f"index.uri is {configured} but this workspace's gallery is served from {record.uri} (serving "
+        f"record {record_path}): set index.uri to {record.uri} (or leave it unset) to go on serving this "
         "gallery; editing the config does not move a gallery to another index"
     )
 
 
-def write_serving(
-    path: str | os.PathLike[str],
-    *,
-    uri: str,
-    alias: str,
-    collection: str,
-    space: str,
-    dim: int,
-    query_model: Mapping[str, Any],
-    previous: Mapping[str, Any] | None = None,
-    rollout_id: str = "",
-    layers: Sequence[Sequence[str]] | None = None,
-) -> dict[str, Any]:
-    """Write the serving record atomically; returns it. ``layers`` (``[(collection, filter), ...]``, newest
-    first): while a rollout moves the gallery into ``collection``, what each collection serves
-    (:meth:`components.adapters.index.GalleryIndex.search`)."""
-    doc = {
-        "schema_version": 1,
-        "uri": str(uri),
-        "alias": alias,
-        "collection": collection,
-        "space": str(space),
-        "dim": int(dim),
-        "query_model": dict(query_model),
-        "previous": dict(previous) if previous else None,
-        "rollout_id": rollout_id,
-        "layers": [[str(name), str(flt)] for name, flt in layers] if layers else None,
-        "updated_at": utc_now(),
-    }
-    root = Path(path).resolve().parent  # the record lives in the workspace root
+def write_serving(path: str | os.PathLike[str], **fields: Any) -> ServingRecord:
+    """Build the serving record from ``fields`` (:class:`ServingRecord`'s) and write it atomically, the paths
+    it names relative to the workspace root it lives in; returns it."""
+    record = ServingRecord(**{**fields, "schema_version": 1, "updated_at": utc_now()})
+    root, doc = Path(path).resolve().parent, record.model_dump(mode="json", exclude_unset=True)  # as given
     write_json_atomic(Path(path), map_paths(doc, SERVING_PATHS, lambda value: stored_path(root, value)))
-    return doc
+    return record
 
 
 def import_factory(spec: str) -> Callable[..., Any]:

@@ -55,11 +55,6 @@ class Searcher(PairFollower):
             _fill(rows, "thumbnail", self._thumbnails.lookup(uris))
         return rows
 
-    @property
-    def query_model(self) -> dict[str, Any]:
-        """The serving query model the last search used."""
-        return dict(self.pair.record["query_model"]) if self.pair is not None else {}
-
 
 def _fill(rows: list[list[dict[str, Any]]], key: str, values: Sequence[Any]) -> None:
     found = iter(values)

@@ -49,10 +49,8 @@ def _at(*parts: str) -> property:
 class RunDir:
     """One run's folder; creates nothing. Each step writes into the folder named after it; who writes what:
 
-    - ``run.json``: the plan (the plan step, :func:`components.runs.plan_run`);
-    - ``outcome.json``: how the run ended (the exit handler, :func:`components.runs.finish_run`);
-    - ``failure.json``: the first step that raised and what to do (any step, ``record_failure``);
-    - ``blocked.json``: the step that stopped the run (validate, gate, a halted rollout);
+    - ``run.json``, ``outcome.json``, ``failure.json``, ``blocked.json``: the plan, how the run ended, the
+      first step that raised, the step that stopped the run (each read and written by its model, runs.py);
     - ``pipeline.log``: every task's output (the local runner);
     - ``task-host.log``: the warm task host's preloads and the tasks it forked (the local runner);
     - ``usage/step-<step>.json``: what each step cost (any step, ``record_usage``);

@@ -28,7 +28,7 @@ def plan_step(
     except Exception as error:
         record_failure(run_dir_for(deployment, run_id or job_name), "plan", error)
         raise
-    return {**plan, "config": deployment.to_json()}
+    return {**plan.model_dump(), "config": deployment.to_json()}
 
 
 @step("validate")

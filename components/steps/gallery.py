@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from compat.io import read_json_object_or_none, write_json_atomic
+from compat.io import write_json_atomic
 from components.deployment import Deployment
+from components.runs import RunPlan
 from components.state.rollout_document import RolloutState
 from components.state.run_dir import RunDir
 from components.state.workspace import Workspace
@@ -69,13 +70,13 @@ def ingest_step(deployment: Deployment, run_dir: Path, gallery_shards: list[str]
     serving = read_serving(workspace.serving_path)
     if serving is None:
         raise RuntimeError(f"no serving record in {workspace.root}: the first run indexes the gallery")
-    served, lineage = serving["query_model"], LineageRecorder(workspace)
+    served, lineage = serving.query_model, LineageRecorder(workspace)
     seed = deployment.training.seed
     added = index_new_items(
-        workspace, served["uri"], served["version"], "", gallery_shards, seed=seed, on_items=lineage
+        workspace, served.uri, served.version, "", gallery_shards, seed=seed, on_items=lineage
     )
     summary = {
-        "model_version": served["version"],
+        "model_version": served.version,
         "n_items": added["n_items"],
         "n_new": added["n_new"],
         "lineage_recorded": lineage.recorded,
@@ -127,8 +128,8 @@ def rollout_step(deployment: Deployment, run_dir: Path, version: str) -> dict[st
         note_blocked(run_dir, "rollout", f"rollout halted and rolled back: {reason}")
     write_json_atomic(run.rollout_summary, summary)
     write_json_atomic(run.rollout_state, summary["rollout"])  # where the on-call report reads it
-    plan = read_json_object_or_none(run.plan_file) or {}
-    record_examples(workspace, run_dir, list(plan.get("gallery_shards") or []))  # what is served now
+    plan = RunPlan.read(run.plan_file)
+    record_examples(workspace, run_dir, plan.gallery_shards if plan else [])  # what is served now
     return summary
 
 

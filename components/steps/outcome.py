@@ -5,15 +5,15 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from compat.io import write_json_atomic
 from components.deployment import Deployment
+from components.runs import RunBlock, RunOutcome, finish_run, run_dir_of_job
 from components.state.run_dir import RunDir
 from components.steps.base import Config
 
 
 def note_blocked(run_dir: Path, step: str, reason: str) -> None:
     """Record that a step stopped the run (read by the report, the outcome and ``compatflow status``)."""
-    write_json_atomic(RunDir(run_dir).blocked_file, {"step": step, "reason": reason})
+    RunBlock(step=step, reason=reason).write(RunDir(run_dir).blocked_file)
 
 
 def finish_step(
@@ -24,14 +24,13 @@ def finish_step(
     html_path: Path,
     job_name: str = "",
     job_id: str = "",
-) -> dict:
+) -> RunOutcome:
     """Exit handler: the run's outcome into the workspace state, then the on-call report, whatever happened
     before. On a cluster whose ConfigMap names the KFP UI (``$COMPATFLOW_KFP_UI_URL``) the outcome keeps the
     run's page (``job_id``: the KFP run's ID), for the report's header."""
     import os
 
     from components.report import write_reports
-    from components.runs import finish_run, run_dir_of_job
 
     deployment = Deployment.coerce(config)
     run_dir = run_dir_of_job(deployment, run_id, job_name)
@@ -39,9 +38,9 @@ def finish_step(
     outcome = finish_run(deployment, run_dir, pipeline_state, error)
     ui = os.environ.get("COMPATFLOW_KFP_UI_URL", "").rstrip("/")
     if ui and job_id:
-        outcome["kfp_run_url"] = f"{ui}/#/runs/details/{job_id}"
-        write_json_atomic(RunDir(run_dir).outcome_file, outcome)
-    end_mlflow_run(deployment, run_dir.name, outcome["status"], pipeline_state)
+        outcome.kfp_run_url = f"{ui}/#/runs/details/{job_id}"
+        outcome.write(RunDir(run_dir).outcome_file)
+    end_mlflow_run(deployment, run_dir.name, outcome.status, pipeline_state)
     html_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(write_reports(run_dir, RunDir(run_dir).report_dir)["html"], html_path)
     return outcome

@@ -112,21 +112,21 @@ def test_the_next_phase_trains_and_is_gated_against_the_adopted_model(
         from components.rollout import read_serving
 
         ws = Workspace.of(deployment)
-        adopted = read_serving(ws.serving_path)["collection"]
+        adopted = read_serving(ws.serving_path).collection
         shipped = steps.rollout_step(config, run_dir, "2")
         assert shipped["promoted"], (shipped["rollout"]["status"], shipped["rollout"].get("halt_reason"))
         served = read_serving(ws.serving_path)
-        assert served["collection"] != adopted and set(
-            gallery_status(served["uri"], served["alias"])["by_version"]
+        assert served.collection != adopted and set(
+            gallery_status(served.uri, served.alias)["by_version"]
         ) == {"2"}
         result = steps.rollback_production(registry)
         assert registry.alias_version("production") == "1", result
         back = read_serving(ws.serving_path)
-        assert back["collection"] == adopted
-        assert set(gallery_status(back["uri"], back["alias"])["by_version"]) == {"1"}
+        assert back.collection == adopted
+        assert set(gallery_status(back.uri, back.alias)["by_version"]) == {"1"}
         from components.adapters.lineage import check_from_index
 
-        check = check_from_index(ws.lineage_dir, back["uri"], back["alias"], definition=ws.lineage_definition)
+        check = check_from_index(ws.lineage_dir, back.uri, back.alias, definition=ws.lineage_definition)
         assert check["agree"] and set(check["lineage"]) == {"1"}, check
     finally:
         from pymilvus import MilvusClient

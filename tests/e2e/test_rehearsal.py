@@ -54,7 +54,7 @@ def _served(rehearsal) -> tuple[str, dict]:
     config = yaml.safe_load(rehearsal.layout.config_file.read_text())
     name = config["registry"].get("model_name", "compatflow-clip")
     production = MlflowClient(rehearsal.tracking_uri).get_model_version_by_alias(name, "production").version
-    alias = read_serving(rehearsal.layout.workspace / "serving.json")["alias"]  # the deployment's own
+    alias = read_serving(rehearsal.layout.workspace / "serving.json").alias  # the deployment's own
     return str(production), gallery_status(rehearsal.index_uri, alias)["by_version"]
 
 

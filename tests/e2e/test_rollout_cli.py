@@ -138,7 +138,7 @@ def test_cli_with_real_models_end_to_end(tmp_path) -> None:
     state = json.loads(result.output[result.output.index("{") :])
     assert state["status"] == "completed" and state["query_model"]["uri"] == str(ckpt)
     probe = json.loads((ws / "rollout" / "probe.json").read_text())
-    alias = read_serving(ws / "serving.json")["alias"]  # the deployment's own
+    alias = read_serving(ws / "serving.json").alias  # the deployment's own
     with GalleryIndex(str(ws / "milvus" / "gallery.db"), alias) as index:
         assert index.count_by_version() == {"v2": 96}
         key = probe["positives"][0][0]

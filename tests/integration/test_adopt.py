@@ -124,9 +124,9 @@ def test_adopts_the_collection_and_its_model_as_production_version_1(team, tmp_p
     assert f"proof: {N_ITEMS} sampled items, 0 unreadable" in done.output and "threshold 0.99" in done.output
 
     record = read_serving(ws / "serving.json")
-    assert record["query_model"]["version"] == "1" and record["dim"] == 64
-    with GalleryIndex(record["uri"], alias=record["alias"]) as index:
-        assert index.serving_collection() == record["collection"]
+    assert record.query_model.version == "1" and record.dim == 64
+    with GalleryIndex(record.uri, alias=record.alias) as index:
+        assert index.serving_collection() == record.collection
         assert index.count() == N_ITEMS and index.count_by_version() == {"1": N_ITEMS}
         row = index.fetch(["1007"])[0]
     stored = next(r for r in before["rows"] if r[0] == 1007)
@@ -135,7 +135,7 @@ def test_adopts_the_collection_and_its_model_as_production_version_1(team, tmp_p
     registry = Registry(ws)
     assert registry.alias_version("production") == "1"
     assert registry.version_info("1")["tags"]["adopted_from"].endswith(f"#{TEAM}")
-    assert Path(record["query_model"]["uri"]) == ws / "models" / "v1"
+    assert Path(record.query_model.uri) == ws / "models" / "v1"
     assert read_state(ws).phases["0"].status == "succeeded"
     summary = json.loads(next(ws.glob("runs/adopt-*/adopt/adoption.json")).read_text())
     assert summary["n_items"] == N_ITEMS and summary["proof"]["cosine_median"] >= 0.99

@@ -77,5 +77,5 @@ def test_a_step_that_hits_the_full_disk_is_told_to_free_space(full_disk: Path) -
         (full_disk / "checkpoint.safetensors").write_bytes(b"\0" * 65536)
     assert raised.value.errno == errno.ENOSPC
     document = record_failure(full_disk, "continual", raised.value)
-    assert document["error"]["type"] == "OSError"
-    assert document["next_action"].startswith("the disk is full: free space")
+    assert document.error.type == "OSError"
+    assert document.next_action.startswith("the disk is full: free space")

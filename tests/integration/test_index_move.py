@@ -48,9 +48,9 @@ def test_a_served_gallery_moves_from_milvus_lite_to_milvus_standalone(tmp_path, 
     assert sorted(report["collections"]) == collections and set(report["collections"].values()) == {N}
 
     record = ro.read_serving(paths.serving)
-    assert record["uri"] == target and record["query_model"]["version"] == "v2"
+    assert record.uri == target and record.query_model.version == "v2"
     with GalleryIndex(target) as index:
-        assert index.serving_collection() == record["collection"]
+        assert index.serving_collection() == record.collection
         assert index.count_by_version() == {"v2": N}
         after = _vectors(index)
         assert after.keys() == before.keys()

@@ -51,29 +51,25 @@ def test_a_copy_moved_onto_the_index_serving_the_original_is_refused_before_a_ro
     shared = str(tmp_path / "shared" / "gallery.db")
     assert _move(original, shared).exit_code == 0
     record = ro.read_serving(original.serving_path)
-    before = _counts(shared, record["alias"])
+    before = _counts(shared, record.alias)
     with GalleryIndex(shared) as index:
-        assert index.owner_of(record["collection"])[0] == original.deployment_id()
+        assert index.owner_of(record.collection)[0] == original.deployment_id()
 
     refused = _move(copy, shared)
     assert refused.exit_code != 0
     said = " ".join(refused.output.split())
     assert original.deployment_id() in said and copy.deployment_id() in said, said
     assert str(original.root) in said and "nothing was written" in said
-    assert (
-        _counts(shared, record["alias"])
-        == before
-        == {record["collection"]: N, "served": record["collection"]}
-    )
-    assert ro.read_serving(copy.serving_path)["uri"] != shared  # the copy still serves from its own index
+    assert _counts(shared, record.alias) == before == {record.collection: N, "served": record.collection}
+    assert ro.read_serving(copy.serving_path).uri != shared  # the copy still serves from its own index
 
     # A copy made after the move serves from the shared index on paper; its first write there is refused.
     shutil.copytree(original.root, tmp_path / "c" / "ws", symlinks=True)
     later = Workspace(tmp_path / "c" / "ws")
     with open_index(later) as index, pytest.raises(GalleryIndexError, match=original.deployment_id()):
-        vector = np.ones((1, record["dim"]), np.float32)
-        index.index_items(["x"], vector, "v1", record["space"], collection=record["collection"])
-    assert _counts(shared, record["alias"]) == before
+        vector = np.ones((1, record.dim), np.float32)
+        index.index_items(["x"], vector, "v1", record.space, collection=record.collection)
+    assert _counts(shared, record.alias) == before
 
 
 def test_an_unrelated_workspace_cannot_take_another_deployments_alias(tmp_path) -> None:
@@ -104,15 +100,15 @@ def test_an_unrelated_workspace_cannot_take_another_deployments_alias(tmp_path) 
 def test_a_move_copies_only_the_served_gallerys_collections(tmp_path) -> None:
     ws = _served(tmp_path / "ws", alias="gallery")
     record = ro.read_serving(ws.serving_path)
-    with GalleryIndex(record["uri"], "gallery_team") as other:  # another gallery in the same index
+    with GalleryIndex(record.uri, "gallery_team") as other:  # another gallery in the same index
         other.switch_alias(other.create_collection("s", 8))
         other.index_items(["t1"], np.ones((1, 8), np.float32), "t", "s")
     target = str(tmp_path / "target" / "gallery.db")
     assert _move(ws, target).exit_code == 0
     with GalleryIndex(target) as index:
-        assert index.client.list_collections() == [record["collection"]]
-        assert index.serving_collection() == record["collection"] and index.count() == N
-        marks = index.client.describe_collection(record["collection"])["properties"]
+        assert index.client.list_collections() == [record.collection]
+        assert index.serving_collection() == record.collection and index.count() == N
+        marks = index.client.describe_collection(record.collection)["properties"]
         assert marks[OWNER_PROPERTY] == ws.deployment_id()
 
 
@@ -126,12 +122,12 @@ def test_collections_made_before_owner_marks_stay_their_workspaces(tmp_path) -> 
         stranger = index.create_collection("x", 8)
     record = ro.read_serving(ws.serving_path)
     with open_index(ws) as index:
-        assert index.owner_of(record["collection"]) == ("", "")
-        index.switch_alias(record["collection"])  # its own: allowed, and marked
-        assert index.owner_of(record["collection"]) == (ws.deployment_id(), str(ws.root))
+        assert index.owner_of(record.collection) == ("", "")
+        index.switch_alias(record.collection)  # its own: allowed, and marked
+        assert index.owner_of(record.collection) == (ws.deployment_id(), str(ws.root))
         with pytest.raises(GalleryIndexError, match="carries no owner mark"):
             index.index_items(["x"], np.ones((1, 8), np.float32), "v", "x", collection=stranger)
-    assert deployment_owner(ws).legacy == {record["collection"]}
+    assert deployment_owner(ws).legacy == {record.collection}
 
 
 def test_a_workspace_moved_to_another_folder_keeps_its_collections_in_a_shared_index(tmp_path) -> None:
@@ -144,11 +140,11 @@ def test_a_workspace_moved_to_another_folder_keeps_its_collections_in_a_shared_i
     shutil.copytree(original.root, tmp_path / "copy" / "ws", symlinks=True)
     shutil.move(original.root, tmp_path / "b" / "ws")
     moved = Workspace(tmp_path / "b" / "ws")
-    vector = np.ones((1, record["dim"]), np.float32)
+    vector = np.ones((1, record.dim), np.float32)
     with open_index(moved) as index:
-        index.index_items(["x"], vector, "v1", record["space"], collection=record["collection"])
-        assert index.owner_of(record["collection"]) == (moved.deployment_id(), str(moved.root))
+        index.index_items(["x"], vector, "v1", record.space, collection=record.collection)
+        assert index.owner_of(record.collection) == (moved.deployment_id(), str(moved.root))
     copy = Workspace(tmp_path / "copy" / "ws")  # its original (now at b/ws) still holds the seed
     with open_index(copy) as index, pytest.raises(GalleryIndexError, match=moved.deployment_id()):
-        index.index_items(["y"], vector, "v1", record["space"], collection=record["collection"])
-    assert _counts(shared, record["alias"])[record["collection"]] == N + 1
+        index.index_items(["y"], vector, "v1", record.space, collection=record.collection)
+    assert _counts(shared, record.alias)[record.collection] == N + 1

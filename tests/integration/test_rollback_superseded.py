@@ -38,7 +38,7 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         assert after["status"] == "rolled_back" and after["new_version"] == "v3"
         assert "superseded: production rolled back from v2 to v1" in after["halt_reason"]
         assert index.count_by_version() == {"v1": N}
-        assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+        assert read_serving(paths.serving).query_model.version == "v1"
 
         # The next run: the killed run of v3 resumed gets its rolled-back rollout back, touching nothing ...
         again = ro.run_rollout(index, paths, rollout_config("v3"), good, PROBE).document()
@@ -46,10 +46,10 @@ def test_rollback_finishes_the_superseded_rollout_and_the_next_run_leaves_it(tmp
         assert index.count_by_version() == {"v1": N}
     # ... and a run of another candidate finds nothing unfinished to undo over the restored production.
     assert _undo_unfinished_rollout(Workspace(ws, index_uri=uri), "v4") is None
-    assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+    assert read_serving(paths.serving).query_model.version == "v1"
     with GalleryIndex(uri) as index:
         assert index.count_by_version() == {"v1": N}
-        assert index.serving_collection() == read_serving(paths.serving)["collection"]
+        assert index.serving_collection() == read_serving(paths.serving).collection
 
 
 def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_production(tmp_path) -> None:
@@ -73,8 +73,8 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
         with pytest.raises(Died):  # the first upgrade's rollout dies in its first backfill stage
             ro.run_rollout(index, paths, rollout_config("v2"), dying_encoders(2), PROBE)
         record = read_serving(paths.serving)  # a mixed gallery, queried by the candidate
-        assert record["layers"] and list(index.count_by_version(record["collection"])) == ["v2"]
-    assert record["query_model"]["version"] == "v2"
+        assert record.layers and list(index.count_by_version(record.collection)) == ["v2"]
+    assert record.query_model.version == "v2"
 
     result = rollback_production(registry)
     undone = result["undone_rollout"]
@@ -87,7 +87,7 @@ def test_rollback_after_a_first_upgrade_killed_mid_rollout_undoes_it_and_keeps_p
     assert registry.alias_version("production") == v1 and registry.alias_version("previous") is None
     after = ro.status(paths.state)
     assert after["status"] == "rolled_back" and "rolled back by compatflow rollback" in after["halt_reason"]
-    assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+    assert read_serving(paths.serving).query_model.version == "v1"
     with GalleryIndex(uri) as index:
         assert index.count_by_version() == {"v1": N}
     with pytest.raises(RegistryError, match="no previous version"):

@@ -84,10 +84,10 @@ def test_a_completed_rollout_never_promoted_is_the_change_rollback_undoes(
         registry.promote(version, rollout=ro.load_state(paths.state))
         production = version
     aliases = {a: registry.alias_version(a) for a in ("production", "previous")}
-    source = read_serving(paths.serving)["collection"]
+    source = read_serving(paths.serving).collection
     killed = _complete(registry, tmp_path, paths, uri, 2 + promoted_before)  # ... and the run dies here
     record = read_serving(paths.serving)
-    assert record["query_model"]["version"] == killed and record["collection"] != source
+    assert record.query_model.version == killed and record.collection != source
 
     result = rollback_production(registry)
     undone = result["undone_rollout"]
@@ -96,7 +96,7 @@ def test_a_completed_rollout_never_promoted_is_the_change_rollback_undoes(
     after = ro.status(paths.state)
     assert after["status"] == "rolled_back" and "completed, never promoted" in after["halt_reason"]
     record = read_serving(paths.serving)
-    assert record["query_model"]["version"] == production and record["collection"] == source
+    assert record.query_model.version == production and record.collection == source
     with GalleryIndex(uri) as index:
         assert index.serving_collection() == source
         assert index.count_by_version() == {production: N}
@@ -121,8 +121,8 @@ def test_the_returning_model_is_downloaded_again_when_its_copy_is_damaged(tmp_pa
     result = rollback_production(registry)
     assert result["undone_rollout"]["was"] == "running"
     record = read_serving(paths.serving)
-    assert record["query_model"]["version"] == v1
-    RegistryDigestCheck(registry.workspace, registry.model_name)(record["query_model"])  # passes now
+    assert record.query_model.version == v1
+    RegistryDigestCheck(registry.workspace, registry.model_name)(record.query_model.document())  # passes now
     assert registry.verify_copy(v1, copy)
 
 
@@ -138,7 +138,7 @@ def test_a_returning_model_the_registry_cannot_restore_switches_nothing(tmp_path
     refused = rf"refused, nothing changed: query model {v1} at .* refused: .*registered digest"
     with pytest.raises(RegistryError, match=refused):
         rollback_production(registry)
-    assert read_serving(paths.serving) == before and before["query_model"]["version"] == v2
+    assert read_serving(paths.serving) == before and before.query_model.version == v2
     assert ro.status(paths.state)["status"] == "completed"
     assert registry.alias_version("production") == v1
 

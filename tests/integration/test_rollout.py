@@ -72,7 +72,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
         state["plan_seconds"] < 5 and state["order"]["sample"] == N
     )  # a sample (here the whole small gallery)
     record = read_serving(paths.serving)
-    assert record["query_model"]["side"] == "new" and record["query_model"]["version"] == "v2"
+    assert record.query_model.side == "new" and record.query_model.version == "v2"
     summary = ro.status(paths.state)
     assert (summary["status"], summary["stage"], summary["fraction_backfilled"]) == ("completed", 4, 1.0)
     # lineage: new rows carry the rollout id, old rows' source uri is kept
@@ -90,7 +90,7 @@ def test_staged_rollout_completes_and_rolls_back(setup) -> None:
     assert back["status"] == "rolled_back" and back["query_model"]["side"] == "old"
     assert back["rollback"]["seconds"] < 5 and index.serving_collection() == source  # a switch
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
-    assert read_serving(paths.serving)["query_model"]["version"] == "v1"
+    assert read_serving(paths.serving).query_model.version == "v1"
     assert ro.rollback(paths, index).document()["status"] == "rolled_back"  # idempotent
 
 
@@ -105,8 +105,8 @@ def test_regression_halts_and_restores_the_stage(setup) -> None:
     assert broken_metrics and all(m in state["halt_reason"] for m in broken_metrics)
     assert state["fraction_backfilled"] == 0.0
     record = read_serving(paths.serving)  # a switch back to the source, which no stage wrote
-    assert record["collection"] == state["gallery"]["source_collection"] and record["layers"] is None
-    assert record["query_model"]["version"] == "v1"
+    assert record.collection == state["gallery"]["source_collection"] and record.layers is None
+    assert record.query_model.version == "v1"
     assert not index.has_collection(state["gallery"]["collection"])
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
     # fail closed: running the same configuration again does not retry the regression
@@ -126,7 +126,7 @@ def test_stage0_floor_blocks_the_query_switch(setup) -> None:
         state["baseline"]["R@5"] - probe_margin(state["baseline"]["R@5"], n, 1.0)
     )
     assert state["probe_tolerance"] == 1.0
-    assert read_serving(paths.serving)["query_model"]["version"] == "v1"  # queries never switched
+    assert read_serving(paths.serving).query_model.version == "v1"  # queries never switched
     assert index.count_by_version() == {"v1": N}
 
 
@@ -200,7 +200,7 @@ def test_encoder_failure_resumes_from_the_cursor(setup, order) -> None:
     written = index.count(target)
     assert index.count_by_version(target) == {"v2": written} and 0 < written < N
     record = read_serving(paths.serving)  # the mixed gallery: every item once, new vectors where written
-    hits = index.search(UPGRADE.query_vectors(UPGRADE.query_texts[:5], "new"), k=N, layers=record["layers"])
+    hits = index.search(UPGRADE.query_vectors(UPGRADE.query_texts[:5], "new"), k=N, layers=record.layers)
     assert all(len({h.item_id for h in row}) == len(row) for row in hits)
     other = _config(order="random" if order != "random" else "oldest_first")
     with pytest.raises(ro.RolloutError, match="is running"):  # another configuration may not start meanwhile
@@ -233,7 +233,7 @@ def test_forward_transform_goes_through_a_new_collection(setup) -> None:
     _assert_gallery(index, pad(UPGRADE.new_gallery), "v2", target)
     _assert_gallery(index, UPGRADE.old_gallery, "v1", source)  # untouched, kept for rollback
     ro.rollback(paths, index)
-    assert index.serving_collection() == source and read_serving(paths.serving)["dim"] == 32
+    assert index.serving_collection() == source and read_serving(paths.serving).dim == 32
 
 
 def test_space_change_goes_blue_green(setup) -> None:
@@ -254,9 +254,9 @@ def test_space_change_goes_blue_green(setup) -> None:
     assert target.endswith("_s2_1") and index.collection_space(target) == "s2"
     _assert_gallery(index, UPGRADE.new_gallery @ rot, "v2", target)
     assert index.count_by_version(source) == {"v1": N}
-    assert read_serving(paths.serving)["space"] == "s2"
+    assert read_serving(paths.serving).space == "s2"
     ro.rollback(paths, index)
-    assert index.serving_collection() == source and read_serving(paths.serving)["space"] == "s1"
+    assert index.serving_collection() == source and read_serving(paths.serving).space == "s1"
 
 
 def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
@@ -281,9 +281,9 @@ def test_search_api_and_cli_serve_the_record(tmp_path) -> None:
         text = UPGRADE.query_texts[0]
         expected = index.search(UPGRADE.query_vectors([text], "new"), k=5)[0]
         api = search([text], 5, record_path=paths.serving, index=index)[0]
-        assert server.query_model["version"] == "v1"
+        assert server.pair.version == "v1"
         live = server.search([text], 5)[0]
-        assert server.query_model["version"] == "v2"
+        assert server.pair.version == "v2"
         server.close()
     assert live == api
     assert [h["item_id"] for h in api] == [h.item_id for h in expected]
@@ -440,7 +440,7 @@ def test_rollback_of_an_unfinished_rollout_is_a_switch(setup, monkeypatch) -> No
     state = ro.rollback(paths, index).document()
     assert state["status"] == "rolled_back" and state["rollback"]["from_status"] == "running"
     assert writes.rows("upsert") == 0 and writes.rows("fetch") == 0
-    assert read_serving(paths.serving)["layers"] is None
+    assert read_serving(paths.serving).layers is None
     _assert_gallery(index, UPGRADE.old_gallery, "v1")
 
 

@@ -34,4 +34,4 @@ def test_an_emptied_state_over_a_production_model_is_refused(tmp_path):
     _finished_run(
         tmp_path / "ws", "phase-00-x", 0, None
     )  # killed before its outcome: the next run resumes it
-    assert plan_run(Deployment.coerce(config))["run_id"] == "phase-00-x"
+    assert plan_run(Deployment.coerce(config)).run_id == "phase-00-x"

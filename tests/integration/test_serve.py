@@ -542,9 +542,8 @@ def test_query_model_must_match_the_registered_digest(gallery, tmp_path) -> None
     digest = registry.version_info("2")["tags"]["checkpoint.sha256"]
     copy = registry.download("2", ws / "models" / "v2")
     record = read_serving(paths.serving)
-    fields = ("uri", "alias", "collection", "space", "dim", "previous", "rollout_id")
-    query_model = {**record["query_model"], "version": "2", "uri": str(copy)}
-    write_serving(paths.serving, query_model=query_model, **{f: record[f] for f in fields})
+    query_model = {**record.query_model.document(), "version": "2", "uri": str(copy)}
+    write_serving(paths.serving, **{**record.model_dump(), "query_model": query_model})
     text = UPGRADE.query_texts[0]
     argv = [
         sys.executable,
@@ -616,9 +615,8 @@ def test_a_deleted_workspace_copy_is_downloaded_on_use(gallery, tmp_path) -> Non
     digest = registry.version_info("1")["tags"]["checkpoint.sha256"]
     copy = ws.model_dir("1")
     record = read_serving(paths.serving)
-    fields = ("uri", "alias", "collection", "space", "dim", "previous", "rollout_id")
-    query_model = {**record["query_model"], "version": "1", "uri": str(copy)}
-    write_serving(paths.serving, query_model=query_model, **{f: record[f] for f in fields})
+    query_model = {**record.query_model.document(), "version": "1", "uri": str(copy)}
+    write_serving(paths.serving, **{**record.model_dump(), "query_model": query_model})
 
     def status() -> dict:
         return production_check(ws, registry.model_name, registry.status())
@@ -659,12 +657,12 @@ def test_query_overtaken_by_an_in_place_switch_runs_again(gallery) -> None:
     def query(pair):
         seen.append(pair.version)
         if len(seen) == 1:  # the record is rewritten while the first run is in flight
-            fields = {k: record[k] for k in ("uri", "alias", "collection", "space", "dim")}
+            fields = {k: getattr(record, k) for k in ("uri", "alias", "collection", "space", "dim")}
             new_model = {"version": "v2", "factory": SYNTH_QUERY, "options": OPTS, "side": "new"}
             write_serving(paths.serving, **fields, query_model=new_model, previous=None, rollout_id="r")
         return pair.search([text], K)
 
     hits, pair = follower.answer(query)
-    assert seen == ["v1", "v2"] and pair.version == "v2" and pair.collection == record["collection"]
-    assert [h.item_id for h in hits[0]] == _top_ids(index, text, "new", record["collection"])
+    assert seen == ["v1", "v2"] and pair.version == "v2" and pair.collection == record.collection
+    assert [h.item_id for h in hits[0]] == _top_ids(index, text, "new", record.collection)
     follower.close()

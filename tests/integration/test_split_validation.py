@@ -123,7 +123,7 @@ def test_gallery_defect_is_quarantined_and_not_indexed(tmp_path):
     save_checkpoint(build_model("cf-tiny", seed=0), model, version="v1")
     record = index_new_items(config.workspace, model, "v1", "v1", kept)
     assert record["n_new"] == 30
-    alias = read_serving(tmp_path / "ws" / "serving.json")["alias"]  # the deployment's own
+    alias = read_serving(tmp_path / "ws" / "serving.json").alias  # the deployment's own
     with GalleryIndex(str(tmp_path / "ws" / "milvus" / "gallery.db"), alias) as index:
         ids = {str(r["item_id"]) for batch in index.iter_rows(()) for r in batch}
     assert "g-tiny" not in ids and len(ids) == 30

@@ -389,7 +389,7 @@ def test_add_phase_appends_a_schema_valid_phase_and_the_phase_picker_takes_it(tm
     config["workspace"] = str(tmp_path / "ws")
     config["stream"].update(uri=str(stream), generate_if_missing=False)
     assert ensure_stream(Deployment.coerce(config)) == stream
-    plan = plan_run(Deployment.coerce(config))
+    plan = plan_run(Deployment.coerce(config)).model_dump()
     assert plan["phase"] == 0 and plan["domain"] == "drop-1"
     assert plan["gallery_shards"] == phase_urls(stream, 0, "gallery")
     record_phase(Path(config["workspace"]), 0, "succeeded", plan["run_id"])
@@ -405,7 +405,7 @@ def test_add_phase_appends_a_schema_valid_phase_and_the_phase_picker_takes_it(tm
         assert all(u.startswith(str((stream / "phase-01").resolve())) for u in urls)
         assert sum(len(read_tar(Path(u))) for u in urls) == manifest["phases"][1]["counts"][split]
         assert all(os.stat(u).st_nlink == 2 for u in urls)  # hard links, not copies
-    plan = plan_run(Deployment.coerce(config))
+    plan = plan_run(Deployment.coerce(config)).model_dump()
     assert plan["phase"] == 1 and plan["domain"] == "drop2"
     assert plan["train_shards"] == phase_urls(stream, 1, "train")
     assert plan["eval_shards"] == phase_urls(stream, 0, "eval") + phase_urls(stream, 1, "eval")

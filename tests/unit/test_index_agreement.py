@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from components.runs import PlanError, _refuse_another_index
-from components.serving.record import ServingError, check_index_agrees, same_index, write_serving
+from components.serving.record import (
+    ServingError,
+    check_index_agrees,
+    read_serving,
+    same_index,
+    write_serving,
+)
 from components.state.workspace import Workspace
 
 
@@ -44,7 +50,7 @@ def test_a_config_naming_another_index_is_refused_with_both_uris(tmp_path: Path)
     with pytest.raises(PlanError, match=r"index.uri is http://127.0.0.1:9 but .* served from .*gallery.db"):
         _refuse_another_index(moved)
     with pytest.raises(ServingError, match="does not move a gallery"):
-        check_index_agrees("http://127.0.0.1:9", {"uri": lite.index_uri}, lite.serving_path)
+        check_index_agrees("http://127.0.0.1:9", read_serving(lite.serving_path), lite.serving_path)
 
 
 def test_a_fresh_workspace_takes_the_configured_index(tmp_path: Path) -> None:

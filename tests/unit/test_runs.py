@@ -77,21 +77,21 @@ def test_the_next_run_of_a_phase_continues_its_killed_or_failed_run(tmp_path):
 
     config = {**_config(tmp_path), "drift": {"reference_phase": "previous"}}
     config["registry"] = {"tracking_uri": f"sqlite:///{tmp_path}/ws/mlflow.db"}
-    first = plan_run(Deployment.coerce(config))
+    first = plan_run(Deployment.coerce(config)).model_dump()
     assert first["phase"] == 0 and not first["resumed"] and first["attempt"] == 1
     run_dir = tmp_path / "ws" / "runs" / first["run_id"]
     (run_dir / "pipeline.log").write_text("killed\n")  # no outcome.json: the run was killed
-    again = plan_run(Deployment.coerce(config))
+    again = plan_run(Deployment.coerce(config)).model_dump()
     assert again["run_id"] == first["run_id"] and again["resumed"] and again["attempt"] == 2
     assert (run_dir / "attempts" / "1" / "pipeline.log").read_text() == "killed\n"
     (run_dir / "outcome.json").write_text(json.dumps({"status": "failed"}))
     (run_dir / "failure.json").write_text("{}")
     record_phase(tmp_path / "ws", 0, "failed", first["run_id"])
-    third = plan_run(Deployment.coerce(config))
+    third = plan_run(Deployment.coerce(config)).model_dump()
     assert third["run_id"] == first["run_id"] and third["attempt"] == 3
     assert not (run_dir / "failure.json").exists() and (run_dir / "attempts" / "2" / "failure.json").is_file()
     (run_dir / "outcome.json").write_text(json.dumps({"status": "blocked"}))  # blocked: a new run
-    assert plan_run(Deployment.coerce(config))["run_id"] != first["run_id"]
+    assert plan_run(Deployment.coerce(config)).run_id != first["run_id"]
 
 
 def test_training_budget_by_steps_or_epochs_warns_when_a_small_phase_repeats():
