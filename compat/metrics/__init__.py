@@ -10,17 +10,3 @@ from compat.metrics.spatial_disorder import (
     sam_change_histogram,
     spatial_disorder,
 )
-
-__all__ = [
-    "RAM_BINS",
-    "SAM_BINS",
-    "angle_histogram",
-    "caption_owners",
-    "correctly_retrieved",
-    "cross_model_retrieval",
-    "recall_at_k",
-    "retrieval_metrics",
-    "rotation_angles",
-    "sam_change_histogram",
-    "spatial_disorder",
-]

@@ -8,16 +8,3 @@ from compat.models.checkpoint import (
     save_checkpoint,
 )
 from compat.models.factory import ClipBundle, build_model, config_path, list_configs, read_config
-
-__all__ = [
-    "CheckpointError",
-    "ChecksumError",
-    "ClipBundle",
-    "build_model",
-    "config_path",
-    "list_configs",
-    "load_checkpoint",
-    "read_config",
-    "read_sidecar",
-    "save_checkpoint",
-]

@@ -13,24 +13,3 @@ from compat.training.trainer import (
     loss_and_backward,
     train,
 )
-
-__all__ = [
-    "LEDGER_FILE",
-    "LOGIT_SCALE_MAX",
-    "ReplayBatchSource",
-    "ReplayBuffer",
-    "CosineWarmup",
-    "DistInfo",
-    "ResumeError",
-    "ShardBatchSource",
-    "TensorBatchSource",
-    "TrainConfig",
-    "build_optimizer",
-    "clamp_logit_scale",
-    "env_dist_info",
-    "init_distributed",
-    "list_checkpoints",
-    "loss_and_backward",
-    "shutdown_distributed",
-    "train",
-]

@@ -6,14 +6,3 @@ checks and their thresholds are described beside their settings in ``default_pol
 
 from components.gate.decision import GateDecision, block_decision, decide, run_gate
 from components.gate.policy import DEFAULT_POLICY_PATH, GatePolicy, PolicyError, load_gate_policy
-
-__all__ = [
-    "DEFAULT_POLICY_PATH",
-    "GateDecision",
-    "GatePolicy",
-    "PolicyError",
-    "block_decision",
-    "decide",
-    "load_gate_policy",
-    "run_gate",
-]

@@ -23,30 +23,3 @@ from components.rollout.types import (
     item_ref,
 )
 from components.serving.record import ServingError, read_serving, write_serving
-
-__all__ = [
-    "DEFAULT_KS",
-    "GalleryEncoder",
-    "ItemRef",
-    "ProbeSet",
-    "QueryEncoder",
-    "Rollout",
-    "RolloutConfig",
-    "RolloutEncoders",
-    "RolloutError",
-    "RolloutPaths",
-    "ServingError",
-    "VectorTransform",
-    "index_gallery",
-    "item_ref",
-    "load_state",
-    "probe_metrics",
-    "read_serving",
-    "recall_from_hits",
-    "rollback",
-    "rollout_of",
-    "run_rollout",
-    "save_state",
-    "status",
-    "write_serving",
-]

@@ -20,25 +20,3 @@ from components.steps.outcome import finish_step, note_blocked
 from components.steps.release import evaluate_step, gate_step, register_step, resolve_production
 from components.steps.rollback import rollback_production
 from components.steps.training import compat_step, continual_step, training_budget
-
-__all__ = [
-    "compat_step",
-    "continual_step",
-    "drift_step",
-    "evaluate_step",
-    "finish_step",
-    "gate_step",
-    "ingest_step",
-    "note_blocked",
-    "plan_step",
-    "register_step",
-    "registry_of",
-    "resolve_production",
-    "rollback_production",
-    "rollout_range_step",
-    "rollout_ranges_step",
-    "rollout_step",
-    "serve_first_model_step",
-    "training_budget",
-    "validate_step",
-]

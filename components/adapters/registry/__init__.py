@@ -10,14 +10,3 @@ pushes and rollback pops, so repeated rollbacks walk back.
 from compat.models.integrity import CheckpointIntegrityError
 from components.adapters.registry.tracking import RegistryError, Tracking, metric_key
 from components.adapters.registry.versions import ALIASES, PromotionError, Registry, RollbackHookError
-
-__all__ = [
-    "ALIASES",
-    "CheckpointIntegrityError",
-    "PromotionError",
-    "Registry",
-    "RegistryError",
-    "RollbackHookError",
-    "Tracking",
-    "metric_key",
-]

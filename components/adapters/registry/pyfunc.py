@@ -10,8 +10,8 @@ embeds a row's ``image`` (encoded bytes) when it has one, else its ``text``: one
 
 from __future__ import annotations
 
+import inspect
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +155,7 @@ def _loading_uri() -> str | None:
     """The ``model_uri`` of the ``mlflow.pyfunc.load_model`` call this loader runs under, or None. MLflow
     hands a flavour's loader only the downloaded folder; the URI it was asked for is read from that call's
     frame, the one place it is kept."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code.co_name == "load_model" and frame.f_globals.get("__name__") == "mlflow.pyfunc":
             uri = frame.f_locals.get("model_uri")

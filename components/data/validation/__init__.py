@@ -7,15 +7,3 @@ from components.data.validation.phase import ShardSpecError, validate_phase
 from components.data.validation.policy import ValidationPolicy, load_validation_policy
 from components.data.validation.shard_reader import ShardReader, split_member_name
 from components.data.validation.splits import split_accepted_paths, validate_splits
-
-__all__ = [
-    "REASONS",
-    "ShardReader",
-    "ShardSpecError",
-    "ValidationPolicy",
-    "load_validation_policy",
-    "split_accepted_paths",
-    "split_member_name",
-    "validate_phase",
-    "validate_splits",
-]
