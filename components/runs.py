@@ -6,6 +6,7 @@ A run plans itself from the workspace's phase record (:func:`plan_run`) and reco
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -146,15 +147,14 @@ def runs_of(ws: Workspace) -> Iterator[tuple[RunDir, RunPlan, RunOutcome | None]
 
 def read_state(workspace: Workspace | str | Path) -> PhaseRecord:
     """The workspace's phase record (an empty one when there is none); errors name it and what to do."""
-    from components.state.documents import read_document
-    from schemas import SchemaError
+    from components.state.documents import validated
 
     path = Workspace.coerce(workspace).state_path
     if not path.is_file():
         return PhaseRecord(phases={})
     try:
-        return read_document(PhaseRecord, path, "")
-    except SchemaError as err:
+        return validated(PhaseRecord, json.loads(path.read_bytes()), str(path))
+    except (OSError, ValueError) as err:  # SchemaError too
         raise StateError(
             f"{path} is unreadable or malformed ({err}); rebuild it from the run folders with "
             "`compatflow state rebuild`"
