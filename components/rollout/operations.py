@@ -247,8 +247,8 @@ def roll_out(
     probe: str | Path | None = None,
     seed: int = 0,
     space: str | None = None,
-    encoders: str = DEFAULT_ENCODERS,
-    query_factory: str = DEFAULT_FACTORY,
+    encoders: str | None = None,
+    query_factory: str | None = None,
     options: Mapping[str, Any] | None = None,
     range_tasks: bool = False,
 ) -> RolloutState:
@@ -261,6 +261,7 @@ def roll_out(
     old = old_model or (record.query_model.uri or "" if record else "")
     # root: where gallery rows' relative source URIs lie (components.state.workspace.stored_path)
     args = {"old_model": old, "new_model": new_model, "options": options, "root": str(paths.root)}
+    encoders = encoders or DEFAULT_ENCODERS
     built = import_factory(encoders)(args)
     built.recipe = {"factory": encoders, "args": args}
     config = RolloutConfig.from_section(
@@ -269,7 +270,12 @@ def roll_out(
         seed=seed,
         space=space,
         range_tasks=range_tasks,
-        query_model={"uri": new_model, "factory": query_factory, "options": options, "side": "new"},
+        query_model={
+            "uri": new_model,
+            "factory": query_factory or DEFAULT_FACTORY,
+            "options": options,
+            "side": "new",
+        },
     )
     probe_set = ProbeSet.from_file(probe or paths.probe)
     with open_index(workspace) as index:

@@ -49,7 +49,9 @@ def train(
     steps: Annotated[
         int | None, typer.Option(help="Optimisation steps (overrides the method default).")
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Image-text pairs per batch.")] = 64,
+    batch_size: Annotated[
+        int | None, typer.Option(help="Image-text pairs per batch; default: the config's compat.batch_size.")
+    ] = None,
     device: DeviceOpt = None,
     config: Annotated[Path | None, typer.Option(help="YAML mapping of method settings.")] = None,
     set_: Annotated[
@@ -61,7 +63,9 @@ def train(
     values = _settings(config, set_ or [])
     values.update({k: v for k, v in (("steps", steps), ("device", device)) if v is not None})
     from compat.compat_training import train_compat
+    from components.deployment import CompatSection
 
+    batch_size = CompatSection().batch_size if batch_size is None else batch_size
     with refusing(FileNotFoundError, ValueError, KeyError):
         model = train_compat(
             method, old, new, shards, out, values, batch_size=batch_size, max_samples=max_samples

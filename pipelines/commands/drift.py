@@ -18,13 +18,18 @@ def drift(
     production: Annotated[
         Path | None, typer.Option(help="Production checkpoint: adds embedding drift of both towers.")
     ] = None,
-    sample_size: Annotated[int, typer.Option(help="Samples per side (uniform reservoir sample).")] = 500,
+    sample_size: Annotated[
+        int | None,
+        typer.Option(help="Samples per side (a uniform reservoir); default: the config's drift.sample_size."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
     """Write a drift report (HTML) and a JSON summary with a verdict and severity per signal."""
     from components.data.drift import run_drift
+    from components.deployment import DriftSection
     from components.state.run_dir import DRIFT_REPORT_FILE
 
+    sample_size = DriftSection().sample_size if sample_size is None else sample_size
     with refusing(FileNotFoundError, ValueError):
         summary = run_drift(
             reference, current, out, production_checkpoint=production, sample_size=sample_size, seed=seed

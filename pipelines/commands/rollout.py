@@ -97,11 +97,12 @@ def run_cmd(
         typer.Option(help="Floor METRIC=VALUE over the config's rollout.floors (only raises old/old)."),
     ] = [],  # noqa: B006
     encoders: Annotated[
-        str, typer.Option(help="Encoder factory module:function.")
-    ] = "components.rollout.encoders:model_encoders",
+        str | None, typer.Option(help="Encoder factory module:function (default: the models' own).")
+    ] = None,
     query_factory: Annotated[
-        str, typer.Option(help="Factory of the serving query encoder recorded for search.")
-    ] = "components.serving.record:model_query_encoder",
+        str | None,
+        typer.Option(help="Factory of the query encoder recorded for search (default: the model)."),
+    ] = None,
     option: Annotated[list[str], typer.Option(help="KEY=VALUE passed to the factories.")] = [],  # noqa: B006
     workspace: WorkspaceOpt = None,
     config: ConfigOpt = None,
