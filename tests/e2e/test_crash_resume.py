@@ -195,7 +195,7 @@ class KilledRun:
                 state = json.loads((self.ws / "rollout_state.json").read_text())
             except (OSError, ValueError):
                 return False
-            return state["model_version"] == "2" and state["status"] == "running" and state["stage"] >= stage
+            return state["new_version"] == "2" and state["status"] == "running" and state["stage"] >= stage
 
         return ready
 

@@ -49,12 +49,12 @@ def test_the_run_carries_the_settings_and_ends_with_the_phase(deployment, tmp_pa
     assert params["compat.options.synthesize_unmatched"] == "False"
 
     outcome = finish_step(deployment.to_json(), "phase-00-ok", "SUCCEEDED", "", tmp_path / "ok.html")
-    assert outcome["status"] == "succeeded"
+    assert outcome.status == "succeeded"
     assert registry.client.get_run(run.info.run_id).info.status == "FINISHED"
 
     _phase(deployment, "phase-01-failed")
     outcome = finish_step(deployment.to_json(), "phase-01-failed", "FAILED", "boom", tmp_path / "f.html")
-    assert outcome["status"] == "failed"
+    assert outcome.status == "failed"
     assert registry.client.get_run(registry.find_run("phase-01-failed")).info.status == "FAILED"
 
     _phase(deployment, "phase-02-cancelled")  # on a cluster whose ConfigMap names the KFP UI
@@ -63,7 +63,7 @@ def test_the_run_carries_the_settings_and_ends_with_the_phase(deployment, tmp_pa
         deployment.to_json(), "phase-02-cancelled", "CANCELED", "", tmp_path / "c.html", "", "k-9"
     )
     assert registry.client.get_run(registry.find_run("phase-02-cancelled")).info.status == "KILLED"
-    assert outcome["kfp_run_url"] == "https://kubeflow.example.com/pipeline/#/runs/details/k-9"
+    assert outcome.kfp_run_url == "https://kubeflow.example.com/pipeline/#/runs/details/k-9"
     assert (
         '<a href="https://kubeflow.example.com/pipeline/#/runs/details/k-9">KFP run</a>'
         in (tmp_path / "c.html").read_text()
