@@ -1,4 +1,9 @@
-"""JSON schemas of every file compatflow reads or writes, and the expectation suites."""
+"""JSON schemas of every file compatflow reads or writes, and the expectation suites.
+
+A document the code works with as a model has its schema generated from it (``make schemas``,
+:data:`pipelines.documents.DOCUMENTS`); each hand-written one is its document's one owner: step reports
+built as plain data and checked against their schema (drift, validation, compat report), and formats that
+other tools write too (sample metadata, model configs, stream manifests)."""
 
 from __future__ import annotations
 
