@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,7 +68,9 @@ class Tracking:
             db = self.sqlite_file()
             if db is not None and db.resolve() == self.workspace.mlflow_store.resolve():
                 rebase_artifacts(db, self.workspace.artifacts_dir, self.experiment)
-            self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+            with warnings.catch_warnings():  # MLflow's store warns of its own loader, every start
+                warnings.filterwarnings("ignore", message="The ``noload`` loader strategy is deprecated")
+                self._client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         return self._client
 
     def exists(self) -> bool:
