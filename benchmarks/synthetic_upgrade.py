@@ -75,9 +75,9 @@ class SyntheticUpgrade:
         *,
         space: str = "s1",
         source_uris: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Any:
         """Index the old gallery as version v1 in ``space``, served by the old synthetic query model built
-        from ``options`` (:func:`synthetic_query_encoder`); returns the serving record."""
+        from ``options`` (:func:`synthetic_query_encoder`); returns the serving record (ServingRecord)."""
         from components.rollout import index_gallery
 
         return index_gallery(
