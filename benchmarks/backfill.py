@@ -491,7 +491,6 @@ def part_cd(server: MilvusServer, work: Path, n_items: int, batch: int, idle_s: 
         "batch": batch,
         "source": source,
         "threads": torch.get_num_threads(),
-        "prefetch": ro.RolloutConfig.from_section(RolloutSection(), new_version="v2").prefetch,
     }
 
 
@@ -558,7 +557,6 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
         )
     rounds, loaded = cd["rounds"], cd["loaded"]
     median_ratio = float(np.median([r["ratio"] for r in rounds]))
-    head_start = min(1.0, 3 * cd["prefetch"] * cd["batch"] / cd["n_items"])
     lines += [
         "",
         "## C. Backfill throughput vs the bare encoder (cf-tiny image encoder)",
@@ -569,12 +567,11 @@ def render(a: dict[str, Any], b: dict[str, Any], cd: dict[str, Any], seconds: fl
         "measured right before each backfill (the shared machine's load drifts). Two backfill figures: "
         "**writing** = items / time inside the backfill stages' writes (restore capture, encode, upsert, "
         "state write per batch, flushes; the stage probes excluded), and **staged** = items / the stages' "
-        "whole time, their four probes (200 queries each) included. The encoder prepares "
-        f"{cd['prefetch']} batches ahead, also across a stage's end, so up to {head_start:.0%} of the items "
-        "are encoded while the previous stage is probed: the writing figure counts that work as free, the "
-        "staged one does not. For reference: the same bare encoder on the main thread "
-        f"{cd['main_thread']:.0f} items/s; raw forward on preprocessed tensors (main thread) {cd['raw']:.0f} "
-        "items/s.",
+        "whole time, their four probes (200 queries each) included. Each writer encodes the next "
+        "batch of its slices on a worker thread while it writes one (components.rollout.workers), so "
+        "encoding overlaps the writes but never a stage's probe. For reference: the same bare encoder "
+        f"on the main thread {cd['main_thread']:.0f} items/s; raw forward on preprocessed tensors (main "
+        f"thread) {cd['raw']:.0f} items/s.",
         "",
         "| round | bare encoder items/s | backfill items/s: writing / staged | backfill / bare: writing / "
         "staged | probes s | rollout wall s | CPU s: bare encoder / rollout client / Milvus server "
