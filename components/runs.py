@@ -256,7 +256,7 @@ def record_phase(workspace: Workspace | str | Path, phase: int, status: str, run
 def _phase_entry(status: str, run_id: str, when: float | None = None) -> PhaseEntry:
     """A phase record's entry, ``at`` in local time (``when``: a file's mtime, else now)."""
     at = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when))
-    return PhaseEntry.model_validate({"status": status, "run_id": run_id, "at": at})
+    return PhaseEntry(status=status, run_id=run_id, at=at)
 
 
 DONE_STATUSES = ("succeeded", "rejected")  # a run of the phase again would only repeat the verdict

@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from components.report.inputs import RunInputs, read_source
+from components.report.inputs import RUN_FILES, RunInputs, read_source
 from components.report.sections import Link
 from components.state.run_dir import RunDir
 
@@ -56,10 +56,8 @@ def build(inputs: RunInputs, base: Path) -> Header:
     facts.append(("gate", str(gate.get("decision", "not run")).upper()))
     if failure:
         facts.append(("failed step", failure.step))
-    unread = [inputs[n].error for n in ("plan", "outcome", "failure", "blocked") if inputs[n].error]
-    facts += [
-        ("unreadable", " ".join(str(error).split())) for error in unread
-    ]  # a damaged file of the run's own, named
+    # a damaged file of the run's own, named
+    facts += [("unreadable", " ".join(inputs[n].error.split())) for n in RUN_FILES if inputs[n].error]
     header = Header(outcome, facts, _links(registered, outcome_doc, run, base))
     # the undo command of a run that shipped, else what to do next
     rerun = f"compatflow run --phase {plan.phase if plan else 'N'}"

@@ -20,6 +20,7 @@ SOURCES = {
     "rollout": (files.ROLLOUT_STATE_FILE, ("rollout",)),
     "examples": (files.EXAMPLES_FILE, ("rollout",)),  # retrieval examples (components.steps.examples)
 }
+RUN_FILES = ("plan", "outcome", "failure", "blocked")  # the run's own files, read through their models
 
 
 @dataclass
@@ -78,7 +79,8 @@ def load(run_dir: str | Path) -> RunInputs:
         "failure": (RunFailure, run.failure_file),  # a step raised (components.runs.record_failure)
         "blocked": (RunBlock, run.blocked_file),  # a step stopped the run (components.steps.note_blocked)
     }
-    for name, (model, path) in own.items():
+    for name in RUN_FILES:
+        model, path = own[name]
         try:
             inputs.sources[name] = Source(name, path, document=model.read(path))
         except SchemaError as err:  # the report names it and shows the rest

@@ -249,7 +249,7 @@ class Rollout:
         self, source: Source, target: str, space: str, keyed: bool, sample: list[dict[str, Any]]
     ) -> dict[str, Any]:
         """The state's ``gallery``: the source, the target and its vectors' size (a transform's output)."""
-        dim = source.dim
+        dim, previous = source.dim, source.record.previous  # previous: production's rollback target
         if self.adapt:
             dim = int(np.asarray(self.encoders.gallery_transform(np.asarray([sample[0]["vector"]]))).shape[1])
         return {
@@ -263,7 +263,7 @@ class Rollout:
             "keyed": keyed,
             "transform": self.encoders.transform_tag,
             "versions_before": self.index.count_by_version(source.collection),
-            "source_previous": source.record.model_dump(exclude_unset=True).get("previous"),
+            "source_previous": previous and previous.model_dump(exclude_unset=True),
         }
 
     # ---- shared pieces

@@ -15,14 +15,16 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from compat.io import read_json, write_json_atomic
 from compat.proc import peak_rss_mib
 from components.rollout.types import RolloutError
-from components.state.rollout_document import RolloutState
+
+if TYPE_CHECKING:
+    from components.state.rollout_document import RolloutState
 
 log = logging.getLogger(__name__)
 
